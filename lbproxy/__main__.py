@@ -1,0 +1,3 @@
+from lbproxy.cli import main
+
+main()

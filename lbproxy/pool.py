@@ -1,0 +1,441 @@
+"""The pool of one virtual server: its real servers' state, weights and counters.
+
+PURE: no trio, no sockets, no clock — every method that needs the time takes `now`.
+
+The pool owns everything a scheduler decides on and tells the scheduler what changed
+through its hooks (schedulers/__init__.py). Three notions, kept apart on purpose:
+
+- *online*: enabled, health up, not removed by a reload, base weight > 0. Coming online
+  is what LVS calls a server (re)joining: it starts the `slow_start` ramp and, with
+  `quiesce: true` and a scheduler that supports it, resets the connection table.
+- *available*: online and below `max_connections`, with effective weight > 0. Only
+  available servers are in the scheduler's structures and can be picked.
+- *effective weight*: the base weight (static, or the dynamic SNMP weight for `dwd`/`dwr`
+  unless every server's dynamic weight is 0, in which case the pool falls back to static
+  weights) times the slow-start factor `max(0.1, elapsed / slow_start)`.
+
+Connections are counted twice: `active` is the truth (metrics, max_connections), and
+`sched_active` is what schedulers see — the quiesce reset zeroes it, and a connection
+opened before a reset (its lease carries the old epoch) does not decrement it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from lbproxy import schedulers
+from lbproxy.config import RealServerConfig, VirtualServerConfig
+from lbproxy.health import Health
+
+log = logging.getLogger("lbproxy.pool")
+
+ENABLED, DRAIN, DISABLED = "enabled", "drain", "disabled"
+STATES = (ENABLED, DRAIN, DISABLED)
+REJECT_REASONS = ("no_server", "connect_failed", "throttle", "max_connections", "acl")
+SLOW_START_FLOOR = 0.1  # a ramping server starts at 10 % of its weight (SPEC §3)
+SLOW_START_STEPS = 50  # effective weight is recomputed this many times over the ramp
+
+
+class Lease:
+    """One connection to a real server, from `Pool.take` to `Pool.drop`."""
+
+    __slots__ = ("epoch", "handle", "server")
+
+    def __init__(self, server: RealServer, epoch: int, handle: Any) -> None:
+        self.server = server
+        self.epoch = epoch
+        self.handle = handle  # the proxy's per-connection object (byte counters, close)
+
+
+class RealServer:
+    __slots__ = (
+        "active",
+        "address",
+        "available",
+        "bytes_in",
+        "bytes_out",
+        "config",
+        "connect_failures",
+        "connections_total",
+        "dyn_positive",
+        "dynamic_weight",
+        "effective_weight",
+        "health",
+        "index",
+        "leases",
+        "load_factor",
+        "max_connections",
+        "name",
+        "online",
+        "ramp_start",
+        "removed",
+        "sched_active",
+        "seq",
+        "state",
+        "static_weight",
+    )
+
+    def __init__(self, config: RealServerConfig, index: int, health: Health) -> None:
+        self.name = config.name
+        self.index = index  # configuration order: the last tie-break everywhere
+        self.seq = index  # when it was last picked: round-robin order among ties
+        self.health = health
+        self.dynamic_weight: float | None = None
+        self.dyn_positive = False
+        self.online = False
+        self.available = False
+        self.removed = False
+        self.effective_weight = 0.0
+        self.ramp_start: float | None = None
+        self.active = 0
+        self.sched_active = 0
+        self.connections_total = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.connect_failures: Counter[str] = Counter()
+        self.leases: set[Lease] = set()
+        self.apply_config(config)
+
+    def apply_config(self, config: RealServerConfig) -> None:
+        self.config = config
+        self.address = config.address
+        self.static_weight = float(config.weight)
+        self.max_connections = config.max_connections
+        self.load_factor = config.load_factor
+        self.state = config.state
+
+    def __repr__(self) -> str:
+        return f"<RealServer {self.name} {self.address} {self.state}>"
+
+
+@dataclass(frozen=True)
+class RealServerStats:
+    name: str
+    address: str
+    state: str
+    health: str  # up | down
+    available: bool
+    weight_static: float
+    weight_dynamic: float | None
+    weight_effective: float
+    active_connections: int
+    connections_total: int
+    bytes_in: int
+    bytes_out: int
+    connect_failures: dict[str, int]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    name: str
+    scheduler: str
+    active_connections: int
+    rejected: dict[str, int]
+    dynamic_weight_fallback: bool
+    real_servers: tuple[RealServerStats, ...] = field(default=())
+
+
+class Pool:
+    def __init__(self, config: VirtualServerConfig, now: float) -> None:
+        self.name = config.name
+        self.config = config
+        self.scheduler: schedulers.Scheduler = schedulers.get(config.scheduler)(self)
+        self.servers: list[RealServer] = []
+        self.by_name: dict[str, RealServer] = {}
+        self.active = 0  # connections leased to real servers
+        self.clients = 0  # client connections accepted and not yet closed (proxy-owned)
+        self.rejected: Counter[str] = Counter()
+        self.epoch = 0
+        self.fallback = self.scheduler.dynamic_weights  # nothing answered yet
+        self._dynamic_positive = 0
+        self._ramping: set[RealServer] = set()
+        self._next_tick = float("-inf")  # when `pick` next runs `_tick`
+        self._scheduler_tick = float("-inf")  # when the scheduler next wants `on_tick`
+        self._next_seq = len(config.real_servers)
+        # Servers present at start-up come online together: resetting the (empty)
+        # connection table for each of them would only cost O(n²).
+        self._starting = True
+        for rs_config in config.real_servers:
+            self._add(rs_config, now)
+        self._starting = False
+
+    # -- the hot path -------------------------------------------------------------
+
+    def pick(self, now: float, avoid: Collection[RealServer] = ()) -> RealServer | None:
+        """The real server for a new connection, or None when none is available."""
+        if now >= self._next_tick:
+            self._tick(now)
+        return self.scheduler.pick(now, avoid)
+
+    def take(self, rs: RealServer, now: float, handle: Any = None) -> Lease:
+        """Count a connection sent to `rs`; pass the lease to `drop` when it ends."""
+        lease = Lease(rs, self.epoch, handle)
+        rs.leases.add(lease)
+        rs.active += 1
+        rs.sched_active += 1
+        rs.connections_total += 1
+        rs.seq = self._next_seq
+        self._next_seq += 1
+        self.active += 1
+        self.scheduler.on_take(rs, now)
+        if rs.max_connections and rs.active >= rs.max_connections:
+            self._apply(rs, now)
+        return lease
+
+    def drop(self, lease: Lease, now: float) -> None:
+        rs = lease.server
+        rs.leases.discard(lease)
+        rs.active -= 1
+        self.active -= 1
+        if lease.epoch == self.epoch:
+            rs.sched_active -= 1
+            self.scheduler.on_drop(rs, now)
+        if rs.max_connections and rs.active == rs.max_connections - 1:
+            self._apply(rs, now)
+
+    # -- state changes ------------------------------------------------------------
+
+    def record_health(self, rs: RealServer, ok: bool, now: float) -> bool | None:
+        """Feed one active check or passive connect result; returns a new up/down state."""
+        changed = rs.health.record(ok)
+        if changed is not None:
+            log.info(
+                "%s/%s is %s", self.name, rs.name, "up" if changed else "down"
+            )  # not per connection: only on a transition
+            self._update(rs, now)
+        return changed
+
+    def set_state(self, rs: RealServer, state: str, now: float) -> list[Lease]:
+        """Change the admin state; returns the leases the caller must close (disabled)."""
+        if state not in STATES:
+            raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
+        rs.state = state
+        self._update(rs, now)
+        return list(rs.leases) if state == DISABLED else []
+
+    def set_weight(self, rs: RealServer, weight: object, now: float) -> str | None:
+        """Change the static weight at run time; returns an error message, or None.
+
+        The one validated path for a weight, as HAProxy's
+        `server_parse_weight_change_request`.
+        """
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            return f"weight must be a number >= 0, got {weight!r}"
+        if weight < 0 or weight != weight or weight == float("inf"):
+            return f"weight must be a number >= 0, got {weight!r}"
+        rs.static_weight = float(weight)
+        self._update(rs, now)
+        return None
+
+    def set_dynamic_weight(self, rs: RealServer, weight: float | None, now: float) -> None:
+        """The SNMP poller's result for `rs` after `on_no_answer` (None: use static)."""
+        rs.dynamic_weight = None if weight is None else max(0.0, float(weight))
+        self._update(rs, now)
+
+    def report_value(self, rs: RealServer, value: float, now: float) -> None:
+        """A raw SNMP value: a weight for dwd/dwr, a load report for least-load."""
+        if self.scheduler.dynamic_weights:
+            snmp = rs.config.snmp
+            max_value = snmp.max_value if snmp else 100
+            weight = self.scheduler.weight_from_value(value, max_value)  # type: ignore[attr-defined]
+            self.set_dynamic_weight(rs, weight, now)
+        else:
+            self.scheduler.on_report(rs, value, now)
+
+    # -- reload -------------------------------------------------------------------
+
+    def reconfigure(self, config: VirtualServerConfig, now: float) -> list[str]:
+        """Apply a new configuration of this virtual server; returns what changed.
+
+        Established connections are never touched: a removed server's leases finish on
+        their own and still drop correctly.
+        """
+        changes: list[str] = []
+        old_config, self.config = self.config, config
+        if config.scheduler != old_config.scheduler:
+            changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")
+            self._swap_scheduler(config.scheduler, now)
+        wanted = {rs.name: (i, rs) for i, rs in enumerate(config.real_servers)}
+        for rs in list(self.servers):
+            if rs.name not in wanted:
+                rs.removed = True
+                self._update(rs, now)
+                self.servers.remove(rs)
+                del self.by_name[rs.name]
+                changes.append(f"removed {rs.name}")
+        reorder = False
+        for index, rs_config in wanted.values():
+            rs = self.by_name.get(rs_config.name)
+            if rs is None:
+                self._add(rs_config, now)
+                changes.append(f"added {rs_config.name}")
+                continue
+            reorder |= rs.index != index
+            if rs.config != rs_config:
+                changes.append(f"changed {rs.name}")
+            rs.apply_config(rs_config)
+            self._update(rs, now)
+        self.servers.sort(key=lambda s: wanted[s.name][0])
+        if reorder:
+            for i, rs in enumerate(self.servers):
+                rs.index = i
+            self._swap_scheduler(config.scheduler, now)
+        return changes
+
+    def _swap_scheduler(self, name: str, now: float) -> None:
+        self.scheduler = schedulers.get(name)(self)
+        for rs in self.servers:
+            if rs.online:
+                self.scheduler.on_online(rs, now)
+            if rs.available:
+                self.scheduler.on_available(rs, now)
+        self._next_tick = self._scheduler_tick = float("-inf")
+
+    # -- statistics ---------------------------------------------------------------
+
+    def statistics(self) -> PoolStats:
+        """A frozen snapshot for metrics, the admin API and `lbproxy status`."""
+        return PoolStats(
+            name=self.name,
+            scheduler=self.config.scheduler,
+            active_connections=self.active,
+            rejected={reason: self.rejected[reason] for reason in REJECT_REASONS},
+            dynamic_weight_fallback=self.fallback,
+            real_servers=tuple(self._server_stats(rs) for rs in self.servers),
+        )
+
+    @staticmethod
+    def _server_stats(rs: RealServer) -> RealServerStats:
+        # Bytes of connections still open are read from their live counters.
+        live_in = sum(getattr(lease.handle, "bytes_in", 0) for lease in rs.leases)
+        live_out = sum(getattr(lease.handle, "bytes_out", 0) for lease in rs.leases)
+        return RealServerStats(
+            name=rs.name,
+            address=str(rs.address),
+            state=rs.state,
+            health="up" if rs.health.up else "down",
+            available=rs.available,
+            weight_static=rs.static_weight,
+            weight_dynamic=rs.dynamic_weight,
+            weight_effective=rs.effective_weight,
+            active_connections=rs.active,
+            connections_total=rs.connections_total,
+            bytes_in=rs.bytes_in + live_in,
+            bytes_out=rs.bytes_out + live_out,
+            connect_failures=dict(rs.connect_failures),
+        )
+
+    # -- internals ----------------------------------------------------------------
+
+    def _add(self, config: RealServerConfig, now: float) -> RealServer:
+        check = self.config.health_check
+        rs = RealServer(config, len(self.servers), Health(check.rise, check.fall, up=True))
+        if self.scheduler.dynamic_weights and config.snmp is not None:
+            # Until the agent answers, `on_no_answer` decides: static uses the static
+            # weight, zero and hold (nothing to hold yet) give 0.
+            if config.snmp.on_no_answer == "static":
+                rs.dynamic_weight = rs.static_weight
+            else:
+                rs.dynamic_weight = 0.0
+        self.servers.append(rs)
+        self.by_name[rs.name] = rs
+        self._update(rs, now)
+        return rs
+
+    def _base_weight(self, rs: RealServer) -> float:
+        if self.scheduler.dynamic_weights and not self.fallback:
+            return rs.dynamic_weight or 0.0
+        return rs.static_weight
+
+    def _update(self, rs: RealServer, now: float) -> None:
+        """Recompute `rs` after any change, and every server if the fallback flips."""
+        if self.scheduler.dynamic_weights:
+            positive = (
+                not rs.removed
+                and rs.state == ENABLED
+                and rs.health.up
+                and (rs.dynamic_weight or 0.0) > 0
+            )
+            if positive != rs.dyn_positive:
+                rs.dyn_positive = positive
+                self._dynamic_positive += 1 if positive else -1
+            fallback = self._dynamic_positive == 0
+            if fallback != self.fallback:
+                self.fallback = fallback
+                if fallback:
+                    log.warning(
+                        "%s: every dynamic weight is 0; using static weights", self.name
+                    )
+                else:
+                    log.info("%s: dynamic weights in use again", self.name)
+                for other in self.servers:
+                    self._apply(other, now)
+                return
+        self._apply(rs, now)
+
+    def _apply(self, rs: RealServer, now: float) -> None:
+        base = self._base_weight(rs)
+        online = not rs.removed and rs.state == ENABLED and rs.health.up and base > 0
+        if online and not rs.online:
+            rs.online = True
+            self._came_online(rs, now)
+        elif not online and rs.online:
+            rs.online = False
+            rs.ramp_start = None
+            self._ramping.discard(rs)
+        old = rs.effective_weight
+        rs.effective_weight = base * self._ramp_factor(rs, now)
+        available = online and (not rs.max_connections or rs.active < rs.max_connections)
+        if available and not rs.available:
+            rs.available = True
+            self.scheduler.on_available(rs, now)
+        elif not available and rs.available:
+            rs.available = False
+            self.scheduler.on_unavailable(rs, now)
+        elif available and rs.effective_weight != old:
+            self.scheduler.on_weight(rs, old, now)
+
+    def _came_online(self, rs: RealServer, now: float) -> None:
+        if self.config.slow_start > 0:
+            rs.ramp_start = now
+            self._ramping.add(rs)
+            self._next_tick = min(self._next_tick, now)
+        if self.config.quiesce and self.scheduler.quiesce_resets and not self._starting:
+            self._quiesce_reset(now)
+        self.scheduler.on_online(rs, now)
+
+    def _quiesce_reset(self, now: float) -> None:
+        # LVS: "the least-connections table is reset to zero and the LVS router routes
+        # requests as if all the real servers were newly added to the cluster".
+        self.epoch += 1
+        for rs in self.servers:
+            rs.sched_active = 0
+        self.scheduler.on_reset(now)
+        log.info("%s: quiesce reset of the connection table", self.name)
+
+    def _ramp_factor(self, rs: RealServer, now: float) -> float:
+        if rs.ramp_start is None:
+            return 1.0
+        elapsed = now - rs.ramp_start
+        if elapsed >= self.config.slow_start:
+            return 1.0
+        return max(SLOW_START_FLOOR, elapsed / self.config.slow_start)
+
+    def _tick(self, now: float) -> None:
+        """Time-driven work, run from `pick` when due: slow-start steps, load samples."""
+        if now >= self._scheduler_tick:
+            self._scheduler_tick = self.scheduler.on_tick(now)
+        next_tick = self._scheduler_tick
+        if self._ramping:
+            for rs in list(self._ramping):
+                if now - rs.ramp_start >= self.config.slow_start:  # type: ignore[operator]
+                    rs.ramp_start = None
+                    self._ramping.discard(rs)
+                self._apply(rs, now)
+            if self._ramping:
+                next_tick = min(next_tick, now + self.config.slow_start / SLOW_START_STEPS)
+        self._next_tick = next_tick

@@ -1,0 +1,137 @@
+"""The command line (click only): parse flags, load the configuration, call the runner.
+
+Exit codes (SPEC §1): 0 success, 1 runtime failure, 2 bad usage or invalid
+configuration. An invalid configuration prints `FILE:LINE: message` for every problem
+and never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from lbproxy import __version__
+from lbproxy.config import Config, ConfigError, load, summary
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+
+def _load_or_exit(paths: tuple[str, ...]) -> Config:
+    try:
+        return load(list(paths))
+    except ConfigError as exc:
+        for problem in exc.problems:
+            click.echo(str(problem), err=True)
+        click.echo(
+            f"lbproxy: configuration invalid ({len(exc.problems)} problem"
+            f"{'s' if len(exc.problems) != 1 else ''})",
+            err=True,
+        )
+        sys.exit(EXIT_USAGE)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="lbproxy")
+def main() -> None:
+    """lbproxy: a Layer-4 TCP reverse proxy and load balancer."""
+
+
+@main.command()
+@click.argument("config", nargs=-1, required=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+def run(config: tuple[str, ...], log_level: str) -> None:
+    """Run the proxy. CONFIG: YAML files or folders of *.yaml files.
+
+    SIGHUP reloads the configuration; SIGTERM or SIGINT drain, then exit.
+    """
+    from lbproxy import server  # trio is imported only by the commands that need it
+
+    cfg = _load_or_exit(config)
+    sys.exit(server.run(cfg, config_paths=list(config), log_level=log_level))
+
+
+@main.command()
+@click.argument("config", nargs=-1, required=True)
+def check(config: tuple[str, ...]) -> None:
+    """Validate CONFIG and print a summary of its virtual servers."""
+    cfg = _load_or_exit(config)
+    click.echo(summary(cfg))
+    click.echo("configuration ok")
+
+
+@main.command()
+@click.argument("config", nargs=-1, required=True)
+@click.option("--connections", "-n", type=click.IntRange(min=0), required=True)
+@click.option("--hold", is_flag=True, help="Every connection stays open.")
+@click.option("--events", type=click.Path(dir_okay=False), help="YAML list of events.")
+@click.option("--virtual-server", "vs_name", help="Needed when CONFIG has several.")
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Connections per second of simulated time.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option("--explain", is_flag=True, help="Print every pick with each server's score.")
+def simulate(
+    config: tuple[str, ...],
+    connections: int,
+    hold: bool,
+    events: str | None,
+    vs_name: str | None,
+    rate: float,
+    as_json: bool,
+    explain: bool,
+) -> None:
+    """Run the real scheduler offline and print each real server's share."""
+    from lbproxy.simulate import SimulationError, choose_virtual_server, parse_events
+    from lbproxy.simulate import simulate as run_simulation
+
+    cfg = _load_or_exit(config)
+    try:
+        vs = choose_virtual_server(cfg, vs_name)
+        event_list = []
+        if events:
+            try:
+                text = Path(events).read_text()
+            except OSError as exc:
+                raise SimulationError(f"{events}: {exc.strerror}") from None
+            event_list = parse_events(text, events, [rs.name for rs in vs.real_servers])
+    except SimulationError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_USAGE)
+    result = run_simulation(
+        vs, connections, hold=hold, events=event_list, rate=rate, explain=explain
+    )
+    if as_json:
+        click.echo(json.dumps(result.as_json()))
+        return
+    from lbproxy.render import print_explain, print_simulation
+
+    if explain:
+        print_explain(result)
+    print_simulation(result, hold=hold)
+
+
+@main.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--duration", type=float, default=None, hidden=True)  # tests: stop by itself
+def demo(port: int, duration: float | None) -> None:
+    """Start three demo real servers and lbproxy in front of them on loopback."""
+    from lbproxy import demo as demo_module
+
+    sys.exit(demo_module.run(port=port, duration=duration))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

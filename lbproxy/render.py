@@ -1,0 +1,50 @@
+"""Terminal tables (rich) for `simulate`, `status` and the demo."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from lbproxy.simulate import SimulationResult
+
+
+def simulation_table(result: SimulationResult, *, hold: bool) -> Table:
+    total = sum(result.picks.values())
+    refused = result.sequence.count(None)
+    title = (
+        f"{result.virtual_server} ({result.scheduler}): {len(result.sequence)} connections"
+        f"{', held' if hold else ''}{f', {refused} with no server' if refused else ''}"
+    )
+    table = Table(title=title)
+    table.add_column("real server")
+    table.add_column("picks", justify="right")
+    table.add_column("share", justify="right")
+    for name, picks in result.picks.items():
+        share = picks / total if total else 0.0
+        table.add_row(name, str(picks), f"{share:.1%}")
+    return table
+
+
+def print_simulation(result: SimulationResult, *, hold: bool) -> None:
+    console = Console(highlight=False)
+    console.print(simulation_table(result, hold=hold))
+    shown = result.sequence[:60]
+    text = " ".join(name if name is not None else "-" for name in shown)
+    if len(result.sequence) > len(shown):
+        text += " ..."
+    console.print(f"sequence: {text}")
+
+
+def print_explain(result: SimulationResult) -> None:
+    console = Console(highlight=False)
+    for pick in result.explain:
+        scores = ", ".join(f"{name}={_score(score)}" for name, score in pick.scores.items())
+        console.print(f"#{pick.number} t={pick.time:.2f}s -> {pick.server or '-'}  [{scores}]")
+
+
+def _score(score: object) -> str:
+    if isinstance(score, tuple):
+        return "(" + ", ".join(_score(part) for part in score) + ")"
+    if isinstance(score, float):
+        return f"{score:.4g}"
+    return str(score)

@@ -1,0 +1,28 @@
+"""Builders of configuration objects for the pure-core tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lbproxy.config import Address, RealServerConfig, SnmpConfig, VirtualServerConfig
+
+
+def real_server(name: str, port: int, **options: Any) -> RealServerConfig:
+    return RealServerConfig(name=name, address=Address("127.0.0.1", port), **options)
+
+
+def virtual_server(scheduler: str, servers: dict[str, dict[str, Any]], **options: Any):
+    """`servers`: name -> RealServerConfig options, in configuration order."""
+    real = tuple(
+        real_server(name, 20000 + i, **opts) for i, (name, opts) in enumerate(servers.items())
+    )
+    return VirtualServerConfig(
+        name="vs",
+        listen=(Address("127.0.0.1", 19999),),
+        real_servers=real,
+        scheduler=scheduler,
+        **options,
+    )
+
+
+SNMP = SnmpConfig()

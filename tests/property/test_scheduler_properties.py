@@ -1,0 +1,140 @@
+"""Hypothesis over every registered scheduler: what any scheduler must never do."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lbproxy import schedulers
+from lbproxy.pool import ENABLED, Pool
+from tests.factories import SNMP, virtual_server
+
+SCHEDULERS = schedulers.available()
+
+server_options = st.fixed_dictionaries(
+    {
+        "weight": st.integers(0, 5),
+        "max_connections": st.integers(0, 4),
+        "load_factor": st.sampled_from([1.0, 2.0, 3.0]),
+        "state": st.sampled_from(["enabled", "enabled", "drain", "disabled"]),
+    }
+)
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("connect"), st.integers(0, 7)),
+        st.tuples(st.just("close"), st.integers(0, 50)),
+        st.tuples(st.just("state"), st.integers(0, 7), st.sampled_from(["enabled", "drain", "disabled"])),
+        st.tuples(st.just("health"), st.integers(0, 7), st.booleans()),
+        st.tuples(st.just("weight"), st.integers(0, 7), st.integers(0, 5)),
+        st.tuples(st.just("snmp"), st.integers(0, 7), st.integers(0, 120)),
+        st.tuples(st.just("tick"), st.integers(1, 30)),
+    ),
+    max_size=60,
+)
+
+
+def must_be_available(pool: Pool, rs) -> bool:
+    weight = rs.effective_weight
+    return (
+        rs.state == ENABLED
+        and rs.health.up
+        and weight > 0
+        and (rs.max_connections == 0 or rs.active < rs.max_connections)
+    )
+
+
+def build(scheduler: str, options: list[dict]) -> Pool:
+    servers = {f"s{i}": dict(opts, snmp=SNMP) for i, opts in enumerate(options)}
+    extra = {"snmp": SNMP} if scheduler in ("dwd", "dwr") else {}
+    if scheduler == "least-load":
+        for opts in servers.values():
+            opts["max_connections"] = opts["max_connections"] or 3
+    return Pool(virtual_server(scheduler, servers, slow_start=5.0, quiesce=True, **extra), 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    scheduler=st.sampled_from(SCHEDULERS),
+    options=st.lists(server_options, min_size=1, max_size=8),
+    ops=operations,
+)
+def test_never_picks_an_unavailable_server_and_none_only_when_none_is_available(
+    scheduler, options, ops
+):
+    pool = build(scheduler, options)
+    leases = []
+    now = 0.0
+    for op in ops:
+        kind = op[0]
+        if kind == "connect":
+            rs = pool.pick(now)
+            if rs is None:
+                assert not any(must_be_available(pool, s) for s in pool.servers)
+            else:
+                assert must_be_available(pool, rs), (rs, rs.state, rs.health.up)
+                leases.append(pool.take(rs, now))
+        elif kind == "close" and leases:
+            pool.drop(leases.pop(op[1] % len(leases)), now)
+        elif kind == "tick":
+            now += op[1] / 10
+        elif kind in ("state", "health", "weight", "snmp"):
+            rs = pool.servers[op[1] % len(pool.servers)]
+            if kind == "state":
+                pool.set_state(rs, op[2], now)
+            elif kind == "health":
+                for _ in range(3):
+                    pool.record_health(rs, op[2], now)
+            elif kind == "weight":
+                assert pool.set_weight(rs, op[2], now) is None
+            else:
+                pool.report_value(rs, op[2], now)
+    # the counts stay true whatever happened
+    for rs in pool.servers:
+        assert rs.active == sum(1 for lease in leases if lease.server is rs)
+        assert 0 <= rs.sched_active <= rs.active
+    assert pool.active == len(leases)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scheduler=st.sampled_from(["wrr", "wlc", "dwd"]),
+    weights=st.lists(st.integers(1, 6), min_size=2, max_size=6),
+    hold=st.booleans(),
+)
+def test_long_run_shares_match_weights(scheduler, weights, hold):
+    if scheduler == "wlc" and not hold:
+        hold = True  # least-connections follows weights only over open connections
+    if scheduler == "dwd":
+        hold = True
+    servers = {f"s{i}": {"weight": w, "snmp": SNMP} for i, w in enumerate(weights)}
+    extra = {"snmp": SNMP} if scheduler == "dwd" else {}
+    pool = Pool(virtual_server(scheduler, servers, **extra), 0)
+    if scheduler == "dwd":
+        for rs, w in zip(pool.servers, weights, strict=True):
+            pool.report_value(rs, w, 0)
+    total = sum(weights) * 20
+    counts: Counter[str] = Counter()
+    for _ in range(total):
+        rs = pool.pick(0)
+        lease = pool.take(rs, 0)
+        if not hold:
+            pool.drop(lease, 0)
+        counts[rs.name] += 1
+    for i, w in enumerate(weights):
+        assert abs(counts[f"s{i}"] - w * 20) <= 1, (counts, weights)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 12))
+def test_rr_and_lc_give_equal_shares(n):
+    for scheduler in ("rr", "lc"):
+        pool = Pool(virtual_server(scheduler, {f"s{i}": {} for i in range(n)}), 0)
+        counts = Counter()
+        for _ in range(n * 7):
+            rs = pool.pick(0)
+            pool.drop(pool.take(rs, 0), 0)
+            counts[rs.name] += 1
+        assert set(counts.values()) == {7}

@@ -1,0 +1,221 @@
+"""One client connection: admit -> pick -> connect (retry elsewhere) -> pump both ways.
+
+Everything a connection needs from its virtual server is read from the pool at the
+moment it starts (`pool.config`), so a reload that changes timeouts or the scheduler
+applies to new connections while established ones keep going undisturbed.
+
+Errors a connection can expect (refused, timeouts, resets, bad PROXY headers) are
+handled here and end only that connection; nothing escapes to the accept loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+
+import trio
+
+from lbproxy import proxy_protocol
+from lbproxy.config import Address, VirtualServerConfig
+from lbproxy.pool import Lease, Pool, RealServer
+from lbproxy.pump import Flow, pump
+
+log = logging.getLogger("lbproxy.proxy")
+
+PROXY_HEADER_MAX = 536  # v2: 16-byte header + up to 520 bytes of addresses and TLVs
+
+
+class Connection:
+    """The handle a pool lease carries: live byte counts, and a way to close it."""
+
+    __slots__ = ("cancel_scope", "flow")
+
+    def __init__(self, flow: Flow, cancel_scope: trio.CancelScope) -> None:
+        self.flow = flow
+        self.cancel_scope = cancel_scope
+
+    @property
+    def bytes_in(self) -> int:
+        return self.flow.bytes_in
+
+    @property
+    def bytes_out(self) -> int:
+        return self.flow.bytes_out
+
+    def close(self) -> None:
+        self.cancel_scope.cancel()
+
+
+class ConnectError(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason  # refused | timeout | error (the metric's label)
+
+
+class VirtualServer:
+    """The running side of one virtual server: its pool and the connection handler."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self._resolved: dict[Address, tuple[int, tuple]] = {}
+        self._acl_cache: tuple[VirtualServerConfig, object] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.pool.name
+
+    async def handle(self, client: trio.socket.SocketType, peer: tuple) -> None:
+        """Serve one accepted client socket until both sides are done; closes it."""
+        pool = self.pool
+        config = pool.config
+        pool.clients += 1
+        try:
+            with client:
+                source, leftover = peer, b""
+                if config.accept_proxy:
+                    header = await self._read_proxy_header(client, config.connect_timeout)
+                    if header is None:
+                        return
+                    source, leftover = header
+                if not self._allowed(config, source[0]):
+                    pool.rejected["acl"] += 1
+                    return
+                if config.max_connections and pool.clients > config.max_connections:
+                    pool.rejected["max_connections"] += 1
+                    return
+                await self._forward(client, source, leftover, config)
+        finally:
+            pool.clients -= 1
+
+    async def _forward(
+        self,
+        client: trio.socket.SocketType,
+        source: tuple,
+        leftover: bytes,
+        config: VirtualServerConfig,
+    ) -> None:
+        pool = self.pool
+        with trio.CancelScope() as scope:
+            flow = Flow(config.idle_timeout)
+            connected = await self._connect(Connection(flow, scope), config)
+            if connected is None:
+                return
+            server, lease = connected
+            try:
+                with server:
+                    if config.send_proxy != "none":
+                        destination = client.getsockname()
+                        header = proxy_protocol.encode(config.send_proxy, source, destination)
+                        await _send_all(server, header)
+                    await pump(client, server, flow, initial_client_bytes=leftover)
+            except OSError as exc:  # the PROXY header could not be sent: peer reset
+                log.debug("%s: %s", pool.name, exc)
+            finally:
+                rs = lease.server
+                rs.bytes_in += flow.bytes_in
+                rs.bytes_out += flow.bytes_out
+                pool.drop(lease, trio.current_time())
+
+    async def _connect(
+        self, handle: Connection, config: VirtualServerConfig
+    ) -> tuple[trio.socket.SocketType, Lease] | None:
+        """Connect to a picked real server, retrying others (never the same one twice)."""
+        pool = self.pool
+        tried: list[RealServer] = []
+        for _ in range(config.retries + 1):
+            now = trio.current_time()
+            rs = pool.pick(now, tried)
+            if rs is None:
+                break
+            tried.append(rs)
+            # Taken before the connect completes, as IPVS counts a connection from its
+            # SYN: concurrent arrivals then see this one and spread out.
+            lease = pool.take(rs, now, handle)
+            try:
+                sock = await self._open(rs.address, config.connect_timeout)
+            except ConnectError as exc:
+                pool.drop(lease, trio.current_time())
+                rs.connect_failures[exc.reason] += 1
+                pool.record_health(rs, False, trio.current_time())
+                continue
+            if rs.health.counter != rs.health.rise + rs.health.fall - 1:
+                pool.record_health(rs, True, now)  # a good connect ends a failure streak
+            return sock, lease
+        pool.rejected["connect_failed" if tried else "no_server"] += 1
+        return None
+
+    async def _open(self, address: Address, timeout: float) -> trio.socket.SocketType:
+        family, sockaddr = await self._resolve(address)
+        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with trio.move_on_after(timeout) as deadline:
+                await sock.connect(sockaddr)
+            if deadline.cancelled_caught:
+                raise ConnectError("timeout")
+        except OSError as exc:
+            sock.close()
+            reason = "refused" if exc.errno == errno.ECONNREFUSED else "error"
+            raise ConnectError(reason) from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _resolve(self, address: Address) -> tuple[int, tuple]:
+        cached = self._resolved.get(address)
+        if cached is not None:
+            return cached
+        try:
+            infos = await trio.socket.getaddrinfo(
+                address.host, address.port, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            raise ConnectError("error") from exc
+        family, _, _, _, sockaddr = infos[0]
+        self._resolved[address] = (family, sockaddr)
+        return family, sockaddr
+
+    def _allowed(self, config: VirtualServerConfig, host: str) -> bool:
+        # deny wins over allow
+        try:
+            ip = ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return False
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if any(ip in net for net in config.deny if net.version == ip.version):
+            return False
+        return any(ip in net for net in config.allow if net.version == ip.version)
+
+    async def _read_proxy_header(
+        self, client: trio.socket.SocketType, timeout: float
+    ) -> tuple[tuple, bytes] | None:
+        """Read an incoming PROXY v1/v2 header; None drops the connection."""
+        data = b""
+        with trio.move_on_after(timeout):
+            try:
+                while len(data) < PROXY_HEADER_MAX + 16:
+                    chunk = await client.recv(PROXY_HEADER_MAX + 16 - len(data))
+                    if not chunk:
+                        return None
+                    data += chunk
+                    result = proxy_protocol.parse(data)
+                    if result is None:
+                        continue
+                    source = result.source or client.getpeername()
+                    return (source[0], source[1]), data[result.consumed :]
+            except (OSError, proxy_protocol.ProxyProtocolError) as exc:
+                log.debug("%s: bad PROXY header: %s", self.name, exc)
+                return None
+        log.debug("%s: no PROXY header within %ss", self.name, timeout)
+        return None
+
+
+async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        sent = await sock.send(view)
+        view = view[sent:]

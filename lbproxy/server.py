@@ -1,0 +1,297 @@
+"""The running proxy: listeners, accept loops, signals, reload and graceful stop.
+
+The nursery tree (hypercorn's `worker_serve` is the model):
+
+    handlers nursery          every client connection; given a deadline on shutdown
+      service nursery         accept loops, signal handling, health checks, admin
+                              endpoint; cancelled first on shutdown, so accepting stops
+                              at once while connections drain
+
+`serve()` reports `task_status.started(server)` only once every listener is bound.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from lbproxy import logs
+from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
+from lbproxy.pool import Pool
+from lbproxy.proxy import VirtualServer
+
+log = logging.getLogger("lbproxy.server")
+
+LISTEN_BACKLOG = 4096
+
+# Accept errors that mean "out of descriptors or memory": back off and retry, never
+# crash or spin (trio's ACCEPT_CAPACITY_ERRNOS in _highlevel_serve_listeners.py). The
+# pending connection stays in the kernel's backlog and is served once a slot frees up.
+ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+ACCEPT_BACKOFF = 0.1
+
+
+class BindError(Exception):
+    """A listen address could not be bound (in use, no permission): exit code 1."""
+
+
+class Listener:
+    """One bound listening socket, the virtual server it feeds, and its accept loop."""
+
+    def __init__(self, address: Address, sock: trio.socket.SocketType, vs: VirtualServer):
+        self.address = address
+        self.sock = sock
+        self.vs = vs
+        self.cancel_scope = trio.CancelScope()
+
+    def close(self) -> None:
+        self.cancel_scope.cancel()
+        self.sock.close()
+
+
+def bind(address: Address) -> trio.socket.SocketType:
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    host = "127.0.0.1" if address.host == "localhost" else address.host
+    # A stdlib socket bound synchronously (the host is a literal: no DNS), then handed
+    # to trio: a reload can bind all its addresses before changing anything.
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # one socket per family, as trio's open_tcp_listeners: [::]:80 and
+            # 0.0.0.0:80 can then both be configured
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted
+        sock.bind((host, address.port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"cannot listen on {address}: {exc.strerror}") from None
+    return trio.socket.from_stdlib_socket(sock)
+
+
+class Server:
+    def __init__(self, config: Config, config_paths: Sequence[str] = ()) -> None:
+        self.config = config
+        self.config_paths = list(config_paths)
+        self.virtual_servers: dict[str, VirtualServer] = {}
+        self.listeners: dict[Address, Listener] = {}
+        self.ready = False
+        self.draining = False
+        self.reloads = {"ok": 0, "error": 0}
+        self._stop = trio.Event()
+        self._handlers: trio.Nursery | None = None
+        self._service: trio.Nursery | None = None
+
+    # -- life cycle ---------------------------------------------------------------
+
+    async def serve(
+        self,
+        *,
+        task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+        handle_signals: bool = True,
+    ) -> None:
+        # Bind before any task starts, so a bad address fails plainly (exit code 1).
+        bound = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
+        async with trio.open_nursery() as handlers:
+            self._handlers = handlers
+            async with trio.open_nursery() as service:
+                self._service = service
+                for listener in bound:
+                    self._start_listener(listener)
+                if handle_signals:
+                    await service.start(self._signals)
+                self.ready = True
+                log.info(
+                    "listening on %s",
+                    ", ".join(str(address) for address in self.listeners),
+                )
+                task_status.started(self)
+                await self._stop.wait()
+                service.cancel_scope.cancel()
+            for listener in self.listeners.values():
+                listener.sock.close()
+            open_now = sum(vs.pool.clients for vs in self.virtual_servers.values())
+            log.info(
+                "stopped accepting; draining %d connection(s) for up to %ss",
+                open_now,
+                self.config.global_.drain_timeout,
+            )
+            handlers.cancel_scope.deadline = (
+                trio.current_time() + self.config.global_.drain_timeout
+            )
+        log.info("stopped")
+
+    def stop(self) -> None:
+        """Stop accepting at once; connections get `drain_timeout` to finish."""
+        self.draining = True
+        self._stop.set()
+
+    async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:
+            task_status.started()
+            async for signum in sigs:
+                if signum == signal.SIGHUP:
+                    self.reload()
+                else:
+                    log.info("received %s", signal.Signals(signum).name)
+                    self.stop()
+
+    # -- listeners ----------------------------------------------------------------
+
+    def _bind_virtual_servers(
+        self, configs: Sequence[VirtualServerConfig], now: float
+    ) -> list[Listener]:
+        """Bind every listen address not bound yet; all or nothing (raises BindError)."""
+        bound: list[Listener] = []
+        try:
+            for vs_config in configs:
+                vs = self.virtual_servers.get(vs_config.name)
+                if vs is None:
+                    vs = VirtualServer(Pool(vs_config, now))
+                for address in vs_config.listen:
+                    existing = self.listeners.get(address)
+                    if existing is not None and existing.vs.name == vs_config.name:
+                        continue
+                    bound.append(Listener(address, self._bind(address, existing), vs))
+        except BindError:
+            for listener in bound:
+                listener.sock.close()
+            raise
+        return bound
+
+    def _bind(self, address: Address, existing: Listener | None) -> trio.socket.SocketType:
+        if existing is not None:
+            # The address moves to another virtual server: keep the bound socket, so
+            # there is no moment where connections to it are refused.
+            existing.cancel_scope.cancel()
+            return existing.sock
+        return bind(address)
+
+    def _start_listener(self, listener: Listener) -> None:
+        self.listeners[listener.address] = listener
+        self.virtual_servers.setdefault(listener.vs.name, listener.vs)
+        assert self._service is not None
+        self._service.start_soon(self._accept_loop, listener)
+
+    async def _accept_loop(self, listener: Listener) -> None:
+        assert self._handlers is not None
+        spawn = self._handlers.start_soon
+        sock = listener.sock
+        capacity_burst = False
+        with listener.cancel_scope:
+            while True:
+                try:
+                    client, peer = await sock.accept()
+                except OSError as exc:
+                    if exc.errno in ACCEPT_CAPACITY_ERRNOS:
+                        if not capacity_burst:
+                            log.error(
+                                "%s: accept failed (%s); retrying every %ss",
+                                listener.address,
+                                exc.strerror,
+                                ACCEPT_BACKOFF,
+                            )
+                            capacity_burst = True
+                        await trio.sleep(ACCEPT_BACKOFF)
+                        continue
+                    if exc.errno in (errno.EBADF, errno.EINVAL):  # closed by a reload
+                        return
+                    log.warning("%s: accept failed: %s", listener.address, exc)
+                    continue
+                if capacity_burst:
+                    log.info("%s: accepting again", listener.address)
+                    capacity_burst = False
+                spawn(listener.vs.handle, client, peer)
+
+    # -- reload -------------------------------------------------------------------
+
+    def reload(self) -> tuple[bool, list[str]]:
+        """Validate the configuration files again and apply the difference.
+
+        Returns (ok, messages): the changes applied, or every problem found. On any
+        problem the running configuration stays as it was.
+        """
+        try:
+            new = load(self.config_paths)
+        except ConfigError as exc:
+            messages = [str(problem) for problem in exc.problems]
+            for message in messages:
+                log.error("reload: %s", message)
+            log.error("reload failed; the running configuration is unchanged")
+            self.reloads["error"] += 1
+            return False, messages
+        try:
+            changes = self.apply(new)
+        except BindError as exc:
+            log.error("reload failed; the running configuration is unchanged: %s", exc)
+            self.reloads["error"] += 1
+            return False, [str(exc)]
+        self.reloads["ok"] += 1
+        log.info("reloaded: %s", "; ".join(changes) if changes else "no changes")
+        return True, changes
+
+    def apply(self, new: Config) -> list[str]:
+        now = trio.current_time()
+        bound = self._bind_virtual_servers(new.virtual_servers, now)  # may raise BindError
+        changes: list[str] = []
+        wanted = {vs.name: vs for vs in new.virtual_servers}
+        wanted_addresses = {a for vs in new.virtual_servers for a in vs.listen}
+        for name in list(self.virtual_servers):
+            if name not in wanted:
+                # Its connections keep their pool and finish on their own.
+                del self.virtual_servers[name]
+                changes.append(f"removed virtual server {name}")
+        for address in list(self.listeners):
+            if address not in wanted_addresses:
+                self.listeners.pop(address).close()
+                changes.append(f"closed {address}")
+        for vs_config in new.virtual_servers:
+            vs = self.virtual_servers.get(vs_config.name)
+            if vs is None:
+                changes.append(f"added virtual server {vs_config.name}")
+            else:
+                changes.extend(
+                    f"{vs.name}: {change}" for change in vs.pool.reconfigure(vs_config, now)
+                )
+        for listener in bound:
+            if listener.vs.name not in self.virtual_servers:
+                self.virtual_servers[listener.vs.name] = listener.vs
+            self._start_listener(listener)
+            changes.append(f"{listener.vs.name}: listening on {listener.address}")
+        self.config = new
+        return changes
+
+
+def run(
+    config: Config,
+    *,
+    config_paths: Sequence[str] = (),
+    log_level: str = "info",
+    on_started: Callable[[Server], Any] | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    logs.configure(config.global_.log_format, log_level)
+    server = Server(config, config_paths)
+
+    failures: list[BindError] = []
+    try:
+        trio.run(_serve_main, server, on_started)
+    except* BindError as group:
+        failures.extend(group.exceptions)  # type: ignore[arg-type]
+    for exc in failures:
+        log.error("%s", exc)
+    return 1 if failures else 0
+
+
+async def _serve_main(server: Server, on_started: Callable[[Server], Any] | None) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        if on_started is not None:
+            on_started(server)

@@ -1,0 +1,198 @@
+"""Real things for the integration tests: name-saying servers, lbproxy processes, clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import socketserver
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        server: NameServer = self.server  # type: ignore[assignment]
+        sock: socket.socket = self.request
+        server.accepted += 1
+        try:
+            if server.greeting:
+                sock.sendall(f"{server.name}\n".encode())
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                server.received.append(data)
+                sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+class NameServer(socketserver.ThreadingTCPServer):
+    """A real server on loopback: says its name and a newline, then echoes."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, name: str, port: int = 0, host: str = "127.0.0.1", greeting=True):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.name = name
+        self.greeting = greeting
+        self.accepted = 0
+        self.received: list[bytes] = []
+        super().__init__((host, port), _Handler)
+        self.port = self.server_address[1]
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def __enter__(self) -> NameServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ask_name(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> str:
+    """Connect through the proxy and read the real server's name line."""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(100)
+            if not chunk:
+                break
+            data += chunk
+        return data.decode().strip()
+
+
+def open_and_read_name(port: int, timeout: float = 5.0) -> tuple[socket.socket, str]:
+    """A held connection: returns the open socket and the name it was served by."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = s.recv(100)
+        if not chunk:
+            break
+        data += chunk
+    return s, data.decode().strip()
+
+
+def refused_or_closed(port: int, timeout: float = 5.0) -> bool:
+    """True when the proxy closes the connection without any byte."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            return s.recv(100) == b""
+    except (ConnectionRefusedError, ConnectionResetError):
+        return True
+
+
+class Lbproxy:
+    """A real `lbproxy run` process on a configuration written to a temporary folder."""
+
+    def __init__(self, tmp_path: Path, config: str, *args: str, name: str = "lbproxy.yaml"):
+        self.config_path = tmp_path / name
+        self.config_path.write_text(textwrap.dedent(config))
+        self.log_path = tmp_path / "lbproxy.log"
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait_ports: list[int] = (), timeout: float = 15.0) -> Lbproxy:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lbproxy", "run", str(self.config_path), *self.args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lbproxy exited {self.proc.returncode}:\n{self.log()}")
+            if "listening on" in self.log():
+                break
+            time.sleep(0.02)
+        else:
+            raise RuntimeError(f"lbproxy did not start:\n{self.log()}")
+        for port in wait_ports:
+            wait_port(port, deadline - time.monotonic())
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def reload(self, config: str | None = None, timeout: float = 10.0) -> None:
+        """Rewrite the configuration (if given), send SIGHUP, wait for the log line."""
+        before = self.log().count("reload")
+        if config is not None:
+            self.config_path.write_text(textwrap.dedent(config))
+        self.signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while self.log().count("reload") == before:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no reload in the log:\n{self.log()}")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Lbproxy:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def run_cli(*args: str, timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="120")
+    return subprocess.run(
+        [sys.executable, "-m", "lbproxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        **kwargs,
+    )

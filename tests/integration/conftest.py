@@ -1,0 +1,62 @@
+"""Fixtures for the integration tests: real servers that say their name, a proxy factory."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.harness import Lbproxy, NameServer, free_port
+
+
+@pytest.fixture
+def name_servers():
+    started: list[NameServer] = []
+
+    def make(*names: str, **options) -> list[NameServer]:
+        servers = [NameServer(name, **options) for name in names]
+        started.extend(servers)
+        return servers
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def lbproxy(tmp_path):
+    """lbproxy(yaml_text) -> a started `lbproxy run` process; stopped after the test."""
+    started: list[Lbproxy] = []
+
+    def make(config: str, wait_ports=(), start=True) -> Lbproxy:
+        proxy = Lbproxy(tmp_path, config)
+        started.append(proxy)
+        return proxy.start(list(wait_ports)) if start else proxy
+
+    yield make
+    for proxy in started:
+        proxy.stop()
+
+
+def vs_config(port: int, servers, scheduler: str = "rr", extra: str = "", rs_extra=None) -> str:
+    """YAML for one virtual server in front of NameServers (admin endpoint off)."""
+    rs_extra = rs_extra or {}
+    lines = [
+        "global:",
+        "  admin: {listen: none}",
+        "  drain_timeout: 5s",
+        "virtual_servers:",
+        "  - name: web",
+        f"    listen: 127.0.0.1:{port}",
+        f"    scheduler: {scheduler}",
+    ]
+    lines += [f"    {line}" for line in extra.strip().splitlines() if line.strip()]
+    lines.append("    real_servers:")
+    for server in servers:
+        more = rs_extra.get(server.name, "")
+        lines.append(
+            f"      - {{name: {server.name}, address: 127.0.0.1:{server.port}"
+            f"{', ' + more if more else ''}}}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["free_port", "vs_config"]

@@ -1,0 +1,181 @@
+"""The command line as a user runs it: real `python -m lbproxy` processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+
+from tests.integration.conftest import vs_config
+from tests.integration.harness import ROOT, free_port, open_and_read_name, run_cli
+
+SAP = """\
+virtual_servers:
+  - name: gateway
+    listen: 127.0.0.1:{port}
+    scheduler: sap
+    real_servers:
+      - {{name: Server1, address: 127.0.0.1:9001, load_factor: 2}}
+      - {{name: Server2, address: 127.0.0.1:9002, load_factor: 3}}
+      - {{name: Server3, address: 127.0.0.1:9003, load_factor: 4}}
+      - {{name: Server4, address: 127.0.0.1:9004, load_factor: 4, state: disabled}}
+"""
+
+LVS = """\
+virtual_servers:
+  - name: lvs
+    listen: 127.0.0.1:{port}
+    scheduler: wlc
+    quiesce: {quiesce}
+    real_servers:
+      - {{name: A, address: 127.0.0.1:9001, weight: 1}}
+      - {{name: B, address: 127.0.0.1:9002, weight: 1}}
+      - {{name: C, address: 127.0.0.1:9003, weight: 2}}
+"""
+
+
+def test_simulate_reproduces_the_sap_table(tmp_path):
+    config = tmp_path / "sap.yaml"
+    config.write_text(SAP.format(port=free_port()))
+    events = tmp_path / "events.yaml"
+    events.write_text("- {before: 8, join: Server4}\n")
+    out = run_cli("simulate", str(config), "--connections", "8", "--events", str(events), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["virtual_server"] == "gateway"
+    assert result["sequence"] == [f"Server{i}" for i in (1, 2, 3, 1, 2, 1, 3, 1)]
+    assert result["picks"] == {"Server1": 4, "Server2": 2, "Server3": 2, "Server4": 0}
+
+
+def _lvs_flood(tmp_path, quiesce: bool) -> dict:
+    config = tmp_path / f"lvs-{quiesce}.yaml"
+    config.write_text(LVS.format(port=free_port(), quiesce=str(quiesce).lower()))
+    events = tmp_path / "lvs-events.yaml"
+    events.write_text("- {before: 1, leave: C}\n- {before: 61, join: C}\n")
+    out = run_cli(
+        "simulate", str(config), "-n", "90", "--hold", "--events", str(events), "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_simulate_reproduces_the_lvs_rejoin_flood(tmp_path):
+    flood = _lvs_flood(tmp_path, quiesce=False)
+    assert flood["sequence"][60:] == ["C"] * 30
+    quiesced = _lvs_flood(tmp_path, quiesce=True)
+    after = quiesced["sequence"][60:]
+    assert after.count("C") == 15 and after.count("A") + after.count("B") == 15
+
+
+def test_simulate_prints_a_share_table(tmp_path):
+    config = tmp_path / "sap.yaml"
+    config.write_text(SAP.format(port=free_port()))
+    out = run_cli("simulate", str(config), "-n", "7")
+    assert out.returncode == 0, out.stderr
+    assert "Server1" in out.stdout and "42.9%" in out.stdout
+
+
+def test_simulate_bad_events_file_exits_2(tmp_path):
+    config = tmp_path / "sap.yaml"
+    config.write_text(SAP.format(port=free_port()))
+    events = tmp_path / "events.yaml"
+    events.write_text("- {before: 2, join: Server9}\n- {befor: 3}\n")
+    out = run_cli("simulate", str(config), "-n", "8", "--events", str(events))
+    assert out.returncode == 2
+    assert f"{events}:1: join: unknown real server 'Server9'" in out.stderr
+    assert f"{events}:2: unknown event key 'befor'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_check_valid_configuration(tmp_path):
+    config = tmp_path / "sap.yaml"
+    config.write_text(SAP.format(port=free_port()))
+    out = run_cli("check", str(config))
+    assert out.returncode == 0
+    assert "gateway" in out.stdout and "Server4" in out.stdout
+
+
+def test_invalid_configuration_exits_2_with_every_problem(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "virtual_servers:\n"
+        "  - name: web\n"
+        "    lisen: 127.0.0.1:8080\n"
+        "    scheduler: wlcc\n"
+        "    real_servers:\n"
+        "      - {name: a, address: 127.0.0.1:notaport, weight: heavy}\n"
+    )
+    for command in ("check", "run"):
+        out = run_cli(command, str(config))
+        assert out.returncode == 2, out
+        assert "Traceback" not in out.stderr
+        assert f"{config}:3: unknown key 'lisen'" in out.stderr
+        assert "did you mean 'listen'" in out.stderr
+        assert f"{config}:4: unknown scheduler 'wlcc'" in out.stderr
+        assert f"{config}:6:" in out.stderr
+
+
+def test_missing_configuration_file_exits_2(tmp_path):
+    out = run_cli("run", str(tmp_path / "nope.yaml"))
+    assert out.returncode == 2
+    assert "nope.yaml" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_address_in_use_exits_1_naming_the_address(tmp_path):
+    busy = socket.create_server(("127.0.0.1", 0))
+    port = busy.getsockname()[1]
+
+    class Server:
+        name = "a"
+
+    Server.port = free_port()
+    config = tmp_path / "busy.yaml"
+    config.write_text(vs_config(port, [Server]))
+    try:
+        out = run_cli("run", str(config), timeout=30)
+    finally:
+        busy.close()
+    assert out.returncode == 1
+    assert f"127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_sigterm_stops_accepting_and_lets_held_connections_finish(name_servers, lbproxy):
+    servers = name_servers("a")
+    port = free_port()
+    proxy = lbproxy(vs_config(port, servers))
+    sock, name = open_and_read_name(port)
+    assert name == "a"
+    proxy.signal(signal.SIGTERM)
+    time.sleep(0.5)
+    try:  # no new connections
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        raise AssertionError("a new connection was accepted while draining")
+    except ConnectionRefusedError:
+        pass
+    sock.sendall(b"still here")  # the held one keeps working
+    assert sock.recv(100) == b"still here"
+    assert proxy.proc.poll() is None
+    sock.close()
+    assert proxy.proc.wait(10) == 0
+
+
+def test_sigterm_closes_what_is_left_after_drain_timeout(name_servers, lbproxy):
+    servers = name_servers("a")
+    port = free_port()
+    proxy = lbproxy(vs_config(port, servers).replace("drain_timeout: 5s", "drain_timeout: 1s"))
+    sock, _ = open_and_read_name(port)
+    started = time.monotonic()
+    proxy.signal(signal.SIGTERM)
+    assert proxy.proc.wait(10) == 0
+    assert time.monotonic() - started < 5
+    sock.settimeout(5)
+    assert sock.recv(100) == b""
+    sock.close()
+
+
+def test_python_dash_m_and_version():
+    out = run_cli("--version")
+    assert out.returncode == 0 and "lbproxy" in out.stdout
+    assert (ROOT / "lbproxy" / "__main__.py").exists()

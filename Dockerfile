@@ -1,0 +1,18 @@
+# lbproxy in a container: `docker build -t lbproxy .` then
+#   docker run --rm -p 8080:8080 -v $PWD/configs:/etc/lbproxy:ro lbproxy
+# Every *.yaml in /etc/lbproxy is a virtual-server file (one may hold `global:`).
+FROM python:3.11-slim
+
+RUN useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin lbproxy
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY lbproxy ./lbproxy
+RUN pip install --no-cache-dir . && rm -rf /src
+
+USER lbproxy
+WORKDIR /
+# SIGTERM drains connections for global.drain_timeout, then exits 0.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["lbproxy"]
+CMD ["run", "/etc/lbproxy"]

@@ -133,5 +133,106 @@ def demo(port: int, duration: float | None) -> None:
     sys.exit(demo_module.run(port=port, duration=duration))
 
 
+# -- runtime commands through the admin API -------------------------------------------
+
+admin_option = click.option(
+    "--admin",
+    "admin",
+    metavar="URL",
+    help="Admin endpoint (default: $LBPROXY_ADMIN, else http://127.0.0.1:9100).",
+)
+token_option = click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    help="File holding the admin token (default: $LBPROXY_TOKEN holds the token).",
+)
+
+
+def _client(admin: str | None, token_file: str | None):
+    from lbproxy.client import AdminClient, AdminError, admin_url, load_token
+
+    try:
+        return AdminClient(admin_url(admin), load_token(token_file))
+    except AdminError as exc:
+        click.echo(f"lbproxy: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+
+
+def _call(function, *args):
+    from lbproxy.client import AdminError
+
+    try:
+        return function(*args)
+    except AdminError as exc:
+        click.echo(f"lbproxy: {exc}", err=True)
+        sys.exit(EXIT_RUNTIME)
+
+
+@main.command()
+@admin_option
+@token_option
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON document.")
+def status(admin: str | None, token_file: str | None, as_json: bool) -> None:
+    """Virtual servers and real servers: state, health, weights, connections, bytes."""
+    client = _client(admin, token_file)
+    document = _call(client.status)
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+        return
+    from lbproxy.render import print_status
+
+    print_status(document)
+
+
+def _patch(admin, token_file, vs, rs, change) -> None:
+    client = _client(admin, token_file)
+    result = _call(client.patch, vs, rs, change)
+    weight = result["weight"]
+    click.echo(
+        f"{vs}/{rs}: state {result['state']}, health {result['health']}, "
+        f"weight {weight['static']} (effective {weight['effective']}), "
+        f"{result['active_connections']} active"
+    )
+
+
+@main.command("set-weight")
+@click.argument("vs")
+@click.argument("rs")
+@click.argument("weight", type=click.FloatRange(min=0))
+@admin_option
+@token_option
+def set_weight(vs: str, rs: str, weight: float, admin, token_file) -> None:
+    """Set real server RS's static weight in virtual server VS (until the next reload)."""
+    _patch(admin, token_file, vs, rs, {"weight": int(weight) if weight.is_integer() else weight})
+
+
+def _state_command(name: str, state: str, help_text: str):
+    @main.command(name, help=help_text)
+    @click.argument("vs")
+    @click.argument("rs")
+    @admin_option
+    @token_option
+    def command(vs: str, rs: str, admin, token_file) -> None:
+        _patch(admin, token_file, vs, rs, {"state": state})
+
+    return command
+
+
+_state_command("drain", "drain", "No new connections to RS; its existing ones finish.")
+_state_command("enable", "enabled", "RS takes new connections again.")
+_state_command("disable", "disabled", "No new connections to RS, and its existing ones close.")
+
+
+@main.command()
+@admin_option
+@token_option
+def reload(admin: str | None, token_file: str | None) -> None:
+    """Reload the configuration files of the running proxy (like SIGHUP)."""
+    client = _client(admin, token_file)
+    result = _call(client.reload)
+    changes = result.get("changes") or ["no changes"]
+    click.echo("reloaded: " + "; ".join(changes))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

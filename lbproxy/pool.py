@@ -30,6 +30,7 @@ from typing import Any
 from lbproxy import schedulers
 from lbproxy.config import RealServerConfig, VirtualServerConfig
 from lbproxy.health import Health
+from lbproxy.histogram import DURATION_BUCKETS, POLL_BUCKETS, Histogram
 
 log = logging.getLogger("lbproxy.pool")
 
@@ -65,6 +66,7 @@ class RealServer:
         "dynamic_weight",
         "effective_weight",
         "health",
+        "health_checks",
         "index",
         "leases",
         "load_factor",
@@ -75,6 +77,7 @@ class RealServer:
         "removed",
         "sched_active",
         "seq",
+        "snmp_polls",
         "state",
         "static_weight",
     )
@@ -96,7 +99,9 @@ class RealServer:
         self.connections_total = 0
         self.bytes_in = 0
         self.bytes_out = 0
-        self.connect_failures: Counter[str] = Counter()
+        self.connect_failures: Counter[str] = Counter()  # refused | timeout | error
+        self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
+        self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
         self.leases: set[Lease] = set()
         self.apply_config(config)
 
@@ -149,6 +154,9 @@ class Pool:
         self.active = 0  # connections leased to real servers
         self.clients = 0  # client connections accepted and not yet closed (proxy-owned)
         self.rejected: Counter[str] = Counter()
+        self.durations = Histogram(DURATION_BUCKETS)  # connection lifetimes, seconds
+        self.poll_durations = Histogram(POLL_BUCKETS)  # SNMP round trips, seconds
+        self.throttle_mode = "low"  # low | high | digg, set by the throttle monitor
         self.epoch = 0
         self.fallback = self.scheduler.dynamic_weights  # nothing answered yet
         self._dynamic_positive = 0
@@ -162,6 +170,13 @@ class Pool:
         for rs_config in config.real_servers:
             self._add(rs_config, now)
         self._starting = False
+
+    @property
+    def polls_snmp(self) -> bool:
+        """True when this virtual server's scheduler reads SNMP values."""
+        return self.scheduler.dynamic_weights or (
+            self.config.scheduler == "least-load" and self.config.load_source == "snmp"
+        )
 
     # -- the hot path -------------------------------------------------------------
 

@@ -48,3 +48,57 @@ def _score(score: object) -> str:
     if isinstance(score, float):
         return f"{score:.4g}"
     return str(score)
+
+
+def status_table(document: dict) -> Table:
+    table = Table(title="lbproxy status")
+    for column, justify in (
+        ("virtual server", "left"),
+        ("real server", "left"),
+        ("address", "left"),
+        ("state", "left"),
+        ("health", "left"),
+        ("weight", "right"),
+        ("effective", "right"),
+        ("active", "right"),
+        ("total", "right"),
+        ("bytes in", "right"),
+        ("bytes out", "right"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for vs in document["virtual_servers"]:
+        first = True
+        label = f"{vs['name']} ({vs['scheduler']}, {vs['throttle_mode']})"
+        for rs in vs["real_servers"]:
+            weight = rs["weight"]
+            static = str(weight["static"])
+            if weight.get("dynamic") is not None:
+                static += f" / snmp {weight['dynamic']}"
+            table.add_row(
+                label if first else "",
+                rs["name"],
+                rs["address"],
+                rs["state"],
+                "[green]up[/]" if rs["health"] == "up" else "[red]down[/]",
+                static,
+                str(weight["effective"]),
+                str(rs["active_connections"]),
+                str(rs["connections_total"]),
+                _bytes(rs["bytes_in"]),
+                _bytes(rs["bytes_out"]),
+            )
+            first = False
+        table.add_section()
+    return table
+
+
+def print_status(document: dict) -> None:
+    Console().print(status_table(document))
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)

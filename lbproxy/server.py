@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from lbproxy import logs
+from lbproxy.admin import TokenError, read_token, serve_admin
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
 from lbproxy.pool import Pool
 from lbproxy.proxy import VirtualServer
@@ -56,6 +57,10 @@ class Listener:
 
 
 def bind(address: Address) -> trio.socket.SocketType:
+    return trio.socket.from_stdlib_socket(listen_socket(address))
+
+
+def listen_socket(address: Address) -> socket.socket:
     family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
     host = "127.0.0.1" if address.host == "localhost" else address.host
     # A stdlib socket bound synchronously (the host is a literal: no DNS), then handed
@@ -73,12 +78,15 @@ def bind(address: Address) -> trio.socket.SocketType:
     except OSError as exc:
         sock.close()
         raise BindError(f"cannot listen on {address}: {exc.strerror}") from None
-    return trio.socket.from_stdlib_socket(sock)
+    return sock
 
 
 class Server:
-    def __init__(self, config: Config, config_paths: Sequence[str] = ()) -> None:
+    def __init__(
+        self, config: Config, config_paths: Sequence[str] = (), admin_token: str | None = None
+    ) -> None:
         self.config = config
+        self.admin_token = admin_token
         self.config_paths = list(config_paths)
         self.virtual_servers: dict[str, VirtualServer] = {}
         self.listeners: dict[Address, Listener] = {}
@@ -86,6 +94,7 @@ class Server:
         self.draining = False
         self.reloads = {"ok": 0, "error": 0}
         self._stop = trio.Event()
+        self._finished = trio.Event()
         self._handlers: trio.Nursery | None = None
         self._service: trio.Nursery | None = None
 
@@ -99,6 +108,42 @@ class Server:
     ) -> None:
         # Bind before any task starts, so a bad address fails plainly (exit code 1).
         bound = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
+        admin_address = self.config.global_.admin.listen
+        try:
+            admin_sock = listen_socket(admin_address) if admin_address else None
+        except BindError:
+            for listener in bound:
+                listener.sock.close()
+            raise
+        # The admin endpoint outlives the drain (so /readyz can answer 503 meanwhile)
+        # and is cancelled once the last connection is done.
+        async with trio.open_nursery() as admin:
+            if admin_sock is not None:
+                await admin.start(serve_admin, self, admin_sock, self.admin_token)
+            await admin.start(self._serve, bound, handle_signals)
+            task_status.started(self)
+            await self._finished.wait()
+            admin.cancel_scope.cancel()
+        log.info("stopped")
+
+    def pools(self) -> list[Pool]:
+        """The pools of the configured virtual servers, in configuration order."""
+        return [vs.pool for vs in self.virtual_servers.values()]
+
+    async def _serve(
+        self,
+        bound: list[Listener],
+        handle_signals: bool,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        try:
+            await self._serve_until_drained(bound, handle_signals, task_status)
+        finally:
+            self._finished.set()
+
+    async def _serve_until_drained(
+        self, bound: list[Listener], handle_signals: bool, task_status: trio.TaskStatus[None]
+    ) -> None:
         async with trio.open_nursery() as handlers:
             self._handlers = handlers
             async with trio.open_nursery() as service:
@@ -112,7 +157,7 @@ class Server:
                     "listening on %s",
                     ", ".join(str(address) for address in self.listeners),
                 )
-                task_status.started(self)
+                task_status.started()
                 await self._stop.wait()
                 service.cancel_scope.cancel()
             for listener in self.listeners.values():
@@ -126,7 +171,6 @@ class Server:
             handlers.cancel_scope.deadline = (
                 trio.current_time() + self.config.global_.drain_timeout
             )
-        log.info("stopped")
 
     def stop(self) -> None:
         """Stop accepting at once; connections get `drain_timeout` to finish."""
@@ -278,7 +322,14 @@ def run(
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     logs.configure(config.global_.log_format, log_level)
-    server = Server(config, config_paths)
+    token = None
+    if config.global_.admin.listen and config.global_.admin.token_file:
+        try:
+            token = read_token(config.global_.admin.token_file)
+        except TokenError as exc:
+            log.error("%s", exc)
+            return 2
+    server = Server(config, config_paths, admin_token=token)
 
     failures: list[BindError] = []
     try:

@@ -1,0 +1,293 @@
+"""The admin endpoint: /metrics, /healthz, /readyz and the /api/v1 JSON API (SPEC §7).
+
+A small ASGI application served by hypercorn's trio worker inside the proxy's own trio
+program, so it reads the live pools directly; hypercorn does all the HTTP. Mutations
+(PATCH, POST) need `Authorization: Bearer <token>` when `global.admin.token_file` is set
+(compared in constant time) and are refused from non-loopback clients when it is not.
+Nothing secret is logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import stat
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from lbproxy.metrics import make_registry
+from lbproxy.pool import Pool
+
+if TYPE_CHECKING:
+    import socket
+
+    from lbproxy.server import Server
+
+log = logging.getLogger("lbproxy.admin")
+
+MAX_BODY = 64 * 1024
+REAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)$")
+VIRTUAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)$")
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class TokenError(Exception):
+    """The token file is missing, empty or readable by everyone."""
+
+
+def read_token(path: str) -> str:
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise TokenError(f"admin token_file {path}: {exc.strerror}") from None
+    if mode & stat.S_IROTH:
+        raise TokenError(
+            f"admin token_file {path} is readable by every user; "
+            f"run `chmod o-rwx {path}` (or chmod 600)"
+        )
+    if not token:
+        raise TokenError(f"admin token_file {path} is empty")
+    return token
+
+
+# -- documents (the same for the API and `lbproxy status --json`) ---------------------
+
+
+def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
+    rs = pool.by_name[name]
+    stats = pool._server_stats(rs)
+    return {
+        "name": stats.name,
+        "address": stats.address,
+        "state": stats.state,
+        "health": stats.health,
+        "weight": {
+            "static": _number(stats.weight_static),
+            "dynamic": None if not pool.polls_snmp else _number(stats.weight_dynamic),
+            "effective": _number(stats.weight_effective),
+        },
+        "active_connections": stats.active_connections,
+        "connections_total": stats.connections_total,
+        "bytes_in": stats.bytes_in,
+        "bytes_out": stats.bytes_out,
+    }
+
+
+def virtual_server_document(pool: Pool) -> dict[str, Any]:
+    stats = pool.statistics()
+    return {
+        "name": pool.name,
+        "listen": [str(address) for address in pool.config.listen],
+        "scheduler": pool.config.scheduler,
+        "throttle_mode": pool.throttle_mode,
+        "active_connections": stats.active_connections,
+        "clients": pool.clients,
+        "rejected": stats.rejected,
+        "dynamic_weight_fallback": stats.dynamic_weight_fallback,
+        "real_servers": [real_server_document(pool, rs.name) for rs in stats.real_servers],
+    }
+
+
+def _number(value: float | None) -> float | int | None:
+    if value is None:
+        return None
+    return int(value) if float(value).is_integer() else round(value, 4)
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+# -- the ASGI application --------------------------------------------------------------
+
+
+class AdminApp:
+    def __init__(self, server: Server, token: str | None) -> None:
+        self.server = server
+        self.token = token
+        self.registry = make_registry(server)
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            status, body, content_type = await self._route(scope, receive)
+        except _HTTPError as exc:
+            status, body, content_type = exc.status, _json({"error": exc.message}), "json"
+        headers = [
+            (b"content-type", _CONTENT_TYPES.get(content_type, content_type).encode()),
+            (b"content-length", str(len(body)).encode()),
+            (b"cache-control", b"no-store"),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        server = self.server
+        if path == "/metrics":
+            self._allow(method, "GET")
+            return 200, generate_latest(self.registry), "metrics"
+        if path == "/healthz":
+            self._allow(method, "GET")
+            return 200, b"ok\n", "text"
+        if path == "/readyz":
+            self._allow(method, "GET")
+            if server.ready and not server.draining:
+                return 200, b"ready\n", "text"
+            return 503, b"draining\n" if server.draining else b"starting\n", "text"
+        if path == "/api/v1/virtual-servers":
+            self._allow(method, "GET")
+            pools = list(server.pools())
+            return (
+                200,
+                _json({"virtual_servers": [virtual_server_document(p) for p in pools]}),
+                "json",
+            )
+        if match := VIRTUAL_SERVER_PATH.match(path):
+            self._allow(method, "GET")
+            return 200, _json(virtual_server_document(self._pool(match[1]))), "json"
+        if match := REAL_SERVER_PATH.match(path):
+            if method == "GET":
+                pool = self._pool(match[1])
+                self._real_server(pool, match[2])
+                return 200, _json(real_server_document(pool, match[2])), "json"
+            self._allow(method, "PATCH")
+            self._authorize(scope)
+            return await self._patch(match[1], match[2], receive)
+        if path == "/api/v1/reload":
+            self._allow(method, "POST")
+            self._authorize(scope)
+            ok, messages = server.reload()
+            if ok:
+                return 200, _json({"result": "ok", "changes": messages}), "json"
+            return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
+        raise _HTTPError(404, f"no such path: {path}")
+
+    async def _patch(self, vs_name: str, rs_name: str, receive: Receive) -> tuple[int, bytes, str]:
+        pool = self._pool(vs_name)
+        self._real_server(pool, rs_name)
+        body = await _read_body(receive)
+        try:
+            request = json.loads(body or b"null")
+        except (ValueError, UnicodeDecodeError):
+            raise _HTTPError(400, 'body must be JSON, like {"weight": 3}') from None
+        if not isinstance(request, dict) or not request or set(request) - {"weight", "state"}:
+            raise _HTTPError(
+                400, 'body must be {"weight": N} or {"state": "enabled" | "drain" | "disabled"}'
+            )
+        if "weight" in request:
+            error = self.server.set_weight(vs_name, rs_name, request["weight"])
+            if error:
+                raise _HTTPError(400, error)
+        if "state" in request:
+            error = self.server.set_state(vs_name, rs_name, request["state"])
+            if error:
+                raise _HTTPError(400, error)
+        return 200, _json(real_server_document(pool, rs_name)), "json"
+
+    def _pool(self, name: str) -> Pool:
+        for pool in self.server.pools():
+            if pool.name == name:
+                return pool
+        raise _HTTPError(404, f"no virtual server {name!r}")
+
+    @staticmethod
+    def _real_server(pool: Pool, name: str) -> None:
+        if name not in pool.by_name:
+            raise _HTTPError(404, f"no real server {name!r} in virtual server {pool.name!r}")
+
+    @staticmethod
+    def _allow(method: str, allowed: str) -> None:
+        if method != allowed and not (allowed == "GET" and method == "HEAD"):
+            raise _HTTPError(405, f"method {method} not allowed; use {allowed}")
+
+    def _authorize(self, scope: dict[str, Any]) -> None:
+        client = scope.get("client")
+        if self.token is None:
+            if not _is_loopback(client[0] if client else None):
+                raise _HTTPError(403, "changes are only accepted from loopback without a token")
+            return
+        header = dict(scope.get("headers", [])).get(b"authorization", b"")
+        scheme, _, given = header.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise _HTTPError(401, "missing bearer token")
+        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            raise _HTTPError(403, "wrong token")
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_CONTENT_TYPES = {
+    "json": "application/json",
+    "text": "text/plain; charset=utf-8",
+    "metrics": CONTENT_TYPE_LATEST,
+}
+
+
+def _json(document: Any) -> bytes:
+    return (json.dumps(document, indent=2) + "\n").encode()
+
+
+async def _read_body(receive: Receive) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if len(body) > MAX_BODY:
+            raise _HTTPError(413, "body too large")
+        if not message.get("more_body"):
+            return body
+
+
+async def serve_admin(
+    server: Server,
+    sock: socket.socket,
+    token: str | None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the admin app on an already bound, listening socket until cancelled."""
+    config = HypercornConfig()
+    config.accesslog = None
+    config.errorlog = logging.getLogger("lbproxy.admin.http")
+    config.graceful_timeout = 1.0
+    app = wrap_app(AdminApp(server, token), config.wsgi_max_body_size, "asgi")
+    await worker_serve(app, config, sockets=Sockets([], [sock], []), task_status=task_status)

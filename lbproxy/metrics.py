@@ -1,0 +1,153 @@
+"""Prometheus metrics, read from the live pools at scrape time (SPEC §8).
+
+Nothing here runs on the connection path: the pools, the pump's flows and the pollers
+keep plain counters, and this collector turns them into metric families when
+`/metrics` is scraped (the prometheus-pve-exporter pattern). Each Server gets its own
+registry, so tests never share state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from lbproxy.pool import REJECT_REASONS, Pool
+
+THROTTLE_MODES = {"low": 0, "high": 1, "digg": 2}
+CONNECT_FAILURE_REASONS = ("refused", "timeout", "error")
+HEALTH_RESULTS = ("ok", "fail", "timeout")
+SNMP_RESULTS = ("ok", "timeout", "error", "bad_value")
+RELOAD_RESULTS = ("ok", "error")
+VS, RS = "virtual_server", "real_server"
+
+
+class MetricsSource(Protocol):
+    """What the collector reads: the running pools and the reload counts."""
+
+    reloads: dict[str, int]
+
+    def pools(self) -> Iterable[Pool]: ...
+
+
+class LbproxyCollector:
+    def __init__(self, source: MetricsSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        connections = CounterMetricFamily(
+            "lbproxy_connections", "Connections sent to each real server.", labels=[VS, RS]
+        )
+        active = GaugeMetricFamily(
+            "lbproxy_active_connections", "Connections open to each real server.", labels=[VS, RS]
+        )
+        bytes_total = CounterMetricFamily(
+            "lbproxy_bytes",
+            "Bytes moved; direction in is client to server, out is server to client.",
+            labels=[VS, RS, "direction"],
+        )
+        rejected = CounterMetricFamily(
+            "lbproxy_rejected_connections",
+            "Client connections closed without being served, by reason.",
+            labels=[VS, "reason"],
+        )
+        connect_failures = CounterMetricFamily(
+            "lbproxy_connect_failures",
+            "Failed connects to a real server, by reason.",
+            labels=[VS, RS, "reason"],
+        )
+        up = GaugeMetricFamily(
+            "lbproxy_real_server_up", "1 when the real server's health is up.", labels=[VS, RS]
+        )
+        weight = GaugeMetricFamily(
+            "lbproxy_real_server_weight",
+            "Static (configured or set at run time) and effective weight.",
+            labels=[VS, RS, "kind"],
+        )
+        checks = CounterMetricFamily(
+            "lbproxy_health_checks", "Active health check results.", labels=[VS, RS, "result"]
+        )
+        polls = CounterMetricFamily(
+            "lbproxy_snmp_polls", "SNMP poll results.", labels=[VS, RS, "result"]
+        )
+        poll_duration = HistogramMetricFamily(
+            "lbproxy_snmp_poll_duration_seconds",
+            "Time from an SNMP request to its answer or the poll's failure.",
+            labels=[VS],
+        )
+        fallback = GaugeMetricFamily(
+            "lbproxy_dynamic_weight_fallback",
+            "1 while every dynamic weight is 0 and static weights are used.",
+            labels=[VS],
+        )
+        throttle = GaugeMetricFamily(
+            "lbproxy_throttle_mode",
+            "Admission control mode: 0 low, 1 high, 2 digg.",
+            labels=[VS],
+        )
+        duration = HistogramMetricFamily(
+            "lbproxy_connection_duration_seconds",
+            "Lifetime of proxied connections.",
+            labels=[VS],
+        )
+        for pool in self.source.pools():
+            vs = pool.name
+            for reason in REJECT_REASONS:
+                rejected.add_metric([vs, reason], pool.rejected[reason])
+            fallback.add_metric([vs], 1.0 if pool.fallback else 0.0)
+            throttle.add_metric([vs], THROTTLE_MODES.get(pool.throttle_mode, 0))
+            duration.add_metric([vs], pool.durations.cumulative(), pool.durations.total)
+            poll_duration.add_metric(
+                [vs], pool.poll_durations.cumulative(), pool.poll_durations.total
+            )
+            for stats in pool.statistics().real_servers:
+                rs = pool.by_name[stats.name]
+                labels = [vs, stats.name]
+                connections.add_metric(labels, stats.connections_total)
+                active.add_metric(labels, stats.active_connections)
+                bytes_total.add_metric([*labels, "in"], stats.bytes_in)
+                bytes_total.add_metric([*labels, "out"], stats.bytes_out)
+                up.add_metric(labels, 1.0 if stats.health == "up" else 0.0)
+                weight.add_metric([*labels, "static"], stats.weight_static)
+                weight.add_metric([*labels, "effective"], stats.weight_effective)
+                for reason in CONNECT_FAILURE_REASONS:
+                    connect_failures.add_metric([*labels, reason], rs.connect_failures[reason])
+                for result in HEALTH_RESULTS:
+                    checks.add_metric([*labels, result], rs.health_checks[result])
+                if rs.config.snmp is not None and pool.polls_snmp:
+                    for result in SNMP_RESULTS:
+                        polls.add_metric([*labels, result], rs.snmp_polls[result])
+        reloads = CounterMetricFamily(
+            "lbproxy_config_reloads", "Configuration reloads, by result.", labels=["result"]
+        )
+        for result in RELOAD_RESULTS:
+            reloads.add_metric([result], self.source.reloads.get(result, 0))
+        yield from (
+            connections,
+            active,
+            bytes_total,
+            rejected,
+            connect_failures,
+            up,
+            weight,
+            checks,
+            polls,
+            poll_duration,
+            fallback,
+            throttle,
+            duration,
+            reloads,
+        )
+
+
+def make_registry(source: MetricsSource) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LbproxyCollector(source))  # type: ignore[arg-type]
+    return registry

@@ -65,6 +65,7 @@ class GlobalConfig:
     admin: AdminConfig = AdminConfig()
     log_format: str = "text"  # text | json
     drain_timeout: float = 30.0
+    access_log: bool = False  # one INFO line per connection on logger lbproxy.access
     workers: int = 1  # `auto` is resolved to os.cpu_count() by the loader
 
 
@@ -551,6 +552,7 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
     "log_format": _choice("text", "json"),
     "drain_timeout": _duration(positive=False),
     "workers": _workers,
+    "access_log": _boolean,
 }
 _GLOBAL_SECTIONS = ("admin",)
 

@@ -27,9 +27,7 @@ def configure(log_format: str = "text", level: str = "info") -> None:
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("lbproxy")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

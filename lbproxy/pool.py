@@ -310,6 +310,17 @@ class Pool:
                 self.scheduler.on_available(rs, now)
         self._next_tick = self._scheduler_tick = float("-inf")
 
+    def scores(self, tried: Collection[RealServer] = ()) -> dict[str, str]:
+        """Every server's score as the scheduler sees it, for decision explain (O(n))."""
+        return {
+            rs.name: "tried"
+            if rs in tried
+            else schedulers.format_score(self.scheduler.explain(rs))
+            if rs.available
+            else "unavailable"
+            for rs in self.servers
+        }
+
     # -- statistics ---------------------------------------------------------------
 
     def statistics(self) -> PoolStats:
@@ -382,9 +393,7 @@ class Pool:
             if fallback != self.fallback:
                 self.fallback = fallback
                 if fallback:
-                    log.warning(
-                        "%s: every dynamic weight is 0; using static weights", self.name
-                    )
+                    log.warning("%s: every dynamic weight is 0; using static weights", self.name)
                 else:
                     log.info("%s: dynamic weights in use again", self.name)
                 for other in self.servers:

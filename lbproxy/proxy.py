@@ -21,8 +21,10 @@ from lbproxy import proxy_protocol
 from lbproxy.config import Address, VirtualServerConfig
 from lbproxy.pool import Lease, Pool, RealServer
 from lbproxy.pump import Flow, pump
+from lbproxy.throttle_monitor import ThrottleMonitor
 
 log = logging.getLogger("lbproxy.proxy")
+access_log = logging.getLogger("lbproxy.access")
 
 PROXY_HEADER_MAX = 536  # v2: 16-byte header + up to 520 bytes of addresses and TLVs
 
@@ -30,11 +32,14 @@ PROXY_HEADER_MAX = 536  # v2: 16-byte header + up to 520 bytes of addresses and 
 class Connection:
     """The handle a pool lease carries: live byte counts, and a way to close it."""
 
-    __slots__ = ("cancel_scope", "flow")
+    __slots__ = ("cancel_scope", "flow", "own_idle_timeout")
 
     def __init__(self, flow: Flow, cancel_scope: trio.CancelScope) -> None:
         self.flow = flow
         self.cancel_scope = cancel_scope
+        # The virtual server's idle_timeout when the connection started: the throttle
+        # imposes min(own, imposed) under load and gives this back in low mode.
+        self.own_idle_timeout = flow.idle_timeout
 
     @property
     def bytes_in(self) -> int:
@@ -60,7 +65,11 @@ class VirtualServer:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self._resolved: dict[Address, tuple[int, tuple]] = {}
-        self._acl_cache: tuple[VirtualServerConfig, object] | None = None
+        self.access_log = False  # global.access_log, set by the Server
+        # Admission control (throttle_monitor.py), set by the Server's Throttles when the
+        # virtual server has a `throttle:` block; "low" | "high" | "digg" for metrics.
+        self.throttle: ThrottleMonitor | None = None
+        pool.throttle_mode = "low"  # type: ignore[attr-defined]
 
     @property
     def name(self) -> str:
@@ -74,16 +83,20 @@ class VirtualServer:
         try:
             with client:
                 source, leftover = peer, b""
+                throttle = self.throttle
+                if throttle is not None and throttle.arrival():  # digg: close at once
+                    self._reject("throttle", source)
+                    return
                 if config.accept_proxy:
                     header = await self._read_proxy_header(client, config.connect_timeout)
                     if header is None:
                         return
                     source, leftover = header
                 if not self._allowed(config, source[0]):
-                    pool.rejected["acl"] += 1
+                    self._reject("acl", source)
                     return
                 if config.max_connections and pool.clients > config.max_connections:
-                    pool.rejected["max_connections"] += 1
+                    self._reject("max_connections", source)
                     return
                 await self._forward(client, source, leftover, config)
         finally:
@@ -97,10 +110,17 @@ class VirtualServer:
         config: VirtualServerConfig,
     ) -> None:
         pool = self.pool
+        started = trio.current_time()
+        outcome = "cancelled"  # a disabled server, on_down: close, or the drain deadline
         with trio.CancelScope() as scope:
             flow = Flow(config.idle_timeout)
-            connected = await self._connect(Connection(flow, scope), config)
+            handle = Connection(flow, scope)
+            if self.throttle is not None:  # start with the imposed idle timeout, if any
+                flow.idle_timeout = self.throttle.idle_timeout_for(config.idle_timeout)
+            connected = await self._connect(handle, config)
             if connected is None:
+                if self.access_log:
+                    self._log_access(source, None, flow, started, "no_server")
                 return
             server, lease = connected
             try:
@@ -109,14 +129,44 @@ class VirtualServer:
                         destination = client.getsockname()
                         header = proxy_protocol.encode(config.send_proxy, source, destination)
                         await _send_all(server, header)
-                    await pump(client, server, flow, initial_client_bytes=leftover)
+                    outcome = await pump(client, server, flow, initial_client_bytes=leftover)
             except OSError as exc:  # the PROXY header could not be sent: peer reset
                 log.debug("%s: %s", pool.name, exc)
+                outcome = "server_reset"
             finally:
                 rs = lease.server
                 rs.bytes_in += flow.bytes_in
                 rs.bytes_out += flow.bytes_out
-                pool.drop(lease, trio.current_time())
+                now = trio.current_time()
+                pool.drop(lease, now)
+                pool.durations.observe(now - started)
+                if self.access_log:
+                    self._log_access(source, rs.name, flow, started, outcome)
+
+    def _reject(self, reason: str, source: tuple) -> None:
+        self.pool.rejected[reason] += 1
+        if self.access_log:
+            access_log.info(
+                "%s vs=%s rs=- in=0 out=0 duration=0.000s end=rejected:%s",
+                _format_peer(source),
+                self.pool.name,
+                reason,
+            )
+
+    def _log_access(
+        self, source: tuple, rs: str | None, flow: Flow, started: float, end: str
+    ) -> None:
+        # HAProxy `option tcplog` in spirit: who, where to, how much, how long, how it ended.
+        access_log.info(
+            "%s vs=%s rs=%s in=%d out=%d duration=%.3fs end=%s",
+            _format_peer(source),
+            self.pool.name,
+            rs or "-",
+            flow.bytes_in,
+            flow.bytes_out,
+            trio.current_time() - started,
+            end,
+        )
 
     async def _connect(
         self, handle: Connection, config: VirtualServerConfig
@@ -130,6 +180,8 @@ class VirtualServer:
             if rs is None:
                 break
             tried.append(rs)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s", explain_pick(pool, rs, tried[:-1]))
             # Taken before the connect completes, as IPVS counts a connection from its
             # SYN: concurrent arrivals then see this one and spread out.
             lease = pool.take(rs, now, handle)
@@ -212,6 +264,17 @@ class VirtualServer:
                 return None
         log.debug("%s: no PROXY header within %ss", self.name, timeout)
         return None
+
+
+def explain_pick(pool: Pool, chosen: RealServer, tried: list[RealServer]) -> str:
+    """The decision explain line: every candidate and its score (debug logs only)."""
+    scores = ", ".join(f"{name}={score}" for name, score in pool.scores(tried).items())
+    return f"{pool.name}: {pool.config.scheduler} picked {chosen.name} [{scores}]"
+
+
+def _format_peer(peer: tuple) -> str:
+    host, port = peer[0], peer[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
 async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:

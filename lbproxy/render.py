@@ -38,16 +38,8 @@ def print_simulation(result: SimulationResult, *, hold: bool) -> None:
 def print_explain(result: SimulationResult) -> None:
     console = Console(highlight=False)
     for pick in result.explain:
-        scores = ", ".join(f"{name}={_score(score)}" for name, score in pick.scores.items())
+        scores = ", ".join(f"{name}={score}" for name, score in pick.scores.items())
         console.print(f"#{pick.number} t={pick.time:.2f}s -> {pick.server or '-'}  [{scores}]")
-
-
-def _score(score: object) -> str:
-    if isinstance(score, tuple):
-        return "(" + ", ".join(_score(part) for part in score) + ")"
-    if isinstance(score, float):
-        return f"{score:.4g}"
-    return str(score)
 
 
 def status_table(document: dict) -> Table:

@@ -26,6 +26,7 @@ from lbproxy.admin import TokenError, read_token, serve_admin
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
 from lbproxy.pool import Pool
 from lbproxy.proxy import VirtualServer
+from lbproxy.throttle_monitor import Throttles
 
 log = logging.getLogger("lbproxy.server")
 
@@ -97,6 +98,7 @@ class Server:
         self._finished = trio.Event()
         self._handlers: trio.Nursery | None = None
         self._service: trio.Nursery | None = None
+        self.throttles = Throttles()  # one admission-control monitor per throttled VS
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -150,6 +152,7 @@ class Server:
                 self._service = service
                 for listener in bound:
                     self._start_listener(listener)
+                self.throttles.sync(self.virtual_servers.values(), service)
                 if handle_signals:
                     await service.start(self._signals)
                 self.ready = True
@@ -168,9 +171,7 @@ class Server:
                 open_now,
                 self.config.global_.drain_timeout,
             )
-            handlers.cancel_scope.deadline = (
-                trio.current_time() + self.config.global_.drain_timeout
-            )
+            handlers.cancel_scope.deadline = trio.current_time() + self.config.global_.drain_timeout
 
     def stop(self) -> None:
         """Stop accepting at once; connections get `drain_timeout` to finish."""
@@ -199,6 +200,7 @@ class Server:
                 vs = self.virtual_servers.get(vs_config.name)
                 if vs is None:
                     vs = VirtualServer(Pool(vs_config, now))
+                    vs.access_log = self.config.global_.access_log
                 for address in vs_config.listen:
                     existing = self.listeners.get(address)
                     if existing is not None and existing.vs.name == vs_config.name:
@@ -310,6 +312,10 @@ class Server:
             self._start_listener(listener)
             changes.append(f"{listener.vs.name}: listening on {listener.address}")
         self.config = new
+        if self._service is not None and not self.draining:  # start/stop/retune throttles
+            self.throttles.sync(self.virtual_servers.values(), self._service)
+        for vs in self.virtual_servers.values():
+            vs.access_log = new.global_.access_log
         return changes
 
 

@@ -180,7 +180,7 @@ def simulate(
         while pending and pending[0].before <= number:
             for key, value in pending.popleft().actions:
                 _apply(pool, key, value, held, now)
-        scores = _scores(pool) if explain else {}
+        scores = pool.scores() if explain else {}
         rs = pool.pick(now)
         if rs is None:
             sequence.append(None)
@@ -195,14 +195,6 @@ def simulate(
         if explain:
             trace.append(Pick(number, now, rs.name if rs else None, scores))
     return SimulationResult(vs.name, vs.scheduler, picks, sequence, trace)
-
-
-def _scores(pool: Pool) -> dict[str, Any]:
-    # Only for --explain: every server's score, available or not.
-    return {
-        rs.name: (pool.scheduler.explain(rs) if rs.available else "unavailable")
-        for rs in pool.servers
-    }
 
 
 def _apply(pool: Pool, key: str, value: Any, held: dict[str, deque[Lease]], now: float) -> None:

@@ -51,6 +51,15 @@ def _load_builtins() -> None:
     from lbproxy.schedulers import dynamic, first, lc, least_load, rr, sap  # noqa: F401
 
 
+def format_score(score: Any) -> str:
+    """A scheduler's score as a short string for decision-explain output."""
+    if isinstance(score, tuple):
+        return "(" + ", ".join(format_score(part) for part in score) + ")"
+    if isinstance(score, float):
+        return f"{score:.4g}"
+    return str(score)
+
+
 class Scheduler:
     """Base: every hook is a no-op; subclasses override what their algorithm needs."""
 

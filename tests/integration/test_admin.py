@@ -1,0 +1,269 @@
+"""The admin endpoint over real HTTP against real `lbproxy run` processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import vs_config
+from tests.integration.harness import ask_name, free_port, open_and_read_name, run_cli
+
+
+def with_admin(config: str, admin_port: int, token_file=None) -> str:
+    admin = f"{{listen: 127.0.0.1:{admin_port}"
+    admin += f", token_file: {token_file}}}" if token_file else "}"
+    return config.replace("admin: {listen: none}", f"admin: {admin}")
+
+
+def http(method: str, url: str, body=None, token=None) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def metrics(admin_port: int) -> dict[tuple, float]:
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/metrics")
+    assert status == 200
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples, name, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture
+def proxied(name_servers, lbproxy):
+    """Three name servers behind an rr virtual server with the admin endpoint on."""
+    servers = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    config = with_admin(vs_config(port, servers, "rr", "health_check: {type: none}"), admin_port)
+    proxy = lbproxy(config)
+    return proxy, servers, port, admin_port
+
+
+def test_health_and_readiness(proxied):
+    _, _, _, admin_port = proxied
+    assert http("GET", f"http://127.0.0.1:{admin_port}/healthz")[0] == 200
+    assert http("GET", f"http://127.0.0.1:{admin_port}/readyz")[0] == 200
+    assert http("GET", f"http://127.0.0.1:{admin_port}/nope")[0] == 404
+
+
+def test_metrics_count_connections_bytes_and_active(proxied):
+    _, _, port, admin_port = proxied
+    sent = received = 0
+    for i in range(30):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            payload = b"x" * (100 + i)
+            greeting = s.recv(2)  # "a\n"
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            echo = b""
+            while chunk := s.recv(65536):
+                echo += chunk
+            sent += len(payload)
+            received += len(greeting) + len(echo)
+    held = [open_and_read_name(port) for _ in range(4)]
+    time.sleep(0.2)
+    samples = metrics(admin_port)
+    for name in "abc":
+        assert sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=name) >= 10
+    total = sum(
+        sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=n)
+        for n in "abc"
+    )
+    assert total == 34
+    bytes_in = sum(
+        sample(samples, "lbproxy_bytes_total", virtual_server="web", real_server=n, direction="in")
+        for n in "abc"
+    )
+    bytes_out = sum(
+        sample(samples, "lbproxy_bytes_total", virtual_server="web", real_server=n, direction="out")
+        for n in "abc"
+    )
+    assert bytes_in == sent
+    assert bytes_out == received + 4 * 2  # the held connections' greetings
+    active = sum(
+        sample(samples, "lbproxy_active_connections", virtual_server="web", real_server=n)
+        for n in "abc"
+    )
+    assert active == 4
+    for s, _ in held:
+        s.close()
+    assert sample(samples, "lbproxy_config_reloads_total", result="ok") == 0
+
+
+def test_exact_counts_after_thirty_rr_connections(proxied):
+    _, _, port, admin_port = proxied
+    for _ in range(30):
+        ask_name(port)
+    samples = metrics(admin_port)
+    for name in "abc":
+        assert sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=name) == 10
+        assert sample(samples, "lbproxy_real_server_up", virtual_server="web", real_server=name) == 1
+
+
+def test_real_server_up_follows_health(proxied):
+    _, servers, port, admin_port = proxied
+    servers[1].stop()
+    names = [ask_name(port) for _ in range(12)]  # passive failures: fall = 3
+    assert "b" not in names
+    samples = metrics(admin_port)
+    assert sample(samples, "lbproxy_real_server_up", virtual_server="web", real_server="b") == 0
+    assert sample(
+        samples, "lbproxy_connect_failures_total", virtual_server="web", real_server="b", reason="refused"
+    ) >= 3
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing")
+def test_promtool_accepts_the_metrics(proxied):
+    _, _, port, admin_port = proxied
+    ask_name(port)
+    _, body = http("GET", f"http://127.0.0.1:{admin_port}/metrics")
+    check = subprocess.run(
+        ["promtool", "check", "metrics"], input=body, capture_output=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.strip() == b"" and check.stderr.strip() == b""
+
+
+def test_patch_weight_and_state_change_the_distribution(proxied):
+    _, _, port, admin_port = proxied
+    url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web/real-servers"
+    status, body = http("PATCH", f"{url}/b", {"state": "drain"})
+    assert status == 200, body
+    assert json.loads(body)["state"] == "drain"
+    assert "b" not in [ask_name(port) for _ in range(6)]
+    status, body = http("PATCH", f"{url}/b", {"state": "enabled"})
+    assert status == 200
+    status, body = http("PATCH", f"{url}/a", {"weight": 0})
+    assert status == 200 and json.loads(body)["weight"]["static"] == 0
+    assert "a" not in [ask_name(port) for _ in range(6)]
+    assert http("PATCH", f"{url}/a", {"weight": -1})[0] == 400
+    assert http("PATCH", f"{url}/a", {"colour": "red"})[0] == 400
+    assert http("PATCH", f"{url}/zz", {"weight": 1})[0] == 404
+    assert http("PATCH", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/no/real-servers/a", {"weight": 1})[0] == 404
+
+
+def test_drain_keeps_existing_connections_working(proxied):
+    _, _, port, admin_port = proxied
+    held = [open_and_read_name(port) for _ in range(3)]
+    by_name = {name: sock for sock, name in held}
+    out = run_cli("drain", "web", "a", "--admin", f"http://127.0.0.1:{admin_port}")
+    assert out.returncode == 0, out.stderr
+    assert "state drain" in out.stdout
+    assert "a" not in [ask_name(port) for _ in range(4)]
+    by_name["a"].sendall(b"still")
+    assert by_name["a"].recv(10) == b"still"
+    for sock, _ in held:
+        sock.close()
+
+
+def test_disable_closes_existing_connections(proxied):
+    _, _, port, admin_port = proxied
+    held = [open_and_read_name(port) for _ in range(3)]
+    by_name = {name: sock for sock, name in held}
+    out = run_cli("disable", "web", "c", "--admin", f"127.0.0.1:{admin_port}")
+    assert out.returncode == 0, out.stderr
+    by_name["c"].settimeout(5)
+    assert by_name["c"].recv(10) == b""
+    by_name["a"].sendall(b"ok")
+    assert by_name["a"].recv(10) == b"ok"
+    for sock, _ in held:
+        sock.close()
+
+
+def test_status_json_is_the_api_document(proxied):
+    _, _, port, admin_port = proxied
+    ask_name(port)
+    out = run_cli("status", "--json", "--admin", f"http://127.0.0.1:{admin_port}")
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    (vs,) = document["virtual_servers"]
+    assert vs["name"] == "web" and vs["scheduler"] == "rr" and vs["throttle_mode"] == "low"
+    assert [rs["name"] for rs in vs["real_servers"]] == ["a", "b", "c"]
+    first = vs["real_servers"][0]
+    assert set(first) == {
+        "name", "address", "state", "health", "weight", "active_connections",
+        "connections_total", "bytes_in", "bytes_out",
+    }  # fmt: skip
+    assert first["weight"] == {"static": 1, "dynamic": None, "effective": 1}
+    assert first["connections_total"] == 1
+    table = run_cli("status", "--admin", f"http://127.0.0.1:{admin_port}")
+    assert table.returncode == 0 and "web" in table.stdout and "enabled" in table.stdout
+
+
+def test_status_against_a_dead_endpoint_is_a_clear_error():
+    out = run_cli("status", "--admin", f"http://127.0.0.1:{free_port()}")
+    assert out.returncode == 1
+    assert "cannot reach the lbproxy admin endpoint" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_reload_with_a_broken_file_answers_400_and_keeps_serving(proxied):
+    proxy, _, port, admin_port = proxied
+    good = proxy.config_path.read_text()
+    proxy.config_path.write_text(good.replace("scheduler: rr", "scheduler: nope"))
+    status, body = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
+    assert status == 400
+    errors = json.loads(body)["errors"]
+    assert any("unknown scheduler 'nope'" in e and f"{proxy.config_path}:" in e for e in errors)
+    assert ask_name(port) in "abc"
+    out = run_cli("reload", "--admin", f"http://127.0.0.1:{admin_port}")
+    assert out.returncode == 1 and "unknown scheduler 'nope'" in out.stderr
+    proxy.config_path.write_text(good.replace("scheduler: rr", "scheduler: wlc"))
+    out = run_cli("reload", "--admin", f"http://127.0.0.1:{admin_port}")
+    assert out.returncode == 0, out.stderr
+    samples = metrics(admin_port)
+    assert sample(samples, "lbproxy_config_reloads_total", result="error") == 2
+    assert sample(samples, "lbproxy_config_reloads_total", result="ok") == 1
+
+
+def test_token_is_required_for_changes(name_servers, lbproxy, tmp_path, monkeypatch):
+    servers = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("s3cret-token\n")
+    token_file.chmod(0o600)
+    lbproxy(with_admin(vs_config(port, servers), admin_port, token_file))
+    url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web/real-servers/a"
+    assert http("PATCH", url, {"weight": 2})[0] == 401
+    assert http("PATCH", url, {"weight": 2}, token="wrong")[0] == 403
+    assert http("PATCH", url, {"weight": 2}, token="s3cret-token")[0] == 200
+    assert http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers")[0] == 200
+    admin = f"http://127.0.0.1:{admin_port}"
+    assert run_cli("set-weight", "web", "a", "3", "--admin", admin).returncode == 1
+    ok = run_cli("set-weight", "web", "a", "3", "--admin", admin, "--token-file", str(token_file))
+    assert ok.returncode == 0 and "weight 3" in ok.stdout
+    monkeypatch.setenv("LBPROXY_TOKEN", "s3cret-token")
+    assert run_cli("set-weight", "web", "a", "4", "--admin", admin).returncode == 0
+    assert "s3cret" not in (tmp_path / "lbproxy.log").read_text()
+
+
+def test_world_readable_token_file_refuses_to_start(name_servers, tmp_path):
+    servers = name_servers("a")
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("token\n")
+    token_file.chmod(0o644)
+    config = tmp_path / "c.yaml"
+    config.write_text(with_admin(vs_config(free_port(), servers), free_port(), token_file))
+    out = run_cli("run", str(config), timeout=30)
+    assert out.returncode == 2
+    assert "readable by every user" in out.stderr

@@ -20,14 +20,12 @@ import trio
 from lbproxy import proxy_protocol
 from lbproxy.config import Address, VirtualServerConfig
 from lbproxy.pool import Lease, Pool, RealServer
+from lbproxy.proxy_header_io import read_proxy_header
 from lbproxy.pump import Flow, pump
 from lbproxy.throttle_monitor import ThrottleMonitor
 
 log = logging.getLogger("lbproxy.proxy")
 access_log = logging.getLogger("lbproxy.access")
-
-PROXY_HEADER_MAX = 536  # v2: 16-byte header + up to 520 bytes of addresses and TLVs
-
 
 class Connection:
     """The handle a pool lease carries: live byte counts, and a way to close it."""
@@ -246,23 +244,14 @@ class VirtualServer:
         self, client: trio.socket.SocketType, timeout: float
     ) -> tuple[tuple, bytes] | None:
         """Read an incoming PROXY v1/v2 header; None drops the connection."""
-        data = b""
-        with trio.move_on_after(timeout):
-            try:
-                while len(data) < PROXY_HEADER_MAX + 16:
-                    chunk = await client.recv(PROXY_HEADER_MAX + 16 - len(data))
-                    if not chunk:
-                        return None
-                    data += chunk
-                    result = proxy_protocol.parse(data)
-                    if result is None:
-                        continue
-                    source = result.source or client.getpeername()
-                    return (source[0], source[1]), data[result.consumed :]
-            except (OSError, proxy_protocol.ProxyProtocolError) as exc:
-                log.debug("%s: bad PROXY header: %s", self.name, exc)
-                return None
-        log.debug("%s: no PROXY header within %ss", self.name, timeout)
+        try:
+            with trio.fail_after(timeout):
+                source, leftover = await read_proxy_header(client)
+            return (source or client.getpeername()[:2]), leftover
+        except trio.TooSlowError:
+            log.debug("%s: no PROXY header within %ss", self.name, timeout)
+        except (OSError, proxy_protocol.ProxyProtocolError) as exc:
+            log.debug("%s: bad PROXY header: %s", self.name, exc)
         return None
 
 

@@ -336,9 +336,12 @@ async def _watchdog(flow: Flow) -> None:
     sleeps again until the new deadline, so it wakes about once per timeout period on a
     busy connection. The alternative, moving a cancel scope's deadline per chunk, costs
     ~1.8 us per update (trio re-queues the deadline in its heap) against ~0.15 us for
-    current_time() (measured on the 2-core CI box), and it is exact either way: the
-    timeout fires at last_activity + idle_timeout, not a tick later. Flow.poke() cancels
-    the current sleep so a changed timeout is applied at once.
+    current_time() (measured with trio 0.35 on a 2-core Linux box; a 128 KiB chunk
+    costs tens of us in the kernel). A bare counter per chunk would be cheaper still but
+    inexact: the watchdog could only tell "something moved since I last looked", so a
+    timeout would fire anywhere between 1x and 2x idle_timeout. With the timestamp it
+    fires at last_activity + idle_timeout. Flow.poke() cancels the current sleep so a
+    changed timeout is applied at once.
     """
     while True:
         deadline = flow.last_activity + flow._idle_timeout
@@ -408,7 +411,10 @@ async def _splice_copy(
     try:
         while True:
             # Wait first, then read: trio's wait_readable is also our checkpoint (so one
-            # busy connection cannot starve the others) and a cancellation point.
+            # busy connection cannot starve the others) and a cancellation point. Reading
+            # optimistically and adding a checkpoint() would save ~2.5 us per chunk
+            # (6.2 vs 3.6 us measured), 2-3% of a 128 KiB chunk here: not worth a second
+            # code path.
             await wait_readable(src_fd)
             pipe = idle_pipes.pop() if idle_pipes else _new_pipe()
             try:

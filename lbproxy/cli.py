@@ -121,6 +121,8 @@ def simulate(
     if explain:
         print_explain(result)
     print_simulation(result, hold=hold)
+    if result.throttle is not None:  # the admission-control timeline (SPEC section 5)
+        click.echo("\n".join(result.throttle.lines()))
 
 
 @main.command()

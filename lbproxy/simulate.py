@@ -11,6 +11,22 @@ number `before`, in file order, each key of one event in the order written:
     - {before: 30, weight: {s1: 3}}         runtime weight change (0 stops new connections)
     - {before: 35, load_factor: {s1: 3}}    sap load factor change
     - {before: 40, close: {s1: 5}}          s1's 5 oldest held connections end
+    - {before: 50, rate: 200}               arrivals per second from connection 50 on
+
+With `rate:` events, connection k arrives 1 / rate after connection k - 1 (rate being
+the one in force for k), so simulated time advances accordingly.
+
+Throttle (a virtual server with a `throttle:` block): every arrival counts toward the
+rate window; the monitor is simulated as it runs in `lbproxy run` -- an evaluation every
+`throttle.interval` of simulated time while connections are held or arrived within the
+last second, asleep (and set to low) once the virtual server is empty, woken by the next
+arrival, which it evaluates at once. Connections arriving in digg are refused (`null` in
+`sequence`, counted as rejected "throttle"). Held connections count as active; without
+`--hold` a connection is gone before the next arrives, so only the rate drives the load.
+The result lists every change of mode or of the imposed idle timeout; after the last
+arrival, evaluations go on until the mode is steady or the monitor sleeps. Simulated
+connections carry no traffic, so the imposed idle timeout closes none of them: a held
+connection stays until a `close:` event ends it.
 """
 
 from __future__ import annotations
@@ -23,8 +39,9 @@ import yaml
 
 from lbproxy.config import Config, VirtualServerConfig
 from lbproxy.pool import DISABLED, DRAIN, ENABLED, Lease, Pool
+from lbproxy.throttle import Change, Throttle
 
-EVENT_KEYS = ("snmp", "join", "leave", "weight", "load_factor", "close", "state")
+EVENT_KEYS = ("snmp", "join", "leave", "weight", "load_factor", "close", "state", "rate")
 
 
 class SimulationError(Exception):
@@ -53,6 +70,7 @@ class SimulationResult:
     picks: dict[str, int]
     sequence: list[str | None]
     explain: list[Pick] = field(default_factory=list)
+    throttle: ThrottleTimeline | None = None  # when the virtual server has a throttle
 
     def shares(self) -> dict[str, float]:
         total = sum(self.picks.values())
@@ -63,7 +81,50 @@ class SimulationResult:
             "virtual_server": self.virtual_server,
             "picks": self.picks,
             "sequence": self.sequence,
+        } | ({"throttle": self.throttle.as_json()} if self.throttle is not None else {})
+
+
+@dataclass(frozen=True)
+class ThrottleStep:
+    """A change of throttle mode or imposed idle timeout in a simulation."""
+
+    time: float  # simulated seconds
+    connection: int  # the first connection to arrive under it (connections + 1: after all)
+    mode: str
+    load: float
+    idle_timeout: float | None  # imposed; None: the virtual server's own
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "time": round(self.time, 6),
+            "connection": self.connection,
+            "mode": self.mode,
+            "load": round(self.load, 4),
+            "idle_timeout": None if self.idle_timeout is None else round(self.idle_timeout, 4),
         }
+
+
+@dataclass
+class ThrottleTimeline:
+    """What the throttle decided during a simulation: the timeline and the refusals."""
+
+    steps: list[ThrottleStep] = field(default_factory=list)
+    refused: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"refused": self.refused, "timeline": [s.as_json() for s in self.steps]}
+
+    def lines(self) -> list[str]:
+        """The timeline as aligned text lines, for the terminal."""
+        out = [f"throttle: {self.refused} connection(s) refused in digg"]
+        out.append(f"  {'time':>10}  {'from #':>7}  {'mode':<4}  {'load':>6}  idle timeout")
+        for step in self.steps:
+            timeout = "own" if step.idle_timeout is None else f"{step.idle_timeout:.3g}s"
+            out.append(
+                f"  {step.time:>9.3f}s  {step.connection:>7}  {step.mode:<4}  "
+                f"{step.load:>6.2f}  {timeout}"
+            )
+        return out
 
 
 def choose_virtual_server(config: Config, name: str | None) -> VirtualServerConfig:
@@ -141,6 +202,10 @@ def _check_action(key: str, value: Any, servers: list[str]) -> str | None:
     if key in ("join", "leave"):
         names = value if isinstance(value, list) else [value]
         return next((p for p in map(unknown, names) if p), None)
+    if key == "rate":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            return f"rate must be a number of connections per second > 0, got {value!r}"
+        return None
     if not isinstance(value, dict):
         return f"{key} must be a mapping of real server to value, like {{s1: 3}}"
     for name, number in value.items():
@@ -175,11 +240,34 @@ def simulate(
     sequence: list[str | None] = []
     trace: list[Pick] = []
     pending = deque(events)
+    monitor = _Monitor(vs.throttle) if vs.throttle is not None else None
+    # Connection k arrives at base_time + (k - base_number) / rate: exact multiples of
+    # 1 / rate without `rate:` events, as before they existed.
+    base_time, base_number, now = 0.0, 1, 0.0
     for number in range(1, connections + 1):
-        now = (number - 1) / rate
+        due = []
         while pending and pending[0].before <= number:
-            for key, value in pending.popleft().actions:
-                _apply(pool, key, value, held, now)
+            due.append(pending.popleft())
+        new_rate = next(
+            (v for event in reversed(due) for k, v in reversed(event.actions) if k == "rate"),
+            None,
+        )
+        if new_rate is not None and number > 1:
+            base_time, base_number = now + 1.0 / new_rate, number
+        rate = rate if new_rate is None else float(new_rate)
+        now = base_time + (number - base_number) / rate
+        if monitor is not None:
+            monitor.catch_up(now, pool.active, number)
+        for event in due:
+            for key, value in event.actions:
+                if key != "rate":
+                    _apply(pool, key, value, held, now)
+        if monitor is not None and monitor.arrival(now):
+            pool.rejected["throttle"] += 1
+            sequence.append(None)
+            if explain:
+                trace.append(Pick(number, now, None, {"throttle": "refused (digg)"}))
+            continue
         scores = pool.scores() if explain else {}
         rs = pool.pick(now)
         if rs is None:
@@ -194,7 +282,71 @@ def simulate(
                 pool.drop(lease, now)
         if explain:
             trace.append(Pick(number, now, rs.name if rs else None, scores))
-    return SimulationResult(vs.name, vs.scheduler, picks, sequence, trace)
+        if monitor is not None:
+            monitor.woken(now, pool.active, number)
+    timeline = None
+    if monitor is not None:
+        monitor.finish(pool.active, connections + 1)
+        timeline = monitor.timeline
+    return SimulationResult(vs.name, vs.scheduler, picks, sequence, trace, timeline)
+
+
+class _Monitor:
+    """throttle_monitor.ThrottleMonitor's schedule on simulated time."""
+
+    def __init__(self, config: Any) -> None:
+        self.model = Throttle(config)
+        self.interval = config.interval
+        self.next_eval: float | None = None  # None: asleep until the next arrival
+        self.timeline = ThrottleTimeline()
+
+    def catch_up(self, now: float, active: int, number: int) -> None:
+        """Run the evaluations due up to `now`; nothing changed between arrivals."""
+        model = self.model
+        while self.next_eval is not None and self.next_eval <= now:
+            at = self.next_eval
+            if model.idle(active, at):
+                self._record(model.reset(at), number)
+                self.next_eval = None
+                return
+            change = model.evaluate(active, at)
+            self._record(change, number)
+            self.next_eval = at + self.interval
+            if change is None and model.window.count(at) == 0 and self.next_eval <= now:
+                # Steady: the same inputs give the same mode until the next arrival, so
+                # skip to the last evaluation due (a long gap costs O(1), not O(gap)).
+                steps = int((now - self.next_eval) / self.interval)
+                self.next_eval += steps * self.interval
+
+    def arrival(self, now: float) -> bool:
+        refused = self.model.arrival(now)
+        self.timeline.refused += refused
+        return refused
+
+    def woken(self, now: float, active: int, number: int) -> None:
+        if self.next_eval is None:  # the arrival woke the monitor: evaluated at once
+            self._record(self.model.evaluate(active, now), number + 1)
+            self.next_eval = now + self.interval
+
+    def finish(self, active: int, number: int) -> None:
+        """After the last arrival: evaluate until the mode is steady or the VS is empty."""
+        model = self.model
+        while self.next_eval is not None:
+            at = self.next_eval
+            if model.idle(active, at):
+                self._record(model.reset(at), number)
+                return
+            change = model.evaluate(active, at)
+            self._record(change, number)
+            if change is None and model.window.count(at) == 0:
+                return
+            self.next_eval = at + self.interval
+
+    def _record(self, change: Change | None, number: int) -> None:
+        if change is not None:
+            self.timeline.steps.append(
+                ThrottleStep(change.time, number, change.mode, change.load, change.idle_timeout)
+            )
 
 
 def _apply(pool: Pool, key: str, value: Any, held: dict[str, deque[Lease]], now: float) -> None:

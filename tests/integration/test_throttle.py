@@ -1,0 +1,259 @@
+"""Admission control end to end: a bounded flood against a real `lbproxy run` process.
+
+One virtual server with `throttle: {max_connections: 10, digg_factor: 2, interval: 200ms,
+high_idle_timeout: 3s, min_idle_timeout: 1s}` and its own idle_timeout of 60 s, in front
+of one echo server. The mode is read from the process log ("web: throttle low -> high").
+
+  phase 1  8 talking + 4 idle connections (load 1.2): high, imposed idle timeout 2.6 s;
+           the idle ones are closed after about 2.6 s (not 60 s), load falls to 0.8: low
+  phase 2  20 talking connections (load 2.0): digg; new connections are closed at once
+           and counted (the "refused N" of the log line that leaves digg)
+  phase 3  down to 17 (load 1.7 < 1.8): high; down to 8 (< 0.9): low, new ones served
+
+"Talking" connections send a line and read its echo every 0.1 s all along, from a
+thread; the test fails if any exchange fails or any talking connection is closed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+
+from tests.integration.conftest import vs_config
+from tests.integration.harness import (
+    free_port,
+    open_and_read_name,
+    refused_or_closed,
+    run_cli,
+)
+
+THROTTLE = """
+idle_timeout: 60s
+throttle:
+  max_connections: 10
+  digg_factor: 2
+  interval: 200ms
+  high_idle_timeout: 3s
+  min_idle_timeout: 1s
+"""
+MODE_LINE = re.compile(r"web: throttle (\w+) -> (\w+) \(load ([\d.]+), idle timeout (\S+?)(?:;|\))")
+
+
+class Talkers:
+    """Held connections that keep exchanging data: a line out, the same line back."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.socks: list[socket.socket] = []
+        self.errors: list[str] = []
+        self.exchanges = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def open(self, n: int) -> None:
+        for _ in range(n):
+            sock, name = open_and_read_name(self.port)
+            assert name == "a"
+            sock.settimeout(5)
+            with self._lock:
+                self.socks.append(sock)
+
+    def close(self, n: int) -> None:
+        with self._lock:
+            closing, self.socks = self.socks[:n], self.socks[n:]
+        for sock in closing:
+            sock.close()
+
+    def _run(self) -> None:
+        seq = 0
+        while not self._stop.wait(0.1):
+            with self._lock:
+                for i, sock in enumerate(self.socks):
+                    seq += 1
+                    line = f"ping {i} {seq}\n".encode()
+                    try:
+                        sock.sendall(line)
+                        echo = b""
+                        while len(echo) < len(line):
+                            chunk = sock.recv(len(line) - len(echo))
+                            if not chunk:
+                                raise ConnectionError("closed by the proxy")
+                            echo += chunk
+                        if echo != line:
+                            raise ConnectionError(f"echo {echo!r} for {line!r}")
+                        self.exchanges += 1
+                    except OSError as exc:
+                        self.errors.append(f"talker {i}: {exc!r}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.close(len(self.socks))
+
+
+def test_low_high_digg_and_back(name_servers, lbproxy):
+    (server,) = name_servers("a")
+    port = free_port()
+    proxy = lbproxy(vs_config(port, [server], extra=THROTTLE), wait_ports=[port])
+    t0 = time.monotonic()
+    seen = 0  # mode lines already reported by wait_mode
+    timeline: list[tuple[float, str, str, float, str]] = []
+
+    def wait_mode(mode: str, timeout: float = 3.0) -> tuple[str, str, float, str]:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = MODE_LINE.findall(proxy.log())
+            while seen < len(lines):
+                old, new, load, idle = lines[seen]
+                seen += 1
+                timeline.append((time.monotonic() - t0, old, new, float(load), idle))
+                if new == mode:
+                    return old, new, float(load), idle
+            time.sleep(0.02)
+        raise AssertionError(f"no throttle -> {mode} within {timeout}s:\n{proxy.log()}")
+
+    talkers = Talkers(port)
+    try:
+        # Phase 1: wait_port's probe connection has come and gone; 12 held -> high.
+        talkers.open(8)
+        idle = [open_and_read_name(port) for _ in range(4)]
+        opened = time.monotonic()
+        assert all(name == "a" for _, name in idle)
+        _, _, load, imposed = wait_mode("high")  # within a few 200 ms intervals
+        high_at = time.monotonic() - opened
+        assert high_at < 1.5
+        assert load >= 1.0
+        # 10 to 12 connections held: 3 - 2 x (load - 1) = 3, 2.8 or 2.6 s
+        assert imposed in ("3s", "2.8s", "2.6s")
+        closed_after = []
+        for sock, _ in idle:
+            sock.settimeout(10)
+            assert sock.recv(100) == b""  # closed by the imposed timeout, not the 60 s one
+            closed_after.append(time.monotonic() - opened)
+            sock.close()
+        assert all(2.0 < t < 4.0 for t in closed_after), closed_after
+        old, _, load, _ = wait_mode("low")  # 8 held: load 0.8 < 0.9
+        assert (old, load) == ("high", 0.8)
+
+        # Phase 2: 20 held -> digg; new connections are closed at once.
+        talkers.open(12)
+        wait_mode("digg")
+        refused_at = time.monotonic()
+        assert all(refused_or_closed(port, timeout=5) for _ in range(5))
+        assert time.monotonic() - refused_at < 2.0
+        assert not talkers.errors
+
+        # Phase 3: 17 held (< 18) -> high, then 8 (< 9) -> low; new ones are served.
+        talkers.close(3)
+        wait_mode("high")
+        assert re.search(
+            r"throttle digg -> high .*; refused 5 connection\(s\) in digg", proxy.log()
+        )
+        talkers.close(9)
+        wait_mode("low")
+        sock, name = open_and_read_name(port)
+        sock.close()
+        assert name == "a"
+        exchanges_before = talkers.exchanges
+        time.sleep(0.3)
+        assert talkers.exchanges > exchanges_before  # still talking after it all
+        assert not talkers.errors, talkers.errors
+        assert len(talkers.socks) == 8
+    finally:
+        talkers.stop()
+    print("\nthrottle timeline (s since the first connection, old -> new, load, idle timeout):")
+    for at, old, new, load, imposed in timeline:
+        print(f"  {at:6.2f}  {old} -> {new}  load {load:.2f}  idle timeout {imposed}")
+    print(f"  idle connections closed after {', '.join(f'{t:.2f}' for t in closed_after)} s")
+
+
+def _closed_within(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(100) == b""
+    except TimeoutError:
+        return False
+
+
+def _wait_log(proxy, pattern: str, count: int = 1, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(re.findall(pattern, proxy.log())) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{pattern!r} x{count} not in the log:\n{proxy.log()}")
+        time.sleep(0.02)
+
+
+RELOADED_THROTTLE = """
+idle_timeout: 60s
+throttle:
+  max_connections: 2
+  digg_factor: 3
+  interval: 200ms
+  high_idle_timeout: 4s
+  min_idle_timeout: 1s
+"""
+
+
+def test_reload_adds_and_removes_the_throttle(name_servers, lbproxy):
+    (server,) = name_servers("a")
+    port = free_port()
+    plain = vs_config(port, [server], extra="idle_timeout: 60s")
+    throttled = vs_config(port, [server], extra=RELOADED_THROTTLE)
+    proxy = lbproxy(plain, wait_ports=[port])
+    held = [open_and_read_name(port)[0] for _ in range(3)]
+    opened = time.monotonic()
+    # Added by a reload: the monitor starts, finds 3 open (load 1.5) and imposes
+    # 4 - 3 x 0.5 / 2 = 3.25 s on the connections that were already there.
+    proxy.reload(throttled)
+    _wait_log(proxy, re.escape("web: throttle low -> high (load 1.50, idle timeout 3.25s)"))
+    assert re.search(r"reloaded: .*web: throttle added", proxy.log())
+    for sock in held:
+        assert _closed_within(sock, 10)
+        sock.close()
+    assert 2.5 < time.monotonic() - opened < 5.0
+    _wait_log(proxy, re.escape("web: throttle high -> low (load 0.00, idle timeout own)"))
+
+    held = [open_and_read_name(port)[0] for _ in range(3)]
+    opened = time.monotonic()
+    _wait_log(proxy, "throttle low -> high", count=2)
+    # Removed by a reload: back to low, and the connections get their own 60 s again.
+    proxy.reload(plain)
+    _wait_log(proxy, r"web: throttle high -> low \(load [\d.]+, idle timeout own\)", count=2)
+    assert re.search(r"reloaded: .*web: throttle removed", proxy.log())
+    time.sleep(max(0.0, opened + 4.5 - time.monotonic()))  # past the 3.25 s imposed
+    assert not any(_closed_within(sock, 0.05) for sock in held)
+    for sock in held:
+        sock.close()
+
+
+def test_simulate_shows_the_throttle_timeline(tmp_path):
+    config = tmp_path / "vs.yaml"
+    config.write_text(
+        "virtual_servers:\n"
+        "  - name: web\n"
+        "    listen: 127.0.0.1:8080\n"
+        "    throttle: {max_rate: 50, interval: 1s}\n"
+        "    real_servers:\n"
+        "      - {name: s1, address: 127.0.0.1:9001}\n"
+    )
+    events = tmp_path / "events.yaml"
+    events.write_text("- {before: 21, rate: 200}\n- {before: 421, rate: 5}\n")
+    out = run_cli("simulate", str(config), "-n", "430", "--events", str(events), "--json")
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    throttle = document["throttle"]
+    assert [step["mode"] for step in throttle["timeline"]] == ["digg", "high", "low"]
+    first = throttle["timeline"][0]
+    # 10/s until #20 (t=1.9), 200/s from #21: the evaluation at t=3 sees load 4
+    assert (first["time"], first["idle_timeout"]) == (3.0, 1.0)
+    assert throttle["refused"] == document["sequence"].count(None) > 0
+    table = run_cli("simulate", str(config), "-n", "430", "--events", str(events))
+    assert table.returncode == 0, table.stderr
+    assert f"throttle: {throttle['refused']} connection(s) refused in digg" in table.stdout
+    assert "digg" in table.stdout and "own" in table.stdout

@@ -13,7 +13,7 @@ def simulation_table(result: SimulationResult, *, hold: bool) -> Table:
     refused = result.sequence.count(None)
     title = (
         f"{result.virtual_server} ({result.scheduler}): {len(result.sequence)} connections"
-        f"{', held' if hold else ''}{f', {refused} with no server' if refused else ''}"
+        f"{', held' if hold else ''}{f', {refused} not served' if refused else ''}"
     )
     table = Table(title=title)
     table.add_column("real server")

@@ -123,7 +123,7 @@ class RealServerConfig:
     load_factor: float = 1.0
     state: str = "enabled"  # enabled | drain | disabled
     snmp: SnmpConfig | None = None  # the VS block merged with this server's overrides
-    line: int = 0
+    line: int = field(default=0, compare=False)  # where, not what: moving lines is no change
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +150,8 @@ class VirtualServerConfig:
     health_check: HealthCheckConfig = HealthCheckConfig()
     snmp: SnmpConfig | None = None  # None: no `snmp:` block
     throttle: ThrottleConfig | None = None  # None: no admission control
-    file: str = ""
-    line: int = 0
+    file: str = field(default="", compare=False)
+    line: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

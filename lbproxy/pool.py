@@ -75,11 +75,13 @@ class RealServer:
         "online",
         "ramp_start",
         "removed",
+        "retry_at",
         "sched_active",
         "seq",
         "snmp_polls",
         "state",
         "static_weight",
+        "trial",
     )
 
     def __init__(self, config: RealServerConfig, index: int, health: Health) -> None:
@@ -92,6 +94,10 @@ class RealServer:
         self.online = False
         self.available = False
         self.removed = False
+        # Passive health only (`health_check.type: none`): a down server is offered one
+        # trial connection at `retry_at` (see Pool.record_health).
+        self.trial = False
+        self.retry_at: float | None = None
         self.effective_weight = 0.0
         self.ramp_start: float | None = None
         self.active = 0
@@ -158,9 +164,10 @@ class Pool:
         self.poll_durations = Histogram(POLL_BUCKETS)  # SNMP round trips, seconds
         self.throttle_mode = "low"  # low | high | digg, set by the throttle monitor
         self.epoch = 0
-        self.fallback = self.scheduler.dynamic_weights  # nothing answered yet
+        self.fallback = self.polls_snmp  # nothing answered yet
         self._dynamic_positive = 0
         self._ramping: set[RealServer] = set()
+        self._retrying: set[RealServer] = set()  # passively down, waiting for a trial
         self._next_tick = float("-inf")  # when `pick` next runs `_tick`
         self._scheduler_tick = float("-inf")  # when the scheduler next wants `on_tick`
         self._next_seq = len(config.real_servers)
@@ -197,7 +204,12 @@ class Pool:
         self._next_seq += 1
         self.active += 1
         self.scheduler.on_take(rs, now)
-        if rs.max_connections and rs.active >= rs.max_connections:
+        if rs.trial:
+            # The one trial connection of a passively-down server: no other until its
+            # result (or, should that never come, until the next trial).
+            self._schedule_trial(rs, now)
+            self._apply(rs, now)
+        elif rs.max_connections and rs.active >= rs.max_connections:
             self._apply(rs, now)
         return lease
 
@@ -214,13 +226,34 @@ class Pool:
 
     # -- state changes ------------------------------------------------------------
 
-    def record_health(self, rs: RealServer, ok: bool, now: float) -> bool | None:
-        """Feed one active check or passive connect result; returns a new up/down state."""
-        changed = rs.health.record(ok)
+    def record_health(self, rs: RealServer, ok: bool, now: float, reason: str = "") -> bool | None:
+        """Feed one active check or passive connect result; returns a new up/down state.
+
+        With `health_check.type: none` only passive results arrive, so a down server
+        could never come back by itself: `interval` after it went down (or after its
+        last failed trial) it becomes available for one trial connection (`_tick`),
+        and that connection's successful connect brings it up at once.
+        """
+        passive_only = self.config.health_check.type == "none"
+        was_trial = rs.trial
+        if passive_only and ok and not rs.health.up:
+            rs.health.force(True)  # the trial connection got through
+            changed: bool | None = True
+        else:
+            changed = rs.health.record(ok)
+        if passive_only and not ok and not rs.health.up:
+            self._schedule_trial(rs, now)
+        elif changed:
+            self._cancel_trial(rs)
         if changed is not None:
-            log.info(
-                "%s/%s is %s", self.name, rs.name, "up" if changed else "down"
-            )  # not per connection: only on a transition
+            log.info(  # not per check or connection: only on a transition
+                "%s/%s is %s%s",
+                self.name,
+                rs.name,
+                "up" if changed else "down",
+                f" ({reason})" if reason else "",
+            )
+        if changed is not None or was_trial:
             self._update(rs, now)
         return changed
 
@@ -260,6 +293,10 @@ class Pool:
             self.set_dynamic_weight(rs, weight, now)
         else:
             self.scheduler.on_report(rs, value, now)
+            if self.polls_snmp:
+                # least-load fed by SNMP: the dynamic weight only gates availability
+                # (on_no_answer zero -> 0); an answer opens it at the static weight.
+                self.set_dynamic_weight(rs, rs.static_weight, now)
 
     # -- reload -------------------------------------------------------------------
 
@@ -271,6 +308,9 @@ class Pool:
         """
         changes: list[str] = []
         old_config, self.config = self.config, config
+        if config.health_check != old_config.health_check:
+            changes.append("health_check changed")
+            self._retune_health(now)
         if config.scheduler != old_config.scheduler:
             changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")
             self._swap_scheduler(config.scheduler, now)
@@ -278,6 +318,7 @@ class Pool:
         for rs in list(self.servers):
             if rs.name not in wanted:
                 rs.removed = True
+                self._cancel_trial(rs)
                 self._update(rs, now)
                 self.servers.remove(rs)
                 del self.by_name[rs.name]
@@ -360,7 +401,7 @@ class Pool:
     def _add(self, config: RealServerConfig, now: float) -> RealServer:
         check = self.config.health_check
         rs = RealServer(config, len(self.servers), Health(check.rise, check.fall, up=True))
-        if self.scheduler.dynamic_weights and config.snmp is not None:
+        if self.polls_snmp and config.snmp is not None:
             # Until the agent answers, `on_no_answer` decides: static uses the static
             # weight, zero and hold (nothing to hold yet) give 0.
             if config.snmp.on_no_answer == "static":
@@ -373,13 +414,13 @@ class Pool:
         return rs
 
     def _base_weight(self, rs: RealServer) -> float:
-        if self.scheduler.dynamic_weights and not self.fallback:
+        if self.polls_snmp and not self.fallback:
             return rs.dynamic_weight or 0.0
         return rs.static_weight
 
     def _update(self, rs: RealServer, now: float) -> None:
         """Recompute `rs` after any change, and every server if the fallback flips."""
-        if self.scheduler.dynamic_weights:
+        if self.polls_snmp:
             positive = (
                 not rs.removed
                 and rs.state == ENABLED
@@ -413,7 +454,8 @@ class Pool:
             self._ramping.discard(rs)
         old = rs.effective_weight
         rs.effective_weight = base * self._ramp_factor(rs, now)
-        available = online and (not rs.max_connections or rs.active < rs.max_connections)
+        trial = rs.trial and not rs.removed and rs.state == ENABLED and base > 0
+        available = (online or trial) and (not rs.max_connections or rs.active < rs.max_connections)
         if available and not rs.available:
             rs.available = True
             self.scheduler.on_available(rs, now)
@@ -431,6 +473,30 @@ class Pool:
         if self.config.quiesce and self.scheduler.quiesce_resets and not self._starting:
             self._quiesce_reset(now)
         self.scheduler.on_online(rs, now)
+
+    def _schedule_trial(self, rs: RealServer, now: float) -> None:
+        """Passive health only: offer `rs` one trial connection `interval` from now."""
+        rs.trial = False
+        rs.retry_at = now + self.config.health_check.interval
+        self._retrying.add(rs)
+        self._next_tick = min(self._next_tick, rs.retry_at)
+
+    def _cancel_trial(self, rs: RealServer) -> None:
+        rs.trial = False
+        rs.retry_at = None
+        self._retrying.discard(rs)
+
+    def _retune_health(self, now: float) -> None:
+        """New health_check settings (a reload): keep each server's up/down state."""
+        check = self.config.health_check
+        for rs in self.servers:
+            rs.health.rise, rs.health.fall = check.rise, check.fall
+            rs.health.force(rs.health.up)
+            if check.type == "none" and not rs.health.up:
+                if rs not in self._retrying and not rs.trial:
+                    self._schedule_trial(rs, now)
+            elif check.type != "none":
+                self._cancel_trial(rs)  # active checks bring it back now
 
     def _quiesce_reset(self, now: float) -> None:
         # LVS: "the least-connections table is reset to zero and the LVS router routes
@@ -454,6 +520,16 @@ class Pool:
         if now >= self._scheduler_tick:
             self._scheduler_tick = self.scheduler.on_tick(now)
         next_tick = self._scheduler_tick
+        for rs in list(self._retrying):
+            if rs.removed or rs.health.up:
+                self._cancel_trial(rs)
+            elif now >= rs.retry_at:  # type: ignore[operator]
+                self._retrying.discard(rs)
+                rs.retry_at = None
+                rs.trial = True
+                self._apply(rs, now)
+            else:
+                next_tick = min(next_tick, rs.retry_at)  # type: ignore[type-var]
         if self._ramping:
             for rs in list(self._ramping):
                 if now - rs.ramp_start >= self.config.slow_start:  # type: ignore[operator]

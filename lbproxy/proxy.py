@@ -18,6 +18,7 @@ import socket
 import trio
 
 from lbproxy import proxy_protocol
+from lbproxy.checks import LOCAL_CAPACITY_ERRNOS, LocalCapacityError, record_health
 from lbproxy.config import Address, VirtualServerConfig
 from lbproxy.pool import Lease, Pool, RealServer
 from lbproxy.proxy_header_io import read_proxy_header
@@ -26,6 +27,7 @@ from lbproxy.throttle_monitor import ThrottleMonitor
 
 log = logging.getLogger("lbproxy.proxy")
 access_log = logging.getLogger("lbproxy.access")
+
 
 class Connection:
     """The handle a pool lease carries: live byte counts, and a way to close it."""
@@ -185,20 +187,31 @@ class VirtualServer:
             lease = pool.take(rs, now, handle)
             try:
                 sock = await self._open(rs.address, config.connect_timeout)
+            except LocalCapacityError:
+                # Out of descriptors here: not the real server's fault, and no other
+                # would do better; the client is closed (the accept loop backs off).
+                pool.drop(lease, trio.current_time())
+                break
             except ConnectError as exc:
                 pool.drop(lease, trio.current_time())
                 rs.connect_failures[exc.reason] += 1
-                pool.record_health(rs, False, trio.current_time())
+                record_health(pool, rs, False, trio.current_time(), f"connect {exc.reason}")
                 continue
             if rs.health.counter != rs.health.rise + rs.health.fall - 1:
-                pool.record_health(rs, True, now)  # a good connect ends a failure streak
+                # a good connect ends a failure streak (or is a down server's trial)
+                record_health(pool, rs, True, now, "connect succeeded")
             return sock, lease
         pool.rejected["connect_failed" if tried else "no_server"] += 1
         return None
 
     async def _open(self, address: Address, timeout: float) -> trio.socket.SocketType:
         family, sockaddr = await self._resolve(address)
-        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            if exc.errno in LOCAL_CAPACITY_ERRNOS:
+                raise LocalCapacityError(exc.strerror) from None
+            raise ConnectError("error") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with trio.move_on_after(timeout) as deadline:

@@ -23,9 +23,11 @@ import trio
 
 from lbproxy import logs
 from lbproxy.admin import TokenError, read_token, serve_admin
+from lbproxy.checks import HealthChecks, close_leases
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
-from lbproxy.pool import Pool
+from lbproxy.pool import DISABLED, STATES, Pool, RealServer
 from lbproxy.proxy import VirtualServer
+from lbproxy.snmp import SnmpPollers
 from lbproxy.throttle_monitor import Throttles
 
 log = logging.getLogger("lbproxy.server")
@@ -37,6 +39,10 @@ LISTEN_BACKLOG = 4096
 # pending connection stays in the kernel's backlog and is served once a slot frees up.
 ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 ACCEPT_BACKOFF = 0.1
+# A burst of capacity errors ends (and "accepting again" is logged, once) only when an
+# accept succeeds this long after the last error: at the limit, every freed descriptor
+# lets one accept through between errors, which is still the same burst.
+ACCEPT_BURST_QUIET = 1.0
 
 
 class BindError(Exception):
@@ -99,6 +105,8 @@ class Server:
         self._handlers: trio.Nursery | None = None
         self._service: trio.Nursery | None = None
         self.throttles = Throttles()  # one admission-control monitor per throttled VS
+        self.checks = HealthChecks()  # one health-check task per real server
+        self.snmp = SnmpPollers()  # one SNMP poller per real server of dwd/dwr/least-load
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -153,6 +161,9 @@ class Server:
                 for listener in bound:
                     self._start_listener(listener)
                 self.throttles.sync(self.virtual_servers.values(), service)
+                self.checks.sync(self.virtual_servers.values(), service)
+                self.snmp.sync(self.virtual_servers)
+                await service.start(self.snmp.run)
                 if handle_signals:
                     await service.start(self._signals)
                 self.ready = True
@@ -230,31 +241,89 @@ class Server:
         assert self._handlers is not None
         spawn = self._handlers.start_soon
         sock = listener.sock
-        capacity_burst = False
+        burst_errors = 0  # capacity errors in the current burst; 0: no burst
+        last_error = 0.0
         with listener.cancel_scope:
             while True:
                 try:
                     client, peer = await sock.accept()
                 except OSError as exc:
                     if exc.errno in ACCEPT_CAPACITY_ERRNOS:
-                        if not capacity_burst:
+                        if not burst_errors:
                             log.error(
                                 "%s: accept failed (%s); retrying every %ss",
                                 listener.address,
                                 exc.strerror,
                                 ACCEPT_BACKOFF,
                             )
-                            capacity_burst = True
+                        burst_errors += 1
+                        last_error = trio.current_time()
                         await trio.sleep(ACCEPT_BACKOFF)
                         continue
                     if exc.errno in (errno.EBADF, errno.EINVAL):  # closed by a reload
                         return
                     log.warning("%s: accept failed: %s", listener.address, exc)
                     continue
-                if capacity_burst:
-                    log.info("%s: accepting again", listener.address)
-                    capacity_burst = False
+                if burst_errors and trio.current_time() - last_error >= ACCEPT_BURST_QUIET:
+                    log.info(
+                        "%s: accepting again (%d accept failure(s) in that burst)",
+                        listener.address,
+                        burst_errors,
+                    )
+                    burst_errors = 0
                 spawn(listener.vs.handle, client, peer)
+
+    # -- runtime changes (admin API) ----------------------------------------------
+
+    def set_state(self, vs_name: str, rs_name: str, state: object) -> str | None:
+        """Set a real server's state (enabled | drain | disabled); returns an error or None.
+
+        The one path for a runtime state change: `disabled` also closes the server's
+        established connections (`drain` lets them finish). Lasts until the next reload,
+        which applies the file as written.
+        """
+        found = self._find(vs_name, rs_name)
+        if isinstance(found, str):
+            return found
+        pool, rs = found
+        if not isinstance(state, str) or state not in STATES:
+            return f"state must be one of {', '.join(STATES)}, got {state!r}"
+        old = rs.state
+        closed = close_leases(pool.set_state(rs, state, trio.current_time()))
+        if old != state or closed:
+            log.info(
+                "%s/%s: state %s -> %s%s",
+                pool.name,
+                rs.name,
+                old,
+                state,
+                f"; closed {closed} connection(s)" if closed else "",
+            )
+        return None
+
+    def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None:
+        """Set a real server's static weight (a number >= 0); returns an error or None.
+
+        Lasts until the next reload, which applies the file as written.
+        """
+        found = self._find(vs_name, rs_name)
+        if isinstance(found, str):
+            return found
+        pool, rs = found
+        old = rs.static_weight
+        error = pool.set_weight(rs, weight, trio.current_time())
+        if error is None and old != rs.static_weight:
+            log.info("%s/%s: weight %g -> %g", pool.name, rs.name, old, rs.static_weight)
+        return error
+
+    def _find(self, vs_name: str, rs_name: str) -> tuple[Pool, RealServer] | str:
+        vs = self.virtual_servers.get(vs_name)
+        if vs is None:
+            return f"no virtual server {vs_name!r}"
+        rs = vs.pool.by_name.get(rs_name)
+        if rs is None:
+            return f"no real server {rs_name!r} in virtual server {vs_name!r}"
+        return vs.pool, rs
 
     # -- reload -------------------------------------------------------------------
 
@@ -306,6 +375,14 @@ class Server:
                 changes.extend(
                     f"{vs.name}: {change}" for change in vs.pool.reconfigure(vs_config, now)
                 )
+                # The one exception to "a reload never closes a connection": the file
+                # now says `state: disabled`, which means exactly that (SPEC §6).
+                disabled = [rs for rs in vs.pool.servers if rs.state == DISABLED and rs.leases]
+                for rs in disabled:
+                    closed = close_leases(rs.leases)
+                    changes.append(
+                        f"{vs.name}: closed {closed} connection(s) of disabled {rs.name}"
+                    )
         for listener in bound:
             if listener.vs.name not in self.virtual_servers:
                 self.virtual_servers[listener.vs.name] = listener.vs
@@ -313,7 +390,9 @@ class Server:
             changes.append(f"{listener.vs.name}: listening on {listener.address}")
         self.config = new
         if self._service is not None and not self.draining:  # start/stop/retune throttles
-            self.throttles.sync(self.virtual_servers.values(), self._service)
+            changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))
+            self.checks.sync(self.virtual_servers.values(), self._service)
+            self.snmp.sync(self.virtual_servers)  # start/stop/restart SNMP pollers
         for vs in self.virtual_servers.values():
             vs.access_log = new.global_.access_log
         return changes

@@ -84,7 +84,10 @@ def test_metrics_count_connections_bytes_and_active(proxied):
     time.sleep(0.2)
     samples = metrics(admin_port)
     for name in "abc":
-        assert sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=name) >= 10
+        assert (
+            sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=name)
+            >= 10
+        )
     total = sum(
         sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=n)
         for n in "abc"
@@ -116,8 +119,13 @@ def test_exact_counts_after_thirty_rr_connections(proxied):
         ask_name(port)
     samples = metrics(admin_port)
     for name in "abc":
-        assert sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=name) == 10
-        assert sample(samples, "lbproxy_real_server_up", virtual_server="web", real_server=name) == 1
+        assert (
+            sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=name)
+            == 10
+        )
+        assert (
+            sample(samples, "lbproxy_real_server_up", virtual_server="web", real_server=name) == 1
+        )
 
 
 def test_real_server_up_follows_health(proxied):
@@ -127,9 +135,16 @@ def test_real_server_up_follows_health(proxied):
     assert "b" not in names
     samples = metrics(admin_port)
     assert sample(samples, "lbproxy_real_server_up", virtual_server="web", real_server="b") == 0
-    assert sample(
-        samples, "lbproxy_connect_failures_total", virtual_server="web", real_server="b", reason="refused"
-    ) >= 3
+    assert (
+        sample(
+            samples,
+            "lbproxy_connect_failures_total",
+            virtual_server="web",
+            real_server="b",
+            reason="refused",
+        )
+        >= 3
+    )
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing")
@@ -159,7 +174,14 @@ def test_patch_weight_and_state_change_the_distribution(proxied):
     assert http("PATCH", f"{url}/a", {"weight": -1})[0] == 400
     assert http("PATCH", f"{url}/a", {"colour": "red"})[0] == 400
     assert http("PATCH", f"{url}/zz", {"weight": 1})[0] == 404
-    assert http("PATCH", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/no/real-servers/a", {"weight": 1})[0] == 404
+    assert (
+        http(
+            "PATCH",
+            f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/no/real-servers/a",
+            {"weight": 1},
+        )[0]
+        == 404
+    )
 
 
 def test_drain_keeps_existing_connections_working(proxied):

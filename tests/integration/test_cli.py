@@ -53,9 +53,7 @@ def _lvs_flood(tmp_path, quiesce: bool) -> dict:
     config.write_text(LVS.format(port=free_port(), quiesce=str(quiesce).lower()))
     events = tmp_path / "lvs-events.yaml"
     events.write_text("- {before: 1, leave: C}\n- {before: 61, join: C}\n")
-    out = run_cli(
-        "simulate", str(config), "-n", "90", "--hold", "--events", str(events), "--json"
-    )
+    out = run_cli("simulate", str(config), "-n", "90", "--hold", "--events", str(events), "--json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

@@ -129,7 +129,9 @@ def test_connect_retry_past_a_dead_server(name_servers, lbproxy):
         port = dead_port
 
     port = free_port()
-    proxy = lbproxy(vs_config(port, [servers[0], Dead, servers[1]], "rr", "health_check: {type: none}"))
+    proxy = lbproxy(
+        vs_config(port, [servers[0], Dead, servers[1]], "rr", "health_check: {type: none}")
+    )
     names = [ask_name(port) for _ in range(12)]
     assert "" not in names and set(names) == {"a", "c"}
     assert "b" not in names

@@ -26,7 +26,9 @@ operations = st.lists(
     st.one_of(
         st.tuples(st.just("connect"), st.integers(0, 7)),
         st.tuples(st.just("close"), st.integers(0, 50)),
-        st.tuples(st.just("state"), st.integers(0, 7), st.sampled_from(["enabled", "drain", "disabled"])),
+        st.tuples(
+            st.just("state"), st.integers(0, 7), st.sampled_from(["enabled", "drain", "disabled"])
+        ),
         st.tuples(st.just("health"), st.integers(0, 7), st.booleans()),
         st.tuples(st.just("weight"), st.integers(0, 7), st.integers(0, 5)),
         st.tuples(st.just("snmp"), st.integers(0, 7), st.integers(0, 120)),

@@ -74,9 +74,7 @@ def test_wlc_lvs_one_to_five_held():
 
 def lvs_rejoin(quiesce: bool) -> Counter:
     """LVS document: A and B weight 1, C weight 2; C down while 60 connections are held."""
-    pool = Pool(
-        virtual_server("wlc", {"A": {}, "B": {}, "C": {"weight": 2}}, quiesce=quiesce), 0
-    )
+    pool = Pool(virtual_server("wlc", {"A": {}, "B": {}, "C": {"weight": 2}}, quiesce=quiesce), 0)
     c = pool.by_name["C"]
     for _ in range(3):  # fall = 3 failed checks
         pool.record_health(c, False, 0)
@@ -222,7 +220,10 @@ def test_least_load_snmp_source():
     pool = Pool(
         virtual_server(
             "least-load",
-            {"a": {"snmp": SNMP, "max_connections": 100}, "b": {"snmp": SNMP, "max_connections": 100}},
+            {
+                "a": {"snmp": SNMP, "max_connections": 100},
+                "b": {"snmp": SNMP, "max_connections": 100},
+            },
             load_source="snmp",
             snmp=SNMP,
         ),

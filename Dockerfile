@@ -14,5 +14,10 @@ USER lbproxy
 WORKDIR /
 # SIGTERM drains connections for global.drain_timeout, then exits 0.
 STOPSIGNAL SIGTERM
+# /healthz on the admin endpoint (global.admin.listen, 127.0.0.1:9100 by default; set
+# LBPROXY_ADMIN if you move it). The slim image has no curl: Python's urllib does it.
+ENV LBPROXY_ADMIN=http://127.0.0.1:9100
+HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ['LBPROXY_ADMIN'] + '/healthz', timeout=2)"]
 ENTRYPOINT ["lbproxy"]
 CMD ["run", "/etc/lbproxy"]

@@ -70,21 +70,11 @@ class NameServer(socketserver.ThreadingTCPServer):
         self.stop()
 
 
-def ask_name(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> str:
-    """Connect through the proxy and read the real server's name line."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(100)
-            if not chunk:
-                break
-            data += chunk
-        return data.decode().strip()
-
-
-def open_and_read_name(port: int, timeout: float = 5.0) -> tuple[socket.socket, str]:
+def open_and_read_name(
+    port: int, host: str = "127.0.0.1", timeout: float = 5.0
+) -> tuple[socket.socket, str]:
     """A held connection: returns the open socket and the name it was served by."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s = socket.create_connection((host, port), timeout=timeout)
     data = b""
     while not data.endswith(b"\n"):
         chunk = s.recv(100)
@@ -92,6 +82,13 @@ def open_and_read_name(port: int, timeout: float = 5.0) -> tuple[socket.socket, 
             break
         data += chunk
     return s, data.decode().strip()
+
+
+def ask_name(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> str:
+    """Connect through the proxy and read the real server's name line."""
+    sock, name = open_and_read_name(port, host, timeout)
+    sock.close()
+    return name
 
 
 def refused_or_closed(port: int, timeout: float = 5.0) -> bool:

@@ -63,11 +63,11 @@ class Listener:
         self.sock.close()
 
 
-def bind(address: Address) -> trio.socket.SocketType:
-    return trio.socket.from_stdlib_socket(listen_socket(address))
+def bind(address: Address, reuse_port: bool = False) -> trio.socket.SocketType:
+    return trio.socket.from_stdlib_socket(listen_socket(address, reuse_port))
 
 
-def listen_socket(address: Address) -> socket.socket:
+def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
     host = "127.0.0.1" if address.host == "localhost" else address.host
     # A stdlib socket bound synchronously (the host is a literal: no DNS), then handed
@@ -75,6 +75,10 @@ def listen_socket(address: Address) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            # workers > 1: every worker binds its own socket on the address and the
+            # kernel spreads new connections across them (lbproxy/workers.py)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             # one socket per family, as trio's open_tcp_listeners: [::]:80 and
             # 0.0.0.0:80 can then both be configured
@@ -90,10 +94,20 @@ def listen_socket(address: Address) -> socket.socket:
 
 class Server:
     def __init__(
-        self, config: Config, config_paths: Sequence[str] = (), admin_token: str | None = None
+        self,
+        config: Config,
+        config_paths: Sequence[str] = (),
+        admin_token: str | None = None,
+        *,
+        reuse_port: bool = False,
+        admin_sock: socket.socket | None = None,
     ) -> None:
         self.config = config
         self.admin_token = admin_token
+        # A worker (lbproxy/workers.py): listeners shared with SO_REUSEPORT, and the
+        # admin endpoint on this bound socket instead of global.admin.listen.
+        self.reuse_port = reuse_port
+        self.admin_sock = admin_sock
         self.config_paths = list(config_paths)
         self.virtual_servers: dict[str, VirtualServer] = {}
         self.listeners: dict[Address, Listener] = {}
@@ -120,7 +134,9 @@ class Server:
         bound = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
         admin_address = self.config.global_.admin.listen
         try:
-            admin_sock = listen_socket(admin_address) if admin_address else None
+            admin_sock = self.admin_sock
+            if admin_sock is None and admin_address:
+                admin_sock = listen_socket(admin_address)
         except BindError:
             for listener in bound:
                 listener.sock.close()
@@ -229,7 +245,7 @@ class Server:
             # there is no moment where connections to it are refused.
             existing.cancel_scope.cancel()
             return existing.sock
-        return bind(address)
+        return bind(address, self.reuse_port)
 
     def _start_listener(self, listener: Listener) -> None:
         self.listeners[listener.address] = listener

@@ -279,9 +279,9 @@ class Pool:
         self._update(rs, now)
         return None
 
-    def set_dynamic_weight(self, rs: RealServer, weight: float | None, now: float) -> None:
-        """The SNMP poller's result for `rs` after `on_no_answer` (None: use static)."""
-        rs.dynamic_weight = None if weight is None else max(0.0, float(weight))
+    def set_dynamic_weight(self, rs: RealServer, weight: float, now: float) -> None:
+        """The SNMP poller's weight for `rs`, after `on_no_answer` decided it (>= 0)."""
+        rs.dynamic_weight = max(0.0, float(weight))
         self._update(rs, now)
 
     def report_value(self, rs: RealServer, value: float, now: float) -> None:

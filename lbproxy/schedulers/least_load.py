@@ -34,8 +34,11 @@ class LeastLoad(HeapScheduler):
         super().__init__(pool)
         self.reported: dict[RealServer, float] = {}
         self.since: dict[RealServer, int] = {}
-        self.sample_connections = pool.config.load_source == "connections"
-        self.poll_interval = pool.config.load_poll_interval
+
+    @property
+    def sample_connections(self) -> bool:
+        # Read from the live configuration, so a reload that changes it takes effect.
+        return self.pool.config.load_source == "connections"
 
     @staticmethod
     def estimate(rs: RealServer) -> float:
@@ -76,7 +79,7 @@ class LeastLoad(HeapScheduler):
             self.reported[rs] = rs.active / rs.max_connections if rs.max_connections else 0.0
             self.since[rs] = 0
             self._rekey(rs)
-        return now + self.poll_interval
+        return now + self.pool.config.load_poll_interval
 
     def explain(self, rs: RealServer) -> float:
         return self.load(rs)

@@ -8,6 +8,10 @@ from rich.table import Table
 from lbproxy.simulate import SimulationResult
 
 
+SEQUENCE_SHOWN = 200  # picks printed in table mode
+SEQUENCE_ROW = 20
+
+
 def simulation_table(result: SimulationResult, *, hold: bool) -> Table:
     total = sum(result.picks.values())
     refused = result.sequence.count(None)
@@ -28,11 +32,16 @@ def simulation_table(result: SimulationResult, *, hold: bool) -> Table:
 def print_simulation(result: SimulationResult, *, hold: bool) -> None:
     console = Console(highlight=False)
     console.print(simulation_table(result, hold=hold))
-    shown = result.sequence[:60]
-    text = " ".join(name if name is not None else "-" for name in shown)
+    # The sequence in numbered rows, so a change after connection N is easy to find.
+    shown = result.sequence[:SEQUENCE_SHOWN]
+    console.print("sequence (- = not served):")
+    for start in range(0, len(shown), SEQUENCE_ROW):
+        row = " ".join(
+            name if name is not None else "-" for name in shown[start : start + SEQUENCE_ROW]
+        )
+        console.print(f"  {start + 1:>5}: {row}")
     if len(result.sequence) > len(shown):
-        text += " ..."
-    console.print(f"sequence: {text}")
+        console.print(f"  ... {len(result.sequence) - len(shown)} more (--json prints all)")
 
 
 def print_explain(result: SimulationResult) -> None:

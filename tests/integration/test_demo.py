@@ -1,75 +1,170 @@
-"""`lbproxy demo` as a real process: first line, the wlc split, the table, clean exits."""
+"""`lbproxy demo` as a real process: first line, the wlc and dwd splits, the control port,
+the table, clean exits."""
 
 from __future__ import annotations
 
+import random
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 
 import pytest
+import trio
 
+from lbproxy.config import SnmpConfig
+from lbproxy.snmp import SnmpClient
 from tests.integration.harness import ROOT, ask_name, open_and_read_name, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
 NAMES = ("alpha", "bravo", "charlie")
+VALUES = {"alpha": 30, "bravo": 20, "charlie": 10}  # what the demo's agents report at first
+OID = "1.3.6.1.4.1.2021.10.1.5.1"
 FIRST_LINE = re.compile(r"lbproxy demo: connect to 127\.0\.0\.1:(\d+)\n")
 
 
-def start_demo(duration: float) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lbproxy", "demo", "--port", "0", "--duration", str(duration)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stdout is not None
-    first = proc.stdout.readline()  # flushed by the demo before anything else
-    match = FIRST_LINE.fullmatch(first)
-    if match is None:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"unexpected first line {first!r}\nstderr: {proc.stderr.read()}")
-    return proc, int(match.group(1))
+class Demo:
+    """A running `lbproxy demo --port 0`: its ports, and its stdout line by line as it
+    comes (a thread reads it, so a test can wait for a line while the demo runs)."""
 
+    def __init__(self, duration: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lbproxy", "demo", "--port", "0", "--duration", str(duration)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()  # flushed by the demo before anything else
+        match = FIRST_LINE.fullmatch(first)
+        if match is None:
+            self.stop()
+            pytest.fail(f"unexpected first line {first!r}\nstderr: {self.proc.stderr.read()}")
+        self.port = int(match.group(1))
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._done = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.wait_for(r"Ctrl-C stops everything\.")  # the end of the intro
+        self.dwd_port = int(self.search(r"lbproxy demo: demo-dwd .* on 127\.0\.0\.1:(\d+)"))
+        self.control_port = int(
+            self.search(r"lbproxy demo: change a reported value: .* nc 127\.0\.0\.1 (\d+)")
+        )
+        self.agents = {
+            m.group(1): int(m.group(2))
+            for m in re.finditer(
+                r"^  (\w+)\s+127\.0\.0\.1:\d+\s+agent 127\.0\.0\.1:(\d+)", self.output, re.M
+            )
+        }
 
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
-    """Wait for the exit, then read the rest of the output.
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._done = True
+            self._changed.notify_all()
 
-    Not `communicate()`: it reads the file descriptors directly and would lose what
-    `readline()` already buffered. The demo writes little, so the pipes cannot fill.
-    """
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"the demo did not exit\nstdout: {proc.stdout.read()}")
-    return proc.returncode, proc.stdout.read(), proc.stderr.read()
+    @property
+    def output(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
 
+    def search(self, pattern: str) -> str:
+        match = re.search(pattern, self.output, re.M)
+        assert match is not None, (pattern, self.output)
+        return match.group(1)
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    proc.stdout.close()
-    proc.stderr.close()
+    def wait_for(self, pattern: str, start: int = 0, timeout: float = 10.0) -> re.Match:
+        """The first line from `start` on that matches `pattern` (waiting for it)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines[start:]:
+                    match = re.search(pattern, line)
+                    if match:
+                        return match
+                start = len(self.lines)
+                left = deadline - time.monotonic()
+                if self._done or left <= 0:
+                    pytest.fail(f"no line matching {pattern!r}:\n" + "\n".join(self.lines))
+                self._changed.wait(left)
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        """Wait for the exit; returns the exit code, stdout after the first line, stderr."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"the demo did not exit\nstdout: {self.output}")
+        self._reader.join(5)
+        return self.proc.returncode, self.output + "\n", self.proc.stderr.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
 
 
 def assert_table(out: str) -> None:
     for name in NAMES:
-        assert re.search(rf"^\[\s*\w+\] {name}\s+127\.0\.0\.1:\d+\s+weight", out, re.M), out
+        assert re.search(rf"^\[\s*\w+\] demo\s+{name}\s+127\.0\.0\.1:\d+\s+weight", out, re.M), out
+        assert re.search(
+            rf"^\[\s*\w+\] demo-dwd\s+{name}\s+127\.0\.0\.1:\d+\s+snmp \d+\s+dynamic \d+"
+            r"\s+effective \d+",
+            out,
+            re.M,
+        ), out
     assert out.rstrip().endswith("lbproxy demo: stopped"), out
 
 
+def final_counts(out: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(virtual server, real server) -> (active, total) from the `[final]` lines."""
+    return {
+        (m.group(1), m.group(2)): (int(m.group(3)), int(m.group(4)))
+        for m in re.finditer(r"^\[final\] (\S+)\s+(\w+) .* active (\d+)\s+total (\d+)", out, re.M)
+    }
+
+
+def dwd_line(name: str, value: int) -> str:
+    """A plain line of demo-dwd showing `name` reporting `value`, polled and in effect."""
+    return (
+        rf"^\[\s*\d+s\] demo-dwd\s+{name}\s.*\ssnmp {value}\s+dynamic {value}\s+effective {value}\s"
+    )
+
+
+def control(port: int, data: bytes) -> list[str]:
+    """Send lines to the demo's control port the way `printf ... | nc` does (no
+    half-close): the demo answers each line, then closes the connection by itself."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(1000):
+            received += chunk
+    return received.decode().splitlines()
+
+
+def snmp_get(port: int) -> int | None:
+    """What `snmpget -v2c -c public 127.0.0.1:PORT OID` reads."""
+    client = SnmpClient(SnmpConfig(host="127.0.0.1", port=port, oid=OID, timeout=1.0))
+    return trio.run(client.get).value
+
+
 def test_held_connections_split_by_weight_and_the_demo_stops_by_itself():
-    proc, port = start_demo(duration=8)
+    demo = Demo(duration=5)
     try:
-        held = [open_and_read_name(port) for _ in range(12)]
+        held = [open_and_read_name(demo.port) for _ in range(12)]
         try:
             names = Counter(name for _, name in held)
             # wlc with every connection still open: active/weight evens out at 2/4/6
@@ -80,46 +175,111 @@ def test_held_connections_split_by_weight_and_the_demo_stops_by_itself():
         finally:
             for sock, _ in held:
                 sock.close()
-        code, out, err = finish(proc, timeout=15)
+        code, out, err = demo.finish(timeout=15)
     finally:
-        stop(proc)
+        demo.stop()
     assert code == 0, err
-    assert f"nc 127.0.0.1 {port}" in out
+    assert f"nc 127.0.0.1 {demo.port}" in out
     assert_table(out)
     # the last table has every connection counted and none still open
-    final = {
-        m.group(1): (int(m.group(2)), int(m.group(3)))
-        for m in re.finditer(r"^\[final\] (\w+) .* active (\d+)\s+total (\d+)", out, re.M)
-    }
-    assert final == {"alpha": (0, 2), "bravo": (0, 4), "charlie": (0, 6)}, out
+    final = final_counts(out)
+    assert {name: final["demo", name] for name in NAMES} == {
+        "alpha": (0, 2),
+        "bravo": (0, 4),
+        "charlie": (0, 6),
+    }, out
+    assert "Traceback" not in err
+
+
+def test_dwd_weights_follow_the_values_the_agents_report():
+    demo = Demo(duration=30)  # SIGINT stops it
+    try:
+        assert f"snmpget -v2c -c public 127.0.0.1:{demo.agents['bravo']} {OID}" in demo.output
+        assert {name: snmp_get(port) for name, port in demo.agents.items()} == VALUES
+        for name, value in VALUES.items():  # the first polls come within a second
+            demo.wait_for(dwd_line(name, value))
+        held = [open_and_read_name(demo.dwd_port) for _ in range(12)]
+        try:
+            # dwd is wlc on the reported values: 12 held at 30/20/10 -> 6/4/2
+            assert Counter(name for _, name in held) == {"alpha": 6, "bravo": 4, "charlie": 2}
+            mark = len(demo.lines)
+            answers = control(demo.control_port, b"bogus 1\nalpha 0\n")
+            assert answers[0].startswith("error: expected NAME VALUE"), answers
+            assert answers[1:] == ["ok alpha 0"], answers
+            assert snmp_get(demo.agents["alpha"]) == 0  # the agent answers the new value
+            changed = time.monotonic()
+            demo.wait_for(dwd_line("alpha", 0), start=mark, timeout=5)  # the next poll
+            assert time.monotonic() - changed < 4.0  # a poll a second, a line a second
+            # alpha at weight 0 gets nothing; bravo:charlie 20:10 with 4 and 2 held -> 2, 1
+            more = [open_and_read_name(demo.dwd_port) for _ in range(3)]
+            held += more
+            assert Counter(name for _, name in more) == {"bravo": 2, "charlie": 1}
+        finally:
+            for sock, _ in held:
+                sock.close()
+        demo.proc.send_signal(signal.SIGINT)
+        code, out, err = demo.finish(timeout=8)
+    finally:
+        demo.stop()
+    assert code == 0, err
+    assert "lbproxy demo: alpha now reports 0" in out
+    assert_table(out)
+    final = final_counts(out)
+    assert {name: final["demo-dwd", name] for name in NAMES} == {
+        "alpha": (0, 6),
+        "bravo": (0, 6),
+        "charlie": (0, 3),
+    }, out
+    assert re.search(r"^\[final\] demo-dwd\s+alpha\s.*\ssnmp 0\s+dynamic 0\s", out, re.M), out
     assert "Traceback" not in err
 
 
 def test_sigint_stops_everything_with_exit_code_0():
-    proc, port = start_demo(duration=60)  # the signal, not the duration, stops it
+    demo = Demo(duration=60)  # the signal, not the duration, stops it
     try:
-        answers = [ask_name(port) for _ in range(6)]
+        answers = [ask_name(demo.port) for _ in range(6)]
         assert set(answers) <= set(NAMES), answers
-        held, name = open_and_read_name(port)  # a connection still open at Ctrl-C
+        held, name = open_and_read_name(demo.port)  # a connection still open at Ctrl-C
         assert name in NAMES
         try:
-            proc.send_signal(signal.SIGINT)
-            code, out, err = finish(proc, timeout=8)
+            demo.proc.send_signal(signal.SIGINT)
+            code, out, err = demo.finish(timeout=8)
         finally:
             held.close()
     finally:
-        stop(proc)
+        demo.stop()
     assert code == 0, err
     assert_table(out)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
 
 
-def test_a_port_in_use_is_exit_code_1_naming_the_address():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        result = run_cli("demo", "--port", str(port), "--duration", "5", timeout=20)
+def busy_port() -> socket.socket:
+    """A listening socket on loopback whose port - 1 is free.
+
+    Below the ephemeral range (Linux: from 32768), so that no outgoing connection of a
+    test running alongside takes port - 1 between this check and the demo binding it.
+    """
+    for _ in range(100):
+        port = random.randrange(20001, 32000)
+        taken = socket.socket()
+        try:
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port - 1))
+            return taken
+        except OSError:
+            taken.close()
+    pytest.fail("no free pair of ports")
+
+
+@pytest.mark.parametrize("busy", ["demo", "demo-dwd"])
+def test_a_port_in_use_is_exit_code_1_naming_the_address(busy):
+    # demo-dwd listens on PORT+1: with busy == "demo-dwd", that is the port in use
+    with busy_port() as taken:
+        port = taken.getsockname()[1]
+        demo_port = port if busy == "demo" else port - 1
+        result = run_cli("demo", "--port", str(demo_port), "--duration", "5", timeout=20)
     assert result.returncode == 1, result
     assert f"127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr

@@ -217,7 +217,9 @@ def test_reload_adds_and_removes_the_throttle(name_servers, lbproxy):
         assert _closed_within(sock, 10)
         sock.close()
     assert 2.5 < time.monotonic() - opened < 5.0
-    _wait_log(proxy, re.escape("web: throttle high -> low (load 0.00, idle timeout own)"))
+    # The three close within one interval of each other: the step down may be seen
+    # with one or two of them still open (load 0.5), never above 0.9.
+    _wait_log(proxy, r"web: throttle high -> low \(load 0\.[0-8]\d, idle timeout own\)")
 
     held = [open_and_read_name(port)[0] for _ in range(3)]
     opened = time.monotonic()

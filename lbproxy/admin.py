@@ -236,6 +236,11 @@ class AdminApp:
 
     def _authorize(self, scope: dict[str, Any]) -> None:
         client = scope.get("client")
+        if client is None and getattr(self.server, "admin_sock", None) is not None:
+            # A worker's private endpoint (lbproxy/workers.py): a Unix socket in a
+            # folder only the supervisor's user can enter; the supervisor has already
+            # checked the token or the loopback rule of the request it passes on.
+            return
         if self.token is None:
             if not _is_loopback(client[0] if client else None):
                 raise _HTTPError(403, "changes are only accepted from loopback without a token")
@@ -285,9 +290,16 @@ async def serve_admin(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin app on an already bound, listening socket until cancelled."""
+    await serve_asgi(AdminApp(server, token), sock, task_status=task_status)
+
+
+async def serve_asgi(
+    app: Any, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve an ASGI app (AdminApp or the supervisor's) with hypercorn until cancelled."""
     config = HypercornConfig()
     config.accesslog = None
     config.errorlog = logging.getLogger("lbproxy.admin.http")
     config.graceful_timeout = 1.0
-    app = wrap_app(AdminApp(server, token), config.wsgi_max_body_size, "asgi")
-    await worker_serve(app, config, sockets=Sockets([], [sock], []), task_status=task_status)
+    wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    await worker_serve(wrapped, config, sockets=Sockets([], [sock], []), task_status=task_status)

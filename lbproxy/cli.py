@@ -48,14 +48,23 @@ def main() -> None:
     default="info",
     show_default=True,
 )
-def run(config: tuple[str, ...], log_level: str) -> None:
+@click.option("--worker-fd", type=int, hidden=True)  # a worker of `workers: N` (workers.py)
+def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
     """Run the proxy. CONFIG: YAML files or folders of *.yaml files.
 
     SIGHUP reloads the configuration; SIGTERM or SIGINT drain, then exit.
     """
     from lbproxy import server  # trio is imported only by the commands that need it
 
+    if worker_fd is not None:  # started by the supervisor, which sends the configuration
+        from lbproxy import workers
+
+        sys.exit(workers.run_worker(worker_fd, list(config), log_level))
     cfg = _load_or_exit(config)
+    if cfg.global_.workers > 1:
+        from lbproxy import workers
+
+        sys.exit(workers.run(cfg, config_paths=list(config), log_level=log_level))
     sys.exit(server.run(cfg, config_paths=list(config), log_level=log_level))
 
 
@@ -129,7 +138,8 @@ def simulate(
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--duration", type=float, default=None, hidden=True)  # tests: stop by itself
 def demo(port: int, duration: float | None) -> None:
-    """Start three demo real servers and lbproxy in front of them on loopback."""
+    """Start three demo real servers, an SNMP agent each, and lbproxy in front of them
+    on loopback: wlc on PORT, dwd (weights from SNMP) on PORT+1."""
     from lbproxy import demo as demo_module
 
     sys.exit(demo_module.run(port=port, duration=duration))

@@ -1,0 +1,199 @@
+"""Micro-benchmark of the scheduling hot path: Pool.pick + take + drop, per scheduler.
+
+    .venv/bin/python scripts/bench_schedulers.py [--sizes 10,100,1000,10000]
+                                                 [--ops 20000] [--repeat 5] [--json FILE]
+
+For every registered scheduler (lbproxy.schedulers.available()) and every pool size n it
+builds a real Pool from VirtualServerConfig/RealServerConfig objects (as tests/factories.py
+does) and times two workloads, in nanoseconds per connection (one pick + one take + one
+drop):
+
+``short``  every connection ends before the next arrives: pick, take, drop.
+``held``   2 x n connections stay open (n >= 10: at least 20) and each new connection
+           replaces the oldest one (pick, take, then drop the oldest): the heap keys really
+           move, as on a proxy holding long-lived connections.
+
+The simulated clock advances 100 us per connection (10,000 connections per second), so
+time-driven work (slow-start steps, least-load's load sampling every
+``load_poll_interval``) runs at the rate it would on a busy proxy and its cost is
+amortised over the connections, as it is in production.
+
+Set-up per scheduler: weights 1..5 cycling (so weighted schedulers really weigh);
+``least-load`` gets ``max_connections: 1000`` per server (its per-connection estimate);
+``dwd`` and ``dwr`` get an ``snmp:`` block and a reported value per server (so they run
+on dynamic weights, not the all-zero fallback); ``sap`` load factors 1..4 cycling.
+
+Each figure is the median of ``--repeat`` timed runs of ``--ops`` connections, after one
+untimed warm-up run. The last columns are the ratio of the cost at the largest size to the
+cost at the smallest (issue 7's goal: 10,000 real servers within 2x of 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lbproxy import schedulers
+from lbproxy.config import (
+    Address,
+    HealthCheckConfig,
+    RealServerConfig,
+    SnmpConfig,
+    VirtualServerConfig,
+)
+from lbproxy.pool import Pool
+
+STEP = 1e-4  # simulated seconds between connections: 10,000 per second
+
+
+def build_pool(scheduler: str, n: int) -> Pool:
+    """A pool of `n` real servers set up so that `scheduler` runs its real algorithm."""
+    dynamic = schedulers.get(scheduler).dynamic_weights
+    snmp = SnmpConfig(on_no_answer="zero") if dynamic else None
+    servers = tuple(
+        RealServerConfig(
+            name=f"rs{i}",
+            address=Address("127.0.0.1", 20000 + i % 40000),
+            weight=1 + i % 5,
+            max_connections=1000 if scheduler == "least-load" else 0,
+            load_factor=float(1 + i % 4),
+            snmp=snmp,
+        )
+        for i in range(n)
+    )
+    config = VirtualServerConfig(
+        name="bench",
+        listen=(Address("127.0.0.1", 19999),),
+        real_servers=servers,
+        scheduler=scheduler,
+        health_check=HealthCheckConfig(type="none"),
+        snmp=snmp,
+    )
+    pool = Pool(config, 0.0)
+    if dynamic:
+        # dwd: weight = the value; dwr: weight = max_value - value. 10..50 either way.
+        for i, rs in enumerate(pool.servers):
+            value = 10.0 * (1 + i % 5)
+            pool.report_value(rs, value if scheduler == "dwd" else 100.0 - value, 0.0)
+        assert not pool.fallback, "dynamic weights should be in use"
+    return pool
+
+
+def run_short(pool: Pool, ops: int, now: float) -> tuple[int, float]:
+    pick, take, drop = pool.pick, pool.take, pool.drop
+    t0 = time.perf_counter_ns()
+    for _ in range(ops):
+        now += STEP
+        rs = pick(now)
+        drop(take(rs, now), now)
+    return time.perf_counter_ns() - t0, now
+
+
+def run_held(pool: Pool, ops: int, now: float, held: deque) -> tuple[int, float]:
+    pick, take, drop = pool.pick, pool.take, pool.drop
+    push, pop = held.append, held.popleft
+    t0 = time.perf_counter_ns()
+    for _ in range(ops):
+        now += STEP
+        rs = pick(now)
+        push(take(rs, now))
+        drop(pop(), now)
+    return time.perf_counter_ns() - t0, now
+
+
+def measure(scheduler: str, n: int, ops: int, repeat: int) -> dict[str, float]:
+    result: dict[str, float] = {}
+    # short
+    pool = build_pool(scheduler, n)
+    now = 1.0
+    _, now = run_short(pool, ops, now)  # warm-up
+    times = []
+    for _ in range(repeat):
+        elapsed, now = run_short(pool, ops, now)
+        times.append(elapsed / ops)
+    result["short"] = statistics.median(times)
+    # held
+    pool = build_pool(scheduler, n)
+    now = 1.0
+    held: deque = deque()
+    for _ in range(max(20, 2 * n)):
+        now += STEP
+        held.append(pool.take(pool.pick(now), now))
+    _, now = run_held(pool, ops, now, held)  # warm-up
+    times = []
+    for _ in range(repeat):
+        elapsed, now = run_held(pool, ops, now, held)
+        times.append(elapsed / ops)
+    result["held"] = statistics.median(times)
+    return result
+
+
+def print_table(head: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for cells in [head, *rows]:
+        print(
+            "  ".join(
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10,100,1000,10000")
+    parser.add_argument("--ops", type=int, default=20000, help="connections per timed run")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs (median reported)")
+    parser.add_argument("--schedulers", default="", help="comma-separated (default: all)")
+    parser.add_argument("--json", dest="json_path", help="also write the figures here")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    names = args.schedulers.split(",") if args.schedulers else schedulers.available()
+
+    gc.collect()
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    for name in names:
+        results[name] = {}
+        for n in sizes:
+            results[name][n] = measure(name, n, args.ops, args.repeat)
+            gc.collect()
+
+    lo, hi = sizes[0], sizes[-1]
+    head = ["scheduler", "workload"] + [f"n={n:,}" for n in sizes] + [f"{hi:,} / {lo:,}", "goal"]
+    rows = []
+    for name in names:
+        for workload in ("short", "held"):
+            figures = [results[name][n][workload] for n in sizes]
+            ratio = figures[-1] / figures[0]
+            rows.append(
+                [name, workload]
+                + [f"{f:,.0f}" for f in figures]
+                + [f"{ratio:.2f}x", "met" if ratio <= 2.0 else "NOT met"]
+            )
+    print(f"ns per connection (pick + take + drop); median of {args.repeat} runs of {args.ops}")
+    print_table(head, rows)
+    if args.json_path:
+        payload = {
+            "unit": "ns per connection (pick + take + drop)",
+            "ops": args.ops,
+            "repeat": args.repeat,
+            "python": sys.version.split()[0],
+            "results": {
+                name: {str(n): v for n, v in per_n.items()} for name, per_n in results.items()
+            },
+        }
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -259,18 +259,24 @@ class Flow:
 class _Session:
     """One pump call's shared state: which directions are still open, how it ended."""
 
-    __slots__ = ("cancel_scope", "flow", "open_directions", "outcome")
+    __slots__ = ("cancel_scope", "done", "flow", "open_directions", "outcome")
 
     def __init__(self, flow: Flow) -> None:
         self.flow = flow
         self.open_directions = 2
         self.outcome: Outcome | None = None
         self.cancel_scope: trio.CancelScope | None = None
+        self.done = trio.Event()  # set when both directions finished normally
 
     def direction_done(self) -> None:
         self.open_directions -= 1
         if self.open_directions == 0:
-            self.end(CLOSED)
+            # A normal end cancels nothing: the watchdog (waiting on `done`) returns and
+            # the nursery closes. Cancelling a scope costs trio 0.35 a CancelReason with
+            # two reprs and a Cancelled raised through the frames (~35 us per scope).
+            if self.outcome is None:
+                self.outcome = CLOSED
+            self.done.set()
 
     def failed(self, client_side: bool, exc: OSError) -> None:
         if exc.errno in _RESET_ERRNOS:
@@ -322,13 +328,14 @@ async def pump(
         nursery.start_soon(copy, session, server, client, False, b"")
         # The watchdog runs in the nursery body: it returns only on an idle timeout; a
         # finished or failed pump cancels it with the rest of the nursery.
-        await _watchdog(flow)
-        session.end(IDLE_TIMEOUT)
+        await _watchdog(flow, session)
+        if session.outcome is None:  # the idle timeout, not a normal end
+            session.end(IDLE_TIMEOUT)
     assert session.outcome is not None
     return session.outcome
 
 
-async def _watchdog(flow: Flow) -> None:
+async def _watchdog(flow: Flow, session: _Session) -> None:
     """Return once nothing has moved for ``flow.idle_timeout`` seconds.
 
     The copy loops only store ``flow.last_activity = trio.current_time()`` per write; this
@@ -343,26 +350,32 @@ async def _watchdog(flow: Flow) -> None:
     fires at last_activity + idle_timeout. Flow.poke() cancels the current sleep so a
     changed timeout is applied at once.
     """
-    while True:
+    while session.outcome is None:
         deadline = flow.last_activity + flow._idle_timeout
         if trio.current_time() >= deadline:
             return
         with trio.CancelScope(deadline=deadline) as alarm:
             flow._alarm = alarm
             try:
-                await trio.sleep_forever()
+                await session.done.wait()
             finally:
                 flow._alarm = None
 
 
 async def _send_initial(session: _Session, dst: SocketType, data: bytes, to_server: bool) -> bool:
     """Write ``data`` to ``dst`` before the copy loop starts. Not a hot path: one call
-    per connection at most, so trio's socket send is fine here. False on failure."""
+    per connection at most. Works on trio and plain (non-blocking) sockets alike: a
+    write(2) on the descriptor, waiting only on EAGAIN. False on failure."""
     flow = session.flow
     view = memoryview(data)
+    fd = dst.fileno()
     try:
         while view:
-            n = await dst.send(view)
+            try:
+                n = os.write(fd, view)
+            except BlockingIOError:
+                await wait_writable(fd)
+                continue
             view = view[n:]
             if to_server:
                 flow.bytes_in += n

@@ -7,7 +7,6 @@ from rich.table import Table
 
 from lbproxy.simulate import SimulationResult
 
-
 SEQUENCE_SHOWN = 200  # picks printed in table mode
 SEQUENCE_ROW = 20
 

@@ -39,6 +39,7 @@ LISTEN_BACKLOG = 4096
 # pending connection stays in the kernel's backlog and is served once a slot frees up.
 ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 ACCEPT_BACKOFF = 0.1
+ACCEPT_BATCH = 1  # connections accepted between two checkpoints of the accept loop
 # A burst of capacity errors ends (and "accepting again" is logged, once) only when an
 # accept succeeds this long after the last error: at the limit, every freed descriptor
 # lets one accept through between errors, which is still the same burst.
@@ -52,19 +53,18 @@ class BindError(Exception):
 class Listener:
     """One bound listening socket, the virtual server it feeds, and its accept loop."""
 
-    def __init__(self, address: Address, sock: trio.socket.SocketType, vs: VirtualServer):
+    def __init__(self, address: Address, sock: socket.socket, vs: VirtualServer):
         self.address = address
+        # A plain non-blocking socket: the accept loop waits on its descriptor itself
+        # (see _accept_loop), so trio's socket wrapper would only add cost.
         self.sock = sock
         self.vs = vs
         self.cancel_scope = trio.CancelScope()
 
     def close(self) -> None:
         self.cancel_scope.cancel()
+        trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
         self.sock.close()
-
-
-def bind(address: Address, reuse_port: bool = False) -> trio.socket.SocketType:
-    return trio.socket.from_stdlib_socket(listen_socket(address, reuse_port))
 
 
 def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:
@@ -239,13 +239,15 @@ class Server:
             raise
         return bound
 
-    def _bind(self, address: Address, existing: Listener | None) -> trio.socket.SocketType:
+    def _bind(self, address: Address, existing: Listener | None) -> socket.socket:
         if existing is not None:
             # The address moves to another virtual server: keep the bound socket, so
             # there is no moment where connections to it are refused.
             existing.cancel_scope.cancel()
             return existing.sock
-        return bind(address, self.reuse_port)
+        sock = listen_socket(address, self.reuse_port)
+        sock.setblocking(False)
+        return sock
 
     def _start_listener(self, listener: Listener) -> None:
         self.listeners[listener.address] = listener
@@ -256,13 +258,27 @@ class Server:
     async def _accept_loop(self, listener: Listener) -> None:
         assert self._handlers is not None
         spawn = self._handlers.start_soon
+        # Accept on the plain socket under trio's wrapper: trio's accept() costs two
+        # checkpoints (a scheduler round each) and a wrapper object per connection. We
+        # wait only when the backlog is empty, and let other tasks run every
+        # ACCEPT_BATCH connections so a flood cannot starve established ones.
         sock = listener.sock
+        fd = sock.fileno()
+        batch = 0
         burst_errors = 0  # capacity errors in the current burst; 0: no burst
         last_error = 0.0
         with listener.cancel_scope:
             while True:
                 try:
-                    client, peer = await sock.accept()
+                    client, peer = sock.accept()
+                    client.setblocking(False)
+                except BlockingIOError:
+                    batch = 0
+                    try:
+                        await trio.lowlevel.wait_readable(fd)
+                    except trio.ClosedResourceError:  # closed by a reload
+                        return
+                    continue
                 except OSError as exc:
                     if exc.errno in ACCEPT_CAPACITY_ERRNOS:
                         if not burst_errors:
@@ -288,6 +304,10 @@ class Server:
                     )
                     burst_errors = 0
                 spawn(listener.vs.handle, client, peer)
+                batch += 1
+                if batch >= ACCEPT_BATCH:
+                    batch = 0
+                    await trio.lowlevel.checkpoint()
 
     # -- runtime changes (admin API) ----------------------------------------------
 

@@ -88,35 +88,46 @@ class KeyedHeap:
         return list(self._items)
 
     # -- sifting -------------------------------------------------------------------
-
-    def _swap(self, i: int, j: int) -> None:
-        items, keys = self._items, self._keys
-        items[i], items[j] = items[j], items[i]
-        keys[i], keys[j] = keys[j], keys[i]
-        self._pos[items[i]] = i
-        self._pos[items[j]] = j
+    # "Hole" sifting: the moving item is held aside and each level costs one write of
+    # the displaced item (and its position) instead of a swap of two; 20-30 % faster at
+    # 10,000 servers (scripts/bench_schedulers.py).
 
     def _sift_up(self, i: int) -> None:
-        keys = self._keys
+        items, keys, pos = self._items, self._keys, self._pos
+        item, key = items[i], keys[i]
         while i > 0:
             parent = (i - 1) >> 1
-            if keys[i] < keys[parent]:
-                self._swap(i, parent)
-                i = parent
-            else:
-                return
+            parent_key = keys[parent]
+            if not key < parent_key:
+                break
+            parent_item = items[parent]
+            items[i] = parent_item
+            keys[i] = parent_key
+            pos[parent_item] = i
+            i = parent
+        items[i] = item
+        keys[i] = key
+        pos[item] = i
 
     def _sift_down(self, i: int) -> None:
-        keys = self._keys
+        items, keys, pos = self._items, self._keys, self._pos
+        item, key = items[i], keys[i]
         n = len(keys)
         while True:
-            left = 2 * i + 1
-            if left >= n:
-                return
-            right = left + 1
-            child = right if right < n and keys[right] < keys[left] else left
-            if keys[child] < keys[i]:
-                self._swap(i, child)
-                i = child
-            else:
-                return
+            child = 2 * i + 1
+            if child >= n:
+                break
+            right = child + 1
+            if right < n and keys[right] < keys[child]:
+                child = right
+            child_key = keys[child]
+            if not child_key < key:
+                break
+            child_item = items[child]
+            items[i] = child_item
+            keys[i] = child_key
+            pos[child_item] = i
+            i = child
+        items[i] = item
+        keys[i] = key
+        pos[item] = i

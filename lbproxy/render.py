@@ -47,7 +47,11 @@ def print_explain(result: SimulationResult) -> None:
     console = Console(highlight=False)
     for pick in result.explain:
         scores = ", ".join(f"{name}={score}" for name, score in pick.scores.items())
-        console.print(f"#{pick.number} t={pick.time:.2f}s -> {pick.server or '-'}  [{scores}]")
+        # markup=False: "[a=(1, 0), ...]" is data, not a rich style tag
+        console.print(
+            f"#{pick.number} t={pick.time:.2f}s -> {pick.server or '-'}  [{scores}]",
+            markup=False,
+        )
 
 
 def status_table(document: dict) -> Table:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -289,3 +290,53 @@ def test_world_readable_token_file_refuses_to_start(name_servers, tmp_path):
     out = run_cli("run", str(config), timeout=30)
     assert out.returncode == 2
     assert "readable by every user" in out.stderr
+
+
+def test_access_log_and_decision_explain_lines(name_servers, tmp_path):
+    from tests.integration.harness import Lbproxy
+
+    servers = name_servers("a", "b")
+    port = free_port()
+    config = vs_config(port, servers, "wlc").replace(
+        "  drain_timeout: 5s", "  drain_timeout: 5s\n  access_log: true"
+    )
+    proxy = Lbproxy(tmp_path, config, "--log-level", "debug").start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            assert s.recv(2) == b"a\n"
+            s.sendall(b"hello")
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(100):
+                pass
+        deadline = time.monotonic() + 5
+        while "lbproxy.access" not in proxy.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log = proxy.log()
+    finally:
+        proxy.stop()
+    # one access line: client, virtual server, real server, bytes each way, how it ended
+    assert re.search(
+        r"lbproxy\.access: 127\.0\.0\.1:\d+ vs=web rs=a in=5 out=7 duration=\d+\.\d{3}s end=closed",
+        log,
+    ), log
+    # the decision explain line lists every candidate with its score
+    assert re.search(r"web: wlc picked a \[a=\(1, 0\), b=\(1, 1\)\]", log), log
+
+
+def test_simulate_explain_prints_each_pick_with_scores(tmp_path):
+    config = tmp_path / "vs.yaml"
+    config.write_text(
+        "virtual_servers:\n"
+        "  - name: web\n"
+        "    listen: 127.0.0.1:8080\n"
+        "    scheduler: wlc\n"
+        "    real_servers:\n"
+        "      - {name: a, address: 127.0.0.1:9001, weight: 1}\n"
+        "      - {name: b, address: 127.0.0.1:9002, weight: 3}\n"
+    )
+    out = run_cli("simulate", str(config), "-n", "3", "--hold", "--explain")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("#")]
+    assert lines[0] == "#1 t=0.00s -> b  [a=(1, 0), b=(0.3333, 1)]"
+    assert lines[1].startswith("#2 t=0.10s -> b  [a=(1, 0), b=(0.6667, ")
+    assert len(lines) == 3

@@ -46,6 +46,19 @@ ACCEPT_BATCH = 1  # connections accepted between two checkpoints of the accept l
 ACCEPT_BURST_QUIET = 1.0
 
 
+def load_for_reload(paths: Sequence[str]) -> Config | list[str]:
+    """Load the files again for a reload: the new Config, or every problem as
+    `FILE:LINE: message`, each logged, with the running configuration left alone."""
+    try:
+        return load(paths)
+    except ConfigError as exc:
+        messages = [str(problem) for problem in exc.problems]
+        for message in messages:
+            log.error("reload: %s", message)
+        log.error("reload failed; the running configuration is unchanged")
+        return messages
+
+
 class BindError(Exception):
     """A listen address could not be bound (in use, no permission): exit code 1."""
 
@@ -369,15 +382,10 @@ class Server:
         Returns (ok, messages): the changes applied, or every problem found. On any
         problem the running configuration stays as it was.
         """
-        try:
-            new = load(self.config_paths)
-        except ConfigError as exc:
-            messages = [str(problem) for problem in exc.problems]
-            for message in messages:
-                log.error("reload: %s", message)
-            log.error("reload failed; the running configuration is unchanged")
+        new = load_for_reload(self.config_paths)
+        if isinstance(new, list):
             self.reloads["error"] += 1
-            return False, messages
+            return False, new
         try:
             changes = self.apply(new)
         except BindError as exc:

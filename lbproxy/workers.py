@@ -68,9 +68,9 @@ from lbproxy.admin import (
     read_token,
     serve_asgi,
 )
-from lbproxy.config import Config, ConfigError, load
+from lbproxy.config import Config
 from lbproxy.metrics import RELOAD_RESULTS
-from lbproxy.server import BindError, Server, listen_socket
+from lbproxy.server import BindError, Server, listen_socket, load_for_reload
 
 log = logging.getLogger("lbproxy.workers")
 
@@ -571,15 +571,10 @@ class Supervisor:
     async def reload(self) -> tuple[bool, list[str]]:
         """Validate the files, then reload every worker; (ok, changes or errors)."""
         async with self._changes:
-            try:
-                new = load(self.config_paths)
-            except ConfigError as exc:
-                messages = [str(problem) for problem in exc.problems]
-                for message in messages:
-                    log.error("reload: %s", message)
-                log.error("reload failed; the running configuration is unchanged")
+            new = load_for_reload(self.config_paths)
+            if isinstance(new, list):
                 self.reloads["error"] += 1
-                return False, messages
+                return False, new
             if new.global_.workers != len(self.workers):
                 log.warning(
                     "reload: workers %d -> %d takes a restart; still running %d",

@@ -40,8 +40,3 @@ class Histogram:
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
         return out
-
-    def merge(self, other: Histogram) -> None:
-        for i, count in enumerate(other.counts):
-            self.counts[i] += count
-        self.total += other.total

@@ -340,3 +340,22 @@ def test_simulate_explain_prints_each_pick_with_scores(tmp_path):
     assert lines[0] == "#1 t=0.00s -> b  [a=(1, 0), b=(0.3333, 1)]"
     assert lines[1].startswith("#2 t=0.10s -> b  [a=(1, 0), b=(0.6667, ")
     assert len(lines) == 3
+
+
+def test_json_log_format_writes_one_object_per_line(name_servers, lbproxy):
+    servers = name_servers("a")
+    port = free_port()
+    config = vs_config(port, servers).replace(
+        "  drain_timeout: 5s", "  drain_timeout: 5s\n  log_format: json\n  access_log: true"
+    )
+    proxy = lbproxy(config)
+    assert ask_name(port) == "a"
+    deadline = time.monotonic() + 5
+    while "lbproxy.access" not in proxy.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proxy.stop()
+    records = [json.loads(line) for line in proxy.log().splitlines() if line.strip()]
+    assert {"time", "level", "logger", "message"} <= set(records[0])
+    access = [r for r in records if r["logger"] == "lbproxy.access"]
+    assert len(access) == 1 and "vs=web rs=a" in access[0]["message"]
+    assert any(r["message"] == "stopped" for r in records)

@@ -115,7 +115,8 @@ class HeapScheduler(Scheduler):
         super().__init__(pool)
         self.heap = KeyedHeap()
 
-    def key(self, rs: RealServer) -> Any:
+    def key(self, rs: RealServer) -> tuple:
+        """What this algorithm minimises, as a tuple compared element by element."""
         raise NotImplementedError
 
     def pick(self, now: float, avoid: Collection[RealServer] = ()) -> RealServer | None:

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 class First(HeapScheduler):
     name = "first"
 
-    def key(self, rs: RealServer) -> int:
-        return rs.index
+    def key(self, rs: RealServer) -> tuple[int]:
+        return (rs.index,)
 
     def on_take(self, rs: RealServer, now: float) -> None:
         pass  # the key never changes with load

@@ -8,7 +8,7 @@ when something changes, as HAProxy's `struct lb_ops` (backend-t.h): any hook may
 no-op. `pick` never blocks and never raises; `None` means nothing is available.
 
 Most algorithms minimise a key over the available servers; `HeapScheduler` keeps them in
-an indexed heap and re-keys one server on take/drop/weight change, so a pick costs
+a keyed heap (schedulers/heap.py) and re-keys one server on take/drop/weight change, so a pick costs
 O(log n) whatever the number of servers (no scan, as `lb_fwlc.c`).
 
 Registration rejects a duplicate name, as IPVS's `register_ip_vs_scheduler` does.
@@ -109,7 +109,7 @@ class Scheduler:
 
 
 class HeapScheduler(Scheduler):
-    """Minimises `key(rs)` over the available servers, kept in an indexed heap."""
+    """Minimises `key(rs)` over the available servers, kept in a KeyedHeap."""
 
     def __init__(self, pool: Pool) -> None:
         super().__init__(pool)

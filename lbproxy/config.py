@@ -422,13 +422,20 @@ def _address(*, listen: bool) -> Converter:
 _listen_address = _address(listen=True)
 
 
-def _listen_addresses(node: yaml.Node, label: str) -> tuple[Address, ...]:
-    """One listen address or a non-empty list of them."""
-    if not isinstance(node, yaml.SequenceNode):
-        return (_listen_address(node, label),)
-    if not node.value:
-        raise _Invalid(f"{label} must name at least one address", node)
-    return tuple(_listen_address(item, label) for item in node.value)
+def _one_or_list(convert: Converter, what: str) -> Converter:
+    """A converter for one value, or a non-empty list of them, into a tuple."""
+
+    def read(node: yaml.Node, label: str) -> tuple:
+        if not isinstance(node, yaml.SequenceNode):
+            return (convert(node, label),)
+        if not node.value:
+            raise _Invalid(f"{label} must name at least one {what}", node)
+        return tuple(convert(item, label) for item in node.value)
+
+    return read
+
+
+_listen_addresses = _one_or_list(_listen_address, "address")
 
 
 def _admin_listen(node: yaml.Node, label: str) -> Address | None:
@@ -461,16 +468,7 @@ def _regex(node: yaml.Node, label: str) -> str:
     return pattern
 
 
-_status_code = _integer(100, 599)
-
-
-def _status_codes(node: yaml.Node, label: str) -> tuple[int, ...]:
-    """One HTTP status code or a non-empty list of them."""
-    if not isinstance(node, yaml.SequenceNode):
-        return (_status_code(node, label),)
-    if not node.value:
-        raise _Invalid(f"{label} must name at least one status code", node)
-    return tuple(_status_code(item, label) for item in node.value)
+_status_codes = _one_or_list(_integer(100, 599), "status code")
 
 
 def _workers(node: yaml.Node, label: str) -> int:

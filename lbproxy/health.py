@@ -19,6 +19,11 @@ class Health:
         self.counter = rise + fall - 1 if up else 0
 
     @property
+    def clean(self) -> bool:
+        """Up with no failure counted: a success would change nothing."""
+        return self.counter == self.rise + self.fall - 1
+
+    @property
     def up(self) -> bool:
         return self.counter >= self.rise
 

@@ -20,8 +20,8 @@ from prometheus_client.metrics_core import (
 )
 
 from lbproxy.pool import REJECT_REASONS, Pool
+from lbproxy.throttle import MODE_VALUES
 
-THROTTLE_MODES = {"low": 0, "high": 1, "digg": 2}
 CONNECT_FAILURE_REASONS = ("refused", "timeout", "error")
 HEALTH_RESULTS = ("ok", "fail", "timeout")
 SNMP_RESULTS = ("ok", "timeout", "error", "bad_value")
@@ -102,7 +102,7 @@ class LbproxyCollector:
             for reason in REJECT_REASONS:
                 rejected.add_metric([vs, reason], pool.rejected[reason])
             fallback.add_metric([vs], 1.0 if pool.fallback else 0.0)
-            throttle.add_metric([vs], THROTTLE_MODES.get(pool.throttle_mode, 0))
+            throttle.add_metric([vs], MODE_VALUES.get(pool.throttle_mode, 0))
             duration.add_metric([vs], pool.durations.cumulative(), pool.durations.total)
             poll_duration.add_metric(
                 [vs], pool.poll_durations.cumulative(), pool.poll_durations.total

@@ -71,15 +71,14 @@ class VirtualServer:
         self._resolved: dict[Address, tuple[int, tuple]] = {}
         self.access_log = False  # global.access_log, set by the Server
         # Admission control (throttle_monitor.py), set by the Server's Throttles when the
-        # virtual server has a `throttle:` block; "low" | "high" | "digg" for metrics.
+        # virtual server has a `throttle:` block; it publishes `pool.throttle_mode`.
         self.throttle: ThrottleMonitor | None = None
-        pool.throttle_mode = "low"  # type: ignore[attr-defined]
 
     @property
     def name(self) -> str:
         return self.pool.name
 
-    async def handle(self, client: trio.socket.SocketType, peer: tuple) -> None:
+    async def handle(self, client: socket.socket, peer: tuple) -> None:
         """Serve one accepted client socket until both sides are done; closes it."""
         pool = self.pool
         config = pool.config
@@ -110,7 +109,7 @@ class VirtualServer:
 
     async def _forward(
         self,
-        client: trio.socket.SocketType,
+        client: socket.socket,
         source: tuple,
         leftover: bytes,
         config: VirtualServerConfig,
@@ -176,7 +175,7 @@ class VirtualServer:
 
     async def _connect(
         self, handle: Connection, config: VirtualServerConfig
-    ) -> tuple[trio.socket.SocketType, Lease] | None:
+    ) -> tuple[socket.socket, Lease] | None:
         """Connect to a picked real server, retrying others (never the same one twice)."""
         pool = self.pool
         tried: list[RealServer] = []
@@ -203,14 +202,14 @@ class VirtualServer:
                 rs.connect_failures[exc.reason] += 1
                 record_health(pool, rs, False, trio.current_time(), f"connect {exc.reason}")
                 continue
-            if rs.health.counter != rs.health.rise + rs.health.fall - 1:
+            if not rs.health.clean:
                 # a good connect ends a failure streak (or is a down server's trial)
                 record_health(pool, rs, True, now, "connect succeeded")
             return sock, lease
         pool.rejected["connect_failed" if tried else "no_server"] += 1
         return None
 
-    async def _open(self, address: Address, timeout: float) -> trio.socket.SocketType:
+    async def _open(self, address: Address, timeout: float) -> socket.socket:
         cached = self._resolved.get(address)  # no coroutine on the usual cache hit
         family, sockaddr = cached if cached is not None else await self._resolve(address)
         try:

@@ -56,6 +56,7 @@ def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
     """
     from lbproxy import server  # trio is imported only by the commands that need it
 
+    server.raise_descriptor_limit()
     if worker_fd is not None:  # started by the supervisor, which sends the configuration
         from lbproxy import workers
 

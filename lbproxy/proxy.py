@@ -36,11 +36,12 @@ _ALLOW_ALL = VirtualServerConfig.__dataclass_fields__["allow"].default
 class Connection:
     """The handle a pool lease carries: live byte counts, and a way to close it."""
 
-    __slots__ = ("cancel_scope", "flow", "own_idle_timeout")
+    __slots__ = ("connecting", "flow", "own_idle_timeout")
 
-    def __init__(self, flow: Flow, cancel_scope: trio.CancelScope) -> None:
+    def __init__(self, flow: Flow) -> None:
         self.flow = flow
-        self.cancel_scope = cancel_scope
+        # The scope of a connect that is waiting for the real server's answer, if any.
+        self.connecting: trio.CancelScope | None = None
         # The virtual server's idle_timeout when the connection started: the throttle
         # imposes min(own, imposed) under load and gives this back in low mode.
         self.own_idle_timeout = flow.idle_timeout
@@ -54,13 +55,19 @@ class Connection:
         return self.flow.bytes_out
 
     def close(self) -> None:
-        self.cancel_scope.cancel()
+        # No cancel scope of its own (a scope costs ~0.7 kB for the connection's whole
+        # life): while connecting, the connect wait's scope is cancelled and the retry
+        # loop stops; from then on the pump ends ("cancelled").
+        self.flow.close()
+        if self.connecting is not None:
+            self.connecting.cancel()
 
 
 class ConnectError(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
-        self.reason = reason  # refused | timeout | error (the metric's label)
+        # refused | timeout | error (the metric's label), or cancelled: closed on purpose
+        self.reason = reason
 
 
 class VirtualServer:
@@ -116,37 +123,43 @@ class VirtualServer:
     ) -> None:
         pool = self.pool
         started = trio.current_time()
-        outcome = "cancelled"  # a disabled server, on_down: close, or the drain deadline
-        with trio.CancelScope() as scope:
-            flow = Flow(config.idle_timeout)
-            handle = Connection(flow, scope)
-            if self.throttle is not None:  # start with the imposed idle timeout, if any
-                flow.idle_timeout = self.throttle.idle_timeout_for(config.idle_timeout)
-            connected = await self._connect(handle, config)
-            if connected is None:
-                if self.access_log:
-                    self._log_access(source, None, flow, started, "no_server")
-                return
-            server, lease = connected
-            try:
-                with server:
-                    if config.send_proxy != "none":
-                        destination = client.getsockname()
-                        header = proxy_protocol.encode(config.send_proxy, source, destination)
-                        await _send_all(server, header)
-                    outcome = await pump(client, server, flow, initial_client_bytes=leftover)
-            except OSError as exc:  # the PROXY header could not be sent: peer reset
-                log.debug("%s: %s", pool.name, exc)
-                outcome = "server_reset"
-            finally:
-                rs = lease.server
-                rs.bytes_in += flow.bytes_in
-                rs.bytes_out += flow.bytes_out
-                now = trio.current_time()
-                pool.drop(lease, now)
-                pool.durations.observe(now - started)
-                if self.access_log:
-                    self._log_access(source, rs.name, flow, started, outcome)
+        flow = Flow(config.idle_timeout)
+        handle = Connection(flow)
+        if self.throttle is not None:  # start with the imposed idle timeout, if any
+            flow.idle_timeout = self.throttle.idle_timeout_for(config.idle_timeout)
+        connected = await self._connect(handle, config)
+        if connected is None:
+            if self.access_log:
+                end = "cancelled" if flow.closing else "no_server"
+                self._log_access(source, None, flow, started, end)
+            return
+        server, lease = connected
+        outcome = "cancelled"  # the drain deadline cancelled us
+        try:
+            with server:
+                header = b""
+                if config.send_proxy != "none":
+                    destination = client.getsockname()
+                    header = proxy_protocol.encode(config.send_proxy, source, destination)
+                outcome = await pump(
+                    client, server, flow, preamble=header, initial_client_bytes=leftover
+                )
+        except OSError as exc:
+            # The pump could not start: no descriptor left for its epoll instance
+            # (EMFILE), or the client reset before getsockname(). Only this connection
+            # ends; the accept loop backs off on its own when descriptors run out.
+            log.debug("%s: %s", pool.name, exc)
+            flow.error = exc
+            outcome = "error"
+        finally:
+            rs = lease.server
+            rs.bytes_in += flow.bytes_in
+            rs.bytes_out += flow.bytes_out
+            now = trio.current_time()
+            pool.drop(lease, now)
+            pool.durations.observe(now - started)
+            if self.access_log:
+                self._log_access(source, rs.name, flow, started, outcome)
 
     def _reject(self, reason: str, source: tuple) -> None:
         self.pool.rejected[reason] += 1
@@ -180,6 +193,8 @@ class VirtualServer:
         pool = self.pool
         tried: list[RealServer] = []
         for _ in range(config.retries + 1):
+            if handle.flow.closing:  # closed while an earlier attempt was waiting
+                return None
             now = trio.current_time()
             rs = pool.pick(now, tried)
             if rs is None:
@@ -191,7 +206,7 @@ class VirtualServer:
             # SYN: concurrent arrivals then see this one and spread out.
             lease = pool.take(rs, now, handle)
             try:
-                sock = await self._open(rs.address, config.connect_timeout)
+                sock = await self._open(rs.address, config.connect_timeout, handle)
             except LocalCapacityError:
                 # Out of descriptors here: not the real server's fault, and no other
                 # would do better; the client is closed (the accept loop backs off).
@@ -199,9 +214,14 @@ class VirtualServer:
                 break
             except ConnectError as exc:
                 pool.drop(lease, trio.current_time())
+                if exc.reason == "cancelled":
+                    return None
                 rs.connect_failures[exc.reason] += 1
                 record_health(pool, rs, False, trio.current_time(), f"connect {exc.reason}")
                 continue
+            except BaseException:  # the drain deadline: give the lease back all the same
+                pool.drop(lease, trio.current_time())
+                raise
             if not rs.health.clean:
                 # a good connect ends a failure streak (or is a down server's trial)
                 record_health(pool, rs, True, now, "connect succeeded")
@@ -209,7 +229,7 @@ class VirtualServer:
         pool.rejected["connect_failed" if tried else "no_server"] += 1
         return None
 
-    async def _open(self, address: Address, timeout: float) -> socket.socket:
+    async def _open(self, address: Address, timeout: float, handle: Connection) -> socket.socket:
         cached = self._resolved.get(address)  # no coroutine on the usual cache hit
         family, sockaddr = cached if cached is not None else await self._resolve(address)
         try:
@@ -234,7 +254,13 @@ class VirtualServer:
                         err = errno.EINPROGRESS
             if err == errno.EINPROGRESS:
                 with trio.move_on_after(timeout) as deadline:
-                    await trio.lowlevel.wait_writable(sock.fileno())
+                    handle.connecting = deadline  # Connection.close() cancels it
+                    try:
+                        await trio.lowlevel.wait_writable(sock.fileno())
+                    finally:
+                        handle.connecting = None
+                if handle.flow.closing:
+                    raise ConnectError("cancelled")
                 if deadline.cancelled_caught:
                     raise ConnectError("timeout")
                 err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
@@ -301,15 +327,3 @@ def explain_pick(pool: Pool, chosen: RealServer, tried: list[RealServer]) -> str
 def _format_peer(peer: tuple) -> str:
     host, port = peer[0], peer[1]
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-
-
-async def _send_all(sock: socket.socket, data: bytes) -> None:
-    """Write all of `data` to a non-blocking socket, waiting only when it is full."""
-    view = memoryview(data)
-    while view:
-        try:
-            sent = sock.send(view)
-        except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock.fileno())
-            continue
-        view = view[sent:]

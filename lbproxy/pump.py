@@ -1,19 +1,28 @@
 """The byte pump: copy a client and a real-server TCP socket into each other.
 
 This module owns everything between "both sockets are connected" and "both directions
-are finished" (SPEC section 4): the two copy loops, the half-close hand-over, the idle
+are finished" (SPEC section 4): the two directions, the half-close hand-over, the idle
 timeout and the pipe pool behind splice(2). It does not own the sockets: the caller
 closes both after :func:`pump` returns, whatever it returns.
 
 How it works
 ------------
-One task per direction, in a nursery whose body is the idle watchdog. A direction is a
-plain loop: wait until the source is readable, move one chunk into an intermediate
-(a pipe for splice, a buffer for the fallback), write that chunk out completely, repeat.
-Because a chunk is always written out before the next read, a direction never needs a
-buffer or pipe while it is waiting for its source, so it borrows one from a module pool
-per chunk and gives it back at once. An idle connection -- most of them, on a busy
-proxy -- holds no pipe and no buffer, and the number of pipes in use is the number of
+One task drives both directions. It waits on a single descriptor, an epoll instance of
+the connection's own that holds its two sockets, so trio sees one readiness wait per
+connection and the task needs no nursery, no second task and no watchdog. A connection
+costs one task, one cancel scope (the idle timeout, which also serves
+:meth:`Flow.close`) and one extra descriptor; with a task per direction plus a watchdog
+it cost three tasks, a nursery and four cancel scopes, about twice the memory and 30 us
+more CPU per connection (scripts/bench, docs/benchmarks.md). The price is one more
+system call per wake-up, the epoll_wait(0) that says which socket is ready.
+
+A direction is a small state machine: reading (its source is watched for input), or
+writing (a chunk it could not write out yet; its destination is watched for output and
+its source is not: back-pressure). A chunk goes source -> intermediate (a pipe for
+splice, a buffer for the fallback) -> destination, and is written out completely
+before the next read, so a direction borrows its pipe or buffer from a module pool per
+chunk and gives it back at once. An idle connection -- most of them, on a busy proxy --
+holds no pipe and no buffer, and the number of pipes in use is the number of
 directions actually blocked on a slow reader, not twice the number of connections
 (HAProxy's pipe pool makes the same choice: a pipe is taken when splicing starts and
 released as soon as it is empty). This matters for file descriptors (a pipe is two) and
@@ -23,6 +32,7 @@ new pipes shrink to a page or two).
 Splice moves socket -> pipe -> socket inside the kernel (zero copy). The fallback, used
 where ``os.splice`` is missing, where the kernel refuses the first splice with EINVAL or
 ENOSYS, or when the caller forces it, does ``recv_into``/``send`` with the same waits.
+Linux only: the pump needs ``select.epoll`` (trio itself supports more systems).
 
 Outcomes
 --------
@@ -36,18 +46,15 @@ Outcomes
 ``"server_reset"``  the same on the real-server socket.
 ``"error"``         any other socket error (ETIMEDOUT, EHOSTUNREACH, ENOMEM, ...);
                     ``flow.error`` holds it.
+``"cancelled"``     :meth:`Flow.close` was called (the proxy closing it on purpose).
 
-On a reset or error the other direction is cancelled at once and pump returns, so the
-caller's close() reaches the other peer without delay. The other side gets an orderly
-close, not a reset: data already handed to its kernel buffer (the last part of a
-response, say) still arrives, which an RST would throw away. If the caller's own scope
-is cancelled, pump raises ``trio.Cancelled`` like any trio call; pipes are cleaned up
-either way. Unexpected exceptions (bugs) propagate as an exception group.
-
-A known limit: once one direction has finished, a reset on its (half-closed) source is
-only noticed when the other direction next touches that socket, or by the idle timeout.
-Watching a socket that has delivered EOF would wake epoll on every loop (EOF is always
-"readable"), so we let the idle timeout bound that case, as the SPEC asks.
+On a reset or error pump returns at once, so the caller's close() reaches the other
+peer without delay. The other side gets an orderly close, not a reset: data already
+handed to its kernel buffer (the last part of a response, say) still arrives, which an
+RST would throw away. A reset is noticed even on a socket that has half-closed and is
+no longer read: epoll reports errors on every socket in its set. If the caller's own
+scope is cancelled, pump raises ``trio.Cancelled`` like any trio call; pipes are
+cleaned up either way.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import errno
 import logging
 import math
 import os
+import select
 import socket
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -72,6 +80,7 @@ if TYPE_CHECKING:
     from trio.socket import SocketType
 
 __all__ = [
+    "CANCELLED",
     "CLIENT_RESET",
     "CLOSED",
     "ERROR",
@@ -86,8 +95,9 @@ __all__ = [
 
 log = logging.getLogger("lbproxy.pump")
 
-Outcome = Literal["closed", "idle_timeout", "client_reset", "server_reset", "error"]
+Outcome = Literal["closed", "idle_timeout", "client_reset", "server_reset", "error", "cancelled"]
 CLOSED: Final = "closed"
+CANCELLED: Final = "cancelled"
 IDLE_TIMEOUT: Final = "idle_timeout"
 CLIENT_RESET: Final = "client_reset"
 SERVER_RESET: Final = "server_reset"
@@ -206,21 +216,31 @@ class Flow:
                        ``initial_client_bytes``).
     ``bytes_out``      server -> client bytes written to the client.
     ``idle_timeout``   seconds (float or ``math.inf``). Assigning it while pumping takes
-                       effect at once: the watchdog is woken to recompute its deadline
-                       (the admission-control monitor shortens it under load). A value
-                       already exceeded by the current idle time ends the pump at once.
+                       effect at once (the admission-control monitor shortens it under
+                       load). A value already exceeded by the current idle time ends the
+                       pump at once.
     ``last_activity``  ``trio.current_time()`` of the last byte written either way (or of
                        the start of pump, or of a FIN passed on).
     ``error``          the OSError behind a ``*_reset`` or ``error`` outcome, else None.
+    ``closing``        set by :meth:`close`.
     """
 
-    __slots__ = ("_alarm", "_idle_timeout", "bytes_in", "bytes_out", "error", "last_activity")
+    __slots__ = (
+        "_alarm",
+        "_idle_timeout",
+        "bytes_in",
+        "bytes_out",
+        "closing",
+        "error",
+        "last_activity",
+    )
 
     def __init__(self, idle_timeout: float = math.inf) -> None:
         self.bytes_in = 0
         self.bytes_out = 0
         self.error: OSError | None = None
         self.last_activity = 0.0
+        self.closing = False
         self._alarm: trio.CancelScope | None = None
         self._idle_timeout = math.inf
         self.idle_timeout = idle_timeout
@@ -238,11 +258,22 @@ class Flow:
         self.poke()
 
     def poke(self) -> None:
-        """Make a sleeping watchdog re-read ``last_activity`` and ``idle_timeout`` now.
+        """Re-read ``last_activity`` and ``idle_timeout`` now, in a running pump.
 
         Assigning ``idle_timeout`` already does this; call it only after changing
         ``last_activity`` by hand. Safe to call at any time, from any trio task.
         """
+        if self._alarm is not None:
+            self._alarm.deadline = self.last_activity + self._idle_timeout
+
+    def close(self) -> None:
+        """End the pump now (or as soon as it starts): it returns ``"cancelled"``.
+
+        For the proxy closing a connection on purpose (a disabled real server,
+        ``on_down: close``). The caller then closes both sockets as usual. Safe to call
+        at any time, from any trio task, more than once.
+        """
+        self.closing = True
         if self._alarm is not None:
             self._alarm.cancel()
 
@@ -253,47 +284,440 @@ class Flow:
         )
 
 
+# ---------------------------------------------------------------------- directions
+
+# Epoll event masks. A socket's mask in the per-connection epoll is _UNWATCHED when it
+# has been taken out of the set (see _Pump._unwatched_event).
+_IN: Final = select.EPOLLIN
+_OUT: Final = select.EPOLLOUT
+_FAILED: Final = select.EPOLLERR | select.EPOLLHUP
+_IN_OR_FAILED: Final = _IN | _FAILED
+_OUT_OR_FAILED: Final = _OUT | _FAILED
+_UNWATCHED: Final = -1
+# splice(2) errors on a first read that mean "this socket cannot be spliced".
+_NO_SPLICE: Final = frozenset({errno.EINVAL, errno.ENOSYS})
+
+# What a direction is doing, which decides what the pump watches for it.
+_READING: Final = 0  # waiting for its source to be readable
+_WRITING: Final = 1  # holding `pending` bytes, waiting for its destination to take them
+_DONE: Final = 2  # its source sent FIN and the FIN was passed on
+
+# What a direction's move() or write_out() reports. _MOVED is 0 so the loop's usual
+# case is one falsy test.
+_MOVED: Final = 0  # the chunk went out completely (or there was nothing to read)
+_BLOCKED: Final = 1  # the destination is full: `pending` bytes wait for it
+_EOF: Final = 2  # the source sent FIN
+_SOURCE_FAILED: Final = 3  # reading failed: `error` says why
+_DESTINATION_FAILED: Final = 4  # writing failed: `error` says why
+
+
+class _Direction:
+    """One way of a connection: src -> intermediate (pipe or buffer) -> dst.
+
+    ``move()`` reads one chunk and writes out as much of it as dst takes;
+    ``write_out()`` goes on writing a chunk that dst refused before. Both return one of
+    the statuses above and keep the flow's counter and ``last_activity`` up to date.
+    The pump owns the state machine; a direction only moves bytes.
+    """
+
+    __slots__ = (
+        "dst",
+        "dst_fd",
+        "error",
+        "flow",
+        "now",
+        "pending",
+        "src",
+        "src_fd",
+        "state",
+        "to_server",
+    )
+
+    def __init__(self, src: SocketType, dst: SocketType, flow: Flow, to_server: bool) -> None:
+        self.src = src
+        self.dst = dst
+        self.src_fd = src.fileno()
+        self.dst_fd = dst.fileno()
+        self.flow = flow
+        self.to_server = to_server  # which counter; which side a failure is blamed on
+        self.state = _READING
+        self.pending = 0  # bytes read from src and not yet written to dst
+        self.error: OSError | None = None
+        # trio.current_time() is three Python calls deep; the clock's own method is one.
+        self.now = trio.lowlevel.current_clock().current_time
+
+    def move(self) -> int:
+        raise NotImplementedError
+
+    def write_out(self) -> int:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """The pump is over: give back (or discard) whatever is still held."""
+
+
+class _SpliceDirection(_Direction):
+    """src -> pipe -> dst inside the kernel (zero copy), through a pooled pipe.
+
+    The pipe is borrowed per chunk and given back as soon as it is empty, so an idle
+    connection holds no pipe (see the module docstring).
+    """
+
+    __slots__ = ("pipe", "spliced")
+
+    def __init__(self, src: SocketType, dst: SocketType, flow: Flow, to_server: bool) -> None:
+        super().__init__(src, dst, flow, to_server)
+        self.pipe: tuple[int, int] | None = None
+        self.spliced = False  # until a splice succeeds, EINVAL means "cannot splice"
+
+    def move(self) -> int:
+        pipe = _idle_pipes.pop() if _idle_pipes else _new_pipe()
+        try:
+            n = os.splice(self.src_fd, pipe[1], _SPLICE_CHUNK, flags=_SPLICE_FLAGS)
+        except BlockingIOError:  # readiness can be stale by the time we read
+            _put_pipe(pipe)
+            return _MOVED
+        except OSError as exc:
+            _put_pipe(pipe)  # nothing was moved into it
+            self.error = exc
+            return _SOURCE_FAILED
+        self.spliced = True
+        if not n:
+            _put_pipe(pipe)
+            return _EOF
+        self.pipe = pipe
+        self.pending = n
+        return self.write_out()
+
+    def write_out(self) -> int:
+        pipe = self.pipe
+        assert pipe is not None
+        dst_fd, flow = self.dst_fd, self.flow
+        while self.pending:
+            try:
+                n = os.splice(pipe[0], dst_fd, self.pending, flags=_SPLICE_FLAGS)
+            except BlockingIOError:
+                return _BLOCKED
+            except OSError as exc:
+                self.error = exc
+                return _DESTINATION_FAILED
+            # Partial writes are normal: loop until the pipe is empty.
+            self.pending -= n
+            if self.to_server:
+                flow.bytes_in += n
+            else:
+                flow.bytes_out += n
+            flow.last_activity = self.now()
+        # Empty again: back to the pool, so an idle connection holds no pipe.
+        self.pipe = None
+        if len(_idle_pipes) < MAX_IDLE_PIPES:
+            _idle_pipes.append(pipe)
+        else:
+            _discard_pipe(pipe)
+        return _MOVED
+
+    def release(self) -> None:
+        pipe = self.pipe
+        self.pipe = None
+        if pipe is not None:
+            # A pipe with bytes left in it would hand them to another connection.
+            if self.pending:
+                _discard_pipe(pipe)
+            else:
+                _put_pipe(pipe)
+
+
+class _BufferDirection(_Direction):
+    """src -> buffer -> dst with recv_into/send: the fallback where splice is missing.
+
+    It calls the stdlib socket methods on non-blocking views of the two descriptors (a
+    trio socket has no synchronous recv/send), so a chunk costs one recv and one send.
+    The buffer, like the pipe, is borrowed per chunk from a pool.
+    """
+
+    __slots__ = ("buf", "recv_into", "rsock", "send", "sent", "wsock")
+
+    def __init__(self, src: SocketType, dst: SocketType, flow: Flow, to_server: bool) -> None:
+        super().__init__(src, dst, flow, to_server)
+        # Views over the caller's descriptors; release() detaches them without closing.
+        self.rsock = socket.socket(src.family, src.type, src.proto, self.src_fd)
+        try:
+            self.wsock = socket.socket(dst.family, dst.type, dst.proto, self.dst_fd)
+        except BaseException:
+            self.rsock.detach()
+            raise
+        self.rsock.setblocking(False)  # already O_NONBLOCK; this makes Python treat it so
+        self.wsock.setblocking(False)
+        self.recv_into = self.rsock.recv_into
+        self.send = self.wsock.send
+        self.buf: memoryview | None = None
+        self.sent = 0
+
+    def move(self) -> int:
+        buf = _idle_buffers.pop() if _idle_buffers else memoryview(bytearray(BUFFER_SIZE))
+        try:
+            n = self.recv_into(buf)
+        except BlockingIOError:
+            _idle_buffers.append(buf)
+            return _MOVED
+        except OSError as exc:
+            _idle_buffers.append(buf)
+            self.error = exc
+            return _SOURCE_FAILED
+        if not n:
+            _idle_buffers.append(buf)
+            return _EOF
+        self.buf = buf
+        self.sent = 0
+        self.pending = n
+        return self.write_out()
+
+    def write_out(self) -> int:
+        buf, send, flow = self.buf, self.send, self.flow
+        assert buf is not None
+        while self.pending:
+            try:
+                # Slicing a memoryview makes a small view object, never a copy.
+                n = send(buf[self.sent : self.sent + self.pending])
+            except BlockingIOError:
+                return _BLOCKED
+            except OSError as exc:
+                self.error = exc
+                return _DESTINATION_FAILED
+            self.sent += n
+            self.pending -= n
+            if self.to_server:
+                flow.bytes_in += n
+            else:
+                flow.bytes_out += n
+            flow.last_activity = self.now()
+        self.buf = None
+        if len(_idle_buffers) < MAX_IDLE_BUFFERS:
+            _idle_buffers.append(buf)
+        return _MOVED
+
+    def release(self) -> None:
+        # A buffer's stale contents are harmless (always overwritten before use), so
+        # unlike a pipe it can go back to the pool whatever state it is in.
+        if self.buf is not None and len(_idle_buffers) < MAX_IDLE_BUFFERS:
+            _idle_buffers.append(self.buf)
+        self.buf = None
+        self.rsock.detach()
+        self.wsock.detach()
+
+
 # --------------------------------------------------------------------------- pump
 
 
-class _Session:
-    """One pump call's shared state: which directions are still open, how it ended."""
+class _Pump:
+    """One pump call: both directions, driven from one task by a per-connection epoll.
 
-    __slots__ = ("cancel_scope", "done", "flow", "open_directions", "outcome")
+    The task waits for one descriptor, this connection's epoll instance, which trio
+    watches like any socket: it becomes readable when either socket is ready for what a
+    direction wants. The instance is level-triggered and its interest follows the
+    directions' states: the client socket is watched for input while client -> server
+    is reading and for output while server -> client holds a chunk the client has not
+    taken yet, and the same for the server socket. So a direction blocked on a slow
+    reader stops reading (back-pressure, and no busy loop), and a finished direction's
+    source (EOF is always "readable") is not watched. Errors and hang-ups are reported
+    even on a socket nobody watches, which is how a reset on a half-closed socket is
+    noticed at once.
+    """
 
-    def __init__(self, flow: Flow) -> None:
+    __slots__ = (
+        "client_fd",
+        "client_mask",
+        "down",
+        "epoll",
+        "flow",
+        "initial",
+        "initial_uncounted",
+        "open_directions",
+        "outcome",
+        "server_fd",
+        "server_mask",
+        "up",
+    )
+
+    def __init__(
+        self,
+        client: SocketType,
+        server: SocketType,
+        flow: Flow,
+        preamble: bytes,
+        initial_client_bytes: bytes,
+        direction: type[_Direction],
+    ) -> None:
         self.flow = flow
-        self.open_directions = 2
         self.outcome: Outcome | None = None
-        self.cancel_scope: trio.CancelScope | None = None
-        self.done = trio.Event()  # set when both directions finished normally
+        self.open_directions = 2
+        # Bytes for the server before the loop starts; the first `initial_uncounted` of
+        # them (a PROXY header) are not client data and do not count in bytes_in.
+        self.initial = preamble + initial_client_bytes
+        self.initial_uncounted = len(preamble)
+        self.client_fd = client.fileno()
+        self.server_fd = server.fileno()
+        self.epoll = select.epoll(2)
+        self.up: _Direction | None = None
+        self.down: _Direction | None = None
+        try:
+            self.up = direction(client, server, flow, True)
+            self.down = direction(server, client, flow, False)
+            self.epoll.register(self.client_fd, _IN)
+            self.epoll.register(self.server_fd, _IN)
+        except BaseException:
+            self.close()
+            raise
+        self.client_mask = self.server_mask = _IN
 
-    def direction_done(self) -> None:
+    def close(self) -> None:
+        for d in (self.up, self.down):
+            if d is not None:
+                d.release()
+        self.epoll.close()
+
+    def dispatch(self, ready: list[tuple[int, int]]) -> None:
+        """Act on one poll of the epoll instance: move what can be moved."""
+        client_fd = self.client_fd
+        for fd, events in ready:
+            # The client socket is read by `up` and written by `down`; the server socket
+            # the other way round.
+            if fd == client_fd:
+                reader, writer = self.up, self.down
+            else:
+                reader, writer = self.down, self.up
+            assert reader is not None and writer is not None
+            watched = False
+            if reader.state == _READING and events & _IN_OR_FAILED:
+                watched = True
+                status = reader.move()
+                if status:
+                    self._after(reader, status)
+            if writer.state == _WRITING and events & _OUT_OR_FAILED:
+                watched = True
+                if self.outcome is None:
+                    self._after(writer, writer.write_out())
+            if not watched and events & _FAILED:
+                self._unwatched_event(fd, fd == client_fd)
+            if self.outcome is not None:
+                return
+
+    def _after(self, d: _Direction, status: int) -> None:
+        """Act on what a direction's move() or write_out() reported."""
+        if status == _MOVED:
+            if d.state == _WRITING:  # a blocked chunk went out: read again
+                d.state = _READING
+                self._update_interest()
+        elif status == _BLOCKED:
+            if d.state == _READING:  # stop reading until dst takes the chunk
+                d.state = _WRITING
+                self._update_interest()
+        elif status == _EOF:
+            self._pass_fin(d)
+        elif status == _SOURCE_FAILED:
+            exc = d.error
+            assert exc is not None
+            if isinstance(d, _SpliceDirection) and not d.spliced and exc.errno in _NO_SPLICE:
+                self._stop_splicing(d, exc)  # the source is still readable: next loop
+            else:
+                self._failed(d.to_server, exc)
+        else:
+            assert d.error is not None
+            self._failed(not d.to_server, d.error)
+
+    def _unwatched_event(self, fd: int, client_side: bool) -> None:
+        """An error or hang-up on a socket no direction is watching right now."""
+        sock = self.up.src if client_side else self.down.src  # type: ignore[union-attr]
+        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code:  # a reset after its side half-closed: end now, not at the idle timeout
+            self._failed(client_side, OSError(code, os.strerror(code)))
+            return
+        # A hang-up without an error: both halves are shut (we passed a FIN to it and it
+        # sent its own), yet bytes it sent before its FIN may still wait to be read
+        # while the other way is blocked. Not a failure; but a level-triggered hang-up
+        # is reported on every poll, so stop watching the socket until a direction
+        # needs it again (_update_interest adds it back).
+        self.epoll.unregister(fd)
+        if client_side:
+            self.client_mask = _UNWATCHED
+        else:
+            self.server_mask = _UNWATCHED
+
+    def _pass_fin(self, d: _Direction) -> None:
+        """The source sent FIN: pass it on as a half-close; the other way stays open."""
+        try:
+            d.dst.shutdown(socket.SHUT_WR)
+        except OSError as exc:  # ENOTCONN: dst was reset meanwhile
+            self._failed(not d.to_server, exc)
+            return
+        self.flow.last_activity = trio.current_time()
+        d.state = _DONE
         self.open_directions -= 1
         if self.open_directions == 0:
-            # A normal end cancels nothing: the watchdog (waiting on `done`) returns and
-            # the nursery closes. Cancelling a scope costs trio 0.35 a CancelReason with
-            # two reprs and a Cancelled raised through the frames (~35 us per scope).
-            if self.outcome is None:
-                self.outcome = CLOSED
-            self.done.set()
-
-    def failed(self, client_side: bool, exc: OSError) -> None:
-        if exc.errno in _RESET_ERRNOS:
-            outcome: Outcome = CLIENT_RESET if client_side else SERVER_RESET
+            self.outcome = CLOSED
         else:
-            outcome = ERROR
-        if self.outcome is None:
-            self.flow.error = exc
-        self.end(outcome)
+            self._update_interest()
 
-    def end(self, outcome: Outcome) -> None:
-        # The first reason wins: once one side reset, the other direction's Cancelled
-        # or follow-up EPIPE is a consequence, not news.
-        if self.outcome is None:
-            self.outcome = outcome
-        assert self.cancel_scope is not None
-        self.cancel_scope.cancel()
+    def _update_interest(self) -> None:
+        up, down = self.up, self.down
+        assert up is not None and down is not None
+        client = (_IN if up.state == _READING else 0) | (_OUT if down.state == _WRITING else 0)
+        server = (_IN if down.state == _READING else 0) | (_OUT if up.state == _WRITING else 0)
+        if client != self.client_mask:
+            self.client_mask = self._watch(self.client_fd, client, self.client_mask)
+        if server != self.server_mask:
+            self.server_mask = self._watch(self.server_fd, server, self.server_mask)
+
+    def _watch(self, fd: int, mask: int, current: int) -> int:
+        if current != _UNWATCHED:
+            self.epoll.modify(fd, mask)
+        elif mask:
+            self.epoll.register(fd, mask)
+        else:
+            return _UNWATCHED  # nothing wanted: no need to add it back yet
+        return mask
+
+    def _failed(self, client_side: bool, exc: OSError) -> None:
+        if exc.errno in _RESET_ERRNOS:
+            self.outcome = CLIENT_RESET if client_side else SERVER_RESET
+        else:
+            self.outcome = ERROR
+        self.flow.error = exc
+
+    def _stop_splicing(self, d: _SpliceDirection, exc: OSError) -> None:
+        # The kernel cannot splice this socket. Nothing was consumed, so the fallback can
+        # take over this direction, and later pumps skip splice.
+        global splice_enabled
+        if splice_enabled:
+            log.warning("splice(2) refused (%s); using recv/send", exc)
+            splice_enabled = False
+        d.release()
+        replacement = _BufferDirection(d.src, d.dst, d.flow, d.to_server)
+        if d is self.up:
+            self.up = replacement
+        else:
+            self.down = replacement
+
+    async def send_initial(self) -> None:
+        """Write ``initial`` to the server before the loop starts. Not a hot path: once
+        per connection at most. Re-entrant like the loop: what is sent is dropped from
+        ``initial`` as it goes."""
+        flow = self.flow
+        while self.initial and self.outcome is None:
+            try:
+                n = os.write(self.server_fd, self.initial)
+            except BlockingIOError:
+                await wait_writable(self.server_fd)
+                continue
+            except OSError as exc:
+                self._failed(False, exc)
+                return
+            self.initial = self.initial[n:]
+            counted = n - self.initial_uncounted
+            self.initial_uncounted = max(0, -counted)
+            if counted > 0:
+                flow.bytes_in += counted
+            flow.last_activity = trio.current_time()
 
 
 async def pump(
@@ -301,267 +725,56 @@ async def pump(
     server: SocketType,
     flow: Flow,
     *,
+    preamble: bytes = b"",
     initial_client_bytes: bytes = b"",
     use_splice: bool | None = None,
 ) -> Outcome:
     """Copy bytes both ways between two connected TCP sockets until both are finished.
 
-    ``initial_client_bytes`` are written to the server before anything else goes that
-    way (bytes that arrived behind a PROXY header) and count in ``flow.bytes_in``. A
-    PROXY header for the real server is not client data: the caller sends it itself
-    (``await server.send(header)``) before calling pump.
+    ``preamble`` (a PROXY header for the real server) and then ``initial_client_bytes``
+    (bytes that arrived behind the client's own PROXY header) are written to the server
+    before anything else goes that way; only the latter count in ``flow.bytes_in``.
 
     ``use_splice``: None follows the module (:func:`splice_available`), False forces the
     receive/send fallback, True asks for splice (still falling back if it is missing).
 
     Returns the outcome (see the module docstring). The caller closes both sockets
-    afterwards. Raises ``trio.Cancelled`` if the caller's scope is cancelled.
+    afterwards. Raises ``trio.Cancelled`` if the caller's scope is cancelled, and
+    OSError (EMFILE, ENOMEM) if the epoll instance cannot be created.
     """
     if use_splice is None:
         use_splice = splice_enabled
-    copy = _splice_copy if use_splice and hasattr(os, "splice") else _buffer_copy
-    session = _Session(flow)
+    direction = _SpliceDirection if use_splice and hasattr(os, "splice") else _BufferDirection
+    state = _Pump(client, server, flow, preamble, initial_client_bytes, direction)
+    epfd = state.epoll.fileno()
+    poll = state.epoll.poll
+    dispatch = state.dispatch
     flow.last_activity = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        session.cancel_scope = nursery.cancel_scope
-        nursery.start_soon(copy, session, client, server, True, initial_client_bytes)
-        nursery.start_soon(copy, session, server, client, False, b"")
-        # The watchdog runs in the nursery body: it returns only on an idle timeout; a
-        # finished or failed pump cancels it with the rest of the nursery.
-        await _watchdog(flow, session)
-        if session.outcome is None:  # the idle timeout, not a normal end
-            session.end(IDLE_TIMEOUT)
-    assert session.outcome is not None
-    return session.outcome
-
-
-async def _watchdog(flow: Flow, session: _Session) -> None:
-    """Return once nothing has moved for ``flow.idle_timeout`` seconds.
-
-    The copy loops only store ``flow.last_activity = trio.current_time()`` per write; this
-    task sleeps until ``last_activity + idle_timeout`` and, if something moved meanwhile,
-    sleeps again until the new deadline, so it wakes about once per timeout period on a
-    busy connection. The alternative, moving a cancel scope's deadline per chunk, costs
-    ~1.8 us per update (trio re-queues the deadline in its heap) against ~0.15 us for
-    current_time() (measured with trio 0.35 on a 2-core Linux box; a 128 KiB chunk
-    costs tens of us in the kernel). A bare counter per chunk would be cheaper still but
-    inexact: the watchdog could only tell "something moved since I last looked", so a
-    timeout would fire anywhere between 1x and 2x idle_timeout. With the timestamp it
-    fires at last_activity + idle_timeout. Flow.poke() cancels the current sleep so a
-    changed timeout is applied at once.
-    """
-    while session.outcome is None:
-        deadline = flow.last_activity + flow._idle_timeout
-        if trio.current_time() >= deadline:
-            return
-        with trio.CancelScope(deadline=deadline) as alarm:
-            flow._alarm = alarm
-            try:
-                await session.done.wait()
-            finally:
-                flow._alarm = None
-
-
-async def _send_initial(session: _Session, dst: SocketType, data: bytes, to_server: bool) -> bool:
-    """Write ``data`` to ``dst`` before the copy loop starts. Not a hot path: one call
-    per connection at most. Works on trio and plain (non-blocking) sockets alike: a
-    write(2) on the descriptor, waiting only on EAGAIN. False on failure."""
-    flow = session.flow
-    view = memoryview(data)
-    fd = dst.fileno()
     try:
-        while view:
-            try:
-                n = os.write(fd, view)
-            except BlockingIOError:
-                await wait_writable(fd)
-                continue
-            view = view[n:]
-            if to_server:
-                flow.bytes_in += n
-            else:
-                flow.bytes_out += n
-            flow.last_activity = trio.current_time()
-    except OSError as exc:
-        session.failed(client_side=not to_server, exc=exc)
-        return False
-    return True
-
-
-def _pass_fin(session: _Session, dst: SocketType, to_server: bool) -> None:
-    """The source sent FIN: pass it on as a half-close; the other way stays open."""
-    try:
-        dst.shutdown(socket.SHUT_WR)
-    except OSError as exc:  # ENOTCONN: dst was reset meanwhile
-        session.failed(client_side=not to_server, exc=exc)
-        return
-    session.flow.last_activity = trio.current_time()
-    session.direction_done()
-
-
-async def _splice_copy(
-    session: _Session, src: SocketType, dst: SocketType, to_server: bool, initial: bytes
-) -> None:
-    """One direction through a pooled pipe: src -> pipe -> dst, until EOF or error.
-
-    ``to_server`` says which way this is (client -> server when true), for the counter
-    and for blaming the right side when a socket fails.
-    """
-    global splice_enabled
-    if initial and not await _send_initial(session, dst, initial, to_server):
-        return
-    flow = session.flow
-    src_fd = src.fileno()
-    dst_fd = dst.fileno()
-    # Locals: each global/attribute lookup costs on a loop that runs per chunk.
-    splice = os.splice
-    flags = _SPLICE_FLAGS
-    now = trio.current_time
-    idle_pipes = _idle_pipes
-    first = True
-    pipe: tuple[int, int] | None = None
-    pending = 0  # bytes in `pipe` not yet written to dst
-    try:
-        while True:
-            # Wait first, then read: trio's wait_readable is also our checkpoint (so one
-            # busy connection cannot starve the others) and a cancellation point. Reading
-            # optimistically and adding a checkpoint() would save ~2.5 us per chunk
-            # (6.2 vs 3.6 us measured), 2-3% of a 128 KiB chunk here: not worth a second
-            # code path.
-            await wait_readable(src_fd)
-            pipe = idle_pipes.pop() if idle_pipes else _new_pipe()
-            try:
-                pending = splice(src_fd, pipe[1], _SPLICE_CHUNK, flags=flags)
-            except BlockingIOError:
-                # Spurious wakeup (readiness can be stale by the time we read): the pipe
-                # is still empty, give it back and wait again.
-                _put_pipe(pipe)
-                pipe = None
-                continue
-            except OSError as exc:
-                _put_pipe(pipe)  # nothing was moved into it
-                pipe = None
-                if first and exc.errno in (errno.EINVAL, errno.ENOSYS):
-                    # The kernel cannot splice this socket. Nothing was consumed, so the
-                    # fallback can take over this direction, and later pumps skip splice.
-                    if splice_enabled:
-                        log.warning("splice(2) refused (%s); using recv/send", exc)
-                        splice_enabled = False
-                    await _buffer_copy(session, src, dst, to_server, b"")
-                    return
-                session.failed(client_side=to_server, exc=exc)
-                return
-            first = False
-            if pending == 0:  # EOF: the source sent FIN
-                _put_pipe(pipe)
-                pipe = None
-                _pass_fin(session, dst, to_server)
-                return
-            while True:
-                try:
-                    n = splice(pipe[0], dst_fd, pending, flags=flags)
-                except BlockingIOError:
-                    # dst's send buffer is full (or a spurious wakeup): wait, retry.
-                    await wait_writable(dst_fd)
-                    continue
-                except OSError as exc:
-                    session.failed(client_side=not to_server, exc=exc)
-                    return  # the finally discards the pipe, which still holds bytes
-                # Partial writes are normal: loop until the pipe is empty.
-                pending -= n
-                if to_server:
-                    flow.bytes_in += n
-                else:
-                    flow.bytes_out += n
-                flow.last_activity = now()
-                if not pending:
-                    break
-            # Empty again: back to the pool, so an idle connection holds no pipe.
-            if len(idle_pipes) < MAX_IDLE_PIPES:
-                idle_pipes.append(pipe)
-            else:
-                _discard_pipe(pipe)
-            pipe = None
+        # The idle timeout and Flow.close() share one cancel scope, whose deadline is
+        # *not* moved per chunk (moving a trio deadline costs ~1.8 us, a timestamp
+        # ~0.15 us): the loop stores last_activity, and when the deadline fires we look
+        # at it. Idle long enough: that is the timeout. Otherwise something moved since:
+        # a new scope with the deadline counted from the last activity, and the loop
+        # carries on where it was (all its state is in `state`). A busy connection pays
+        # one such false alarm per timeout period.
+        while state.outcome is None and not flow.closing:
+            with trio.CancelScope(deadline=flow.last_activity + flow._idle_timeout) as alarm:
+                flow._alarm = alarm
+                if state.initial:
+                    await state.send_initial()
+                while state.outcome is None:
+                    # Our checkpoint (so one busy connection cannot starve the others)
+                    # and our cancellation point: the only place the loop waits.
+                    await wait_readable(epfd)
+                    dispatch(poll(0))
+            flow._alarm = None
+            idle_for = trio.current_time() - flow.last_activity
+            if alarm.cancelled_caught and not flow.closing and idle_for >= flow._idle_timeout:
+                state.outcome = IDLE_TIMEOUT
+        if state.outcome is None:
+            state.outcome = CANCELLED
     finally:
-        # Cancelled (or failed) while holding a pipe: reuse it only if it is empty.
-        if pipe is not None:
-            if pending:
-                _discard_pipe(pipe)
-            else:
-                _put_pipe(pipe)
-
-
-async def _buffer_copy(
-    session: _Session, src: SocketType, dst: SocketType, to_server: bool, initial: bytes
-) -> None:
-    """One direction through a pooled buffer: recv_into, then send until all is out.
-
-    The same loop as :func:`_splice_copy` with a user-space buffer. It calls the
-    stdlib socket methods directly on non-blocking views of the two descriptors
-    (trio's SocketType has no synchronous recv/send), so each chunk costs exactly one
-    recv and one send system call, plus a wait only when the kernel says EAGAIN.
-    """
-    if initial and not await _send_initial(session, dst, initial, to_server):
-        return
-    flow = session.flow
-    src_fd = src.fileno()
-    dst_fd = dst.fileno()
-    now = trio.current_time
-    idle_buffers = _idle_buffers
-    # Views over the caller's descriptors. detach() in the finally gives them back
-    # without closing them; the caller owns and closes the real sockets.
-    rsock = socket.socket(src.family, src.type, src.proto, src_fd)
-    try:
-        wsock = socket.socket(dst.family, dst.type, dst.proto, dst_fd)
-    except BaseException:
-        rsock.detach()
-        raise
-    buf: memoryview | None = None
-    try:
-        rsock.setblocking(False)  # already O_NONBLOCK; this makes Python treat it so
-        wsock.setblocking(False)
-        recv_into = rsock.recv_into
-        send = wsock.send
-        while True:
-            await wait_readable(src_fd)  # also our checkpoint, as in _splice_copy
-            buf = idle_buffers.pop() if idle_buffers else memoryview(bytearray(BUFFER_SIZE))
-            try:
-                n = recv_into(buf)
-            except BlockingIOError:
-                idle_buffers.append(buf)  # spurious wakeup
-                buf = None
-                continue
-            except OSError as exc:
-                session.failed(client_side=to_server, exc=exc)
-                return
-            if n == 0:
-                _pass_fin(session, dst, to_server)
-                return
-            sent = 0
-            while sent < n:
-                try:
-                    # Slicing a memoryview allocates a small view object, never a copy
-                    # of the payload.
-                    m = send(buf[sent:n])
-                except BlockingIOError:
-                    await wait_writable(dst_fd)
-                    continue
-                except OSError as exc:
-                    session.failed(client_side=not to_server, exc=exc)
-                    return
-                sent += m
-                if to_server:
-                    flow.bytes_in += m
-                else:
-                    flow.bytes_out += m
-                flow.last_activity = now()
-            if len(idle_buffers) < MAX_IDLE_BUFFERS:
-                idle_buffers.append(buf)
-            buf = None
-    finally:
-        # A buffer's stale contents are harmless (always overwritten before use), so
-        # unlike a pipe it can go back to the pool whatever state we left it in.
-        if buf is not None and len(idle_buffers) < MAX_IDLE_BUFFERS:
-            idle_buffers.append(buf)
-        rsock.detach()
-        wsock.detach()
+        flow._alarm = None
+        state.close()
+    return state.outcome

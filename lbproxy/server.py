@@ -442,6 +442,28 @@ class Server:
         return changes
 
 
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns (old, new).
+
+    Every connection holds three descriptors (client, real server, its pump's epoll
+    instance) and two more per pipe in flight, so the common soft default of 1024 would
+    cap lbproxy near 300 connections. HAProxy raises its own limit the same way; the
+    hard limit stays the administrator's to set (LimitNOFILE=, ulimit -Hn, --ulimit).
+    """
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return (0, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):
+            return (soft, soft)
+        return (soft, hard)
+    return (soft, soft)
+
+
 def run(
     config: Config,
     *,

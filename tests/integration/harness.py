@@ -16,11 +16,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, and not one this process handed out before: the
+    kernel may give the same ephemeral port to two binds in a row once the first is
+    closed, and a test asking for two ports needs two different ones."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class _Handler(socketserver.BaseRequestHandler):

@@ -359,3 +359,54 @@ def test_json_log_format_writes_one_object_per_line(name_servers, lbproxy):
     access = [r for r in records if r["logger"] == "lbproxy.access"]
     assert len(access) == 1 and "vs=web rs=a" in access[0]["message"]
     assert any(r["message"] == "stopped" for r in records)
+
+
+def test_disable_while_connecting_closes_the_client_and_frees_the_slot(lbproxy):
+    """A real server that never answers the handshake (its accept queue is full, so the
+    kernel drops our SYNs): the connection waits in connect. Disabling the server must
+    close the client at once and give the connection slot back, not leave it counted
+    until connect_timeout, or for ever."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    fillers = []
+    try:
+        for _ in range(2):  # fill the accept queue (backlog 0 admits one, and one more)
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(hole.getsockname())
+            fillers.append(filler)
+        time.sleep(0.2)
+
+        class Hole:
+            name = "h"
+            port = hole.getsockname()[1]
+
+        port, admin_port = free_port(), free_port()
+        extra = "health_check: {type: none}\nconnect_timeout: 30s"
+        proxy = lbproxy(with_admin(vs_config(port, [Hole], "rr", extra), admin_port))
+        url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web"
+
+        def active() -> int:
+            status, body = http("GET", url)
+            assert status == 200
+            return json.loads(body)["active_connections"]
+
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            deadline = time.monotonic() + 5
+            while active() != 1:  # counted from the SYN on, as IPVS does
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            started = time.monotonic()
+            assert http("PATCH", f"{url}/real-servers/h", {"state": "disabled"})[0] == 200
+            assert client.recv(100) == b""  # closed, not left hanging for 30 s
+            assert time.monotonic() - started < 2
+        deadline = time.monotonic() + 2
+        while active() != 0:
+            assert time.monotonic() < deadline, "the connection's slot was never given back"
+            time.sleep(0.05)
+        assert proxy.proc.poll() is None
+    finally:
+        for filler in fillers:
+            filler.close()
+        hole.close()

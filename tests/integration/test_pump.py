@@ -223,6 +223,37 @@ def test_half_close_server_first(use_splice: bool) -> None:
 
 
 @pytest.mark.parametrize("use_splice", MODES)
+def test_upload_after_both_fins_reaches_a_slow_server(use_splice: bool) -> None:
+    """The server half-closes first; the client then uploads a lot and sends its FIN
+    while the server reads slowly. When the client's FIN arrives the client socket has
+    both halves shut (a hang-up) with upload bytes still unread behind a blocked write:
+    every one of them must still reach the server."""
+    upload = os.urandom(8 << 20)
+
+    async def main() -> None:
+        async with rig() as r:
+            flow = Flow(idle_timeout=10)
+            p = PumpTask(r, flow, use_splice)
+            with trio.fail_after(20):
+                async with trio.open_nursery() as n:
+                    n.start_soon(p.run)
+                    await send_all(r.server, b"")  # FIN first
+                    assert await recv_all(r.client) == b""
+                    n.start_soon(send_all, r.client, upload)
+                    parts = []
+                    while chunk := await r.server.recv(1 << 16):
+                        parts.append(chunk)
+                        if len(parts) % 4 == 0:
+                            await trio.sleep(0.01)  # slow reader: the pump blocks writing
+                    await p.done.wait()
+        assert b"".join(parts) == upload
+        assert p.outcome == "closed"
+        assert flow.bytes_in == len(upload)
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("use_splice", MODES)
 def test_server_reset_closes_client_promptly(use_splice: bool) -> None:
     async def main() -> None:
         async with rig() as r:
@@ -274,6 +305,29 @@ def test_client_reset_while_server_streams(use_splice: bool) -> None:
                     assert p.outcome == "client_reset"
                     r.close_proxy_side()
         assert flow.bytes_out >= 100_000
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("use_splice", MODES)
+def test_reset_after_half_close_is_noticed_at_once(use_splice: bool) -> None:
+    """The client sends its request and FIN, the server thinks; then the client resets.
+    Nothing is read from the client any more, yet the pump ends at once, well before
+    the idle timeout, and the server's socket is closed."""
+
+    async def main() -> None:
+        async with rig() as r:
+            p = PumpTask(r, Flow(idle_timeout=10), use_splice)
+            with trio.fail_after(5):
+                async with trio.open_nursery() as n:
+                    n.start_soon(p.run)
+                    await send_all(r.client, b"request")
+                    assert await recv_all(r.server) == b"request"
+                    t0 = trio.current_time()
+                    linger0_close(r.client)
+                    await p.done.wait()
+                    assert trio.current_time() - t0 < 1.0
+            assert p.outcome == "client_reset"
 
     trio.run(main)
 
@@ -399,9 +453,10 @@ def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(use_splice: bool) ->
                         last = flow.bytes_in
                         await trio.sleep(0.3)
                     if use_splice:
-                        # One borrowed pipe, still holding the chunk it could not write.
+                        # One borrowed pipe, still holding the chunk it could not write,
+                        # and the pump's epoll instance.
                         pooled = len(pump_mod._idle_pipes)
-                        assert fd_count() == baseline + 2 * pooled + 2
+                        assert fd_count() == baseline + 2 * pooled + 2 + 1
                     n.cancel_scope.cancel()
             assert p.outcome is None  # cancelled, never returned
             for rfd, _ in pump_mod._idle_pipes:

@@ -348,7 +348,7 @@ def test_monitor_evaluates_while_busy_applies_timeouts_and_sleeps_when_empty():
                 return False
             pool.clients += 1
             flow = Flow(60.0)
-            leases.append(pool.take(rs, trio.current_time(), Connection(flow, trio.CancelScope())))
+            leases.append(pool.take(rs, trio.current_time(), Connection(flow)))
             flows.append(flow)
             return True
 

@@ -9,12 +9,15 @@ How it works
 ------------
 One task drives both directions. It waits on a single descriptor, an epoll instance of
 the connection's own that holds its two sockets, so trio sees one readiness wait per
-connection and the task needs no nursery, no second task and no watchdog. A connection
-costs one task, one cancel scope (the idle timeout, which also serves
-:meth:`Flow.close`) and one extra descriptor; with a task per direction plus a watchdog
-it cost three tasks, a nursery and four cancel scopes, about twice the memory and 30 us
-more CPU per connection (scripts/bench, docs/benchmarks.md). The price is one more
-system call per wake-up, the epoll_wait(0) that says which socket is ready.
+connection and the task needs no nursery, no second task and no watchdog. The idle
+timeout is not a cancel scope either but an entry in the process-wide heap of
+deadlines.py, which wakes the task through the same epoll set (see _Pump.ring). So a
+connection costs the proxy one task, no cancel scope and one extra descriptor; with a
+task per direction and a watchdog it cost three tasks, a nursery and four cancel scopes:
+more than twice the memory per idle connection and about 50 us more CPU per new one
+(docs/benchmarks.md). The price is one more system call per wake-up, the
+epoll_wait(0) that says which socket is ready, and a few Python calls: about 1.5 us per
+chunk, which shows in small keep-alive requests.
 
 A direction is a small state machine: reading (its source is watched for input), or
 writing (a chunk it could not write out yet; its destination is watched for output and
@@ -74,7 +77,9 @@ except ImportError:  # not POSIX: no pipes to size, and no splice either
     fcntl = None  # type: ignore[assignment]
 
 import trio
-from trio.lowlevel import wait_readable, wait_writable
+from trio.lowlevel import wait_readable
+
+from lbproxy.deadlines import Deadline, deadlines
 
 if TYPE_CHECKING:
     from trio.socket import SocketType
@@ -226,8 +231,8 @@ class Flow:
     """
 
     __slots__ = (
-        "_alarm",
         "_idle_timeout",
+        "_pump",
         "bytes_in",
         "bytes_out",
         "closing",
@@ -241,7 +246,7 @@ class Flow:
         self.error: OSError | None = None
         self.last_activity = 0.0
         self.closing = False
-        self._alarm: trio.CancelScope | None = None
+        self._pump: _Pump | None = None  # while pump() runs
         self._idle_timeout = math.inf
         self.idle_timeout = idle_timeout
 
@@ -263,8 +268,8 @@ class Flow:
         Assigning ``idle_timeout`` already does this; call it only after changing
         ``last_activity`` by hand. Safe to call at any time, from any trio task.
         """
-        if self._alarm is not None:
-            self._alarm.deadline = self.last_activity + self._idle_timeout
+        if self._pump is not None:
+            self._pump.rearm()
 
     def close(self) -> None:
         """End the pump now (or as soon as it starts): it returns ``"cancelled"``.
@@ -274,8 +279,8 @@ class Flow:
         at any time, from any trio task, more than once.
         """
         self.closing = True
-        if self._alarm is not None:
-            self._alarm.cancel()
+        if self._pump is not None:
+            self._pump.ring()
 
     def __repr__(self) -> str:
         return (
@@ -301,6 +306,7 @@ _NO_SPLICE: Final = frozenset({errno.EINVAL, errno.ENOSYS})
 _READING: Final = 0  # waiting for its source to be readable
 _WRITING: Final = 1  # holding `pending` bytes, waiting for its destination to take them
 _DONE: Final = 2  # its source sent FIN and the FIN was passed on
+_HELD: Final = 3  # client -> server only: waits until the preamble is out
 
 # What a direction's move() or write_out() reports. _MOVED is 0 so the loop's usual
 # case is one falsy test.
@@ -525,6 +531,7 @@ class _Pump:
     """
 
     __slots__ = (
+        "alarm",
         "client_fd",
         "client_mask",
         "down",
@@ -534,6 +541,7 @@ class _Pump:
         "initial_uncounted",
         "open_directions",
         "outcome",
+        "ringing",
         "server_fd",
         "server_mask",
         "up",
@@ -551,6 +559,8 @@ class _Pump:
         self.flow = flow
         self.outcome: Outcome | None = None
         self.open_directions = 2
+        self.alarm: Deadline | None = None  # the idle deadline in the process-wide heap
+        self.ringing = False  # the always-readable descriptor is in the epoll set
         # Bytes for the server before the loop starts; the first `initial_uncounted` of
         # them (a PROXY header) are not client data and do not count in bytes_in.
         self.initial = preamble + initial_client_bytes
@@ -570,22 +580,86 @@ class _Pump:
             raise
         self.client_mask = self.server_mask = _IN
 
+    def start(self) -> None:
+        flow = self.flow
+        if flow.closing:  # closed before it started
+            self.outcome = CANCELLED
+            return
+        flow._pump = self
+        flow.last_activity = trio.current_time()
+        if self.initial:
+            self._write_initial()
+        self._arm()
+
     def close(self) -> None:
+        if self.flow._pump is self:
+            self.flow._pump = None
+        if self.alarm is not None:
+            self.alarm.cancel()
+            self.alarm = None
         for d in (self.up, self.down):
             if d is not None:
                 d.release()
         self.epoll.close()
 
+    # -- idle timeout and Flow.close() -------------------------------------------------
+    #
+    # No cancel scope: the idle deadline sits in the process-wide heap of deadlines.py,
+    # whose task calls ring() when it passes, as does Flow.close(). Ringing adds an
+    # always-readable descriptor to this connection's epoll set, which wakes the task
+    # through its one wait like any socket event; dispatch() then decides. The loop
+    # only stores last_activity per chunk, so a busy connection's deadline is stale
+    # when it rings: a false alarm, answered by scheduling the deadline again from the
+    # last activity, once per timeout period.
+
+    def ring(self) -> None:
+        """Wake the task to look at the idle deadline and at ``flow.closing``."""
+        if self.ringing or self.outcome is not None or self.epoll.closed:
+            return
+        self.epoll.register(_always_readable(), _IN)
+        self.ringing = True
+
+    def rearm(self) -> None:
+        """The idle timeout (or last_activity) was changed from outside: apply it now."""
+        if trio.current_time() >= self.flow.last_activity + self.flow._idle_timeout:
+            self.ring()
+        else:
+            self._arm()
+
+    def _arm(self) -> None:
+        if self.alarm is not None:
+            self.alarm.cancel()
+            self.alarm = None
+        when = self.flow.last_activity + self.flow._idle_timeout
+        if when != math.inf:
+            self.alarm = deadlines().at(when, self)
+
+    def _rung(self) -> None:
+        self.epoll.unregister(_always_readable())
+        self.ringing = False
+        flow = self.flow
+        if flow.closing:
+            self.outcome = CANCELLED
+        elif trio.current_time() - flow.last_activity >= flow._idle_timeout:
+            self.outcome = IDLE_TIMEOUT
+        else:
+            self._arm()  # something moved since: a false alarm
+
     def dispatch(self, ready: list[tuple[int, int]]) -> None:
         """Act on one poll of the epoll instance: move what can be moved."""
-        client_fd = self.client_fd
+        client_fd, server_fd = self.client_fd, self.server_fd
         for fd, events in ready:
             # The client socket is read by `up` and written by `down`; the server socket
             # the other way round.
             if fd == client_fd:
                 reader, writer = self.up, self.down
-            else:
+            elif fd == server_fd:
                 reader, writer = self.down, self.up
+            else:
+                self._rung()
+                if self.outcome is not None:
+                    return
+                continue
             assert reader is not None and writer is not None
             watched = False
             if reader.state == _READING and events & _IN_OR_FAILED:
@@ -597,6 +671,9 @@ class _Pump:
                 watched = True
                 if self.outcome is None:
                     self._after(writer, writer.write_out())
+            elif writer.state == _HELD and events & _OUT_OR_FAILED:
+                watched = True
+                self._write_initial()
             if not watched and events & _FAILED:
                 self._unwatched_event(fd, fd == client_fd)
             if self.outcome is not None:
@@ -662,7 +739,9 @@ class _Pump:
         up, down = self.up, self.down
         assert up is not None and down is not None
         client = (_IN if up.state == _READING else 0) | (_OUT if down.state == _WRITING else 0)
-        server = (_IN if down.state == _READING else 0) | (_OUT if up.state == _WRITING else 0)
+        server = (_IN if down.state == _READING else 0) | (
+            _OUT if up.state == _WRITING or up.state == _HELD else 0
+        )
         if client != self.client_mask:
             self.client_mask = self._watch(self.client_fd, client, self.client_mask)
         if server != self.server_mask:
@@ -698,17 +777,20 @@ class _Pump:
         else:
             self.down = replacement
 
-    async def send_initial(self) -> None:
-        """Write ``initial`` to the server before the loop starts. Not a hot path: once
-        per connection at most. Re-entrant like the loop: what is sent is dropped from
-        ``initial`` as it goes."""
+    def _write_initial(self) -> None:
+        """Write ``initial`` to the server before any client byte goes that way. Not a
+        hot path: once per connection at most, and it almost never has to wait."""
+        up = self.up
+        assert up is not None
         flow = self.flow
-        while self.initial and self.outcome is None:
+        while self.initial:
             try:
                 n = os.write(self.server_fd, self.initial)
             except BlockingIOError:
-                await wait_writable(self.server_fd)
-                continue
+                if up.state != _HELD:  # wait for the server socket, read no client byte
+                    up.state = _HELD
+                    self._update_interest()
+                return
             except OSError as exc:
                 self._failed(False, exc)
                 return
@@ -718,6 +800,20 @@ class _Pump:
             if counted > 0:
                 flow.bytes_in += counted
             flow.last_activity = trio.current_time()
+        if up.state == _HELD:
+            up.state = _READING
+            self._update_interest()
+
+
+_always_readable_fd = -1
+
+
+def _always_readable() -> int:
+    """An eventfd whose counter is never read: readable for ever (see _Pump.ring)."""
+    global _always_readable_fd
+    if _always_readable_fd < 0:
+        _always_readable_fd = os.eventfd(1, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    return _always_readable_fd
 
 
 async def pump(
@@ -746,35 +842,16 @@ async def pump(
         use_splice = splice_enabled
     direction = _SpliceDirection if use_splice and hasattr(os, "splice") else _BufferDirection
     state = _Pump(client, server, flow, preamble, initial_client_bytes, direction)
-    epfd = state.epoll.fileno()
-    poll = state.epoll.poll
-    dispatch = state.dispatch
-    flow.last_activity = trio.current_time()
     try:
-        # The idle timeout and Flow.close() share one cancel scope, whose deadline is
-        # *not* moved per chunk (moving a trio deadline costs ~1.8 us, a timestamp
-        # ~0.15 us): the loop stores last_activity, and when the deadline fires we look
-        # at it. Idle long enough: that is the timeout. Otherwise something moved since:
-        # a new scope with the deadline counted from the last activity, and the loop
-        # carries on where it was (all its state is in `state`). A busy connection pays
-        # one such false alarm per timeout period.
-        while state.outcome is None and not flow.closing:
-            with trio.CancelScope(deadline=flow.last_activity + flow._idle_timeout) as alarm:
-                flow._alarm = alarm
-                if state.initial:
-                    await state.send_initial()
-                while state.outcome is None:
-                    # Our checkpoint (so one busy connection cannot starve the others)
-                    # and our cancellation point: the only place the loop waits.
-                    await wait_readable(epfd)
-                    dispatch(poll(0))
-            flow._alarm = None
-            idle_for = trio.current_time() - flow.last_activity
-            if alarm.cancelled_caught and not flow.closing and idle_for >= flow._idle_timeout:
-                state.outcome = IDLE_TIMEOUT
-        if state.outcome is None:
-            state.outcome = CANCELLED
+        state.start()
+        epfd = state.epoll.fileno()
+        poll = state.epoll.poll
+        dispatch = state.dispatch
+        while state.outcome is None:
+            # Our checkpoint (so one busy connection cannot starve the others) and our
+            # cancellation point: the only place a connection waits.
+            await wait_readable(epfd)
+            dispatch(poll(0))
     finally:
-        flow._alarm = None
         state.close()
     return state.outcome

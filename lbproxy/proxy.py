@@ -86,80 +86,86 @@ class VirtualServer:
         return self.pool.name
 
     async def handle(self, client: socket.socket, peer: tuple) -> None:
-        """Serve one accepted client socket until both sides are done; closes it."""
+        """Serve one accepted client socket until both sides are done; closes it.
+
+        One coroutine from admission to the end: its frame, the pump's and trio's wait
+        are what an idle connection keeps alive, so the steps before the pump are
+        helpers that return, not frames that stay on the stack.
+        """
         pool = self.pool
         config = pool.config
         pool.clients += 1
         try:
             with client:
-                source, leftover = peer, b""
-                throttle = self.throttle
-                if throttle is not None and throttle.arrival():  # digg: close at once
-                    self._reject("throttle", source)
+                admitted = await self._admit(client, peer, config)
+                if admitted is None:
                     return
-                if config.accept_proxy:
-                    header = await self._read_proxy_header(
-                        trio.socket.from_stdlib_socket(client), config.connect_timeout
-                    )
-                    if header is None:
-                        return
-                    source, leftover = header
-                if not self._allowed(config, source[0]):
-                    self._reject("acl", source)
+                source, leftover = admitted
+                started = trio.current_time()
+                flow = Flow(config.idle_timeout)
+                connection = Connection(flow)
+                if self.throttle is not None:  # start with the imposed idle timeout, if any
+                    flow.idle_timeout = self.throttle.idle_timeout_for(config.idle_timeout)
+                connected = await self._connect(connection, config)
+                if connected is None:
+                    if self.access_log:
+                        end = "cancelled" if flow.closing else "no_server"
+                        self._log_access(source, None, flow, started, end)
                     return
-                if config.max_connections and pool.clients > config.max_connections:
-                    self._reject("max_connections", source)
-                    return
-                await self._forward(client, source, leftover, config)
+                server, lease = connected
+                outcome = "cancelled"  # the drain deadline cancelled us
+                try:
+                    with server:
+                        header = b""
+                        if config.send_proxy != "none":
+                            destination = client.getsockname()
+                            header = proxy_protocol.encode(config.send_proxy, source, destination)
+                        outcome = await pump(
+                            client, server, flow, preamble=header, initial_client_bytes=leftover
+                        )
+                except OSError as exc:
+                    # The pump could not start: no descriptor left for its epoll instance
+                    # (EMFILE), or the client reset before getsockname(). Only this
+                    # connection ends; the accept loop backs off by itself when
+                    # descriptors run out.
+                    log.debug("%s: %s", pool.name, exc)
+                    flow.error = exc
+                    outcome = "error"
+                finally:
+                    rs = lease.server
+                    rs.bytes_in += flow.bytes_in
+                    rs.bytes_out += flow.bytes_out
+                    now = trio.current_time()
+                    pool.drop(lease, now)
+                    pool.durations.observe(now - started)
+                    if self.access_log:
+                        self._log_access(source, rs.name, flow, started, outcome)
         finally:
             pool.clients -= 1
 
-    async def _forward(
-        self,
-        client: socket.socket,
-        source: tuple,
-        leftover: bytes,
-        config: VirtualServerConfig,
-    ) -> None:
-        pool = self.pool
-        started = trio.current_time()
-        flow = Flow(config.idle_timeout)
-        handle = Connection(flow)
-        if self.throttle is not None:  # start with the imposed idle timeout, if any
-            flow.idle_timeout = self.throttle.idle_timeout_for(config.idle_timeout)
-        connected = await self._connect(handle, config)
-        if connected is None:
-            if self.access_log:
-                end = "cancelled" if flow.closing else "no_server"
-                self._log_access(source, None, flow, started, end)
-            return
-        server, lease = connected
-        outcome = "cancelled"  # the drain deadline cancelled us
-        try:
-            with server:
-                header = b""
-                if config.send_proxy != "none":
-                    destination = client.getsockname()
-                    header = proxy_protocol.encode(config.send_proxy, source, destination)
-                outcome = await pump(
-                    client, server, flow, preamble=header, initial_client_bytes=leftover
-                )
-        except OSError as exc:
-            # The pump could not start: no descriptor left for its epoll instance
-            # (EMFILE), or the client reset before getsockname(). Only this connection
-            # ends; the accept loop backs off on its own when descriptors run out.
-            log.debug("%s: %s", pool.name, exc)
-            flow.error = exc
-            outcome = "error"
-        finally:
-            rs = lease.server
-            rs.bytes_in += flow.bytes_in
-            rs.bytes_out += flow.bytes_out
-            now = trio.current_time()
-            pool.drop(lease, now)
-            pool.durations.observe(now - started)
-            if self.access_log:
-                self._log_access(source, rs.name, flow, started, outcome)
+    async def _admit(
+        self, client: socket.socket, peer: tuple, config: VirtualServerConfig
+    ) -> tuple[tuple, bytes] | None:
+        """(source address, bytes read behind a PROXY header), or None: rejected."""
+        source, leftover = peer, b""
+        throttle = self.throttle
+        if throttle is not None and throttle.arrival():  # digg: close at once
+            self._reject("throttle", source)
+            return None
+        if config.accept_proxy:
+            header = await self._read_proxy_header(
+                trio.socket.from_stdlib_socket(client), config.connect_timeout
+            )
+            if header is None:
+                return None
+            source, leftover = header
+        if not self._allowed(config, source[0]):
+            self._reject("acl", source)
+            return None
+        if config.max_connections and self.pool.clients > config.max_connections:
+            self._reject("max_connections", source)
+            return None
+        return source, leftover
 
     def _reject(self, reason: str, source: tuple) -> None:
         self.pool.rejected[reason] += 1

@@ -331,7 +331,6 @@ class _Direction:
         "dst_fd",
         "error",
         "flow",
-        "now",
         "pending",
         "src",
         "src_fd",
@@ -349,8 +348,6 @@ class _Direction:
         self.state = _READING
         self.pending = 0  # bytes read from src and not yet written to dst
         self.error: OSError | None = None
-        # trio.current_time() is three Python calls deep; the clock's own method is one.
-        self.now = trio.lowlevel.current_clock().current_time
 
     def move(self) -> int:
         raise NotImplementedError
@@ -413,7 +410,7 @@ class _SpliceDirection(_Direction):
                 flow.bytes_in += n
             else:
                 flow.bytes_out += n
-            flow.last_activity = self.now()
+            flow.last_activity = trio.current_time()
         # Empty again: back to the pool, so an idle connection holds no pipe.
         self.pipe = None
         if len(_idle_pipes) < MAX_IDLE_PIPES:
@@ -496,7 +493,7 @@ class _BufferDirection(_Direction):
                 flow.bytes_in += n
             else:
                 flow.bytes_out += n
-            flow.last_activity = self.now()
+            flow.last_activity = trio.current_time()
         self.buf = None
         if len(_idle_buffers) < MAX_IDLE_BUFFERS:
             _idle_buffers.append(buf)

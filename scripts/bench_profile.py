@@ -33,12 +33,18 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("connect to the real server (socket, connect, wait)", ("_open (lbproxy/proxy.py",)),
     ("pump: FIN passed on (shutdown)", ("_pass_fin",)),
     ("pump: waiting for readiness (epoll_ctl, park)", ("wait_readable", "wait_writable")),
-    ("pump: copy (splice/recv/send, counters)", ("_splice_copy", "_buffer_copy")),
-    ("pump: idle watchdog", ("_watchdog",)),
-    ("pump: nursery, spawn, cancel at end", ("pump (lbproxy/pump.py",)),
+    ("pump: copy (splice/recv/send, counters)", ("Direction.move", "Direction.write_out")),
+    ("pump: idle deadline (heap, ring)", ("deadlines.py", "_Pump.ring", "_Pump._rung")),
+    (
+        "pump: set-up and tear-down (its epoll, directions)",
+        ("_Pump.__init__", "_Pump.start", "_Pump.close"),
+    ),
+    ("pump: its loop, epoll_wait(0) and interest changes", ("pump (lbproxy/pump.py",)),
     ("pick, take (scheduler)", ("_connect (lbproxy/proxy.py",)),
-    ("connection end (drop, close, histogram)", ("_forward (lbproxy/proxy.py",)),
-    ("handler (ACL, admission, close client)", ("handle (lbproxy/proxy.py",)),
+    (
+        "handler (admission, ACL; at the end drop, close, histogram)",
+        ("_admit (lbproxy/proxy.py", "handle (lbproxy/proxy.py"),
+    ),
     ("trio: epoll_wait and event dispatch", ("get_events", "_epoll_wait", "process_events")),
     ("trio: scheduler (task switches, deadlines)", ("unrolled_run",)),
 ]

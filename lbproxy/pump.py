@@ -358,6 +358,16 @@ class _Direction:
     def release(self) -> None:
         """The pump is over: give back (or discard) whatever is still held."""
 
+    def _wrote(self, n: int) -> None:
+        """``n`` pending bytes reached dst: count them, and note it for the idle timeout."""
+        self.pending -= n
+        flow = self.flow
+        if self.to_server:
+            flow.bytes_in += n
+        else:
+            flow.bytes_out += n
+        flow.last_activity = trio.current_time()
+
 
 class _SpliceDirection(_Direction):
     """src -> pipe -> dst inside the kernel (zero copy), through a pooled pipe.
@@ -395,7 +405,7 @@ class _SpliceDirection(_Direction):
     def write_out(self) -> int:
         pipe = self.pipe
         assert pipe is not None
-        dst_fd, flow = self.dst_fd, self.flow
+        dst_fd = self.dst_fd
         while self.pending:
             try:
                 n = os.splice(pipe[0], dst_fd, self.pending, flags=_SPLICE_FLAGS)
@@ -404,13 +414,7 @@ class _SpliceDirection(_Direction):
             except OSError as exc:
                 self.error = exc
                 return _DESTINATION_FAILED
-            # Partial writes are normal: loop until the pipe is empty.
-            self.pending -= n
-            if self.to_server:
-                flow.bytes_in += n
-            else:
-                flow.bytes_out += n
-            flow.last_activity = trio.current_time()
+            self._wrote(n)  # partial writes are normal: loop until the pipe is empty
         # Empty again: back to the pool, so an idle connection holds no pipe.
         self.pipe = None
         if len(_idle_pipes) < MAX_IDLE_PIPES:
@@ -476,7 +480,7 @@ class _BufferDirection(_Direction):
         return self.write_out()
 
     def write_out(self) -> int:
-        buf, send, flow = self.buf, self.send, self.flow
+        buf, send = self.buf, self.send
         assert buf is not None
         while self.pending:
             try:
@@ -488,12 +492,7 @@ class _BufferDirection(_Direction):
                 self.error = exc
                 return _DESTINATION_FAILED
             self.sent += n
-            self.pending -= n
-            if self.to_server:
-                flow.bytes_in += n
-            else:
-                flow.bytes_out += n
-            flow.last_activity = trio.current_time()
+            self._wrote(n)
         self.buf = None
         if len(_idle_buffers) < MAX_IDLE_BUFFERS:
             _idle_buffers.append(buf)

@@ -14,7 +14,7 @@ timeout is not a cancel scope either but an entry in the process-wide heap of
 deadlines.py, which wakes the task through the same epoll set (see _Pump.ring). So a
 connection costs the proxy one task, no cancel scope and one extra descriptor; with a
 task per direction and a watchdog it cost three tasks, a nursery and four cancel scopes:
-more than twice the memory per idle connection and about 50 us more CPU per new one
+more than twice the memory per idle connection and about 80 us more CPU per new one
 (docs/benchmarks.md). The price is one more system call per wake-up, the
 epoll_wait(0) that says which socket is ready, and a few Python calls: about 1.5 us per
 chunk, which shows in small keep-alive requests.

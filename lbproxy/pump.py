@@ -17,7 +17,7 @@ task per direction and a watchdog it cost three tasks, a nursery and four cancel
 more than twice the memory per idle connection and about 80 us more CPU per new one
 (docs/benchmarks.md). The price is one more system call per wake-up, the
 epoll_wait(0) that says which socket is ready, and a few Python calls: about 1.5 us per
-chunk, which shows in small keep-alive requests.
+chunk (keep-alive requests measured the same as before, within noise).
 
 A direction is a small state machine: reading (its source is watched for input), or
 writing (a chunk it could not write out yet; its destination is watched for output and

@@ -23,7 +23,7 @@ from lbproxy.checks import LOCAL_CAPACITY_ERRNOS, LocalCapacityError, record_hea
 from lbproxy.config import Address, VirtualServerConfig
 from lbproxy.pool import Lease, Pool, RealServer
 from lbproxy.proxy_header_io import read_proxy_header
-from lbproxy.pump import Flow, pump
+from lbproxy.pump import Flow, Pump
 from lbproxy.throttle_monitor import ThrottleMonitor
 
 log = logging.getLogger("lbproxy.proxy")
@@ -120,9 +120,17 @@ class VirtualServer:
                         if config.send_proxy != "none":
                             destination = client.getsockname()
                             header = proxy_protocol.encode(config.send_proxy, source, destination)
-                        outcome = await pump(
+                        p = Pump(
                             client, server, flow, preamble=header, initial_client_bytes=leftover
                         )
+                        try:  # pump()'s loop, here: one coroutine frame less per connection
+                            p.start()
+                            while p.outcome is None:
+                                await trio.lowlevel.wait_readable(p.fd)
+                                p.step()
+                        finally:
+                            p.close()
+                        outcome = p.outcome
                 except OSError as exc:
                     # The pump could not start: no descriptor left for its epoll instance
                     # (EMFILE), or the client reset before getsockname(). Only this

@@ -34,12 +34,12 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("pump: FIN passed on (shutdown)", ("_pass_fin",)),
     ("pump: waiting for readiness (epoll_ctl, park)", ("wait_readable", "wait_writable")),
     ("pump: copy (splice/recv/send, counters)", ("Direction.move", "Direction.write_out")),
-    ("pump: idle deadline (heap, ring)", ("deadlines.py", "_Pump.ring", "_Pump._rung")),
+    ("pump: idle deadline (heap, ring)", ("deadlines.py", "Pump.ring", "Pump._rung")),
     (
         "pump: set-up and tear-down (its epoll, directions)",
-        ("_Pump.__init__", "_Pump.start", "_Pump.close"),
+        ("Pump.__init__", "Pump.start", "Pump.close"),
     ),
-    ("pump: its loop, epoll_wait(0) and interest changes", ("pump (lbproxy/pump.py",)),
+    ("pump: its loop, epoll_wait(0) and interest changes", ("Pump.step", "pump (lbproxy/pump.py")),
     ("pick, take (scheduler)", ("_connect (lbproxy/proxy.py",)),
     (
         "handler (admission, ACL; at the end drop, close, histogram)",

@@ -123,11 +123,9 @@ class VirtualServer:
                         p = Pump(
                             client, server, flow, preamble=header, initial_client_bytes=leftover
                         )
-                        try:  # pump()'s loop, here: one coroutine frame less per connection
+                        try:  # pump()'s body, here: one coroutine frame less per connection
                             p.start()
-                            while p.outcome is None:
-                                await trio.lowlevel.wait_readable(p.fd)
-                                p.step()
+                            await p.finished()
                         finally:
                             p.close()
                         outcome = p.outcome

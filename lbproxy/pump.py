@@ -7,17 +7,22 @@ closes both after :func:`pump` returns, whatever it returns.
 
 How it works
 ------------
-One task drives both directions. It waits on a single descriptor, an epoll instance of
-the connection's own that holds its two sockets, so trio sees one readiness wait per
-connection and the task needs no nursery, no second task and no watchdog. The idle
-timeout is not a cancel scope either but an entry in the process-wide heap of
-deadlines.py, which wakes the task through the same epoll set (see Pump.ring). So a
-connection costs the proxy one task, no cancel scope and one extra descriptor; with a
-task per direction and a watchdog it cost three tasks, a nursery and four cancel scopes:
-more than twice the memory per idle connection and about 80 us more CPU per new one
-(docs/benchmarks.md). The price is one more system call per wake-up, the
-epoll_wait(0) that says which socket is ready, and a few Python calls: about 1.5 us per
-chunk (keep-alive requests measured the same as before, within noise).
+Bytes are moved by one reactor per trio run: a system task waiting on one shared,
+level-triggered epoll set that holds both sockets of every connection being pumped
+(``_Reactor``). Each wake-up handles every socket that became ready since the last
+one, so trio's cost per wait (an ``epoll_ctl`` to re-arm, parking, rescheduling: ~7 us
+of Python) is paid once per batch, not once per chunk per connection -- the way
+HAProxy's and nginx's event loops work. A connection is a state machine (:class:`Pump`)
+whose task, after ``start()``, parks in ``finished()`` until the reactor, the idle
+deadline or :meth:`Flow.close` sets its outcome: no nursery, no second task, no cancel
+scope; the idle timeout is an entry in the process-wide heap of deadlines.py.
+
+Measured with scripts/bench (docs/benchmarks.md), against one task per direction plus a
+watchdog: CPU per keep-alive request 34 -> 13 us, per new connection 269 -> 145 us,
+memory per idle connection 11 -> 3.5 kB. The price: moving bytes is callbacks inside one
+task, so a bug there is caught per connection (logged, raised in that connection's
+task) rather than taking the reactor down, and fairness is explicit: a batch handles at
+most _Reactor.MAX_EVENTS events, each at most _BURST chunks, then trio runs others.
 
 A direction is a small state machine: reading (its source is watched for input), or
 writing (a chunk it could not write out yet; its destination is watched for output and
@@ -34,8 +39,8 @@ new pipes shrink to a page or two).
 
 Splice moves socket -> pipe -> socket inside the kernel (zero copy). The fallback, used
 where ``os.splice`` is missing, where the kernel refuses the first splice with EINVAL or
-ENOSYS, or when the caller forces it, does ``recv_into``/``send`` with the same waits.
-Linux only: the pump needs ``select.epoll`` (trio itself supports more systems).
+ENOSYS, or when the caller forces it, does ``recv_into``/``send`` with the same state
+machine. Linux only: the reactor needs ``select.epoll`` (trio supports more systems).
 
 Outcomes
 --------
@@ -56,8 +61,8 @@ peer without delay. The other side gets an orderly close, not a reset: data alre
 handed to its kernel buffer (the last part of a response, say) still arrives, which an
 RST would throw away. A reset is noticed even on a socket that has half-closed and is
 no longer read: epoll reports errors on every socket in its set. If the caller's own
-scope is cancelled, pump raises ``trio.Cancelled`` like any trio call; pipes are
-cleaned up either way.
+scope is cancelled, pump raises ``trio.Cancelled`` like any trio call; pipes and the
+shared set are cleaned up either way.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ import math
 import os
 import select
 import socket
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Final, Literal
 
 try:
@@ -76,6 +82,7 @@ try:
 except ImportError:  # not POSIX: no pipes to size, and no splice either
     fcntl = None  # type: ignore[assignment]
 
+import outcome
 import trio
 from trio.lowlevel import wait_readable
 
@@ -281,7 +288,7 @@ class Flow:
         """
         self.closing = True
         if self._pump is not None:
-            self._pump.ring()
+            self._pump.cancel()
 
     def __repr__(self) -> str:
         return (
@@ -539,23 +546,21 @@ class _BufferDirection(_Direction):
 
 
 class Pump:
-    """Both directions of one connection, driven from one task by a per-connection epoll.
+    """Both directions of one connection, as a state machine the reactor drives.
 
-    :func:`pump` is the way to use it. The connection handler runs the same four-line
-    loop itself (start, then ``await wait_readable(p.fd)`` and ``p.step()`` until
-    ``p.outcome`` is set, then close), which keeps one coroutine frame less (~0.3 kB)
-    alive per idle connection.
+    :func:`pump` is the way to use it. The connection handler runs the same few lines
+    itself (``start()``; unless ``outcome`` is already set, ``await finished()``;
+    ``close()`` in a finally), which keeps one coroutine frame less (~0.3 kB) alive per
+    idle connection.
 
-    The task waits for one descriptor, this connection's epoll instance, which trio
-    watches like any socket: it becomes readable when either socket is ready for what a
-    direction wants. The instance is level-triggered and its interest follows the
-    directions' states: the client socket is watched for input while client -> server
-    is reading and for output while server -> client holds a chunk the client has not
-    taken yet, and the same for the server socket. So a direction blocked on a slow
-    reader stops reading (back-pressure, and no busy loop), and a finished direction's
-    source (EOF is always "readable") is not watched. Errors and hang-ups are reported
-    even on a socket nobody watches, which is how a reset on a half-closed socket is
-    noticed at once.
+    The two sockets sit in the reactor's shared, level-triggered epoll set, and their
+    interest follows the directions' states: the client socket is watched for input
+    while client -> server is reading and for output while server -> client holds a
+    chunk the client has not taken yet, and the same for the server socket. So a
+    direction blocked on a slow reader stops reading (back-pressure, and no busy loop),
+    and a finished direction's source (EOF is always "readable") is not watched. Errors
+    and hang-ups are reported even on a socket nobody watches, which is how a reset on a
+    half-closed socket is noticed at once.
     """
 
     __slots__ = (
@@ -564,15 +569,17 @@ class Pump:
         "client_mask",
         "down",
         "epoll",
-        "fd",
+        "error",
         "flow",
         "initial",
         "initial_uncounted",
         "open_directions",
         "outcome",
-        "ringing",
+        "reactor",
+        "registered",
         "server_fd",
         "server_mask",
+        "task",
         "up",
     )
 
@@ -592,76 +599,123 @@ class Pump:
         direction = _SpliceDirection if splicing else _BufferDirection
         self.flow = flow
         self.outcome: Outcome | None = None
+        self.error: BaseException | None = None  # a bug met while moving bytes
         self.open_directions = 2
         self.alarm: Deadline | None = None  # the idle deadline in the process-wide heap
-        self.ringing = False  # the always-readable descriptor is in the epoll set
+        self.task: trio.lowlevel.Task | None = None  # parked in finished()
+        self.registered = False
         # Bytes for the server before the loop starts; the first `initial_uncounted` of
         # them (a PROXY header) are not client data and do not count in bytes_in.
         self.initial = preamble + initial_client_bytes
         self.initial_uncounted = len(preamble)
         self.client_fd = client.fileno()
         self.server_fd = server.fileno()
-        self.epoll = select.epoll(2)
-        self.fd = self.epoll.fileno()  # what the task waits on
+        self.reactor = _reactor()
+        self.epoll = self.reactor.epoll
         self.up: _Direction | None = None
         self.down: _Direction | None = None
         try:
             self.up = direction(client, server, flow, True)
             self.down = direction(server, client, flow, False)
-            self.epoll.register(self.client_fd, _IN)
-            self.epoll.register(self.server_fd, _IN)
         except BaseException:
             self.close()
             raise
-        self.client_mask = self.server_mask = _IN
+        self.client_mask = self.server_mask = _UNWATCHED
 
     def start(self) -> None:
-        """Begin: write the preamble if it goes out at once, schedule the idle timeout."""
+        """Begin: watch both sockets, write the preamble if it goes out at once, and
+        schedule the idle timeout. ``outcome`` may be set when it returns."""
         flow = self.flow
         if flow.closing:  # closed before it started
             self.outcome = CANCELLED
             return
+        self.reactor.add(self)
+        self.registered = True
         flow._pump = self
         flow.last_activity = trio.current_time()
+        self._update_interest()
         if self.initial:
             self._write_initial()
-        self._arm()
+        if self.outcome is None:
+            self._arm()
+
+    def finished(self) -> Awaitable[object]:
+        """Wait for the outcome: ``await p.finished()`` right after ``start()``.
+
+        A plain function returning trio's own wait, so the caller's frame is the only
+        one of ours on an idle connection's stack. Cancelling the caller ends the pump
+        (pipes and the reactor's set are cleaned up) and raises ``trio.Cancelled``.
+        """
+        if self.outcome is not None:
+            return trio.lowlevel.checkpoint()
+        self.task = trio.lowlevel.current_task()
+        return trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _: object) -> trio.lowlevel.Abort:
+        self.task = None
+        self.close()
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def close(self) -> None:
-        """End: give back pipes and buffers, close the epoll instance (not the sockets)."""
+        """End: stop watching, give back pipes and buffers (the sockets stay open).
+        Safe to call more than once."""
         if self.flow._pump is self:
             self.flow._pump = None
         if self.alarm is not None:
             self.alarm.cancel()
             self.alarm = None
+        if self.registered:
+            self.registered = False
+            self.reactor.remove(self)
         for d in (self.up, self.down):
             if d is not None:
                 d.release()
-        self.epoll.close()
+
+    def _finish(self) -> None:
+        """The outcome is set: clean up and wake the task waiting in finished()."""
+        self.close()
+        task = self.task
+        if task is not None:
+            self.task = None
+            if self.error is not None:
+                trio.lowlevel.reschedule(task, outcome.Error(self.error))
+            else:
+                trio.lowlevel.reschedule(task)
 
     # -- idle timeout and Flow.close() -------------------------------------------------
     #
     # No cancel scope: the idle deadline sits in the process-wide heap of deadlines.py,
-    # whose task calls ring() when it passes, as does Flow.close(). Ringing adds an
-    # always-readable descriptor to this connection's epoll set, which wakes the task
-    # through its one wait like any socket event; step() then decides. The loop
-    # only stores last_activity per chunk, so a busy connection's deadline is stale
-    # when it rings: a false alarm, answered by scheduling the deadline again from the
-    # last activity, once per timeout period.
+    # whose task calls ring() when it passes. The byte path only stores last_activity,
+    # so a busy connection's deadline is stale when it rings: a false alarm, answered by
+    # scheduling the deadline again from the last activity, once per timeout period.
 
     def ring(self) -> None:
-        """Wake the task to look at the idle deadline and at ``flow.closing``."""
-        if self.ringing or self.outcome is not None or self.epoll.closed:
+        """The idle deadline passed (called by the deadline heap's task)."""
+        self.alarm = None
+        if self.outcome is not None:
             return
-        self.epoll.register(_always_readable(), _IN)
-        self.ringing = True
+        if trio.current_time() - self.flow.last_activity >= self.flow._idle_timeout:
+            self._end(IDLE_TIMEOUT)
+        else:
+            self._arm()
 
     def rearm(self) -> None:
         """The idle timeout (or last_activity) was changed from outside: apply it now."""
+        if self.outcome is not None:
+            return
         if trio.current_time() >= self.flow.last_activity + self.flow._idle_timeout:
-            self.ring()
+            self._end(IDLE_TIMEOUT)
         else:
             self._arm()
+
+    def cancel(self) -> None:
+        """Flow.close(): end now with "cancelled"."""
+        if self.outcome is None:
+            self._end(CANCELLED)
+
+    def _end(self, result: Outcome) -> None:
+        self.outcome = result
+        self._finish()
 
     def _arm(self) -> None:
         if self.alarm is not None:
@@ -671,50 +725,41 @@ class Pump:
         if when != math.inf:
             self.alarm = deadlines().at(when, self)
 
-    def _rung(self) -> None:
-        self.epoll.unregister(_always_readable())
-        self.ringing = False
-        flow = self.flow
-        if flow.closing:
-            self.outcome = CANCELLED
-        elif trio.current_time() - flow.last_activity >= flow._idle_timeout:
-            self.outcome = IDLE_TIMEOUT
-        else:
-            self._arm()  # something moved since: a false alarm
+    # -- moving bytes ------------------------------------------------------------------
 
-    def step(self) -> None:
-        """``fd`` was readable: poll the epoll instance and move what can be moved."""
-        client_fd, server_fd = self.client_fd, self.server_fd
-        for fd, events in self.epoll.poll(0):
-            # The client socket is read by `up` and written by `down`; the server socket
-            # the other way round.
-            if fd == client_fd:
-                reader, writer = self.up, self.down
-            elif fd == server_fd:
-                reader, writer = self.down, self.up
-            else:
-                self._rung()
-                if self.outcome is not None:
-                    return
-                continue
-            assert reader is not None and writer is not None
-            watched = False
-            if reader.state == _READING and events & _IN_OR_FAILED:
-                watched = True
-                status = reader.move()
-                if status:
-                    self._after(reader, status)
-            if writer.state == _WRITING and events & _OUT_OR_FAILED:
-                watched = True
-                if self.outcome is None:
-                    self._after(writer, writer.write_out())
-            elif writer.state == _HELD and events & _OUT_OR_FAILED:
-                watched = True
-                self._write_initial()
-            if not watched and events & _FAILED:
-                self._unwatched_event(fd, fd == client_fd)
-            if self.outcome is not None:
-                return
+    def on_event(self, fd: int, events: int) -> None:
+        """The reactor saw ``events`` on one of our sockets: move what can be moved."""
+        # The client socket is read by `up` and written by `down`; the server socket the
+        # other way round.
+        if fd == self.client_fd:
+            reader, writer = self.up, self.down
+        else:
+            reader, writer = self.down, self.up
+        assert reader is not None and writer is not None
+        watched = False
+        if reader.state == _READING and events & _IN_OR_FAILED:
+            watched = True
+            status = reader.move()
+            if status:
+                self._after(reader, status)
+        if writer.state == _WRITING and events & _OUT_OR_FAILED:
+            watched = True
+            if self.outcome is None:
+                self._after(writer, writer.write_out())
+        elif writer.state == _HELD and events & _OUT_OR_FAILED:
+            watched = True
+            self._write_initial()
+        if not watched and events & _FAILED:
+            self._unwatched_event(fd, fd == self.client_fd)
+        if self.outcome is not None:
+            self._finish()
+
+    def crashed(self, exc: BaseException) -> None:
+        """A bug met while handling an event: end this connection, raise it to its task."""
+        if self.outcome is None:
+            self.outcome = ERROR
+            self.error = exc
+            self._finish()
 
     def _after(self, d: _Direction, status: int) -> None:
         """Act on what a direction's move() or write_out() reported."""
@@ -841,16 +886,94 @@ class Pump:
             up.state = _READING
             self._update_interest()
 
+    def _write_initial(self) -> None:
+        """Write ``initial`` to the server before any client byte goes that way. Not a
+        hot path: once per connection at most, and it almost never has to wait."""
+        up = self.up
+        assert up is not None
+        flow = self.flow
+        while self.initial:
+            try:
+                n = os.write(self.server_fd, self.initial)
+            except BlockingIOError:
+                if up.state != _HELD:  # wait for the server socket, read no client byte
+                    up.state = _HELD
+                    self._update_interest()
+                return
+            except OSError as exc:
+                self._failed(False, exc)
+                return
+            self.initial = self.initial[n:]
+            counted = n - self.initial_uncounted
+            self.initial_uncounted = max(0, -counted)
+            if counted > 0:
+                flow.bytes_in += counted
+            flow.last_activity = trio.current_time()
+        if up.state == _HELD:
+            up.state = _READING
+            self._update_interest()
 
-_always_readable_fd = -1
+
+class _Reactor:
+    """One shared epoll set for every pump of a trio run, and the task that serves it.
+
+    Each wake-up of the task handles every socket that became ready since the last one
+    (up to MAX_EVENTS), so trio's own cost per wait (an ``epoll_ctl`` to re-arm, parking
+    and rescheduling, ~7 us) is paid once per batch instead of once per chunk per
+    connection. That wait is also the task's checkpoint: other tasks run between two
+    batches, and a batch is bounded (MAX_EVENTS events, each at most _BURST chunks).
+    """
+
+    MAX_EVENTS = 256
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.pumps: dict[int, Pump] = {}
+        trio.lowlevel.spawn_system_task(self._run, name="lbproxy pump reactor")
+
+    def add(self, p: Pump) -> None:
+        self.pumps[p.client_fd] = p
+        self.pumps[p.server_fd] = p
+
+    def remove(self, p: Pump) -> None:
+        for fd, mask in ((p.client_fd, p.client_mask), (p.server_fd, p.server_mask)):
+            if self.pumps.get(fd) is p:  # the caller may have closed and reused the fd
+                del self.pumps[fd]
+                if mask != _UNWATCHED:
+                    with contextlib.suppress(OSError):  # closed already: gone from the set
+                        self.epoll.unregister(fd)
+
+    async def _run(self) -> None:
+        epfd = self.epoll.fileno()
+        poll = self.epoll.poll
+        pumps = self.pumps
+        try:
+            while True:
+                await wait_readable(epfd)
+                for fd, events in poll(0, self.MAX_EVENTS):
+                    p = pumps.get(fd)
+                    if p is None:  # ended earlier in this batch
+                        continue
+                    try:
+                        p.on_event(fd, events)
+                    except Exception as exc:  # a bug: end that connection, not the reactor
+                        log.exception("pump: unexpected error; ending that connection")
+                        p.crashed(exc)
+        finally:  # the run is over (system tasks are cancelled last)
+            trio.lowlevel.notify_closing(epfd)
+            self.epoll.close()
 
 
-def _always_readable() -> int:
-    """An eventfd whose counter is never read: readable for ever (see Pump.ring)."""
-    global _always_readable_fd
-    if _always_readable_fd < 0:
-        _always_readable_fd = os.eventfd(1, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    return _always_readable_fd
+_reactors: trio.lowlevel.RunVar[_Reactor] = trio.lowlevel.RunVar("lbproxy_reactor")
+
+
+def _reactor() -> _Reactor:
+    try:
+        return _reactors.get()
+    except LookupError:
+        reactor = _Reactor()
+        _reactors.set(reactor)
+        return reactor
 
 
 async def pump(
@@ -872,8 +995,7 @@ async def pump(
     receive/send fallback, True asks for splice (still falling back if it is missing).
 
     Returns the outcome (see the module docstring). The caller closes both sockets
-    afterwards. Raises ``trio.Cancelled`` if the caller's scope is cancelled, and
-    OSError (EMFILE, ENOMEM) if the epoll instance cannot be created.
+    afterwards. Raises ``trio.Cancelled`` if the caller's scope is cancelled.
     """
     p = Pump(
         client,
@@ -885,11 +1007,8 @@ async def pump(
     )
     try:
         p.start()
-        while p.outcome is None:
-            # Our checkpoint (so one busy connection cannot starve the others) and our
-            # cancellation point: the only place a connection waits.
-            await wait_readable(p.fd)
-            p.step()
+        await p.finished()
     finally:
         p.close()
+    assert p.outcome is not None
     return p.outcome

@@ -34,12 +34,15 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("pump: FIN passed on (shutdown)", ("_pass_fin",)),
     ("pump: waiting for readiness (epoll_ctl, park)", ("wait_readable", "wait_writable")),
     ("pump: copy (splice/recv/send, counters)", ("Direction.move", "Direction.write_out")),
-    ("pump: idle deadline (heap, ring)", ("deadlines.py", "Pump.ring", "Pump._rung")),
+    ("pump: idle deadline (heap, ring)", ("deadlines.py", "Pump.ring")),
     (
         "pump: set-up and tear-down (its epoll, directions)",
         ("Pump.__init__", "Pump.start", "Pump.close"),
     ),
-    ("pump: its loop, epoll_wait(0) and interest changes", ("Pump.step", "pump (lbproxy/pump.py")),
+    (
+        "pump: reactor (epoll_wait(0) per batch, interest changes)",
+        ("Pump.on_event", "_Reactor._run"),
+    ),
     ("pick, take (scheduler)", ("_connect (lbproxy/proxy.py",)),
     (
         "handler (admission, ACL; at the end drop, close, histogram)",

@@ -57,6 +57,10 @@ class NameServer(socketserver.ThreadingTCPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: a burst of proxied connects (a drained
+    # backlog, say) would overflow it and stall connects for a SYN retry. Real servers
+    # listen with more (nginx 511, the kernel's default somaxconn 4096).
+    request_queue_size = 511
 
     def __init__(self, name: str, port: int = 0, host: str = "127.0.0.1", greeting=True):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -85,12 +89,16 @@ def open_and_read_name(
 ) -> tuple[socket.socket, str]:
     """A held connection: returns the open socket and the name it was served by."""
     s = socket.create_connection((host, port), timeout=timeout)
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = s.recv(100)
-        if not chunk:
-            break
-        data += chunk
+    try:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(100)
+            if not chunk:
+                break
+            data += chunk
+    except BaseException:
+        s.close()
+        raise
     return s, data.decode().strip()
 
 

@@ -130,10 +130,9 @@ class VirtualServer:
                             p.close()
                         outcome = p.outcome
                 except OSError as exc:
-                    # The pump could not start: no descriptor left for its epoll instance
-                    # (EMFILE), or the client reset before getsockname(). Only this
-                    # connection ends; the accept loop backs off by itself when
-                    # descriptors run out.
+                    # Out of descriptors for a pipe (EMFILE), or the client reset before
+                    # getsockname(). Only this connection ends; the accept loop backs off
+                    # by itself when descriptors run out.
                     log.debug("%s: %s", pool.name, exc)
                     flow.error = exc
                     outcome = "error"

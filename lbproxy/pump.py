@@ -417,7 +417,11 @@ class _SpliceDirection(_Direction):
 
     def _move_one(self) -> int:
         self.last_read = 0
-        pipe = _idle_pipes.pop() if _idle_pipes else _new_pipe()
+        try:
+            pipe = _idle_pipes.pop() if _idle_pipes else _new_pipe()
+        except OSError as exc:  # EMFILE, ENFILE: no descriptor left for a pipe
+            self.error = exc
+            return _SOURCE_FAILED  # ends this connection with "error", nothing else
         try:
             n = os.splice(self.src_fd, pipe[1], _SPLICE_CHUNK, flags=_SPLICE_FLAGS)
         except BlockingIOError:  # readiness can be stale by the time we read

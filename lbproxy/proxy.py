@@ -88,9 +88,10 @@ class VirtualServer:
     async def handle(self, client: socket.socket, peer: tuple) -> None:
         """Serve one accepted client socket until both sides are done; closes it.
 
-        One coroutine from admission to the end: its frame, the pump's and trio's wait
-        are what an idle connection keeps alive, so the steps before the pump are
-        helpers that return, not frames that stay on the stack.
+        One coroutine from admission to the end: its frame and trio's wait are what an
+        idle connection keeps alive, so the steps before the pump are helpers that
+        return, not frames that stay on the stack, and the pump is driven by the
+        reactor while this task waits in ``finished()``.
         """
         pool = self.pool
         config = pool.config

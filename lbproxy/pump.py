@@ -299,7 +299,7 @@ class Flow:
 
 # ---------------------------------------------------------------------- directions
 
-# Epoll event masks. A socket's mask in the per-connection epoll is _UNWATCHED when it
+# Epoll event masks. A socket's mask in the reactor's epoll set is _UNWATCHED when it
 # has been taken out of the set (see Pump._unwatched_event).
 _IN: Final = select.EPOLLIN
 _OUT: Final = select.EPOLLOUT
@@ -552,10 +552,9 @@ class _BufferDirection(_Direction):
 class Pump:
     """Both directions of one connection, as a state machine the reactor drives.
 
-    :func:`pump` is the way to use it. The connection handler runs the same few lines
-    itself (``start()``; unless ``outcome`` is already set, ``await finished()``;
-    ``close()`` in a finally), which keeps one coroutine frame less (~0.3 kB) alive per
-    idle connection.
+    :func:`pump` is the way to use it. The connection handler runs the same three lines
+    itself (``start()``, ``await finished()``, ``close()`` in a finally), which keeps
+    one coroutine frame less (~0.3 kB) alive per idle connection.
 
     The two sockets sit in the reactor's shared, level-triggered epoll set, and their
     interest follows the directions' states: the client socket is watched for input

@@ -36,7 +36,7 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("pump: copy (splice/recv/send, counters)", ("Direction.move", "Direction.write_out")),
     ("pump: idle deadline (heap, ring)", ("deadlines.py", "Pump.ring")),
     (
-        "pump: set-up and tear-down (its epoll, directions)",
+        "pump: set-up and tear-down (reactor set, directions)",
         ("Pump.__init__", "Pump.start", "Pump.close"),
     ),
     (

@@ -889,33 +889,6 @@ class Pump:
             up.state = _READING
             self._update_interest()
 
-    def _write_initial(self) -> None:
-        """Write ``initial`` to the server before any client byte goes that way. Not a
-        hot path: once per connection at most, and it almost never has to wait."""
-        up = self.up
-        assert up is not None
-        flow = self.flow
-        while self.initial:
-            try:
-                n = os.write(self.server_fd, self.initial)
-            except BlockingIOError:
-                if up.state != _HELD:  # wait for the server socket, read no client byte
-                    up.state = _HELD
-                    self._update_interest()
-                return
-            except OSError as exc:
-                self._failed(False, exc)
-                return
-            self.initial = self.initial[n:]
-            counted = n - self.initial_uncounted
-            self.initial_uncounted = max(0, -counted)
-            if counted > 0:
-                flow.bytes_in += counted
-            flow.last_activity = trio.current_time()
-        if up.state == _HELD:
-            up.state = _READING
-            self._update_interest()
-
 
 class _Reactor:
     """One shared epoll set for every pump of a trio run, and the task that serves it.

@@ -525,6 +525,39 @@ def test_initial_client_bytes_go_first_and_count(use_splice: bool) -> None:
     trio.run(main)
 
 
+@pytest.mark.parametrize("use_splice", MODES)
+def test_preamble_and_initial_bytes_larger_than_the_buffers_wait_and_keep_order(
+    use_splice: bool,
+) -> None:
+    """A PROXY header plus 32 MiB of early client bytes do not fit in the socket buffers:
+    the pump waits for the server to take them, reads nothing from the client meanwhile,
+    and the server gets header, early bytes, then the rest, in order. Only client bytes
+    count."""
+    header = b"PROXY TCP4 192.0.2.1 192.0.2.2 1234 80\r\n"
+    early = os.urandom(32 << 20)
+    rest = os.urandom(1 << 20)
+
+    async def main() -> None:
+        async with rig() as r:
+            flow = Flow(idle_timeout=10)
+            p = PumpTask(r, flow, use_splice, preamble=header, initial_client_bytes=early)
+            with trio.fail_after(20):
+                async with trio.open_nursery() as n:
+                    n.start_soon(p.run)
+                    n.start_soon(send_all, r.client, rest)
+                    await trio.sleep(0.3)  # the server reads nothing yet: the pump must wait
+                    assert flow.bytes_in < len(early)
+                    got = await recv_all(r.server)
+                    r.server.shutdown(socket.SHUT_WR)
+                    assert await recv_all(r.client) == b""
+                    await p.done.wait()
+        assert got == header + early + rest
+        assert p.outcome == "closed"
+        assert flow.bytes_in == len(early) + len(rest)
+
+    trio.run(main)
+
+
 # ------------------------------------------------------------- PROXY header reading
 
 

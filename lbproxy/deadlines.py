@@ -6,8 +6,8 @@ leave. The pump (pump.py) needs a deadline per connection -- its idle timeout --
 nothing else from a scope, so its deadlines live here instead: a heap of
 ``(deadline, sequence, entry)`` served by one system task per trio run, which calls
 ``target.ring()`` when a deadline passes. Ringing does not cancel anything; the target
-decides what the deadline means (the pump wakes up and checks whether it really was
-idle that long).
+decides what the deadline means (the pump checks whether it really was idle that long,
+and schedules itself again if not).
 
 Cancelling a deadline only marks its entry dead (O(1)); dead entries are dropped when
 they reach the top of the heap, and the heap is rebuilt without them once they are the

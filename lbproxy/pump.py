@@ -571,7 +571,6 @@ class Pump:
         "client_fd",
         "client_mask",
         "down",
-        "epoll",
         "error",
         "flow",
         "initial",
@@ -614,7 +613,6 @@ class Pump:
         self.client_fd = client.fileno()
         self.server_fd = server.fileno()
         self.reactor = _reactor()
-        self.epoll = self.reactor.epoll
         self.up: _Direction | None = None
         self.down: _Direction | None = None
         try:
@@ -694,16 +692,15 @@ class Pump:
 
     def ring(self) -> None:
         """The idle deadline passed (called by the deadline heap's task)."""
-        self.alarm = None
-        if self.outcome is not None:
-            return
-        if trio.current_time() - self.flow.last_activity >= self.flow._idle_timeout:
-            self._end(IDLE_TIMEOUT)
-        else:
-            self._arm()
+        self.alarm = None  # it has rung: nothing left to cancel
+        self.rearm()
 
     def rearm(self) -> None:
-        """The idle timeout (or last_activity) was changed from outside: apply it now."""
+        """Idle long enough: end; else schedule the deadline from the last activity.
+
+        Called when the deadline rings, and when the idle timeout (or last_activity)
+        was changed from outside, so a change applies at once.
+        """
         if self.outcome is not None:
             return
         if trio.current_time() >= self.flow.last_activity + self.flow._idle_timeout:
@@ -799,7 +796,7 @@ class Pump:
         # while the other way is blocked. Not a failure; but a level-triggered hang-up
         # is reported on every poll, so stop watching the socket until a direction
         # needs it again (_update_interest adds it back).
-        self.epoll.unregister(fd)
+        self.reactor.epoll.unregister(fd)
         if client_side:
             self.client_mask = _UNWATCHED
         else:
@@ -834,9 +831,9 @@ class Pump:
 
     def _watch(self, fd: int, mask: int, current: int) -> int:
         if current != _UNWATCHED:
-            self.epoll.modify(fd, mask)
+            self.reactor.epoll.modify(fd, mask)
         elif mask:
-            self.epoll.register(fd, mask)
+            self.reactor.epoll.register(fd, mask)
         else:
             return _UNWATCHED  # nothing wanted: no need to add it back yet
         return mask

@@ -12,6 +12,7 @@ The nursery tree (hypercorn's `worker_serve` is the model):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import signal
@@ -442,26 +443,22 @@ class Server:
         return changes
 
 
-def raise_descriptor_limit() -> tuple[int, int]:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns (old, new).
+def raise_descriptor_limit() -> None:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit.
 
-    Every connection holds three descriptors (client, real server, its pump's epoll
-    instance) and two more per pipe in flight, so the common soft default of 1024 would
-    cap lbproxy near 300 connections. HAProxy raises its own limit the same way; the
-    hard limit stays the administrator's to set (LimitNOFILE=, ulimit -Hn, --ulimit).
+    Every connection holds two descriptors (client and real server) and two more per
+    pipe in flight, so the common soft default of 1024 would cap lbproxy near 500
+    connections. HAProxy raises its own limit the same way; the hard limit stays the
+    administrator's to set (LimitNOFILE=, ulimit -Hn, --ulimit).
     """
     try:
         import resource
     except ImportError:  # not POSIX
-        return (0, 0)
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (OSError, ValueError):
-            return (soft, soft)
-        return (soft, hard)
-    return (soft, soft)
 
 
 def run(

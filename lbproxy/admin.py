@@ -16,8 +16,8 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -32,8 +32,6 @@ from lbproxy.pool import Pool
 if TYPE_CHECKING:
     import socket
 
-    from lbproxy.server import Server
-
 log = logging.getLogger("lbproxy.admin")
 
 MAX_BODY = 64 * 1024
@@ -42,6 +40,26 @@ VIRTUAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)$")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class ProxyControl(Protocol):
+    """What the admin app reads and changes: a small interface, not the `Server` class.
+
+    `lbproxy.server.Server` is one (a worker or a single process); the supervisor of
+    lbproxy/workers.py is another. The admin app imports neither.
+    """
+
+    ready: bool
+    draining: bool
+    reloads: dict[str, int]
+
+    def pools(self) -> Iterable[Pool]: ...
+
+    def reload(self) -> tuple[bool, list[str]]: ...
+
+    def set_state(self, vs_name: str, rs_name: str, state: object) -> str | None: ...
+
+    def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None: ...
 
 
 class TokenError(Exception):
@@ -122,7 +140,7 @@ def _is_loopback(host: str | None) -> bool:
 
 
 class AdminApp:
-    def __init__(self, server: Server, token: str | None) -> None:
+    def __init__(self, server: ProxyControl, token: str | None) -> None:
         self.server = server
         self.token = token
         self.registry = make_registry(server)
@@ -283,7 +301,7 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 async def serve_admin(
-    server: Server,
+    server: ProxyControl,
     sock: socket.socket,
     token: str | None,
     *,

@@ -41,16 +41,13 @@ import re
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import h11
 import trio
 
 from lbproxy.config import Address, HealthCheckConfig
 from lbproxy.pool import Lease, Pool, RealServer
-
-if TYPE_CHECKING:
-    from lbproxy.proxy import VirtualServer
+from lbproxy.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.checks")
 

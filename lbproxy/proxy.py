@@ -24,7 +24,7 @@ from lbproxy.config import Address, VirtualServerConfig
 from lbproxy.pool import Lease, Pool, RealServer
 from lbproxy.proxy_header_io import read_proxy_header
 from lbproxy.pump import Flow, Pump
-from lbproxy.throttle_monitor import ThrottleMonitor
+from lbproxy.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.proxy")
 access_log = logging.getLogger("lbproxy.access")
@@ -70,16 +70,17 @@ class ConnectError(Exception):
         self.reason = reason
 
 
-class VirtualServer:
-    """The running side of one virtual server: its pool and the connection handler."""
+class Handler:
+    """The connection handler of one virtual server: serves the clients routed to it.
 
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
+    Made by the listener for each virtual server it feeds; everything that outlives a
+    connection (pool, throttle, access-log flag) is read from the `VirtualServer`.
+    """
+
+    def __init__(self, vs: VirtualServer) -> None:
+        self.vs = vs
+        self.pool = vs.pool
         self._resolved: dict[Address, tuple[int, tuple]] = {}
-        self.access_log = False  # global.access_log, set by the Server
-        # Admission control (throttle_monitor.py), set by the Server's Throttles when the
-        # virtual server has a `throttle:` block; it publishes `pool.throttle_mode`.
-        self.throttle: ThrottleMonitor | None = None
 
     @property
     def name(self) -> str:
@@ -105,11 +106,11 @@ class VirtualServer:
                 started = trio.current_time()
                 flow = Flow(config.idle_timeout)
                 connection = Connection(flow)
-                if self.throttle is not None:  # start with the imposed idle timeout, if any
-                    flow.idle_timeout = self.throttle.idle_timeout_for(config.idle_timeout)
+                if self.vs.throttle is not None:  # start with the imposed idle timeout, if any
+                    flow.idle_timeout = self.vs.throttle.idle_timeout_for(config.idle_timeout)
                 connected = await self._connect(connection, config)
                 if connected is None:
-                    if self.access_log:
+                    if self.vs.access_log:
                         end = "cancelled" if flow.closing else "no_server"
                         self._log_access(source, None, flow, started, end)
                     return
@@ -144,7 +145,7 @@ class VirtualServer:
                     now = trio.current_time()
                     pool.drop(lease, now)
                     pool.durations.observe(now - started)
-                    if self.access_log:
+                    if self.vs.access_log:
                         self._log_access(source, rs.name, flow, started, outcome)
         finally:
             pool.clients -= 1
@@ -154,7 +155,7 @@ class VirtualServer:
     ) -> tuple[tuple, bytes] | None:
         """(source address, bytes read behind a PROXY header), or None: rejected."""
         source, leftover = peer, b""
-        throttle = self.throttle
+        throttle = self.vs.throttle
         if throttle is not None and throttle.arrival():  # digg: close at once
             self._reject("throttle", source)
             return None
@@ -175,7 +176,7 @@ class VirtualServer:
 
     def _reject(self, reason: str, source: tuple) -> None:
         self.pool.rejected[reason] += 1
-        if self.access_log:
+        if self.vs.access_log:
             access_log.info(
                 "%s vs=%s rs=- in=0 out=0 duration=0.000s end=rejected:%s",
                 _format_peer(source),

@@ -1,4 +1,4 @@
-"""The running proxy: listeners, accept loops, signals, reload and graceful stop.
+"""The running proxy: the nursery tree, signals, reload and graceful stop.
 
 The nursery tree (hypercorn's `worker_serve` is the model):
 
@@ -13,7 +13,6 @@ The nursery tree (hypercorn's `worker_serve` is the model):
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import signal
 import socket
@@ -26,25 +25,13 @@ from lbproxy import logs
 from lbproxy.admin import TokenError, read_token, serve_admin
 from lbproxy.checks import HealthChecks, close_leases
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
+from lbproxy.listener import BindError, Listener, listen_socket
 from lbproxy.pool import DISABLED, STATES, Pool, RealServer
-from lbproxy.proxy import VirtualServer
 from lbproxy.snmp import SnmpPollers
 from lbproxy.throttle_monitor import Throttles
+from lbproxy.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.server")
-
-LISTEN_BACKLOG = 4096
-
-# Accept errors that mean "out of descriptors or memory": back off and retry, never
-# crash or spin (trio's ACCEPT_CAPACITY_ERRNOS in _highlevel_serve_listeners.py). The
-# pending connection stays in the kernel's backlog and is served once a slot frees up.
-ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-ACCEPT_BACKOFF = 0.1
-ACCEPT_BATCH = 1  # connections accepted between two checkpoints of the accept loop
-# A burst of capacity errors ends (and "accepting again" is logged, once) only when an
-# accept succeeds this long after the last error: at the limit, every freed descriptor
-# lets one accept through between errors, which is still the same burst.
-ACCEPT_BURST_QUIET = 1.0
 
 
 def load_for_reload(paths: Sequence[str]) -> Config | list[str]:
@@ -58,52 +45,6 @@ def load_for_reload(paths: Sequence[str]) -> Config | list[str]:
             log.error("reload: %s", message)
         log.error("reload failed; the running configuration is unchanged")
         return messages
-
-
-class BindError(Exception):
-    """A listen address could not be bound (in use, no permission): exit code 1."""
-
-
-class Listener:
-    """One bound listening socket, the virtual server it feeds, and its accept loop."""
-
-    def __init__(self, address: Address, sock: socket.socket, vs: VirtualServer):
-        self.address = address
-        # A plain non-blocking socket: the accept loop waits on its descriptor itself
-        # (see _accept_loop), so trio's socket wrapper would only add cost.
-        self.sock = sock
-        self.vs = vs
-        self.cancel_scope = trio.CancelScope()
-
-    def close(self) -> None:
-        self.cancel_scope.cancel()
-        trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
-        self.sock.close()
-
-
-def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:
-    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-    host = "127.0.0.1" if address.host == "localhost" else address.host
-    # A stdlib socket bound synchronously (the host is a literal: no DNS), then handed
-    # to trio: a reload can bind all its addresses before changing anything.
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            # workers > 1: every worker binds its own socket on the address and the
-            # kernel spreads new connections across them (lbproxy/workers.py)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            # one socket per family, as trio's open_tcp_listeners: [::]:80 and
-            # 0.0.0.0:80 can then both be configured
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted
-        sock.bind((host, address.port))
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise BindError(f"cannot listen on {address}: {exc.strerror}") from None
-    return sock
 
 
 class Server:
@@ -266,62 +207,8 @@ class Server:
     def _start_listener(self, listener: Listener) -> None:
         self.listeners[listener.address] = listener
         self.virtual_servers.setdefault(listener.vs.name, listener.vs)
-        assert self._service is not None
-        self._service.start_soon(self._accept_loop, listener)
-
-    async def _accept_loop(self, listener: Listener) -> None:
-        assert self._handlers is not None
-        spawn = self._handlers.start_soon
-        # Accept on the plain socket under trio's wrapper: trio's accept() costs two
-        # checkpoints (a scheduler round each) and a wrapper object per connection. We
-        # wait only when the backlog is empty, and let other tasks run every
-        # ACCEPT_BATCH connections so a flood cannot starve established ones.
-        sock = listener.sock
-        fd = sock.fileno()
-        batch = 0
-        burst_errors = 0  # capacity errors in the current burst; 0: no burst
-        last_error = 0.0
-        with listener.cancel_scope:
-            while True:
-                try:
-                    client, peer = sock.accept()
-                    client.setblocking(False)
-                except BlockingIOError:
-                    batch = 0
-                    try:
-                        await trio.lowlevel.wait_readable(fd)
-                    except trio.ClosedResourceError:  # closed by a reload
-                        return
-                    continue
-                except OSError as exc:
-                    if exc.errno in ACCEPT_CAPACITY_ERRNOS:
-                        if not burst_errors:
-                            log.error(
-                                "%s: accept failed (%s); retrying every %ss",
-                                listener.address,
-                                exc.strerror,
-                                ACCEPT_BACKOFF,
-                            )
-                        burst_errors += 1
-                        last_error = trio.current_time()
-                        await trio.sleep(ACCEPT_BACKOFF)
-                        continue
-                    if exc.errno in (errno.EBADF, errno.EINVAL):  # closed by a reload
-                        return
-                    log.warning("%s: accept failed: %s", listener.address, exc)
-                    continue
-                if burst_errors and trio.current_time() - last_error >= ACCEPT_BURST_QUIET:
-                    log.info(
-                        "%s: accepting again (%d accept failure(s) in that burst)",
-                        listener.address,
-                        burst_errors,
-                    )
-                    burst_errors = 0
-                spawn(listener.vs.handle, client, peer)
-                batch += 1
-                if batch >= ACCEPT_BATCH:
-                    batch = 0
-                    await trio.lowlevel.checkpoint()
+        assert self._service is not None and self._handlers is not None
+        self._service.start_soon(listener.accept_loop, self._handlers)
 
     # -- runtime changes (admin API) ----------------------------------------------
 

@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import trio
 
 from lbproxy.config import ThrottleConfig
 from lbproxy.throttle import DIGG, LOW, Change, Throttle
-
-if TYPE_CHECKING:
-    from lbproxy.proxy import VirtualServer
+from lbproxy.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.throttle_monitor")
 

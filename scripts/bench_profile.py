@@ -29,7 +29,7 @@ import bench_proxies as bp
 
 # Phase of a sample, by the frames on its stack (first match wins).
 PHASES: list[tuple[str, tuple[str, ...]]] = [
-    ("accept loop (accept, wrap, spawn the handler)", ("_accept_loop",)),
+    ("accept loop (accept, wrap, spawn the handler)", ("accept_loop (lbproxy/listener.py",)),
     ("connect to the real server (socket, connect, wait)", ("_open (lbproxy/proxy.py",)),
     ("pump: FIN passed on (shutdown)", ("_pass_fin",)),
     ("pump: waiting for readiness (epoll_ctl, park)", ("wait_readable", "wait_writable")),

@@ -330,9 +330,10 @@ def test_monitor_evaluates_while_busy_applies_timeouts_and_sleeps_when_empty():
     import trio.testing
 
     from lbproxy.pool import Pool
-    from lbproxy.proxy import Connection, VirtualServer
+    from lbproxy.proxy import Connection
     from lbproxy.pump import Flow
     from lbproxy.throttle_monitor import Throttles
+    from lbproxy.virtual_server import VirtualServer
 
     config = ThrottleConfig(
         max_connections=2, interval=0.5, high_idle_timeout=10.0, min_idle_timeout=1.0

@@ -27,7 +27,7 @@ from hypercorn.utils import wrap_app
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lbproxy.metrics import make_registry
-from lbproxy.pool import Pool
+from lbproxy.pool import Pool, state_error, weight_error
 
 if TYPE_CHECKING:
     import socket
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lbproxy.admin")
 
 MAX_BODY = 64 * 1024
+PATCH_KEYS = ("weight", "state")
+PATCH_EXAMPLE = '{"weight": 3} or {"state": "enabled" | "drain" | "disabled"}'
 REAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)$")
 VIRTUAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)$")
 
@@ -217,21 +219,14 @@ class AdminApp:
     async def _patch(self, vs_name: str, rs_name: str, receive: Receive) -> tuple[int, bytes, str]:
         pool = self._pool(vs_name)
         self._real_server(pool, rs_name)
-        body = await _read_body(receive)
-        try:
-            request = json.loads(body or b"null")
-        except (ValueError, UnicodeDecodeError):
-            raise _HTTPError(400, 'body must be JSON, like {"weight": 3}') from None
-        if not isinstance(request, dict) or not request or set(request) - {"weight", "state"}:
-            raise _HTTPError(
-                400, 'body must be {"weight": N} or {"state": "enabled" | "drain" | "disabled"}'
-            )
-        if "weight" in request:
-            error = self.server.set_weight(vs_name, rs_name, request["weight"])
+        change = parse_patch(await _read_body(receive), f"{vs_name}/{rs_name}")
+        # The whole body is valid: both keys apply, or (a 400 above) neither.
+        if "weight" in change:
+            error = self.server.set_weight(vs_name, rs_name, change["weight"])
             if error:
                 raise _HTTPError(400, error)
-        if "state" in request:
-            error = self.server.set_state(vs_name, rs_name, request["state"])
+        if "state" in change:
+            error = self.server.set_state(vs_name, rs_name, change["state"])
             if error:
                 raise _HTTPError(400, error)
         return 200, _json(real_server_document(pool, rs_name)), "json"
@@ -295,9 +290,75 @@ async def _read_body(receive: Receive) -> bytes:
         message = await receive()
         body += message.get("body", b"")
         if len(body) > MAX_BODY:
-            raise _HTTPError(413, "body too large")
+            raise _HTTPError(413, f"body too large: more than {MAX_BODY} bytes")
         if not message.get("more_body"):
             return body
+
+
+def parse_patch(body: bytes, where: str) -> dict[str, Any]:
+    """A PATCH body checked whole before anything changes: `{"weight": N, "state": S}`.
+
+    Raises a 400 naming the first problem: not JSON (NaN and Infinity are not JSON
+    either), not an object, a key twice, an unknown key, no key at all, or a value that
+    `weight_error` / `state_error` refuses. The single-process endpoint and the
+    supervisor of `workers: N` (which then reaches no worker) both call it, so a change
+    is applied whole or not at all. `where`, the vs/rs names already found, is for the
+    log line of a refusal.
+    """
+    if not body.strip():
+        return _refuse(where, f"body is empty; send {PATCH_EXAMPLE}")
+    try:
+        request = json.loads(
+            body.decode("utf-8"),
+            parse_constant=_not_json,
+            object_pairs_hook=_no_repeated_keys,
+        )
+    except UnicodeDecodeError:
+        return _refuse(where, f"body is not UTF-8 JSON; send {PATCH_EXAMPLE}")
+    except _RepeatedKey as exc:
+        return _refuse(where, f"key {json.dumps(str(exc))} appears twice in the body")
+    except ValueError as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        return _refuse(where, f"body is not valid JSON ({reason}); send {PATCH_EXAMPLE}")
+    if not isinstance(request, dict):
+        return _refuse(where, f"body must be a JSON object: {PATCH_EXAMPLE}")
+    unknown = [key for key in request if key not in PATCH_KEYS]
+    if unknown:
+        return _refuse(
+            where,
+            f"unknown key {json.dumps(unknown[0])} in the body; "
+            f"the keys are {' and '.join(map(json.dumps, PATCH_KEYS))}",
+        )
+    if not request:
+        return _refuse(where, f"body changes nothing; send {PATCH_EXAMPLE}")
+    if "weight" in request and (error := weight_error(request["weight"])):
+        return _refuse(where, error)
+    if "state" in request and (error := state_error(request["state"])):
+        return _refuse(where, error)
+    return request
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _RepeatedKey(key)
+        document[key] = value
+    return document
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _refuse(where: str, message: str) -> Any:
+    # INFO: a rejected change is rare and an operator wants to see why it did not happen.
+    log.info("%s: change refused: %s", where, message)
+    raise _HTTPError(400, message)
 
 
 async def serve_admin(

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from lbproxy import __version__
-from lbproxy.config import Config, ConfigError, load, summary
+from lbproxy.config import MAX_WEIGHT, Config, ConfigError, load, summary
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -208,15 +208,52 @@ def _patch(admin, token_file, vs, rs, change) -> None:
     )
 
 
-@main.command("set-weight")
+class WeightType(click.ParamType):
+    """A static weight as the configuration file writes it: digits, 0 to MAX_WEIGHT.
+
+    Checked here, before the admin API is asked: `1.5`, `3.0`, `abc`, `-1` or `1e3`
+    exit 2 with the rule (the API applies the same one, lbproxy/pool.py weight_error).
+    """
+
+    name = "weight"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value)
+        if text.isascii() and text.isdigit() and int(text) <= MAX_WEIGHT:
+            return int(text)
+        self.fail(f"weight must be an integer from 0 to {MAX_WEIGHT}, got {text!r}", param, ctx)
+
+
+class _SetWeightCommand(click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # `set-weight web a -1` is a negative weight, not an unknown option "-1".
+        for arg in args:
+            if arg == "--":
+                break
+            if arg[:1] == "-" and arg[1:2].isdigit():
+                weight = next(p for p in self.params if p.name == "weight")
+                weight.type.fail(  # type: ignore[union-attr]
+                    f"weight must be an integer from 0 to {MAX_WEIGHT}, got {arg!r}",
+                    weight,
+                    ctx,
+                )
+        return super().parse_args(ctx, args)
+
+
+@main.command("set-weight", cls=_SetWeightCommand)
 @click.argument("vs")
 @click.argument("rs")
-@click.argument("weight", type=click.FloatRange(min=0))
+@click.argument("weight", type=WeightType())
 @admin_option
 @token_option
-def set_weight(vs: str, rs: str, weight: float, admin, token_file) -> None:
-    """Set real server RS's static weight in virtual server VS (until the next reload)."""
-    _patch(admin, token_file, vs, rs, {"weight": int(weight) if weight.is_integer() else weight})
+def set_weight(vs: str, rs: str, weight: int, admin, token_file) -> None:
+    """Set real server RS's static weight in virtual server VS (until the next reload).
+
+    WEIGHT is an integer from 0 to 65535, as `weight:` in the configuration file.
+    """
+    _patch(admin, token_file, vs, rs, {"weight": weight})
 
 
 def _state_command(name: str, state: str, help_text: str):

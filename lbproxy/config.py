@@ -114,6 +114,11 @@ class ThrottleConfig:
     interval: float = 1.0
 
 
+# The largest static weight, in the file and at run time (PATCH, `set-weight`): ipvsadm's
+# bound ("the valid values of weight are 0 through to 65535"), and a DNS SRV weight's.
+MAX_WEIGHT = 65535
+
+
 @dataclass(frozen=True, slots=True)
 class RealServerConfig:
     name: str
@@ -581,7 +586,7 @@ _VIRTUAL_SERVER_SECTIONS = ("health_check", "snmp", "throttle", "real_servers")
 _REAL_SERVER_FIELDS: dict[str, Converter] = {
     "name": _name,
     "address": _address(listen=False),
-    "weight": _integer(0),
+    "weight": _integer(0, MAX_WEIGHT),
     "max_connections": _integer(0),
     "load_factor": _number(above=0),
     "state": _choice("enabled", "drain", "disabled"),

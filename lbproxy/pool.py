@@ -21,6 +21,8 @@ opened before a reset (its lease carries the old epoch) does not decrement it.
 
 from __future__ import annotations
 
+import difflib
+import json
 import logging
 from collections import Counter
 from collections.abc import Collection
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lbproxy import schedulers
-from lbproxy.config import RealServerConfig, VirtualServerConfig
+from lbproxy.config import MAX_WEIGHT, RealServerConfig, VirtualServerConfig
 from lbproxy.health import Health
 from lbproxy.histogram import DURATION_BUCKETS, POLL_BUCKETS, Histogram
 
@@ -39,6 +41,46 @@ STATES = (ENABLED, DRAIN, DISABLED)
 REJECT_REASONS = ("no_server", "connect_failed", "throttle", "max_connections", "acl")
 SLOW_START_FLOOR = 0.1  # a ramping server starts at 10 % of its weight (SPEC §3)
 SLOW_START_STEPS = 50  # effective weight is recomputed this many times over the ramp
+
+
+def weight_error(weight: object) -> str | None:
+    """Why `weight` is not a static weight, or None when it is one.
+
+    A static weight is an integer from 0 to MAX_WEIGHT, the rule of `weight:` in the
+    configuration file, for every runtime change too (PATCH, `set-weight`, simulate
+    events): not a boolean (True is an int in Python), not a string holding digits, and
+    not a fraction, 3.0 included, as HAProxy's `server_parse_weight_change_request`
+    refuses anything but digits. Effective weights may be fractional (slow start); the
+    weight a user sets is not.
+    """
+    if isinstance(weight, int) and not isinstance(weight, bool) and 0 <= weight <= MAX_WEIGHT:
+        return None
+    hint = ""
+    if isinstance(weight, bool):
+        hint = " (a boolean is not a weight)"
+    elif isinstance(weight, str):
+        hint = " (a string; write the number without quotes)" if weight.isdigit() else ""
+    elif isinstance(weight, float) and weight.is_integer() and 0 <= weight <= MAX_WEIGHT:
+        hint = f" (write {int(weight)}: a weight has no fraction)"
+    return f"weight must be an integer from 0 to {MAX_WEIGHT}, got {_shown(weight)}{hint}"
+
+
+def state_error(state: object) -> str | None:
+    """Why `state` is not an admin state (enabled | drain | disabled), or None."""
+    if isinstance(state, str) and state in STATES:
+        return None
+    close = difflib.get_close_matches(state, STATES, n=1) if isinstance(state, str) else []
+    hint = f" (did you mean {_shown(close[0])}?)" if close else ""
+    return f"state must be one of {', '.join(STATES)}, got {_shown(state)}{hint}"
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """A value as JSON writes it (true, null, "3"), cut at `limit` characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Lease:
@@ -259,8 +301,9 @@ class Pool:
 
     def set_state(self, rs: RealServer, state: str, now: float) -> list[Lease]:
         """Change the admin state; returns the leases the caller must close (disabled)."""
-        if state not in STATES:
-            raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
+        error = state_error(state)
+        if error:
+            raise ValueError(error)
         rs.state = state
         self._update(rs, now)
         return list(rs.leases) if state == DISABLED else []
@@ -268,14 +311,13 @@ class Pool:
     def set_weight(self, rs: RealServer, weight: object, now: float) -> str | None:
         """Change the static weight at run time; returns an error message, or None.
 
-        The one validated path for a weight, as HAProxy's
-        `server_parse_weight_change_request`.
+        The one validated path for a weight (`weight_error`), as HAProxy's
+        `server_parse_weight_change_request`; an invalid weight changes nothing.
         """
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            return f"weight must be a number >= 0, got {weight!r}"
-        if weight < 0 or weight != weight or weight == float("inf"):
-            return f"weight must be a number >= 0, got {weight!r}"
-        rs.static_weight = float(weight)
+        error = weight_error(weight)
+        if error:
+            return error
+        rs.static_weight = float(weight)  # type: ignore[arg-type]
         self._update(rs, now)
         return None
 

@@ -1,9 +1,11 @@
-"""Terminal tables (rich) for `simulate`, `status` and the demo."""
+"""Terminal tables (rich) for `simulate` and `status`; `status` in plain columns when piped."""
 
 from __future__ import annotations
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from lbproxy.simulate import SimulationResult
 
@@ -54,6 +56,71 @@ def print_explain(result: SimulationResult) -> None:
         )
 
 
+# -- `lbproxy status` ----------------------------------------------------------------
+#
+# No name, address or number is ever cut, whatever the width. Piped (`| grep`, `watch`,
+# cron, ssh without a tty): plain aligned columns, one real server per line with its
+# virtual server repeated, as `kubectl get` and `docker ps` print. On a terminal: a table
+# when it fits, else each real server as a short block of `key value` items, wrapped
+# between items (a value wider than the whole terminal folds onto the next line).
+
+PLAIN_COLUMNS = (
+    "VIRTUAL_SERVER",
+    "SCHEDULER",
+    "THROTTLE",
+    "REAL_SERVER",
+    "ADDRESS",
+    "STATE",
+    "HEALTH",
+    "WEIGHT",
+    "DYNAMIC",
+    "EFFECTIVE",
+    "ACTIVE",
+    "TOTAL",
+    "BYTES_IN",
+    "BYTES_OUT",
+)
+UNBOUNDED = 1 << 20  # cells: wider than any terminal
+PLAIN_GAP = "   "  # as docker ps: three spaces between columns
+
+
+def status_plain(document: dict) -> list[str]:
+    """The lines of `lbproxy status` when stdout is not a terminal: header, then rows.
+
+    Every value is one word (`-` for none, exact byte counts), so `awk '{print $4}'`
+    and `grep NAME` work on it; a virtual server without real servers still has a row.
+    """
+    rows = [list(PLAIN_COLUMNS)]
+    for vs in document["virtual_servers"]:
+        head = [vs["name"], vs["scheduler"], vs["throttle_mode"]]
+        for rs in vs["real_servers"]:
+            weight = rs["weight"]
+            rows.append(
+                [
+                    *head,
+                    rs["name"],
+                    rs["address"],
+                    rs["state"],
+                    rs["health"],
+                    str(weight["static"]),
+                    "-" if weight.get("dynamic") is None else str(weight["dynamic"]),
+                    str(weight["effective"]),
+                    str(rs["active_connections"]),
+                    str(rs["connections_total"]),
+                    str(rs["bytes_in"]),
+                    str(rs["bytes_out"]),
+                ]
+            )
+        if not vs["real_servers"]:
+            rows.append([*head] + ["-"] * (len(PLAIN_COLUMNS) - len(head)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(PLAIN_COLUMNS))]
+    lines = []
+    for row in rows:
+        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
+        lines.append(PLAIN_GAP.join(cells).rstrip())
+    return lines
+
+
 def status_table(document: dict) -> Table:
     table = Table(title="lbproxy status")
     for column, justify in (
@@ -69,7 +136,8 @@ def status_table(document: dict) -> Table:
         ("bytes in", "right"),
         ("bytes out", "right"),
     ):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        # fold, never an ellipsis: print_status only prints the table when it fits.
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for vs in document["virtual_servers"]:
         first = True
         label = f"{vs['name']} ({vs['scheduler']}, {vs['throttle_mode']})"
@@ -79,11 +147,11 @@ def status_table(document: dict) -> Table:
             if weight.get("dynamic") is not None:
                 static += f" / snmp {weight['dynamic']}"
             table.add_row(
-                label if first else "",
-                rs["name"],
-                rs["address"],
+                Text(label if first else ""),  # Text: names and addresses are not markup
+                Text(rs["name"]),
+                Text(rs["address"]),
                 rs["state"],
-                "[green]up[/]" if rs["health"] == "up" else "[red]down[/]",
+                _health(rs["health"]),
                 static,
                 str(weight["effective"]),
                 str(rs["active_connections"]),
@@ -96,8 +164,76 @@ def status_table(document: dict) -> Table:
     return table
 
 
-def print_status(document: dict) -> None:
-    Console().print(status_table(document))
+def status_blocks(document: dict, width: int) -> list[Text]:
+    """The terminal lines for a table too wide: per real server, items wrapped to `width`."""
+    lines = [Text("lbproxy status", style="italic")]
+    for vs in document["virtual_servers"]:
+        lines += _pack(
+            [
+                Text(vs["name"], style="bold"),
+                Text(f"scheduler {vs['scheduler']}"),
+                Text(f"throttle {vs['throttle_mode']}"),
+            ],
+            width,
+            indent=0,
+        )
+        for rs in vs["real_servers"]:
+            weight = rs["weight"]
+            items = [
+                Text(rs["name"], style="bold"),
+                Text(rs["address"]),
+                Text(rs["state"]),
+                _health(rs["health"]),
+                Text(f"weight {weight['static']}"),
+            ]
+            if weight.get("dynamic") is not None:
+                items.append(Text(f"snmp {weight['dynamic']}"))
+            items += [
+                Text(f"effective {weight['effective']}"),
+                Text(f"active {rs['active_connections']}"),
+                Text(f"total {rs['connections_total']}"),
+                Text(f"bytes in {_bytes(rs['bytes_in'])}"),
+                Text(f"bytes out {_bytes(rs['bytes_out'])}"),
+            ]
+            lines += _pack(items, width, indent=2)
+    return lines
+
+
+def _pack(items: list[Text], width: int, indent: int) -> list[Text]:
+    """Items on lines of at most `width` cells, two spaces apart, never split (the first
+    line at `indent`, the next ones 2 deeper); an item wider than a line gets one alone."""
+    lines: list[Text] = []
+    line = Text(" " * indent)
+    empty = True
+    for item in items:
+        if not empty and line.cell_len + 2 + item.cell_len > width:
+            lines.append(line)
+            line, empty = Text(" " * (indent + 2)), True
+        if not empty:
+            line.append("  ")
+        line.append_text(item)
+        empty = False
+    lines.append(line)
+    return lines
+
+
+def print_status(document: dict, console: Console | None = None) -> None:
+    console = console or Console(highlight=False)
+    if not console.is_terminal:
+        console.file.write("".join(line + "\n" for line in status_plain(document)))
+        console.file.flush()
+        return
+    table = status_table(document)
+    unbounded = console.options.update(max_width=UNBOUNDED)  # the table's natural width
+    if Measurement.get(console, unbounded, table).maximum <= console.width:
+        console.print(table)
+        return
+    for line in status_blocks(document, console.width):
+        console.print(line, overflow="fold")
+
+
+def _health(health: str) -> Text:
+    return Text("up", style="green") if health == "up" else Text("down", style="red")
 
 
 def _bytes(n: int) -> str:

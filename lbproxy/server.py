@@ -26,7 +26,7 @@ from lbproxy.admin import TokenError, read_token, serve_admin
 from lbproxy.checks import HealthChecks, close_leases
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
 from lbproxy.listener import BindError, Listener, listen_socket
-from lbproxy.pool import DISABLED, STATES, Pool, RealServer
+from lbproxy.pool import DISABLED, Pool, RealServer, state_error
 from lbproxy.snmp import SnmpPollers
 from lbproxy.throttle_monitor import Throttles
 from lbproxy.virtual_server import VirtualServer
@@ -223,8 +223,9 @@ class Server:
         if isinstance(found, str):
             return found
         pool, rs = found
-        if not isinstance(state, str) or state not in STATES:
-            return f"state must be one of {', '.join(STATES)}, got {state!r}"
+        error = state_error(state)
+        if error:
+            return error
         old = rs.state
         closed = close_leases(pool.set_state(rs, state, trio.current_time()))
         if old != state or closed:

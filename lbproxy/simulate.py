@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 
 from lbproxy.config import Config, VirtualServerConfig
-from lbproxy.pool import DISABLED, DRAIN, ENABLED, Lease, Pool
+from lbproxy.pool import DISABLED, DRAIN, ENABLED, Lease, Pool, weight_error
 from lbproxy.throttle import Change, Throttle
 
 EVENT_KEYS = ("snmp", "join", "leave", "weight", "load_factor", "close", "state", "rate")
@@ -216,6 +216,8 @@ def _check_action(key: str, value: Any, servers: list[str]) -> str | None:
             if number not in (ENABLED, DRAIN, DISABLED):
                 return f"state of {name} must be enabled, drain or disabled, got {number!r}"
             continue
+        if key == "weight" and (error := weight_error(number)):
+            return f"{error} (real server {name})"  # the rule of PATCH and set-weight
         if isinstance(number, bool) or not isinstance(number, int | float) or number < 0:
             return f"{key} of {name} must be a number >= 0, got {number!r}"
         if key == "close" and not isinstance(number, int):

@@ -65,6 +65,7 @@ from lbproxy.admin import (
     _HTTPError,
     _json,
     _read_body,
+    parse_patch,
     read_token,
     serve_asgi,
 )
@@ -557,8 +558,23 @@ class Supervisor:
 
     # -- runtime changes: every worker ------------------------------------------
 
-    async def patch(self, path: str, body: bytes) -> tuple[int, bytes]:
-        async with self._changes:
+    async def patch(self, vs_name: str, rs_name: str, body: bytes) -> tuple[int, bytes]:
+        """One PATCH to every worker, checked here first (names, then the whole body).
+
+        A bad request is a 404 or 400 that reaches no worker, and every worker gets the
+        same valid change, so none is applied on some workers and refused on others.
+        """
+        async with self._changes:  # a reload in progress may add or remove the names
+            vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
+            if vs is None:
+                raise _HTTPError(404, f"no virtual server {vs_name!r}")
+            if all(rs.name != rs_name for rs in vs.real_servers):
+                raise _HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
+            change = parse_patch(body, f"{vs_name}/{rs_name}")
+            body = json.dumps(change).encode()
+            path = "/api/v1/virtual-servers/{}/real-servers/{}".format(
+                *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))
+            )
             answers = await self._each("PATCH", path, body)
             if not answers:
                 raise _HTTPError(503, "no worker is ready")
@@ -673,12 +689,7 @@ class SupervisorApp(AdminApp):
                 raise _HTTPError(404, f"no real server {match[2]!r} in virtual server {match[1]!r}")
             self._allow(method, "PATCH")
             self._authorize(scope)
-            body = await _read_body(receive)
-            quoted = "/".join(urllib.parse.quote(name, safe="") for name in (match[1], match[2]))
-            vs_name, rs_name = quoted.split("/")
-            status, answer = await supervisor.patch(
-                f"/api/v1/virtual-servers/{vs_name}/real-servers/{rs_name}", body
-            )
+            status, answer = await supervisor.patch(match[1], match[2], await _read_body(receive))
             return status, answer, "json"
         if path == "/api/v1/reload":
             self._allow(method, "POST")

@@ -331,8 +331,8 @@ def test_every_problem_of_a_file_is_reported_at_its_line(tmp_path: Path) -> None
         f"{path}:9: health_check type send_expect needs 'expect'",
         f"{path}:12: address must be HOST:PORT or [IPv6]:PORT, got '10.0.0.1:99999' "
         "(port 99999 is not in 1..65535)",
-        f"{path}:13: weight must be an integer >= 0, got 'abc'",
-        f"{path}:16: weight must be an integer >= 0, got true",
+        f"{path}:13: weight must be an integer from 0 to 65535, got 'abc'",
+        f"{path}:16: weight must be an integer from 0 to 65535, got true",
         f"{path}:17: state must be one of enabled, drain, disabled, got 'enable' "
         "(did you mean 'enabled'?)",
         f"{path}:18: unknown key 'colour' in real server b",

@@ -160,6 +160,8 @@ def status_table(document: dict) -> Table:
                 _bytes(rs["bytes_out"]),
             )
             first = False
+        if first:  # no real servers: the virtual server still has its row
+            table.add_row(Text(label), *["-"] * (len(table.columns) - 1))
         table.add_section()
     return table
 
@@ -168,15 +170,13 @@ def status_blocks(document: dict, width: int) -> list[Text]:
     """The terminal lines for a table too wide: per real server, items wrapped to `width`."""
     lines = [Text("lbproxy status", style="italic")]
     for vs in document["virtual_servers"]:
-        lines += _pack(
-            [
-                Text(vs["name"], style="bold"),
-                Text(f"scheduler {vs['scheduler']}"),
-                Text(f"throttle {vs['throttle_mode']}"),
-            ],
-            width,
-            indent=0,
-        )
+        label = [
+            Text(vs["name"], style="bold"),
+            Text(f"({vs['scheduler']}, {vs['throttle_mode']})"),
+        ]
+        lines += _pack(label, width, indent=0)
+        if not vs["real_servers"]:
+            lines.append(Text("  no real servers"))
         for rs in vs["real_servers"]:
             weight = rs["weight"]
             items = [

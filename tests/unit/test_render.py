@@ -1,0 +1,79 @@
+"""`lbproxy status` rendering of the API document: plain columns, table, wrapped blocks."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from lbproxy.render import print_status, status_plain
+
+LONG_HOST = "backend-" + "x" * 52 + ".example:8080"  # 73 characters: wider than a terminal
+
+
+def real_server(name: str, address: str, dynamic=None, total=7) -> dict:
+    return {
+        "name": name,
+        "address": address,
+        "state": "enabled",
+        "health": "up",
+        "weight": {"static": 3, "dynamic": dynamic, "effective": 2.5},
+        "active_connections": 1,
+        "connections_total": total,
+        "bytes_in": 1234567,
+        "bytes_out": 89,
+    }
+
+
+DOCUMENT = {
+    "virtual_servers": [
+        {
+            "name": "snmp-weighted",
+            "scheduler": "dwd",
+            "throttle_mode": "high",
+            "real_servers": [
+                real_server("alpha", "127.0.0.1:9001", dynamic=40, total=123456789),
+                real_server("far", LONG_HOST),
+            ],
+        },
+        {"name": "empty", "scheduler": "rr", "throttle_mode": "low", "real_servers": []},
+    ]
+}
+
+
+def render(width: int, terminal: bool) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=terminal, color_system=None)
+    print_status(DOCUMENT, console)
+    return out.getvalue()
+
+
+def test_plain_columns_keep_every_value_and_a_row_for_an_empty_virtual_server():
+    lines = status_plain(DOCUMENT)
+    assert [line.split() for line in lines[1:]] == [
+        ["snmp-weighted", "dwd", "high", "alpha", "127.0.0.1:9001", "enabled", "up", "3", "40",
+         "2.5", "1", "123456789", "1234567", "89"],
+        ["snmp-weighted", "dwd", "high", "far", LONG_HOST, "enabled", "up", "3", "-", "2.5",
+         "1", "7", "1234567", "89"],
+        ["empty", "rr", "low"] + ["-"] * 11,
+    ]  # fmt: skip
+    assert render(30, terminal=False) == "".join(line + "\n" for line in lines)
+
+
+def test_a_narrow_terminal_folds_a_value_wider_than_itself_and_cuts_nothing():
+    screen = render(40, terminal=True)
+    lines = screen.splitlines()
+    assert "…" not in screen and max(len(line) for line in lines) <= 40
+    assert LONG_HOST in "".join(line.strip() for line in lines)  # folded, not cut
+    for item in ("weight 3", "snmp 40", "effective 2.5", "active 1", "total 123456789"):
+        assert any(item in line for line in lines), item
+    assert any("bytes in 1.2 MB" in line for line in lines)
+    assert lines[-2:] == ["empty  (rr, low)", "  no real servers"]
+
+
+def test_a_terminal_wide_enough_gets_the_table():
+    screen = render(250, terminal=True)
+    assert "┃ virtual server" in screen and "…" not in screen
+    assert max(len(line) for line in screen.splitlines()) <= 250
+    assert "│ empty (rr, low)" in screen
+    assert "3 / snmp 40" in screen and LONG_HOST in screen and "123456789" in screen

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
@@ -218,7 +220,13 @@ def _pack(items: list[Text], width: int, indent: int) -> list[Text]:
 
 
 def print_status(document: dict, console: Console | None = None) -> None:
-    console = console or Console(highlight=False)
+    """`lbproxy status`: plain columns unless stdout is a terminal, then a table or blocks.
+
+    The layout follows whether stdout *is* a terminal: FORCE_COLOR or TTY_COMPATIBLE in
+    the environment (rich honours both) do not turn a pipe into one.
+    """
+    if console is None:
+        console = Console(highlight=False, force_terminal=_isatty(sys.stdout))
     if not console.is_terminal:
         console.file.write("".join(line + "\n" for line in status_plain(document)))
         console.file.flush()
@@ -230,6 +238,13 @@ def print_status(document: dict, console: Console | None = None) -> None:
         return
     for line in status_blocks(document, console.width):
         console.print(line, overflow="fold")
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        return False
 
 
 def _health(health: str) -> Text:

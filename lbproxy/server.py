@@ -240,7 +240,7 @@ class Server:
         return None
 
     def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None:
-        """Set a real server's static weight (a number >= 0); returns an error or None.
+        """Set a real server's static weight (an integer 0..65535); returns an error or None.
 
         Lasts until the next reload, which applies the file as written.
         """

@@ -84,14 +84,15 @@ def plain_fields(vs: dict, rs: dict) -> list[str]:
 
 def test_piped_status_is_plain_aligned_columns_one_real_server_a_line(status_setup):
     admin, document = status_setup
-    # COLUMNS=40: a narrow terminal elsewhere changes nothing when stdout is a pipe
+    # COLUMNS=40 changes nothing when stdout is a pipe, nor do FORCE_COLOR and
+    # TTY_COMPATIBLE (which make rich colour a pipe): it is still not a terminal
     out = subprocess.run(
         [sys.executable, "-m", "lbproxy", "status", "--admin", admin],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=ROOT,
-        env=dict(os.environ, COLUMNS="40"),
+        env=dict(os.environ, COLUMNS="40", FORCE_COLOR="1", TTY_COMPATIBLE="1"),
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

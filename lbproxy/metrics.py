@@ -43,7 +43,9 @@ class LbproxyCollector:
 
     def collect(self) -> Iterator[Metric]:
         connections = CounterMetricFamily(
-            "lbproxy_connections", "Connections sent to each real server.", labels=[VS, RS]
+            "lbproxy_connections",
+            "Connections established to each real server (failed connects not included).",
+            labels=[VS, RS],
         )
         active = GaugeMetricFamily(
             "lbproxy_active_connections", "Connections open to each real server.", labels=[VS, RS]

@@ -236,12 +236,16 @@ class Pool:
         return self.scheduler.pick(now, avoid)
 
     def take(self, rs: RealServer, now: float, handle: Any = None) -> Lease:
-        """Count a connection sent to `rs`; pass the lease to `drop` when it ends."""
+        """Count a connection sent to `rs`; pass the lease to `drop` when it ends.
+
+        Called before the connect, as IPVS counts a connection from its SYN, so that
+        concurrent arrivals see it and spread out. It is not yet one of `rs`'s
+        `connections_total`: `established` counts it once the connect has completed.
+        """
         lease = Lease(rs, self.epoch, handle)
         rs.leases.add(lease)
         rs.active += 1
         rs.sched_active += 1
-        rs.connections_total += 1
         rs.seq = self._next_seq
         self._next_seq += 1
         self.active += 1
@@ -254,6 +258,14 @@ class Pool:
         elif rs.max_connections and rs.active >= rs.max_connections:
             self._apply(rs, now)
         return lease
+
+    def established(self, lease: Lease) -> None:
+        """The connect behind `lease` completed: one more of its server's connections.
+
+        `connections_total` (metric, JSON document, status) counts connections
+        established to a server; a failed attempt is only a connect failure.
+        """
+        lease.server.connections_total += 1
 
     def drop(self, lease: Lease, now: float) -> None:
         rs = lease.server

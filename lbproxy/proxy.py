@@ -235,6 +235,7 @@ class Handler:
             except BaseException:  # the drain deadline: give the lease back all the same
                 pool.drop(lease, trio.current_time())
                 raise
+            pool.established(lease)
             if not rs.health.clean:
                 # a good connect ends a failure streak (or is a down server's trial)
                 record_health(pool, rs, True, now, "connect succeeded")

@@ -278,6 +278,7 @@ def simulate(
             picks[rs.name] += 1
             sequence.append(rs.name)
             lease = pool.take(rs, now)
+            pool.established(lease)  # a simulated connect always succeeds
             if hold:
                 held[rs.name].append(lease)
             else:

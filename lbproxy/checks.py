@@ -8,7 +8,12 @@ What this module owns:
     send_expect  after the connect, `send` (if any) is sent and the answer is read until
                  the regular expression `expect` is found in it, the peer closes, 4 KiB
                  have arrived, or the timeout: found = ok (the regular expression is
-                 *searched*, so `^` anchors at the start of the answer)
+                 *searched*, so `^` anchors at the start of the answer). A wrong answer
+                 is a `fail`, whichever of close, 4 KiB or timeout ends the read;
+                 `timeout` means the server said nothing at all within `timeout` (or
+                 the connect did not complete): "it answered wrongly" and "it did not
+                 answer" are different faults, and an operator needs to tell them apart.
+                 The reason names what was received (escaped, at most 60 characters).
     http         `GET path` with Host and `Connection: close`; the status line is
                  parsed by h11 (strictly, as any HTTP/1.1 client does): its status code
                  must be one of `expect_status`
@@ -52,6 +57,7 @@ from lbproxy.virtual_server import VirtualServer
 log = logging.getLogger("lbproxy.checks")
 
 READ_LIMIT = 4096  # send_expect: the answer searched is at most this long
+EXCERPT_LIMIT = 60  # characters of a received answer quoted in a failure reason
 LOCAL_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 USER_AGENT = "lbproxy-health-check"
 
@@ -132,22 +138,60 @@ def host_header(address: Address) -> str:
     return host if address.port == 80 else f"{host}:{address.port}"
 
 
+# How describe_received writes bytes that would be ambiguous or invisible in a log line.
+_ESCAPES = {"\r": "\\r", "\n": "\\n", "\t": "\\t", "\\": "\\\\", '"': '\\"'}
+
+
+def describe_received(data: bytes) -> str:
+    r"""What a server sent, for a log line: its length and its first bytes, quoted,
+    escaped (\r \n \t \\ \" and \xHH for other non-printable bytes) and cut at
+    EXCERPT_LIMIT characters (never inside an escape), "..." marking the cut."""
+    pieces: list[str] = []
+    length = 0
+    for byte in data:
+        char = chr(byte)
+        if char in _ESCAPES:
+            piece = _ESCAPES[char]
+        elif 0x20 <= byte < 0x7F:
+            piece = char
+        else:
+            piece = f"\\x{byte:02x}"
+        if length + len(piece) > EXCERPT_LIMIT:
+            pieces.append("...")
+            break
+        pieces.append(piece)
+        length += len(piece)
+    count = f"{len(data)} byte{'' if len(data) == 1 else 's'}"
+    return f'{count} "{"".join(pieces)}"'
+
+
 async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
     """Run one check of the real server at `address`: (result, reason for the log).
 
     Raises LocalCapacityError when this process is out of descriptors or memory.
     """
+    connected = False
+    answer = bytearray()  # send_expect: what the server has sent so far
     try:
         with trio.fail_after(check.timeout):
             stream = await _connect(address)
+            connected = True
             async with stream:
                 if check.type == "send_expect":
-                    await _send_expect(stream, check)
+                    await _send_expect(stream, check, answer)
                 elif check.type == "http":
                     await _http(stream, address, check)
         return OK, ""
     except trio.TooSlowError:
-        return TIMEOUT, f"{check.type} check: no answer within {check.timeout:g}s"
+        within = f"within {check.timeout:g}s"
+        if not connected:
+            return TIMEOUT, f"{check.type} check: connect did not complete {within}"
+        if check.type != "send_expect":
+            return TIMEOUT, f"{check.type} check: no answer {within}"
+        if not answer:
+            return TIMEOUT, f"send_expect check: nothing received {within}"
+        received = describe_received(bytes(answer))
+        return FAIL, f"send_expect check: {check.expect!r} not found in {received} {within}"
     except _Failed as exc:
         return FAIL, f"{check.type} check: {exc}"
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -174,20 +218,29 @@ async def _connect(address: Address) -> trio.SocketStream:
     return trio.SocketStream(sock)
 
 
-async def _send_expect(stream: trio.SocketStream, check: HealthCheckConfig) -> None:
+async def _send_expect(
+    stream: trio.SocketStream, check: HealthCheckConfig, answer: bytearray
+) -> None:
+    """Send, then read into `answer` (the caller's, so that a timeout can tell a wrong
+    answer from none) until `expect` is found; raises _Failed on close or at 4 KiB."""
     if check.send:
         await stream.send_all(decode_send(check.send))
     pattern = re.compile(check.expect or "")
-    answer = b""
     while True:
         # Decoded as a whole each time: a character split between reads still matches.
         if pattern.search(answer.decode("utf-8", errors="replace")):
             return
         if len(answer) >= READ_LIMIT:
-            raise _Failed(f"{check.expect!r} not found in the first {READ_LIMIT} bytes")
+            raise _Failed(
+                f"{check.expect!r} not found in the first {READ_LIMIT} bytes"
+                f" ({describe_received(bytes(answer))})"
+            )
         chunk = await stream.receive_some(READ_LIMIT - len(answer))
         if not chunk:
-            raise _Failed(f"{check.expect!r} not found in {answer[:80]!r} before close")
+            if not answer:
+                raise _Failed("closed without an answer")
+            received = describe_received(bytes(answer))
+            raise _Failed(f"{check.expect!r} not found in {received} before the server closed")
         answer += chunk
 
 

@@ -1,0 +1,169 @@
+"""send_expect results through a real `lbproxy run` process and real loopback servers.
+
+The rule (README, "Health checks"): `timeout` only when nothing at all was received
+within `timeout` (or the connect did not complete); `fail` when bytes were received and
+`expect` was not found by the time the server closed, 4 KiB were read, or `timeout`
+passed. The reason in the log names what was received, escaped, cut at 60 characters.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import socketserver
+import threading
+import time
+
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lbproxy.checks import EXCERPT_LIMIT, describe_received, probe
+from lbproxy.config import Address, HealthCheckConfig
+from tests.integration.conftest import vs_config
+from tests.integration.harness import free_port
+from tests.integration.test_admin import metrics, sample, with_admin
+
+
+class _Answer(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        server: Answering = self.server  # type: ignore[assignment]
+        sock: socket.socket = self.request
+        sock.settimeout(10)
+        try:
+            request = sock.recv(100)
+            server.requests.append(request)
+            if server.answer:
+                sock.sendall(server.answer)
+            while sock.recv(100):  # keep the connection open until the checker closes it
+                pass
+        except OSError:
+            pass
+
+
+class Answering(socketserver.ThreadingTCPServer):
+    """A real server that reads the check's request, sends `answer` (b"": nothing) and
+    keeps the connection open."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, name: str, answer: bytes) -> None:
+        self.name = name
+        self.answer = answer
+        self.requests: list[bytes] = []
+        super().__init__(("127.0.0.1", 0), _Answer)
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+CHECK = (
+    'health_check: {type: send_expect, send: "PING\\r\\n", expect: "^PONG",'
+    " interval: 200ms, timeout: 250ms, rise: 1, fall: 2}"
+)
+
+
+def _wait_log(proxy, pattern: str, timeout: float = 10.0) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while True:
+        match = re.search(pattern, proxy.log())
+        if match:
+            return match
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{pattern!r} not in the log:\n{proxy.log()}")
+        time.sleep(0.02)
+
+
+def test_wrong_answer_is_fail_silence_is_timeout(lbproxy):
+    servers = [
+        Answering("good", b"PONG\r\n"),
+        Answering("nope", b"NOPE\r\n"),
+        Answering("silent", b""),
+    ]
+    try:
+        port, admin_port = free_port(), free_port()
+        proxy = lbproxy(with_admin(vs_config(port, servers, "rr", CHECK), admin_port))
+        nope = _wait_log(proxy, r"web/nope is down \((.*)\)\n")
+        silent = _wait_log(proxy, r"web/silent is down \((.*)\)\n")
+        wrong_answer = "send_expect check: '^PONG' not found in 6 bytes \"NOPE\\r\\n\" within 0.25s"
+        assert nope[1] == wrong_answer
+        assert silent[1] == "send_expect check: nothing received within 0.25s"
+        time.sleep(0.5)  # a few more checks each
+        samples = metrics(admin_port)
+
+        def results(name: str) -> dict[str, float]:
+            return {
+                result: sample(
+                    samples,
+                    "lbproxy_health_checks_total",
+                    virtual_server="web",
+                    real_server=name,
+                    result=result,
+                )
+                for result in ("ok", "fail", "timeout")
+            }
+
+        good, wrong, quiet = results("good"), results("nope"), results("silent")
+        assert good["ok"] >= 2 and good["fail"] == good["timeout"] == 0, good
+        assert wrong["fail"] >= 2 and wrong["ok"] == wrong["timeout"] == 0, wrong
+        assert quiet["timeout"] >= 2 and quiet["ok"] == quiet["fail"] == 0, quiet
+        assert "web/good is down" not in proxy.log()
+        assert all(request == b"PING\r\n" for s in servers for request in s.requests)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _probe(server: Answering | None, check: HealthCheckConfig, port: int = 0):
+    address = Address("127.0.0.1", server.port if server else port)
+
+    async def main():
+        with trio.fail_after(5):
+            return await probe(address, check)
+
+    return trio.run(main)
+
+
+def test_probe_results_and_reasons():
+    check = HealthCheckConfig(type="send_expect", send="PING\\r\\n", expect="^PONG", timeout=0.3)
+    servers = {
+        "nope": Answering("nope", b"NOPE\r\n"),
+        "binary": Answering("binary", b'\x00\xff"\\' + b"x" * 100),
+        "big": Answering("big", b"y" * 5000 + b"PONG"),
+    }
+    try:
+        assert _probe(servers["nope"], check) == (
+            "fail",
+            "send_expect check: '^PONG' not found in 6 bytes \"NOPE\\r\\n\" within 0.3s",
+        )
+        result, reason = _probe(servers["binary"], check)
+        assert result == "fail"
+        quoted = '104 bytes "\\x00\\xff\\"\\\\' + "x" * 48 + '..."'
+        assert quoted in reason, reason
+        result, reason = _probe(servers["big"], check)  # 4 KiB read, no match: fail at once
+        assert result == "fail"
+        assert reason.startswith("send_expect check: '^PONG' not found in the first 4096 bytes")
+        assert '(4096 bytes "yyyy' in reason
+    finally:
+        for server in servers.values():
+            server.stop()
+    result, reason = _probe(None, check, free_port())
+    assert (result, reason) == ("fail", "send_expect check: connection refused")
+
+
+@given(st.binary(max_size=200))
+def test_describe_received_is_short_escaped_ascii(data):
+    text = describe_received(data)
+    count, quoted = text.split(" ", 2)[0], text.split('"', 1)[1][:-1]
+    assert int(count) == len(data)
+    assert all(0x20 <= ord(char) < 0x7F for char in quoted)
+    body = quoted.removesuffix("...")
+    assert len(body) <= EXCERPT_LIMIT
+    # nothing is cut when it fits, and the cut never splits an escape
+    decoded = body.encode().decode("unicode_escape").encode("latin-1")
+    assert data.startswith(decoded)
+    assert quoted.endswith("...") == (decoded != data)

@@ -90,6 +90,7 @@ def read_token(path: str) -> str:
 
 def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
     rs = pool.by_name[name]
+    pool.advance(trio.current_time())  # effective weight as the scheduler uses it now
     stats = pool._server_stats(rs)
     return {
         "name": stats.name,
@@ -109,7 +110,7 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
 
 
 def virtual_server_document(pool: Pool) -> dict[str, Any]:
-    stats = pool.statistics()
+    stats = pool.statistics(trio.current_time())
     return {
         "name": pool.name,
         "listen": [str(address) for address in pool.config.listen],

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -99,6 +100,7 @@ class LbproxyCollector:
             "Lifetime of proxied connections.",
             labels=[VS],
         )
+        now = trio.current_time()
         for pool in self.source.pools():
             vs = pool.name
             for reason in REJECT_REASONS:
@@ -109,7 +111,8 @@ class LbproxyCollector:
             poll_duration.add_metric(
                 [vs], pool.poll_durations.cumulative(), pool.poll_durations.total
             )
-            for stats in pool.statistics().real_servers:
+            # At scrape time: a slow-start ramp shows the weight the scheduler uses now.
+            for stats in pool.statistics(now).real_servers:
                 rs = pool.by_name[stats.name]
                 labels = [vs, stats.name]
                 connections.add_metric(labels, stats.connections_total)

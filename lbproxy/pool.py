@@ -235,6 +235,18 @@ class Pool:
             self._tick(now)
         return self.scheduler.pick(now, avoid)
 
+    def advance(self, now: float) -> None:
+        """Bring time-driven state up to `now`, as `pick` does before it chooses.
+
+        Slow-start steps, passive-health trials and the scheduler's periodic samples
+        happen on the clock, not on traffic: a reader (metrics, the admin API, `lbproxy
+        status`) calls this, through `statistics(now)`, so that what it shows is what
+        the scheduler uses at that moment even when no connection has arrived since.
+        O(1) when nothing is due; a due step costs O(ramping + retrying).
+        """
+        if now >= self._next_tick:
+            self._tick(now)
+
     def take(self, rs: RealServer, now: float, handle: Any = None) -> Lease:
         """Count a connection sent to `rs`; pass the lease to `drop` when it ends.
 
@@ -418,8 +430,14 @@ class Pool:
 
     # -- statistics ---------------------------------------------------------------
 
-    def statistics(self) -> PoolStats:
-        """A frozen snapshot for metrics, the admin API and `lbproxy status`."""
+    def statistics(self, now: float | None = None) -> PoolStats:
+        """A frozen snapshot for metrics, the admin API and `lbproxy status`.
+
+        With `now`, time-driven state is brought up to date first (`advance`): the
+        effective weights are then those the scheduler uses at `now`.
+        """
+        if now is not None:
+            self.advance(now)
         return PoolStats(
             name=self.name,
             scheduler=self.config.scheduler,

@@ -20,13 +20,14 @@ Throttle (a virtual server with a `throttle:` block): every arrival counts towar
 rate window; the monitor is simulated as it runs in `lbproxy run` -- an evaluation every
 `throttle.interval` of simulated time while connections are held or arrived within the
 last second, asleep (and set to low) once the virtual server is empty, woken by the next
-arrival, which it evaluates at once. Connections arriving in digg are refused (`null` in
-`sequence`, counted as rejected "throttle"). Held connections count as active; without
-`--hold` a connection is gone before the next arrives, so only the rate drives the load.
-The result lists every change of mode or of the imposed idle timeout; after the last
-arrival, evaluations go on until the mode is steady or the monitor sleeps. Simulated
-connections carry no traffic, so the imposed idle timeout closes none of them: a held
-connection stays until a `close:` event ends it.
+arrival, which it evaluates at once; and, as there, an arrival that finds the load at
+the next mode's threshold takes the mode up itself. Connections arriving in digg are
+refused (`null` in `sequence`, counted as rejected "throttle"). Held connections count
+as active; without `--hold` a connection is gone before the next arrives, so only the
+rate drives the load. The result lists every change of mode or of the imposed idle
+timeout; after the last arrival, evaluations go on until the mode is steady or the
+monitor sleeps. Simulated connections carry no traffic, so the imposed idle timeout
+closes none of them: a held connection stays until a `close:` event ends it.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ def simulate(
             for key, value in event.actions:
                 if key != "rate":
                     _apply(pool, key, value, held, now)
-        if monitor is not None and monitor.arrival(now):
+        if monitor is not None and monitor.arrival(now, pool.active, number):
             pool.rejected["throttle"] += 1
             sequence.append(None)
             if explain:
@@ -321,8 +322,11 @@ class _Monitor:
                 steps = int((now - self.next_eval) / self.interval)
                 self.next_eval += steps * self.interval
 
-    def arrival(self, now: float) -> bool:
-        refused = self.model.arrival(now)
+    def arrival(self, now: float, active: int, number: int) -> bool:
+        """One arrival while `active` connections are held; True: refused (digg)."""
+        model = self.model
+        self._record(model.arrival(now, active), number)  # may take the mode up at once
+        refused = model.refusing
         self.timeline.refused += refused
         return refused
 

@@ -33,6 +33,17 @@ at load 2, where digg begins. `active` is the client connections open; `rate` is
 connections of the last second, every arrival counted, refused ones included -- a flood
 of refused clients is still a flood.
 
+Going up does not wait for the monitor. The monitor evaluates every `interval`, but a
+burst can be over within one interval: a rate limit of 5/s that lets 400 connections of
+a 0.4 s burst through before it looks is no limit. So every arrival checks, with two
+integer comparisons, whether the load as it stands when it arrives (the connections
+already open, the arrivals of the last second before it) has reached the next mode's
+threshold -- 1 in low, digg_factor in high -- and if so the load is evaluated at once,
+for this arrival: the one that finds 10 arrivals in the last second with max_rate 5, or
+8 connections open with max_connections 4, is the first refused. The thresholds are
+turned into counts (`_rate_trigger` arrivals, `_active_trigger` connections) whenever
+the mode or the limits change, so the arrival path divides nothing.
+
 Hysteresis. Going up is immediate (low -> digg in one step when load >= digg_factor).
 Going down needs the load clearly under the threshold, so a load that hovers at a
 boundary does not flap: digg is left when load < 0.9 x digg_factor (to high), high is
@@ -54,6 +65,7 @@ width, so both are O(1) amortised. An arrival counts for between 0.95 s and 1 s.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lbproxy.config import ThrottleConfig
@@ -171,13 +183,23 @@ class Change:
 class Throttle:
     """The admission-control state of one virtual server.
 
-    The caller reports every arrival (`arrival`) and, every `config.interval` while the
-    virtual server has connections open or arriving, calls `evaluate` with the number
-    of client connections open. `mode` decides admission (`refusing`), `idle_timeout`
-    is what new and existing connections get (None: their own).
+    The caller reports every arrival (`arrival`, which may take the mode up at once)
+    and, every `config.interval` while the virtual server has connections open or
+    arriving, calls `evaluate` with the number of client connections open. `mode`
+    decides admission (`refusing`), `idle_timeout` is what new and existing connections
+    get (None: their own).
     """
 
-    __slots__ = ("config", "idle_timeout", "load", "mode", "refusing", "window")
+    __slots__ = (
+        "_active_trigger",
+        "_rate_trigger",
+        "config",
+        "idle_timeout",
+        "load",
+        "mode",
+        "refusing",
+        "window",
+    )
 
     def __init__(self, config: ThrottleConfig) -> None:
         self.config = config
@@ -186,11 +208,23 @@ class Throttle:
         self.refusing = False  # mode == DIGG, read on every arrival
         self.load = 0.0  # at the last evaluation
         self.idle_timeout: float | None = None  # announced imposed timeout
+        self._set_triggers()
 
-    def arrival(self, now: float) -> bool:
-        """Count one new connection; True when it must be refused (digg)."""
-        self.window.add(now)
-        return self.refusing
+    def arrival(self, now: float, active: int = 0) -> Change | None:
+        """Count one new connection, arriving while `active` client connections are open
+        (itself not included); `refusing` then says whether to refuse it (digg).
+
+        When the load this arrival finds has reached the next mode's threshold, the
+        mode goes up now rather than at the next evaluation: the change is returned for
+        the caller to apply. Otherwise this costs two comparisons and one increment.
+        """
+        change = None
+        if not self.refusing and (
+            active >= self._active_trigger or self.window.count(now) >= self._rate_trigger
+        ):
+            change = self.evaluate(active, now)
+        self.window.add(now)  # refused or not, it counts toward the rate
+        return change
 
     def rate(self, now: float) -> float:
         return self.window.rate(now)
@@ -216,6 +250,29 @@ class Throttle:
     def reconfigure(self, config: ThrottleConfig) -> None:
         """New limits (a reload); the next `evaluate` applies them. Arrivals are kept."""
         self.config = config
+        self._set_triggers()
+
+    def _set_triggers(self) -> None:
+        """The counts at which an arrival takes the mode up: the smallest number of
+        connections open, and of arrivals within the window, whose load reaches the next
+        mode's threshold (none above digg). Computed with `load_of` itself, so that an
+        arrival that triggers is sure to go up when evaluated."""
+        config = self.config
+        threshold = {LOW: 1.0, HIGH: config.digg_factor}.get(self.mode)
+        self._active_trigger = self._rate_trigger = math.inf
+        if threshold is None:
+            return
+        if config.max_connections:
+            self._active_trigger = _smallest(
+                lambda n: load_of(config, n, 0.0) >= threshold,
+                threshold * config.max_connections,
+            )
+        if config.max_rate:
+            window = self.window.window
+            self._rate_trigger = _smallest(
+                lambda n: load_of(config, 0, n / window) >= threshold,
+                threshold * config.max_rate * window,
+            )
 
     def _set(self, mode: str, load: float, timeout: float | None, now: float) -> Change | None:
         old_mode, announced = self.mode, self.idle_timeout
@@ -224,7 +281,20 @@ class Throttle:
         self.mode = mode
         self.refusing = mode == DIGG
         self.idle_timeout = timeout
+        if mode != old_mode:
+            self._set_triggers()
         return Change(now, old_mode, mode, load, timeout)
+
+
+def _smallest(reaches: Callable[[int], bool], estimate: float) -> int:
+    """The smallest integer n >= 0 for which `reaches(n)` holds, near `estimate` (the
+    exact real solution; float rounding moves the answer by one at most)."""
+    n = max(0, math.ceil(estimate))
+    while n > 0 and reaches(n - 1):
+        n -= 1
+    while not reaches(n):
+        n += 1
+    return n
 
 
 def _moved(announced: float | None, timeout: float | None) -> bool:

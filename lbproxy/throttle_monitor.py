@@ -10,8 +10,13 @@ monitor will simply shutdown and sleep until a new connection is requested"):
 - The connection handler calls `ThrottleMonitor.arrival()` for every accepted client,
   before anything else. That counts the arrival in the rate window, tells the handler
   whether to refuse it (digg), and -- only when the monitor sleeps -- wakes it. A busy
-  virtual server therefore pays one ring increment and one attribute check per arrival;
-  deciding the mode is the monitor's job, every `throttle.interval`.
+  virtual server therefore pays one ring increment and a few comparisons per arrival;
+  going down and re-tuning the idle timeout is the monitor's job, every
+  `throttle.interval`. Going up is not: the arrival that finds the load at the next
+  mode's threshold takes the mode up itself (throttle.py, "Going up does not wait"),
+  and is applied here as an evaluation would be. A burst shorter than `interval` --
+  hundreds of connections from one client in half a second -- is refused from the
+  arrival that reaches `digg_factor`, not served whole before the monitor looks.
 - The monitor evaluates every `interval` while the virtual server has client connections
   open or arrivals within the last second. Once it is empty it is set to low (the SPEC
   wants an empty virtual server in low mode before its monitor sleeps) and the monitor
@@ -55,15 +60,23 @@ class ThrottleMonitor:
     # -- called by the connection handler, once per accepted client ----------------
 
     def arrival(self) -> bool:
-        """Count a new client connection; True when it must be refused (digg)."""
-        refuse = self.model.arrival(trio.current_time())
+        """Count a new client connection; True when it must be refused (digg).
+
+        Called by the handler once it has counted the client in `pool.clients`, so the
+        connections already open are `pool.clients - 1`.
+        """
+        model = self.model
+        change = model.arrival(trio.current_time(), self.vs.pool.clients - 1)
+        if change is not None:  # this arrival took the mode up
+            self._apply(change)
         wake = self._wake
         if wake is not None:
             self._wake = None
             wake.set()
-        if refuse:
+        if model.refusing:
             self._refused_in_digg += 1
-        return refuse
+            return True
+        return False
 
     def idle_timeout_for(self, own: float) -> float:
         """The idle timeout a new connection whose own timeout is `own` starts with."""

@@ -250,12 +250,130 @@ def test_simulate_shows_the_throttle_timeline(tmp_path):
     assert out.returncode == 0, out.stderr
     document = json.loads(out.stdout)
     throttle = document["throttle"]
-    assert [step["mode"] for step in throttle["timeline"]] == ["digg", "high", "low"]
-    first = throttle["timeline"][0]
-    # 10/s until #20 (t=1.9), 200/s from #21: the evaluation at t=3 sees load 4
-    assert (first["time"], first["idle_timeout"]) == (3.0, 1.0)
+    timeline = throttle["timeline"]
+    assert [step["mode"] for step in timeline] == ["high", "digg", "high", "low"]
+    # 10/s until #20 (t=1.9), 200/s from #21 (every 5 ms): the arrival that finds 50
+    # in the last second goes high, the one that finds 100 digg, without waiting for
+    # the evaluation at t=3 (the 1 s window counts an arrival for 0.95 to 1 s)
+    high, digg = timeline[0], timeline[1]
+    assert (high["time"], high["connection"], high["load"]) == (2.115, 63, 1.0)
+    assert (digg["time"], digg["connection"], digg["idle_timeout"]) == (2.38, 116, 1.0)
     assert throttle["refused"] == document["sequence"].count(None) > 0
     table = run_cli("simulate", str(config), "-n", "430", "--events", str(events))
     assert table.returncode == 0, table.stderr
     assert f"throttle: {throttle['refused']} connection(s) refused in digg" in table.stdout
     assert "digg" in table.stdout and "own" in table.stdout
+
+
+# -- each limit alone, and both: the mode goes up at the arrival that reaches it ---------
+
+
+def _with_admin(config: str, admin_port: int) -> str:
+    return config.replace("admin: {listen: none}", f"admin: {{listen: 127.0.0.1:{admin_port}}}")
+
+
+def _metric(admin_port: int, name: str, **labels) -> float:
+    from tests.integration.test_admin import metrics, sample
+
+    return sample(metrics(admin_port), name, virtual_server="web", **labels)
+
+
+def _burst(port: int, n: int) -> tuple[int, int, float]:
+    """`n` short connections, one after the other, as fast as one client opens them:
+    (served, refused, connections per second)."""
+    served = refused = 0
+    started = time.monotonic()
+    for _ in range(n):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            if sock.recv(100):
+                served += 1
+            else:
+                refused += 1
+    return served, refused, n / (time.monotonic() - started)
+
+
+def test_rate_only_reaches_digg_during_the_burst(name_servers, lbproxy):
+    # SPEC section 5 with only max_rate: load = rate / 5; digg from 10 arrivals within a
+    # second. Two slow long-lived connections stay open (and talking) throughout.
+    (server,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    extra = "throttle: {max_rate: 5, interval: 500ms}"
+    proxy = lbproxy(_with_admin(vs_config(port, [server], extra=extra), admin_port), [port])
+    time.sleep(1.1)  # wait_port's probe has left the rate window
+    talkers = Talkers(port)
+    try:
+        talkers.open(2)
+        served, refused, rate = _burst(port, 100)
+        mode = _metric(admin_port, "lbproxy_throttle_mode")
+        print(f"\nrate-only burst: {rate:.0f}/s, {served} served, {refused} refused")
+        assert rate > 60
+        # 2 talkers + the served ones make the 10 arrivals of the last second that digg
+        # starts at (an 11th refused); every later one is refused at once
+        assert served <= 8 and refused == 100 - served, proxy.log()
+        assert mode == 2
+        assert _metric(admin_port, "lbproxy_rejected_connections_total", reason="throttle") == (
+            refused
+        )
+        assert re.search(r"web: throttle \w+ -> digg", proxy.log())
+        # the burst is over: digg -> high -> low once the window has emptied
+        _wait_log(proxy, r"web: throttle high -> low", timeout=5)
+        sock, name = open_and_read_name(port)
+        sock.close()
+        assert name == "a"
+        assert not talkers.errors and len(talkers.socks) == 2 and talkers.exchanges > 0
+    finally:
+        talkers.stop()
+
+
+def test_connections_only_reaches_digg_without_waiting_for_the_interval(name_servers, lbproxy):
+    # max_connections 4, digg_factor 2: the arrival that finds 8 open is refused, even
+    # though the monitor's next evaluation is 10 s away.
+    (server,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    extra = "throttle: {max_connections: 4, interval: 10s}"
+    proxy = lbproxy(_with_admin(vs_config(port, [server], extra=extra), admin_port), [port])
+    time.sleep(0.2)
+    held = [open_and_read_name(port) for _ in range(8)]
+    try:
+        assert [name for _, name in held] == ["a"] * 8
+        assert re.search(r"web: throttle low -> high \(load 1\.00,", proxy.log())  # 5th
+        assert refused_or_closed(port)
+        assert _metric(admin_port, "lbproxy_throttle_mode") == 2
+        assert _metric(admin_port, "lbproxy_rejected_connections_total", reason="throttle") == 1
+        assert re.search(r"web: throttle high -> digg \(load 2\.00,", proxy.log())
+    finally:
+        for sock, _ in held:
+            sock.close()
+
+
+def test_connections_and_rate_together(name_servers, lbproxy):
+    # load = max(active / 10, rate / 10): 12 held make it high, a burst on top makes it
+    # digg, and when the burst has left the window the connections keep it high.
+    (server,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    extra = "throttle: {max_connections: 10, max_rate: 10, interval: 300ms}"
+    proxy = lbproxy(_with_admin(vs_config(port, [server], extra=extra), admin_port), [port])
+    time.sleep(1.1)  # wait_port's probe has left the rate window
+    talkers = Talkers(port)
+    try:
+        for _ in range(12):  # 6 per second: the rate alone stays low
+            talkers.open(1)
+            time.sleep(0.16)
+        _wait_log(proxy, r"web: throttle low -> high")
+        assert "-> digg" not in proxy.log()
+        served, refused, rate = _burst(port, 60)
+        print(f"\ncombined burst: {rate:.0f}/s, {served} served, {refused} refused")
+        assert rate > 60
+        # 20 arrivals in the last second make digg: the ~6 held ones of that second and
+        # the first ~14 of the burst
+        assert served <= 16 and refused == 60 - served, proxy.log()
+        assert _metric(admin_port, "lbproxy_throttle_mode") == 2
+        _wait_log(proxy, r"web: throttle digg -> high", timeout=5)
+        time.sleep(0.7)  # two more evaluations: 12 open keep it high (load 1.2)
+        assert "high -> low" not in proxy.log()
+        assert _metric(admin_port, "lbproxy_throttle_mode") == 1
+        assert not talkers.errors and len(talkers.socks) == 12
+        talkers.close(12)
+        _wait_log(proxy, r"web: throttle high -> low", timeout=5)
+    finally:
+        talkers.stop()

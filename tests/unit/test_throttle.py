@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lbproxy.config import ThrottleConfig
 from lbproxy.throttle import (
@@ -156,21 +158,75 @@ def test_rate_window_counts_bursts():
 def test_rate_drives_the_mode_and_every_arrival_counts():
     throttle = Throttle(ThrottleConfig(max_rate=10.0, interval=0.2))
     now = 50.0
-    for _ in range(12):  # 12 arrivals within 0.6 s: 12/s
-        assert throttle.arrival(now) is False
+    for _ in range(8):  # 8 arrivals within 0.4 s: load 0.8 by the rate
+        assert throttle.arrival(now) is None and not throttle.refusing
         now += 0.05
-    change = throttle.evaluate(0, now)
-    assert (change.old_mode, change.mode, change.load) == (LOW, HIGH, pytest.approx(1.2))
-    for _ in range(10):  # refused or not, arrivals count: now 20 in the last second
-        throttle.arrival(now)
+    assert throttle.evaluate(0, now) is None  # still low
+    for _ in range(12):  # refused or not, arrivals count: 20 in the last second
+        throttle.window.add(now)
     change = throttle.evaluate(0, now)
     assert (change.mode, throttle.refusing) == (DIGG, True)
-    assert throttle.arrival(now) is True  # refused, and counted (21)
-    assert throttle.rate(now) == 23.0
+    assert throttle.arrival(now) is None and throttle.refusing  # refused, and counted
+    assert throttle.rate(now) == 21.0
     # the flood stops: the window empties, digg steps down to high, then low
     assert throttle.evaluate(0, now + 1.1).mode == HIGH
     assert throttle.evaluate(0, now + 1.3).mode == LOW
     assert throttle.idle(0, now + 1.3)
+
+
+def test_the_arrival_that_reaches_the_rate_threshold_takes_the_mode_up_at_once():
+    # max_rate 10, digg_factor 2: no evaluation in between, the arrival that finds 10
+    # arrivals in the last second goes high, the one that finds 20 goes digg (refused)
+    throttle = Throttle(ThrottleConfig(max_rate=10.0, interval=60.0))
+    seen = []
+    for i in range(23):  # one every 40 ms (25/s): all within one second
+        change = throttle.arrival(50.0 + i * 0.04)
+        seen.append((i + 1, change.mode if change else None, throttle.refusing))
+    assert [(n, mode) for n, mode, _ in seen if mode] == [(11, HIGH), (21, DIGG)]
+    assert [n for n, _, refused in seen if refused] == [21, 22, 23]
+    assert throttle.load == 2.0
+    assert throttle.rate(50.0 + 22 * 0.04) == 23.0  # the refused ones count too
+
+
+def test_the_arrival_that_finds_the_connection_threshold_takes_the_mode_up():
+    throttle = Throttle(ThrottleConfig(max_connections=4, interval=60.0))
+    modes = []
+    for open_now in range(10):  # one arrival each time one more connection is open
+        change = throttle.arrival(1.0 + open_now, open_now)
+        modes.append((open_now, change.mode if change else None, throttle.refusing))
+    assert [(n, mode) for n, mode, _ in modes if mode] == [(4, HIGH), (8, DIGG)]
+    assert [n for n, _, refused in modes if refused] == [8, 9]
+    assert throttle.idle_timeout == 1.0  # digg imposes min_idle_timeout
+
+
+def test_both_limits_the_larger_load_takes_the_mode_up():
+    throttle = Throttle(ThrottleConfig(max_connections=10, max_rate=10.0, interval=60.0))
+    change = throttle.arrival(1.0, 10)  # 10 open: load 1 by the connections
+    assert (change.mode, change.load) == (HIGH, 1.0)
+    for i in range(19):  # 19 more arrivals at 12 open: load 1.2, then the rate
+        assert throttle.arrival(1.0 + i * 0.01, 12) is None
+    change = throttle.arrival(1.2, 12)  # finds 20 in the last second: load 2
+    assert (change.old_mode, change.mode, change.load) == (HIGH, DIGG, 2.0)
+    assert throttle.refusing
+
+
+@given(
+    st.floats(0.1, 1000.0),
+    st.integers(1, 1000),
+    st.floats(1.01, 10.0),
+)
+def test_the_arrival_triggers_are_exactly_the_thresholds(max_rate, max_connections, digg):
+    config = ThrottleConfig(max_rate=max_rate, max_connections=max_connections, digg_factor=digg)
+    for threshold, mode in ((1.0, LOW), (digg, HIGH)):
+        throttle = Throttle(config)
+        throttle.mode = mode
+        throttle._set_triggers()
+        # the smallest count that reaches the threshold (the load grows with the count)
+        rate_n, active_n = throttle._rate_trigger, throttle._active_trigger
+        assert load_of(config, 0, float(rate_n)) >= threshold  # window: 1 s
+        assert rate_n == 0 or load_of(config, 0, float(rate_n - 1)) < threshold
+        assert load_of(config, active_n, 0.0) >= threshold
+        assert active_n == 0 or load_of(config, active_n - 1, 0.0) < threshold
 
 
 def test_entry_and_exit_of_digg_with_held_connections():
@@ -299,8 +355,10 @@ def test_simulate_held_connections_drive_the_mode():
     events = _events("- {before: 31, close: {s1: 15, s2: 15}}\n- {before: 31, rate: 0.5}\n")
     result = simulate(_vs(config), 32, hold=True, events=events, rate=4)
     steps = [(s.time, s.connection, s.mode, s.load, s.idle_timeout) for s in result.throttle.steps]
-    # 4 connections per second held: 12 at t=3 (the 13th arrives at 3.0) ...
-    assert steps[0] == (3.0, 13, "high", pytest.approx(1.2), pytest.approx(8.2))
+    # 4 connections per second held: the 11th finds 10 open (t=2.5) and goes high at
+    # once; the evaluation at t=3 (12 held) re-tunes the imposed timeout ...
+    assert steps[0] == (2.5, 11, "high", 1.0, 10.0)
+    assert steps[1] == (3.0, 13, "high", pytest.approx(1.2), pytest.approx(8.2))
     assert ("digg", 1.0) in [(s[2], s[4]) for s in steps]
     digg_at = next(s for s in steps if s[2] == "digg")
     assert digg_at[1] == 21  # 20 held at t=5: the 21st connection is refused
@@ -345,9 +403,10 @@ def test_monitor_evaluates_while_busy_applies_timeouts_and_sleeps_when_empty():
         leases, flows = [], []
 
         def connect() -> bool:
+            pool.clients += 1  # as the handler does, before asking the throttle
             if vs.throttle.arrival():
+                pool.clients -= 1
                 return False
-            pool.clients += 1
             flow = Flow(60.0)
             leases.append(pool.take(rs, trio.current_time(), Connection(flow)))
             flows.append(flow)

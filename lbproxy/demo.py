@@ -24,7 +24,7 @@ that misses one poll keeps its weights instead of flickering to 0.
 
 Output (SPEC §1, §9): the first line on stdout is `lbproxy demo: connect to HOST:PORT`,
 then the dwd address and the control command, then how to try it, then a per-server
-table of both virtual servers read from `pool.statistics()` -- a `rich.live.Live` view
+table of both virtual servers read from `pool.statistics(now)` -- a `rich.live.Live` view
 on a terminal, one plain line per server and virtual server every second otherwise
 (tests, pipes). SIGINT/SIGTERM stop everything with exit code 0; a listen address that
 cannot be bound prints a message naming it and gives exit code 1.
@@ -258,7 +258,7 @@ class View:
         return {name: b.value_text for name, b in self.backends.items()}
 
     def render(self) -> Group:
-        wlc, dwd = (pool.statistics() for pool in self.pools)
+        wlc, dwd = (pool.statistics(trio.current_time()) for pool in self.pools)
         parts: list = [stats_table(wlc), Text(), dwd_table(dwd, self.reported()), Text()]
         hint = f"printf 'bravo 80\\n' | nc {HOST} {self.control_port}"
         if self.keyboard:
@@ -317,7 +317,7 @@ async def _main(
             nursery.cancel_scope.cancel()  # the demo real servers, agents, control port
     if not tty:
         for pool in view.pools:
-            for line in plain_lines(pool.statistics(), "final", view.reported()):
+            for line in plain_lines(pool.statistics(trio.current_time()), "final", view.reported()):
                 print(line)
     print("lbproxy demo: stopped", flush=True)
 
@@ -467,7 +467,9 @@ async def _display(scope: trio.CancelScope, view: View) -> None:
                 await trio.sleep(PLAIN_REFRESH)
                 elapsed = trio.current_time() - start
                 for pool in view.pools:
-                    for line in plain_lines(pool.statistics(), f"{elapsed:.0f}s", reported()):
+                    for line in plain_lines(
+                        pool.statistics(trio.current_time()), f"{elapsed:.0f}s", reported()
+                    ):
                         print(line)
                 sys.stdout.flush()
 

@@ -24,7 +24,8 @@ class Admission(Protocol):
     """What the connection handler asks of an admission-control monitor."""
 
     def arrival(self) -> bool:
-        """Count one accepted client; True: refuse it (digg)."""
+        """Count one accepted client, already counted in `pool.clients`; True: refuse
+        it (digg). May take the mode up at once (throttle.py)."""
         ...
 
     def idle_timeout_for(self, own: float) -> float:

@@ -332,7 +332,10 @@ def test_connections_only_reaches_digg_without_waiting_for_the_interval(name_ser
     port, admin_port = free_port(), free_port()
     extra = "throttle: {max_connections: 4, interval: 10s}"
     proxy = lbproxy(_with_admin(vs_config(port, [server], extra=extra), admin_port), [port])
-    time.sleep(0.2)
+    deadline = time.monotonic() + 5  # wait_port's probe connection has ended
+    while _metric(admin_port, "lbproxy_active_connections", real_server="a"):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     held = [open_and_read_name(port) for _ in range(8)]
     try:
         assert [name for _, name in held] == ["a"] * 8

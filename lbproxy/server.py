@@ -26,6 +26,7 @@ from lbproxy.admin import TokenError, read_token, serve_admin
 from lbproxy.checks import HealthChecks, close_leases
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
 from lbproxy.listener import BindError, Listener, listen_socket
+from lbproxy.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.pool import DISABLED, Pool, RealServer, state_error
 from lbproxy.snmp import SnmpPollers
 from lbproxy.throttle_monitor import Throttles
@@ -76,6 +77,9 @@ class Server:
         self.throttles = Throttles()  # one admission-control monitor per throttled VS
         self.checks = HealthChecks()  # one health-check task per real server
         self.snmp = SnmpPollers()  # one SNMP poller per real server of dwd/dwr/least-load
+        # systemd's notify protocol: a no-op unless run() finds $NOTIFY_SOCKET (never in
+        # a worker of `workers: N`, where the supervisor notifies)
+        self.notifier = Notifier()
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -103,9 +107,22 @@ class Server:
                 await admin.start(serve_admin, self, admin_sock, self.admin_token)
             await admin.start(self._serve, bound, handle_signals)
             task_status.started(self)
+            if self.notifier.enabled:
+                self.notifier.ready(self.status_line())
+                admin.start_soon(self._report_status)
             await self._finished.wait()
             admin.cancel_scope.cancel()
         log.info("stopped")
+
+    def status_line(self) -> str:
+        """systemd's STATUS= text: virtual servers and active connections."""
+        active = sum(vs.pool.active for vs in self.virtual_servers.values())
+        return status_line(len(self.virtual_servers), active, "draining" if self.draining else "")
+
+    async def _report_status(self) -> None:
+        while True:
+            await trio.sleep(STATUS_INTERVAL)
+            self.notifier.status(self.status_line())
 
     def pools(self) -> list[Pool]:
         """The pools of the configured virtual servers, in configuration order."""
@@ -157,7 +174,10 @@ class Server:
 
     def stop(self) -> None:
         """Stop accepting at once; connections get `drain_timeout` to finish."""
+        first = not self.draining
         self.draining = True
+        if first:
+            self.notifier.stopping(self.status_line())
         self._stop.set()
 
     async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
@@ -271,6 +291,13 @@ class Server:
         Returns (ok, messages): the changes applied, or every problem found. On any
         problem the running configuration stays as it was.
         """
+        self.notifier.reloading()
+        try:
+            return self._reload()
+        finally:  # READY=1 ends the reload for systemd, whether applied or refused
+            self.notifier.ready(self.status_line())
+
+    def _reload(self) -> tuple[bool, list[str]]:
         new = load_for_reload(self.config_paths)
         if isinstance(new, list):
             self.reloads["error"] += 1
@@ -366,6 +393,7 @@ def run(
             log.error("%s", exc)
             return 2
     server = Server(config, config_paths, admin_token=token)
+    server.notifier = Notifier.from_environment()
 
     failures: list[BindError] = []
     try:

@@ -71,6 +71,7 @@ from lbproxy.admin import (
 )
 from lbproxy.config import Config
 from lbproxy.metrics import RELOAD_RESULTS
+from lbproxy.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.server import BindError, Server, listen_socket, load_for_reload
 
 log = logging.getLogger("lbproxy.workers")
@@ -281,6 +282,7 @@ class Supervisor:
         self._changes = trio.Lock()  # one reload, PATCH or catch-up at a time
         self._nursery: trio.Nursery | None = None
         self._announced = False  # "all N workers ready" is logged once
+        self.notifier = Notifier()  # systemd's: the supervisor notifies, never a worker
 
     # -- life cycle -------------------------------------------------------------
 
@@ -292,6 +294,8 @@ class Supervisor:
                 await nursery.start(
                     partial(serve_asgi, SupervisorApp(self, self.token), admin_sock)
                 )
+            if self.notifier.enabled:
+                nursery.start_soon(self._report_status)
             async with trio.open_nursery() as slots:
                 for worker in self.workers:
                     slots.start_soon(self._supervise, worker)
@@ -304,6 +308,7 @@ class Supervisor:
             return
         self.draining = True
         self._stop.set()
+        self.notifier.stopping(self._status_line(None))
         for worker in self.workers:
             self._terminate(worker)
         if self._nursery is not None:
@@ -451,6 +456,7 @@ class Supervisor:
             log.info(
                 "all %d workers ready; listening on %s", len(self.workers), ", ".join(addresses)
             )
+            self.notifier.ready(self._status_line(0))
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             while await stream.receive_some(4096):  # our end stays open: closing it stops
                 pass  # the worker; the end of file here means the worker has exited
@@ -584,8 +590,31 @@ class Supervisor:
             self.overrides.append((path, body))  # for a worker that starts later
             return 200, _json(merge_real_servers([json.loads(a) for _, _, a in answers]))
 
+    def _status_line(self, active: int | None) -> str:
+        """systemd's STATUS= text: virtual servers, active connections, workers."""
+        ready = sum(worker.ready for worker in self.workers)
+        extra = f"{ready}/{len(self.workers)} workers ready"
+        if self.draining:
+            extra += ", draining"
+        return status_line(len(self.config.virtual_servers), active, extra)
+
+    async def _report_status(self) -> None:
+        while True:
+            await trio.sleep(STATUS_INTERVAL)
+            documents = [document for _, document in await self.documents()]
+            active = sum(_totals(document)[0] for document in documents) if documents else None
+            self.notifier.status(self._status_line(active))
+
     async def reload(self) -> tuple[bool, list[str]]:
         """Validate the files, then reload every worker; (ok, changes or errors)."""
+        self.notifier.reloading()
+        try:
+            return await self._reload()
+        finally:  # READY=1 ends the reload for systemd, whether applied or refused
+            if self._announced:  # (before every worker is ready, READY=1 comes then)
+                self.notifier.ready(self._status_line(None))
+
+    async def _reload(self) -> tuple[bool, list[str]]:
         async with self._changes:
             new = load_for_reload(self.config_paths)
             if isinstance(new, list):
@@ -725,6 +754,8 @@ def run(config: Config, *, config_paths: list[str], log_level: str = "info") -> 
         log.error("%s", exc)
         return 1
     supervisor = Supervisor(config, config_paths, token, log_level)
+    # Taken out of the environment before any worker starts: workers never notify.
+    supervisor.notifier = Notifier.from_environment()
     log.info("starting %d workers", len(supervisor.workers))
     try:
         trio.run(supervisor.main, admin_sock)

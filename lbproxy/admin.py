@@ -26,6 +26,7 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from lbproxy import dashboard
 from lbproxy.metrics import make_registry
 from lbproxy.pool import Pool, state_error, weight_error
 
@@ -106,7 +107,25 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
         "connections_total": stats.connections_total,
         "bytes_in": stats.bytes_in,
         "bytes_out": stats.bytes_out,
+        "snmp": _snmp_document(pool, rs),
+        "load": _load(pool, rs),
     }
+
+
+def _snmp_document(pool: Pool, rs: Any) -> dict[str, Any] | None:
+    """The last SNMP poll of a polled real server: {"value", "result"}; else None."""
+    if not pool.polls_snmp or rs.config.snmp is None:
+        return None
+    result, value = rs.snmp_last or (None, None)
+    return {"value": value, "result": result}
+
+
+def _load(pool: Pool, rs: Any) -> float | None:
+    """least-load's current load for `rs` (last report plus estimates); else None."""
+    load = getattr(pool.scheduler, "load", None)
+    if pool.config.scheduler != "least-load" or not callable(load):
+        return None
+    return _number(load(rs))
 
 
 def virtual_server_document(pool: Pool) -> dict[str, Any]:
@@ -178,6 +197,9 @@ class AdminApp:
     async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
         server = self.server
+        if path == "/":  # the dashboard (lbproxy/dashboard.py)
+            self._allow(method, "GET")
+            return 200, dashboard.page(), "html"
         if path == "/metrics":
             self._allow(method, "GET")
             return 200, generate_latest(self.registry), "metrics"
@@ -278,6 +300,7 @@ _CONTENT_TYPES = {
     "json": "application/json",
     "text": "text/plain; charset=utf-8",
     "metrics": CONTENT_TYPE_LATEST,
+    "html": "text/html; charset=utf-8",
 }
 
 

@@ -120,6 +120,7 @@ class RealServer:
         "retry_at",
         "sched_active",
         "seq",
+        "snmp_last",
         "snmp_polls",
         "state",
         "static_weight",
@@ -150,6 +151,7 @@ class RealServer:
         self.connect_failures: Counter[str] = Counter()  # refused | timeout | error
         self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
         self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
+        self.snmp_last: tuple[str, int | None] | None = None  # last poll: (result, value)
         self.leases: set[Lease] = set()
         self.apply_config(config)
 

@@ -617,6 +617,7 @@ class Poller:
     def record(self, result: PollResult, duration: float) -> None:
         """Count the poll where the metrics module reads it at scrape time."""
         self.rs.snmp_polls[result.result] += 1
+        self.rs.snmp_last = (result.result, result.value)  # for the admin API's document
         self.pool.poll_durations.observe(duration)
         self.last = result
 

@@ -55,7 +55,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from lbproxy import logs
+from lbproxy import dashboard, logs
 from lbproxy.admin import (
     REAL_SERVER_PATH,
     VIRTUAL_SERVER_PATH,
@@ -680,6 +680,9 @@ class SupervisorApp(AdminApp):
     async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
         supervisor = self.supervisor
+        if path == "/":  # the dashboard: the same page, fed by the merged document
+            self._allow(method, "GET")
+            return 200, dashboard.page(), "html"
         if path == "/metrics":
             self._allow(method, "GET")
             return 200, await supervisor.metrics(), "metrics"

@@ -225,9 +225,10 @@ def test_status_json_is_the_api_document(proxied):
     first = vs["real_servers"][0]
     assert set(first) == {
         "name", "address", "state", "health", "weight", "active_connections",
-        "connections_total", "bytes_in", "bytes_out",
+        "connections_total", "bytes_in", "bytes_out", "snmp", "load",
     }  # fmt: skip
     assert first["weight"] == {"static": 1, "dynamic": None, "effective": 1}
+    assert first["snmp"] is None and first["load"] is None  # rr polls no SNMP, has no load
     assert first["connections_total"] == 1
     table = run_cli("status", "--admin", f"http://127.0.0.1:{admin_port}")
     assert table.returncode == 0 and "web" in table.stdout and "enabled" in table.stdout

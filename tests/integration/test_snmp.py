@@ -8,6 +8,7 @@ well under a minute.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import statistics
@@ -240,6 +241,16 @@ def test_string_answers_and_garbage_are_bad_values_not_crashes(name_servers, age
         assert "undecodable" in log
         assert garbage.received >= 2  # retransmitted: garbage is ignored, not an answer
         assert set(names_of(port, 8)) == {"good"}
+        # The API's document has each server's last poll (the dashboard's SNMP column).
+        document = json.loads(
+            urllib.request.urlopen(f"http://127.0.0.1:{admin}/api/v1/virtual-servers").read()
+        )
+        last = {rs["name"]: rs["snmp"] for rs in document["virtual_servers"][0]["real_servers"]}
+        assert last == {
+            "good": {"value": 5, "result": "ok"},
+            "string": {"value": None, "result": "bad_value"},
+            "garbage": {"value": None, "result": "bad_value"},
+        }
 
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=5)
         text = metrics.read().decode()
@@ -301,7 +312,7 @@ def test_least_load_with_snmp_load(name_servers, agents, lbproxy):
     """Geode: load = reported / max_value + 1/max_value per connection since the report."""
     servers = name_servers("a", "b")
     polled = agents(50, 10)
-    port = free_port()
+    port, admin = free_port(), free_port()
     proxy = lbproxy(
         config(
             port,
@@ -311,6 +322,7 @@ def test_least_load_with_snmp_load(name_servers, agents, lbproxy):
             snmp="interval: 0.3s, timeout: 0.1s, retries: 0, max_value: 100, "
             "on_no_answer: hold, stale_after: 60s",
             extra="load_source: snmp",
+            admin_port=admin,
         ),
         wait_ports=[port],
     )
@@ -322,6 +334,11 @@ def test_least_load_with_snmp_load(name_servers, agents, lbproxy):
     try:
         # b: 0.1 + 40 x 0.01 = 0.5 reaches a's 0.5 after 40 connections
         assert Counter(name for _, name in held) == {"b": 40, "a": 1}
+        document = json.loads(
+            urllib.request.urlopen(f"http://127.0.0.1:{admin}/api/v1/virtual-servers").read()
+        )
+        loads = {rs["name"]: rs["load"] for rs in document["virtual_servers"][0]["real_servers"]}
+        assert loads == {"a": 0.51, "b": 0.5}  # as the API and the dashboard show it
     finally:
         close_all(held)
 

@@ -1,0 +1,399 @@
+"""The dashboard at GET / in a real headless chromium, against real `lbproxy run` processes.
+
+Selenium drives Debian's chromium through Debian's chromedriver (/usr/bin/chromedriver;
+nothing is downloaded). `scripts/test` installs both as root; elsewhere these tests skip
+and say why. What a person would check: the page shows the API's names and numbers, a
+click on "drain" drains the server (asked for the token when the API wants one), the
+chart grows, the API's error text is shown on a 400, and a stopped proxy is said to be
+unreachable. A 1280x800 screenshot is saved in the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import vs_config
+from tests.integration.harness import ROOT, ask_name, free_port, open_and_read_name
+from tests.integration.test_admin import http, with_admin
+from tests.integration.test_workers import ready, wait_for, worker_servers, workers_config
+
+CHROMEDRIVER = "/usr/bin/chromedriver"
+TOKEN = "dashboard-token-42"
+WIDTH, HEIGHT = 1280, 800
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def browser(tmp_path):
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    chromium = _chromium()
+    if chromium is None or not os.access(CHROMEDRIVER, os.X_OK):
+        pytest.skip(
+            "chromium and chromium-driver are not installed "
+            "(scripts/test installs them as root: apt-get install chromium chromium-driver)"
+        )
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",  # root in a container has no user namespaces for the sandbox
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={WIDTH},{HEIGHT}",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--no-first-run",
+        "--disable-extensions",
+    ):
+        options.add_argument(argument)
+    service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        # The page's own viewport, exactly 1280x800, whatever the window decorations.
+        driver.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
+        )
+        driver.set_page_load_timeout(20)
+        yield driver
+    finally:
+        driver.quit()
+
+
+# -- reading the page as a person reads it ----------------------------------------------
+
+
+def number(value) -> str:
+    """What the page prints for a number (en-US grouping, up to 3 decimals), or "–"."""
+    if value is None:
+        return "–"
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.3f}".rstrip("0").rstrip(".")
+
+
+def size(n: int) -> str:
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    value, i = float(n), 0
+    while value >= 1024 and i < len(units) - 1:
+        value /= 1024
+        i += 1
+    return f"{n} B" if i == 0 else f"{value:.1f} {units[i]}"
+
+
+def expected_row(rs: dict) -> dict[str, str]:
+    row = {
+        "name": rs["name"] + (" backup" if rs.get("backup") else ""),
+        "address": rs["address"],
+        "state": rs["state"],
+        "health": rs["health"],
+        "w-static": number(rs["weight"]["static"]),
+        "w-dynamic": number(rs["weight"]["dynamic"]),
+        "w-effective": number(rs["weight"]["effective"]),
+        "active": number(rs["active_connections"]),
+        "total": number(rs["connections_total"]),
+        "bytes-in": size(rs["bytes_in"]),
+        "bytes-out": size(rs["bytes_out"]),
+    }
+    if rs.get("load") is not None:
+        row["load"] = number(rs["load"])
+    if rs.get("snmp"):
+        row["snmp-value"] = number(rs["snmp"]["value"])
+        row["snmp-result"] = rs["snmp"]["result"] or "not yet"
+    return row
+
+
+def shown_row(driver, vs: str, rs: str, cells) -> dict[str, str]:
+    row = _row(driver, vs, rs)
+    return {cell: row.find_element("css selector", f".{cell}").text.strip() for cell in cells}
+
+
+def _row(driver, vs: str, rs: str):
+    return driver.find_element("css selector", f'tr.rs[data-vs="{vs}"][data-rs="{rs}"]')
+
+
+def api(admin_port: int) -> dict:
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def page_matches_api(driver, admin_port: int) -> bool | list:
+    """True when every real server of the API's document is shown with its numbers."""
+    mismatches = []
+    for vs in api(admin_port)["virtual_servers"]:
+        section = driver.find_element("css selector", f'section.vs[data-vs="{vs["name"]}"]')
+        head = section.find_element("css selector", ".vs-head").text
+        for word in (vs["name"], vs["scheduler"], vs["throttle_mode"], *vs["listen"]):
+            if word not in head:
+                mismatches.append((vs["name"], word, head))
+        for rs in vs["real_servers"]:
+            want = expected_row(rs)
+            got = shown_row(driver, vs["name"], rs["name"], want)
+            if got != want:
+                mismatches.append((vs["name"], rs["name"], want, got))
+    if mismatches:
+        return mismatches  # shown by wait_until when it times out
+    return True
+
+
+def chart_points(driver, vs: str, rs: str) -> int:
+    svg = _row(driver, vs, rs).find_element("css selector", "td.chart svg")
+    return int(svg.get_attribute("data-points"))
+
+
+def wait_until(condition, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = condition()
+        except Exception as exc:  # the page is still building: element not there yet
+            last = exc
+        if last is True or (last and not isinstance(last, list | Exception)):
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}: {last!r}")
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def state_of(admin_port: int, vs: str, rs: str) -> str:
+    url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/{vs}/real-servers/{rs}"
+    status, body = http("GET", url)
+    assert status == 200, body
+    return json.loads(body)["state"]
+
+
+def hold(port: int, count: int, payload: bytes = b"") -> list:
+    """`count` held connections through the proxy, each sending `payload` (echoed)."""
+    held = []
+    for _ in range(count):
+        sock, _ = open_and_read_name(port)
+        if payload:
+            sock.sendall(payload)
+            echoed = b""
+            while len(echoed) < len(payload):
+                echoed += sock.recv(65536)
+        held.append(sock)
+    return held
+
+
+# -- the tests ---------------------------------------------------------------------------
+
+
+def test_dashboard_one_process(browser, name_servers, lbproxy, tmp_path):
+    servers = name_servers("alpha", "bravo", "charlie")
+    port, api_port, admin_port = free_port(), free_port(), free_port()
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    config = with_admin(
+        vs_config(port, servers, "rr", "health_check: {type: none}"), admin_port, token_file
+    )
+    # A second virtual server: least-load fed by SNMP (its load and SNMP columns; no
+    # agent listens, so the last poll is an error and the static weight is used), with
+    # one real server that nobody answers, so its row is shown down.
+    config += (
+        "  - name: api\n"
+        f"    listen: 127.0.0.1:{api_port}\n"
+        "    scheduler: least-load\n"
+        "    load_source: snmp\n"
+        f"    snmp: {{port: {free_port()}, interval: 1s, timeout: 200ms, retries: 0,"
+        " on_no_answer: static}\n"
+        "    health_check: {type: tcp, interval: 250ms, timeout: 250ms, rise: 1, fall: 1}\n"
+        "    real_servers:\n"
+        f"      - {{name: bravo, address: 127.0.0.1:{servers[1].port}, max_connections: 10}}\n"
+        f"      - {{name: gone, address: 127.0.0.1:{free_port()}, max_connections: 10}}\n"
+    )
+    proxy = lbproxy(config, [port, api_port])
+    held = hold(port, 3, b"x" * 3000) + hold(port, 2) + hold(api_port, 3)
+    try:
+        wait_for(
+            lambda: {rs["name"]: rs["health"] for rs in api(admin_port)["virtual_servers"][1][
+                "real_servers"]} == {"bravo": "up", "gone": "down"},
+            what="gone to be down",
+        )  # fmt: skip
+        browser.get(f"http://127.0.0.1:{admin_port}/")
+        assert browser.title == "lbproxy"
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match the API")
+        document = api(admin_port)
+        web = {rs["name"]: rs for rs in document["virtual_servers"][0]["real_servers"]}
+        assert sorted(rs["active_connections"] for rs in web.values()) == [1, 2, 2]
+        assert web["alpha"]["bytes_in"] == 3000  # rr: the first three each sent 3000 bytes
+        assert shown_row(browser, "web", "alpha", ["bytes-in"]) == {"bytes-in": "2.9 KiB"}
+        loads = {rs["name"]: rs["load"] for rs in document["virtual_servers"][1]["real_servers"]}
+        assert loads["bravo"] >= 0.3  # least-load: 3 of 10 connections, or more estimated
+        assert shown_row(browser, "api", "bravo", ["load"]) == {"load": number(loads["bravo"])}
+        assert "down" in _row(browser, "api", "gone").get_attribute("class")
+        wait_until(
+            lambda: (
+                [rs["snmp"] for rs in api(admin_port)["virtual_servers"][1]["real_servers"]]
+                == [{"value": None, "result": "error"}] * 2
+            ),  # port unreachable: no agent there
+            what="a failed SNMP poll",
+        )
+        wait_until(
+            lambda: (
+                shown_row(browser, "api", "bravo", ["snmp-value", "snmp-result"])
+                == {"snmp-value": "–", "snmp-result": "error"}
+            ),
+            what="the SNMP columns",
+        )
+        assert browser.find_element("css selector", "#total-active").text == "8"
+
+        # The chart gains a point at every refresh (every 2 s).
+        points = chart_points(browser, "web", "alpha")
+        wait_until(lambda: chart_points(browser, "web", "alpha") >= points + 2, what="points")
+
+        # Drain alpha: the API answers 401, the page asks for the token, then drains.
+        assert not browser.find_element("css selector", "#token-dialog").get_attribute("open")
+        _row(browser, "web", "alpha").find_element("css selector", "button.set-drain").click()
+        wait_until(
+            lambda: browser.find_element("css selector", "#token-dialog").get_attribute("open"),
+            what="the token dialog",
+        )
+        browser.find_element("css selector", "#token-input").send_keys(TOKEN)
+        browser.find_element("css selector", "#token-ok").click()
+        wait_until(lambda: state_of(admin_port, "web", "alpha") == "drain", what="drain")
+        wait_until(
+            lambda: "drain" in _row(browser, "web", "alpha").get_attribute("class"),
+            what="the row to show drain",
+        )
+        assert "alpha" not in {ask_name(port) for _ in range(6)}
+        # The token is kept for the next change, in this tab's memory only.
+        _row(browser, "web", "alpha").find_element("css selector", "button.set-enabled").click()
+        wait_until(lambda: state_of(admin_port, "web", "alpha") == "enabled", what="enable")
+        assert not browser.find_element("css selector", "#token-dialog").get_attribute("open")
+        stored = browser.execute_script(
+            "return [localStorage.length, sessionStorage.length, document.cookie]"
+        )
+        assert stored == [0, 0, ""]
+
+        # A bad weight: the API's own error text is shown, nothing changes.
+        row = _row(browser, "web", "bravo")
+        row.find_element("css selector", "input.weight").send_keys("-1")
+        row.find_element("css selector", "button.set-weight").click()
+        message = "weight must be a number >= 0, got -1"
+        wait_until(
+            lambda: (
+                _row(browser, "web", "bravo").find_element("css selector", ".message").text
+                == message
+            ),
+            what="the error text",
+        )
+        assert message in browser.find_element("css selector", "#notice-text").text
+        assert api(admin_port)["virtual_servers"][0]["real_servers"][1]["weight"]["static"] == 1
+        # And a good one.
+        row.find_element("css selector", "input.weight").clear()
+        row.find_element("css selector", "input.weight").send_keys("3")
+        row.find_element("css selector", "button.set-weight").click()
+        wait_until(
+            lambda: shown_row(browser, "web", "bravo", ["w-static"]) == {"w-static": "3"},
+            what="weight 3 shown",
+        )
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+
+        shot = tmp_path / "dashboard.png"
+        browser.save_screenshot(str(shot))
+        assert png_size(shot) == (WIDTH, HEIGHT)
+    finally:
+        for sock in held:
+            sock.close()
+
+    # The proxy stops: the page says the API is unreachable and keeps the last data.
+    proxy.signal(signal.SIGTERM)
+    assert proxy.proc.wait(15) == 0
+    wait_until(
+        lambda: browser.find_element("css selector", "#banner").is_displayed(),
+        what="the unreachable banner",
+    )
+    banner = browser.find_element("css selector", "#banner").text
+    assert "The admin API is unreachable" in banner and "Showing what was read at" in banner
+    assert _row(browser, "web", "alpha").is_displayed()
+    browser.save_screenshot(str(tmp_path / "dashboard-unreachable.png"))
+
+
+def test_dashboard_with_two_workers(browser, name_servers, lbproxy, tmp_path):
+    servers = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    proxy = lbproxy(workers_config(port, servers, admin_port))
+    wait_for(lambda: ready(admin_port), what="/readyz")
+    held = hold(port, 6, b"hello")
+    try:
+        browser.get(f"http://127.0.0.1:{admin_port}/")
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+        # The supervisor's merged document: all six held connections, from both workers.
+        assert browser.find_element("css selector", "#total-active").text == "6"
+        wait_until(
+            lambda: browser.find_element("css selector", "#workers-summary").text == "2/2",
+            what="the workers line",
+        )
+        points = chart_points(browser, "web", "b")
+        # Loopback without a token file: no token asked; the PATCH reaches every worker.
+        _row(browser, "web", "b").find_element("css selector", "button.set-drain").click()
+        wait_until(lambda: state_of(admin_port, "web", "b") == "drain", what="drain")
+        for index in (1, 2):
+            assert worker_servers(admin_port, index)["b"]["state"] == "drain"
+        assert not browser.find_element("css selector", "#token-dialog").get_attribute("open")
+        wait_until(lambda: chart_points(browser, "web", "b") >= points + 2, what="points")
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+        browser.save_screenshot(str(tmp_path / "dashboard-workers.png"))
+    finally:
+        for sock in held:
+            sock.close()
+    proxy.signal(signal.SIGTERM)
+    assert proxy.proc.wait(15) == 0
+
+
+def test_dashboard_page_is_served_whole_and_self_contained(name_servers, lbproxy):
+    """Without a browser: GET / answers the page, and it loads nothing from elsewhere."""
+    servers = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    lbproxy(with_admin(vs_config(port, servers, "rr", "health_check: {type: none}"), admin_port))
+    request = urllib.request.Request(f"http://127.0.0.1:{admin_port}/")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"] == "text/html; charset=utf-8"
+        page = response.read().decode()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    # no external asset: no <link>, no <script src>, no src/href/url() pointing anywhere
+    assert "<link" not in page
+    assert not re.search(r"""<script[^>]*\bsrc=""", page)
+    assert not re.search(r"""\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", page)
+    assert not re.search(r"""url\(\s*["']?(?:https?:)?//""", page)
+    assert "@import" not in page
+    assert http("HEAD", f"http://127.0.0.1:{admin_port}/")[0] == 200
+    assert http("POST", f"http://127.0.0.1:{admin_port}/", {})[0] == 405
+
+
+def test_the_page_is_package_data(tmp_path):
+    """`pip install .` (not only an editable install) ships dashboard.html."""
+    build = subprocess.run(
+        [sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py",
+         "--build-lib", str(tmp_path / "lib")],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr
+    built = tmp_path / "lib" / "lbproxy" / "dashboard.html"
+    assert built.read_bytes() == (ROOT / "lbproxy" / "dashboard.html").read_bytes()

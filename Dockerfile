@@ -1,6 +1,10 @@
 # lbproxy in a container: `docker build -t lbproxy .` then
-#   docker run --rm -p 8080:8080 -v $PWD/configs:/etc/lbproxy:ro lbproxy
-# Every *.yaml in /etc/lbproxy is a virtual-server file (one may hold `global:`).
+#   docker run --rm -p 8080:8080 -p 9100:9100 lbproxy
+# runs configs/container/ (copied to /etc/lbproxy): the virtual server `web` on port 8080
+# and the admin endpoint (dashboard at /, /metrics, /healthz, /readyz, /api/v1) on 9100,
+# both on 0.0.0.0 so they are reachable from outside the container. Mount your own
+# folder to replace it: -v $PWD/my-lbproxy:/etc/lbproxy:ro. Every *.yaml in /etc/lbproxy
+# is a virtual-server file (one may hold `global:`). Kubernetes: contrib/kubernetes/.
 FROM python:3.11-slim
 
 RUN useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin lbproxy
@@ -9,13 +13,17 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY lbproxy ./lbproxy
 RUN pip install --no-cache-dir . && rm -rf /src
+COPY configs/container/ /etc/lbproxy/
 
 USER lbproxy
 WORKDIR /
-# SIGTERM drains connections for global.drain_timeout, then exits 0.
+# The ports of configs/container/: web.yaml's listener and global.yaml's admin.listen.
+EXPOSE 8080 9100
+# SIGTERM drains connections for global.drain_timeout (30s), then exits 0: stop with
+# more grace than that (`docker stop -t 40`, compose's stop_grace_period: 40s).
 STOPSIGNAL SIGTERM
-# /healthz on the admin endpoint (global.admin.listen, 127.0.0.1:9100 by default; set
-# LBPROXY_ADMIN if you move it). The slim image has no curl: Python's urllib does it.
+# /healthz on the admin endpoint; 0.0.0.0:9100 answers on the container's loopback too.
+# Set LBPROXY_ADMIN if you move it. The slim image has no curl: Python's urllib does it.
 ENV LBPROXY_ADMIN=http://127.0.0.1:9100
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ['LBPROXY_ADMIN'] + '/healthz', timeout=2)"]

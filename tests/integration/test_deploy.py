@@ -1,0 +1,321 @@
+"""The deployment files work as shipped: the systemd unit, the container image's
+configuration, the Kubernetes manifests and the Grafana dashboard, each checked against
+the configuration it runs and, where it names something lbproxy serves, against a real
+`lbproxy run`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from lbproxy.config import load
+from tests.integration.conftest import vs_config
+from tests.integration.harness import ROOT, free_port, run_cli
+from tests.integration.test_admin import http, with_admin
+from tests.integration.test_workers import ready, wait_for
+
+CONTRIB = ROOT / "contrib"
+REFERENCE_METRICS = {
+    "lbproxy_connections", "lbproxy_active_connections", "lbproxy_bytes",
+    "lbproxy_rejected_connections", "lbproxy_connect_failures", "lbproxy_real_server_up",
+    "lbproxy_real_server_weight", "lbproxy_health_checks", "lbproxy_snmp_polls",
+    "lbproxy_snmp_poll_duration_seconds", "lbproxy_dynamic_weight_fallback",
+    "lbproxy_throttle_mode", "lbproxy_connection_duration_seconds", "lbproxy_config_reloads",
+    "lbproxy_workers_ready", "lbproxy_worker_restarts",
+}  # fmt: skip
+UNIT = CONTRIB / "lbproxy.service"
+
+
+# -- systemd -----------------------------------------------------------------------------
+
+
+def unit_settings(text: str) -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def seconds(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(ms|s|min|m)?", text)
+    assert match, text
+    scale = {"ms": 0.001, "s": 1, "min": 60, "m": 60, None: 1}[match[2]]
+    return float(match[1]) * scale
+
+
+def test_unit_file_has_what_the_readme_promises():
+    settings = unit_settings(UNIT.read_text())
+    one = {key: values[-1] for key, values in settings.items()}
+    assert one["Type"] == "notify"
+    assert one["NotifyAccess"] == "main"
+    assert one["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert one["ExecStart"].endswith("lbproxy run /etc/lbproxy")
+    assert int(one["LimitNOFILE"]) >= 65536
+    assert one.get("DynamicUser") == "yes" or one.get("User") not in (None, "", "root")
+    assert one["AmbientCapabilities"] == "CAP_NET_BIND_SERVICE"
+    assert one["CapabilityBoundingSet"] == "CAP_NET_BIND_SERVICE"
+    assert one["NoNewPrivileges"] == "yes"
+    assert one["ProtectSystem"] == "strict"
+    assert one["PrivateTmp"] == "yes"  # workers > 1 need a writable /tmp
+    # systemd must wait longer than the drain the shipped configuration asks for
+    drain = load([str(ROOT / "configs")]).global_.drain_timeout
+    assert seconds(one["TimeoutStopSec"]) > drain
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_unit_file_passes_systemd_analyze_verify(tmp_path):
+    # `verify` checks that every Exec*= binary exists: point them at this checkout's
+    # own lbproxy (the unit names /usr/local/bin/lbproxy, where `pip install` puts it).
+    lbproxy = Path(sys.executable).parent / "lbproxy"
+    assert lbproxy.exists()
+    unit = tmp_path / "lbproxy.service"
+    unit.write_text(UNIT.read_text().replace("/usr/local/bin/lbproxy", str(lbproxy)))
+    verify = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    output = verify.stdout + verify.stderr
+    assert verify.returncode == 0, output
+    assert "lbproxy.service" not in output, output  # no warning about our unit at all
+    security = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    exposure = re.search(r"exposure level for lbproxy\.service: (\d+\.\d+)", security.stdout)
+    if exposure is None:  # an older systemd-analyze without --offline
+        pytest.skip(f"systemd-analyze security --offline unsupported: {security.stderr.strip()}")
+    assert float(exposure[1]) < 3.0, security.stdout  # systemd calls below 3 "OK"
+
+
+# -- the container image ------------------------------------------------------------------
+
+
+def dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def test_dockerfile_ships_the_container_configuration_and_exposes_its_ports():
+    text = dockerfile()
+    assert "COPY configs/container/ /etc/lbproxy/" in text
+    assert 'CMD ["run", "/etc/lbproxy"]' in text
+    (exposed,) = re.findall(r"^EXPOSE (.+)$", text, re.M)
+    config = load([str(ROOT / "configs" / "container")])
+    admin = config.global_.admin.listen
+    listens = [address for vs in config.virtual_servers for address in vs.listen]
+    # reachable from outside the container: every interface, not its loopback
+    assert admin.host == "0.0.0.0" and all(a.host in ("0.0.0.0", "::") for a in listens)
+    assert {int(port) for port in exposed.split()} == {admin.port, *(a.port for a in listens)}
+    (healthcheck,) = re.findall(r"LBPROXY_ADMIN=http://127\.0\.0\.1:(\d+)", text)
+    assert int(healthcheck) == admin.port
+    check = run_cli("check", str(ROOT / "configs" / "container"))
+    assert check.returncode == 0, check.stderr
+    # The README's and the Dockerfile's own `docker run` publish exactly those ports.
+    readme = (ROOT / "README.md").read_text()
+    runs = re.findall(r"docker run [^\n`]*", readme + text)
+    assert runs
+    for command in runs:
+        published = {int(p) for p in re.findall(r"-p \d+:(\d+)", command)}
+        assert ":/etc/lbproxy" not in command or "configs:/etc" not in command, command
+        assert published <= {admin.port, *(a.port for a in listens)}, command
+
+
+# -- Kubernetes ----------------------------------------------------------------------------
+
+
+def manifests() -> dict[tuple[str, str], dict]:
+    found = {}
+    for path in sorted((CONTRIB / "kubernetes").glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document:
+                found[(document["kind"], document["metadata"]["name"])] = document
+    return found
+
+
+def write_configmap(configmap: dict, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in configmap["data"].items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_kubernetes_manifests_agree_with_the_configuration_they_mount(tmp_path):
+    found = manifests()
+    assert {kind for kind, _ in found} >= {"Deployment", "ConfigMap", "Service"}
+    (deployment,) = [d for (kind, _), d in found.items() if kind == "Deployment"]
+    pod = deployment["spec"]["template"]
+    spec = pod["spec"]
+    labels = pod["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (container,) = spec["containers"]
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
+
+    # The configuration: the ConfigMap mounted where `lbproxy run` reads it.
+    assert container["args"][0] == "run"
+    (config_path,) = container["args"][1:]
+    configmap = found[("ConfigMap", mounts[config_path]["configMap"]["name"])]
+    folder = write_configmap(configmap, tmp_path / "etc-lbproxy")
+    check = run_cli("check", str(folder))
+    assert check.returncode == 0, check.stdout + check.stderr
+    config = load([str(folder)])
+
+    # Ports: every listener and the admin endpoint, on every interface of the pod.
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    admin = config.global_.admin.listen
+    assert admin.host == "0.0.0.0"
+    listens = [address for vs in config.virtual_servers for address in vs.listen]
+    assert all(address.host in ("0.0.0.0", "::") for address in listens)
+    assert set(ports.values()) == {admin.port, *(address.port for address in listens)}
+
+    # Probes: /healthz for liveness, /readyz for readiness, on the admin port.
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        get = container[probe]["httpGet"]
+        assert get["path"] == path
+        assert ports.get(get["port"], get["port"]) == admin.port
+
+    # Stopping: the grace period covers the preStop pause and the whole drain.
+    pause = 0.0
+    pre_stop = container.get("lifecycle", {}).get("preStop", {})
+    if "exec" in pre_stop:
+        command = pre_stop["exec"]["command"]
+        assert command[0] == "sleep"
+        pause = float(command[1])
+    elif "sleep" in pre_stop:
+        pause = float(pre_stop["sleep"]["seconds"])
+    assert spec["terminationGracePeriodSeconds"] > config.global_.drain_timeout + pause
+
+    # The token: a mounted Secret, readable by the pod's group, never by everyone
+    # (lbproxy refuses a world-readable token file).
+    token_file = Path(config.global_.admin.token_file)
+    secret_mount = str(token_file.parent)
+    secret = mounts[secret_mount]["secret"]
+    assert secret["defaultMode"] & 0o004 == 0 and secret["defaultMode"] & 0o040
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+    # The image's user, as the Dockerfile makes it.
+    (uid,) = re.findall(r"useradd [^\n]*--uid (\d+)", dockerfile())
+    assert spec["securityContext"]["runAsUser"] == int(uid)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "/tmp" in mounts and "emptyDir" in mounts["/tmp"]  # workers' admin sockets
+
+    # Services select the pods and target ports the container has.
+    services = [d for (kind, _), d in found.items() if kind == "Service"]
+    assert services
+    for service in services:
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert target in ports or target in ports.values(), (service, port)
+    served = {
+        ports.get(p.get("targetPort"), p.get("targetPort"))
+        for s in services
+        for p in s["spec"]["ports"]
+    }
+    assert served == set(ports.values())
+
+
+def test_kubernetes_probe_paths_answer_from_the_configmap_config(tmp_path, lbproxy):
+    """Run the ConfigMap's configuration (its ports moved to free loopback ones, the
+    Secret replaced by a file of the same mode) and ask the probes' paths."""
+    found = manifests()
+    (deployment,) = [d for (kind, _), d in found.items() if kind == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    configmap = next(d for (kind, _), d in found.items() if kind == "ConfigMap")
+    folder = write_configmap(configmap, tmp_path / "etc-lbproxy")
+    config = load([str(folder)])
+    admin_port = free_port()
+    token = tmp_path / "token"
+    token.write_text("k8s-token\n")
+    token.chmod(0o440)
+    text = "\n".join((folder / name).read_text() for name in sorted(configmap["data"]))
+    text = text.replace(str(config.global_.admin.listen), f"127.0.0.1:{admin_port}")
+    text = text.replace(config.global_.admin.token_file, str(token))
+    for vs in config.virtual_servers:
+        for address in vs.listen:
+            text = text.replace(str(address), f"127.0.0.1:{free_port()}")
+    text = text.replace("drain_timeout: 30s", "drain_timeout: 1s")
+    proxy = lbproxy(text)
+    wait_for(lambda: ready(admin_port), what="/readyz")
+    for probe in ("livenessProbe", "readinessProbe"):
+        path = container[probe]["httpGet"]["path"]
+        assert http("GET", f"http://127.0.0.1:{admin_port}{path}")[0] == 200
+    # the token from the mounted file is the one changes need
+    url = f"http://127.0.0.1:{admin_port}/api/v1/reload"
+    assert http("POST", url, {})[0] == 401
+    assert http("POST", url, {}, token="k8s-token")[0] == 200
+    assert proxy.proc.poll() is None
+
+
+# -- Grafana -------------------------------------------------------------------------------
+
+
+def dashboard_queries(node) -> list[str]:
+    """Every PromQL text in a Grafana dashboard: targets' `expr` and variables' queries."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            promql = key in ("expr", "definition") or (key == "query" and "lbproxy_" in value)
+            if isinstance(value, str) and promql:
+                found.append(value)
+            else:
+                found += dashboard_queries(value)
+    elif isinstance(node, list):
+        for item in node:
+            found += dashboard_queries(item)
+    return found
+
+
+def test_grafana_dashboard_names_only_metrics_lbproxy_exports(name_servers, lbproxy):
+    dashboard = json.loads((CONTRIB / "grafana" / "lbproxy.json").read_text())
+    queries = dashboard_queries(dashboard)
+    assert len(queries) >= 20
+    named = {name for query in queries for name in re.findall(r"\blbproxy_[a-z0-9_]+", query)}
+    # A real lbproxy with everything the dashboard shows: two workers (the supervisor's
+    # own metrics), an SNMP-polled virtual server (no agent: polls fail) and a throttle.
+    servers = name_servers("a", "b")
+    port, polled_port, admin_port = free_port(), free_port(), free_port()
+    config = with_admin(vs_config(port, servers, "rr", "health_check: {type: none}"), admin_port)
+    config = config.replace("global:\n", "global:\n  workers: 2\n", 1)
+    config += (
+        "  - name: polled\n"
+        f"    listen: 127.0.0.1:{polled_port}\n"
+        "    scheduler: dwd\n"
+        f"    snmp: {{port: {free_port()}, timeout: 200ms, interval: 1s}}\n"
+        "    throttle: {max_connections: 100}\n"
+        "    real_servers:\n"
+        f"      - {{name: a, address: 127.0.0.1:{servers[0].port}}}\n"
+    )
+    lbproxy(config)
+    wait_for(lambda: ready(admin_port), timeout=20, what="/readyz")
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/metrics")
+    assert status == 200
+    exported = {
+        sample.name
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+    missing = sorted(named - exported)
+    assert not missing, f"the dashboard queries metrics /metrics does not export: {missing}"
+    # and it shows every metric of the reference (SPEC §8) and the supervisor's two
+    shown = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in named}
+    assert shown >= REFERENCE_METRICS, REFERENCE_METRICS - shown
+
+
+def test_every_grafana_panel_uses_the_data_source_variable():
+    dashboard = json.loads((CONTRIB / "grafana" / "lbproxy.json").read_text())
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]

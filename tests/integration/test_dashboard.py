@@ -273,6 +273,15 @@ def test_dashboard_one_process(browser, name_servers, lbproxy, tmp_path):
             lambda: browser.find_element("css selector", "#token-dialog").get_attribute("open"),
             what="the token dialog",
         )
+        # A wrong token first: refused (403), forgotten, asked for again.
+        browser.find_element("css selector", "#token-input").send_keys("not-the-token")
+        browser.find_element("css selector", "#token-ok").click()
+        wait_until(
+            lambda: "refused" in browser.find_element("css selector", "#token-why").text,
+            what="the token asked for again",
+        )
+        assert browser.find_element("css selector", "#token-dialog").get_attribute("open")
+        assert state_of(admin_port, "web", "alpha") == "enabled"
         browser.find_element("css selector", "#token-input").send_keys(TOKEN)
         browser.find_element("css selector", "#token-ok").click()
         wait_until(lambda: state_of(admin_port, "web", "alpha") == "drain", what="drain")

@@ -181,3 +181,32 @@ def test_notify_socket_gone_is_harmless(name_servers, lbproxy, tmp_path, monkeyp
     assert log.count("cannot notify") == 1, log
     assert "Traceback" not in log
     assert not os.path.exists(tmp_path / "nobody-listens.sock")
+
+
+def test_notifier_recovers_when_the_socket_comes_back_and_pops_the_variable(
+    tmp_path, monkeypatch, caplog
+):
+    from lbproxy.notify import Notifier
+
+    path = tmp_path / "later.sock"
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    notifier = Notifier.from_environment()
+    assert "NOTIFY_SOCKET" not in os.environ  # children started from now on never see it
+    assert notifier.enabled
+    with caplog.at_level("INFO", logger="lbproxy.notify"):
+        assert notifier.ready("x") is False
+        assert notifier.status("y") is False
+        listener = NotifySocket(str(path))
+        try:
+            assert notifier.stopping("z") is True
+            listener.wait_for("STOPPING")
+            assert listener.messages[-1][1] == {"STOPPING": "1", "STATUS": "z"}
+        finally:
+            listener.close()
+            notifier.close()
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        f"cannot notify {path}",
+        f"notifying {path} again",
+    ]
+    assert not Notifier().enabled and Notifier().send("READY=1") is False
+    assert not Notifier("vsock:2:1234").enabled  # not a Unix socket: not for a local daemon

@@ -303,7 +303,12 @@ def test_dashboard_one_process(browser, name_servers, lbproxy, tmp_path):
         row = _row(browser, "web", "bravo")
         row.find_element("css selector", "input.weight").send_keys("-1")
         row.find_element("css selector", "button.set-weight").click()
-        message = "weight must be a number >= 0, got -1"
+        # what the API itself answers to that body
+        url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web/real-servers/bravo"
+        status, body = http("PATCH", url, {"weight": -1}, token=TOKEN)
+        assert status == 400
+        message = json.loads(body)["error"]
+        assert message.startswith("weight must be") and "-1" in message
         wait_until(
             lambda: (
                 _row(browser, "web", "bravo").find_element("css selector", ".message").text

@@ -456,7 +456,7 @@ class Supervisor:
             log.info(
                 "all %d workers ready; listening on %s", len(self.workers), ", ".join(addresses)
             )
-            self.notifier.ready(self._status_line(0))
+            self.notifier.ready(self._status_line(None))  # connections: in the next STATUS=
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             while await stream.receive_some(4096):  # our end stays open: closing it stops
                 pass  # the worker; the end of file here means the worker has exited

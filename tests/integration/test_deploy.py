@@ -6,10 +6,14 @@ the configuration it runs and, where it names something lbproxy serves, against 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lbproxy.config import load
 from tests.integration.conftest import vs_config
-from tests.integration.harness import ROOT, free_port, run_cli
+from tests.integration.harness import ROOT, free_port, open_and_read_name, run_cli
 from tests.integration.test_admin import http, with_admin
 from tests.integration.test_workers import ready, wait_for
 
@@ -97,6 +101,104 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     if exposure is None:  # an older systemd-analyze without --offline
         pytest.skip(f"systemd-analyze security --offline unsupported: {security.stderr.strip()}")
     assert float(exposure[1]) < 3.0, security.stdout  # systemd calls below 3 "OK"
+
+
+def _syscall_set(group: str, seen: set[str]) -> set[str]:
+    """The system calls in a systemd-analyze syscall-filter group, groups expanded."""
+    out = subprocess.run(
+        ["systemd-analyze", "syscall-filter", group], capture_output=True, text=True, timeout=30
+    ).stdout
+    names: set[str] = set()
+    for line in out.splitlines()[1:]:
+        line = line.strip()
+        if line.startswith("@") and line not in seen:
+            seen.add(line)
+            names |= _syscall_set(line, seen)
+        elif line and not line.startswith(("#", "@")):
+            names.add(line)
+    return names
+
+
+@pytest.mark.skipif(
+    shutil.which("strace") is None or shutil.which("systemd-analyze") is None,
+    reason="needs strace and systemd-analyze",
+)
+def test_unit_sandbox_allows_every_system_call_and_socket_family_lbproxy_uses(
+    name_servers, tmp_path
+):
+    """Trace a real `lbproxy run` (two workers, health checks, SNMP polls, spliced bytes,
+    the admin API, a reload, a drain, systemd notify) and check that the unit's
+    SystemCallFilter= and RestrictAddressFamilies= allow all it does."""
+    settings = {key: values[-1] for key, values in unit_settings(UNIT.read_text()).items()}
+    allowed = _syscall_set(settings["SystemCallFilter"], set())
+    families = set(settings["RestrictAddressFamilies"].split())
+    servers = name_servers("a")
+    port, polled, admin_port = free_port(), free_port(), free_port()
+    config = tmp_path / "lbproxy.yaml"
+    config.write_text(
+        "global:\n"
+        f"  admin: {{listen: 127.0.0.1:{admin_port}}}\n"
+        "  drain_timeout: 1s\n"
+        "  workers: 2\n"
+        "virtual_servers:\n"
+        "  - name: web\n"
+        f"    listen: 127.0.0.1:{port}\n"
+        "    health_check: {type: tcp, interval: 300ms}\n"
+        f"    real_servers: [{{name: a, address: 127.0.0.1:{servers[0].port}}}]\n"
+        "  - name: polled\n"
+        f"    listen: 127.0.0.1:{polled}\n"
+        "    scheduler: dwd\n"
+        f"    snmp: {{port: {free_port()}, interval: 300ms, timeout: 100ms,"
+        " on_no_answer: static}\n"
+        f'    real_servers: [{{name: a, address: "localhost:{servers[0].port}"}}]\n'
+    )
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    trace = tmp_path / "trace"
+    log = (tmp_path / "lbproxy.log").open("wb")
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-qq", "-o", str(trace), sys.executable, "-m", "lbproxy", "run",
+         str(config)],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")},
+    )  # fmt: skip
+    try:
+        wait_for(lambda: ready(admin_port), timeout=60, what="/readyz under strace")
+        for target in (port, polled):
+            sock, _ = open_and_read_name(target)
+            sock.sendall(b"x" * 100_000)
+            echoed = 0
+            while echoed < 100_000:
+                echoed += len(sock.recv(65536))
+            sock.close()
+        base = f"http://127.0.0.1:{admin_port}"
+        for path in ("/", "/metrics", "/api/v1/virtual-servers"):
+            assert http("GET", base + path)[0] == 200
+        url = f"{base}/api/v1/virtual-servers/web/real-servers/a"
+        assert http("PATCH", url, {"state": "drain"})[0] == 200
+        assert http("POST", f"{base}/api/v1/reload", {})[0] == 200
+        time.sleep(0.5)  # a few health checks and SNMP polls more
+        (child,) = Path(f"/proc/{tracer.pid}/task/{tracer.pid}/children").read_text().split()
+        os.kill(int(child), signal.SIGTERM)
+        assert tracer.wait(30) == 0
+    finally:
+        if tracer.poll() is None:
+            tracer.kill()
+            tracer.wait()
+        log.close()
+        notify.close()
+    used, socket_families = set(), set()
+    for line in trace.read_text().splitlines():
+        match = re.match(r"\d+\s+([a-z0-9_]+)\((.*)", line)
+        if match:
+            used.add(match[1])
+            if match[1] in ("socket", "socketpair"):
+                socket_families.add(match[2].split(",", 1)[0])
+    # it traced the workers too: they splice the bytes; the supervisor notifies
+    assert {"splice", "sendto", "socketpair", "execve"} <= used, sorted(used)
+    assert {"AF_INET", "AF_UNIX"} <= socket_families, socket_families
+    assert used - allowed == set(), f"SystemCallFilter= would refuse {sorted(used - allowed)}"
+    assert socket_families - families == set(), socket_families
 
 
 # -- the container image ------------------------------------------------------------------

@@ -182,6 +182,8 @@ class AdminApp:
             (b"content-length", str(len(body)).encode()),
             (b"cache-control", b"no-store"),
         ]
+        if content_type == "html":  # the dashboard: its own scripts only, never framed
+            headers += dashboard.headers()
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

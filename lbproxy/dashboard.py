@@ -11,6 +11,9 @@ The admin app only serves the bytes; nothing here runs per connection.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import re
 from functools import cache
 from importlib import resources
 
@@ -19,3 +22,33 @@ from importlib import resources
 def page() -> bytes:
     """The page's bytes, read once from the installed package."""
     return resources.files("lbproxy").joinpath("dashboard.html").read_bytes()
+
+
+@cache
+def headers() -> list[tuple[bytes, bytes]]:
+    """Response headers for the page: a Content-Security-Policy that runs only the
+    page's own inline script and style (by their SHA-256) and talks only to this
+    endpoint, and no framing. A browser on the proxy's host is a loopback client, and
+    without a token the API accepts changes from loopback: another site must not be able
+    to frame the page and trick a click on its buttons."""
+    text = page()
+    scripts = " ".join(_hashes(rb"<script>(.*?)</script>", text))
+    styles = " ".join(_hashes(rb"<style>(.*?)</style>", text))
+    policy = (
+        f"default-src 'none'; script-src {scripts}; style-src {styles}; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    return [
+        (b"content-security-policy", policy.encode()),
+        (b"x-frame-options", b"DENY"),
+        (b"x-content-type-options", b"nosniff"),
+        (b"referrer-policy", b"no-referrer"),
+    ]
+
+
+def _hashes(pattern: bytes, text: bytes) -> list[str]:
+    return [
+        "'sha256-" + base64.b64encode(hashlib.sha256(block).digest()).decode() + "'"
+        for block in re.findall(pattern, text, re.S)
+    ]

@@ -10,6 +10,8 @@ unreachable. A 1280x800 screenshot is saved in the test's temporary folder.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import re
@@ -237,6 +239,9 @@ def test_dashboard_one_process(browser, name_servers, lbproxy, tmp_path):
         browser.get(f"http://127.0.0.1:{admin_port}/")
         assert browser.title == "lbproxy"
         wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match the API")
+        # the Content-Security-Policy lets it run and blocks nothing it does
+        problems = [e["message"] for e in browser.get_log("browser") if "ecurity" in e["message"]]
+        assert problems == [], problems
         document = api(admin_port)
         web = {rs["name"]: rs for rs in document["virtual_servers"][0]["real_servers"]}
         assert sorted(rs["active_connections"] for rs in web.values()) == [1, 2, 2]
@@ -389,6 +394,8 @@ def test_dashboard_page_is_served_whole_and_self_contained(name_servers, lbproxy
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
         assert response.headers["Content-Type"] == "text/html; charset=utf-8"
+        policy = response.headers["Content-Security-Policy"]
+        assert response.headers["X-Frame-Options"] == "DENY"
         page = response.read().decode()
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     # no external asset: no <link>, no <script src>, no src/href/url() pointing anywhere
@@ -397,6 +404,12 @@ def test_dashboard_page_is_served_whole_and_self_contained(name_servers, lbproxy
     assert not re.search(r"""\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", page)
     assert not re.search(r"""url\(\s*["']?(?:https?:)?//""", page)
     assert "@import" not in page
+    # the policy lets the page's own script and style run (by hash), nothing else
+    assert "frame-ancestors 'none'" in policy and "connect-src 'self'" in policy
+    (script,) = re.findall(r"<script>(.*?)</script>", page, re.S)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert f"script-src 'sha256-{digest}';" in policy
+    assert "unsafe-inline" not in policy
     assert http("HEAD", f"http://127.0.0.1:{admin_port}/")[0] == 200
     assert http("POST", f"http://127.0.0.1:{admin_port}/", {})[0] == 405
 

@@ -120,6 +120,12 @@ MAX_WEIGHT = 65535
 
 
 @dataclass(frozen=True, slots=True)
+class PersistenceConfig:
+    timeout: float = 300.0  # an entry expires this long after its last connection ended
+    max_entries: int = 100000  # least recently used entries beyond this are evicted
+
+
+@dataclass(frozen=True, slots=True)
 class RealServerConfig:
     name: str
     address: Address
@@ -155,6 +161,9 @@ class VirtualServerConfig:
     health_check: HealthCheckConfig = HealthCheckConfig()
     snmp: SnmpConfig | None = None  # None: no `snmp:` block
     throttle: ThrottleConfig | None = None  # None: no admission control
+    table_size: int = 65537  # maglev: lookup table slots, a prime >= 101
+    hash_key: str = "source"  # maglev: source | source_port
+    persistence: PersistenceConfig | None = None  # None: no client persistence
     file: str = field(default="", compare=False)
     line: int = field(default=0, compare=False)
 
@@ -475,6 +484,32 @@ def _regex(node: yaml.Node, label: str) -> str:
 
 _status_codes = _one_or_list(_integer(100, 599), "status code")
 
+MAX_TABLE_SIZE = 1000003  # a rebuild costs ~M log M probes in Python: ~2 s at this size
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    divisor = 3
+    while divisor * divisor <= n:
+        if n % divisor == 0:
+            return False
+        divisor += 2
+    return True
+
+
+def _table_size(node: yaml.Node, label: str) -> int:
+    # Maglev's permutations (offset + j * skip) mod M visit every slot only when M is prime.
+    value = _scalar(node, label)
+    requirement = f"a prime from 101 to {MAX_TABLE_SIZE} (e.g. 65537, 131071 or 1000003)"
+    if not _is_int(value) or not 101 <= value <= MAX_TABLE_SIZE:
+        raise _expected(label, requirement, node)
+    if not _is_prime(value):
+        raise _expected(label, requirement, node, f"{value} is not prime")
+    return value
+
 
 def _workers(node: yaml.Node, label: str) -> int:
     if _scalar(node, label) == "auto":
@@ -532,7 +567,18 @@ def _scheduler(node: yaml.Node, label: str) -> str:
     return value
 
 
-_FALLBACK_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "dwd", "dwr", "least-load", "sap", "first")
+_FALLBACK_SCHEDULERS = (
+    "rr",
+    "wrr",
+    "lc",
+    "wlc",
+    "dwd",
+    "dwr",
+    "least-load",
+    "sap",
+    "first",
+    "maglev",
+)
 
 
 def _known_schedulers() -> list[str]:
@@ -580,8 +626,10 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "deny": _networks,
     "send_proxy": _choice("none", "v1", "v2"),
     "accept_proxy": _boolean,
+    "table_size": _table_size,
+    "hash_key": _choice("source", "source_port"),
 }
-_VIRTUAL_SERVER_SECTIONS = ("health_check", "snmp", "throttle", "real_servers")
+_VIRTUAL_SERVER_SECTIONS = ("health_check", "snmp", "throttle", "persistence", "real_servers")
 
 _REAL_SERVER_FIELDS: dict[str, Converter] = {
     "name": _name,
@@ -634,6 +682,14 @@ _THROTTLE_FIELDS: dict[str, Converter] = {
     "min_idle_timeout": _duration(positive=True),
     "interval": _duration(positive=True),
 }
+
+_PERSISTENCE_FIELDS: dict[str, Converter] = {
+    "timeout": _duration(positive=True),
+    "max_entries": _integer(1),
+}
+
+# Keys that only the maglev scheduler reads: an error with any other (not silently unused).
+_MAGLEV_KEYS = ("table_size", "hash_key")
 
 # Schedulers whose weights come from the SNMP poller.
 _SNMP_SCHEDULERS = ("dwd", "dwr")
@@ -853,6 +909,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     health_check = _read_health_check(doc, vs, where)
     snmp = _nested(doc, vs, "snmp", f"snmp of {where}", _SNMP_FIELDS, prefix="snmp.")
     throttle = _read_throttle(doc, vs, where)
+    persistence = _read_persistence(doc, vs, where)
     real_servers = _read_real_servers(doc, vs, snmp)
 
     config = None
@@ -863,6 +920,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             health_check=health_check,
             snmp=_snmp_config(snmp.values, default_host=None) if snmp else None,
             throttle=throttle,
+            persistence=persistence,
             file=doc.file,
             line=vs.line,
         )
@@ -918,6 +976,18 @@ def _read_throttle(doc: _Document, vs: _Section, where: str) -> ThrottleConfig |
             f"throttle.high_idle_timeout ({throttle.high_idle_timeout:g}s)",
         )
     return throttle
+
+
+def _read_persistence(doc: _Document, vs: _Section, where: str) -> PersistenceConfig | None:
+    section = _nested(
+        doc,
+        vs,
+        "persistence",
+        f"persistence of {where}",
+        _PERSISTENCE_FIELDS,
+        prefix="persistence.",
+    )
+    return None if section is None else PersistenceConfig(**section.values)
 
 
 def _read_real_servers(
@@ -1007,6 +1077,10 @@ def _check_scheduler_needs(doc: _Document, vs: _Section, config: VirtualServerCo
                 f"scheduler {what} needs an snmp block on the virtual server or on every "
                 f"real server (missing on {', '.join(missing)})",
             )
+    if scheduler != "maglev":
+        for key in _MAGLEV_KEYS:
+            if key in vs.key_lines:
+                doc.error(vs.line_of(key), f"{key} applies to scheduler maglev only")
     if scheduler == "least-load" and config.load_source == "connections":
         # Load is connections / max_connections: unlimited servers have no load to compare.
         for rs in config.real_servers:
@@ -1215,6 +1289,8 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
         scheduler += f", load from {vs.load_source}"
     if vs.slow_start:
         scheduler += f", slow start {vs.slow_start:g}s"
+    if vs.scheduler == "maglev":
+        scheduler += f", table {vs.table_size}, hash {vs.hash_key}"
     lines = [
         f"virtual server {vs.name} ({vs.file}:{vs.line})",
         f"  listen      {', '.join(str(address) for address in vs.listen)}",
@@ -1223,6 +1299,11 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
     ]
     if vs.throttle is not None:
         lines.append(f"  throttle    {_throttle_summary(vs.throttle)}")
+    if vs.persistence is not None:
+        lines.append(
+            f"  persistence {vs.persistence.timeout:g}s, "
+            f"at most {vs.persistence.max_entries} clients"
+        )
     lines.append("  real servers")
     lines.extend(_table([_real_server_row(vs, rs) for rs in vs.real_servers], indent="    "))
     return lines

@@ -20,6 +20,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from lbproxy.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.pool import REJECT_REASONS, Pool
 from lbproxy.throttle import MODE_VALUES
 
@@ -100,9 +101,26 @@ class LbproxyCollector:
             "Lifetime of proxied connections.",
             labels=[VS],
         )
+        persistence_entries = GaugeMetricFamily(
+            "lbproxy_persistence_entries",
+            "Clients remembered by persistence (expired entries are not counted).",
+            labels=[VS],
+        )
+        persistence_lookups = CounterMetricFamily(
+            "lbproxy_persistence_lookups",
+            "Persistence lookups, one per connection: hit, miss, or moved (the remembered "
+            "server was unavailable).",
+            labels=[VS, "result"],
+        )
         now = trio.current_time()
         for pool in self.source.pools():
             vs = pool.name
+            if pool.persistence is not None:
+                # Counting the entries drops the expired ones first, so the gauge falls
+                # as entries expire even when no client arrives.
+                persistence_entries.add_metric([vs], pool.persistence_entries(now))
+                for result in PERSISTENCE_RESULTS:
+                    persistence_lookups.add_metric([vs, result], pool.persistence.lookups[result])
             for reason in REJECT_REASONS:
                 rejected.add_metric([vs, reason], pool.rejected[reason])
             fallback.add_metric([vs], 1.0 if pool.fallback else 0.0)
@@ -148,8 +166,11 @@ class LbproxyCollector:
             fallback,
             throttle,
             duration,
+            persistence_entries,
+            persistence_lookups,
             reloads,
         )
+
 
 
 def make_registry(source: MetricsSource) -> CollectorRegistry:

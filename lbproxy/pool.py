@@ -33,6 +33,7 @@ from lbproxy import schedulers
 from lbproxy.config import MAX_WEIGHT, RealServerConfig, VirtualServerConfig
 from lbproxy.health import Health
 from lbproxy.histogram import DURATION_BUCKETS, POLL_BUCKETS, Histogram
+from lbproxy.persistence import Entry, Persistence, client_key
 
 log = logging.getLogger("lbproxy.pool")
 
@@ -86,12 +87,13 @@ def _shown(value: object, limit: int = 60) -> str:
 class Lease:
     """One connection to a real server, from `Pool.take` to `Pool.drop`."""
 
-    __slots__ = ("epoch", "handle", "server")
+    __slots__ = ("epoch", "handle", "server", "sticky")
 
     def __init__(self, server: RealServer, epoch: int, handle: Any) -> None:
         self.server = server
         self.epoch = epoch
         self.handle = handle  # the proxy's per-connection object (byte counters, close)
+        self.sticky: Entry | None = None  # its client's persistence entry, if any
 
 
 class RealServer:
@@ -215,6 +217,11 @@ class Pool:
         self._next_tick = float("-inf")  # when `pick` next runs `_tick`
         self._scheduler_tick = float("-inf")  # when the scheduler next wants `on_tick`
         self._next_seq = len(config.real_servers)
+        # Client persistence (SPEC §12), None when not configured: then neither pick nor
+        # take looks at the client address.
+        self.persistence: Persistence | None = None
+        self._by_client = False  # persistence or a keyed scheduler: pick needs the client
+        self._configure_affinity()
         # Servers present at start-up come online together: resetting the (empty)
         # connection table for each of them would only cost O(n²).
         self._starting = True
@@ -231,10 +238,22 @@ class Pool:
 
     # -- the hot path -------------------------------------------------------------
 
-    def pick(self, now: float, avoid: Collection[RealServer] = ()) -> RealServer | None:
-        """The real server for a new connection, or None when none is available."""
+    def pick(
+        self, now: float, avoid: Collection[RealServer] = (), client: tuple | None = None
+    ) -> RealServer | None:
+        """The real server for a new connection, or None when none is available.
+
+        `client` is the client's address `(host, port)` (the PROXY header's, with
+        accept_proxy); only persistence and keyed schedulers (maglev) read it. `avoid`
+        holds the servers this connection already failed on: empty on its first pick,
+        which is the one persistence counts.
+        """
         if now >= self._next_tick:
             self._tick(now)
+        if self._by_client:
+            if self.persistence is None:
+                return self.scheduler.pick_for(client, now, avoid)
+            return self._pick_for(client, now, avoid)
         return self.scheduler.pick(now, avoid)
 
     def advance(self, now: float) -> None:
@@ -249,7 +268,31 @@ class Pool:
         if now >= self._next_tick:
             self._tick(now)
 
-    def take(self, rs: RealServer, now: float, handle: Any = None) -> Lease:
+    def _pick_for(
+        self, client: tuple | None, now: float, avoid: Collection[RealServer]
+    ) -> RealServer | None:
+        persistence = self.persistence
+        if persistence is not None and client is not None and not avoid:
+            entry = persistence.lookup(client_key(client), now)
+            if entry is None:
+                persistence.lookups["miss"] += 1
+            elif entry.server.available:
+                persistence.lookups["hit"] += 1
+                return entry.server
+            else:
+                persistence.lookups["moved"] += 1  # take() replaces the entry
+        return self.scheduler.pick_for(client, now, avoid)
+
+    def persistence_entries(self, now: float) -> int:
+        """Live persistence entries (expired ones are dropped first); 0 without it."""
+        if self.persistence is None:
+            return 0
+        self.persistence.expire(now)
+        return len(self.persistence)
+
+    def take(
+        self, rs: RealServer, now: float, handle: Any = None, client: tuple | None = None
+    ) -> Lease:
         """Count a connection sent to `rs`; pass the lease to `drop` when it ends.
 
         Called before the connect, as IPVS counts a connection from its SYN, so that
@@ -257,6 +300,8 @@ class Pool:
         `connections_total`: `established` counts it once the connect has completed.
         """
         lease = Lease(rs, self.epoch, handle)
+        if self.persistence is not None and client is not None:
+            lease.sticky = self.persistence.acquire(client_key(client), rs, now)
         rs.leases.add(lease)
         rs.active += 1
         rs.sched_active += 1
@@ -286,6 +331,9 @@ class Pool:
         rs.leases.discard(lease)
         rs.active -= 1
         self.active -= 1
+        if lease.sticky is not None:
+            self.persistence.release(lease.sticky, now)  # type: ignore[union-attr]
+            lease.sticky = None
         if lease.epoch == self.epoch:
             rs.sched_active -= 1
             self.scheduler.on_drop(rs, now)
@@ -379,9 +427,19 @@ class Pool:
         if config.health_check != old_config.health_check:
             changes.append("health_check changed")
             self._retune_health(now)
-        if config.scheduler != old_config.scheduler:
-            changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")
+        if config.persistence != old_config.persistence:
+            changes.append("persistence changed")
+        if (config.scheduler, config.table_size, config.hash_key) != (
+            old_config.scheduler,
+            old_config.table_size,
+            old_config.hash_key,
+        ):
+            if config.scheduler != old_config.scheduler:
+                changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")
+            else:
+                changes.append("maglev table_size or hash_key changed")
             self._swap_scheduler(config.scheduler, now)
+        self._configure_affinity()
         wanted = {rs.name: (i, rs) for i, rs in enumerate(config.real_servers)}
         for rs in list(self.servers):
             if rs.name not in wanted:
@@ -410,8 +468,21 @@ class Pool:
             self._swap_scheduler(config.scheduler, now)
         return changes
 
+    def _configure_affinity(self) -> None:
+        """Set up (or retune, or drop) the persistence table for the current config."""
+        wanted = self.config.persistence
+        if wanted is None:
+            self.persistence = None
+        elif self.persistence is None:
+            self.persistence = Persistence(wanted.timeout, wanted.max_entries)
+        else:  # a reload keeps the entries; new limits apply from now on
+            self.persistence.timeout = wanted.timeout
+            self.persistence.max_entries = wanted.max_entries
+        self._by_client = self.persistence is not None or self.scheduler.keyed
+
     def _swap_scheduler(self, name: str, now: float) -> None:
         self.scheduler = schedulers.get(name)(self)
+        self._by_client = self.persistence is not None or self.scheduler.keyed
         for rs in self.servers:
             if rs.online:
                 self.scheduler.on_online(rs, now)
@@ -526,6 +597,7 @@ class Pool:
             rs.online = False
             rs.ramp_start = None
             self._ramping.discard(rs)
+            self.scheduler.on_offline(rs, now)
         old = rs.effective_weight
         rs.effective_weight = base * self._ramp_factor(rs, now)
         trial = rs.trial and not rs.removed and rs.state == ENABLED and base > 0

@@ -108,7 +108,7 @@ class Handler:
                 connection = Connection(flow)
                 if self.vs.throttle is not None:  # start with the imposed idle timeout, if any
                     flow.idle_timeout = self.vs.throttle.idle_timeout_for(config.idle_timeout)
-                connected = await self._connect(connection, config)
+                connected = await self._connect(connection, config, source)
                 if connected is None:
                     if self.vs.access_log:
                         end = "cancelled" if flow.closing else "no_server"
@@ -200,16 +200,20 @@ class Handler:
         )
 
     async def _connect(
-        self, handle: Connection, config: VirtualServerConfig
+        self, handle: Connection, config: VirtualServerConfig, source: tuple
     ) -> tuple[socket.socket, Lease] | None:
-        """Connect to a picked real server, retrying others (never the same one twice)."""
+        """Connect to a picked real server, retrying others (never the same one twice).
+
+        `source` is the client's address (the PROXY header's with accept_proxy), for
+        persistence and maglev; the pool ignores it when neither is configured.
+        """
         pool = self.pool
         tried: list[RealServer] = []
         for _ in range(config.retries + 1):
             if handle.flow.closing:  # closed while an earlier attempt was waiting
                 return None
             now = trio.current_time()
-            rs = pool.pick(now, tried)
+            rs = pool.pick(now, tried, source)
             if rs is None:
                 break
             tried.append(rs)
@@ -217,7 +221,7 @@ class Handler:
                 log.debug("%s", explain_pick(pool, rs, tried[:-1]))
             # Taken before the connect completes, as IPVS counts a connection from its
             # SYN: concurrent arrivals then see this one and spread out.
-            lease = pool.take(rs, now, handle)
+            lease = pool.take(rs, now, handle, source)
             try:
                 sock = await self._open(rs.address, config.connect_timeout, handle)
             except LocalCapacityError:

@@ -48,7 +48,7 @@ def available() -> list[str]:
 
 def _load_builtins() -> None:
     # Imported for their @register side effect; late, so the modules can import this one.
-    from lbproxy.schedulers import dynamic, first, lc, least_load, rr, sap  # noqa: F401
+    from lbproxy.schedulers import dynamic, first, lc, least_load, maglev, rr, sap  # noqa: F401
 
 
 def format_score(score: Any) -> str:
@@ -68,6 +68,8 @@ class Scheduler:
     dynamic_weights: ClassVar[bool] = False
     # True: with `quiesce: true`, a server coming online resets the connection table.
     quiesce_resets: ClassVar[bool] = False
+    # True: picks depend on the client (maglev); the pool calls `pick_for` with its address.
+    keyed: ClassVar[bool] = False
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
@@ -75,8 +77,17 @@ class Scheduler:
     def pick(self, now: float, avoid: Collection[RealServer] = ()) -> RealServer | None:
         raise NotImplementedError
 
+    def pick_for(
+        self, client: tuple | None, now: float, avoid: Collection[RealServer] = ()
+    ) -> RealServer | None:
+        """`pick` for a client address `(host, port)`; only `keyed` schedulers use it."""
+        return self.pick(now, avoid)
+
     def on_online(self, rs: RealServer, now: float) -> None:
         """`rs` came online (enabled, health up, weight > 0): called before on_available."""
+
+    def on_offline(self, rs: RealServer, now: float) -> None:
+        """`rs` is no longer online (called before on_unavailable, if it was available)."""
 
     def on_available(self, rs: RealServer, now: float) -> None:
         """`rs` can take new connections again (or for the first time)."""

@@ -322,7 +322,7 @@ def test_every_problem_of_a_file_is_reported_at_its_line(tmp_path: Path) -> None
         f"{path}:2: virtual server web needs 'listen'",
         f"{path}:3: unknown key 'lisen' in virtual server web (did you mean 'listen'?)",
         f"{path}:4: unknown scheduler 'wlcc' (did you mean 'wlc'?); known: "
-        "dwd, dwr, first, lc, least-load, rr, sap, wlc, wrr",
+        "dwd, dwr, first, lc, least-load, maglev, rr, sap, wlc, wrr",
         f"{path}:5: connect_timeout must be a duration (250ms, 5s, 2m, 1h or seconds) > 0, "
         "got '-1s'",
         f"{path}:8: allow must be a list of CIDR networks like 10.0.0.0/8, got '10.0.0.0/33' "

@@ -12,6 +12,8 @@ PURE = [
     "lbproxy.simulate",
     "lbproxy.proxy_protocol",
     "lbproxy.schedulers",
+    "lbproxy.schedulers.maglev",
+    "lbproxy.persistence",
 ]
 
 

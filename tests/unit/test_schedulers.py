@@ -25,7 +25,7 @@ def run(pool: Pool, n: int, *, hold: bool, now: float = 0.0) -> list[str]:
 
 def test_registry_lists_every_scheduler_and_rejects_duplicates():
     assert schedulers.available() == [
-        "dwd", "dwr", "first", "lc", "least-load", "rr", "sap", "wlc", "wrr",
+        "dwd", "dwr", "first", "lc", "least-load", "maglev", "rr", "sap", "wlc", "wrr",
     ]  # fmt: skip
     with pytest.raises(ValueError, match="already registered"):
         schedulers.register(type("Again", (schedulers.Scheduler,), {"name": "rr"}))

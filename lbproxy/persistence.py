@@ -1,0 +1,119 @@
+"""Client persistence: a client address goes back to the real server it used before.
+
+PURE: no trio, no clock (every method that needs the time takes `now`).
+
+LVS's `-p` (a connection template per client address) and HAProxy's `stick on src`:
+while a client has a connection open, or had one that ended less than `timeout` ago,
+its next connection goes to the same real server, as long as that server is available;
+otherwise the scheduler picks and the entry is replaced (SPEC §12). One table per
+virtual server and per process (with `workers`, per worker): nothing is shared, which
+is why `maglev` is the answer across processes.
+
+The table is one OrderedDict, client address -> Entry, kept in the order entries were
+last touched: a connection starting or ending moves its client's entry to the end. So
+the idle entries (no connection open) are in the order their last connection ended,
+which, with one `timeout` for the whole table, is the order in which they expire: the
+table is its own deadline queue. Expiry costs nothing per idle entry: an expired entry
+is dropped when its client comes back (lazily), by a sweep of at most a few entries
+from the front at each lookup, and by a sweep to the first live entry when the entries
+are counted (`expire`, at every metrics scrape), so the entries gauge falls as entries
+expire. An entry with a connection still open never expires; met at the front by a
+sweep it is moved to the end (it is in use: recently used, for the LRU order too).
+
+Beyond `max_entries` the least recently touched entry is evicted, open connection or
+not (that client's next connection is then scheduled afresh). Each entry remembers its
+open connections; a lease holds its Entry, so a connection ending after its entry was
+evicted or replaced changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+log = logging.getLogger("lbproxy.persistence")
+
+RESULTS = ("hit", "miss", "moved")
+SWEEP_PER_LOOKUP = 4  # expired entries dropped from the front at most, per lookup
+
+
+class Entry:
+    __slots__ = ("active", "expires", "key", "server")
+
+    def __init__(self, key: str, server: Any) -> None:
+        self.key = key
+        self.server = server
+        self.active = 0  # connections of this client open now
+        self.expires = 0.0  # meaningful once active is 0
+
+
+def client_key(client: tuple) -> str:
+    """The table key of a client address `(host, port, ...)`: its host."""
+    host = client[0]
+    if host.startswith("::ffff:") and "." in host:
+        return host[7:]  # an IPv4 client seen through a dual-stack listener
+    return host
+
+
+class Persistence:
+    def __init__(self, timeout: float, max_entries: int) -> None:
+        self.timeout = timeout
+        self.max_entries = max_entries
+        self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.lookups = dict.fromkeys(RESULTS, 0)
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, key: str, now: float) -> Entry | None:
+        """The live entry of client `key`, or None (an expired one is dropped)."""
+        entries = self.entries
+        entry = entries.get(key)
+        if entry is not None and not entry.active and entry.expires <= now:
+            del entries[key]
+            entry = None
+        self.expire(now, SWEEP_PER_LOOKUP)
+        return entry
+
+    def acquire(self, key: str, server: Any, now: float) -> Entry:
+        """A connection of client `key` was sent to `server`; returns its entry."""
+        entries = self.entries
+        entry = entries.get(key)
+        if entry is None or (not entry.active and entry.expires <= now):
+            entry = entries[key] = Entry(key, server)
+            entries.move_to_end(key)  # a replaced expired entry keeps its old place
+            while len(entries) > self.max_entries:  # more than one after a reload lowered it
+                entries.popitem(last=False)
+                self.evicted += 1
+        else:
+            entry.server = server
+            entries.move_to_end(key)
+        entry.active += 1
+        return entry
+
+    def release(self, entry: Entry, now: float) -> None:
+        """A connection counted by `acquire` ended."""
+        entry.active -= 1
+        if entry.active <= 0 and self.entries.get(entry.key) is entry:
+            entry.active = 0
+            entry.expires = now + self.timeout
+            self.entries.move_to_end(entry.key)
+
+    def expire(self, now: float, limit: int | None = None) -> int:
+        """Drop expired entries from the front (at most `limit` steps); returns the count."""
+        entries = self.entries
+        dropped = 0
+        steps = len(entries) if limit is None else min(limit, len(entries))
+        for _ in range(steps):
+            key = next(iter(entries))
+            entry = entries[key]
+            if entry.active:
+                entries.move_to_end(key)  # in use: neither expires nor blocks the sweep
+            elif entry.expires <= now:
+                del entries[key]
+                dropped += 1
+            else:
+                break  # idle entries behind it expire later
+        return dropped

@@ -90,8 +90,7 @@ def populate(servers: list[Any], names: list[str], weights: list[float], size: i
 
     `cache` maps name -> (offset, skip) for this size and is filled as needed.
     """
-    n = len(servers)
-    if n == 0:
+    if not servers:
         return []
     cache = {} if cache is None else cache
     position, skips = [], []
@@ -101,27 +100,47 @@ def populate(servers: list[Any], names: list[str], weights: list[float], size: i
             pair = cache[name] = permutation(name, size)
         position.append(pair[0])
         skips.append(pair[1])
+    if min(weights) == max(weights):
+        return _round_robin(servers, position, skips, size)
+    return _weighted(servers, weights, position, skips, size)
+
+
+def _round_robin(servers: list[Any], position: list[int], skips: list[int], size: int):
+    """The paper's population loop: servers take one turn each, in order, until full.
+
+    (The weighted order below gives the same table when the weights are equal; this
+    loop is the fast path without a heap.)
+    """
     table: list[Any] = [None] * size
     filled = 0
-    if min(weights) == max(weights):
-        # The paper's round robin (the EDF order below gives the same with equal weights).
-        while True:
-            for i in range(n):
-                c, skip = position[i], skips[i]
-                while table[c] is not None:
-                    c += skip
-                    if c >= size:
-                        c -= size
-                table[c] = servers[i]
+    n = len(servers)
+    while True:
+        for i in range(n):
+            c, skip = position[i], skips[i]
+            while table[c] is not None:
                 c += skip
-                position[i] = c - size if c >= size else c
-                filled += 1
-                if filled == size:
-                    return table
-    # Weighted: the k-th turn of server i at virtual time k / w_i, ties in name order.
-    # Computed from k each time (not accumulated), so float drift never reorders turns.
-    heap = [(0.0, i) for i in range(n)]  # sorted, hence a heap
-    turns = [0] * n
+                if c >= size:
+                    c -= size
+            table[c] = servers[i]
+            c += skip
+            position[i] = c - size if c >= size else c
+            filled += 1
+            if filled == size:
+                return table
+
+
+def _weighted(
+    servers: list[Any], weights: list[float], position: list[int], skips: list[int], size: int
+):
+    """The population loop with turns in proportion to weight (earliest deadline first).
+
+    The k-th turn of server i is at virtual time k / w_i, ties in name order; computed
+    from k each time (not accumulated), so float drift never reorders turns.
+    """
+    table: list[Any] = [None] * size
+    filled = 0
+    heap = [(0.0, i) for i in range(len(servers))]  # sorted, hence a heap
+    turns = [0] * len(servers)
     while True:
         i = heap[0][1]
         c, skip = position[i], skips[i]

@@ -1,4 +1,8 @@
-"""Hypothesis over every registered scheduler: what any scheduler must never do."""
+"""Hypothesis over every registered scheduler: what any scheduler must never do.
+
+Connections come from a few client addresses (maglev hashes them), and half of the
+examples run with client persistence on (SPEC §12), which must obey the same rules.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbproxy import schedulers
+from lbproxy.config import PersistenceConfig
 from lbproxy.pool import ENABLED, Pool
 from tests.factories import SNMP, virtual_server
 
@@ -48,9 +53,13 @@ def must_be_available(pool: Pool, rs) -> bool:
     )
 
 
-def build(scheduler: str, options: list[dict]) -> Pool:
+def build(scheduler: str, options: list[dict], persistence: bool = False) -> Pool:
     servers = {f"s{i}": dict(opts, snmp=SNMP) for i, opts in enumerate(options)}
-    extra = {"snmp": SNMP} if scheduler in ("dwd", "dwr") else {}
+    extra: dict = {"snmp": SNMP} if scheduler in ("dwd", "dwr") else {}
+    if scheduler == "maglev":
+        extra["table_size"] = 101  # small: the rules do not depend on the size
+    if persistence:
+        extra["persistence"] = PersistenceConfig(timeout=1.0, max_entries=4)
     if scheduler == "least-load":
         for opts in servers.values():
             opts["max_connections"] = opts["max_connections"] or 3
@@ -62,22 +71,24 @@ def build(scheduler: str, options: list[dict]) -> Pool:
     scheduler=st.sampled_from(SCHEDULERS),
     options=st.lists(server_options, min_size=1, max_size=8),
     ops=operations,
+    persistence=st.booleans(),
 )
 def test_never_picks_an_unavailable_server_and_none_only_when_none_is_available(
-    scheduler, options, ops
+    scheduler, options, ops, persistence
 ):
-    pool = build(scheduler, options)
+    pool = build(scheduler, options, persistence)
     leases = []
     now = 0.0
     for op in ops:
         kind = op[0]
         if kind == "connect":
-            rs = pool.pick(now)
+            client = (f"10.0.0.{op[1]}", 40000 + op[1])
+            rs = pool.pick(now, (), client)
             if rs is None:
                 assert not any(must_be_available(pool, s) for s in pool.servers)
             else:
                 assert must_be_available(pool, rs), (rs, rs.state, rs.health.up)
-                leases.append(pool.take(rs, now))
+                leases.append(pool.take(rs, now, None, client))
         elif kind == "close" and leases:
             pool.drop(leases.pop(op[1] % len(leases)), now)
         elif kind == "tick":
@@ -98,6 +109,17 @@ def test_never_picks_an_unavailable_server_and_none_only_when_none_is_available(
         assert rs.active == sum(1 for lease in leases if lease.server is rs)
         assert 0 <= rs.sched_active <= rs.active
     assert pool.active == len(leases)
+    if pool.persistence is not None:
+        table = pool.persistence
+        assert len(table) <= table.max_entries
+        live = [lease.sticky for lease in leases if lease.sticky is not None]
+        # (an entry evicted while its connection was open no longer counts)
+        open_by_client = Counter(e.key for e in live if table.entries.get(e.key) is e)
+        for key, entry in table.entries.items():
+            assert entry.active == open_by_client[key], (key, entry.active)
+        assert pool.persistence_entries(now + 1.0) == sum(
+            1 for e in table.entries.values() if e.active
+        )
 
 
 @settings(max_examples=60, deadline=None)

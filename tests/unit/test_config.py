@@ -34,6 +34,7 @@ SCHEDULER_FILES = [
     "dwd.yaml",
     "dwr.yaml",
     "least-load.yaml",
+    "maglev.yaml",
 ]
 
 # A valid virtual server to put next to the thing under test.
@@ -816,7 +817,7 @@ def test_the_examples_folder_loads_as_a_whole() -> None:
         name.removesuffix(".yaml") for name in SCHEDULER_FILES
     )
     ports = sorted(address.port for vs in config.virtual_servers for address in vs.listen)
-    assert ports == list(range(8081, 8090))
+    assert ports == list(range(8081, 8091))
 
 
 def test_only_global_yaml_holds_global() -> None:
@@ -835,8 +836,93 @@ def test_summary_names_every_server(tmp_path: Path) -> None:
     assert text.splitlines()[0] == "admin 127.0.0.1:9100, log text, workers 1, drain timeout 30s"
     assert "virtual server wlc-web (" in text
     assert "scheduler   wlc, quiesce" in text
-    assert text.splitlines()[-1] == "9 virtual servers, 27 real servers"
+    assert text.splitlines()[-1] == "10 virtual servers, 30 real servers"
     for vs in config.virtual_servers:
         assert f"  listen      {vs.listen[0]}" in text
         for rs in vs.real_servers:
             assert f"{rs.name}  {rs.address}" in text or f"{rs.name}     {rs.address}" in text
+
+
+# --------------------------------------------------------------------------------------
+# Affinity (SPEC §12): maglev keys and persistence
+# --------------------------------------------------------------------------------------
+
+
+def test_maglev_and_persistence_keys_and_defaults(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "m.yaml",
+        """\
+        virtual_servers:
+          - name: m
+            listen: 127.0.0.1:8080
+            scheduler: maglev
+            table_size: 131071
+            hash_key: source_port
+            persistence: {timeout: 90s, max_entries: 10}
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+          - name: d
+            listen: 127.0.0.1:8081
+            scheduler: maglev
+            persistence:
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+        """,
+    )
+    m, d = load([path]).virtual_servers
+    assert (m.table_size, m.hash_key) == (131071, "source_port")
+    assert (m.persistence.timeout, m.persistence.max_entries) == (90.0, 10)
+    assert (d.table_size, d.hash_key) == (65537, "source")
+    assert (d.persistence.timeout, d.persistence.max_entries) == (300.0, 100000)
+    assert load([write(tmp_path, "min.yaml", MINIMAL)]).virtual_servers[0].persistence is None
+
+
+def test_maglev_and_persistence_problems(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "bad.yaml",
+        """\
+        virtual_servers:
+          - name: m
+            listen: 127.0.0.1:8080
+            scheduler: maglev
+            table_size: 65536
+            hash_key: port
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+          - name: small
+            listen: 127.0.0.1:8081
+            scheduler: maglev
+            table_size: 97
+            persistence: {timeout: 0s, max_entries: 0, sticky: yes}
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+          - name: r
+            listen: 127.0.0.1:8082
+            scheduler: rr
+            table_size: 101
+            hash_key: source
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+        """,
+    )
+    assert problems([path]) == [
+        f"{path}:5: table_size must be a prime from 101 to 1000003 (e.g. 65537, 131071 or "
+        "1000003), got 65536 (65536 is not prime)",
+        f"{path}:6: hash_key must be one of source, source_port, got 'port'",
+        f"{path}:12: table_size must be a prime from 101 to 1000003 (e.g. 65537, 131071 or "
+        "1000003), got 97",
+        f"{path}:13: persistence.timeout must be a duration (250ms, 5s, 2m, 1h or seconds) > 0, "
+        "got '0s'",
+        f"{path}:13: persistence.max_entries must be an integer >= 1, got 0",
+        f"{path}:13: unknown key 'sticky' in persistence of virtual server small",
+        f"{path}:19: table_size applies to scheduler maglev only",
+        f"{path}:20: hash_key applies to scheduler maglev only",
+    ]
+
+
+def test_summary_shows_maglev_and_persistence() -> None:
+    text = summary(load([CONFIGS / "maglev.yaml"]))
+    assert "scheduler   maglev, table 65537, hash source" in text
+    assert "persistence 300s, at most 100000 clients" in text

@@ -93,6 +93,11 @@ def check(config: tuple[str, ...]) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 @click.option("--explain", is_flag=True, help="Print every pick with each server's score.")
+@click.option(
+    "--clients",
+    type=click.IntRange(min=1),
+    help="Connections come from K client addresses in turn (10.0.0.1, 10.0.0.2, ...).",
+)
 def simulate(
     config: tuple[str, ...],
     connections: int,
@@ -102,6 +107,7 @@ def simulate(
     rate: float,
     as_json: bool,
     explain: bool,
+    clients: int | None,
 ) -> None:
     """Run the real scheduler offline and print each real server's share."""
     from lbproxy.simulate import SimulationError, choose_virtual_server, parse_events
@@ -121,7 +127,7 @@ def simulate(
         click.echo(str(exc), err=True)
         sys.exit(EXIT_USAGE)
     result = run_simulation(
-        vs, connections, hold=hold, events=event_list, rate=rate, explain=explain
+        vs, connections, hold=hold, events=event_list, rate=rate, explain=explain, clients=clients
     )
     if as_json:
         click.echo(json.dumps(result.as_json()))
@@ -133,6 +139,10 @@ def simulate(
     print_simulation(result, hold=hold)
     if result.throttle is not None:  # the admission-control timeline (SPEC section 5)
         click.echo("\n".join(result.throttle.lines()))
+    if result.clients is not None:  # SPEC section 12: who moved when servers came and went
+        click.echo(f"clients: {len(result.clients)}")
+        for moves in result.moves:
+            click.echo(f"  {moves.line()}")
 
 
 @main.command()

@@ -283,6 +283,11 @@ class Pool:
                 persistence.lookups["moved"] += 1  # take() replaces the entry
         return self.scheduler.pick_for(client, now, avoid)
 
+    @property
+    def reads_client(self) -> bool:
+        """True when picks depend on the client address (persistence or maglev)."""
+        return self._by_client
+
     def persistence_entries(self, now: float) -> int:
         """Live persistence entries (expired ones are dropped first); 0 without it."""
         if self.persistence is None:

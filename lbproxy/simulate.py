@@ -16,6 +16,15 @@ number `before`, in file order, each key of one event in the order written:
 With `rate:` events, connection k arrives 1 / rate after connection k - 1 (rate being
 the one in force for k), so simulated time advances accordingly.
 
+Clients (SPEC §12, for `maglev` and `persistence`): with `clients=K`, connection k comes
+from client address number (k - 1) mod K + 1, counted from 10.0.0.0 (10.0.0.1, 10.0.0.2,
+..., 10.0.0.255, 10.0.1.0, ...), source port 32768 + (k - 1) mod 28232 (Linux's ephemeral
+range). Without it every connection comes from an address of its own. The result then
+also holds each client's servers in order, and for every `join`, `leave`, `weight` or
+`state` event how many clients moved: of the clients with a connection both before the
+event and after it (before the next such event), those whose first server after it is
+not their last server before it.
+
 Throttle (a virtual server with a `throttle:` block): every arrival counts toward the
 rate window; the monitor is simulated as it runs in `lbproxy run` -- an evaluation every
 `throttle.interval` of simulated time while connections are held or arrived within the
@@ -32,6 +41,7 @@ closes none of them: a held connection stays until a `close:` event ends it.
 
 from __future__ import annotations
 
+import ipaddress
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +75,47 @@ class Pick:
 
 
 @dataclass
+class Moves:
+    """How many clients changed server across one membership event."""
+
+    before: int  # the event applied before this connection number
+    event: str  # "leave s2", "join s2", "weight s1=3", ...
+    seen: int = 0  # clients with a connection on both sides of the event
+    moved: int = 0  # ... whose server changed
+    moved_from: dict[str, int] = field(default_factory=dict)  # their old server -> count
+    snapshot: dict[str, str | None] = field(default_factory=dict, repr=False)
+    after: dict[str, str | None] = field(default_factory=dict, repr=False)
+
+    def finish(self) -> None:
+        for client, server in self.after.items():
+            if client not in self.snapshot:
+                continue
+            self.seen += 1
+            old = self.snapshot[client]
+            if old != server:
+                self.moved += 1
+                key = old if old is not None else "-"
+                self.moved_from[key] = self.moved_from.get(key, 0) + 1
+        self.snapshot, self.after = {}, {}
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "before": self.before,
+            "event": self.event,
+            "clients": self.seen,
+            "moved": self.moved,
+            "moved_from": self.moved_from,
+        }
+
+    def line(self) -> str:
+        origins = ", ".join(f"{name}: {n}" for name, n in sorted(self.moved_from.items()))
+        return (
+            f"{self.event} (before #{self.before}): {self.moved} of {self.seen} clients moved"
+            + (f" (from {origins})" if origins else "")
+        )
+
+
+@dataclass
 class SimulationResult:
     virtual_server: str
     scheduler: str
@@ -72,17 +123,27 @@ class SimulationResult:
     sequence: list[str | None]
     explain: list[Pick] = field(default_factory=list)
     throttle: ThrottleTimeline | None = None  # when the virtual server has a throttle
+    clients: dict[str, list[str | None]] | None = None  # with `clients`: each one's servers
+    moves: list[Moves] = field(default_factory=list)  # with `clients`: per membership event
 
     def shares(self) -> dict[str, float]:
         total = sum(self.picks.values())
         return {name: (n / total if total else 0.0) for name, n in self.picks.items()}
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "virtual_server": self.virtual_server,
-            "picks": self.picks,
-            "sequence": self.sequence,
-        } | ({"throttle": self.throttle.as_json()} if self.throttle is not None else {})
+        return (
+            {
+                "virtual_server": self.virtual_server,
+                "picks": self.picks,
+                "sequence": self.sequence,
+            }
+            | ({"throttle": self.throttle.as_json()} if self.throttle is not None else {})
+            | (
+                {"clients": self.clients, "moves": [m.as_json() for m in self.moves]}
+                if self.clients is not None
+                else {}
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -236,8 +297,12 @@ def simulate(
     events: list[Event] = (),  # type: ignore[assignment]
     rate: float = 10.0,
     explain: bool = False,
+    clients: int | None = None,
 ) -> SimulationResult:
     pool = Pool(vs, now=0.0)
+    per_client: dict[str, list[str | None]] | None = {} if clients else None
+    last: dict[str, str | None] = {}  # each client's latest server
+    moves: list[Moves] = []
     held: dict[str, deque[Lease]] = {rs.name: deque() for rs in pool.servers}
     picks = {rs.name: 0 for rs in pool.servers}
     sequence: list[str | None] = []
@@ -265,6 +330,13 @@ def simulate(
             for key, value in event.actions:
                 if key != "rate":
                     _apply(pool, key, value, held, now)
+            if per_client is not None and any(key in MEMBERSHIP_KEYS for key, _ in event.actions):
+                if moves:
+                    moves[-1].finish()
+                moves.append(Moves(number, _describe(event), snapshot=dict(last)))
+        client = (
+            client_address(number, clients) if per_client is not None or pool.reads_client else None
+        )
         if monitor is not None and monitor.arrival(now, pool.active, number):
             pool.rejected["throttle"] += 1
             sequence.append(None)
@@ -272,13 +344,19 @@ def simulate(
                 trace.append(Pick(number, now, None, {"throttle": "refused (digg)"}))
             continue
         scores = pool.scores() if explain else {}
-        rs = pool.pick(now)
+        rs = pool.pick(now, (), client)
+        if per_client is not None:
+            name = rs.name if rs is not None else None
+            per_client.setdefault(client[0], []).append(name)
+            last[client[0]] = name
+            if moves and client[0] not in moves[-1].after:
+                moves[-1].after[client[0]] = name
         if rs is None:
             sequence.append(None)
         else:
             picks[rs.name] += 1
             sequence.append(rs.name)
-            lease = pool.take(rs, now)
+            lease = pool.take(rs, now, None, client)
             pool.established(lease)  # a simulated connect always succeeds
             if hold:
                 held[rs.name].append(lease)
@@ -292,7 +370,33 @@ def simulate(
     if monitor is not None:
         monitor.finish(pool.active, connections + 1)
         timeline = monitor.timeline
-    return SimulationResult(vs.name, vs.scheduler, picks, sequence, trace, timeline)
+    if moves:
+        moves[-1].finish()
+    return SimulationResult(
+        vs.name, vs.scheduler, picks, sequence, trace, timeline, per_client, moves
+    )
+
+
+MEMBERSHIP_KEYS = ("join", "leave", "weight", "state")
+_FIRST_CLIENT = ipaddress.IPv4Address("10.0.0.0")
+
+
+def client_address(number: int, clients: int | None) -> tuple[str, int]:
+    """The simulated client of connection `number` (1-based), as `(host, port)`."""
+    index = (number - 1) % clients if clients else number - 1
+    return str(_FIRST_CLIENT + 1 + index), 32768 + (number - 1) % 28232
+
+
+def _describe(event: Event) -> str:
+    parts = []
+    for key, value in event.actions:
+        if key not in MEMBERSHIP_KEYS:
+            continue
+        if isinstance(value, dict):
+            parts.append(f"{key} " + ", ".join(f"{k}={v}" for k, v in value.items()))
+        else:
+            parts.append(f"{key} " + ", ".join(value if isinstance(value, list) else [value]))
+    return "; ".join(parts)
 
 
 class _Monitor:

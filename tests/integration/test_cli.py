@@ -177,3 +177,39 @@ def test_python_dash_m_and_version():
     out = run_cli("--version")
     assert out.returncode == 0 and "lbproxy" in out.stdout
     assert (ROOT / "lbproxy" / "__main__.py").exists()
+
+
+MAGLEV = """\
+virtual_servers:
+  - name: cache
+    listen: 127.0.0.1:{port}
+    scheduler: maglev
+    real_servers:
+      - {{name: s1, address: 127.0.0.1:9001}}
+      - {{name: s2, address: 127.0.0.1:9002}}
+      - {{name: s3, address: 127.0.0.1:9003}}
+"""
+
+
+def test_simulate_clients_says_how_many_moved_on_leave_and_join(tmp_path):
+    config = tmp_path / "maglev.yaml"
+    config.write_text(MAGLEV.format(port=free_port()))
+    events = tmp_path / "events.yaml"
+    events.write_text("- {before: 301, leave: s2}\n- {before: 601, join: s2}\n")
+    args = ["simulate", str(config), "-n", "900", "--clients", "100", "--events", str(events)]
+    out = run_cli(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    clients = result["clients"]
+    assert list(clients)[:3] == ["10.0.0.1", "10.0.0.2", "10.0.0.3"] and len(clients) == 100
+    on_s2 = [a for a, servers in clients.items() if servers[0] == "s2"]
+    for address, servers in clients.items():
+        assert servers[:3] == servers[6:] == [servers[0]] * 3  # back where it was
+        if address not in on_s2:
+            assert servers[3:6] == servers[:3]  # a leave moves only s2's clients
+    text = run_cli(*args)
+    assert text.returncode == 0, text.stderr
+    assert "clients: 100" in text.stdout
+    n = len(on_s2)
+    assert f"leave s2 (before #301): {n} of 100 clients moved (from s2: {n})" in text.stdout
+    assert f"join s2 (before #601): {n} of 100 clients moved" in text.stdout

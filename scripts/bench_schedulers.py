@@ -23,9 +23,20 @@ Set-up per scheduler: weights 1..5 cycling (so weighted schedulers really weigh)
 ``dwd`` and ``dwr`` get an ``snmp:`` block and a reported value per server (so they run
 on dynamic weights, not the all-zero fallback); ``sap`` load factors 1..4 cycling.
 
+Connections come from 4,096 client addresses in turn (passed to pick and take, as the
+proxy does), so ``maglev`` hashes real keys; the other schedulers ignore them.
+
 Each figure is the median of ``--repeat`` timed runs of ``--ops`` connections, after one
 untimed warm-up run. The last columns are the ratio of the cost at the largest size to the
 cost at the smallest (issue 7's goal: 10,000 real servers within 2x of 10).
+
+Then the affinity figures (issue 14; ``--no-affinity`` skips them): the cost of a pick
+alone (``Pool.pick`` with a client) for ``rr`` and ``maglev`` at 10 and 10,000 servers
+(goal: maglev within 1.2x between the sizes, and no slower than rr); the time to build a
+Maglev table of 65,537 slots for 10 and 10,000 servers, equal weights and weights 1..5;
+the share of other servers' slots that move when one of N leaves; and what persistence
+adds to a connection (rr with ``persistence:`` against rr without; every client is a
+hit after the first round) and the cost of one ``Persistence.lookup``.
 """
 
 from __future__ import annotations
@@ -45,16 +56,20 @@ from lbproxy import schedulers
 from lbproxy.config import (
     Address,
     HealthCheckConfig,
+    PersistenceConfig,
     RealServerConfig,
     SnmpConfig,
     VirtualServerConfig,
 )
+from lbproxy.persistence import Persistence
 from lbproxy.pool import Pool
+from lbproxy.schedulers.maglev import populate
 
 STEP = 1e-4  # simulated seconds between connections: 10,000 per second
+CLIENTS = [(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 32768 + i) for i in range(4096)]
 
 
-def build_pool(scheduler: str, n: int) -> Pool:
+def build_pool(scheduler: str, n: int, **options) -> Pool:
     """A pool of `n` real servers set up so that `scheduler` runs its real algorithm."""
     dynamic = schedulers.get(scheduler).dynamic_weights
     snmp = SnmpConfig(on_no_answer="zero") if dynamic else None
@@ -76,6 +91,7 @@ def build_pool(scheduler: str, n: int) -> Pool:
         scheduler=scheduler,
         health_check=HealthCheckConfig(type="none"),
         snmp=snmp,
+        **options,
     )
     pool = Pool(config, 0.0)
     if dynamic:
@@ -89,24 +105,120 @@ def build_pool(scheduler: str, n: int) -> Pool:
 
 def run_short(pool: Pool, ops: int, now: float) -> tuple[int, float]:
     pick, take, drop = pool.pick, pool.take, pool.drop
+    clients, count = CLIENTS, len(CLIENTS)
     t0 = time.perf_counter_ns()
-    for _ in range(ops):
+    for i in range(ops):
         now += STEP
-        rs = pick(now)
-        drop(take(rs, now), now)
+        client = clients[i % count]
+        rs = pick(now, (), client)
+        drop(take(rs, now, None, client), now)
     return time.perf_counter_ns() - t0, now
 
 
 def run_held(pool: Pool, ops: int, now: float, held: deque) -> tuple[int, float]:
     pick, take, drop = pool.pick, pool.take, pool.drop
     push, pop = held.append, held.popleft
+    clients, count = CLIENTS, len(CLIENTS)
     t0 = time.perf_counter_ns()
-    for _ in range(ops):
+    for i in range(ops):
         now += STEP
-        rs = pick(now)
-        push(take(rs, now))
+        client = clients[i % count]
+        rs = pick(now, (), client)
+        push(take(rs, now, None, client))
         drop(pop(), now)
     return time.perf_counter_ns() - t0, now
+
+
+def run_picks(pool: Pool, ops: int) -> int:
+    """Picks alone, at one instant (no take: nothing changes between them)."""
+    pick, clients, count = pool.pick, CLIENTS, len(CLIENTS)
+    t0 = time.perf_counter_ns()
+    for i in range(ops):
+        pick(1.0, (), clients[i % count])
+    return time.perf_counter_ns() - t0
+
+
+def median_ns(run, ops: int, repeat: int) -> float:
+    run()  # warm-up
+    return statistics.median(run() / ops for _ in range(repeat))
+
+
+def affinity(ops: int, repeat: int) -> dict[str, dict]:
+    figures: dict[str, dict] = {"pick": {}, "build": {}, "moved": {}, "persistence": {}}
+    for name in ("rr", "maglev"):
+        for n in (10, 10000):
+            pool = build_pool(name, n)
+            figures["pick"][f"{name} n={n}"] = median_ns(
+                lambda p=pool: run_picks(p, ops), ops, repeat
+            )
+    for n in (10, 10000):
+        names = [f"rs{i}" for i in range(n)]
+        for label, weights in (("equal", [1.0] * n), ("1..5", [1.0 + i % 5 for i in range(n)])):
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                populate(names, names, weights, 65537)
+                times.append(time.perf_counter() - t0)
+            figures["build"][f"n={n} {label}"] = statistics.median(times) * 1e3
+    for n in (10, 100, 1000):
+        names = [f"rs{i}" for i in range(n)]
+        full = populate(names, names, [1.0] * n, 65537)
+        worst = 0.0
+        for gone in names[:5]:
+            rest = [x for x in names if x != gone]
+            table = populate(rest, rest, [1.0] * (n - 1), 65537)
+            others = [slot for slot, owner in enumerate(full) if owner != gone]
+            moved = sum(1 for slot in others if table[slot] != full[slot])
+            worst = max(worst, moved / len(others))
+        figures["moved"][f"n={n}"] = worst * 100
+    plain = build_pool("rr", 10)
+    sticky = build_pool("rr", 10, persistence=PersistenceConfig(timeout=300, max_entries=100000))
+    for label, pool in (("rr", plain), ("rr + persistence", sticky)):
+
+        def short(p=pool):
+            return run_short(p, ops, 1.0)[0]
+
+        figures["persistence"][label] = median_ns(short, ops, repeat)
+    table = Persistence(300.0, 100000)
+    for client in CLIENTS:
+        table.release(table.acquire(client[0], "a", 0.0), 0.0)
+    hosts = [client[0] for client in CLIENTS]
+
+    def lookups() -> int:
+        lookup = table.lookup
+        t0 = time.perf_counter_ns()
+        for i in range(ops):
+            lookup(hosts[i % 4096], 1.0)
+        return time.perf_counter_ns() - t0
+
+    figures["persistence"]["Persistence.lookup (hit)"] = median_ns(lookups, ops, repeat)
+    return figures
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def print_affinity(figures: dict[str, dict]) -> None:
+    pick = figures["pick"]
+    print("\npick alone (Pool.pick with a client), ns:")
+    for label, value in pick.items():
+        print(f"  {label:<16} {value:8,.0f}")
+    ratio = pick["maglev n=10000"] / pick["maglev n=10"]
+    versus = max(pick[f"maglev n={n}"] / pick[f"rr n={n}"] for n in (10, 10000))
+    print(
+        f"  maglev 10,000 / 10: {ratio:.2f}x (goal <= 1.2x: {_met(ratio <= 1.2)});"
+        f" maglev / rr at the same n, worst: {versus:.2f}x (goal <= 1: {_met(versus <= 1)})"
+    )
+    print("maglev table build, 65,537 slots, ms:")
+    for label, value in figures["build"].items():
+        print(f"  {label:<16} {value:8,.1f}")
+    print("one of N servers leaves: other servers' slots that move, worst of 5, %:")
+    for label, value in figures["moved"].items():
+        print(f"  {label:<16} {value:8.2f}")
+    print("persistence, ns per connection (pick + take + drop) and per lookup:")
+    for label, value in figures["persistence"].items():
+        print(f"  {label:<26} {value:8,.0f}")
 
 
 def measure(scheduler: str, n: int, ops: int, repeat: int) -> dict[str, float]:
@@ -154,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs (median reported)")
     parser.add_argument("--schedulers", default="", help="comma-separated (default: all)")
     parser.add_argument("--json", dest="json_path", help="also write the figures here")
+    parser.add_argument("--no-affinity", action="store_true", help="skip the maglev figures")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     names = args.schedulers.split(",") if args.schedulers else schedulers.available()
@@ -180,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"ns per connection (pick + take + drop); median of {args.repeat} runs of {args.ops}")
     print_table(head, rows)
+    extra = None if args.no_affinity else affinity(args.ops, args.repeat)
+    if extra is not None:
+        print_affinity(extra)
     if args.json_path:
         payload = {
             "unit": "ns per connection (pick + take + drop)",
@@ -189,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": {
                 name: {str(n): v for n, v in per_n.items()} for name, per_n in results.items()
             },
-        }
+        } | ({"affinity": extra} if extra is not None else {})
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
     return 0

@@ -170,10 +170,10 @@ class Maglev(Scheduler):
         self.with_port = getattr(config, "hash_key", "source") == "source_port"
         self.members: dict[RealServer, None] = {}  # an ordered set: online or available
         self.full: set[RealServer] = set()  # members that cannot take a connection now
-        self.table: list[RealServer] = []
+        # The lookup table; None while stale (rebuilt by the next pick), [] when empty.
+        self.table: list[RealServer] | None = []
         self.entries: dict[RealServer, int] = {}  # slots of each member in the table
         self._weights: dict[RealServer, float] = {}  # the weights the table was built with
-        self._dirty = False
         self._permutations: dict[str, tuple[int, int]] = {}  # name -> (offset, skip)
 
     # -- picks ---------------------------------------------------------------------
@@ -185,33 +185,36 @@ class Maglev(Scheduler):
         self, client: tuple | None, now: float, avoid: Collection[RealServer] = ()
     ) -> RealServer | None:
         """The server for `client` (its address tuple; None: the empty key)."""
-        if self._dirty:
-            self._build()
         table = self.table
         if not table:
-            return None
+            if table is None:
+                table = self._build()
+            if not table:
+                return None
         if client is None:
             slot = 0
         else:  # client_hash(), inlined: this is the whole cost of a pick
             host = client[0]
-            if host.startswith("::ffff:") and "." in host:
+            if ":" in host and host.startswith("::ffff:") and "." in host:
                 host = host[7:]
             if self.with_port:
-                slot = crc32(client[1].to_bytes(2, "big"), crc32(host.encode())) % self.size
+                slot = crc32(client[1].to_bytes(2, "big"), crc32(host.encode())) % len(table)
             else:
-                slot = crc32(host.encode()) % self.size
+                slot = crc32(host.encode()) % len(table)
         rs = table[slot]
-        if rs.available and rs not in avoid:
+        if rs.available and (not avoid or rs not in avoid):
             return rs
-        return self._walk(slot, avoid)
+        return self._walk(table, slot, avoid)
 
-    def _walk(self, slot: int, avoid: Collection[RealServer]) -> RealServer | None:
+    def _walk(
+        self, table: list[RealServer], slot: int, avoid: Collection[RealServer]
+    ) -> RealServer | None:
         """The first server after `slot` that can take the connection and is not avoided."""
         members = self.members
         excluded = len(self.full) + sum(1 for rs in avoid if rs in members and rs not in self.full)
         if excluded >= len(members):
             return None
-        table, size = self.table, self.size
+        size = len(table)
         for step in range(1, size):  # bounded: a member may hold no slot when N > M
             rs = table[(slot + step) % size]
             if rs.available and rs not in avoid:
@@ -228,7 +231,7 @@ class Maglev(Scheduler):
         if rs not in self.members:
             self._join(rs)
         elif self._weights.get(rs) != rs.effective_weight:
-            self._dirty = True  # its weight changed while it was full
+            self.table = None  # its weight changed while it was full
 
     def on_unavailable(self, rs: RealServer, now: float) -> None:
         if rs.online and rs in self.members:
@@ -242,35 +245,36 @@ class Maglev(Scheduler):
 
     def on_weight(self, rs: RealServer, old: float, now: float) -> None:
         if rs in self.members:
-            self._dirty = True
+            self.table = None
 
     def _join(self, rs: RealServer) -> None:
         if rs not in self.members:
             self.members[rs] = None
-            self._dirty = True
+            self.table = None
 
     def _leave(self, rs: RealServer) -> None:
         self.full.discard(rs)
         if self.members.pop(rs, 0) is None:
-            self._dirty = True
+            self.table = None
 
-    def _build(self) -> None:
-        self._dirty = False
+    def _build(self) -> list[RealServer]:
         members = sorted(
             (rs for rs in self.members if rs.effective_weight > 0), key=lambda rs: rs.name
         )
         weights = [rs.effective_weight for rs in members]
         self._weights = dict(zip(members, weights, strict=True))
-        self.table = populate(
+        table = populate(
             members, [rs.name for rs in members], weights, self.size, self._permutations
         )
         entries: dict[RealServer, int] = dict.fromkeys(members, 0)
-        for rs in self.table:
+        for rs in table:
             entries[rs] += 1
         self.entries = entries
+        self.table = table
         log.debug("%s: maglev table rebuilt for %d server(s)", self.pool.name, len(members))
+        return table
 
     def explain(self, rs: RealServer) -> Any:
-        if self._dirty:
+        if self.table is None:
             self._build()
         return f"{self.entries.get(rs, 0)}/{self.size} slots"

@@ -179,3 +179,30 @@ def test_maglev_picks_do_not_depend_on_the_process_hash_seed():
     }
     assert len(outputs) == 1
     assert len(set(outputs.pop().strip())) == 7  # 200 clients reach all seven servers
+
+
+def test_the_maglev_table_is_rebuilt_only_when_servers_or_weights_change():
+    pool = Pool(virtual_server("maglev", {"a": {"max_connections": 1}, "b": {}, "c": {}}), 0)
+    clients = [(f"10.0.0.{i}", 1) for i in range(1, 60)]
+    pool.pick(0)
+    table = pool.scheduler.table
+    leases = [pool.take(pool.pick(0, (), c), 0, None, c) for c in clients[:5]]
+    for lease in leases:
+        pool.drop(lease, 0)
+    assert pool.scheduler.table is table  # connections come and go: same table
+    a = pool.by_name["a"]
+    on_a = [c for c in clients if pool.pick(0, (), c) is a]
+    held = pool.take(a, 0, None, on_a[0])  # a is full now: its clients spill over...
+    assert all(pool.pick(0, (), c) is not a for c in on_a)
+    assert pool.scheduler.table is table  # ...without a rebuild
+    pool.drop(held, 0)
+    assert all(pool.pick(0, (), c) is a for c in on_a) and pool.scheduler.table is table
+    pool.set_weight(pool.by_name["b"], 3, 1)
+    pool.pick(1)
+    assert pool.scheduler.table is not table  # a weight change rebuilds, once
+    rebuilt = pool.scheduler.table
+    pool.set_state(pool.by_name["c"], "drain", 2)
+    pool.set_state(pool.by_name["c"], "enabled", 2)
+    pool.pick(2)
+    assert pool.scheduler.table is not rebuilt
+    assert pool.scheduler.explain(a) == f"{pool.scheduler.entries[a]}/65537 slots"

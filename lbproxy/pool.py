@@ -17,6 +17,10 @@ through its hooks (schedulers/__init__.py). Three notions, kept apart on purpose
 Connections are counted twice: `active` is the truth (metrics, max_connections), and
 `sched_active` is what schedulers see — the quiesce reset zeroes it, and a connection
 opened before a reset (its lease carries the old epoch) does not decrement it.
+
+Affinity (SPEC §12): `pick` and `take` are given the client's address. Only two things
+read it — the persistence table (persistence.py), consulted before the scheduler, and a
+`keyed` scheduler (maglev) — and a pool with neither never looks at it.
 """
 
 from __future__ import annotations

@@ -15,15 +15,17 @@ the idle entries (no connection open) are in the order their last connection end
 which, with one `timeout` for the whole table, is the order in which they expire: the
 table is its own deadline queue. Expiry costs nothing per idle entry: an expired entry
 is dropped when its client comes back (lazily), by a sweep of at most a few entries
-from the front at each lookup, and by a sweep to the first live entry when the entries
-are counted (`expire`, at every metrics scrape), so the entries gauge falls as entries
-expire. An entry with a connection still open never expires; met at the front by a
-sweep it is moved to the end (it is in use: recently used, for the LRU order too).
+from the front by a lookup once the oldest is due, and by a sweep to the first live
+entry when the entries are counted (`expire`, at every metrics scrape), so the entries
+gauge falls as entries expire. An entry with a connection still open never expires;
+met at the front by a sweep it is moved to the end (it is in use: recently used, for
+the LRU order too).
 
-Beyond `max_entries` the least recently touched entry is evicted, open connection or
-not (that client's next connection is then scheduled afresh). Each entry remembers its
-open connections; a lease holds its Entry, so a connection ending after its entry was
-evicted or replaced changes nothing.
+Beyond `max_entries` the least recently touched entry is evicted; one with a connection
+open is passed over (moved to the end, as in use) unless the first few all are, and then
+the oldest goes all the same (that client's next connection is scheduled afresh). Each
+entry counts its client's open connections; a lease holds its Entry, so a connection
+ending after its entry was evicted or replaced changes nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class Persistence:
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.lookups = dict.fromkeys(RESULTS, 0)
         self.evicted = 0
+        # No idle entry expires before this: the expiry of the idle entry a sweep last
+        # stopped at (entries behind it expire later; entries touched since, later
+        # still). Lookups sweep only from then on: one comparison until something is due.
+        self._sweep_at = float("-inf")
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -74,7 +80,8 @@ class Persistence:
         if entry is not None and not entry.active and entry.expires <= now:
             del entries[key]
             entry = None
-        self.expire(now, SWEEP_PER_LOOKUP)
+        if now >= self._sweep_at:
+            self.expire(now, SWEEP_PER_LOOKUP)
         return entry
 
     def acquire(self, key: str, server: Any, now: float) -> Entry:
@@ -85,13 +92,27 @@ class Persistence:
             entry = entries[key] = Entry(key, server)
             entries.move_to_end(key)  # a replaced expired entry keeps its old place
             while len(entries) > self.max_entries:  # more than one after a reload lowered it
-                entries.popitem(last=False)
-                self.evicted += 1
+                self._evict(key)
         else:
             entry.server = server
             entries.move_to_end(key)
         entry.active += 1
         return entry
+
+    def _evict(self, keep: str) -> None:
+        """Forget the least recently touched entry, passing over (a few) in use."""
+        entries = self.entries
+        for _ in range(SWEEP_PER_LOOKUP):
+            key = next(iter(entries))
+            if key != keep and not entries[key].active:
+                break
+            entries.move_to_end(key)  # in use (or the new one): recently used
+        key = next(iter(entries))
+        if key == keep:
+            entries.move_to_end(key)
+            key = next(iter(entries))
+        del entries[key]
+        self.evicted += 1
 
     def release(self, entry: Entry, now: float) -> None:
         """A connection counted by `acquire` ended."""
@@ -105,7 +126,11 @@ class Persistence:
         """Drop expired entries from the front (at most `limit` steps); returns the count."""
         entries = self.entries
         dropped = 0
+        if not entries:
+            self._sweep_at = now + self.timeout  # the earliest any new entry can expire
+            return 0
         steps = len(entries) if limit is None else min(limit, len(entries))
+        self._sweep_at = now  # unless the sweep finds where to stop: go on next time
         for _ in range(steps):
             key = next(iter(entries))
             entry = entries[key]
@@ -115,5 +140,9 @@ class Persistence:
                 del entries[key]
                 dropped += 1
             else:
-                break  # idle entries behind it expire later
+                self._sweep_at = entry.expires  # idle entries behind it expire later
+                break
+        else:
+            if not entries:
+                self._sweep_at = now + self.timeout
         return dropped

@@ -276,7 +276,10 @@ class Pool:
     ) -> RealServer | None:
         persistence = self.persistence
         if persistence is not None and client is not None and not avoid:
-            entry = persistence.lookup(client_key(client), now)
+            key = client[0]
+            if ":" in key:  # IPv6, or IPv4 through a dual-stack listener
+                key = client_key(client)
+            entry = persistence.lookup(key, now)
             if entry is None:
                 persistence.lookups["miss"] += 1
             elif entry.server.available:
@@ -309,7 +312,10 @@ class Pool:
         """
         lease = Lease(rs, self.epoch, handle)
         if self.persistence is not None and client is not None:
-            lease.sticky = self.persistence.acquire(client_key(client), rs, now)
+            key = client[0]
+            if ":" in key:
+                key = client_key(client)
+            lease.sticky = self.persistence.acquire(key, rs, now)
         rs.leases.add(lease)
         rs.active += 1
         rs.sched_active += 1

@@ -79,6 +79,21 @@ def test_expired_entries_are_dropped_lazily_and_by_the_bounded_sweep():
     assert table.expire(5.0) == 15 and len(table) == 0
 
 
+def test_a_lookup_sweeps_only_once_the_oldest_idle_entry_is_due():
+    table = Persistence(timeout=1.0, max_entries=1000)
+    for i in range(10):
+        table.release(table.acquire(f"c{i}", "a", 0.1 * i), 0.1 * i)  # expire at 1.0 .. 1.9
+    table.lookup("x", 0.5)
+    table.lookup("x", 0.99)
+    assert len(table) == 10
+    table.lookup("x", 1.25)  # c0, c1, c2 are due: dropped from the front
+    assert list(table.entries)[0] == "c3"
+    table.release(table.acquire("late", "a", 1.3), 1.3)  # expires at 2.3, at the end
+    assert table.lookup("c9", 1.3) is not None  # and c3, due at 1.3, is swept
+    assert table.expire(2.0) == 6 and list(table.entries) == ["late"]
+    assert table.lookup("late", 2.3) is None and len(table) == 0
+
+
 def test_lru_eviction_beyond_max_entries_prefers_idle_entries():
     pool = sticky_pool(max_entries=2)
     held: list = []

@@ -175,6 +175,8 @@ class Maglev(Scheduler):
         self.entries: dict[RealServer, int] = {}  # slots of each member in the table
         self._weights: dict[RealServer, float] = {}  # the weights the table was built with
         self._permutations: dict[str, tuple[int, int]] = {}  # name -> (offset, skip)
+        if self.with_port:
+            self.pick_for = self._pick_with_port  # type: ignore[method-assign]
 
     # -- picks ---------------------------------------------------------------------
 
@@ -197,10 +199,23 @@ class Maglev(Scheduler):
             host = client[0]
             if ":" in host and host.startswith("::ffff:") and "." in host:
                 host = host[7:]
-            if self.with_port:
-                slot = crc32(client[1].to_bytes(2, "big"), crc32(host.encode())) % len(table)
-            else:
-                slot = crc32(host.encode()) % len(table)
+            slot = crc32(host.encode()) % self.size
+        rs = table[slot]
+        if rs.available and (not avoid or rs not in avoid):
+            return rs
+        return self._walk(table, slot, avoid)
+
+    def _pick_with_port(
+        self, client: tuple | None, now: float, avoid: Collection[RealServer] = ()
+    ) -> RealServer | None:
+        """pick_for with `hash_key: source_port` (bound in its place by __init__)."""
+        table = self.table
+        if not table:
+            if table is None:
+                table = self._build()
+            if not table:
+                return None
+        slot = client_hash(client, True) % self.size
         rs = table[slot]
         if rs.available and (not avoid or rs not in avoid):
             return rs

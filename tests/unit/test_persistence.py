@@ -221,3 +221,15 @@ def test_the_maglev_table_is_rebuilt_only_when_servers_or_weights_change():
     pool.pick(2)
     assert pool.scheduler.table is not rebuilt
     assert pool.scheduler.explain(a) == f"{pool.scheduler.entries[a]}/65537 slots"
+
+
+def test_hash_key_source_port_spreads_one_client_and_source_keeps_it_on_one_server():
+    servers = {f"s{i}": {} for i in range(5)}
+    by_port = Pool(virtual_server("maglev", servers, hash_key="source_port"), 0)
+    by_source = Pool(virtual_server("maglev", servers), 0)
+    ports = range(40000, 40500)
+    spread = {by_port.pick(0, (), ("192.0.2.1", p)).name for p in ports}
+    kept = {by_source.pick(0, (), ("192.0.2.1", p)).name for p in ports}
+    assert spread == set(servers) and len(kept) == 1
+    slot = client_hash(("192.0.2.1", 40000), with_port=True) % 65537
+    assert by_port.pick(0, (), ("192.0.2.1", 40000)) is by_port.scheduler.table[slot]

@@ -87,7 +87,7 @@ def test_a_lookup_sweeps_only_once_the_oldest_idle_entry_is_due():
     table.lookup("x", 0.99)
     assert len(table) == 10
     table.lookup("x", 1.25)  # c0, c1, c2 are due: dropped from the front
-    assert list(table.entries)[0] == "c3"
+    assert next(iter(table.entries)) == "c3"
     table.release(table.acquire("late", "a", 1.3), 1.3)  # expires at 2.3, at the end
     assert table.lookup("c9", 1.3) is not None  # and c3, due at 1.3, is swept
     assert table.expire(2.0) == 6 and list(table.entries) == ["late"]

@@ -233,3 +233,15 @@ def test_hash_key_source_port_spreads_one_client_and_source_keeps_it_on_one_serv
     assert spread == set(servers) and len(kept) == 1
     slot = client_hash(("192.0.2.1", 40000), with_port=True) % 65537
     assert by_port.pick(0, (), ("192.0.2.1", 40000)) is by_port.scheduler.table[slot]
+
+
+def test_a_reload_with_another_table_size_rebuilds_the_table():
+    pool = Pool(virtual_server("maglev", {n: {} for n in "abc"}), 0)
+    pool.pick(0)
+    assert len(pool.scheduler.table) == 65537
+    config = pool.config
+    changes = pool.reconfigure(config.__class__(**{**_fields(config), "table_size": 101}), 1)
+    assert changes == ["maglev table_size or hash_key changed"]
+    pool.pick(1)
+    assert len(pool.scheduler.table) == 101
+    assert "".join(rs.name for rs in pool.scheduler.table) == VECTOR

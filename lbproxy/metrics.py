@@ -172,7 +172,6 @@ class LbproxyCollector:
         )
 
 
-
 def make_registry(source: MetricsSource) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(LbproxyCollector(source))  # type: ignore[arg-type]

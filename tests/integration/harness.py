@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import socketserver
@@ -19,12 +20,41 @@ ROOT = Path(__file__).resolve().parents[2]
 _handed_out: set[int] = set()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# Ports handed out come from below the kernel's ephemeral range: a port from inside it
+# (what a bind to port 0 gives) can be taken, between this call and the test's own bind,
+# by any outgoing connection on the machine — a client, a health check, a proxied
+# connect — and the test then fails with "Address already in use".
+_EPHEMERAL_LOW = _ephemeral_range()[0]
+_PORTS = (
+    random.Random(os.getpid()).sample(range(10000, _EPHEMERAL_LOW), _EPHEMERAL_LOW - 10000)
+    if _EPHEMERAL_LOW > 12000
+    else []
+)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, and not one this process handed out before: the
-    kernel may give the same ephemeral port to two binds in a row once the first is
-    closed, and a test asking for two ports needs two different ones."""
+    """A port nothing listens on now, and not one this process handed out before: a test
+    asking for two ports needs two different ones. Taken below the ephemeral range (see
+    above) in an order of its own per process, so parallel test runs rarely meet."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    while True:
+    while _PORTS:
+        port = _PORTS.pop()
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    while True:  # no room below the ephemeral range: let the kernel choose
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]

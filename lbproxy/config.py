@@ -135,6 +135,22 @@ class RealServerConfig:
     state: str = "enabled"  # enabled | drain | disabled
     snmp: SnmpConfig | None = None  # the VS block merged with this server's overrides
     line: int = field(default=0, compare=False)  # where, not what: moving lines is no change
+    backup: bool = False  # takes connections only while no primary is available (SPEC §13)
+    discovered: bool = False  # made from a DNS answer (discovery.dns), not read from a file
+
+
+@dataclass(frozen=True, slots=True)
+class DnsDiscoveryConfig:
+    """`discovery.dns` of a virtual server (SPEC §14): real servers from SRV/A/AAAA."""
+
+    name: str  # resolved as an absolute name: no search domains
+    type: str = "SRV"  # SRV | A | AAAA
+    port: int | None = None  # A/AAAA only (required there); SRV records carry their port
+    resolvers: tuple[Address, ...] = ()  # empty: the system's (/etc/resolv.conf)
+    interval: float = 10.0  # re-resolve period; the answers' TTL is not used
+    hold: float = 30.0  # empty answers or NXDOMAIN this long before servers go
+    timeout: float = 2.0  # bound of one round, so a silent resolver stalls nothing
+    line: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +180,7 @@ class VirtualServerConfig:
     table_size: int = 65537  # maglev: lookup table slots, a prime >= 101
     hash_key: str = "source"  # maglev: source | source_port
     persistence: PersistenceConfig | None = None  # None: no client persistence
+    discovery: DnsDiscoveryConfig | None = None  # None: only the static real_servers
     file: str = field(default="", compare=False)
     line: int = field(default=0, compare=False)
 
@@ -511,6 +528,57 @@ def _table_size(node: yaml.Node, label: str) -> int:
     return value
 
 
+def _dns_name(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not value.strip():
+        raise _expected(label, "a DNS name like _web._tcp.service.consul", node)
+    value = value.strip()
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        pass
+    else:
+        raise _expected(label, "a DNS name, not an address", node, "list it in real_servers")
+    if _DOTTED_NUMBERS.fullmatch(value) or not _HOST_NAME.fullmatch(value):
+        raise _expected(label, "a DNS name like _web._tcp.service.consul", node)
+    return value
+
+
+_DISCOVERY_TYPES = ("SRV", "A", "AAAA")
+
+
+def _record_type(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    if isinstance(value, str) and value.upper() in _DISCOVERY_TYPES:
+        return value.upper()  # `srv` or `a` is what a user means; DNS types are uppercase
+    raise _expected(label, "one of SRV, A, AAAA", node)
+
+
+def _resolver(node: yaml.Node, label: str) -> Address:
+    """A resolver: an IP address with an optional port (53), `IP:PORT` or `[v6]:PORT`."""
+    value = _scalar(node, label)
+    requirement = "an IP address or IP:PORT, [IPv6]:PORT"
+    if not isinstance(value, str):
+        raise _expected(label, requirement, node)
+    try:
+        return Address(str(ipaddress.ip_address(value.strip())), 53)
+    except ValueError:
+        pass
+    try:
+        address = parse_address(value)
+    except ValueError as exc:
+        raise _expected(label, requirement, node, str(exc)) from None
+    try:
+        ipaddress.ip_address(address.host)
+    except ValueError:
+        # Finding the resolver by name would need a resolver.
+        raise _expected(label, requirement, node, "a resolver must be an IP address") from None
+    return address
+
+
+_resolvers = _one_or_list(_resolver, "resolver")
+
+
 def _workers(node: yaml.Node, label: str) -> int:
     if _scalar(node, label) == "auto":
         return os.cpu_count() or 1
@@ -629,7 +697,14 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "table_size": _table_size,
     "hash_key": _choice("source", "source_port"),
 }
-_VIRTUAL_SERVER_SECTIONS = ("health_check", "snmp", "throttle", "persistence", "real_servers")
+_VIRTUAL_SERVER_SECTIONS = (
+    "health_check",
+    "snmp",
+    "throttle",
+    "persistence",
+    "real_servers",
+    "discovery",
+)
 
 _REAL_SERVER_FIELDS: dict[str, Converter] = {
     "name": _name,
@@ -690,6 +765,18 @@ _PERSISTENCE_FIELDS: dict[str, Converter] = {
 
 # Keys that only the maglev scheduler reads: an error with any other (not silently unused).
 _MAGLEV_KEYS = ("table_size", "hash_key")
+
+_DISCOVERY_SECTIONS = ("dns",)
+
+_DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
+    "name": _dns_name,
+    "type": _record_type,
+    "port": _integer(1, 65535),
+    "resolvers": _resolvers,
+    "interval": _duration(positive=True),
+    "hold": _duration(positive=False),
+    "timeout": _duration(positive=True),
+}
 
 # Schedulers whose weights come from the SNMP poller.
 _SNMP_SCHEDULERS = ("dwd", "dwr")
@@ -905,15 +992,18 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     vs = doc.section(node, where, _VIRTUAL_SERVER_FIELDS, _VIRTUAL_SERVER_SECTIONS)
     if vs is None:
         return None
-    doc.require(vs, where, "name", "listen", "real_servers")
+    # With discovery, the static real servers may be empty or left out (SPEC §14).
+    discovers = "discovery" in vs.nodes
+    doc.require(vs, where, "name", "listen", *(() if discovers else ("real_servers",)))
     health_check = _read_health_check(doc, vs, where)
     snmp = _nested(doc, vs, "snmp", f"snmp of {where}", _SNMP_FIELDS, prefix="snmp.")
     throttle = _read_throttle(doc, vs, where)
     persistence = _read_persistence(doc, vs, where)
-    real_servers = _read_real_servers(doc, vs, snmp)
+    discovery = _read_discovery(doc, vs, where)
+    real_servers = _read_real_servers(doc, vs, snmp, allow_empty=discovers)
 
     config = None
-    if "name" in vs.values and "listen" in vs.values and real_servers:
+    if "name" in vs.values and "listen" in vs.values and (real_servers or discovery):
         config = VirtualServerConfig(
             **vs.values,
             real_servers=tuple(real_servers),
@@ -921,6 +1011,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             snmp=_snmp_config(snmp.values, default_host=None) if snmp else None,
             throttle=throttle,
             persistence=persistence,
+            discovery=discovery,
             file=doc.file,
             line=vs.line,
         )
@@ -991,15 +1082,15 @@ def _read_persistence(doc: _Document, vs: _Section, where: str) -> PersistenceCo
 
 
 def _read_real_servers(
-    doc: _Document, vs: _Section, vs_snmp: _Section | None
+    doc: _Document, vs: _Section, vs_snmp: _Section | None, *, allow_empty: bool = False
 ) -> list[RealServerConfig]:
     node = vs.nodes.get("real_servers")
-    if node is None:
+    if node is None or (allow_empty and _is_null(node)):
         return []  # reported by `require`
     if not isinstance(node, yaml.SequenceNode):
         doc.error(vs.line_of("real_servers"), f"real_servers must be a list, got {_shown(node)}")
         return []
-    if not node.value:
+    if not node.value and not allow_empty:
         doc.error(vs.line_of("real_servers"), "real_servers is empty: a virtual server needs one")
         return []
     servers: list[RealServerConfig] = []
@@ -1020,6 +1111,44 @@ def _read_real_servers(
         if config is not None:
             servers.append(config)
     return servers
+
+
+def _read_discovery(doc: _Document, vs: _Section, where: str) -> DnsDiscoveryConfig | None:
+    section = _nested(doc, vs, "discovery", f"discovery of {where}", {}, _DISCOVERY_SECTIONS)
+    if section is None:
+        return None
+    if "dns" not in section.key_lines:
+        doc.error(section.line, "discovery needs 'dns'")
+        return None
+    dns = _nested(
+        doc,
+        section,
+        "dns",
+        f"discovery.dns of {where}",
+        _DNS_DISCOVERY_FIELDS,
+        prefix="discovery.dns.",
+    )
+    if dns is None:
+        return None
+    doc.require(dns, "discovery.dns", "name")
+    record_type = dns.values.get("type", "SRV")
+    if "type" in dns.nodes and "type" not in dns.values:
+        return None  # an unknown type: reported; whether a port belongs is unknown too
+    if record_type == "SRV" and "port" in dns.nodes:
+        doc.error(
+            dns.line_of("port"),
+            "discovery.dns.port is only for type A or AAAA: SRV records carry their own port",
+        )
+        return None
+    if record_type != "SRV" and "port" not in dns.nodes:
+        doc.error(
+            dns.line_of("type"),
+            f"discovery.dns type {record_type} needs 'port' ({record_type} records carry none)",
+        )
+        return None
+    if "name" not in dns.values or ("port" in dns.nodes and "port" not in dns.values):
+        return None  # reported
+    return DnsDiscoveryConfig(**dns.values, line=dns.line)
 
 
 def _read_real_server(
@@ -1081,6 +1210,8 @@ def _check_scheduler_needs(doc: _Document, vs: _Section, config: VirtualServerCo
         for key in _MAGLEV_KEYS:
             if key in vs.key_lines:
                 doc.error(vs.line_of(key), f"{key} applies to scheduler maglev only")
+    if config.discovery is not None:
+        _check_discovery_needs(doc, vs, config)
     if scheduler == "least-load" and config.load_source == "connections":
         # Load is connections / max_connections: unlimited servers have no load to compare.
         for rs in config.real_servers:
@@ -1090,6 +1221,27 @@ def _check_scheduler_needs(doc: _Document, vs: _Section, config: VirtualServerCo
                     f"real server {rs.name} needs max_connections > 0 "
                     "(scheduler least-load with load_source connections)",
                 )
+
+
+def _check_discovery_needs(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
+    """Discovered servers have only a name, an address and a weight: what a scheduler
+    needs beyond that must come from the virtual server."""
+    scheduler, line = config.scheduler, vs.line_of("discovery")
+    if config.snmp is None and (
+        scheduler in _SNMP_SCHEDULERS
+        or (scheduler == "least-load" and config.load_source == "snmp")
+    ):
+        doc.error(
+            line,
+            f"scheduler {scheduler} with discovery needs an snmp block on the virtual "
+            "server (discovered real servers are polled with it)",
+        )
+    if scheduler == "least-load" and config.load_source == "connections":
+        doc.error(
+            line,
+            "scheduler least-load with load_source connections cannot use discovery "
+            "(discovered real servers have no max_connections)",
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -1304,9 +1456,18 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
             f"  persistence {vs.persistence.timeout:g}s, "
             f"at most {vs.persistence.max_entries} clients"
         )
+    if vs.discovery is not None:
+        lines.append(f"  discovery   {discovery_summary(vs.discovery)}")
     lines.append("  real servers")
     lines.extend(_table([_real_server_row(vs, rs) for rs in vs.real_servers], indent="    "))
     return lines
+
+
+def discovery_summary(dns: DnsDiscoveryConfig) -> str:
+    """`SRV _web._tcp.service.consul via 127.0.0.1:8600, every 10s, hold 30s`."""
+    what = f"{dns.type} {dns.name}" + (f" port {dns.port}" if dns.port is not None else "")
+    via = ", ".join(str(a) for a in dns.resolvers) if dns.resolvers else "the system's resolvers"
+    return f"{what} via {via}, every {dns.interval:g}s, hold {dns.hold:g}s"
 
 
 def _health_summary(check: HealthCheckConfig) -> str:

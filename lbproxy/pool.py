@@ -169,6 +169,17 @@ class RealServer:
         self.load_factor = config.load_factor
         self.state = config.state
 
+    def apply_changes(self, config: RealServerConfig) -> None:
+        """Apply `config` but keep a runtime change (a PATCHed state or weight) of every
+        field `config` leaves as it was: a discovery round, or a reload, re-applying a
+        discovered server's unchanged configuration must not undo what an operator set."""
+        old, state, weight = self.config, self.state, self.static_weight
+        self.apply_config(config)
+        if config.state == old.state:
+            self.state = state
+        if config.weight == old.weight:
+            self.static_weight = weight
+
     def __repr__(self) -> str:
         return f"<RealServer {self.name} {self.address} {self.state}>"
 
@@ -430,11 +441,16 @@ class Pool:
 
     # -- reload -------------------------------------------------------------------
 
-    def reconfigure(self, config: VirtualServerConfig, now: float) -> list[str]:
+    def reconfigure(
+        self, config: VirtualServerConfig, now: float, *, keep_runtime: bool = False
+    ) -> list[str]:
         """Apply a new configuration of this virtual server; returns what changed.
 
         Established connections are never touched: a removed server's leases finish on
-        their own and still drop correctly.
+        their own and still drop correctly. A reload applies the file as written
+        (`apply_config`), except to discovered servers, which no file describes; with
+        `keep_runtime` (a discovery round: the file did not change) no server loses a
+        runtime change of a field its configuration leaves as it was (`apply_changes`).
         """
         changes: list[str] = []
         old_config, self.config = self.config, config
@@ -473,7 +489,10 @@ class Pool:
             reorder |= rs.index != index
             if rs.config != rs_config:
                 changes.append(f"changed {rs.name}")
-            rs.apply_config(rs_config)
+            if keep_runtime or rs_config.discovered:
+                rs.apply_changes(rs_config)
+            else:
+                rs.apply_config(rs_config)
             self._update(rs, now)
         self.servers.sort(key=lambda s: wanted[s.name][0])
         if reorder:

@@ -25,6 +25,7 @@ from lbproxy import logs
 from lbproxy.admin import TokenError, read_token, serve_admin
 from lbproxy.checks import HealthChecks, close_leases
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
+from lbproxy.discovery import Discoveries
 from lbproxy.listener import BindError, Listener, listen_socket
 from lbproxy.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.pool import DISABLED, Pool, RealServer, state_error
@@ -77,6 +78,7 @@ class Server:
         self.throttles = Throttles()  # one admission-control monitor per throttled VS
         self.checks = HealthChecks()  # one health-check task per real server
         self.snmp = SnmpPollers()  # one SNMP poller per real server of dwd/dwr/least-load
+        self.discovery = Discoveries()  # one DNS discovery task per VS with discovery.dns
         # systemd's notify protocol: a no-op unless run() finds $NOTIFY_SOCKET (never in
         # a worker of `workers: N`, where the supervisor notifies)
         self.notifier = Notifier()
@@ -152,6 +154,7 @@ class Server:
                 self.checks.sync(self.virtual_servers.values(), service)
                 self.snmp.sync(self.virtual_servers)
                 await service.start(self.snmp.run)
+                self.discovery.sync(self.config.virtual_servers, service, self)
                 if handle_signals:
                     await service.start(self._signals)
                 self.ready = True
@@ -332,17 +335,9 @@ class Server:
             if vs is None:
                 changes.append(f"added virtual server {vs_config.name}")
             else:
-                changes.extend(
-                    f"{vs.name}: {change}" for change in vs.pool.reconfigure(vs_config, now)
-                )
-                # The one exception to "a reload never closes a connection": the file
-                # now says `state: disabled`, which means exactly that (SPEC §6).
-                disabled = [rs for rs in vs.pool.servers if rs.state == DISABLED and rs.leases]
-                for rs in disabled:
-                    closed = close_leases(rs.leases)
-                    changes.append(
-                        f"{vs.name}: closed {closed} connection(s) of disabled {rs.name}"
-                    )
+                # The file's servers and those discovered so far (SPEC §14).
+                merged = self.discovery.merged(vs_config, self)
+                changes.extend(self._reconfigure(vs, merged, now))
         for listener in bound:
             if listener.vs.name not in self.virtual_servers:
                 self.virtual_servers[listener.vs.name] = listener.vs
@@ -353,9 +348,51 @@ class Server:
             changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))
             self.checks.sync(self.virtual_servers.values(), self._service)
             self.snmp.sync(self.virtual_servers)  # start/stop/restart SNMP pollers
+            self.discovery.sync(new.virtual_servers, self._service, self)
         for vs in self.virtual_servers.values():
             vs.access_log = new.global_.access_log
         return changes
+
+    def _reconfigure(
+        self, vs: VirtualServer, vs_config: VirtualServerConfig, now: float, **options: bool
+    ) -> list[str]:
+        """Apply one virtual server's new configuration to its pool (reload, discovery)."""
+        changes = [
+            f"{vs.name}: {change}" for change in vs.pool.reconfigure(vs_config, now, **options)
+        ]
+        # The one exception to "a reload never closes a connection": the file now says
+        # `state: disabled`, which means exactly that (SPEC §6).
+        disabled = [rs for rs in vs.pool.servers if rs.state == DISABLED and rs.leases]
+        for rs in disabled:
+            closed = close_leases(rs.leases)
+            changes.append(f"{vs.name}: closed {closed} connection(s) of disabled {rs.name}")
+        return changes
+
+    # -- discovery (lbproxy/discovery.py) -------------------------------------------
+
+    def apply_discovered(self, vs_name: str) -> list[str]:
+        """A discovery round changed `vs_name`'s discovered servers: apply its file
+        configuration merged with them, as a reload applies it, keeping every runtime
+        change (PATCHed states and weights); then start or stop health checks and SNMP
+        pollers for the servers that came or went."""
+        vs = self.virtual_servers.get(vs_name)
+        vs_config = next((c for c in self.config.virtual_servers if c.name == vs_name), None)
+        if vs is None or vs_config is None or self.draining:
+            return []
+        merged = self.discovery.merged(vs_config, self)
+        changes = self._reconfigure(vs, merged, trio.current_time(), keep_runtime=True)
+        if self._service is not None:
+            self.checks.sync(self.virtual_servers.values(), self._service)
+            self.snmp.sync(self.virtual_servers)
+        if changes:
+            log.info("discovery: %s", "; ".join(changes))
+        return changes
+
+    def discovered_active(self, vs_name: str, rs_name: str) -> int:
+        """Connections open to a discovered server (0 when it is not in the pool)."""
+        vs = self.virtual_servers.get(vs_name)
+        rs = vs.pool.by_name.get(rs_name) if vs is not None else None
+        return rs.active if rs is not None and rs.config.discovered else 0
 
 
 def raise_descriptor_limit() -> None:

@@ -109,6 +109,7 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
         "bytes_out": stats.bytes_out,
         "snmp": _snmp_document(pool, rs),
         "load": _load(pool, rs),
+        "discovered": rs.config.discovered,  # from DNS (discovery.dns), not from a file
     }
 
 

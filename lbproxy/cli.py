@@ -71,11 +71,50 @@ def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
 
 @main.command()
 @click.argument("config", nargs=-1, required=True)
-def check(config: tuple[str, ...]) -> None:
+@click.option(
+    "--resolve",
+    is_flag=True,
+    help="Also resolve each discovery.dns name once and print the real servers it adds.",
+)
+def check(config: tuple[str, ...], resolve: bool) -> None:
     """Validate CONFIG and print a summary of its virtual servers."""
     cfg = _load_or_exit(config)
     click.echo(summary(cfg))
     click.echo("configuration ok")
+    if resolve and not _print_discovered(cfg):
+        sys.exit(EXIT_RUNTIME)
+
+
+def _print_discovered(cfg: Config) -> bool:
+    """`check --resolve`: each discovery name's servers now; False if one did not answer."""
+    import trio
+
+    from lbproxy.config import discovery_summary
+    from lbproxy.discovery import resolve_all
+
+    found = trio.run(resolve_all, cfg.virtual_servers)
+    if not found:
+        click.echo("no virtual server has discovery.dns")
+    answered = True
+    for vs, outcome in found:
+        assert vs.discovery is not None
+        click.echo(f"virtual server {vs.name}: {discovery_summary(vs.discovery)}")
+        if outcome.result != "ok":
+            answered = False
+            why = {"nxdomain": "NXDOMAIN", "empty": "no records"}.get(outcome.result, "error")
+            detail = f": {outcome.detail}" if outcome.detail else ""
+            click.echo(f"  {why}{detail}; would add no real server")
+            continue
+        if outcome.detail:
+            click.echo(f"  {outcome.detail}")
+        static = {rs.name for rs in vs.real_servers}
+        click.echo(f"  would add {len(outcome.servers)} real server(s)")
+        for rs in outcome.servers:
+            notes = [f"weight {rs.weight}"] + (["backup"] if rs.backup else [])
+            if rs.name in static:
+                notes.append("a static real server has this name: not added")
+            click.echo(f"    {rs.name}  {rs.address}  {', '.join(notes)}")
+    return answered
 
 
 @main.command()

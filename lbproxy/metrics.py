@@ -20,6 +20,8 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from lbproxy.discovery_model import RESULTS as DISCOVERY_RESULTS
+from lbproxy.discovery_model import DiscoveryState
 from lbproxy.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.pool import REJECT_REASONS, Pool
 from lbproxy.throttle import MODE_VALUES
@@ -147,6 +149,7 @@ class LbproxyCollector:
                 if rs.config.snmp is not None and pool.polls_snmp:
                     for result in SNMP_RESULTS:
                         polls.add_metric([*labels, result], rs.snmp_polls[result])
+        yield from self._discovery()
         reloads = CounterMetricFamily(
             "lbproxy_config_reloads", "Configuration reloads, by result.", labels=["result"]
         )
@@ -170,6 +173,29 @@ class LbproxyCollector:
             persistence_lookups,
             reloads,
         )
+
+    def _discovery(self) -> Iterator[Metric]:
+        """SPEC §14; only for virtual servers with `discovery.dns` (none: no families)."""
+        discovery = getattr(self.source, "discovery", None)
+        states: dict[str, DiscoveryState] = getattr(discovery, "states", {})
+        if not states:
+            return
+        resolutions = CounterMetricFamily(
+            "lbproxy_discovery_resolutions",
+            "DNS discovery rounds, by result (ok, empty, nxdomain, error).",
+            labels=[VS, "result"],
+        )
+        discovered = GaugeMetricFamily(
+            "lbproxy_discovered_servers",
+            "Real servers in the last DNS answer that counted (leaving ones not included).",
+            labels=[VS],
+        )
+        for name, state in states.items():
+            for result in DISCOVERY_RESULTS:
+                resolutions.add_metric([name, result], state.results[result])
+            discovered.add_metric([name], len(state.current))
+        yield resolutions
+        yield discovered
 
 
 def make_registry(source: MetricsSource) -> CollectorRegistry:

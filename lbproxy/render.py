@@ -81,6 +81,7 @@ PLAIN_COLUMNS = (
     "TOTAL",
     "BYTES_IN",
     "BYTES_OUT",
+    "DISCOVERED",  # yes: from DNS (discovery.dns); no: from the configuration file
 )
 UNBOUNDED = 1 << 20  # cells: wider than any terminal
 PLAIN_GAP = "   "  # as docker ps: three spaces between columns
@@ -111,6 +112,7 @@ def status_plain(document: dict) -> list[str]:
                     str(rs["connections_total"]),
                     str(rs["bytes_in"]),
                     str(rs["bytes_out"]),
+                    "yes" if rs.get("discovered") else "no",
                 ]
             )
         if not vs["real_servers"]:
@@ -150,7 +152,7 @@ def status_table(document: dict) -> Table:
                 static += f" / snmp {weight['dynamic']}"
             table.add_row(
                 Text(label if first else ""),  # Text: names and addresses are not markup
-                Text(rs["name"]),
+                Text(rs["name"] + (" (dns)" if rs.get("discovered") else "")),
                 Text(rs["address"]),
                 rs["state"],
                 _health(rs["health"]),
@@ -183,6 +185,7 @@ def status_blocks(document: dict, width: int) -> list[Text]:
             weight = rs["weight"]
             items = [
                 Text(rs["name"], style="bold"),
+                *([Text("(dns)")] if rs.get("discovered") else []),
                 Text(rs["address"]),
                 Text(rs["state"]),
                 _health(rs["health"]),

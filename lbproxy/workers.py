@@ -83,6 +83,7 @@ MAX_FAMILIES = frozenset(
         "lbproxy_real_server_weight",
         "lbproxy_dynamic_weight_fallback",
         "lbproxy_throttle_mode",
+        "lbproxy_discovered_servers",  # every worker resolves the same name
     }
 )
 OWN_FAMILIES = frozenset({"lbproxy_config_reloads"})  # the supervisor's, not the workers'

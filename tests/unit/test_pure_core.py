@@ -14,6 +14,7 @@ PURE = [
     "lbproxy.schedulers",
     "lbproxy.schedulers.maglev",
     "lbproxy.persistence",
+    "lbproxy.discovery_model",
 ]
 
 

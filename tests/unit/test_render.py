@@ -11,7 +11,7 @@ from lbproxy.render import print_status, status_plain
 LONG_HOST = "backend-" + "x" * 52 + ".example:8080"  # 73 characters: wider than a terminal
 
 
-def real_server(name: str, address: str, dynamic=None, total=7) -> dict:
+def real_server(name: str, address: str, dynamic=None, total=7, discovered=False) -> dict:
     return {
         "name": name,
         "address": address,
@@ -22,6 +22,7 @@ def real_server(name: str, address: str, dynamic=None, total=7) -> dict:
         "connections_total": total,
         "bytes_in": 1234567,
         "bytes_out": 89,
+        "discovered": discovered,
     }
 
 
@@ -33,7 +34,7 @@ DOCUMENT = {
             "throttle_mode": "high",
             "real_servers": [
                 real_server("alpha", "127.0.0.1:9001", dynamic=40, total=123456789),
-                real_server("far", LONG_HOST),
+                real_server("far", LONG_HOST, discovered=True),
             ],
         },
         {"name": "empty", "scheduler": "rr", "throttle_mode": "low", "real_servers": []},
@@ -52,10 +53,10 @@ def test_plain_columns_keep_every_value_and_a_row_for_an_empty_virtual_server():
     lines = status_plain(DOCUMENT)
     assert [line.split() for line in lines[1:]] == [
         ["snmp-weighted", "dwd", "high", "alpha", "127.0.0.1:9001", "enabled", "up", "3", "40",
-         "2.5", "1", "123456789", "1234567", "89"],
+         "2.5", "1", "123456789", "1234567", "89", "no"],
         ["snmp-weighted", "dwd", "high", "far", LONG_HOST, "enabled", "up", "3", "-", "2.5",
-         "1", "7", "1234567", "89"],
-        ["empty", "rr", "low"] + ["-"] * 11,
+         "1", "7", "1234567", "89", "yes"],
+        ["empty", "rr", "low"] + ["-"] * 12,
     ]  # fmt: skip
     assert render(30, terminal=False) == "".join(line + "\n" for line in lines)
 
@@ -77,3 +78,12 @@ def test_a_terminal_wide_enough_gets_the_table():
     assert max(len(line) for line in screen.splitlines()) <= 250
     assert "│ empty (rr, low)" in screen
     assert "3 / snmp 40" in screen and LONG_HOST in screen and "123456789" in screen
+
+
+def test_discovered_servers_are_marked_in_every_layout():
+    assert status_plain(DOCUMENT)[0].split()[-1] == "DISCOVERED"
+    table = render(250, terminal=True)
+    assert "far (dns)" in table and "alpha (dns)" not in table
+    blocks = render(40, terminal=True).splitlines()
+    far = next(i for i, line in enumerate(blocks) if line.strip().startswith("far"))
+    assert blocks[far].split()[:2] == ["far", "(dns)"]

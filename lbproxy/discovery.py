@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import dns.asyncresolver
 import dns.exception
@@ -29,6 +29,7 @@ import dns.name
 import dns.nameserver
 import dns.rdatatype
 import dns.resolver
+import dns.rrset
 import trio
 
 from lbproxy.config import DnsDiscoveryConfig, VirtualServerConfig
@@ -96,15 +97,20 @@ async def _resolve(resolver: dns.asyncresolver.Resolver, config: DnsDiscoveryCon
     if config.type != "SRV":
         assert config.port is not None  # the loader requires it for A/AAAA
         return resolution(*servers_from_addresses((r.address for r in answer), config.port))
-    records = [SrvRecord(r.priority, r.weight, r.port, r.target.to_text()) for r in answer]
-    addresses = _glue(answer.response.additional)
+    records = srv_records(answer.rrset)
+    addresses = glue(answer.response.additional)
     missing = {target_host(r.target) for r in records} - addresses.keys() - {""}
     if missing:
         await _lookup(resolver, missing, addresses)
     return resolution(*servers_from_srv(records, addresses))
 
 
-def _glue(additional: Iterable[dns.rrset.RRset]) -> dict[str, str]:
+def srv_records(rrset: Iterable[Any]) -> list[SrvRecord]:
+    """The SRV rdatas of an answer as plain records (the target as dnspython prints it)."""
+    return [SrvRecord(r.priority, r.weight, r.port, r.target.to_text()) for r in rrset]
+
+
+def glue(additional: Iterable[dns.rrset.RRset]) -> dict[str, str]:
     """Addresses the answer brought for its targets (Consul and dnsmasq send them)."""
     found: dict[str, list[str]] = {}
     for rrset in additional:

@@ -225,8 +225,9 @@ def test_status_json_is_the_api_document(proxied):
     first = vs["real_servers"][0]
     assert set(first) == {
         "name", "address", "state", "health", "weight", "active_connections",
-        "connections_total", "bytes_in", "bytes_out", "snmp", "load",
+        "connections_total", "bytes_in", "bytes_out", "snmp", "load", "discovered",
     }  # fmt: skip
+    assert first["discovered"] is False  # from the file, not from DNS (SPEC §14)
     assert first["weight"] == {"static": 1, "dynamic": None, "effective": 1}
     assert first["snmp"] is None and first["load"] is None  # rr polls no SNMP, has no load
     assert first["connections_total"] == 1

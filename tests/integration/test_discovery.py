@@ -1,0 +1,409 @@
+"""DNS discovery against a real dnsmasq, through real `lbproxy run` processes (SPEC §14).
+
+Every wait is bounded; intervals are short (100-200 ms) so the file stays fast. SRV
+changes restart dnsmasq (it reads srv-host only at start): the moment it is down is a
+resolution error, which keeps the last set, so it is harmless where the test does not
+look at error counts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+from collections import Counter
+
+import pytest
+
+from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
+from tests.integration.harness import (
+    NameServer,
+    ask_name,
+    free_port,
+    open_and_read_name,
+    run_cli,
+)
+from tests.integration.test_admin import http, metrics, sample
+
+pytestmark = [pytest.mark.integration, requires_dnsmasq]
+
+SRV_NAME = "_web._tcp.svc.test"
+A_NAME = "web.k8s.test"
+
+
+@pytest.fixture
+def dnsmasq(tmp_path):
+    started: list[Dnsmasq] = []
+
+    def make(**records) -> Dnsmasq:
+        server = Dnsmasq(tmp_path / f"dns{len(started)}")
+        started.append(server)
+        return server.start(**records) if records else server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+def config(
+    port: int,
+    admin_port: int,
+    dns: Dnsmasq,
+    *,
+    name: str = SRV_NAME,
+    record_type: str = "SRV",
+    dns_port: int | None = None,
+    interval: str = "150ms",
+    hold: str = "1s",
+    scheduler: str = "wrr",
+    static: list[NameServer] = (),
+    health: str = "{type: none}",
+) -> str:
+    lines = [
+        "global:",
+        f"  admin: {{listen: 127.0.0.1:{admin_port}}}",
+        "  drain_timeout: 5s",
+        "virtual_servers:",
+        "  - name: web",
+        f"    listen: 127.0.0.1:{port}",
+        f"    scheduler: {scheduler}",
+        f"    health_check: {health}",
+        "    discovery:",
+        "      dns:",
+        f"        name: {name}",
+        f"        type: {record_type}",
+        *([f"        port: {dns_port}"] if dns_port else []),
+        f"        resolvers: [{dns.address}]",
+        f"        interval: {interval}",
+        f"        hold: {hold}",
+        "        timeout: 300ms",
+    ]
+    if static:
+        lines.append("    real_servers:")
+        lines += [f"      - {{name: {s.name}, address: 127.0.0.1:{s.port}}}" for s in static]
+    return "\n".join(lines) + "\n"
+
+
+def document(admin_port: int) -> dict:
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers")
+    assert status == 200
+    return json.loads(body)["virtual_servers"][0]
+
+
+def servers_of(admin_port: int) -> dict[str, dict]:
+    return {rs["name"]: rs for rs in document(admin_port)["real_servers"]}
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout}s")
+        time.sleep(0.02)
+
+
+def wait_for_names(admin_port: int, names: set[str], timeout: float = 10.0) -> dict[str, dict]:
+    found: dict[str, dict] = {}
+
+    def listed() -> bool:
+        found.clear()
+        found.update(servers_of(admin_port))
+        return found.keys() == names
+
+    wait_until(listed, timeout, f"real servers {sorted(names)}")
+    return found
+
+
+def srv_for(*servers: NameServer, weights=None, priorities=None) -> dict:
+    weights = weights or {}
+    priorities = priorities or {}
+    return {
+        SRV_NAME: [
+            (priorities.get(s.name, 0), weights.get(s.name, 1), s.port, f"{s.name}.node.test")
+            for s in servers
+        ]
+    }
+
+
+def glue_for(*servers: NameServer) -> dict[str, list[str]]:
+    return {f"{s.name}.node.test": ["127.0.0.1"] for s in servers}
+
+
+def picks(port: int, n: int) -> Counter:
+    return Counter(ask_name(port) for _ in range(n))
+
+
+# -- SRV: servers appear, weights follow, names work everywhere ---------------------------
+
+
+def test_srv_servers_appear_and_follow_weight_changes(name_servers, lbproxy, dnsmasq):
+    a, b = name_servers("a", "b")
+    dns = dnsmasq(srv=srv_for(a, b, weights={"a": 1, "b": 3}), hosts=glue_for(a, b))
+    port, admin_port = free_port(), free_port()
+    lbproxy(config(port, admin_port, dns))
+    name_a, name_b = f"a.node.test:{a.port}", f"b.node.test:{b.port}"
+    found = wait_for_names(admin_port, {name_a, name_b})
+    assert found[name_a]["address"] == f"127.0.0.1:{a.port}"  # from the additional section
+    assert [found[n]["weight"]["static"] for n in (name_a, name_b)] == [1, 3]
+    assert all(rs["discovered"] for rs in found.values())
+    assert picks(port, 8) == {"a": 2, "b": 6}  # smooth wrr: exact per cycle of 4
+
+    dns.set_srv(srv_for(a, b, weights={"a": 3, "b": 3}))
+    wait_until(lambda: servers_of(admin_port)[name_a]["weight"]["static"] == 3, what="weight 3")
+    assert picks(port, 6) == {"a": 3, "b": 3}
+
+    dns.set_srv(srv_for(a, b, weights={"a": 0, "b": 3}))  # SRV weight 0: no new connections
+    wait_until(lambda: servers_of(admin_port)[name_a]["weight"]["static"] == 0, what="weight 0")
+    assert picks(port, 4) == {"b": 4}
+
+    samples = metrics(admin_port)
+    assert sample(samples, "lbproxy_discovered_servers", virtual_server="web") == 2
+    assert (
+        sample(samples, "lbproxy_discovery_resolutions_total", virtual_server="web", result="ok")
+        >= 3
+    )
+    assert (
+        sample(samples, "lbproxy_connections_total", virtual_server="web", real_server=name_b)
+        == 6 + 3 + 4
+    )
+
+
+def test_check_resolve_prints_what_would_be_added(name_servers, dnsmasq, tmp_path):
+    a, b, c = name_servers("a", "b", "c")
+    dns = dnsmasq(srv=srv_for(a, b, c, weights={"b": 0}, priorities={"c": 5}), hosts=glue_for(a, b))
+    path = tmp_path / "lbproxy.yaml"
+    path.write_text(config(free_port(), free_port(), dns))
+    out = run_cli("check", "--resolve", str(path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    start = lines.index("  would add 3 real server(s)")
+    assert [line.split() for line in lines[start + 1 : start + 4]] == [
+        [f"a.node.test:{a.port}", f"127.0.0.1:{a.port}", "weight", "1"],
+        [f"b.node.test:{b.port}", f"127.0.0.1:{b.port}", "weight", "0"],
+        # no address in the answer and none for its name: kept as a name
+        [f"c.node.test:{c.port}", f"c.node.test:{c.port}", "weight", "1,", "backup"],
+    ]
+
+    dns.stop()
+    out = run_cli("check", "--resolve", str(path))
+    assert out.returncode == 1
+    assert "would add no real server" in out.stdout
+
+
+def test_discovered_names_in_patch_status_and_reload(name_servers, lbproxy, dnsmasq):
+    a, b, s = name_servers("a", "b", "s")
+    dns = dnsmasq(srv=srv_for(a, b), hosts=glue_for(a, b))
+    port, admin_port = free_port(), free_port()
+    proxy = lbproxy(config(port, admin_port, dns, static=[s], scheduler="rr"))
+    name_a = f"a.node.test:{a.port}"
+    wait_for_names(admin_port, {"s", name_a, f"b.node.test:{b.port}"})
+    admin = f"http://127.0.0.1:{admin_port}"
+
+    out = run_cli("drain", "web", name_a, "--admin", admin)  # the CLI quotes the ':'
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"web/{name_a}: state drain")
+    quoted = urllib.parse.quote(name_a, safe="")
+    assert "%3A" in quoted
+    status, body = http("GET", f"{admin}/api/v1/virtual-servers/web/real-servers/{quoted}")
+    assert status == 200 and json.loads(body)["state"] == "drain"
+
+    time.sleep(0.6)  # several discovery rounds: the PATCHed state stays
+    assert servers_of(admin_port)[name_a]["state"] == "drain"
+    proxy.reload()  # a file reload keeps the discovered set and the PATCHed state
+    found = wait_for_names(admin_port, {"s", name_a, f"b.node.test:{b.port}"})
+    assert found[name_a]["state"] == "drain"
+    assert {n: rs["discovered"] for n, rs in found.items()} == {
+        "s": False,
+        name_a: True,
+        f"b.node.test:{b.port}": True,
+    }
+    assert "a" not in picks(port, 6)
+
+    table = run_cli("status", "--admin", admin)
+    assert table.returncode == 0
+    assert table.stdout.count("(dns)") == 2  # the two discovered servers, not s
+    as_json = json.loads(run_cli("status", "--json", "--admin", admin).stdout)
+    assert as_json["virtual_servers"][0]["real_servers"] == document(admin_port)["real_servers"]
+
+
+# -- A records: hold, outage, start-up -------------------------------------------------------
+
+
+def test_a_records_change_at_once_but_go_only_after_hold(lbproxy, dnsmasq):
+    port, admin_port = free_port(), free_port()
+    first = NameServer("n2", host="127.0.0.2")  # a Kubernetes pod each: one port, two IPs
+    web_port = first.port
+    backends = [first, NameServer("n3", port=web_port, host="127.0.0.3")]
+    try:
+        dns = dnsmasq(hosts={A_NAME: ["127.0.0.2", "127.0.0.3"]})
+        proxy = lbproxy(
+            config(port, admin_port, dns, name=A_NAME, record_type="A", dns_port=web_port)
+        )
+        n2, n3 = f"127.0.0.2:{web_port}", f"127.0.0.3:{web_port}"
+        wait_for_names(admin_port, {n2, n3})
+        assert picks(port, 4) == {"n2": 2, "n3": 2}
+
+        dns.set_hosts({A_NAME: ["127.0.0.2"]})  # a smaller answer applies at once
+        wait_for_names(admin_port, {n2}, timeout=3)
+
+        dns.set_hosts({})  # NXDOMAIN: the servers stay for `hold` (1 s)
+        gone_at = time.monotonic()
+        wait_until(lambda: "NXDOMAIN; its 1 server(s) go in 1s" in proxy.log(), what="log")
+        time.sleep(0.5)
+        assert set(servers_of(admin_port)) == {n2}
+        assert ask_name(port) == "n2"
+        wait_for_names(admin_port, set(), timeout=5)
+        assert time.monotonic() - gone_at >= 0.9
+        assert "still NXDOMAIN after 1s: removing its 1 server(s)" in proxy.log()
+        assert sample(metrics(admin_port), "lbproxy_discovered_servers", virtual_server="web") == 0
+        samples = metrics(admin_port)
+        nxdomain = sample(
+            samples, "lbproxy_discovery_resolutions_total", virtual_server="web", result="nxdomain"
+        )
+        assert nxdomain >= 3
+        status, _ = http("GET", f"http://127.0.0.1:{admin_port}/readyz")
+        assert status == 200
+    finally:
+        for server in backends:
+            server.stop()
+
+
+def test_a_resolver_outage_keeps_the_last_set(name_servers, lbproxy, dnsmasq):
+    a, b = name_servers("a", "b")
+    dns = dnsmasq(srv=srv_for(a, b), hosts=glue_for(a, b))
+    port, admin_port = free_port(), free_port()
+    proxy = lbproxy(config(port, admin_port, dns, hold="200ms"))
+    names = {f"a.node.test:{a.port}", f"b.node.test:{b.port}"}
+    wait_for_names(admin_port, names)
+
+    dns.stop()  # silent: every round times out (300 ms), far beyond `hold`
+
+    def errors() -> float:
+        return sample(
+            metrics(admin_port),
+            "lbproxy_discovery_resolutions_total",
+            virtual_server="web",
+            result="error",
+        )
+
+    wait_until(lambda: errors() >= 4, timeout=10, what="4 failed rounds")
+    assert set(servers_of(admin_port)) == names
+    assert picks(port, 4) == {"a": 2, "b": 2}
+    log = proxy.log()
+    assert log.count("resolution failed") == 1  # once per streak
+    assert "keeping the last 2 discovered server(s)" in log
+
+    dns.start()
+    wait_until(lambda: "resolving again after" in proxy.log(), what="recovery log")
+    assert set(servers_of(admin_port)) == names
+
+
+def test_start_up_without_an_answer_serves_the_static_servers(name_servers, lbproxy, dnsmasq):
+    a, s = name_servers("a", "s")
+    dns = dnsmasq()  # not started: nothing answers on its port
+    port, admin_port = free_port(), free_port()
+    proxy = lbproxy(config(port, admin_port, dns, static=[s]))
+    status, _ = http("GET", f"http://127.0.0.1:{admin_port}/readyz")
+    assert status == 200
+    assert set(servers_of(admin_port)) == {"s"}
+    assert ask_name(port) == "s"
+    wait_until(
+        lambda: "no answer yet: only the static real servers serve" in proxy.log(), what="log"
+    )
+    dns.start(srv=srv_for(a), hosts=glue_for(a))
+    wait_for_names(admin_port, {"s", f"a.node.test:{a.port}"})
+
+
+# -- connections of a server that leaves ----------------------------------------------------
+
+
+def test_connections_to_a_removed_server_finish_undisturbed(name_servers, lbproxy, dnsmasq):
+    a, b = name_servers("a", "b")
+    dns = dnsmasq(srv=srv_for(a, b), hosts=glue_for(a, b))
+    port, admin_port = free_port(), free_port()
+    checks = "{type: tcp, interval: 200ms, timeout: 200ms}"
+    proxy = lbproxy(config(port, admin_port, dns, scheduler="first", health=checks))
+    name_a, name_b = f"a.node.test:{a.port}", f"b.node.test:{b.port}"
+    wait_for_names(admin_port, {name_a, name_b})
+    held, served_by = open_and_read_name(port)
+    assert served_by == "a"  # `first`: the first in order
+
+    dns.set_srv(srv_for(b))
+    found = wait_until(
+        lambda: (rs := servers_of(admin_port)).get(name_a, {}).get("state") == "drain" and rs,
+        what="a draining",
+    )
+    assert found[name_a]["active_connections"] == 1
+    assert picks(port, 3) == {"b": 3}
+    for i in range(5):
+        held.sendall(f"still here {i}\n".encode())
+        assert held.recv(100) == f"still here {i}\n".encode()
+    time.sleep(0.4)  # rounds go by: it stays while its connection is open
+    assert name_a in servers_of(admin_port)
+    held.close()
+    wait_for_names(admin_port, {name_b}, timeout=3)
+    assert f"removed {name_a}" in proxy.log()
+    samples = metrics(admin_port)
+    checks_b = sample(
+        samples,
+        "lbproxy_health_checks_total",
+        virtual_server="web",
+        real_server=name_b,
+        result="ok",
+    )
+    assert checks_b > 0  # health checks started for the discovered server
+
+
+# -- churn ----------------------------------------------------------------------------------
+
+
+def test_churn_of_the_record_set_breaks_no_connection(lbproxy, dnsmasq):
+    """50 changes of the A records, 100 ms apart, while 20 held connections echo."""
+    port, admin_port = free_port(), free_port()
+    first = NameServer("n2", host="127.0.0.2")
+    web_port = first.port
+    backends = [first] + [NameServer(f"n{i}", port=web_port, host=f"127.0.0.{i}") for i in (3, 4)]
+    try:
+        ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+        dns = dnsmasq(hosts={A_NAME: ips})
+        proxy = lbproxy(
+            config(
+                port,
+                admin_port,
+                dns,
+                name=A_NAME,
+                record_type="A",
+                dns_port=web_port,
+                interval="100ms",
+                scheduler="rr",
+            )
+        )
+        wait_for_names(admin_port, {f"{ip}:{web_port}" for ip in ips})
+        held = [open_and_read_name(port)[0] for _ in range(20)]
+        echoed = 0
+        for change in range(50):
+            # Always one address at least: a subset that moves every time.
+            subset = [ip for i, ip in enumerate(ips) if (change + 1) >> i & 1] or ips[:1]
+            dns.set_hosts({A_NAME: subset})
+            sock = held[change % len(held)]
+            sock.sendall(b"ping %d\n" % change)
+            assert sock.recv(100) == b"ping %d\n" % change
+            echoed += 1
+            assert ask_name(port) in {"n2", "n3", "n4"}  # new connections find a server
+            time.sleep(0.1)
+        for i, sock in enumerate(held):
+            sock.sendall(b"last %d\n" % i)
+            assert sock.recv(100) == b"last %d\n" % i
+            sock.close()
+        assert echoed == 50
+        assert "Traceback" not in proxy.log()
+        # The proxy saw the churn: most of the 50 changes were applied one by one.
+        assert proxy.log().count("lbproxy.server: discovery:") >= 25
+        status, _ = http("GET", f"http://127.0.0.1:{admin_port}/readyz")
+        assert status == 200
+    finally:
+        for server in backends:
+            server.stop()

@@ -407,3 +407,26 @@ def test_churn_of_the_record_set_breaks_no_connection(lbproxy, dnsmasq):
     finally:
         for server in backends:
             server.stop()
+
+
+def test_an_aaaa_server_named_in_brackets_through_the_cli(lbproxy, dnsmasq):
+    backend = NameServer("v6", host="::1")
+    try:
+        dns = dnsmasq(hosts={A_NAME: ["::1"]})
+        port, admin_port = free_port(), free_port()
+        lbproxy(
+            config(port, admin_port, dns, name=A_NAME, record_type="AAAA", dns_port=backend.port)
+        )
+        name = f"[::1]:{backend.port}"
+        found = wait_for_names(admin_port, {name})
+        assert found[name]["address"] == name
+        assert ask_name(port) == "v6"
+        admin = f"http://127.0.0.1:{admin_port}"
+        out = run_cli("set-weight", "web", name, "4", "--admin", admin)
+        assert out.returncode == 0, out.stderr
+        time.sleep(0.4)  # rounds go by with the same answer: the PATCHed weight stays
+        assert servers_of(admin_port)[name]["weight"]["static"] == 4
+        labels = {"virtual_server": "web", "real_server": name}
+        assert sample(metrics(admin_port), "lbproxy_connections_total", **labels) == 1
+    finally:
+        backend.stop()

@@ -66,7 +66,7 @@ def check_servers(servers, records: list[SrvRecord]) -> None:
         assert primaries, "there is always a primary"
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(RECORDS, max_size=12), ADDRESSES)
 def test_srv_conversion_never_raises_and_gives_usable_servers(records, addresses):
     servers, skipped = servers_from_srv(records, addresses)
@@ -76,7 +76,7 @@ def test_srv_conversion_never_raises_and_gives_usable_servers(records, addresses
     assert outcome.result == ("ok" if servers else "empty")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.lists(st.one_of(st.ip_addresses().map(str), LABEL_TEXT), max_size=12),
     st.integers(1, 65535),
@@ -140,7 +140,7 @@ def srv_messages(draw):
     return message
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(srv_messages())
 def test_answers_read_through_the_wire_give_usable_servers(message):
     received = dns.message.from_wire(message.to_wire())

@@ -76,22 +76,23 @@ async def resolve(config: DnsDiscoveryConfig) -> Resolution:
         resolver = make_resolver(config)
     except dns.exception.DNSException as exc:
         return Resolution("error", detail=f"no resolvers: {exc}")
-    with trio.move_on_after(config.timeout):
+    deadline = trio.current_time() + config.timeout
+    answer = None
+    with trio.move_on_at(deadline):
         try:
-            return await _resolve(resolver, config)
+            # Absolute: a discovery name never goes through resolv.conf's search domains.
+            name = dns.name.from_text(config.name)
+            answer = await resolver.resolve(
+                name, config.type, search=False, raise_on_no_answer=False
+            )
         except dns.resolver.NXDOMAIN:
             return Resolution("nxdomain")
         except dns.resolver.NoAnswer:
             return Resolution("empty")
         except (dns.exception.DNSException, OSError, ValueError) as exc:
             return Resolution("error", detail=str(exc) or type(exc).__name__)
-    return Resolution("error", detail=f"no answer within {config.timeout:g}s")
-
-
-async def _resolve(resolver: dns.asyncresolver.Resolver, config: DnsDiscoveryConfig) -> Resolution:
-    # Absolute: a discovery name never goes through resolv.conf's search domains.
-    name = dns.name.from_text(config.name)
-    answer = await resolver.resolve(name, config.type, search=False, raise_on_no_answer=False)
+    if answer is None:
+        return Resolution("error", detail=f"no answer within {config.timeout:g}s")
     if answer.rrset is None:
         return Resolution("empty")
     if config.type != "SRV":
@@ -101,7 +102,9 @@ async def _resolve(resolver: dns.asyncresolver.Resolver, config: DnsDiscoveryCon
     addresses = glue(answer.response.additional)
     missing = {target_host(r.target) for r in records} - addresses.keys() - {""}
     if missing:
-        await _lookup(resolver, missing, addresses)
+        # Within the same round: a target not found by then keeps its name.
+        with trio.move_on_at(deadline):
+            await _lookup(resolver, missing, addresses)
     return resolution(*servers_from_srv(records, addresses))
 
 
@@ -121,7 +124,7 @@ def glue(additional: Iterable[dns.rrset.RRset]) -> dict[str, str]:
 
 
 def _ip_order(text: str) -> tuple[int, str]:
-    return (":" in text, text)
+    return (":" in text, text)  # IPv4 first; any fixed order will do
 
 
 async def _lookup(

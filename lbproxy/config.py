@@ -1460,6 +1460,8 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
         lines.append(f"  discovery   {discovery_summary(vs.discovery)}")
     lines.append("  real servers")
     lines.extend(_table([_real_server_row(vs, rs) for rs in vs.real_servers], indent="    "))
+    if vs.discovery is not None:
+        lines.append("    + discovered (lbproxy check --resolve shows them)")
     return lines
 
 

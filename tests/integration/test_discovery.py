@@ -430,3 +430,17 @@ def test_an_aaaa_server_named_in_brackets_through_the_cli(lbproxy, dnsmasq):
         assert sample(metrics(admin_port), "lbproxy_connections_total", **labels) == 1
     finally:
         backend.stop()
+
+
+def test_a_reload_to_another_name_follows_it(name_servers, lbproxy, dnsmasq):
+    a, b = name_servers("a", "b")
+    records = {**srv_for(a), "_new._tcp.svc.test": srv_for(b)[SRV_NAME]}
+    dns = dnsmasq(srv=records, hosts=glue_for(a, b))
+    port, admin_port = free_port(), free_port()
+    proxy = lbproxy(config(port, admin_port, dns))
+    wait_for_names(admin_port, {f"a.node.test:{a.port}"})
+    proxy.reload(config(port, admin_port, dns, name="_new._tcp.svc.test"))
+    wait_for_names(admin_port, {f"b.node.test:{b.port}"})
+    assert ask_name(port) == "b"
+    proxy.reload(config(port, admin_port, dns))  # and back
+    wait_for_names(admin_port, {f"a.node.test:{a.port}"})

@@ -4,9 +4,12 @@ dnspython's asynchronous resolver on trio, each result class, and the round's bo
 from __future__ import annotations
 
 import socket
+import threading
 from dataclasses import replace
 
 import dns.asyncbackend
+import dns.message
+import dns.rcode
 import pytest
 import trio
 
@@ -147,3 +150,34 @@ def test_check_resolve_asks_every_virtual_server_at_once(dns_server):
         ("fast", "ok"),
     ]
     assert elapsed < 1.8 * silent.timeout  # together: one after the other takes 2 timeouts
+
+
+def test_servfail_is_an_error(dns_server):
+    """dnsmasq cannot be told to answer SERVFAIL; a loopback responder built with
+    dnspython answers every query with it, and the real resolver reads it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(0.1)
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            try:
+                wire, peer = sock.recvfrom(4096)
+            except TimeoutError:
+                continue
+            response = dns.message.make_response(dns.message.from_wire(wire))
+            response.set_rcode(dns.rcode.SERVFAIL)
+            sock.sendto(response.to_wire(), peer)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        resolvers = (Address("127.0.0.1", sock.getsockname()[1]),)
+        outcome = run(dns_config(dns_server, "web.k8s.test", "A", resolvers=resolvers))
+    finally:
+        stop.set()
+        thread.join(2)
+        sock.close()
+    assert outcome.result == "error"
+    assert "SERVFAIL" in outcome.detail

@@ -44,7 +44,7 @@ from lbproxy.config import (
     parse_address,
 )
 
-log = logging.getLogger("lbproxy.discovery")
+log = logging.getLogger("lbproxy.discovery_model")
 
 RESULTS = ("ok", "empty", "nxdomain", "error")  # lbproxy_discovery_resolutions_total
 MAX_UINT16 = 65535

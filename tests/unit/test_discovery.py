@@ -132,7 +132,7 @@ EMPTY = Resolution("empty")
 def test_an_error_keeps_the_last_set_and_is_logged_once_per_streak(caplog):
     state = DiscoveryState("web", DNS)
     assert state.record(ok("a:1", "b:2"), 0.0)
-    with caplog.at_level(logging.INFO, logger="lbproxy.discovery"):
+    with caplog.at_level(logging.INFO, logger="lbproxy.discovery_model"):
         assert not state.record(ERROR, 10.0)
         assert not state.record(ERROR, 20.0)
         assert not state.record(ERROR, 1000.0)  # far beyond hold: errors never remove
@@ -154,7 +154,7 @@ def test_an_error_keeps_the_last_set_and_is_logged_once_per_streak(caplog):
 
 def test_no_answer_yet_says_only_static_servers_serve(caplog):
     state = DiscoveryState("web", DNS)
-    with caplog.at_level(logging.WARNING, logger="lbproxy.discovery"):
+    with caplog.at_level(logging.WARNING, logger="lbproxy.discovery_model"):
         assert not state.record(ERROR, 0.0)
     assert "no answer yet: only the static real servers serve" in caplog.text
     assert state.current == [] and not state.answered
@@ -253,7 +253,7 @@ def test_a_static_name_wins_over_a_discovered_one(caplog):
     state = DiscoveryState("web", DNS)
     state.record(ok("s:9", "a:1"), 0.0)
     vs = replace(VS, real_servers=(replace(VS.real_servers[0], name="s:9"),))
-    with caplog.at_level(logging.WARNING, logger="lbproxy.discovery"):
+    with caplog.at_level(logging.WARNING, logger="lbproxy.discovery_model"):
         merged = state.merged(vs)
         state.merged(vs)
     assert [(rs.name, rs.discovered) for rs in merged.real_servers] == [

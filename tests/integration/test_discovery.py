@@ -224,7 +224,14 @@ def test_discovered_names_in_patch_status_and_reload(name_servers, lbproxy, dnsm
 
     table = run_cli("status", "--admin", admin)
     assert table.returncode == 0
-    assert table.stdout.count("(dns)") == 2  # the two discovered servers, not s
+    # Piped: plain columns, the real server 4th and DISCOVERED last.
+    rows = [line.split() for line in table.stdout.splitlines()]
+    assert rows[0][3] == "REAL_SERVER" and rows[0][-1] == "DISCOVERED"
+    assert {row[3]: row[-1] for row in rows[1:]} == {
+        "s": "no",
+        name_a: "yes",
+        f"b.node.test:{b.port}": "yes",
+    }
     as_json = json.loads(run_cli("status", "--json", "--admin", admin).stdout)
     assert as_json["virtual_servers"][0]["real_servers"] == document(admin_port)["real_servers"]
 

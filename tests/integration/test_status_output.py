@@ -78,7 +78,7 @@ def plain_fields(vs: dict, rs: dict) -> list[str]:
         rs["state"], rs["health"], str(weight["static"]),
         "-" if weight["dynamic"] is None else str(weight["dynamic"]), str(weight["effective"]),
         str(rs["active_connections"]), str(rs["connections_total"]), str(rs["bytes_in"]),
-        str(rs["bytes_out"]),
+        str(rs["bytes_out"]), "yes" if rs["discovered"] else "no",
     ]  # fmt: skip
 
 
@@ -101,6 +101,7 @@ def test_piped_status_is_plain_aligned_columns_one_real_server_a_line(status_set
     assert lines[0].split() == [
         "VIRTUAL_SERVER", "SCHEDULER", "THROTTLE", "REAL_SERVER", "ADDRESS", "STATE",
         "HEALTH", "WEIGHT", "DYNAMIC", "EFFECTIVE", "ACTIVE", "TOTAL", "BYTES_IN", "BYTES_OUT",
+        "DISCOVERED",
     ]  # fmt: skip
     expected = [plain_fields(vs, rs) for vs, rs in rows(document)]
     assert [line.split() for line in lines[1:]] == expected

@@ -20,7 +20,8 @@ seconds, so that it disappears from the list shortly after its last connection c
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import astuple
 from typing import Any, Protocol
 
 import dns.asyncresolver
@@ -70,8 +71,31 @@ def make_resolver(config: DnsDiscoveryConfig) -> dns.asyncresolver.Resolver:
     return resolver
 
 
-async def resolve(config: DnsDiscoveryConfig) -> Resolution:
-    """One round: the name's servers, or why there are none; never raises (but Cancelled)."""
+class LastAnswer:
+    """The last answer of one virtual server's name and its Resolution.
+
+    Most rounds bring the same answer again; giving back the same Resolution (the same
+    tuple of servers, which DiscoveryState recognises at once) spares parsing and
+    comparing thousands of servers every `interval` on the event loop.
+    """
+
+    def __init__(self) -> None:
+        self.raw: object = None
+        self.outcome: Resolution | None = None
+        self.addresses: dict = {}  # servers_from_addresses's `known`
+
+    def convert(self, raw: object, make: Callable[[], Resolution]) -> Resolution:
+        if self.outcome is None or raw != self.raw:
+            self.raw, self.outcome = raw, make()
+        return self.outcome
+
+
+async def resolve(config: DnsDiscoveryConfig, last: LastAnswer | None = None) -> Resolution:
+    """One round: the name's servers, or why there are none; never raises (but Cancelled).
+
+    `last` (the task's) gives back its Resolution when the answer is the same as last time.
+    """
+    last = last or LastAnswer()
     try:
         resolver = make_resolver(config)
     except dns.exception.DNSException as exc:
@@ -97,7 +121,12 @@ async def resolve(config: DnsDiscoveryConfig) -> Resolution:
         return Resolution("empty")
     if config.type != "SRV":
         assert config.port is not None  # the loader requires it for A/AAAA
-        return resolution(*servers_from_addresses((r.address for r in answer), config.port))
+        port = config.port
+        addresses = tuple(sorted(r.address for r in answer))
+        return last.convert(
+            addresses,
+            lambda: resolution(*servers_from_addresses(addresses, port, last.addresses)),
+        )
     records = srv_records(answer.rrset)
     addresses = glue(answer.response.additional)
     missing = {target_host(r.target) for r in records} - addresses.keys() - {""}
@@ -105,7 +134,8 @@ async def resolve(config: DnsDiscoveryConfig) -> Resolution:
         # Within the same round: a target not found by then keeps its name.
         with trio.move_on_at(deadline):
             await _lookup(resolver, missing, addresses)
-    return resolution(*servers_from_srv(records, addresses))
+    raw = (sorted(map(astuple, records)), sorted(addresses.items()))
+    return last.convert(raw, lambda: resolution(*servers_from_srv(records, addresses)))
 
 
 def srv_records(rrset: Iterable[Any]) -> list[SrvRecord]:
@@ -225,12 +255,13 @@ class Discoveries:
         def active(rs_name: str) -> int:
             return target.discovered_active(vs_name, rs_name)
 
+        last = LastAnswer()
         with scope:
             while True:
                 started = trio.current_time()
                 next_round = started + config.interval
                 try:
-                    outcome = await resolve(config)
+                    outcome = await resolve(config, last)
                     if state.record(outcome, trio.current_time()):
                         target.apply_discovered(vs_name)
                     # Removed servers with connections: drop each once its last one closed.

@@ -145,21 +145,36 @@ def _address_of(ip: str | None, named: Address) -> Address:
 
 
 def servers_from_addresses(
-    addresses: Iterable[str], port: int
+    addresses: Iterable[str],
+    port: int,
+    known: dict[str, tuple[tuple[int, int], RealServerConfig]] | None = None,
 ) -> tuple[tuple[RealServerConfig, ...], list[str]]:
-    """The servers of an A or AAAA answer, sorted by address, and what was skipped."""
+    """The servers of an A or AAAA answer, sorted by address, and what was skipped.
+
+    `known` (optional, for one port) keeps each address text's sort key and server
+    between calls, so an answer of thousands in which one address changed parses one;
+    it is left holding the addresses of this answer only.
+    """
     skipped: list[str] = []
-    ips: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    previous = known or {}
+    found: dict[str, tuple[tuple[int, int], RealServerConfig]] = {}
     for text in addresses:
-        try:
-            ips.add(ipaddress.ip_address(text))
-        except (ValueError, TypeError):
-            skipped.append(f"{text!r}: not an IP address")
-    servers = []
-    for ip in sorted(ips, key=lambda ip: (ip.version, int(ip))):
-        address = Address(str(ip), port)
-        servers.append(discovered_server(str(address), address))
-    return tuple(servers), skipped
+        entry = previous.get(text) if isinstance(text, str) else None
+        if entry is None:
+            try:
+                ip = ipaddress.ip_address(text)
+            except (ValueError, TypeError):
+                skipped.append(f"{text!r}: not an IP address")
+                continue
+            address = Address(str(ip), port)
+            entry = ((ip.version, int(ip)), discovered_server(str(address), address))
+        found[text] = entry
+    if known is not None:
+        known.clear()
+        known.update(found)
+    # Two texts of one address (`::1`, `0::1`) are one server.
+    unique = {rs.name: (key, rs) for key, rs in found.values()}
+    return tuple(rs for _, rs in sorted(unique.values(), key=lambda item: item[0])), skipped
 
 
 def resolution(servers: tuple[RealServerConfig, ...], skipped: list[str]) -> Resolution:
@@ -188,6 +203,9 @@ class DiscoveryState:
         self.empty_since: float | None = None
         self._shadowed: set[str] = set()  # discovered names a static server has: warned
         self._last_skipped = ""
+        self._applied: tuple[RealServerConfig, ...] | None = None  # the last set replaced
+        # name -> (discovered config, snmp block of the VS, the config as merged)
+        self._prepared: dict[str, tuple[RealServerConfig, SnmpConfig | None, RealServerConfig]] = {}
 
     @property
     def what(self) -> str:
@@ -246,6 +264,9 @@ class DiscoveryState:
         return False
 
     def _replace(self, servers: tuple[RealServerConfig, ...]) -> bool:
+        if servers is self._applied:
+            return False  # the same answer as last round (discovery.LastAnswer): no change
+        self._applied = servers
         wanted = {rs.name: rs for rs in servers}
         changed = False
         for name in self.current:
@@ -289,11 +310,23 @@ class DiscoveryState:
                         "%s: %s is a static real server; the static one is kept", self.what, name
                     )
                 continue
-            rs = replace(rs, snmp=_snmp_for(vs.snmp, rs.address), line=self.config.line)
-            discovered.append(replace(rs, state="drain") if name in self.leaving else rs)
+            discovered.append(self._prepare(name, rs, vs.snmp))
+        for name in self._prepared.keys() - self.servers.keys():
+            del self._prepared[name]
         if not discovered:
             return vs
         return replace(vs, real_servers=(*vs.real_servers, *discovered))
+
+    def _prepare(
+        self, name: str, rs: RealServerConfig, snmp: SnmpConfig | None
+    ) -> RealServerConfig:
+        """`rs` as merged: the VS's snmp block, the discovery block's line, `drain` if
+        leaving; kept from one merge to the next while `rs` and the block stay the same."""
+        cached = self._prepared.get(name)
+        if cached is None or cached[0] is not rs or cached[1] is not snmp:
+            merged = replace(rs, snmp=_snmp_for(snmp, rs.address), line=self.config.line)
+            cached = self._prepared[name] = (rs, snmp, merged)
+        return replace(cached[2], state="drain") if name in self.leaving else cached[2]
 
 
 def _snmp_for(snmp: SnmpConfig | None, address: Address) -> SnmpConfig | None:

@@ -346,3 +346,29 @@ def test_quiesce_resets_when_a_discovered_server_comes_online():
     pool.reconfigure(state.merged(vs), 1.0, keep_runtime=True)
     assert pool.epoch == epoch + 1
     assert pool.by_name["a:1"].sched_active == 0 and pool.by_name["a:1"].active == 1
+
+
+# -- what makes the usual round cheap ---------------------------------------------------
+
+
+def test_known_addresses_are_reused_and_only_the_current_ones_kept():
+    known: dict = {}
+    first, _ = servers_from_addresses(["10.0.0.1", "10.0.0.2"], 80, known)
+    second, _ = servers_from_addresses(["10.0.0.2", "10.0.0.3", "10.0.0.1"], 80, known)
+    assert names(second) == ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]
+    assert second[0] is first[0] and second[1] is first[1]  # not parsed again
+    assert second == servers_from_addresses(["10.0.0.3", "10.0.0.2", "10.0.0.1"], 80)[0]
+    servers_from_addresses(["10.0.0.3"], 80, known)
+    assert set(known) == {"10.0.0.3"}
+
+
+def test_the_same_resolution_again_is_no_change_and_merges_to_equal_configs():
+    state = DiscoveryState("web", DNS)
+    outcome = ok("a:1", "b:2")
+    assert state.record(outcome, 0.0)
+    vs = replace(VS, snmp=SnmpConfig())  # the running configuration: one object
+    first = state.merged(vs)
+    assert not state.record(outcome, 1.0)  # the very same tuple: recognised at once
+    again = state.merged(vs)
+    assert again == first and again.real_servers[1] is first.real_servers[1]
+    assert not state.record(ok("a:1", "b:2"), 2.0)  # an equal answer: no change either

@@ -133,9 +133,9 @@ class RealServerConfig:
     max_connections: int = 0  # 0 = unlimited
     load_factor: float = 1.0
     state: str = "enabled"  # enabled | drain | disabled
+    backup: bool = False  # takes connections only while no primary is online (SPEC §13)
     snmp: SnmpConfig | None = None  # the VS block merged with this server's overrides
     line: int = field(default=0, compare=False)  # where, not what: moving lines is no change
-    backup: bool = False  # takes connections only while no primary is available (SPEC §13)
     discovered: bool = False  # made from a DNS answer (discovery.dns), not read from a file
 
 

@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 
+from lbproxy.pool import RealServer
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 from tests.integration.harness import (
     NameServer,
@@ -453,3 +454,41 @@ def test_a_reload_to_another_name_follows_it(name_servers, lbproxy, dnsmasq):
     assert ask_name(port) == "b"
     proxy.reload(config(port, admin_port, dns))  # and back
     wait_for_names(admin_port, {f"a.node.test:{a.port}"})
+
+
+@pytest.mark.skipif(
+    "backup" not in RealServer.__slots__, reason="backup servers (SPEC §13) not built in"
+)
+def test_higher_srv_priorities_serve_only_while_the_primaries_are_down(lbproxy, dnsmasq):
+    a, b, c = (NameServer(name) for name in "abc")
+    servers = [a, b, c]
+    try:
+        dns = dnsmasq(srv=srv_for(a, b, c, priorities={"c": 10}), hosts=glue_for(a, b, c))
+        port, admin_port = free_port(), free_port()
+        checks = "{type: tcp, interval: 100ms, timeout: 100ms, rise: 1, fall: 1}"
+        lbproxy(config(port, admin_port, dns, scheduler="rr", health=checks))
+        names = {f"{s.name}.node.test:{s.port}" for s in servers}
+        wait_for_names(admin_port, names)
+        assert set(picks(port, 6)) == {"a", "b"}  # c is a backup: priority 10 > 0
+
+        a.stop()
+        b.stop()
+        wait_until(
+            lambda: all(
+                rs["health"] == "down"
+                for name, rs in servers_of(admin_port).items()
+                if not name.startswith("c.")
+            ),
+            what="primaries down",
+        )
+        assert picks(port, 3) == {"c": 3}
+
+        servers[0] = a = NameServer("a", port=a.port)  # a primary is back
+        wait_until(
+            lambda: servers_of(admin_port)[f"a.node.test:{a.port}"]["health"] == "up",
+            what="a up",
+        )
+        assert picks(port, 3) == {"a": 3}
+    finally:
+        for server in servers:
+            server.stop()

@@ -98,6 +98,7 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
         "address": stats.address,
         "state": stats.state,
         "health": stats.health,
+        "backup": stats.backup,
         "weight": {
             "static": _number(stats.weight_static),
             "dynamic": None if not pool.polls_snmp else _number(stats.weight_dynamic),

@@ -713,6 +713,7 @@ _REAL_SERVER_FIELDS: dict[str, Converter] = {
     "max_connections": _integer(0),
     "load_factor": _number(above=0),
     "state": _choice("enabled", "drain", "disabled"),
+    "backup": _boolean,
 }
 _REAL_SERVER_SECTIONS = ("snmp",)
 
@@ -1489,6 +1490,8 @@ def _throttle_summary(throttle: ThrottleConfig) -> str:
 
 def _real_server_row(vs: VirtualServerConfig, rs: RealServerConfig) -> list[str]:
     row = [rs.name, str(rs.address), f"weight {rs.weight}", rs.state]
+    if rs.backup:
+        row.append("backup")
     if vs.scheduler == "sap":
         row.append(f"load factor {rs.load_factor:g}")
     if rs.max_connections:

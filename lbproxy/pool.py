@@ -105,6 +105,7 @@ class RealServer:
         "active",
         "address",
         "available",
+        "backup",
         "bytes_in",
         "bytes_out",
         "config",
@@ -121,6 +122,7 @@ class RealServer:
         "max_connections",
         "name",
         "online",
+        "primary_online",
         "ramp_start",
         "removed",
         "retry_at",
@@ -141,6 +143,7 @@ class RealServer:
         self.dynamic_weight: float | None = None
         self.dyn_positive = False
         self.online = False
+        self.primary_online = False  # counted in Pool._primaries_online
         self.available = False
         self.removed = False
         # Passive health only (`health_check.type: none`): a down server is offered one
@@ -168,6 +171,7 @@ class RealServer:
         self.max_connections = config.max_connections
         self.load_factor = config.load_factor
         self.state = config.state
+        self.backup = config.backup
 
     def apply_changes(self, config: RealServerConfig) -> None:
         """Apply `config` but keep a runtime change (a PATCHed state or weight) of every
@@ -191,6 +195,7 @@ class RealServerStats:
     state: str
     health: str  # up | down
     available: bool
+    backup: bool
     weight_static: float
     weight_dynamic: float | None
     weight_effective: float
@@ -227,6 +232,9 @@ class Pool:
         self.epoch = 0
         self.fallback = self.polls_snmp  # nothing answered yet
         self._dynamic_positive = 0
+        # Backup servers (SPEC §13) are offered to the scheduler only while this is 0:
+        # a count kept on every online change, so a pick never looks at the primaries.
+        self._primaries_online = 0
         self._ramping: set[RealServer] = set()
         self._retrying: set[RealServer] = set()  # passively down, waiting for a trial
         self._next_tick = float("-inf")  # when `pick` next runs `_tick`
@@ -566,6 +574,7 @@ class Pool:
             state=rs.state,
             health="up" if rs.health.up else "down",
             available=rs.available,
+            backup=rs.backup,
             weight_static=rs.static_weight,
             weight_dynamic=rs.dynamic_weight,
             weight_effective=rs.effective_weight,
@@ -633,10 +642,22 @@ class Pool:
             rs.ramp_start = None
             self._ramping.discard(rs)
             self.scheduler.on_offline(rs, now)
+        # A full primary (max_connections) still counts: its clients queue or are
+        # refused rather than spill over to the backups, as in HAProxy.
+        tier_flip = False
+        primary_online = online and not rs.backup
+        if primary_online != rs.primary_online:
+            rs.primary_online = primary_online
+            self._primaries_online += 1 if primary_online else -1
+            tier_flip = self._primaries_online == (1 if primary_online else 0)
         old = rs.effective_weight
         rs.effective_weight = base * self._ramp_factor(rs, now)
         trial = rs.trial and not rs.removed and rs.state == ENABLED and base > 0
-        available = (online or trial) and (not rs.max_connections or rs.active < rs.max_connections)
+        available = (
+            (online or trial)
+            and (not rs.max_connections or rs.active < rs.max_connections)
+            and not (rs.backup and self._primaries_online)
+        )
         if available and not rs.available:
             rs.available = True
             self.scheduler.on_available(rs, now)
@@ -645,6 +666,21 @@ class Pool:
             self.scheduler.on_unavailable(rs, now)
         elif available and rs.effective_weight != old:
             self.scheduler.on_weight(rs, old, now)
+        if tier_flip:
+            # The first primary came online (backups leave the scheduler; their
+            # connections finish on their own) or the last went (backups join it).
+            # A scan, but only on this transition, never per connection.
+            backups = [other for other in self.servers if other.backup]
+            if backups and not self._starting:
+                log.info(
+                    "%s: %s",
+                    self.name,
+                    "a primary is online again; backup servers stand by"
+                    if self._primaries_online
+                    else "no primary server online; using the backup servers",
+                )
+            for other in backups:
+                self._apply(other, now)
 
     def _came_online(self, rs: RealServer, now: float) -> None:
         if self.config.slow_start > 0:

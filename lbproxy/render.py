@@ -152,7 +152,11 @@ def status_table(document: dict) -> Table:
                 static += f" / snmp {weight['dynamic']}"
             table.add_row(
                 Text(label if first else ""),  # Text: names and addresses are not markup
-                Text(rs["name"] + (" (dns)" if rs.get("discovered") else "")),
+                Text(
+                    rs["name"]
+                    + (" (dns)" if rs.get("discovered") else "")
+                    + (" (backup)" if rs.get("backup") else "")
+                ),
                 Text(rs["address"]),
                 rs["state"],
                 _health(rs["health"]),

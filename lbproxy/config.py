@@ -126,6 +126,12 @@ class PersistenceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueConfig:
+    max: int = 1000  # waiting clients; one more is refused (queue_full)
+    timeout: float = 5.0  # seconds a client may wait for a free slot (queue_timeout)
+
+
+@dataclass(frozen=True, slots=True)
 class RealServerConfig:
     name: str
     address: Address
@@ -181,6 +187,7 @@ class VirtualServerConfig:
     hash_key: str = "source"  # maglev: source | source_port
     persistence: PersistenceConfig | None = None  # None: no client persistence
     discovery: DnsDiscoveryConfig | None = None  # None: only the static real_servers
+    queue: QueueConfig | None = None  # None: a full pool refuses (max_connections)
     file: str = field(default="", compare=False)
     line: int = field(default=0, compare=False)
 
@@ -702,6 +709,7 @@ _VIRTUAL_SERVER_SECTIONS = (
     "snmp",
     "throttle",
     "persistence",
+    "queue",
     "real_servers",
     "discovery",
 )
@@ -776,6 +784,11 @@ _DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
     "resolvers": _resolvers,
     "interval": _duration(positive=True),
     "hold": _duration(positive=False),
+    "timeout": _duration(positive=True),
+}
+
+_QUEUE_FIELDS: dict[str, Converter] = {
+    "max": _integer(1),
     "timeout": _duration(positive=True),
 }
 
@@ -1001,6 +1014,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     throttle = _read_throttle(doc, vs, where)
     persistence = _read_persistence(doc, vs, where)
     discovery = _read_discovery(doc, vs, where)
+    queue = _nested(doc, vs, "queue", f"queue of {where}", _QUEUE_FIELDS, prefix="queue.")
     real_servers = _read_real_servers(doc, vs, snmp, allow_empty=discovers)
 
     config = None
@@ -1013,6 +1027,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             throttle=throttle,
             persistence=persistence,
             discovery=discovery,
+            queue=QueueConfig(**queue.values) if queue is not None else None,
             file=doc.file,
             line=vs.line,
         )
@@ -1459,6 +1474,8 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
         )
     if vs.discovery is not None:
         lines.append(f"  discovery   {discovery_summary(vs.discovery)}")
+    if vs.queue is not None:
+        lines.append(f"  queue       up to {vs.queue.max} clients for {vs.queue.timeout:g}s")
     lines.append("  real servers")
     lines.extend(_table([_real_server_row(vs, rs) for rs in vs.real_servers], indent="    "))
     if vs.discovery is not None:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 DURATION_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0, 3600.0)
 # SNMP round trips on a LAN: milliseconds, up to the poll timeout.
 POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Waits in a virtual server's queue: from a slot freed at once to `queue.timeout`.
+QUEUE_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Histogram:

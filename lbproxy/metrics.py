@@ -114,6 +114,16 @@ class LbproxyCollector:
             "server was unavailable).",
             labels=[VS, "result"],
         )
+        queued = GaugeMetricFamily(
+            "lbproxy_queued_connections",
+            "Clients waiting in the virtual server's queue for a free real server.",
+            labels=[VS],
+        )
+        queue_wait = HistogramMetricFamily(
+            "lbproxy_queue_wait_seconds",
+            "Time clients waited in the queue, timed-out waits included.",
+            labels=[VS],
+        )
         now = trio.current_time()
         for pool in self.source.pools():
             vs = pool.name
@@ -128,6 +138,9 @@ class LbproxyCollector:
             fallback.add_metric([vs], 1.0 if pool.fallback else 0.0)
             throttle.add_metric([vs], MODE_VALUES.get(pool.throttle_mode, 0))
             duration.add_metric([vs], pool.durations.cumulative(), pool.durations.total)
+            if pool.config.queue is not None or pool.queue_waits.count:
+                queued.add_metric([vs], pool.queued)
+                queue_wait.add_metric([vs], pool.queue_waits.cumulative(), pool.queue_waits.total)
             poll_duration.add_metric(
                 [vs], pool.poll_durations.cumulative(), pool.poll_durations.total
             )
@@ -171,6 +184,8 @@ class LbproxyCollector:
             duration,
             persistence_entries,
             persistence_lookups,
+            queued,
+            queue_wait,
             reloads,
         )
 

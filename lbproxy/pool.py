@@ -29,21 +29,30 @@ import difflib
 import json
 import logging
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from lbproxy import schedulers
 from lbproxy.config import MAX_WEIGHT, RealServerConfig, VirtualServerConfig
 from lbproxy.health import Health
-from lbproxy.histogram import DURATION_BUCKETS, POLL_BUCKETS, Histogram
+from lbproxy.histogram import DURATION_BUCKETS, POLL_BUCKETS, QUEUE_BUCKETS, Histogram
 from lbproxy.persistence import Entry, Persistence, client_key
 
 log = logging.getLogger("lbproxy.pool")
 
 ENABLED, DRAIN, DISABLED = "enabled", "drain", "disabled"
 STATES = (ENABLED, DRAIN, DISABLED)
-REJECT_REASONS = ("no_server", "connect_failed", "throttle", "max_connections", "acl")
+REJECT_REASONS = (
+    "no_server",
+    "connect_failed",
+    "throttle",
+    "max_connections",
+    "acl",
+    "queue_timeout",
+    "queue_full",
+    "no_route",
+)
 SLOW_START_FLOOR = 0.1  # a ramping server starts at 10 % of its weight (SPEC §3)
 SLOW_START_STEPS = 50  # effective weight is recomputed this many times over the ramp
 
@@ -114,6 +123,7 @@ class RealServer:
         "dyn_positive",
         "dynamic_weight",
         "effective_weight",
+        "full",
         "health",
         "health_checks",
         "index",
@@ -145,6 +155,7 @@ class RealServer:
         self.online = False
         self.primary_online = False  # counted in Pool._primaries_online
         self.available = False
+        self.full = False  # would be available but for max_connections
         self.removed = False
         # Passive health only (`health_check.type: none`): a down server is offered one
         # trial connection at `retry_at` (see Pool.record_health).
@@ -229,6 +240,14 @@ class Pool:
         self.durations = Histogram(DURATION_BUCKETS)  # connection lifetimes, seconds
         self.poll_durations = Histogram(POLL_BUCKETS)  # SNMP round trips, seconds
         self.throttle_mode = "low"  # low | high | digg, set by the throttle monitor
+        # The queue (SPEC §13, lbproxy/waiting.py) reads these two counts to decide
+        # whether a new client waits, is told by `on_available` when a server becomes
+        # available, and publishes its length and waits here for the metrics.
+        self.available_servers = 0  # servers in the scheduler's structures
+        self.full_servers = 0  # servers held back only by their max_connections
+        self.on_available: Callable[[], None] | None = None
+        self.queued = 0
+        self.queue_waits = Histogram(QUEUE_BUCKETS)
         self.epoch = 0
         self.fallback = self.polls_snmp  # nothing answered yet
         self._dynamic_positive = 0
@@ -653,16 +672,22 @@ class Pool:
         old = rs.effective_weight
         rs.effective_weight = base * self._ramp_factor(rs, now)
         trial = rs.trial and not rs.removed and rs.state == ENABLED and base > 0
-        available = (
-            (online or trial)
-            and (not rs.max_connections or rs.active < rs.max_connections)
-            and not (rs.backup and self._primaries_online)
-        )
+        candidate = (online or trial) and not (rs.backup and self._primaries_online)
+        has_room = not rs.max_connections or rs.active < rs.max_connections
+        available = candidate and has_room
+        full = candidate and not has_room
+        if full != rs.full:
+            rs.full = full
+            self.full_servers += 1 if full else -1
         if available and not rs.available:
             rs.available = True
+            self.available_servers += 1
             self.scheduler.on_available(rs, now)
+            if self.on_available is not None:
+                self.on_available()
         elif not available and rs.available:
             rs.available = False
+            self.available_servers -= 1
             self.scheduler.on_unavailable(rs, now)
         elif available and rs.effective_weight != old:
             self.scheduler.on_weight(rs, old, now)

@@ -108,7 +108,15 @@ class Handler:
                 connection = Connection(flow)
                 if self.vs.throttle is not None:  # start with the imposed idle timeout, if any
                     flow.idle_timeout = self.vs.throttle.idle_timeout_for(config.idle_timeout)
+                queue = self.vs.queue
+                if queue is not None and queue.must_wait():
+                    reason = await queue.wait()
+                    if reason is not None:  # queue_full | queue_timeout
+                        self._reject(reason, source)
+                        return
                 connected = await self._connect(connection, config, source)
+                if queue is not None and queue.waiting:
+                    queue.kick()  # the slot is taken: the next waiter, if room is left
                 if connected is None:
                     if self.vs.access_log:
                         end = "cancelled" if flow.closing else "no_server"

@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from lbproxy import logs
+from lbproxy import logs, waiting
 from lbproxy.admin import TokenError, read_token, serve_admin
 from lbproxy.checks import HealthChecks, close_leases
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
@@ -151,6 +151,7 @@ class Server:
                 for listener in bound:
                     self._start_listener(listener)
                 self.throttles.sync(self.virtual_servers.values(), service)
+                self._sync_queues()
                 self.checks.sync(self.virtual_servers.values(), service)
                 self.snmp.sync(self.virtual_servers)
                 await service.start(self.snmp.run)
@@ -349,6 +350,7 @@ class Server:
             self.checks.sync(self.virtual_servers.values(), self._service)
             self.snmp.sync(self.virtual_servers)  # start/stop/restart SNMP pollers
             self.discovery.sync(new.virtual_servers, self._service, self)
+        changes.extend(self._sync_queues())
         for vs in self.virtual_servers.values():
             vs.access_log = new.global_.access_log
         return changes
@@ -393,6 +395,15 @@ class Server:
         vs = self.virtual_servers.get(vs_name)
         rs = vs.pool.by_name.get(rs_name) if vs is not None else None
         return rs.active if rs is not None and rs.config.discovered else 0
+
+    def _sync_queues(self) -> list[str]:
+        """Give each virtual server the connection queue its configuration asks for."""
+        changes = []
+        for vs in self.virtual_servers.values():
+            vs.queue, change = waiting.sync(vs.queue, vs.pool)
+            if change is not None:
+                changes.append(f"{vs.name}: {change}")
+        return changes
 
 
 def raise_descriptor_limit() -> None:

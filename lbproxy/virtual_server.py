@@ -1,13 +1,14 @@
 """The runtime virtual server: the one object the handler, the sensors and the admin read.
 
 A `VirtualServer` is its pool (real servers, scheduler, counters, `pool.config`) plus
-the few runtime switches that are not configuration of the pool itself: the access-log
-flag and the admission-control monitor, if any. It owns no task and moves no byte.
+the few runtime parts that are not the pool itself: the access-log flag, the
+admission-control monitor and the connection queue, if any. It owns no task and moves no byte.
 
 Imports point one way (ARCHITECTURE.md): the connection handler (proxy.py), the
 sensors (checks.py, throttle_monitor.py), the listeners and the server all import this
-module, and it imports none of them. The throttle monitor is therefore named here only
-by the two methods the handler calls (`Admission`), not by its class.
+module, and it imports none of them (only the pool and the queue it holds). The
+throttle monitor is therefore named here only by the two methods the handler calls
+(`Admission`), not by its class.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 from typing import Protocol
 
 from lbproxy.pool import Pool
+from lbproxy.waiting import Queue
 
 log = logging.getLogger("lbproxy.virtual_server")
 
@@ -42,6 +44,8 @@ class VirtualServer:
         # Admission control (throttle_monitor.py), set by the Server's Throttles when the
         # virtual server has a `throttle:` block; it publishes `pool.throttle_mode`.
         self.throttle: Admission | None = None
+        # The connection queue (waiting.py), when the virtual server has `queue:`.
+        self.queue: Queue | None = None
 
     @property
     def name(self) -> str:

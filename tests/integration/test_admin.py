@@ -224,7 +224,7 @@ def test_status_json_is_the_api_document(proxied):
     assert [rs["name"] for rs in vs["real_servers"]] == ["a", "b", "c"]
     first = vs["real_servers"][0]
     assert set(first) == {
-        "name", "address", "state", "health", "weight", "active_connections",
+        "name", "address", "state", "health", "backup", "weight", "active_connections",
         "connections_total", "bytes_in", "bytes_out", "snmp", "load", "discovered",
     }  # fmt: skip
     assert first["discovered"] is False  # from the file, not from DNS (SPEC §14)

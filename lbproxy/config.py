@@ -188,6 +188,9 @@ class VirtualServerConfig:
     persistence: PersistenceConfig | None = None  # None: no client persistence
     discovery: DnsDiscoveryConfig | None = None  # None: only the static real_servers
     queue: QueueConfig | None = None  # None: a full pool refuses (max_connections)
+    # TLS server names routed here from a shared listen address (lower case); (): the
+    # default of its addresses, or a virtual server alone on them
+    sni: tuple[str, ...] = ()
     file: str = field(default="", compare=False)
     line: int = field(default=0, compare=False)
 
@@ -476,6 +479,25 @@ def _one_or_list(convert: Converter, what: str) -> Converter:
 _listen_addresses = _one_or_list(_listen_address, "address")
 
 
+def _sni_name(node: yaml.Node, label: str) -> str:
+    # An exact host name, or `*.` and a host name: the wildcard stands for exactly one
+    # label (as nginx's and HAProxy's SNI maps, and certificates, RFC 6125 §6.4.3).
+    value = _scalar(node, label)
+    requirement = "a host name like api.example.com or a wildcard like *.example.com"
+    if not isinstance(value, str):
+        raise _expected(label, requirement, node)
+    name = value.lower().removesuffix(".")
+    host = name[2:] if name.startswith("*.") else name
+    if "*" in host:
+        raise _expected(label, requirement, node, "'*' may only be the whole first label")
+    if not _HOST_NAME.fullmatch(host) or ".." in host:
+        raise _expected(label, requirement, node)
+    return name
+
+
+_sni_names = _one_or_list(_sni_name, "name")
+
+
 def _admin_listen(node: yaml.Node, label: str) -> Address | None:
     # `listen: none` (or an empty value) turns the admin endpoint off.
     if _scalar(node, label) in (None, "none"):
@@ -703,6 +725,7 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "accept_proxy": _boolean,
     "table_size": _table_size,
     "hash_key": _choice("source", "source_port"),
+    "sni": _sni_names,
 }
 _VIRTUAL_SERVER_SECTIONS = (
     "health_check",
@@ -950,6 +973,8 @@ class _VirtualServerRead:
     name_line: int
     listen: list[tuple[Address, int]]  # each address with its own line
     config: VirtualServerConfig | None  # None when a problem prevented building it
+    sni: list[tuple[str, int]] = field(default_factory=list)  # each name with its line
+    accept_proxy: tuple[bool, int] = (False, 0)  # and the line of the key, 0: default
 
 
 def _nested(
@@ -1035,8 +1060,22 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     listen = list(
         zip(vs.values.get("listen", ()), _item_lines(vs.nodes.get("listen")), strict=False)
     )
+    sni = list(zip(vs.values.get("sni", ()), _item_lines(vs.nodes.get("sni")), strict=False))
+    seen: dict[str, int] = {}
+    for name, line in sni:
+        if name in seen:
+            doc.error(line, f"duplicate sni name {name!r} (first at line {seen[name]})")
+        seen.setdefault(name, line)
+    accept_proxy = (vs.values.get("accept_proxy", False), vs.key_lines.get("accept_proxy", 0))
     return _VirtualServerRead(
-        doc.file, vs.line, vs.values.get("name"), vs.line_of("name"), listen, config
+        doc.file,
+        vs.line,
+        vs.values.get("name"),
+        vs.line_of("name"),
+        listen,
+        config,
+        sni=sni,
+        accept_proxy=accept_proxy,
     )
 
 
@@ -1308,6 +1347,7 @@ class _Claim:
     what: str  # "0.0.0.0:80 of virtual server web", "the admin endpoint 127.0.0.1:9100"
     file: str | None  # None: a default, not written anywhere
     line: int
+    vs: _VirtualServerRead | None = None  # the virtual server that listens there
 
     def describe(self, seen_from: str) -> str:
         if self.file is None:
@@ -1323,7 +1363,22 @@ def _check_port_clashes(
     for vs in servers:
         owner = f"virtual server {vs.name}" if vs.name else "a virtual server"
         for address, line in vs.listen:
-            clash = next((claim for claim in claims if _clashes(address, claim.address)), None)
+            clash = next(
+                (
+                    claim
+                    for claim in claims
+                    if _clashes(address, claim.address)
+                    # Two virtual servers on the very same address share it when one
+                    # of them routes by SNI (SPEC §13; two without are two defaults:
+                    # a clash). The rest is `_check_shared_addresses`' job.
+                    and not (
+                        claim.vs not in (None, vs)
+                        and (vs.sni or claim.vs.sni)  # type: ignore[union-attr]
+                        and _same(address, claim.address)
+                    )
+                ),
+                None,
+            )
             if clash is not None:
                 problems.append(
                     Problem(
@@ -1332,7 +1387,7 @@ def _check_port_clashes(
                         f"listen address {address} clashes with {clash.describe(vs.file)}",
                     )
                 )
-            claims.append(_Claim(address, f"{address} of {owner}", vs.file, line))
+            claims.append(_Claim(address, f"{address} of {owner}", vs.file, line, vs))
 
 
 def _admin_claims(global_read: _GlobalRead | None) -> list[_Claim]:
@@ -1353,6 +1408,52 @@ def _clashes(a: Address, b: Address) -> bool:
     if ip_a.version != ip_b.version:
         return False
     return ip_a == ip_b or ip_a.is_unspecified or ip_b.is_unspecified
+
+
+def _same(a: Address, b: Address) -> bool:
+    return a.port == b.port and _listen_ip(a.host) == _listen_ip(b.host)
+
+
+def _check_shared_addresses(servers: list[_VirtualServerRead], problems: list[Problem]) -> None:
+    """Virtual servers on one address (SPEC §13): no name routed to two of them, and
+    one way of reading the PROXY header (it is read before the ClientHello, so before
+    the virtual server is known). Two defaults are a clash (`_check_port_clashes`)."""
+    groups: dict[tuple, list[tuple[_VirtualServerRead, Address, int]]] = {}
+    for vs in servers:
+        for address, line in vs.listen:
+            key = (_listen_ip(address.host), address.port)
+            group = groups.setdefault(key, [])
+            if not any(other is vs for other, _, _ in group):
+                group.append((vs, address, line))
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        names: dict[str, tuple[_VirtualServerRead, int]] = {}
+        first_vs, _, first_line = group[0]
+        for vs, address, line in group:
+            for name, name_line in vs.sni:
+                if name in names:
+                    other, other_line = names[name]
+                    problems.append(
+                        Problem(
+                            vs.file,
+                            name_line,
+                            f"sni name {name!r} on {address} is routed to virtual server "
+                            f"{other.name} already (at {_at(vs.file, other.file, other_line)})",
+                        )
+                    )
+                else:
+                    names[name] = (vs, name_line)
+            if vs.accept_proxy[0] != first_vs.accept_proxy[0]:
+                problems.append(
+                    Problem(
+                        vs.file,
+                        vs.accept_proxy[1] or line,
+                        f"virtual servers sharing {address} must agree on accept_proxy "
+                        f"({first_vs.name} at {_at(vs.file, first_vs.file, first_line)} has "
+                        f"{str(first_vs.accept_proxy[0]).lower()})",
+                    )
+                )
 
 
 def _listen_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -1383,6 +1484,7 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> Config:
     global_ = _single_global(global_reads, problems)
     _check_unique_names(servers, problems)
     _check_port_clashes(servers, global_reads[0] if global_reads else None, problems)
+    _check_shared_addresses(servers, problems)
     if not servers and (files or paths):
         first = files[0] if files else os.fsdecode(paths[0])
         problems.append(Problem(first, 1, "no virtual servers configured"))
@@ -1462,6 +1564,10 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
     lines = [
         f"virtual server {vs.name} ({vs.file}:{vs.line})",
         f"  listen      {', '.join(str(address) for address in vs.listen)}",
+    ]
+    if vs.sni:
+        lines.append(f"  sni         {', '.join(vs.sni)}")
+    lines += [
         f"  scheduler   {scheduler}",
         f"  health      {_health_summary(vs.health_check)}",
     ]

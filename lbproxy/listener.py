@@ -14,11 +14,15 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from collections.abc import Sequence
 
 import trio
 
+from lbproxy.client_hello import LIMIT, ClientHelloReader, Hello
 from lbproxy.config import Address
 from lbproxy.proxy import Handler
+from lbproxy.proxy_header_io import read_proxy_header
+from lbproxy.proxy_protocol import ProxyProtocolError
 from lbproxy.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.listener")
@@ -35,28 +39,144 @@ ACCEPT_BATCH = 1  # connections accepted between two checkpoints of the accept l
 # accept succeeds this long after the last error: at the limit, every freed descriptor
 # lets one accept through between errors, which is still the same burst.
 ACCEPT_BURST_QUIET = 1.0
+# A ClientHello is one read in practice (~300-600 bytes; more with post-quantum keys);
+# never more than the 16 KiB the reader looks at.
+HELLO_READ = LIMIT
 
 
 class BindError(Exception):
     """A listen address could not be bound (in use, no permission): exit code 1."""
 
 
-class Listener:
-    """One bound listening socket, the virtual server it feeds, and its accept loop."""
+class Routes:
+    """Which virtual server a TLS server name goes to, on one listen address.
 
-    def __init__(self, address: Address, sock: socket.socket, vs: VirtualServer):
+    An exact name first, else the wildcard for the name's parent (`*.example.com`
+    stands for one label, so for `a.example.com` only `*.example.com` can match:
+    the "longest matching wildcard" of SPEC §13 is that one), else the default (the
+    virtual server without `sni`), else None: no route.
+    """
+
+    __slots__ = ("default", "exact", "wildcard")
+
+    def __init__(self, virtual_servers: Sequence[VirtualServer]) -> None:
+        self.exact: dict[str, VirtualServer] = {}
+        self.wildcard: dict[str, VirtualServer] = {}  # "example.com" for *.example.com
+        self.default: VirtualServer | None = None
+        for vs in virtual_servers:
+            names = vs.pool.config.sni
+            if not names and self.default is None:
+                self.default = vs
+            for name in names:
+                if name.startswith("*."):
+                    self.wildcard.setdefault(name[2:], vs)
+                else:
+                    self.exact.setdefault(name, vs)
+
+    def match(self, server_name: str | None) -> VirtualServer | None:
+        if server_name is not None:
+            vs = self.exact.get(server_name)
+            if vs is not None:
+                return vs
+            _, dot, parent = server_name.partition(".")
+            if dot:
+                vs = self.wildcard.get(parent)
+                if vs is not None:
+                    return vs
+        return self.default
+
+
+class Listener:
+    """One bound listening socket, the virtual servers it feeds, and its accept loop.
+
+    One virtual server without `sni` (the usual case): every client goes straight to
+    its handler, which reads the PROXY header itself; nothing here costs a thing per
+    connection. Otherwise (SNI routing) each client is first pre-read here
+    (`_route`): the PROXY header if `accept_proxy`, then the TLS ClientHello, within
+    the first virtual server's `connect_timeout`; the bytes read go to the chosen
+    virtual server's handler, to be forwarded unchanged.
+    """
+
+    def __init__(
+        self, address: Address, sock: socket.socket, virtual_servers: Sequence[VirtualServer]
+    ):
         self.address = address
         # A plain non-blocking socket: the accept loop waits on its descriptor itself
         # (see accept_loop), so trio's socket wrapper would only add cost.
         self.sock = sock
-        self.vs = vs
-        self.handler = Handler(vs)
         self.cancel_scope = trio.CancelScope()
+        self._handlers: dict[VirtualServer, Handler] = {}
+        self.route(virtual_servers)
+
+    def route(self, virtual_servers: Sequence[VirtualServer]) -> None:
+        """Feed these virtual servers (configuration order) from now on.
+
+        Called when the listener is made and after every reload: the set of virtual
+        servers on an address, or their `sni` names, may change while the socket
+        stays bound. Connections already handed to a handler keep it.
+        """
+        self._handlers = {vs: self._handlers.get(vs) or Handler(vs) for vs in virtual_servers}
+        self.vs = virtual_servers[0]  # the address's first: it counts no_route
+        self.handler = self._handlers[self.vs]
+        self.routes = Routes(virtual_servers)
+        if len(virtual_servers) == 1 and not self.vs.pool.config.sni:
+            self.serve_client = self.handler.handle
+        else:
+            self.serve_client = self._route
+
+    @property
+    def virtual_servers(self) -> list[VirtualServer]:
+        return list(self._handlers)
 
     def close(self) -> None:
         self.cancel_scope.cancel()
         trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
         self.sock.close()
+
+    async def _route(self, client: socket.socket, peer: tuple) -> None:
+        """Pre-read a client of a shared (SNI) address and hand it to its handler.
+
+        Every way this can go wrong ends here, with the client closed (and counted as
+        `no_route` when there is no default): nothing escapes to the nursery.
+        """
+        # As they are now: a reload re-routing the listener meanwhile changes nothing
+        # for this client.
+        routes, handlers, first = self.routes, self._handlers, self.handler
+        config = first.pool.config
+        source = peer
+        reader = ClientHelloReader()
+        received = bytearray()  # outside the deadline's scope: kept when it expires
+        handler = None
+        header_read = not config.accept_proxy
+        try:
+            with trio.move_on_after(config.connect_timeout):
+                if config.accept_proxy:
+                    header = await _read_proxy_header(client, first.name)
+                    if header is None:
+                        return  # a bad PROXY header: dropped, as the handler would
+                    source = header[0]
+                    received += header[1]
+                    header_read = True
+                await _read_client_hello(client, reader, received)
+            if not header_read:
+                log.debug("%s: no PROXY header within %ss", first.name, config.connect_timeout)
+                return
+            result = reader.eof()  # incomplete at the deadline or EOF: not a hello
+            server_name = result.server_name if isinstance(result, Hello) else None
+            vs = routes.match(server_name)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: sni %s -> %s", self.address, server_name, vs and vs.name)
+            if vs is None:
+                first.reject("no_route", source)
+                return
+            handler = handlers[vs]
+        except Exception as exc:  # a bug in routing must end only this connection
+            log.warning("%s: routing failed: %r", self.address, exc)
+            return
+        finally:
+            if handler is None:
+                client.close()
+        await handler.handle(client, source, bytes(received))
 
     async def accept_loop(self, handlers: trio.Nursery) -> None:
         """Accept clients until closed, each served by a task in `handlers`."""
@@ -107,7 +227,7 @@ class Listener:
                         burst_errors,
                     )
                     burst_errors = 0
-                spawn(listener.handler.handle, client, peer)
+                spawn(listener.serve_client, client, peer)
                 batch += 1
                 if batch >= ACCEPT_BATCH:
                     batch = 0
@@ -137,3 +257,41 @@ def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:
         sock.close()
         raise BindError(f"cannot listen on {address}: {exc.strerror}") from None
     return sock
+
+
+# -- the pre-read of a shared (SNI) address ------------------------------------------
+
+
+async def _read_proxy_header(client: socket.socket, name: str) -> tuple[tuple, bytes] | None:
+    """The source a PROXY header names and the bytes after it; None: a bad header."""
+    sock = trio.socket.from_stdlib_socket(client)
+    try:
+        source, leftover = await read_proxy_header(sock)
+        return (source or client.getpeername()[:2]), leftover
+    except (OSError, ProxyProtocolError) as exc:
+        log.debug("%s: bad PROXY header: %s", name, exc)
+        return None
+
+
+async def _read_client_hello(
+    client: socket.socket, reader: ClientHelloReader, received: bytearray
+) -> None:
+    """Read into `received` until `reader` has a result; returns early on EOF or an
+    error (the caller's deadline cancels it). Bytes already in `received` (after a
+    PROXY header) are fed first."""
+    if received and reader.feed(bytes(received)) is not None:
+        return
+    fd = client.fileno()
+    while True:
+        try:
+            chunk = client.recv(HELLO_READ)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(fd)
+            continue
+        except OSError:
+            return
+        if not chunk:
+            return
+        received += chunk
+        if reader.feed(chunk) is not None:
+            return

@@ -86,8 +86,14 @@ class Handler:
     def name(self) -> str:
         return self.pool.name
 
-    async def handle(self, client: socket.socket, peer: tuple) -> None:
+    async def handle(
+        self, client: socket.socket, peer: tuple, preread: bytes | None = None
+    ) -> None:
         """Serve one accepted client socket until both sides are done; closes it.
+
+        `preread`: the listener has already read the PROXY header (if any; `peer` is
+        then the source it names) and these bytes (a TLS ClientHello, for the route),
+        which go to the real server first, unchanged.
 
         One coroutine from admission to the end: its frame and trio's wait are what an
         idle connection keeps alive, so the steps before the pump are helpers that
@@ -99,7 +105,7 @@ class Handler:
         pool.clients += 1
         try:
             with client:
-                admitted = await self._admit(client, peer, config)
+                admitted = await self._admit(client, peer, config, preread)
                 if admitted is None:
                     return
                 source, leftover = admitted
@@ -159,7 +165,11 @@ class Handler:
             pool.clients -= 1
 
     async def _admit(
-        self, client: socket.socket, peer: tuple, config: VirtualServerConfig
+        self,
+        client: socket.socket,
+        peer: tuple,
+        config: VirtualServerConfig,
+        preread: bytes | None = None,
     ) -> tuple[tuple, bytes] | None:
         """(source address, bytes read behind a PROXY header), or None: rejected."""
         source, leftover = peer, b""
@@ -167,7 +177,9 @@ class Handler:
         if throttle is not None and throttle.arrival():  # digg: close at once
             self._reject("throttle", source)
             return None
-        if config.accept_proxy:
+        if preread is not None:
+            leftover = preread
+        elif config.accept_proxy:
             header = await self._read_proxy_header(
                 trio.socket.from_stdlib_socket(client), config.connect_timeout
             )
@@ -181,6 +193,11 @@ class Handler:
             self._reject("max_connections", source)
             return None
         return source, leftover
+
+    def reject(self, reason: str, source: tuple) -> None:
+        """Count (and access-log) a client closed before it reached this handler: the
+        listener's `no_route`."""
+        self._reject(reason, source)
 
     def _reject(self, reason: str, source: tuple) -> None:
         self.pool.rejected[reason] += 1

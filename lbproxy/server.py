@@ -92,7 +92,7 @@ class Server:
         handle_signals: bool = True,
     ) -> None:
         # Bind before any task starts, so a bad address fails plainly (exit code 1).
-        bound = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
+        bound, _ = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
         admin_address = self.config.global_.admin.listen
         try:
             admin_sock = self.admin_sock
@@ -198,39 +198,43 @@ class Server:
 
     def _bind_virtual_servers(
         self, configs: Sequence[VirtualServerConfig], now: float
-    ) -> list[Listener]:
-        """Bind every listen address not bound yet; all or nothing (raises BindError)."""
+    ) -> tuple[list[Listener], dict[Address, list[VirtualServer]]]:
+        """Bind every listen address not bound yet; all or nothing (raises BindError).
+
+        Returns the new listeners and, for every address wanted, the virtual servers
+        it is to feed (configuration order; new ones made here, unregistered until
+        the caller commits). An address already bound is never bound again: when only
+        the set of virtual servers on it changes, its listener is re-routed
+        (`Listener.route`), so there is no moment where connections are refused.
+        """
+        routes: dict[Address, list[VirtualServer]] = {}
+        for vs_config in configs:
+            vs = self.virtual_servers.get(vs_config.name)
+            if vs is None:
+                vs = VirtualServer(Pool(vs_config, now))
+                vs.access_log = self.config.global_.access_log
+            for address in vs_config.listen:
+                routes.setdefault(address, []).append(vs)
         bound: list[Listener] = []
         try:
-            for vs_config in configs:
-                vs = self.virtual_servers.get(vs_config.name)
-                if vs is None:
-                    vs = VirtualServer(Pool(vs_config, now))
-                    vs.access_log = self.config.global_.access_log
-                for address in vs_config.listen:
-                    existing = self.listeners.get(address)
-                    if existing is not None and existing.vs.name == vs_config.name:
-                        continue
-                    bound.append(Listener(address, self._bind(address, existing), vs))
+            for address, virtual_servers in routes.items():
+                if address not in self.listeners:
+                    bound.append(Listener(address, self._bind(address), virtual_servers))
         except BindError:
             for listener in bound:
                 listener.sock.close()
             raise
-        return bound
+        return bound, routes
 
-    def _bind(self, address: Address, existing: Listener | None) -> socket.socket:
-        if existing is not None:
-            # The address moves to another virtual server: keep the bound socket, so
-            # there is no moment where connections to it are refused.
-            existing.cancel_scope.cancel()
-            return existing.sock
+    def _bind(self, address: Address) -> socket.socket:
         sock = listen_socket(address, self.reuse_port)
         sock.setblocking(False)
         return sock
 
     def _start_listener(self, listener: Listener) -> None:
         self.listeners[listener.address] = listener
-        self.virtual_servers.setdefault(listener.vs.name, listener.vs)
+        for vs in listener.virtual_servers:
+            self.virtual_servers.setdefault(vs.name, vs)
         assert self._service is not None and self._handlers is not None
         self._service.start_soon(listener.accept_loop, self._handlers)
 
@@ -318,7 +322,8 @@ class Server:
 
     def apply(self, new: Config) -> list[str]:
         now = trio.current_time()
-        bound = self._bind_virtual_servers(new.virtual_servers, now)  # may raise BindError
+        # may raise BindError
+        bound, routes = self._bind_virtual_servers(new.virtual_servers, now)
         changes: list[str] = []
         wanted = {vs.name: vs for vs in new.virtual_servers}
         wanted_addresses = {a for vs in new.virtual_servers for a in vs.listen}
@@ -339,11 +344,22 @@ class Server:
                 # The file's servers and those discovered so far (SPEC §14).
                 merged = self.discovery.merged(vs_config, self)
                 changes.extend(self._reconfigure(vs, merged, now))
+        by_name = {vs.name: vs for feeds in routes.values() for vs in feeds}
+        for vs_config in new.virtual_servers:
+            self.virtual_servers.setdefault(vs_config.name, by_name[vs_config.name])
+        for address, feeds in routes.items():
+            listener = self.listeners.get(address)
+            if listener is None:
+                continue
+            # A kept address: re-routed after reconfigure(), so new sni names count.
+            before = [vs.name for vs in listener.virtual_servers]
+            listener.route(feeds)
+            if [vs.name for vs in feeds] != before:
+                changes.append(f"{address}: now feeds {', '.join(vs.name for vs in feeds)}")
         for listener in bound:
-            if listener.vs.name not in self.virtual_servers:
-                self.virtual_servers[listener.vs.name] = listener.vs
             self._start_listener(listener)
-            changes.append(f"{listener.vs.name}: listening on {listener.address}")
+            names = ", ".join(vs.name for vs in listener.virtual_servers)
+            changes.append(f"{names}: listening on {listener.address}")
         self.config = new
         if self._service is not None and not self.draining:  # start/stop/retune throttles
             changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))

@@ -6,10 +6,22 @@ admin endpoint; every wait is bounded in count and time.
 
 from __future__ import annotations
 
+import datetime
 import json
 import select
+import shutil
 import socket
+import socketserver
+import ssl
+import subprocess
+import threading
 import time
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from tests.integration.conftest import vs_config
 from tests.integration.harness import NameServer, ask_name, free_port, open_and_read_name
@@ -192,3 +204,265 @@ def test_beyond_max_waiting_clients_a_newcomer_is_refused_at_once(name_servers, 
         holder.close()
         for s in waiting:
             s.close()
+
+
+# -- SNI routing (TLS passthrough) ------------------------------------------------------
+
+
+def self_signed(tmp_path, name: str, dns: str) -> tuple[str, str, bytes]:
+    """(certificate file, key file, PEM) for `dns`, made now with `cryptography`."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(dns)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    cert_file, key_file = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+    cert_file.write_bytes(pem)
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_file), str(key_file), pem
+
+
+class TlsNameServer(socketserver.ThreadingTCPServer):
+    """A real TLS server on loopback: after the handshake, says its name, then echoes."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+    def __init__(self, name: str, cert_file: str, key_file: str):
+        self.name = name
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(cert_file, key_file)
+        self.server_names: list[str | None] = []  # the SNI each handshake carried
+        super().__init__(("127.0.0.1", 0), _TlsHandler)
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class _TlsHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        server: TlsNameServer = self.server  # type: ignore[assignment]
+        self.request.settimeout(10)
+        seen: list[str | None] = []
+        server.context.sni_callback = lambda _sock, name, _ctx: seen.append(name)
+        try:
+            with server.context.wrap_socket(self.request, server_side=True) as tls:
+                server.server_names.extend(seen)
+                tls.sendall(f"{server.name}\n".encode())
+                while data := tls.recv(65536):
+                    tls.sendall(data)
+        except (OSError, ssl.SSLError):
+            pass
+
+
+@pytest.fixture
+def tls_servers(tmp_path):
+    made: list[TlsNameServer] = []
+    pems: list[bytes] = []
+
+    def make(name: str, dns: str) -> TlsNameServer:
+        cert_file, key_file, pem = self_signed(tmp_path, name, dns)
+        pems.append(pem)
+        server = TlsNameServer(name, cert_file, key_file)
+        made.append(server)
+        return server
+
+    make.pems = pems  # type: ignore[attr-defined]
+    yield make
+    for server in made:
+        server.stop()
+
+
+def sni_config(port: int, groups, admin_port: int | None = None, extra: str = "") -> str:
+    """Virtual servers sharing 127.0.0.1:`port`; groups: (name, sni list or None, servers)."""
+    lines = [
+        "global:",
+        f"  admin: {{listen: {'127.0.0.1:' + str(admin_port) if admin_port else 'none'}}}",
+        "  drain_timeout: 2s",
+        "virtual_servers:",
+    ]
+    for name, sni, servers in groups:
+        lines += [f"  - name: {name}", f"    listen: 127.0.0.1:{port}"]
+        if sni:
+            lines.append(f"    sni: [{', '.join(repr(n) for n in sni)}]")
+        lines += [f"    {line}" for line in extra.strip().splitlines() if line.strip()]
+        lines.append("    health_check: {type: none}")
+        lines.append("    real_servers:")
+        lines += [f"      - {{name: {s.name}, address: 127.0.0.1:{s.port}}}" for s in servers]
+    return "\n".join(lines) + "\n"
+
+
+def tls_name(port: int, server_name: str | None, pems, verify: bool = True) -> str:
+    """A real TLS client through lbproxy: the handshake, then the server's name line."""
+    context = ssl.create_default_context(cadata="".join(p.decode() for p in pems))
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=server_name) as tls,
+    ):
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = tls.recv(100)
+            if not chunk:
+                break
+            data += chunk
+        return data.decode().strip()
+
+
+@pytest.fixture
+def sni_front(tls_servers, lbproxy):
+    api = tls_servers("api", "api.example.com")
+    apps = tls_servers("apps", "x.apps.example.com")
+    fallback = tls_servers("fallback", "fallback.example.com")
+    port, admin_port = free_port(), free_port()
+    groups = [
+        ("api", ["api.example.com"], [api]),
+        ("apps", ["*.apps.example.com"], [apps]),
+        ("fallback", None, [fallback]),
+    ]
+    proxy = lbproxy(sni_config(port, groups, admin_port), wait_ports=[port])
+    return proxy, port, admin_port, tls_servers.pems, (api, apps, fallback), groups
+
+
+def test_tls_handshakes_are_routed_by_server_name(sni_front):
+    _, port, admin_port, pems, (api, apps, _), _ = sni_front
+    assert tls_name(port, "api.example.com", pems) == "api"
+    assert tls_name(port, "API.Example.Com", pems) == "api"  # case-insensitive
+    assert tls_name(port, "x.apps.example.com", pems) == "apps"
+    # *.apps.example.com is one label: a deeper name goes to the default
+    assert tls_name(port, "a.b.apps.example.com", pems, verify=False) == "fallback"
+    assert tls_name(port, None, pems, verify=False) == "fallback"  # no SNI
+    assert tls_name(port, "fallback.example.com", pems) == "fallback"
+    # passthrough: the real servers saw the client's own ClientHello, case and all
+    assert api.server_names == ["api.example.com", "API.Example.Com"]
+    assert apps.server_names == ["x.apps.example.com"]
+    samples = metrics(admin_port)
+    # fallback: 3 here, and the start-up probe of wait_port (it sent nothing: EOF)
+    for vs, rs, n in (("api", "api", 2), ("apps", "apps", 1), ("fallback", "fallback", 4)):
+        assert sample(samples, "lbproxy_connections_total", virtual_server=vs, real_server=rs) == n
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command")
+def test_openssl_s_client_through_lbproxy(sni_front, tmp_path):
+    _, port, _, pems, _, _ = sni_front
+    ca_file = tmp_path / "trusted.pem"
+    ca_file.write_bytes(b"".join(pems))
+    for server_name, expected in (("api.example.com", "api"), ("y.apps.example.com", "apps")):
+        command = ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-quiet"]
+        command += ["-servername", server_name, "-CAfile", str(ca_file), "-verify_return_error"]
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], 10)
+            assert ready, "no answer from s_client"
+            assert proc.stdout.readline().decode().strip() == expected
+        finally:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
+def test_not_tls_a_silent_client_and_a_slow_one_go_to_the_default(name_servers, lbproxy):
+    (plain,) = name_servers("plain")  # speaks first, as SSH or SMTP do
+    api = NameServer("api-plain")
+    port = free_port()
+    try:
+        groups = [("api", ["api.example.com"], [api]), ("plain", None, [plain])]
+        lbproxy(sni_config(port, groups, extra="connect_timeout: 1s"), wait_ports=[port])
+        # plain HTTP: not a hello, routed at once, its bytes forwarded unchanged
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            client.sendall(b"GET / HTTP/1.1\r\nHost: api.example.com\r\n\r\n")
+            assert client.recv(100).startswith(b"plain\n")
+        # a client that waits for the server to speak first: the default after 1 s
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            assert client.recv(100) == b"plain\n"
+        assert 0.9 <= time.monotonic() - started < 4
+        # one byte every 0.3 s of a real-looking record header: the default, with them
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            for byte in b"\x16\x03\x01\x02":
+                client.sendall(bytes([byte]))
+                time.sleep(0.3)
+            answer = b""
+            for _ in range(10):  # the greeting, then the echo of those very bytes
+                answer += client.recv(100)
+                if len(answer) >= 10:
+                    break
+            assert answer == b"plain\n\x16\x03\x01\x02"
+        assert api.accepted == 0
+    finally:
+        api.stop()
+
+
+def test_no_default_closes_and_counts_no_route(tls_servers, lbproxy):
+    api = tls_servers("api", "api.example.com")
+    other = tls_servers("other", "other.example.com")
+    port, admin_port = free_port(), free_port()
+    groups = [("api", ["api.example.com"], [api]), ("other", ["other.example.com"], [other])]
+    lbproxy(sni_config(port, groups, admin_port, "connect_timeout: 1s"), wait_ports=[port])
+    pems = tls_servers.pems
+    with pytest.raises((ssl.SSLError, OSError)):
+        tls_name(port, "nobody.example.com", pems, verify=False)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+        client.sendall(b"\x80\x2e\x01\x00\x02" + bytes(40))  # an SSLv2-style hello
+        assert client.recv(100) == b""
+    assert tls_name(port, "other.example.com", pems) == "other"  # still routing
+    rejected = "lbproxy_rejected_connections_total"
+    samples = metrics(admin_port)
+    # wait_port's probe sent nothing: a third no_route, after connect_timeout
+    assert sample(samples, rejected, virtual_server="api", reason="no_route") >= 2
+    assert sample(samples, rejected, virtual_server="other", reason="no_route") == 0
+
+
+def test_reload_changes_routes_keeps_connections_and_the_listener(sni_front, tls_servers):
+    proxy, port, _, pems, (api, apps, _), _ = sni_front
+    context = ssl.create_default_context(cadata="".join(p.decode() for p in pems))
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    held = context.wrap_socket(raw, server_hostname="api.example.com")
+    try:
+        assert held.recv(100) == b"api\n"
+        extra = tls_servers("extra", "extra.example.com")
+        new_groups = [
+            ("api", ["api.example.com", "api2.example.com"], [api]),  # a name added
+            ("apps", None, [apps]),  # its name removed: now the default...
+            ("extra", ["extra.example.com"], [extra]),  # a virtual server added
+        ]  # ...and `fallback` removed
+        before = proxy.log().count(f"listening on 127.0.0.1:{port}")
+        proxy.reload(sni_config(port, new_groups))
+        assert "reloaded" in proxy.log() and "reload failed" not in proxy.log()
+        assert f"closed 127.0.0.1:{port}" not in proxy.log()
+        assert proxy.log().count(f"listening on 127.0.0.1:{port}") == before  # not rebound
+        assert tls_name(port, "api2.example.com", pems, verify=False) == "api"
+        assert tls_name(port, "extra.example.com", pems) == "extra"
+        assert tls_name(port, "x.apps.example.com", pems, verify=False) == "apps"
+        assert tls_name(port, "fallback.example.com", pems, verify=False) == "apps"
+        held.sendall(b"still here\n")  # the established connection was kept
+        assert held.recv(100) == b"still here\n"
+    finally:
+        held.close()

@@ -15,6 +15,7 @@ PURE = [
     "lbproxy.schedulers.maglev",
     "lbproxy.persistence",
     "lbproxy.discovery_model",
+    "lbproxy.client_hello",
 ]
 
 
@@ -33,6 +34,7 @@ def test_pure_modules_do_not_import_trio():
 # indirectly, the modules on the right.
 IMPORTS_NEVER = {
     "lbproxy.virtual_server": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
+    "lbproxy.waiting": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
     "lbproxy.checks": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
     "lbproxy.throttle_monitor": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
     "lbproxy.proxy": ["lbproxy.listener", "lbproxy.server", "lbproxy.admin"],

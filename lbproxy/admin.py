@@ -139,6 +139,8 @@ def virtual_server_document(pool: Pool) -> dict[str, Any]:
         "throttle_mode": pool.throttle_mode,
         "active_connections": stats.active_connections,
         "clients": pool.clients,
+        "sni": list(pool.config.sni),
+        "queued": pool.queued,
         "rejected": stats.rejected,
         "dynamic_weight_fallback": stats.dynamic_weight_fallback,
         "real_servers": [real_server_document(pool, rs.name) for rs in stats.real_servers],

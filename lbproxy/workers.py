@@ -96,7 +96,7 @@ RESTART_DELAY_MAX = 30.0
 KILL_GRACE = 5.0  # after drain_timeout, a worker still running gets SIGKILL
 
 THROTTLE_ORDER = {"low": 0, "high": 1, "digg": 2}
-VS_SUMS = ("active_connections", "clients")
+VS_SUMS = ("active_connections", "clients", "queued")
 RS_SUMS = ("active_connections", "connections_total", "bytes_in", "bytes_out")
 
 

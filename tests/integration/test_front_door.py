@@ -466,3 +466,33 @@ def test_reload_changes_routes_keeps_connections_and_the_listener(sni_front, tls
         assert held.recv(100) == b"still here\n"
     finally:
         held.close()
+
+
+def test_reload_adding_and_removing_backup_and_queue_keeps_connections(name_servers, lbproxy):
+    a, b = name_servers("a", "b")
+    port = free_port()
+    plain = vs_config(port, [a, b], "rr", "health_check: {type: none}")
+    proxy = lbproxy(plain, wait_ports=[port])
+    held = [open_and_read_name(port) for _ in range(2)]
+    try:
+        assert sorted(name for _, name in held) == ["a", "b"]
+        proxy.reload(
+            vs_config(
+                port,
+                [a, b],
+                "rr",
+                "health_check: {type: none}\nqueue: {max: 5, timeout: 2s}",
+                rs_extra={"b": "backup: true"},
+            )
+        )
+        assert "web: queue added" in proxy.log() and "web: changed b" in proxy.log()
+        assert [ask_name(port) for _ in range(4)] == ["a"] * 4  # b stands by now
+        proxy.reload(plain)
+        assert "web: queue removed" in proxy.log()
+        assert sorted(ask_name(port) for _ in range(4)) == ["a", "a", "b", "b"]
+        for sock, name in held:  # both survived both reloads, the backup's one too
+            sock.sendall(name.encode())
+            assert sock.recv(10) == name.encode()
+    finally:
+        for sock, _ in held:
+            sock.close()

@@ -4,6 +4,7 @@ cut and re-framed every way, and fuzzed with hypothesis."""
 from __future__ import annotations
 
 import ssl
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -168,3 +169,30 @@ def test_any_chunking_and_framing_gives_the_same_answer(cuts, record_size):
         pos += cut
     chunks.append(framed[pos:])
     assert read(*chunks) == Hello("api.example.com")
+
+
+# -- the route table of a shared address (listener.Routes) -------------------------------
+
+
+def test_routes_exact_then_one_label_wildcard_then_default():
+    from lbproxy.listener import Routes
+    from lbproxy.pool import Pool
+    from lbproxy.virtual_server import VirtualServer
+    from tests.factories import virtual_server
+
+    def vs(name, sni):
+        config = replace(virtual_server("rr", {"a": {}}), name=name, sni=sni)
+        return VirtualServer(Pool(config, 0.0))
+
+    api = vs("api", ("api.example.com",))
+    wild = vs("wild", ("*.example.com",))
+    deep = vs("deep", ("*.b.example.com",))
+    default = vs("default", ())
+    routes = Routes([api, wild, deep, default])
+    assert routes.match("api.example.com") is api  # exact beats the wildcard
+    assert routes.match("www.example.com") is wild
+    assert routes.match("a.b.example.com") is deep  # the longest matching wildcard
+    assert routes.match("x.y.example.com") is default  # one label only
+    assert routes.match("example.com") is default
+    assert routes.match(None) is default
+    assert Routes([api, wild]).match("other.org") is None  # no default: no route

@@ -1,9 +1,17 @@
-"""Listening addresses: bind, the accept loop, and its back-off when out of descriptors.
+"""Listening addresses: bind, accept, the accept-error back-off, and the SNI route.
 
-A `Listener` is one bound socket and the virtual server it feeds. Its accept loop hands
+A `Listener` is one bound socket and the virtual servers it feeds. Its accept loop hands
 every accepted client to a task in the server's handlers nursery (trio's
 `serve_listeners` is the model: the accept loop and the handlers live in separate
 nurseries, so stopping accepting does not cancel connections).
+
+An address fed by one virtual server without `sni` passes each client straight to that
+virtual server's handler. An address shared by several (or one with `sni`) routes TLS
+passthrough (SPEC §13): it pre-reads the PROXY header (if `accept_proxy`) and the
+ClientHello (client_hello.py, pure), picks the virtual server by the server name
+(`Routes`), and hands the client over with the bytes read, which the handler forwards
+to the real server unchanged. A reload that only changes which virtual servers an
+address feeds re-routes its listener in place: the socket stays bound.
 
 Data flows one way: client -> listener -> connection handler (proxy.py) -> pump. This
 module imports the handler and the runtime virtual server; neither imports it.

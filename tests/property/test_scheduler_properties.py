@@ -24,6 +24,7 @@ server_options = st.fixed_dictionaries(
         "max_connections": st.integers(0, 4),
         "load_factor": st.sampled_from([1.0, 2.0, 3.0]),
         "state": st.sampled_from(["enabled", "enabled", "drain", "disabled"]),
+        "backup": st.sampled_from([False, False, False, True]),
     }
 )
 
@@ -43,13 +44,17 @@ operations = st.lists(
 )
 
 
+def online(rs) -> bool:
+    return rs.state == ENABLED and rs.health.up and rs.effective_weight > 0
+
+
 def must_be_available(pool: Pool, rs) -> bool:
-    weight = rs.effective_weight
+    # a backup only while no primary is online (SPEC §13), full or not
+    primaries_online = any(online(s) and not s.backup for s in pool.servers)
     return (
-        rs.state == ENABLED
-        and rs.health.up
-        and weight > 0
+        online(rs)
         and (rs.max_connections == 0 or rs.active < rs.max_connections)
+        and not (rs.backup and primaries_online)
     )
 
 

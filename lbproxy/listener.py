@@ -178,6 +178,9 @@ class Listener:
                 first.reject("no_route", source)
                 return
             handler = handlers[vs]
+        except OSError as exc:  # reset while we read: nobody to route
+            log.debug("%s: client gone before it was routed: %s", self.address, exc)
+            return
         except Exception as exc:  # a bug in routing must end only this connection
             log.warning("%s: routing failed: %r", self.address, exc)
             return
@@ -284,9 +287,9 @@ async def _read_proxy_header(client: socket.socket, name: str) -> tuple[tuple, b
 async def _read_client_hello(
     client: socket.socket, reader: ClientHelloReader, received: bytearray
 ) -> None:
-    """Read into `received` until `reader` has a result; returns early on EOF or an
-    error (the caller's deadline cancels it). Bytes already in `received` (after a
-    PROXY header) are fed first."""
+    """Read into `received` until `reader` has a result; returns early on EOF (the
+    caller's deadline cancels it; a socket error is raised). Bytes already in
+    `received` (after a PROXY header) are fed first."""
     if received and reader.feed(bytes(received)) is not None:
         return
     fd = client.fileno()
@@ -296,8 +299,6 @@ async def _read_client_hello(
         except BlockingIOError:
             await trio.lowlevel.wait_readable(fd)
             continue
-        except OSError:
-            return
         if not chunk:
             return
         received += chunk

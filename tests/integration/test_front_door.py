@@ -496,3 +496,45 @@ def test_reload_adding_and_removing_backup_and_queue_keeps_connections(name_serv
     finally:
         for sock, _ in held:
             sock.close()
+
+
+def test_fuzzed_first_bytes_never_hurt_the_process(name_servers, lbproxy):
+    """Whatever a client sends first, the connection ends in the default route or a
+    close, and lbproxy keeps routing: hypothesis against a real process."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.unit.test_client_hello import real_hello
+
+    (plain,) = name_servers("plain")
+    api = NameServer("api")
+    port = free_port()
+    hello = real_hello("api.example.com")
+    try:
+        groups = [("api", ["api.example.com"], [api]), ("plain", None, [plain])]
+        proxy = lbproxy(sni_config(port, groups, extra="connect_timeout: 300ms"), [port])
+
+        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(
+            st.one_of(
+                st.binary(min_size=1, max_size=600),
+                st.builds(  # a real hello with a few bytes changed
+                    lambda cuts: bytes(cuts.get(i, b) for i, b in enumerate(hello)),
+                    st.dictionaries(st.integers(0, len(hello) - 1), st.integers(0, 255)),
+                ),
+            )
+        )
+        def first_bytes(data: bytes) -> None:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+                client.sendall(data)
+                answer = client.recv(6)  # a server's name first: routed somewhere
+                assert answer.startswith((b"plain\n", b"api\n")) or answer == b"", answer
+
+        first_bytes()
+        assert proxy.proc.poll() is None  # still running
+        assert "Traceback" not in proxy.log() and "routing failed" not in proxy.log()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            client.sendall(hello)
+            assert client.recv(4) == b"api\n"
+    finally:
+        api.stop()

@@ -144,7 +144,7 @@ def status_table(document: dict) -> Table:
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for vs in document["virtual_servers"]:
         first = True
-        label = f"{vs['name']} ({vs['scheduler']}, {vs['throttle_mode']})"
+        label = f"{vs['name']} ({vs['scheduler']}, {vs['throttle_mode']}{_queued(vs)})"
         for rs in vs["real_servers"]:
             weight = rs["weight"]
             static = str(weight["static"])
@@ -174,13 +174,18 @@ def status_table(document: dict) -> Table:
     return table
 
 
+def _queued(vs: dict) -> str:
+    """`, 3 queued` while clients wait in the virtual server's queue (SPEC §13)."""
+    return f", {vs['queued']} queued" if vs.get("queued") else ""
+
+
 def status_blocks(document: dict, width: int) -> list[Text]:
     """The terminal lines for a table too wide: per real server, items wrapped to `width`."""
     lines = [Text("lbproxy status", style="italic")]
     for vs in document["virtual_servers"]:
         label = [
             Text(vs["name"], style="bold"),
-            Text(f"({vs['scheduler']}, {vs['throttle_mode']})"),
+            Text(f"({vs['scheduler']}, {vs['throttle_mode']}{_queued(vs)})"),
         ]
         lines += _pack(label, width, indent=0)
         if not vs["real_servers"]:
@@ -190,6 +195,7 @@ def status_blocks(document: dict, width: int) -> list[Text]:
             items = [
                 Text(rs["name"], style="bold"),
                 *([Text("(dns)")] if rs.get("discovered") else []),
+                *([Text("(backup)")] if rs.get("backup") else []),
                 Text(rs["address"]),
                 Text(rs["state"]),
                 _health(rs["health"]),

@@ -87,3 +87,27 @@ def test_discovered_servers_are_marked_in_every_layout():
     blocks = render(40, terminal=True).splitlines()
     far = next(i for i, line in enumerate(blocks) if line.strip().startswith("far"))
     assert blocks[far].split()[:2] == ["far", "(dns)"]
+
+
+def test_backups_and_queued_clients_are_shown_in_the_table_and_the_blocks():
+    document = {
+        "virtual_servers": [
+            {
+                "name": "web",
+                "scheduler": "rr",
+                "throttle_mode": "low",
+                "queued": 3,
+                "real_servers": [
+                    real_server("main", "127.0.0.1:9001"),
+                    {**real_server("sorry", "127.0.0.1:9002"), "backup": True},
+                ],
+            }
+        ]
+    }
+    for width in (200, 40):  # the table, then the wrapped blocks
+        out = io.StringIO()
+        console = Console(file=out, width=width, force_terminal=True, color_system=None)
+        print_status(document, console)
+        text = out.getvalue()
+        assert "3 queued" in text and "(backup)" in text
+        assert text.count("(backup)") == 1  # only the backup server

@@ -187,7 +187,11 @@ class Listener:
         finally:
             if handler is None:
                 client.close()
-        await handler.handle(client, source, bytes(received))
+        # This frame waits as long as the connection lives: let go of the reader and
+        # its copy of the hello now (an idle connection should keep only what it needs).
+        serve = handler.handle(client, source, bytes(received))
+        del reader, received, routes, handlers, handler
+        await serve
 
     async def accept_loop(self, handlers: trio.Nursery) -> None:
         """Accept clients until closed, each served by a task in `handlers`."""

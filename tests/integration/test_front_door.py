@@ -538,3 +538,39 @@ def test_fuzzed_first_bytes_never_hurt_the_process(name_servers, lbproxy):
             assert client.recv(4) == b"api\n"
     finally:
         api.stop()
+
+
+def test_accept_proxy_reads_the_header_before_the_hello_and_its_source_counts(
+    name_servers, lbproxy
+):
+    from lbproxy.proxy_protocol import encode_v1, encode_v2
+    from tests.unit.test_client_hello import real_hello
+
+    api, plain = name_servers("api", "plain")
+    port, admin_port = free_port(), free_port()
+    groups = [("api", ["api.example.com"], [api]), ("plain", None, [plain])]
+    config = sni_config(port, groups, admin_port, "accept_proxy: true\nconnect_timeout: 1s")
+    config = config.replace(
+        "    sni: ['api.example.com']\n", "    sni: ['api.example.com']\n    deny: [203.0.113.7]\n"
+    )
+    lbproxy(config, wait_ports=[port])
+    hello = real_hello("api.example.com")
+    proxy_address = ("127.0.0.1", port)
+
+    def first_answer(data: bytes) -> bytes:
+        with socket.create_connection(proxy_address, timeout=5) as client:
+            client.sendall(data)
+            return client.recv(4)
+
+    # header and hello in one write, or the hello after a v2 header: routed by the name
+    assert first_answer(encode_v1(("198.51.100.1", 4000), proxy_address) + hello) == b"api\n"
+    assert first_answer(encode_v2(("198.51.100.2", 4000), proxy_address) + hello) == b"api\n"
+    # the source the header names is the one api's ACL sees: refused
+    assert first_answer(encode_v1(("203.0.113.7", 4000), proxy_address) + hello) == b""
+    # ...while the default (no deny) takes that source's non-TLS bytes
+    assert first_answer(encode_v1(("203.0.113.7", 4000), proxy_address) + b"GET /") == b"plai"
+    # no PROXY header at all: dropped, as accept_proxy always does
+    assert first_answer(hello) == b""
+    samples = metrics(admin_port)
+    assert sample(samples, "lbproxy_rejected_connections_total", virtual_server="api",
+                  reason="acl") == 1  # fmt: skip

@@ -453,7 +453,9 @@ class Supervisor:
         log.info("worker %d (pid %d) ready", *_who(worker))
         if not self._announced and all(w.ready for w in self.workers):
             self._announced = True
-            addresses = [str(a) for vs in self.config.virtual_servers for a in vs.listen]
+            addresses = list(
+                dict.fromkeys(str(a) for vs in self.config.virtual_servers for a in vs.listen)
+            )
             log.info(
                 "all %d workers ready; listening on %s", len(self.workers), ", ".join(addresses)
             )

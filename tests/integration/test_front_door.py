@@ -574,3 +574,19 @@ def test_accept_proxy_reads_the_header_before_the_hello_and_its_source_counts(
     samples = metrics(admin_port)
     assert sample(samples, "lbproxy_rejected_connections_total", virtual_server="api",
                   reason="acl") == 1  # fmt: skip
+
+
+def test_sni_routing_with_two_workers(tls_servers, lbproxy):
+    api = tls_servers("api", "api.example.com")
+    fallback = tls_servers("fallback", "fallback.example.com")
+    port = free_port()
+    groups = [("api", ["api.example.com"], [api]), ("fallback", None, [fallback])]
+    config = sni_config(port, groups).replace(
+        "  drain_timeout: 2s\n", "  drain_timeout: 2s\n  workers: 2\n"
+    )
+    proxy = lbproxy(config, wait_ports=[port])
+    wait_for(lambda: "all 2 workers ready" in proxy.log())
+    pems = tls_servers.pems
+    for _ in range(4):  # whichever worker the kernel picks routes the same way
+        assert tls_name(port, "api.example.com", pems) == "api"
+        assert tls_name(port, "fallback.example.com", pems) == "fallback"

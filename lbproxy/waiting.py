@@ -102,13 +102,16 @@ class Queue:
         """
         if self.waiting + self.woken >= self.config.max:
             return "queue_full"
+        # A server may be free already, with earlier waiters not woken yet: wake the
+        # oldest first, then join the line (never waking ourselves: reschedule() is
+        # for a task that waits).
+        self.kick()
         started = trio.current_time()
         waiter = _Waiter(self, trio.lowlevel.current_task())
         waiter.alarm = deadlines().at(started + self.config.timeout, waiter)
         self._deque.append(waiter)
         self.waiting += 1
         self._publish()
-        self.kick()  # a server may be free already (a newcomer behind earlier waiters)
         try:
             while True:
                 await trio.lowlevel.wait_task_rescheduled(lambda _: self._abort(waiter))

@@ -236,7 +236,9 @@ def test_send_proxy_header_as_the_real_server_sees_it(lbproxy, version):
         port = listener.getsockname()[1]
 
     port = free_port()
-    lbproxy(vs_config(port, [Backend], extra=f"send_proxy: {version}"))
+    # No active checks: the backend accepts one connection (see the half-close test).
+    extra = f"send_proxy: {version}\nhealth_check: {{type: none}}"
+    lbproxy(vs_config(port, [Backend], extra=extra))
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"hello")
         assert s.recv(10) == b"ok"

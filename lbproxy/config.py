@@ -61,8 +61,23 @@ class AdminConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DnsLocatorConfig:
+    """`global.locator.dns`: the DNS face of the locator (SPEC §10)."""
+
+    listen: Address = Address("127.0.0.1", 5353)  # UDP and TCP
+    zone: str = "lb.internal."  # absolute, lower case, ending in a dot
+    ttl: int = 0  # of every answer; 0 = ask again each time
+
+
+@dataclass(frozen=True, slots=True)
+class LocatorConfig:
+    dns: DnsLocatorConfig | None = None  # None: no DNS locator
+
+
+@dataclass(frozen=True, slots=True)
 class GlobalConfig:
     admin: AdminConfig = AdminConfig()
+    locator: LocatorConfig = LocatorConfig()
     log_format: str = "text"  # text | json
     drain_timeout: float = 30.0
     access_log: bool = False  # one INFO line per connection on logger lbproxy.access
@@ -132,6 +147,21 @@ class QueueConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ConditioningConfig:
+    """`conditioning:` of a virtual server: Geode's load conditioning (SPEC §11)."""
+
+    interval: float = 300.0  # Geode's load-conditioning-interval default, 5 minutes
+    idle_for: float = 30.0  # only connections idle this long are candidates
+    max_per_interval: int = 10  # at most this many closed per interval
+    threshold: float = 10.0  # Geode's locator-load-imbalance-threshold
+
+
+# Geode's default imbalance threshold, for `?current=` on a virtual server that has no
+# `conditioning:` block (LocatorLoadSnapshot.DEFAULT_LOAD_IMBALANCE_THRESHOLD).
+DEFAULT_IMBALANCE_THRESHOLD = ConditioningConfig.threshold
+
+
+@dataclass(frozen=True, slots=True)
 class RealServerConfig:
     name: str
     address: Address
@@ -166,7 +196,7 @@ class VirtualServerConfig:
     real_servers: tuple[RealServerConfig, ...]
     scheduler: str = "wlc"
     quiesce: bool = False
-    load_source: str = "connections"  # connections | snmp
+    load_source: str = "connections"  # connections | snmp | report
     load_poll_interval: float = 5.0
     slow_start: float = 0.0
     connect_timeout: float = 3.0
@@ -191,6 +221,7 @@ class VirtualServerConfig:
     # TLS server names routed here from a shared listen address (lower case); (): the
     # default of its addresses, or a virtual server alone on them
     sni: tuple[str, ...] = ()
+    conditioning: ConditioningConfig | None = None  # None: connections are never moved
     file: str = field(default="", compare=False)
     line: int = field(default=0, compare=False)
 
@@ -505,6 +536,21 @@ def _admin_listen(node: yaml.Node, label: str) -> Address | None:
     return _listen_address(node, label)
 
 
+def _vs_listen(node: yaml.Node, label: str) -> tuple[Address, ...]:
+    # `listen: none`: a locator-only virtual server (SPEC §10) binds nothing.
+    if _scalar(node, label) == "none":
+        return ()
+    return _listen_addresses(node, label)
+
+
+def _dns_zone(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    text = value.rstrip(".") if isinstance(value, str) else ""
+    if not text or not _HOST_NAME.fullmatch(text):
+        raise _expected(label, "a DNS zone like lb.internal.", node)
+    return text.lower() + "."
+
+
 def _networks(node: yaml.Node, label: str) -> tuple[IPNetwork, ...]:
     """A list of CIDR networks (a single one is accepted too); a bare IP is a /32 or /128."""
     items = node.value if isinstance(node, yaml.SequenceNode) else [node]
@@ -700,7 +746,7 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
     "workers": _workers,
     "access_log": _boolean,
 }
-_GLOBAL_SECTIONS = ("admin",)
+_GLOBAL_SECTIONS = ("admin", "locator")
 
 _ADMIN_FIELDS: dict[str, Converter] = {
     "listen": _admin_listen,
@@ -709,10 +755,10 @@ _ADMIN_FIELDS: dict[str, Converter] = {
 
 _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "name": _name,
-    "listen": _listen_addresses,
+    "listen": _vs_listen,
     "scheduler": _scheduler,
     "quiesce": _boolean,
-    "load_source": _choice("connections", "snmp"),
+    "load_source": _choice("connections", "snmp", "report"),
     "load_poll_interval": _duration(positive=True),
     "slow_start": _duration(positive=False),
     "connect_timeout": _duration(positive=True),
@@ -733,6 +779,7 @@ _VIRTUAL_SERVER_SECTIONS = (
     "throttle",
     "persistence",
     "queue",
+    "conditioning",
     "real_servers",
     "discovery",
 )
@@ -797,6 +844,23 @@ _PERSISTENCE_FIELDS: dict[str, Converter] = {
 
 # Keys that only the maglev scheduler reads: an error with any other (not silently unused).
 _MAGLEV_KEYS = ("table_size", "hash_key")
+_LOCATOR_SECTIONS = ("dns",)
+
+_DNS_LOCATOR_FIELDS: dict[str, Converter] = {
+    "listen": _listen_address,
+    "zone": _dns_zone,
+    "ttl": _integer(0, 2**31 - 1),
+}
+
+_CONDITIONING_FIELDS: dict[str, Converter] = {
+    "interval": _duration(positive=True),
+    "idle_for": _duration(positive=False),
+    "max_per_interval": _integer(1),
+    "threshold": _number(above=0),
+}
+
+# Schedulers without a load to balance (SPEC §11): they reject a `conditioning:` block.
+_UNCONDITIONED_SCHEDULERS = ("rr", "wrr", "first", "maglev")
 
 _DISCOVERY_SECTIONS = ("dns",)
 
@@ -961,6 +1025,7 @@ class _GlobalRead:
     file: str
     line: int  # of the `global:` key
     admin_line: int | None  # of `admin.listen`; None when it is the default
+    dns_line: int = 0  # of `locator.dns.listen` (or of `dns:`)
 
 
 @dataclass
@@ -1010,8 +1075,26 @@ def _read_global(doc: _Document, top: _Section) -> _GlobalRead:
     section = section or _Section(line)
     admin = _nested(doc, section, "admin", "global.admin", _ADMIN_FIELDS, prefix="admin.")
     admin = admin or _Section(line)
-    config = GlobalConfig(admin=AdminConfig(**admin.values), **section.values)
-    return _GlobalRead(config, doc.file, line, admin.key_lines.get("listen"))
+    locator, dns_line = _read_locator(doc, section)
+    config = GlobalConfig(admin=AdminConfig(**admin.values), locator=locator, **section.values)
+    read = _GlobalRead(config, doc.file, line, admin.key_lines.get("listen"))
+    read.dns_line = dns_line
+    return read
+
+
+def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int]:
+    """`global.locator`, and the line of its DNS listen address (for port clashes)."""
+    locator = _nested(
+        doc, section, "locator", "global.locator", {}, _LOCATOR_SECTIONS, prefix="locator."
+    )
+    if locator is None:
+        return LocatorConfig(), 0
+    dns = _nested(
+        doc, locator, "dns", "global.locator.dns", _DNS_LOCATOR_FIELDS, prefix="locator.dns."
+    )
+    if dns is None:
+        return LocatorConfig(), 0
+    return LocatorConfig(DnsLocatorConfig(**dns.values)), dns.line_of("listen")
 
 
 def _read_virtual_servers(doc: _Document, top: _Section) -> list[_VirtualServerRead]:
@@ -1040,6 +1123,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     persistence = _read_persistence(doc, vs, where)
     discovery = _read_discovery(doc, vs, where)
     queue = _nested(doc, vs, "queue", f"queue of {where}", _QUEUE_FIELDS, prefix="queue.")
+    conditioning = _read_conditioning(doc, vs, where)
     real_servers = _read_real_servers(doc, vs, snmp, allow_empty=discovers)
 
     config = None
@@ -1053,10 +1137,12 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             persistence=persistence,
             discovery=discovery,
             queue=QueueConfig(**queue.values) if queue is not None else None,
+            conditioning=conditioning,
             file=doc.file,
             line=vs.line,
         )
         _check_scheduler_needs(doc, vs, config)
+        _check_conditioning(doc, vs, config)
     listen = list(
         zip(vs.values.get("listen", ()), _item_lines(vs.nodes.get("listen")), strict=False)
     )
@@ -1134,6 +1220,28 @@ def _read_persistence(doc: _Document, vs: _Section, where: str) -> PersistenceCo
         prefix="persistence.",
     )
     return None if section is None else PersistenceConfig(**section.values)
+
+
+def _read_conditioning(doc: _Document, vs: _Section, where: str) -> ConditioningConfig | None:
+    section = _nested(
+        doc,
+        vs,
+        "conditioning",
+        f"conditioning of {where}",
+        _CONDITIONING_FIELDS,
+        prefix="conditioning.",
+    )
+    return None if section is None else ConditioningConfig(**section.values)
+
+
+def _check_conditioning(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
+    """Conditioning moves connections by load: a scheduler without one cannot have it."""
+    if config.conditioning is not None and config.scheduler in _UNCONDITIONED_SCHEDULERS:
+        doc.error(
+            vs.line_of("conditioning"),
+            f"conditioning needs a scheduler with a load (lc, wlc, dwd, dwr, least-load, "
+            f"sap); scheduler {config.scheduler} has none",
+        )
 
 
 def _read_real_servers(
@@ -1359,7 +1467,7 @@ def _check_port_clashes(
     servers: list[_VirtualServerRead], global_read: _GlobalRead | None, problems: list[Problem]
 ) -> None:
     """Report every listen address that another listener (or the admin endpoint) has."""
-    claims = _admin_claims(global_read)
+    claims = _admin_claims(global_read) + _locator_claims(global_read, problems)
     for vs in servers:
         owner = f"virtual server {vs.name}" if vs.name else "a virtual server"
         for address, line in vs.listen:
@@ -1398,6 +1506,25 @@ def _admin_claims(global_read: _GlobalRead | None) -> list[_Claim]:
     if global_read is None or global_read.admin_line is None:
         return [_Claim(admin.listen, what, None, 0)]
     return [_Claim(admin.listen, what, global_read.file, global_read.admin_line)]
+
+
+def _locator_claims(global_read: _GlobalRead | None, problems: list[Problem]) -> list[_Claim]:
+    """The DNS locator's TCP port (its UDP port clashes with no TCP listener)."""
+    dns = global_read.config.locator.dns if global_read else None
+    if dns is None or global_read is None:
+        return []
+    line = global_read.dns_line or global_read.line
+    claim = _Claim(dns.listen, f"the DNS locator {dns.listen}", global_read.file, line)
+    for admin in _admin_claims(global_read):
+        if _clashes(dns.listen, admin.address):
+            problems.append(
+                Problem(
+                    global_read.file,
+                    line,
+                    f"{claim.what} clashes with {admin.describe(global_read.file)}",
+                )
+            )
+    return [claim]
 
 
 def _clashes(a: Address, b: Address) -> bool:
@@ -1545,10 +1672,14 @@ def _count(n: int, noun: str) -> str:
 
 def _global_summary(global_: GlobalConfig) -> str:
     admin = str(global_.admin.listen) if global_.admin.listen else "off"
-    return (
+    text = (
         f"admin {admin}, log {global_.log_format}, workers {global_.workers}, "
         f"drain timeout {global_.drain_timeout:g}s"
     )
+    dns = global_.locator.dns
+    if dns is not None:
+        text += f"\nDNS locator {dns.listen} (UDP and TCP), zone {dns.zone}, ttl {dns.ttl}"
+    return text
 
 
 def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
@@ -1563,7 +1694,7 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
         scheduler += f", table {vs.table_size}, hash {vs.hash_key}"
     lines = [
         f"virtual server {vs.name} ({vs.file}:{vs.line})",
-        f"  listen      {', '.join(str(address) for address in vs.listen)}",
+        f"  listen      {_listen_summary(vs)}",
     ]
     if vs.sni:
         lines.append(f"  sni         {', '.join(vs.sni)}")
@@ -1582,6 +1713,8 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
         lines.append(f"  discovery   {discovery_summary(vs.discovery)}")
     if vs.queue is not None:
         lines.append(f"  queue       up to {vs.queue.max} clients for {vs.queue.timeout:g}s")
+    if vs.conditioning is not None:
+        lines.append(f"  conditioning {_conditioning_summary(vs.conditioning)}")
     lines.append("  real servers")
     lines.extend(_table([_real_server_row(vs, rs) for rs in vs.real_servers], indent="    "))
     if vs.discovery is not None:
@@ -1594,6 +1727,19 @@ def discovery_summary(dns: DnsDiscoveryConfig) -> str:
     what = f"{dns.type} {dns.name}" + (f" port {dns.port}" if dns.port is not None else "")
     via = ", ".join(str(a) for a in dns.resolvers) if dns.resolvers else "the system's resolvers"
     return f"{what} via {via}, every {dns.interval:g}s, hold {dns.hold:g}s"
+
+
+def _listen_summary(vs: VirtualServerConfig) -> str:
+    if not vs.listen:
+        return "none (locator only)"
+    return ", ".join(str(address) for address in vs.listen)
+
+
+def _conditioning_summary(c: ConditioningConfig) -> str:
+    return (
+        f"every {c.interval:g}s, idle for {c.idle_for:g}s, at most {c.max_per_interval} "
+        f"per interval, threshold {c.threshold:g}"
+    )
 
 
 def _health_summary(check: HealthCheckConfig) -> str:

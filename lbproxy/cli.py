@@ -137,6 +137,7 @@ def _print_discovered(cfg: Config) -> bool:
     type=click.IntRange(min=1),
     help="Connections come from K client addresses in turn (10.0.0.1, 10.0.0.2, ...).",
 )
+@click.option("--locate", is_flag=True, help="Every arrival is a locator answer (nothing is held).")
 def simulate(
     config: tuple[str, ...],
     connections: int,
@@ -147,8 +148,12 @@ def simulate(
     as_json: bool,
     explain: bool,
     clients: int | None,
+    locate: bool,
 ) -> None:
     """Run the real scheduler offline and print each real server's share."""
+    if locate and hold:
+        click.echo("--locate and --hold exclude each other: a locator holds nothing", err=True)
+        sys.exit(EXIT_USAGE)
     from lbproxy.simulate import SimulationError, choose_virtual_server, parse_events
     from lbproxy.simulate import simulate as run_simulation
 
@@ -166,7 +171,14 @@ def simulate(
         click.echo(str(exc), err=True)
         sys.exit(EXIT_USAGE)
     result = run_simulation(
-        vs, connections, hold=hold, events=event_list, rate=rate, explain=explain, clients=clients
+        vs,
+        connections,
+        hold=hold,
+        events=event_list,
+        rate=rate,
+        explain=explain,
+        clients=clients,
+        locate=locate,
     )
     if as_json:
         click.echo(json.dumps(result.as_json()))

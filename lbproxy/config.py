@@ -158,7 +158,7 @@ class ConditioningConfig:
 
 # Geode's default imbalance threshold, for `?current=` on a virtual server that has no
 # `conditioning:` block (LocatorLoadSnapshot.DEFAULT_LOAD_IMBALANCE_THRESHOLD).
-DEFAULT_IMBALANCE_THRESHOLD = ConditioningConfig.threshold
+DEFAULT_IMBALANCE_THRESHOLD = 10.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,13 @@ number `before`, in file order, each key of one event in the order written:
     - {before: 35, load_factor: {s1: 3}}    sap load factor change
     - {before: 40, close: {s1: 5}}          s1's 5 oldest held connections end
     - {before: 50, rate: 200}               arrivals per second from connection 50 on
+    - {before: 1, report: {s1: {load: 0.4, per_connection: 0.1}}}
+                                            a pushed load report (least-load, load_source
+                                            report; per_connection optional)
+
+With `locate`, every arrival is a locator answer (`Pool.locate`, SPEC §10): counted as a
+pick exactly as `GET .../locate` counts it, and nothing is held -- so a report of 0.4
+with 0.1 per connection reads 0.6 after two answers, Geode's own arithmetic.
 
 With `rate:` events, connection k arrives 1 / rate after connection k - 1 (rate being
 the one in force for k), so simulated time advances accordingly.
@@ -52,7 +59,18 @@ from lbproxy.config import Config, VirtualServerConfig
 from lbproxy.pool import DISABLED, DRAIN, ENABLED, Lease, Pool, weight_error
 from lbproxy.throttle import Change, Throttle
 
-EVENT_KEYS = ("snmp", "join", "leave", "weight", "load_factor", "close", "state", "rate")
+EVENT_KEYS = (
+    "snmp",
+    "join",
+    "leave",
+    "weight",
+    "load_factor",
+    "close",
+    "state",
+    "rate",
+    "report",
+)
+REPORT_KEYS = ("load", "per_connection")
 
 
 class SimulationError(Exception):
@@ -274,6 +292,11 @@ def _check_action(key: str, value: Any, servers: list[str]) -> str | None:
         problem = unknown(name)
         if problem:
             return problem
+        if key == "report":
+            problem = _check_report(name, number)
+            if problem:
+                return problem
+            continue
         if key == "state":
             if number not in (ENABLED, DRAIN, DISABLED):
                 return f"state of {name} must be enabled, drain or disabled, got {number!r}"
@@ -289,11 +312,22 @@ def _check_action(key: str, value: Any, servers: list[str]) -> str | None:
     return None
 
 
+def _check_report(name: str, report: Any) -> str | None:
+    example = "like {load: 0.4, per_connection: 0.1}"
+    if not isinstance(report, dict) or "load" not in report or set(report) - set(REPORT_KEYS):
+        return f"report of {name} must be a mapping {example}"
+    for key, number in report.items():
+        if isinstance(number, bool) or not isinstance(number, int | float) or not number >= 0:
+            return f"report of {name}: {key} must be a number >= 0, got {number!r}"
+    return None
+
+
 def simulate(
     vs: VirtualServerConfig,
     connections: int,
     *,
     hold: bool = False,
+    locate: bool = False,
     events: list[Event] = (),  # type: ignore[assignment]
     rate: float = 10.0,
     explain: bool = False,
@@ -344,7 +378,11 @@ def simulate(
                 trace.append(Pick(number, now, None, {"throttle": "refused (digg)"}))
             continue
         scores = pool.scores() if explain else {}
-        rs = pool.pick(now, (), client)
+        if locate:  # a locator answer: counted as a pick, no connection held
+            located = pool.locate(now, via="simulate")
+            rs = None if located is None else located.server
+        else:
+            rs = pool.pick(now, (), client)
         if per_client is not None:
             name = rs.name if rs is not None else None
             per_client.setdefault(client[0], []).append(name)
@@ -356,12 +394,13 @@ def simulate(
         else:
             picks[rs.name] += 1
             sequence.append(rs.name)
-            lease = pool.take(rs, now, None, client)
-            pool.established(lease)  # a simulated connect always succeeds
-            if hold:
-                held[rs.name].append(lease)
-            else:
-                pool.drop(lease, now)
+            if not locate:
+                lease = pool.take(rs, now, None, client)
+                pool.established(lease)  # a simulated connect always succeeds
+                if hold:
+                    held[rs.name].append(lease)
+                else:
+                    pool.drop(lease, now)
         if explain:
             trace.append(Pick(number, now, rs.name if rs else None, scores))
         if monitor is not None:
@@ -476,6 +515,8 @@ def _apply(pool: Pool, key: str, value: Any, held: dict[str, deque[Lease]], now:
         rs = by_name[name]
         if key == "snmp":
             pool.report_value(rs, number, now)
+        elif key == "report":
+            pool.report_load(rs, number["load"], number.get("per_connection"))
         elif key == "weight":
             pool.set_weight(rs, number, now)
         elif key == "load_factor":

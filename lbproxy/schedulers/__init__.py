@@ -118,6 +118,16 @@ class Scheduler:
         """The score this scheduler gives `rs` (for decision logs)."""
         return None
 
+    def balance_load(self, rs: RealServer) -> tuple[float, float] | None:
+        """(L, p) of SPEC §11 for `rs`: its load and the load one connection adds, for
+        Geode's balance rule (lbproxy/balance.py); None: this algorithm has no load."""
+        return None
+
+    def on_moved_away(self, rs: RealServer, now: float) -> None:
+        """A locator client leaves `rs` for another server (`?current=` replace): take
+        back one connection's worth of what `on_take` added, where that is not the
+        pool's own count (least-load's estimate, sap's accumulated load)."""
+
 
 class HeapScheduler(Scheduler):
     """Minimises `key(rs)` over the available servers, kept in a KeyedHeap."""

@@ -31,6 +31,9 @@ class LeastConnections(HeapScheduler):
     def key(self, rs: RealServer) -> tuple[float, int]:
         return (rs.sched_active, rs.seq)
 
+    def balance_load(self, rs: RealServer) -> tuple[float, float]:
+        return float(rs.active), 1.0  # SPEC §11: L = active, p = 1
+
 
 @register
 class WeightedLeastConnections(HeapScheduler):
@@ -39,3 +42,10 @@ class WeightedLeastConnections(HeapScheduler):
 
     def key(self, rs: RealServer) -> tuple[float, int]:
         return ((rs.sched_active + 1) / rs.effective_weight, rs.seq)
+
+    def balance_load(self, rs: RealServer) -> tuple[float, float]:
+        # SPEC §11: L = active / weight, p = 1 / weight (dwd, dwr inherit it)
+        weight = rs.effective_weight
+        if weight <= 0:
+            return float("inf") if rs.active else 0.0, 0.0
+        return rs.active / weight, 1.0 / weight

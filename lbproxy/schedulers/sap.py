@@ -52,3 +52,11 @@ class LeastAccumulatedLoad(HeapScheduler):
 
     def explain(self, rs: RealServer) -> float:
         return self.load.get(rs, 0.0)
+
+    def balance_load(self, rs: RealServer) -> tuple[float, float]:
+        return self.load.get(rs, 0.0), rs.load_factor  # SPEC §11
+
+    def on_moved_away(self, rs: RealServer, now: float) -> None:
+        if rs in self.load:
+            self.load[rs] -= rs.load_factor
+            self._rekey(rs)

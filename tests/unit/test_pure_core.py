@@ -16,6 +16,7 @@ PURE = [
     "lbproxy.persistence",
     "lbproxy.discovery_model",
     "lbproxy.client_hello",
+    "lbproxy.balance",
 ]
 
 

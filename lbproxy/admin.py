@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import stat
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lbproxy import dashboard
 from lbproxy.metrics import make_registry
-from lbproxy.pool import Pool, state_error, weight_error
+from lbproxy.pool import Located, Pool, state_error, weight_error
 
 if TYPE_CHECKING:
     import socket
@@ -40,6 +41,8 @@ PATCH_KEYS = ("weight", "state")
 PATCH_EXAMPLE = '{"weight": 3} or {"state": "enabled" | "drain" | "disabled"}'
 REAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)$")
 VIRTUAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)$")
+LOAD_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)/load$")
+LOCATE_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/locate$")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -63,6 +66,10 @@ class ProxyControl(Protocol):
     def set_state(self, vs_name: str, rs_name: str, state: object) -> str | None: ...
 
     def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None: ...
+
+    def report_load(
+        self, vs_name: str, rs_name: str, load: object, per_connection: object = None
+    ) -> str | None: ...
 
 
 class TokenError(Exception):
@@ -123,11 +130,42 @@ def _snmp_document(pool: Pool, rs: Any) -> dict[str, Any] | None:
 
 
 def _load(pool: Pool, rs: Any) -> float | None:
-    """least-load's current load for `rs` (last report plus estimates); else None."""
-    load = getattr(pool.scheduler, "load", None)
-    if pool.config.scheduler != "least-load" or not callable(load):
+    """least-load's current load (estimates included), else None."""
+    if pool.config.scheduler != "least-load":
         return None
-    return _number(load(rs))
+    return _number(pool.load_of(rs))
+
+
+def locate_document(located: Located) -> dict[str, Any]:
+    """The answer of GET .../locate (SPEC §10)."""
+    rs = located.server
+    document: dict[str, Any] = {
+        "real_server": rs.name,
+        "address": str(rs.address),
+        "load": _number(located.load),
+    }
+    if located.replace is not None:
+        document["replace"] = located.replace
+    return document
+
+
+def parse_load_report(body: bytes) -> tuple[object, object]:
+    """(load, per_connection) of a PUT .../load body; raises a 400 naming the problem.
+
+    The numbers themselves are checked by `Pool.report_load`."""
+    example = '{"load": 0.4, "per_connection": 0.1}'
+    try:
+        request = json.loads(body or b"null")
+    except (ValueError, UnicodeDecodeError):
+        raise _HTTPError(400, f"body must be JSON, like {example}") from None
+    if not isinstance(request, dict):
+        raise _HTTPError(400, f"body must be a JSON object like {example}")
+    unknown = sorted(set(request) - {"load", "per_connection"})
+    if unknown:
+        raise _HTTPError(400, f"unknown key(s) {', '.join(map(repr, unknown))}; like {example}")
+    if "load" not in request:
+        raise _HTTPError(400, f"body needs 'load', like {example}")
+    return request["load"], request.get("per_connection")
 
 
 def virtual_server_document(pool: Pool) -> dict[str, Any]:
@@ -243,7 +281,49 @@ class AdminApp:
             if ok:
                 return 200, _json({"result": "ok", "changes": messages}), "json"
             return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
+        if match := LOCATE_PATH.match(path):
+            self._allow(method, "GET")
+            return self._locate(match[1], scope)
+        if match := LOAD_PATH.match(path):
+            self._allow(method, "PUT")
+            self._authorize(scope)
+            return await self._report_load(match[1], match[2], receive)
         raise _HTTPError(404, f"no such path: {path}")
+
+    # -- the locator (SPEC §10) ------------------------------------------------------
+
+    def _locate(self, vs_name: str, scope: dict[str, Any]) -> tuple[int, bytes, str]:
+        pool = self._pool(vs_name)
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        current = query.get("current", [None])[-1]
+        located = pool.locate(trio.current_time(), current or None, "http")
+        if located is None:
+            raise _HTTPError(503, "no real server available")
+        return 200, _json(locate_document(located)), "json"
+
+    async def _report_load(
+        self, vs_name: str, rs_name: str, receive: Receive
+    ) -> tuple[int, bytes, str]:
+        pool = self._pool(vs_name)
+        self._real_server(pool, rs_name)
+        try:
+            body = await _read_body(receive)
+        except _HTTPError:
+            raise _HTTPError(400, f"body too large (over {MAX_BODY // 1024} KiB)") from None
+        load, per_connection = parse_load_report(body)
+        error = self.server.report_load(vs_name, rs_name, load, per_connection)
+        if error:
+            raise _HTTPError(400, error)
+        rs = pool.by_name[rs_name]
+        reported, step = pool.load_reports[rs]
+        document = {
+            "virtual_server": pool.name,
+            "real_server": rs_name,
+            "reported": _number(reported),
+            "per_connection": _number(step),
+            "load": _load(pool, rs),
+        }
+        return 200, _json(document), "json"
 
     async def _patch(self, vs_name: str, rs_name: str, receive: Receive) -> tuple[int, bytes, str]:
         pool = self._pool(vs_name)

@@ -25,7 +25,7 @@ Loads are floats (least-load's 0.4 + 0.1 + 0.1): comparisons allow a relative 1e
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,14 +84,16 @@ class Member:
     """One server as a conditioning round sees it.
 
     `candidates` are its connections that may be closed (idle long enough), longest
-    idle first. Only servers that take part in balancing are members: enabled, health
-    up, not removed (a draining, disabled or down server is never one).
+    idle first; None: ask `plan_round`'s `candidates_of` when first needed (only the
+    most loaded servers' connections are ever looked at). Only servers that take part
+    in balancing are members: enabled, health up, not removed (a draining, disabled or
+    down server is never one).
     """
 
     server: Hashable
     load: float
     step: float
-    candidates: list[Any] = field(default_factory=list)
+    candidates: list[Any] | None = field(default=None)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,11 @@ class Round:
 
 
 def plan_round(
-    members: Sequence[Member], balance: Balance, threshold: float, max_moves: int
+    members: Sequence[Member],
+    balance: Balance,
+    threshold: float,
+    max_moves: int,
+    candidates_of: Callable[[Hashable], list[Any]] | None = None,
 ) -> Round | None:
     """The connections to close this interval; None when there is nothing to balance.
 
@@ -131,6 +137,8 @@ def plan_round(
         if is_balanced(least.load, most.load, max(m.step for m in members)):
             balance.rebalancing = False
             break
+        if most.candidates is None:
+            most.candidates = candidates_of(most.server) if candidates_of else []
         if not most.candidates:
             break  # nothing idle enough there; the next round looks again
         moves.append(Move(most.server, most.candidates.pop(0), least.server))

@@ -30,6 +30,8 @@ CONNECT_FAILURE_REASONS = ("refused", "timeout", "error")
 HEALTH_RESULTS = ("ok", "fail", "timeout")
 SNMP_RESULTS = ("ok", "timeout", "error", "bad_value")
 RELOAD_RESULTS = ("ok", "error")
+LOCATOR_VIAS = ("http", "dns")
+DNS_RCODES = ("NOERROR", "NXDOMAIN", "REFUSED", "SERVFAIL", "FORMERR", "NOTIMP", "dropped")
 VS, RS = "virtual_server", "real_server"
 
 
@@ -168,6 +170,7 @@ class LbproxyCollector:
         )
         for result in RELOAD_RESULTS:
             reloads.add_metric([result], self.source.reloads.get(result, 0))
+        yield from self._locator_families()
         yield from (
             connections,
             active,
@@ -211,6 +214,46 @@ class LbproxyCollector:
             discovered.add_metric([name], len(state.current))
         yield resolutions
         yield discovered
+
+    def _locator_families(self) -> Iterator[Metric]:
+        """SPEC §10 and §11: locator answers, DNS queries, load reports, conditioning."""
+        answers = CounterMetricFamily(
+            "lbproxy_locator_answers",
+            "Locator answers (HTTP or DNS locate), by real server answered.",
+            labels=[VS, RS, "via"],
+        )
+        reports = CounterMetricFamily(
+            "lbproxy_load_reports", "Load reports pushed by real servers.", labels=[VS, RS]
+        )
+        load = GaugeMetricFamily(
+            "lbproxy_real_server_load",
+            "least-load: the load the scheduler uses now, estimates included.",
+            labels=[VS, RS],
+        )
+        conditioned = CounterMetricFamily(
+            "lbproxy_conditioned_connections",
+            "Connections closed by conditioning to rebalance the pool.",
+            labels=[VS, RS],
+        )
+        for pool in self.source.pools():
+            vs = pool.name
+            least_load = pool.config.scheduler == "least-load"
+            for rs in pool.servers:
+                labels = [vs, rs.name]
+                for via in LOCATOR_VIAS:
+                    answers.add_metric([*labels, via], pool.answers[rs.name, via])
+                reports.add_metric(labels, pool.load_report_counts[rs.name])
+                if least_load:
+                    load.add_metric(labels, pool.load_of(rs) or 0.0)
+                if pool.config.conditioning is not None:
+                    conditioned.add_metric(labels, pool.conditioned[rs.name])
+        queries = CounterMetricFamily(
+            "lbproxy_dns_queries", "DNS locator queries, by rcode answered.", labels=["rcode"]
+        )
+        counted = getattr(self.source, "dns_queries", None) or {}
+        for rcode in DNS_RCODES:
+            queries.add_metric([rcode], counted.get(rcode, 0))
+        yield from (answers, reports, load, conditioned, queries)
 
 
 def make_registry(source: MetricsSource) -> CollectorRegistry:

@@ -286,6 +286,7 @@ class Pool:
         self.load_reports: dict[RealServer, tuple[float, float]] = {}
         self.load_report_counts: Counter[str] = Counter()
         self.answers: Counter[tuple[str, str]] = Counter()  # (real server, via)
+        self.conditioned: Counter[str] = Counter()  # connections closed by conditioning
         self.balance = Balance()
         # Servers present at start-up come online together: resetting the (empty)
         # connection table for each of them would only cost O(n²).

@@ -270,6 +270,11 @@ class Flow:
         self._idle_timeout = seconds
         self.poke()
 
+    @property
+    def pumping(self) -> bool:
+        """True while a pump moves this flow's bytes (connected, not yet finished)."""
+        return self._pump is not None
+
     def poke(self) -> None:
         """Re-read ``last_activity`` and ``idle_timeout`` now, in a running pump.
 

@@ -24,9 +24,11 @@ import trio
 from lbproxy import logs, waiting
 from lbproxy.admin import TokenError, read_token, serve_admin
 from lbproxy.checks import HealthChecks, close_leases
+from lbproxy.conditioning import Conditioners
 from lbproxy.config import Address, Config, ConfigError, VirtualServerConfig, load
 from lbproxy.discovery import Discoveries
 from lbproxy.listener import BindError, Listener, listen_socket
+from lbproxy.locator import DnsLocator
 from lbproxy.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.pool import DISABLED, Pool, RealServer, state_error
 from lbproxy.snmp import SnmpPollers
@@ -82,6 +84,8 @@ class Server:
         # systemd's notify protocol: a no-op unless run() finds $NOTIFY_SOCKET (never in
         # a worker of `workers: N`, where the supervisor notifies)
         self.notifier = Notifier()
+        self.conditioners = Conditioners()  # one per virtual server with `conditioning:`
+        self.dns: DnsLocator | None = None  # global.locator.dns, once bound
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -98,15 +102,18 @@ class Server:
             admin_sock = self.admin_sock
             if admin_sock is None and admin_address:
                 admin_sock = listen_socket(admin_address)
+            dns_socks = self._bind_dns()
         except BindError:
             for listener in bound:
                 listener.sock.close()
             raise
         # The admin endpoint outlives the drain (so /readyz can answer 503 meanwhile)
-        # and is cancelled once the last connection is done.
+        # and is cancelled once the last connection is done; the DNS locator with it.
         async with trio.open_nursery() as admin:
             if admin_sock is not None:
                 await admin.start(serve_admin, self, admin_sock, self.admin_token)
+            if dns_socks is not None and self.dns is not None:
+                await admin.start(self.dns.serve, *dns_socks)
             await admin.start(self._serve, bound, handle_signals)
             task_status.started(self)
             if self.notifier.enabled:
@@ -125,6 +132,36 @@ class Server:
         while True:
             await trio.sleep(STATUS_INTERVAL)
             self.notifier.status(self.status_line())
+
+    def _bind_dns(self) -> tuple[socket.socket, socket.socket] | None:
+        """Bind global.locator.dns (UDP and TCP), or None when it is not configured."""
+        config = self.config.global_.locator.dns
+        if config is None:
+            return None
+        try:
+            socks = DnsLocator.bind(config.listen, self.reuse_port)
+        except OSError as exc:
+            raise BindError(
+                f"cannot listen on {config.listen} (DNS locator): {exc.strerror}"
+            ) from None
+        self.dns = DnsLocator(config, self.virtual_servers)
+        return socks
+
+    @property
+    def dns_queries(self) -> dict[str, int]:
+        """DNS locator answers by rcode, for the metrics."""
+        return dict(self.dns.rcodes) if self.dns is not None else {}
+
+    def _add_locator_only(self, configs: Sequence[VirtualServerConfig], now: float) -> list[str]:
+        """Virtual servers with `listen: none`: no listener registers them, so do it here."""
+        added = []
+        for vs_config in configs:
+            if not vs_config.listen and vs_config.name not in self.virtual_servers:
+                vs = VirtualServer(Pool(vs_config, now))
+                vs.access_log = self.config.global_.access_log
+                self.virtual_servers[vs_config.name] = vs
+                added.append(f"{vs_config.name}: locator only (listen: none)")
+        return added
 
     def pools(self) -> list[Pool]:
         """The pools of the configured virtual servers, in configuration order."""
@@ -150,6 +187,8 @@ class Server:
                 self._service = service
                 for listener in bound:
                     self._start_listener(listener)
+                self._add_locator_only(self.config.virtual_servers, trio.current_time())
+                self.conditioners.sync(self.virtual_servers.values(), service)
                 self.throttles.sync(self.virtual_servers.values(), service)
                 self._sync_queues()
                 self.checks.sync(self.virtual_servers.values(), service)
@@ -161,7 +200,8 @@ class Server:
                 self.ready = True
                 log.info(
                     "listening on %s",
-                    ", ".join(str(address) for address in self.listeners),
+                    ", ".join(str(address) for address in self.listeners)
+                    or "nothing (locator only)",
                 )
                 task_status.started()
                 await self._stop.wait()
@@ -282,6 +322,19 @@ class Server:
             log.info("%s/%s: weight %g -> %g", pool.name, rs.name, old, rs.static_weight)
         return error
 
+    def report_load(
+        self, vs_name: str, rs_name: str, load: object, per_connection: object = None
+    ) -> str | None:
+        """A real server's pushed load report (SPEC §10); returns an error or None."""
+        found = self._find(vs_name, rs_name)
+        if isinstance(found, str):
+            return found
+        pool, rs = found
+        error = pool.report_load(rs, load, per_connection)
+        if error is None:
+            log.debug("%s/%s: load report %r", pool.name, rs.name, pool.load_reports[rs])
+        return error
+
     def _find(self, vs_name: str, rs_name: str) -> tuple[Pool, RealServer] | str:
         vs = self.virtual_servers.get(vs_name)
         if vs is None:
@@ -346,7 +399,9 @@ class Server:
                 changes.extend(self._reconfigure(vs, merged, now))
         by_name = {vs.name: vs for feeds in routes.values() for vs in feeds}
         for vs_config in new.virtual_servers:
-            self.virtual_servers.setdefault(vs_config.name, by_name[vs_config.name])
+            if vs_config.name in by_name:  # not a locator-only one: it has no address
+                self.virtual_servers.setdefault(vs_config.name, by_name[vs_config.name])
+        changes.extend(self._add_locator_only(new.virtual_servers, now))
         for address, feeds in routes.items():
             listener = self.listeners.get(address)
             if listener is None:
@@ -360,12 +415,15 @@ class Server:
             self._start_listener(listener)
             names = ", ".join(vs.name for vs in listener.virtual_servers)
             changes.append(f"{names}: listening on {listener.address}")
+        if new.global_.locator != self.config.global_.locator:
+            log.warning("reload: global.locator changes take effect at the next restart")
         self.config = new
         if self._service is not None and not self.draining:  # start/stop/retune throttles
             changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))
             self.checks.sync(self.virtual_servers.values(), self._service)
             self.snmp.sync(self.virtual_servers)  # start/stop/restart SNMP pollers
             self.discovery.sync(new.virtual_servers, self._service, self)
+            changes.extend(self.conditioners.sync(self.virtual_servers.values(), self._service))
         changes.extend(self._sync_queues())
         for vs in self.virtual_servers.values():
             vs.access_log = new.global_.access_log

@@ -1,0 +1,228 @@
+"""The DNS locator's answers: one query message in, one answer message (or nothing) out.
+
+PURE: no trio, no sockets, no clock (`now` is passed in). Every message is parsed and
+built by dnspython (`dns.message`, `dns.rrset`, the `dns.rdtypes` classes); the only
+bytes read here by hand are the two of a query's id and its QR bit, to answer FORMERR
+to a query dnspython could not parse. lbproxy/locator.py serves this over UDP and TCP.
+
+Names (SPEC §10), ZONE being `global.locator.dns.zone`, matched without case:
+
+    VS.ZONE            A / AAAA   the located server's address (one record); each is a locate
+    _VS._tcp.ZONE      SRV        0 0 PORT RS.VS.ZONE, its A/AAAA in the additional section
+    RS.VS.ZONE         A / AAAA   that real server's address (the SRV target; not a locate)
+    ZONE               -          NOERROR, no records
+
+    other types at those names     NOERROR, no records (NODATA), nothing counted
+    any other name in the zone     NXDOMAIN
+    a name outside the zone        REFUSED (we are no recursive resolver)
+    no available real server       SERVFAIL
+    a message dnspython cannot parse, or not exactly one question
+                                   FORMERR (when it looks like a query), else dropped
+    a response, or shorter than a header
+                                   dropped (never answer an answer: no loops)
+    an opcode other than QUERY     NOTIMP; a class other than IN: REFUSED
+
+A pick whose address is not of the asked family (an A query, an IPv6 server) answers
+NODATA and is not counted; a real server configured by host name has no A/AAAA record
+here, and its SRV target is that host name itself.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from collections.abc import Callable
+
+import dns.exception
+import dns.flags
+import dns.message
+import dns.name
+import dns.opcode
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+from dns.rdtypes.IN.A import A
+from dns.rdtypes.IN.AAAA import AAAA
+from dns.rdtypes.IN.SRV import SRV
+
+from lbproxy.pool import Pool, RealServer
+
+HEADER_SIZE = 12
+UDP_PAYLOAD = 512  # without EDNS (RFC 1035); our answers are far smaller anyway
+DROPPED = "dropped"  # the rcode label of a message that got no answer
+
+_ADDRESS_TYPES = (dns.rdatatype.A, dns.rdatatype.AAAA)
+_TCP_LABEL = b"_tcp"
+
+
+class QueryHandler:
+    """Answers queries for the virtual servers `find` returns, in `zone`, with `ttl`.
+
+    `find(label)` maps a virtual-server label (bytes, as asked) to its pool, or None.
+    `rcodes` counts every query by the rcode answered (or "dropped").
+    """
+
+    def __init__(self, zone: str, ttl: int, find: Callable[[str], Pool | None]) -> None:
+        self.zone = dns.name.from_text(zone)
+        self.ttl = ttl
+        self.find = find
+        self.rcodes: Counter[str] = Counter()
+
+    def handle(self, wire: bytes, now: float, max_size: int = UDP_PAYLOAD) -> bytes | None:
+        """The answer to one query message, or None to drop it. Never raises."""
+        try:
+            query = dns.message.from_wire(wire)
+        except Exception:  # dnspython raises many kinds on garbage: all mean "malformed"
+            return self._unparsable(wire)
+        if query.flags & dns.flags.QR:
+            self.rcodes[DROPPED] += 1
+            return None
+        try:
+            response = self._respond(query, now)
+            return self._wire(response, max_size)
+        except Exception:  # a bug here must cost one answer, never the server
+            return self._error(query.id, dns.rcode.SERVFAIL)
+
+    # -- one query ------------------------------------------------------------------
+
+    def _respond(self, query: dns.message.Message, now: float) -> dns.message.Message:
+        response = dns.message.make_response(query)
+        response.flags |= dns.flags.AA
+        if query.opcode() != dns.opcode.QUERY:
+            return self._rcode(response, dns.rcode.NOTIMP)
+        if len(query.question) != 1:
+            return self._rcode(response, dns.rcode.FORMERR)
+        question = query.question[0]
+        name, rdtype = question.name, question.rdtype
+        if question.rdclass != dns.rdataclass.IN or not name.is_subdomain(self.zone):
+            return self._rcode(response, dns.rcode.REFUSED)
+        labels = name.relativize(self.zone).labels
+        if labels == (b"@",) or not labels or name == self.zone:
+            return self._rcode(response, dns.rcode.NOERROR)
+        if len(labels) == 1:  # VS.ZONE
+            pool = self._pool(labels[0])
+            if pool is None:
+                return self._rcode(response, dns.rcode.NXDOMAIN)
+            if rdtype in _ADDRESS_TYPES:
+                rs = pool.pick(now)
+                if rs is None:
+                    return self._rcode(response, dns.rcode.SERVFAIL)
+                record = self._address_rrset(name, rs, rdtype)
+                if record is not None:
+                    pool.answer(rs, now, "dns")
+                    response.answer.append(record)
+            return self._rcode(response, dns.rcode.NOERROR)
+        if len(labels) == 2 and labels[1].lower() == _TCP_LABEL and labels[0][:1] == b"_":
+            pool = self._pool(labels[0][1:])  # _VS._tcp.ZONE
+            if pool is None:
+                return self._rcode(response, dns.rcode.NXDOMAIN)
+            if rdtype == dns.rdatatype.SRV:
+                rs = pool.pick(now)
+                if rs is None:
+                    return self._rcode(response, dns.rcode.SERVFAIL)
+                pool.answer(rs, now, "dns")
+                self._add_srv(response, name, pool, rs)
+            return self._rcode(response, dns.rcode.NOERROR)
+        if len(labels) == 2:  # RS.VS.ZONE: the SRV target
+            pool = self._pool(labels[1])
+            rs = self._real_server(pool, labels[0]) if pool is not None else None
+            if rs is None:
+                return self._rcode(response, dns.rcode.NXDOMAIN)
+            if rdtype in _ADDRESS_TYPES:
+                record = self._address_rrset(name, rs, rdtype)
+                if record is not None:
+                    response.answer.append(record)
+            return self._rcode(response, dns.rcode.NOERROR)
+        return self._rcode(response, dns.rcode.NXDOMAIN)
+
+    def _add_srv(
+        self, response: dns.message.Message, name: dns.name.Name, pool: Pool, rs: RealServer
+    ) -> None:
+        host = rs.address.host
+        family = _family(host)
+        if family is None:  # a host name: the client resolves it itself
+            target = dns.name.from_text(host)
+        else:
+            target = dns.name.Name((rs.name.encode(), pool.name.encode(), *self.zone.labels))
+        srv = SRV(dns.rdataclass.IN, dns.rdatatype.SRV, 0, 0, rs.address.port, target)
+        response.answer.append(dns.rrset.from_rdata(name, self.ttl, srv))
+        if family is not None:
+            record = self._address_rrset(target, rs, family)
+            if record is not None:
+                response.additional.append(record)
+
+    def _address_rrset(
+        self, name: dns.name.Name, rs: RealServer, rdtype: int
+    ) -> dns.rrset.RRset | None:
+        host = rs.address.host
+        if _family(host) != rdtype:
+            return None
+        if rdtype == dns.rdatatype.A:
+            rdata: A | AAAA = A(
+                dns.rdataclass.IN, rdtype, "127.0.0.1" if host == "localhost" else host
+            )
+        else:
+            rdata = AAAA(dns.rdataclass.IN, rdtype, host)
+        return dns.rrset.from_rdata(name, self.ttl, rdata)
+
+    def _pool(self, label: bytes) -> Pool | None:
+        try:
+            return self.find(label.decode("ascii"))
+        except UnicodeDecodeError:
+            return None
+
+    @staticmethod
+    def _real_server(pool: Pool, label: bytes) -> RealServer | None:
+        try:
+            name = label.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+        rs = pool.by_name.get(name)
+        if rs is None:  # DNS names have no case; ours do: O(n) only on this miss
+            rs = next((s for s in pool.servers if s.name.lower() == name.lower()), None)
+        return rs
+
+    # -- building and counting --------------------------------------------------------
+
+    def _rcode(self, response: dns.message.Message, rcode: dns.rcode.Rcode) -> dns.message.Message:
+        response.set_rcode(rcode)
+        return response
+
+    def _wire(self, response: dns.message.Message, max_size: int) -> bytes:
+        if response.edns >= 0:
+            max_size = max(max_size, response.payload)
+        try:
+            wire = response.to_wire(max_size=max_size)
+        except dns.exception.TooBig:  # over UDP: set TC, the client asks again over TCP
+            response.answer.clear()
+            response.additional.clear()
+            response.flags |= dns.flags.TC
+            wire = response.to_wire(max_size=max_size)
+        self.rcodes[dns.rcode.to_text(response.rcode())] += 1
+        return wire
+
+    def _unparsable(self, wire: bytes) -> bytes | None:
+        # Answer FORMERR only to what looks like a query (a whole header, QR clear).
+        if len(wire) < HEADER_SIZE or wire[2] & 0x80:
+            self.rcodes[DROPPED] += 1
+            return None
+        return self._error(int.from_bytes(wire[:2], "big"), dns.rcode.FORMERR)
+
+    def _error(self, query_id: int, rcode: dns.rcode.Rcode) -> bytes:
+        response = dns.message.Message(id=query_id)
+        response.flags = dns.flags.QR
+        response.set_rcode(rcode)
+        self.rcodes[dns.rcode.to_text(rcode)] += 1
+        return response.to_wire()
+
+
+def _family(host: str) -> int | None:
+    """A or AAAA for an IP literal (or localhost), None for a host name."""
+    if host == "localhost":
+        return dns.rdatatype.A
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return dns.rdatatype.A if ip.version == 4 else dns.rdatatype.AAAA

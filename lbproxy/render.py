@@ -93,9 +93,11 @@ def status_plain(document: dict) -> list[str]:
     Every value is one word (`-` for none, exact byte counts), so `awk '{print $4}'`
     and `grep NAME` work on it; a virtual server without real servers still has a row.
     """
-    rows = [list(PLAIN_COLUMNS)]
+    loads = _has_load(document)
+    columns = [*PLAIN_COLUMNS, "LOAD"] if loads else list(PLAIN_COLUMNS)
+    rows = [columns]
     for vs in document["virtual_servers"]:
-        head = [vs["name"], vs["scheduler"], vs["throttle_mode"]]
+        head = [vs["name"], vs["scheduler"], _mode(vs)]
         for rs in vs["real_servers"]:
             weight = rs["weight"]
             rows.append(
@@ -113,11 +115,12 @@ def status_plain(document: dict) -> list[str]:
                     str(rs["bytes_in"]),
                     str(rs["bytes_out"]),
                     "yes" if rs.get("discovered") else "no",
+                    *([_load(rs)] if loads else []),
                 ]
             )
         if not vs["real_servers"]:
-            rows.append([*head] + ["-"] * (len(PLAIN_COLUMNS) - len(head)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(PLAIN_COLUMNS))]
+            rows.append([*head] + ["-"] * (len(columns) - len(head)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = []
     for row in rows:
         cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
@@ -142,9 +145,12 @@ def status_table(document: dict) -> Table:
     ):
         # fold, never an ellipsis: print_status only prints the table when it fits.
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    loads = _has_load(document)
+    if loads:
+        table.add_column("load", justify="right", overflow="fold")
     for vs in document["virtual_servers"]:
         first = True
-        label = f"{vs['name']} ({vs['scheduler']}, {vs['throttle_mode']}{_queued(vs)})"
+        label = f"{vs['name']} ({vs['scheduler']}, {_mode(vs, ' ')}{_queued(vs)})"
         for rs in vs["real_servers"]:
             weight = rs["weight"]
             static = str(weight["static"])
@@ -166,6 +172,7 @@ def status_table(document: dict) -> Table:
                 str(rs["connections_total"]),
                 _bytes(rs["bytes_in"]),
                 _bytes(rs["bytes_out"]),
+                *([_load(rs)] if loads else []),
             )
             first = False
         if first:  # no real servers: the virtual server still has its row
@@ -185,7 +192,7 @@ def status_blocks(document: dict, width: int) -> list[Text]:
     for vs in document["virtual_servers"]:
         label = [
             Text(vs["name"], style="bold"),
-            Text(f"({vs['scheduler']}, {vs['throttle_mode']}{_queued(vs)})"),
+            Text(f"({vs['scheduler']}, {_mode(vs, ' ')}{_queued(vs)})"),
         ]
         lines += _pack(label, width, indent=0)
         if not vs["real_servers"]:
@@ -210,6 +217,8 @@ def status_blocks(document: dict, width: int) -> list[Text]:
                 Text(f"bytes in {_bytes(rs['bytes_in'])}"),
                 Text(f"bytes out {_bytes(rs['bytes_out'])}"),
             ]
+            if rs.get("load") is not None:
+                items.append(Text(f"load {_load(rs)}"))
             lines += _pack(items, width, indent=2)
     return lines
 
@@ -258,6 +267,25 @@ def _isatty(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):  # no stream, or a closed one
         return False
+
+
+def _mode(vs: dict, space: str = "-") -> str:
+    """The throttle mode, or `locator only` for a virtual server with `listen: none`
+    (it has no connections to throttle; SPEC §10)."""
+    return f"locator{space}only" if vs.get("listen") == [] else vs["throttle_mode"]
+
+
+def _has_load(document: dict) -> bool:
+    """Whether any real server has a `least-load` load to show (a LOAD column)."""
+    return any(
+        rs.get("load") is not None
+        for vs in document["virtual_servers"]
+        for rs in vs["real_servers"]
+    )
+
+
+def _load(rs: dict) -> str:
+    return "-" if rs.get("load") is None else f"{rs['load']:.4g}"
 
 
 def _health(health: str) -> Text:

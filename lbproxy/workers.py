@@ -57,6 +57,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lbproxy import dashboard, logs
 from lbproxy.admin import (
+    LOAD_PATH,
+    LOCATE_PATH,
     REAL_SERVER_PATH,
     VIRTUAL_SERVER_PATH,
     AdminApp,
@@ -84,6 +86,7 @@ MAX_FAMILIES = frozenset(
         "lbproxy_dynamic_weight_fallback",
         "lbproxy_throttle_mode",
         "lbproxy_discovered_servers",  # every worker resolves the same name
+        "lbproxy_real_server_load",  # each worker is its own locator: the highest estimate
     }
 )
 OWN_FAMILIES = frozenset({"lbproxy_config_reloads"})  # the supervisor's, not the workers'
@@ -284,6 +287,10 @@ class Supervisor:
         self._nursery: trio.Nursery | None = None
         self._announced = False  # "all N workers ready" is logged once
         self.notifier = Notifier()  # systemd's: the supervisor notifies, never a worker
+        # The last load report of each real server (path -> body): kept across reloads,
+        # as a worker keeps them, and sent to a worker that starts later.
+        self.load_reports: dict[str, bytes] = {}
+        self._next_locator = 0  # round-robin over the workers for GET .../locate
 
     # -- life cycle -------------------------------------------------------------
 
@@ -474,6 +481,8 @@ class Supervisor:
                 )
         for path, body in self.overrides:
             await self._ask(worker, "PATCH", path, body)
+        for path, body in self.load_reports.items():
+            await self._ask(worker, "PUT", path, body)
 
     # -- talking to the workers -------------------------------------------------
 
@@ -608,6 +617,35 @@ class Supervisor:
             active = sum(_totals(document)[0] for document in documents) if documents else None
             self.notifier.status(self._status_line(active))
 
+    async def report_load(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """A load report goes to every worker, as a PATCH does (each is a locator)."""
+        async with self._changes:
+            answers = await self._each("PUT", path, body)
+            if not answers:
+                raise _HTTPError(503, "no worker is ready")
+            for _, status, answer in answers:
+                if status != 200:
+                    return status, answer
+            self.load_reports[path] = body
+            return 200, answers[0][2]
+
+    async def locate(self, path: str) -> tuple[int, bytes]:
+        """GET .../locate: asked of one ready worker, the next one each time.
+
+        Every worker keeps its own pools, so each is a locator of its own; Geode's
+        locators "do not share connection information among themselves" either. Round
+        robin spreads the answers' estimates evenly over the workers' views.
+        """
+        ready = [worker for worker in self.workers if worker.ready]
+        if not ready:
+            raise _HTTPError(503, "no worker is ready")
+        self._next_locator = (self._next_locator + 1) % len(ready)
+        worker = ready[self._next_locator]
+        try:
+            return await self._ask(worker, "GET", path)
+        except (OSError, http.client.HTTPException) as exc:
+            raise _HTTPError(503, f"worker {worker.index} did not answer: {exc}") from None
+
     async def reload(self) -> tuple[bool, list[str]]:
         """Validate the files, then reload every worker; (ok, changes or errors)."""
         self.notifier.reloading()
@@ -733,6 +771,24 @@ class SupervisorApp(AdminApp):
             if ok:
                 return 200, _json({"result": "ok", "changes": messages}), "json"
             return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
+        if match := LOCATE_PATH.match(path):
+            self._allow(method, "GET")
+            query = scope.get("query_string", b"").decode("latin-1")
+            target = f"/api/v1/virtual-servers/{urllib.parse.quote(match[1], safe='')}/locate"
+            status, answer = await supervisor.locate(target + (f"?{query}" if query else ""))
+            return status, answer, "json"
+        if match := LOAD_PATH.match(path):
+            self._allow(method, "PUT")
+            self._authorize(scope)
+            try:
+                body = await _read_body(receive)
+            except _HTTPError:
+                raise _HTTPError(400, "body too large (over 64 KiB)") from None
+            quoted = [urllib.parse.quote(name, safe="") for name in (match[1], match[2])]
+            status, answer = await supervisor.report_load(
+                f"/api/v1/virtual-servers/{quoted[0]}/real-servers/{quoted[1]}/load", body
+            )
+            return status, answer, "json"
         raise _HTTPError(404, f"no such path: {path}")
 
 

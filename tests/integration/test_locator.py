@@ -1,0 +1,379 @@
+"""The locator through a real `lbproxy run`: load reports and locate over HTTP, the DNS
+locator over UDP and TCP with real clients (dig, dnspython), and bad input of every kind
+(SPEC §10)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import dns.flags
+import dns.message
+import dns.query
+import dns.rcode
+import dns.rdatatype
+import dns.resolver
+import pytest
+
+from tests.integration.harness import ask_name, free_port, run_cli
+from tests.integration.test_admin import http, metrics, sample
+
+DIG = shutil.which("dig")
+needs_dig = pytest.mark.skipif(DIG is None, reason="dig (bind9-dnsutils) not installed")
+
+
+def locator_config(admin_port: int, dns_port: int, proxy_port: int, backends, extra="") -> str:
+    """`db`: locator only, least-load from reports; `web`: proxied wlc; `empty`: none up."""
+    a, b = backends
+    return f"""
+global:
+  admin: {{listen: 127.0.0.1:{admin_port}}}
+  drain_timeout: 2s
+  locator:
+    dns: {{listen: 127.0.0.1:{dns_port}, zone: lb.internal., ttl: 0}}
+{extra}
+virtual_servers:
+  - name: db
+    listen: none
+    scheduler: least-load
+    load_source: report
+    health_check: {{type: none}}
+    real_servers:
+      - {{name: a, address: 127.0.0.1:{a.port}}}
+      - {{name: b, address: 127.0.0.1:{b.port}, max_connections: 10}}
+  - name: web
+    listen: 127.0.0.1:{proxy_port}
+    scheduler: wlc
+    health_check: {{type: none}}
+    real_servers:
+      - {{name: a, address: 127.0.0.1:{a.port}}}
+  - name: empty
+    listen: none
+    scheduler: lc
+    real_servers:
+      - {{name: x, address: "[::1]:{a.port}", state: disabled}}
+"""
+
+
+@pytest.fixture
+def locator(name_servers, lbproxy):
+    backends = name_servers("a", "b")
+    admin_port, dns_port, proxy_port = free_port(), free_port(), free_port()
+    proxy = lbproxy(locator_config(admin_port, dns_port, proxy_port, backends))
+    return proxy, f"http://127.0.0.1:{admin_port}", dns_port, proxy_port, backends
+
+
+def put_load(admin: str, rs: str, body, vs: str = "db", **kwargs) -> tuple[int, dict]:
+    url = f"{admin}/api/v1/virtual-servers/{vs}/real-servers/{rs}/load"
+    status, answer = http("PUT", url, body, **kwargs)
+    return status, json.loads(answer)
+
+
+def locate(admin: str, vs: str = "db", current: str | None = None) -> tuple[int, dict]:
+    query = f"?current={current}" if current else ""
+    status, answer = http("GET", f"{admin}/api/v1/virtual-servers/{vs}/locate{query}")
+    return status, json.loads(answer)
+
+
+def test_reports_and_locate_give_geodes_arithmetic(locator):
+    _, admin, _, _, (_, b) = locator
+    assert put_load(admin, "a", {"load": 0.4, "per_connection": 0.1})[0] == 200
+    status, answer = put_load(admin, "b", {"load": 0.2, "per_connection": 0.1})
+    assert (status, answer["load"], answer["per_connection"]) == (200, 0.2, 0.1)
+    answers = [locate(admin)[1] for _ in range(6)]
+    assert [x["real_server"] for x in answers] == ["b", "b", "a", "b", "a", "b"]
+    assert [x["load"] for x in answers] == [0.3, 0.4, 0.5, 0.5, 0.6, 0.6]
+    assert answers[0]["address"] == f"127.0.0.1:{b.port}"
+    samples = metrics(int(admin.rsplit(":", 1)[1]))
+    answered = "lbproxy_locator_answers_total"
+    assert sample(samples, answered, virtual_server="db", real_server="a", via="http") == 2
+    assert sample(samples, answered, virtual_server="db", real_server="b", via="http") == 4
+    assert sample(samples, "lbproxy_load_reports_total", virtual_server="db", real_server="a") == 1
+    assert sample(
+        samples, "lbproxy_real_server_load", virtual_server="db", real_server="a"
+    ) == pytest.approx(0.6)
+    # per_connection left out: 1 / max_connections (b has 10), 0 without (a)
+    assert put_load(admin, "b", {"load": 0.0})[1]["per_connection"] == 0.1
+    assert put_load(admin, "a", {"load": 0.05})[1]["per_connection"] == 0
+
+
+def test_replace_answers_geodes_question(locator):
+    _, admin, _, _, _ = locator
+    put_load(admin, "a", {"load": 0.3, "per_connection": 0.1})
+    put_load(admin, "b", {"load": 0.0, "per_connection": 0.1})
+    status, answer = locate(admin, current="a")  # 3 steps apart: tolerated (threshold 10)
+    assert (status, answer["real_server"], answer["replace"]) == (200, "a", False)
+    put_load(admin, "a", {"load": 1.0, "per_connection": 0.1})  # 10 steps: rebalance
+    moves = [locate(admin, current="a")[1]["replace"] for _ in range(6)]
+    assert moves == [True] * 5 + [False]
+    # 0.5 each now; a server the locator does not know is replaced (tie: a, answered
+    # longest ago), and the answer counts
+    a_port = locate(admin, current="a")[1]["address"]
+    assert locate(admin, current="gone")[1] == {
+        "real_server": "a",
+        "address": a_port,
+        "load": 0.6,
+        "replace": True,
+    }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"load": -0.1},
+        {"load": "0.4"},
+        {"load": True},
+        {"load": None},
+        {"per_connection": 0.1},
+        {"load": 0.4, "per_connection": -1},
+        {"load": 0.4, "extra": 1},
+        [0.4],
+        "0.4",
+    ],
+)
+def test_bad_report_is_400_and_changes_nothing(locator, body):
+    _, admin, _, _, _ = locator
+    put_load(admin, "a", {"load": 0.4, "per_connection": 0.1})
+    status, answer = put_load(admin, "a", body)
+    assert status == 400 and answer["error"]
+    assert locate(admin, current="a")[1]["load"] == 0.4  # unchanged, nothing counted
+
+
+def test_raw_bad_bodies_and_names(locator):
+    _, admin, _, _, _ = locator
+    url = f"{admin}/api/v1/virtual-servers/db/real-servers/a/load"
+    for raw in (b"{not json", b'{"load": NaN}', b'{"load": Infinity}', b"x" * (65 * 1024)):
+        request = subprocess.run(
+            ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT", "--data-binary",
+             "@-", url],
+            input=raw, capture_output=True, timeout=10, check=True,
+        )  # fmt: skip
+        assert request.stdout == b"400", raw[:20]
+    assert put_load(admin, "zz", {"load": 1})[0] == 404
+    assert put_load(admin, "a", {"load": 1}, vs="nope")[0] == 404
+    assert locate(admin, vs="nope")[0] == 404
+    assert locate(admin, vs="empty") == (503, {"error": "no real server available"})
+    assert http("POST", f"{admin}/api/v1/virtual-servers/db/locate", {})[0] == 405
+    samples = metrics(int(admin.rsplit(":", 1)[1]))
+    assert sample(samples, "lbproxy_load_reports_total", virtual_server="db", real_server="a") == 0
+
+
+def test_reports_need_the_token(name_servers, lbproxy, tmp_path):
+    backends = name_servers("a", "b")
+    admin_port, dns_port, proxy_port = free_port(), free_port(), free_port()
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("t0ken\n")
+    token_file.chmod(0o600)
+    config = locator_config(admin_port, dns_port, proxy_port, backends).replace(
+        f"listen: 127.0.0.1:{admin_port}}}",
+        f"listen: 127.0.0.1:{admin_port}, token_file: {token_file}}}",
+    )
+    lbproxy(config)
+    admin = f"http://127.0.0.1:{admin_port}"
+    assert put_load(admin, "a", {"load": 0.4})[0] == 401
+    assert put_load(admin, "a", {"load": 0.4}, token="wrong")[0] == 403
+    assert put_load(admin, "a", {"load": 0.4}, token="t0ken")[0] == 200
+    assert locate(admin)[0] == 200  # GETs need no token
+
+
+def test_reload_keeps_reports_and_check_and_status_show_locator_only(locator):
+    proxy, admin, _, _, _ = locator
+    put_load(admin, "a", {"load": 0.7, "per_connection": 0.1})
+    proxy.reload()
+    assert "db: locator only" not in proxy.log().split("reloaded")[-1]
+    assert locate(admin, current="a")[1]["load"] == 0.7
+    checked = run_cli("check", str(proxy.config_path))
+    assert checked.returncode == 0
+    assert "listen      none (locator only)" in checked.stdout
+    assert "DNS locator 127.0.0.1" in checked.stdout
+    status = run_cli("status", "--admin", admin)
+    assert status.returncode == 0, status.stderr
+    assert "locator" in status.stdout and "0.7" in status.stdout  # (wrapped at 120 columns)
+    document = json.loads(run_cli("status", "--admin", admin, "--json").stdout)
+    db = next(vs for vs in document["virtual_servers"] if vs["name"] == "db")
+    assert db["listen"] == [] and db["real_servers"][0]["load"] == 0.7
+
+
+# -- DNS ---------------------------------------------------------------------------------
+
+
+def dig(port: int, *args: str) -> str:
+    out = subprocess.run(
+        [DIG, "@127.0.0.1", "-p", str(port), "+time=3", "+tries=1", *args],
+        capture_output=True, text=True, timeout=15,
+    )  # fmt: skip
+    return out.stdout
+
+
+def status_of(text: str) -> str:
+    return text.split("status: ", 1)[1].split(",", 1)[0]
+
+
+@needs_dig
+def test_dig_over_udp_and_tcp(locator):
+    _, admin, dns_port, _, (_, b) = locator
+    put_load(admin, "a", {"load": 0.1, "per_connection": 0.1})
+    put_load(admin, "b", {"load": 0.0, "per_connection": 0.1})
+    # b is less loaded: answered; then level, and a (answered longest ago); then b
+    short = [dig(dns_port, "+notcp", "+short", "db.lb.internal", "A") for _ in range(2)]
+    assert short == ["127.0.0.1\n"] * 2
+    srv = dig(dns_port, "+tcp", "_db._tcp.lb.internal", "SRV")
+    assert status_of(srv) == "NOERROR" and "flags: qr aa" in srv
+    assert f"IN\tSRV\t0 0 {b.port} b.db.lb.internal." in srv
+    assert "b.db.lb.internal.\t0\tIN\tA\t127.0.0.1" in srv.split("ADDITIONAL SECTION")[1]
+    target = dig(dns_port, "+notcp", "+short", "B.DB.lb.internal", "A")  # no case in DNS
+    assert target == "127.0.0.1\n"
+    assert status_of(dig(dns_port, "nope.lb.internal", "A")) == "NXDOMAIN"
+    assert status_of(dig(dns_port, "+tcp", "example.com", "A")) == "REFUSED"
+    assert status_of(dig(dns_port, "empty.lb.internal", "A")) == "SERVFAIL"
+    assert status_of(dig(dns_port, "db.lb.internal", "TXT")) == "NOERROR"  # no data
+    samples = metrics(int(admin.rsplit(":", 1)[1]))
+    answered = "lbproxy_locator_answers_total"
+    assert sample(samples, answered, virtual_server="db", real_server="b", via="dns") == 2
+    assert sample(samples, answered, virtual_server="db", real_server="a", via="dns") == 1
+    assert sample(samples, "lbproxy_dns_queries_total", rcode="NXDOMAIN") == 1
+    assert sample(samples, "lbproxy_dns_queries_total", rcode="REFUSED") == 1
+    assert sample(samples, "lbproxy_dns_queries_total", rcode="SERVFAIL") == 1
+
+
+def test_dnspython_resolver(locator):
+    _, admin, dns_port, _, (a, b) = locator
+    put_load(admin, "a", {"load": 0.0, "per_connection": 0.5})
+    put_load(admin, "b", {"load": 0.2, "per_connection": 0.5})
+    resolver = dns.resolver.Resolver(configure=False)
+    resolver.nameservers = ["127.0.0.1"]
+    resolver.port = dns_port
+    resolver.cache = None
+    answer = resolver.resolve("_db._tcp.lb.internal.", "SRV", tcp=True)
+    assert [(r.port, str(r.target)) for r in answer] == [(a.port, "a.db.lb.internal.")]
+    assert answer.rrset.ttl == 0
+    answer = resolver.resolve("_db._tcp.lb.internal.", "SRV")  # a is at 0.5 now: b
+    assert [r.port for r in answer] == [b.port]
+    assert [r.address for r in resolver.resolve("db.lb.internal.", "A")] == ["127.0.0.1"]
+    with pytest.raises(dns.resolver.NXDOMAIN):
+        resolver.resolve("nothing.lb.internal.", "A")
+    with pytest.raises(dns.resolver.NoAnswer):  # db's servers are IPv4
+        resolver.resolve("db.lb.internal.", "AAAA")
+
+
+def test_garbage_and_truncated_packets_never_hurt(locator):
+    _, admin, dns_port, _, _ = locator
+    query = dns.message.make_query("db.lb.internal.", "A").to_wire()
+    junk = [b"", b"\x00", b"\x12\x34" + b"\xff" * 10, query[:15], query + b"\x00" * 7,
+            bytes(range(256)), b"\x00\x01\x81\x00" + b"\x00" * 8]  # fmt: skip
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(0.5)
+        for packet in junk:
+            sock.sendto(packet, ("127.0.0.1", dns_port))
+            try:
+                answer = dns.message.from_wire(sock.recv(4096))
+            except TimeoutError:
+                continue  # dropped: allowed
+            assert answer.rcode() in (dns.rcode.FORMERR, dns.rcode.NOERROR)
+            assert answer.flags & dns.flags.QR
+    # a truncated query over TCP: announced 40 bytes, sends 10, closes
+    with socket.create_connection(("127.0.0.1", dns_port), timeout=5) as sock:
+        sock.sendall(b"\x00\x28" + query[:10])
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.recv(100) == b""
+    reply = dns.query.udp(dns.message.make_query("db.lb.internal.", "A"), "127.0.0.1",
+                          port=dns_port, timeout=3)  # fmt: skip
+    assert reply.rcode() == dns.rcode.NOERROR and reply.answer
+    samples = metrics(int(admin.rsplit(":", 1)[1]))
+    assert sample(samples, "lbproxy_dns_queries_total", rcode="FORMERR") >= 1
+    assert sample(samples, "lbproxy_dns_queries_total", rcode="dropped") >= 1
+
+
+def test_a_stalled_tcp_client_is_dropped_and_blocks_nobody(locator):
+    _, _, dns_port, _, _ = locator
+    query = dns.message.make_query("db.lb.internal.", "A")
+    wire = query.to_wire()
+    with socket.create_connection(("127.0.0.1", dns_port), timeout=10) as stalled:
+        stalled.sendall(len(wire).to_bytes(2, "big") + wire[:5])  # half, then nothing
+        started = time.monotonic()
+        # meanwhile others are answered at once, over TCP and UDP
+        for _ in range(3):
+            assert dns.query.tcp(query, "127.0.0.1", port=dns_port, timeout=1).answer
+            assert dns.query.udp(query, "127.0.0.1", port=dns_port, timeout=1).answer
+        assert stalled.recv(100) == b""  # closed by the server (TCP_TIMEOUT, 2 s)
+        waited = time.monotonic() - started
+        assert 1.0 < waited < 6.0
+
+
+def test_a_flood_of_udp_queries_leaves_the_proxy_serving(locator):
+    _, admin, dns_port, proxy_port, _ = locator
+    wire = dns.message.make_query("_db._tcp.lb.internal.", "SRV").to_wire()
+    answered = 0
+    stop = threading.Event()
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        sock.connect(("127.0.0.1", dns_port))
+        sock.settimeout(0.2)
+
+        def read() -> None:
+            nonlocal answered
+            while not stop.is_set():
+                try:
+                    if dns.message.from_wire(sock.recv(4096)).answer:
+                        answered += 1
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 20
+        for i in range(10_000):  # bounded in count and in time
+            sock.send(wire)
+            if i % 50 == 49:
+                time.sleep(0.01)  # at most ~5,000 a second: a flood, not a socket overrun
+                # proxied connections and the admin endpoint serve during the flood
+                if i % 2500 == 2499:
+                    assert ask_name(proxy_port) == "a"
+                    assert http("GET", f"{admin}/healthz")[0] == 200
+            assert time.monotonic() < deadline
+        time.sleep(1.0)
+        stop.set()
+        reader.join(5)
+    # many were answered (the kernel drops what the server's socket buffer cannot hold)
+    assert answered > 1000
+    assert ask_name(proxy_port) == "a"
+    assert http("GET", f"{admin}/healthz")[0] == 200
+    reply = dns.query.udp(dns.message.make_query("db.lb.internal.", "A"), "127.0.0.1",
+                          port=dns_port, timeout=3)  # fmt: skip
+    assert reply.answer
+    samples = metrics(int(admin.rsplit(":", 1)[1]))
+    assert sample(samples, "lbproxy_dns_queries_total", rcode="NOERROR") >= answered
+
+
+def test_workers_share_reports_and_locate(name_servers, lbproxy):
+    backends = name_servers("a", "b")
+    admin_port, dns_port, proxy_port = free_port(), free_port(), free_port()
+    config = locator_config(admin_port, dns_port, proxy_port, backends, extra="  workers: 2")
+    proxy = lbproxy(config)
+    admin = f"http://127.0.0.1:{admin_port}"
+    deadline = time.monotonic() + 15
+    while http("GET", f"{admin}/readyz")[0] != 200:
+        assert time.monotonic() < deadline, proxy.log()
+        time.sleep(0.05)
+    assert put_load(admin, "a", {"load": 0.4, "per_connection": 0.1})[0] == 200
+    assert put_load(admin, "b", {"load": 0.9, "per_connection": 0.1})[0] == 200
+    assert put_load(admin, "b", {"load": -1})[0] == 400
+    for index in (1, 2):  # the report reached every worker
+        status, body = http("GET", f"{admin}/api/v1/workers/{index}/virtual-servers")
+        assert status == 200
+        db = next(vs for vs in json.loads(body)["virtual_servers"] if vs["name"] == "db")
+        assert [rs["load"] for rs in db["real_servers"]] == [0.4, 0.9]
+    # locate goes to one worker at a time, round robin: each its own locator
+    loads = [locate(admin)[1] for _ in range(4)]
+    assert [x["real_server"] for x in loads] == ["a"] * 4
+    assert sorted(x["load"] for x in loads) == [0.5, 0.5, 0.6, 0.6]
+    resolver = dns.resolver.Resolver(configure=False)
+    resolver.nameservers, resolver.port, resolver.cache = ["127.0.0.1"], dns_port, None
+    assert [r.port for r in resolver.resolve("_db._tcp.lb.internal.", "SRV")] == [backends[0].port]

@@ -17,6 +17,7 @@ PURE = [
     "lbproxy.discovery_model",
     "lbproxy.client_hello",
     "lbproxy.balance",
+    "lbproxy.dns_query",
 ]
 
 

@@ -1,0 +1,92 @@
+"""Fuzz the DNS locator's query handler: any bytes in, an answer or nothing out, never a
+crash (SPEC §10: "a malformed message -> FORMERR or dropped, never a crash")."""
+
+from __future__ import annotations
+
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdatatype
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lbproxy.dns_query import QueryHandler
+from lbproxy.pool import Pool
+from tests.factories import virtual_server
+
+
+def handler() -> QueryHandler:
+    pools = {
+        "db": Pool(virtual_server("least-load", {"a": {}, "b": {}}, load_source="report"), 0),
+        "off": Pool(virtual_server("lc", {"x": {"state": "disabled"}}), 0),
+    }
+    return QueryHandler("lb.internal.", 0, pools.get)
+
+
+HANDLER = handler()
+
+
+def check(answer: bytes | None, query_id: int | None = None) -> dns.message.Message | None:
+    if answer is None:
+        return None
+    message = dns.message.from_wire(answer)  # what we send, dnspython can read
+    assert message.flags & dns.flags.QR
+    if query_id is not None:
+        assert message.id == query_id
+    return message
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=600))
+def test_any_bytes(wire):
+    check(HANDLER.handle(wire, 0.0))
+
+
+VALID = [
+    dns.message.make_query(name, rdtype, use_edns=edns).to_wire()
+    for name in ("db.lb.internal.", "_db._tcp.lb.internal.", "a.db.lb.internal.", "x.y.z.")
+    for rdtype in ("A", "AAAA", "SRV")
+    for edns in (None, 0)
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from(VALID),
+    st.lists(st.tuples(st.integers(0, 600), st.integers(0, 255)), max_size=6),
+    st.integers(0, 600),
+)
+def test_mutated_queries(wire, flips, cut):
+    data = bytearray(wire)
+    for position, value in flips:
+        if position < len(data):
+            data[position] = value
+    check(HANDLER.handle(bytes(data[:cut] if cut < len(data) else data), 0.0))
+
+
+LABEL = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(LABEL, min_size=0, max_size=4),
+    st.sampled_from(["lb.internal.", "LB.Internal.", "example.com.", "."]),
+    st.sampled_from(["A", "AAAA", "SRV", "TXT", "ANY", "MX"]),
+    st.booleans(),
+)
+def test_well_formed_queries_get_one_of_the_spec_answers(labels, zone, rdtype, tcp):
+    origin = dns.name.from_text(zone)
+    name = dns.name.from_text(".".join(labels), origin=origin) if labels else origin
+    query = dns.message.make_query(name, rdtype)
+    answer = check(HANDLER.handle(query.to_wire(), 0.0, 65535 if tcp else 512), query.id)
+    assert answer is not None
+    in_zone = name.is_subdomain(dns.name.from_text("lb.internal."))
+    expected = (
+        {dns.rcode.NOERROR, dns.rcode.NXDOMAIN, dns.rcode.SERVFAIL}
+        if in_zone
+        else {dns.rcode.REFUSED}
+    )
+    assert answer.rcode() in expected
+    for rrset in answer.answer:
+        assert rrset.name == name

@@ -926,3 +926,76 @@ def test_summary_shows_maglev_and_persistence() -> None:
     text = summary(load([CONFIGS / "maglev.yaml"]))
     assert "scheduler   maglev, table 65537, hash source" in text
     assert "persistence 300s, at most 100000 clients" in text
+
+
+# -- the locator and conditioning (SPEC §10, §11) -----------------------------------------
+
+
+def test_locator_listen_none_reports_and_conditioning(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "locator.yaml",
+        """\
+        global:
+          locator:
+            dns: {listen: 127.0.0.1:5353, zone: LB.Internal, ttl: 5}
+        virtual_servers:
+          - name: db
+            listen: none
+            scheduler: least-load
+            load_source: report
+            conditioning: {interval: 2s, idle_for: 250ms, max_per_interval: 3, threshold: 4}
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+        """,
+    )
+    config = load([path])
+    dns = config.global_.locator.dns
+    assert (dns.listen, dns.zone, dns.ttl) == (Address("127.0.0.1", 5353), "lb.internal.", 5)
+    vs = config.virtual_servers[0]
+    assert vs.listen == () and vs.load_source == "report"
+    assert (vs.conditioning.interval, vs.conditioning.idle_for) == (2.0, 0.25)
+    assert (vs.conditioning.max_per_interval, vs.conditioning.threshold) == (3, 4.0)
+    text = summary(config)
+    assert "listen      none (locator only)" in text
+    assert "DNS locator 127.0.0.1:5353 (UDP and TCP), zone lb.internal., ttl 5" in text
+    assert "conditioning every 2s, idle for 0.25s, at most 3 per interval, threshold 4" in text
+    assert load([write(tmp_path, "plain.yaml", MINIMAL)]).global_.locator.dns is None
+
+
+def test_locator_and_conditioning_problems(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "bad.yaml",
+        """\
+        global:
+          admin: {listen: 127.0.0.1:9100}
+          locator:
+            dns: {listen: 127.0.0.1:9100, zone: "bad zone!", tll: 3}
+        virtual_servers:
+          - name: web
+            listen: 127.0.0.1:8080
+            scheduler: rr
+            conditioning: {interval: 0s, max_per_interval: 0}
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+          - name: db
+            listen: none
+            scheduler: wlc
+            load_source: pushed
+            conditioning: {threshold: -1}
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+        """,
+    )
+    found = messages([path])
+    assert any("zone must be a DNS zone like lb.internal." in m for m in found), found
+    assert any("unknown key 'tll' in global.locator.dns (did you mean 'ttl'?)" in m for m in found)
+    assert any("the DNS locator 127.0.0.1:9100 clashes with the admin endpoint" in m for m in found)
+    lines = problems([path])
+    assert any(m.endswith(":9: conditioning.interval must be a duration (250ms, 5s, 2m, 1h or "
+               "seconds) > 0, got '0s'") for m in lines), lines  # fmt: skip
+    assert any("conditioning.max_per_interval must be an integer >= 1" in m for m in found)
+    assert any("conditioning needs a scheduler with a load" in m and "rr" in m for m in found)
+    assert any("load_source must be one of connections, snmp, report" in m for m in found)
+    assert any("conditioning.threshold must be a number > 0" in m for m in found)

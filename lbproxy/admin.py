@@ -299,7 +299,9 @@ class AdminApp:
         located = pool.locate(trio.current_time(), current or None, "http")
         if located is None:
             raise _HTTPError(503, "no real server available")
-        return 200, _json(locate_document(located)), "json"
+        # Compact: the one hot route (a client pool asks before each connection), and
+        # json's C encoder runs only without `indent`.
+        return 200, (json.dumps(locate_document(located)) + "\n").encode(), "json"
 
     async def _report_load(
         self, vs_name: str, rs_name: str, receive: Receive

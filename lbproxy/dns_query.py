@@ -54,6 +54,7 @@ DROPPED = "dropped"  # the rcode label of a message that got no answer
 
 _ADDRESS_TYPES = (dns.rdatatype.A, dns.rdatatype.AAAA)
 _TCP_LABEL = b"_tcp"
+_MAX_RECORDS = 4096  # cached record sets, at most
 
 
 class QueryHandler:
@@ -65,9 +66,13 @@ class QueryHandler:
 
     def __init__(self, zone: str, ttl: int, find: Callable[[str], Pool | None]) -> None:
         self.zone = dns.name.from_text(zone)
+        self._zone_labels = tuple(label.lower() for label in self.zone.labels)
         self.ttl = ttl
         self.find = find
         self.rcodes: Counter[str] = Counter()
+        # The records of each (name as asked, type, server, address), built once by
+        # dnspython and reused: an answer then costs a parse, a pick and a render.
+        self._records: dict[tuple, tuple[dns.rrset.RRset | None, dns.rrset.RRset | None]] = {}
 
     def handle(self, wire: bytes, now: float, max_size: int = UDP_PAYLOAD) -> bytes | None:
         """The answer to one query message, or None to drop it. Never raises."""
@@ -95,10 +100,10 @@ class QueryHandler:
             return self._rcode(response, dns.rcode.FORMERR)
         question = query.question[0]
         name, rdtype = question.name, question.rdtype
-        if question.rdclass != dns.rdataclass.IN or not name.is_subdomain(self.zone):
+        labels = self._in_zone(name)
+        if question.rdclass != dns.rdataclass.IN or labels is None:
             return self._rcode(response, dns.rcode.REFUSED)
-        labels = name.relativize(self.zone).labels
-        if labels == (b"@",) or not labels or name == self.zone:
+        if not labels:  # the zone itself
             return self._rcode(response, dns.rcode.NOERROR)
         if len(labels) == 1:  # VS.ZONE
             pool = self._pool(labels[0])
@@ -108,7 +113,7 @@ class QueryHandler:
                 rs = pool.pick(now)
                 if rs is None:
                     return self._rcode(response, dns.rcode.SERVFAIL)
-                record = self._address_rrset(name, rs, rdtype)
+                record = self._records_of(name, rdtype, pool, rs)[0]
                 if record is not None:
                     pool.answer(rs, now, "dns")
                     response.answer.append(record)
@@ -122,7 +127,10 @@ class QueryHandler:
                 if rs is None:
                     return self._rcode(response, dns.rcode.SERVFAIL)
                 pool.answer(rs, now, "dns")
-                self._add_srv(response, name, pool, rs)
+                srv, additional = self._records_of(name, rdtype, pool, rs)
+                response.answer.append(srv)
+                if additional is not None:
+                    response.additional.append(additional)
             return self._rcode(response, dns.rcode.NOERROR)
         if len(labels) == 2:  # RS.VS.ZONE: the SRV target
             pool = self._pool(labels[1])
@@ -130,15 +138,41 @@ class QueryHandler:
             if rs is None:
                 return self._rcode(response, dns.rcode.NXDOMAIN)
             if rdtype in _ADDRESS_TYPES:
-                record = self._address_rrset(name, rs, rdtype)
+                record = self._records_of(name, rdtype, pool, rs)[0]
                 if record is not None:
                     response.answer.append(record)
             return self._rcode(response, dns.rcode.NOERROR)
         return self._rcode(response, dns.rcode.NXDOMAIN)
 
-    def _add_srv(
-        self, response: dns.message.Message, name: dns.name.Name, pool: Pool, rs: RealServer
-    ) -> None:
+    def _in_zone(self, name: dns.name.Name) -> tuple[bytes, ...] | None:
+        """The labels of `name` before the zone, or None when it is not in the zone."""
+        labels, zone = name.labels, self._zone_labels
+        if len(labels) < len(zone):
+            return None
+        tail = labels[len(labels) - len(zone) :]
+        if tail != zone and tuple(label.lower() for label in tail) != zone:
+            return None
+        return labels[: len(labels) - len(zone)]
+
+    def _records_of(
+        self, name: dns.name.Name, rdtype: int, pool: Pool, rs: RealServer
+    ) -> tuple[dns.rrset.RRset | None, dns.rrset.RRset | None]:
+        """(answer, additional) for `rs` at `name`: A/AAAA, or SRV and its target's A/AAAA."""
+        key = (name, rdtype, pool.name, rs.name, rs.address, self.ttl)
+        records = self._records.get(key)
+        if records is None:
+            if rdtype == dns.rdatatype.SRV:
+                records = self._srv(name, pool, rs)
+            else:
+                records = (self._address_rrset(name, rs, rdtype), None)
+            if len(self._records) >= _MAX_RECORDS:  # many names asked in many cases
+                self._records.clear()
+            self._records[key] = records
+        return records
+
+    def _srv(
+        self, name: dns.name.Name, pool: Pool, rs: RealServer
+    ) -> tuple[dns.rrset.RRset, dns.rrset.RRset | None]:
         host = rs.address.host
         family = _family(host)
         if family is None:  # a host name: the client resolves it itself
@@ -146,11 +180,8 @@ class QueryHandler:
         else:
             target = dns.name.Name((rs.name.encode(), pool.name.encode(), *self.zone.labels))
         srv = SRV(dns.rdataclass.IN, dns.rdatatype.SRV, 0, 0, rs.address.port, target)
-        response.answer.append(dns.rrset.from_rdata(name, self.ttl, srv))
-        if family is not None:
-            record = self._address_rrset(target, rs, family)
-            if record is not None:
-                response.additional.append(record)
+        additional = None if family is None else self._address_rrset(target, rs, family)
+        return dns.rrset.from_rdata(name, self.ttl, srv), additional
 
     def _address_rrset(
         self, name: dns.name.Name, rs: RealServer, rdtype: int

@@ -1,0 +1,205 @@
+"""Locator answers per second per core: DNS (UDP) and HTTP (`GET .../locate`, keep-alive).
+
+    .venv/bin/python scripts/bench_locator.py [--seconds 5] [--servers 10] [--window 32]
+    scripts/bench --locator ...           (the same)
+
+Starts one `lbproxy run` (locator only: a `listen: none` virtual server, `least-load`
+with `load_source: report`, N real servers that have all reported a load) pinned to CPU 0
+with taskset when there are two or more CPUs, and drives it from this process, pinned to
+CPU 1: a bounded load generator that keeps `--window` queries (UDP) or connections
+(HTTP, one request at a time each, keep-alive) outstanding for `--seconds` seconds or
+`--max` answers, whichever ends first. Every answer is a real locate (one scheduler pick,
+counted, plus the message); the generator only checks that it is an answer.
+
+Reported: answers per second of wall time, and per CPU-second of the lbproxy process
+(utime + stime from /proc) -- "per core". Everything listens on 127.0.0.1; the process is
+stopped by PID at the end. Results go to docs/benchmarks.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import dns.message
+
+ROOT = Path(__file__).resolve().parents[1]
+HTTP_PATH = os.environ.get("BENCH_HTTP_PATH", "/api/v1/virtual-servers/db/locate")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+
+
+def start(servers: int, admin_port: int, dns_port: int, folder: str) -> subprocess.Popen:
+    lines = [
+        "global:",
+        f"  admin: {{listen: 127.0.0.1:{admin_port}}}",
+        "  locator:",
+        f"    dns: {{listen: 127.0.0.1:{dns_port}, zone: lb.internal.}}",
+        "virtual_servers:",
+        "  - name: db",
+        "    listen: none",
+        "    scheduler: least-load",
+        "    load_source: report",
+        "    health_check: {type: none}",
+        "    real_servers:",
+    ]
+    lines += [f"      - {{name: s{i}, address: 127.0.0.1:{20000 + i}}}" for i in range(servers)]
+    path = Path(folder) / "locator.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    command = [sys.executable, "-m", "lbproxy", "run", str(path), "--log-level", "warning"]
+    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
+        command = ["taskset", "-c", "0", *command]
+        os.sched_setaffinity(0, {1})
+    proc = subprocess.Popen(command, cwd=ROOT)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/readyz", timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise SystemExit("lbproxy did not start") from None
+            time.sleep(0.05)
+    for i in range(servers):  # every server reports: the pick is a real least-load pick
+        body = json.dumps({"load": 0.01 * i, "per_connection": 0.001}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/db/real-servers/s{i}/load",
+            data=body,
+            method="PUT",
+        )
+        urllib.request.urlopen(request, timeout=5).close()
+    return proc
+
+
+def bench_dns(port: int, seconds: float, window: int, limit: int) -> int:
+    """Answers received; `window` queries kept in flight over one UDP socket."""
+    wire = dns.message.make_query("_db._tcp.lb.internal.", "SRV").to_wire()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect(("127.0.0.1", port))
+        sock.settimeout(0.2)
+        answered = sent = 0
+        deadline = time.monotonic() + seconds
+        while sent < window:
+            sock.send(wire)
+            sent += 1
+        while time.monotonic() < deadline and answered < limit:
+            try:
+                sock.recv(4096)
+            except TimeoutError:  # lost under load: refill the window
+                for _ in range(window - (sent - answered)):
+                    sock.send(wire)
+                    sent += 1
+                sent = answered + window
+                continue
+            answered += 1
+            sock.send(wire)
+            sent += 1
+    return answered
+
+
+def bench_http(port: int, seconds: float, window: int, limit: int) -> int:
+    """Responses received over `window` keep-alive connections, one request in flight each."""
+    request = f"GET {HTTP_PATH} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
+    selector = selectors.DefaultSelector()
+    buffers: dict[socket.socket, bytearray] = {}
+    for _ in range(window):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setblocking(False)
+        sock.send(request)
+        buffers[sock] = bytearray()
+        selector.register(sock, selectors.EVENT_READ)
+    answered = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline and answered < limit:
+            for key, _ in selector.select(0.5):
+                sock = key.fileobj
+                data = sock.recv(65536)  # type: ignore[union-attr]
+                if not data:
+                    raise SystemExit("the admin endpoint closed a keep-alive connection")
+                buffer = buffers[sock]  # type: ignore[index]
+                buffer += data
+                while True:
+                    head_end = buffer.find(b"\r\n\r\n")
+                    if head_end < 0:
+                        break
+                    head = bytes(buffer[:head_end]).lower()
+                    length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                    total = head_end + 4 + length
+                    if len(buffer) < total:
+                        break
+                    if not head.startswith(b"http/1.1 200"):
+                        raise SystemExit(f"unexpected answer: {bytes(buffer[:total])!r}")
+                    del buffer[:total]
+                    answered += 1
+                    sock.send(request)  # type: ignore[union-attr]
+    finally:
+        for sock in buffers:
+            selector.unregister(sock)
+            sock.close()
+    return answered
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    parser.add_argument("--servers", type=int, default=10, help="real servers in the pool")
+    parser.add_argument("--window", type=int, default=32, help="queries/connections in flight")
+    parser.add_argument("--max", type=int, default=500_000, help="answers, at most")
+    args = parser.parse_args()
+    admin_port, dns_port = free_port(), free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        proc = start(args.servers, admin_port, dns_port, folder)
+        try:
+            results = {}
+            for name, run, port in (
+                ("dns", bench_dns, dns_port),
+                ("http", bench_http, admin_port),
+            ):
+                cpu0, wall0 = cpu_seconds(proc.pid), time.monotonic()
+                answered = run(port, args.seconds, args.window, args.max)
+                wall, cpu = time.monotonic() - wall0, cpu_seconds(proc.pid) - cpu0
+                results[name] = {
+                    "answers": answered,
+                    "per_second": round(answered / wall),
+                    "per_cpu_second": round(answered / cpu) if cpu else None,
+                    "lbproxy_cpu": round(cpu / wall, 2),
+                }
+                print(
+                    f"{name:5} {answered:8d} answers in {wall:.1f} s: "
+                    f"{answered / wall:8.0f}/s, {answered / cpu if cpu else 0:8.0f} per "
+                    f"lbproxy CPU-second (lbproxy at {cpu / wall:.0%} of a core)"
+                )
+            print(json.dumps(results))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -12,8 +12,10 @@ CPU 1: a bounded load generator that keeps `--window` queries (UDP) or connectio
 counted, plus the message); the generator only checks that it is an answer.
 
 Reported: answers per second of wall time, and per CPU-second of the lbproxy process
-(utime + stime from /proc) -- "per core". Everything listens on 127.0.0.1; the process is
-stopped by PID at the end. Results go to docs/benchmarks.md by hand.
+(utime + stime from /proc) -- "per core". `http /healthz` is the same HTTP load on a
+route that does nothing: hypercorn's own cost per request, the ceiling of HTTP locate.
+Everything listens on 127.0.0.1; the process is stopped by PID at the end. Results go to
+docs/benchmarks.md by hand.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import dns.message
 
 ROOT = Path(__file__).resolve().parents[1]
-HTTP_PATH = os.environ.get("BENCH_HTTP_PATH", "/api/v1/virtual-servers/db/locate")
+LOCATE_PATH = "/api/v1/virtual-servers/db/locate"
 
 
 def free_port() -> int:
@@ -119,9 +122,9 @@ def bench_dns(port: int, seconds: float, window: int, limit: int) -> int:
     return answered
 
 
-def bench_http(port: int, seconds: float, window: int, limit: int) -> int:
+def bench_http(port: int, seconds: float, window: int, limit: int, path: str = LOCATE_PATH) -> int:
     """Responses received over `window` keep-alive connections, one request in flight each."""
-    request = f"GET {HTTP_PATH} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
+    request = f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
     selector = selectors.DefaultSelector()
     buffers: dict[socket.socket, bytearray] = {}
     for _ in range(window):
@@ -174,9 +177,11 @@ def main() -> None:
         proc = start(args.servers, admin_port, dns_port, folder)
         try:
             results = {}
+            healthz = partial(bench_http, path="/healthz")  # hypercorn's own floor
             for name, run, port in (
                 ("dns", bench_dns, dns_port),
                 ("http", bench_http, admin_port),
+                ("http /healthz", healthz, admin_port),
             ):
                 cpu0, wall0 = cpu_seconds(proc.pid), time.monotonic()
                 answered = run(port, args.seconds, args.window, args.max)
@@ -188,7 +193,7 @@ def main() -> None:
                     "lbproxy_cpu": round(cpu / wall, 2),
                 }
                 print(
-                    f"{name:5} {answered:8d} answers in {wall:.1f} s: "
+                    f"{name:13} {answered:8d} answers in {wall:.1f} s: "
                     f"{answered / wall:8.0f}/s, {answered / cpu if cpu else 0:8.0f} per "
                     f"lbproxy CPU-second (lbproxy at {cpu / wall:.0%} of a core)"
                 )

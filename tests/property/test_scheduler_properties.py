@@ -167,3 +167,27 @@ def test_rr_and_lc_give_equal_shares(n):
             pool.drop(pool.take(rs, 0), 0)
             counts[rs.name] += 1
         assert set(counts.values()) == {7}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    scheduler=st.sampled_from(SCHEDULERS),
+    options=st.lists(server_options, min_size=1, max_size=6),
+    asks=st.lists(st.one_of(st.none(), st.integers(0, 7)), max_size=40),
+)
+def test_locate_answers_only_available_servers_and_holds_nothing(scheduler, options, asks):
+    """A locator answer (SPEC §10) is a pick like any other: never an unavailable server,
+    None only when none is available, and no connection stays counted."""
+    pool = build(scheduler, options)
+    for ask in asks:
+        current = None if ask is None else f"s{ask}"
+        located = pool.locate(1.0, current)
+        if located is None:
+            assert not any(must_be_available(pool, s) for s in pool.servers)
+            continue
+        if located.replace is False:
+            assert located.server.name == current and must_be_available(pool, located.server)
+        else:
+            assert must_be_available(pool, located.server)
+            assert located.server.name != current or located.replace is None
+    assert pool.active == 0 and all(rs.active == 0 for rs in pool.servers)

@@ -19,7 +19,7 @@ import dns.rdatatype
 import dns.resolver
 import pytest
 
-from tests.integration.harness import ask_name, free_port, run_cli
+from tests.integration.harness import Lbproxy, ask_name, free_port, run_cli
 from tests.integration.test_admin import http, metrics, sample
 
 DIG = shutil.which("dig")
@@ -380,8 +380,6 @@ def test_workers_share_reports_and_locate(name_servers, lbproxy):
 
 
 def test_dns_port_in_use_is_exit_1_naming_it(name_servers, tmp_path):
-    from tests.integration.harness import Lbproxy
-
     backends = name_servers("a", "b")
     admin_port, dns_port, proxy_port = free_port(), free_port(), free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:

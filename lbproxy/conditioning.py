@@ -35,7 +35,7 @@ from lbproxy.balance import Member, Round, plan_round
 from lbproxy.pool import Lease, RealServer
 
 if TYPE_CHECKING:
-    from lbproxy.proxy import VirtualServer
+    from lbproxy.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.conditioning")
 

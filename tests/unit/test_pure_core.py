@@ -42,6 +42,8 @@ IMPORTS_NEVER = {
     "lbproxy.proxy": ["lbproxy.listener", "lbproxy.server", "lbproxy.admin"],
     "lbproxy.listener": ["lbproxy.server", "lbproxy.admin"],
     "lbproxy.admin": ["lbproxy.server", "lbproxy.listener", "lbproxy.proxy"],
+    "lbproxy.conditioning": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
+    "lbproxy.locator": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server", "lbproxy.admin"],
 }
 
 

@@ -389,3 +389,21 @@ def test_dns_port_in_use_is_exit_1_naming_it(name_servers, tmp_path):
             proxy.start()
         assert f"cannot listen on 127.0.0.1:{dns_port} (DNS locator)" in proxy.log()
         proxy.stop()
+
+
+def test_tcp_clients_are_limited_and_the_limit_frees_up(locator):
+    _, _, dns_port, _, _ = locator
+    query = dns.message.make_query("db.lb.internal.", "A")
+    held = []
+    try:
+        for _ in range(64):  # MAX_TCP_CLIENTS, each silent
+            held.append(socket.create_connection(("127.0.0.1", dns_port), timeout=5))
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", dns_port), timeout=5) as extra:
+            assert extra.recv(10) == b""  # the 65th is closed at once
+        assert dns.query.udp(query, "127.0.0.1", port=dns_port, timeout=2).answer
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)  # their tasks end
+    assert dns.query.tcp(query, "127.0.0.1", port=dns_port, timeout=2).answer

@@ -161,6 +161,11 @@ class Server:
                 vs.access_log = self.config.global_.access_log
                 self.virtual_servers[vs_config.name] = vs
                 added.append(f"{vs_config.name}: locator only (listen: none)")
+        if added:  # back to configuration order, in place (the DNS locator holds the dict)
+            order = {vs_config.name: i for i, vs_config in enumerate(configs)}
+            running = sorted(self.virtual_servers.items(), key=lambda kv: order.get(kv[0], 0))
+            self.virtual_servers.clear()
+            self.virtual_servers.update(running)
         return added
 
     def pools(self) -> list[Pool]:

@@ -196,6 +196,7 @@ def test_reload_keeps_reports_and_check_and_status_show_locator_only(locator):
     document = json.loads(run_cli("status", "--admin", admin, "--json").stdout)
     db = next(vs for vs in document["virtual_servers"] if vs["name"] == "db")
     assert db["listen"] == [] and db["real_servers"][0]["load"] == 0.7
+    assert [vs["name"] for vs in document["virtual_servers"]] == ["db", "web", "empty"]
 
 
 # -- DNS ---------------------------------------------------------------------------------

@@ -408,3 +408,26 @@ def test_tcp_clients_are_limited_and_the_limit_frees_up(locator):
             sock.close()
     time.sleep(0.3)  # their tasks end
     assert dns.query.tcp(query, "127.0.0.1", port=dns_port, timeout=2).answer
+
+
+def test_simulate_locate_from_the_command_line(tmp_path):
+    config = tmp_path / "db.yaml"
+    config.write_text(
+        "virtual_servers:\n"
+        "  - {name: db, listen: none, scheduler: least-load, load_source: report,\n"
+        "     real_servers: [{name: a, address: 127.0.0.1:7001},"
+        " {name: b, address: 127.0.0.1:7002}]}\n"
+    )
+    events = tmp_path / "events.yaml"
+    events.write_text(
+        "- {before: 1, report: {a: {load: 0.4, per_connection: 0.1},"
+        " b: {load: 0.2, per_connection: 0.1}}}\n"
+    )
+    args = ["simulate", str(config), "-n", "6", "--events", str(events)]
+    out = run_cli(*args, "--locate", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["sequence"] == ["b", "b", "a", "b", "a", "b"]
+    explained = run_cli(*args, "--locate", "--explain").stdout
+    assert "#6 t=0.50s -> b  [a=0.6, b=0.5]" in explained
+    refused = run_cli(*args, "--locate", "--hold")
+    assert refused.returncode == 2 and "exclude each other" in refused.stderr

@@ -120,16 +120,23 @@ def open_and_read_name(
     """A held connection: returns the open socket and the name it was served by."""
     s = socket.create_connection((host, port), timeout=timeout)
     try:
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(100)
-            if not chunk:
-                break
-            data += chunk
+        name = read_name(s)
     except BaseException:
         s.close()
         raise
-    return s, data.decode().strip()
+    return s, name
+
+
+def read_name(s) -> str:
+    """The line a real server says first (its name), read from a connected socket (plain
+    or TLS); "" when the connection closes before a whole line."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = s.recv(100)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode().strip()
 
 
 def ask_name(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> str:

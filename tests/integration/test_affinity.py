@@ -11,21 +11,11 @@ import pytest
 
 from lbproxy.proxy_protocol import encode_v1
 from tests.integration.conftest import vs_config
-from tests.integration.harness import Lbproxy, NameServer, free_port
+from tests.integration.harness import Lbproxy, NameServer, free_port, read_name
 from tests.integration.test_admin import http, metrics, sample, with_admin
 from tests.integration.test_workers import ready, wait_for, worker_servers
 
 FAST_HEALTH = "health_check: {type: tcp, interval: 200ms, timeout: 200ms, rise: 1, fall: 1}"
-
-
-def read_name(s: socket.socket) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = s.recv(100)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode().strip()
 
 
 def ask_from(port: int, source: str) -> str:

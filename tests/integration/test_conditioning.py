@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.integration.harness import NameServer, free_port
+from tests.integration.harness import NameServer, free_port, read_name
 from tests.integration.test_admin import http, metrics, sample
 
 
@@ -37,15 +37,10 @@ class Client(threading.Thread):
         while not self.stop.is_set():
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
-                    greeting = b""
-                    while not greeting.endswith(b"\n"):
-                        chunk = sock.recv(100)
-                        if not chunk:
-                            break
-                        greeting += chunk
-                    if not greeting:
+                    name = read_name(sock)
+                    if not name:
                         continue
-                    self.servers.append(greeting.decode().strip())
+                    self.servers.append(name)
                     sock.settimeout(0.1)
                     while not self.stop.is_set():
                         if self.busy:

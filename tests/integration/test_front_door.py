@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests.integration.conftest import vs_config
-from tests.integration.harness import NameServer, ask_name, free_port, open_and_read_name
+from tests.integration.harness import NameServer, ask_name, free_port, open_and_read_name, read_name
 from tests.integration.test_admin import http, metrics, sample, with_admin
 
 FAST_CHECKS = "health_check: {type: tcp, interval: 0.1s, timeout: 0.5s, rise: 1, fall: 1}"
@@ -323,13 +323,7 @@ def tls_name(port: int, server_name: str | None, pems, verify: bool = True) -> s
         socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
         context.wrap_socket(raw, server_hostname=server_name) as tls,
     ):
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = tls.recv(100)
-            if not chunk:
-                break
-            data += chunk
-        return data.decode().strip()
+        return read_name(tls)
 
 
 @pytest.fixture

@@ -200,6 +200,23 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
+def _header(headers: dict[bytes, bytes], name: bytes) -> str:
+    return headers.get(name, b"").decode("latin-1")
+
+
+def _cross_origin(headers: dict[bytes, bytes]) -> bool:
+    """True when a browser sent this request from a page of another origin.
+
+    The `Origin` header's host and port must be the `Host` the request was sent to (an
+    opaque origin, "null", never is); a request without `Origin` is not from a page of
+    another origin (browsers always send it cross-origin on POST, PUT and PATCH)."""
+    origin = headers.get(b"origin")
+    if origin is None:
+        return False
+    netloc = urllib.parse.urlsplit(origin.decode("latin-1")).netloc
+    return not netloc or netloc.lower() != _header(headers, b"host").lower()
+
+
 # -- the ASGI application --------------------------------------------------------------
 
 
@@ -365,11 +382,23 @@ class AdminApp:
             # folder only the supervisor's user can enter; the supervisor has already
             # checked the token or the loopback rule of the request it passes on.
             return
+        headers = dict(scope.get("headers", []))
+        if _cross_origin(headers):
+            # Cross-site request forgery: without a token, the loopback rule alone would
+            # let any web page open in a browser on this host POST a reload (a "simple"
+            # request needs no CORS pre-check). Browsers name the page's origin on every
+            # cross-origin POST, PUT and PATCH; curl, the CLI and the workers' supervisor
+            # send none, and the dashboard's own requests name this endpoint itself.
+            raise _HTTPError(
+                403,
+                f"cross-origin change refused: Origin {_header(headers, b'origin')!r} "
+                f"is not this endpoint ({_header(headers, b'host')!r})",
+            )
         if self.token is None:
             if not _is_loopback(client[0] if client else None):
                 raise _HTTPError(403, "changes are only accepted from loopback without a token")
             return
-        header = dict(scope.get("headers", [])).get(b"authorization", b"")
+        header = headers.get(b"authorization", b"")
         scheme, _, given = header.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not given:
             raise _HTTPError(401, "missing bearer token")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -811,17 +812,43 @@ def test_each_example_loads_with_the_global_file(name: str) -> None:
     assert config.global_.admin.listen == Address("127.0.0.1", 9100)
 
 
+FEATURE_FILES = ["front-door.yaml", "locator.yaml"]
+
+
 def test_the_examples_folder_loads_as_a_whole() -> None:
     config = load([CONFIGS])
-    assert sorted(vs.scheduler for vs in config.virtual_servers) == sorted(
-        name.removesuffix(".yaml") for name in SCHEDULER_FILES
+    by_file = {}
+    for vs in config.virtual_servers:
+        by_file.setdefault(Path(vs.file).name, []).append(vs)
+    assert sorted(by_file) == sorted(SCHEDULER_FILES + FEATURE_FILES)
+    for name in SCHEDULER_FILES:
+        [vs] = by_file[name]
+        assert vs.scheduler == name.removesuffix(".yaml")
+    scheduler_ports = sorted(
+        address.port for name in SCHEDULER_FILES for vs in by_file[name] for address in vs.listen
     )
-    ports = sorted(address.port for vs in config.virtual_servers for address in vs.listen)
-    assert ports == list(range(8081, 8091))
+    assert scheduler_ports == list(range(8081, 8091))
+
+
+def test_the_front_door_example_routes_by_sni_with_a_backup_and_a_queue() -> None:
+    api, web, default = load([CONFIGS / "front-door.yaml"]).virtual_servers
+    assert api.listen == web.listen == default.listen == (Address("127.0.0.1", 8443),)
+    assert api.sni == ("api.example.com",) and "*.example.com" in web.sni and not default.sni
+    assert api.queue is not None and [rs.backup for rs in api.real_servers] == [
+        False,
+        False,
+        True,
+    ]
+
+
+def test_the_locator_example_is_locator_only_with_pushed_loads() -> None:
+    [db] = load([CONFIGS / "locator.yaml"]).virtual_servers
+    assert db.listen == () and db.scheduler == "least-load" and db.load_source == "report"
+    assert db.conditioning is not None
 
 
 def test_only_global_yaml_holds_global() -> None:
-    for name in SCHEDULER_FILES:
+    for name in SCHEDULER_FILES + FEATURE_FILES:
         assert "global:" not in (CONFIGS / name).read_text(), name
 
 
@@ -836,11 +863,15 @@ def test_summary_names_every_server(tmp_path: Path) -> None:
     assert text.splitlines()[0] == "admin 127.0.0.1:9100, log text, workers 1, drain timeout 30s"
     assert "virtual server wlc-web (" in text
     assert "scheduler   wlc, quiesce" in text
-    assert text.splitlines()[-1] == "10 virtual servers, 30 real servers"
+    servers = sum(len(vs.real_servers) for vs in config.virtual_servers)
+    assert (
+        text.splitlines()[-1]
+        == f"{len(config.virtual_servers)} virtual servers, {servers} real servers"
+    )
     for vs in config.virtual_servers:
-        assert f"  listen      {vs.listen[0]}" in text
+        assert f"  listen      {vs.listen[0] if vs.listen else 'none (locator only)'}" in text
         for rs in vs.real_servers:
-            assert f"{rs.name}  {rs.address}" in text or f"{rs.name}     {rs.address}" in text
+            assert re.search(rf"\b{re.escape(rs.name)}  +{re.escape(str(rs.address))}", text)
 
 
 # --------------------------------------------------------------------------------------

@@ -172,12 +172,18 @@ def _tail(path: Path, n: int = 600) -> str:
 
 
 def cpu_ticks(pids: list[int]) -> int:
-    total = 0
+    return sum(cpu_split(pids))
+
+
+def cpu_split(pids: list[int]) -> tuple[int, int]:
+    """(user, system) CPU ticks of `pids`, all threads, from /proc/PID/stat."""
+    user = system = 0
     for pid in pids:
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total
+            user += int(fields[11])  # utime
+            system += int(fields[12])  # stime
+    return user, system
 
 
 def rss_kb(pid: int) -> int:
@@ -582,15 +588,18 @@ class Bench:
         pids = proxy.pids
         ours = {*pids, *self.load_pids, os.getpid()}
         p0 = process_ticks()
-        c0, s0, t0 = cpu_ticks(pids), cpu_times(), time.monotonic()
+        c0, s0, t0 = cpu_split(pids), cpu_times(), time.monotonic()
         out = body()
-        c1, s1, t1 = cpu_ticks(pids), cpu_times(), time.monotonic()
+        c1, s1, t1 = cpu_split(pids), cpu_times(), time.monotonic()
         p1 = process_ticks()
         wall = t1 - t0
-        cpu = (c1 - c0) / CLK_TCK
+        user, system = (c1[0] - c0[0]) / CLK_TCK, (c1[1] - c0[1]) / CLK_TCK
+        cpu = user + system
         out["wall_s"] = round(wall, 3)
         if pids:
             out["cpu_s"] = round(cpu, 3)
+            out["cpu_user_s"] = round(user, 3)
+            out["cpu_sys_s"] = round(system, 3)
             out["util"] = round(cpu / wall, 3)
         others, kernel, busiest = others_between(p0, p1, ours, wall)
         out["others"] = round(others, 3)
@@ -730,6 +739,11 @@ class Bench:
                 m = res[key]
                 if m.get("cpu_s") is not None and m.get("requests"):
                     m["cpu_us_per_req"] = round(m["cpu_s"] / m["requests"] * 1e6, 2)
+                    # Where that time is spent: in user space (Python, the proxy's own
+                    # code) or in the kernel (system calls and the loopback TCP work
+                    # they run inline), from utime/stime.
+                    m["user_us_per_req"] = round(m["cpu_user_s"] / m["requests"] * 1e6, 2)
+                    m["sys_us_per_req"] = round(m["cpu_sys_s"] / m["requests"] * 1e6, 2)
             m = res["bulk"]
             if m.get("cpu_s") is not None and m.get("gbps"):
                 m["cpu_s_per_gb"] = round(m["cpu_s"] / (m["gbps"] * d / 8), 3)
@@ -762,6 +776,8 @@ PER_CORE = [
 COST = [
     ("ka_cost", "CPU us per keep-alive req", "keepalive", "cpu_us_per_req", "{:.1f}"),
     ("nc_cost", "CPU us per new conn", "newconn", "cpu_us_per_req", "{:.1f}"),
+    ("nc_user", "user us per new conn", "newconn", "user_us_per_req", "{:.1f}"),
+    ("nc_sys", "system us per new conn", "newconn", "sys_us_per_req", "{:.1f}"),
     ("bulk_cost", "CPU s per GB (bulk)", "bulk", "cpu_s_per_gb", "{:.2f}"),
 ]
 UTIL = [
@@ -1038,6 +1054,9 @@ def wait_for_quiet(limit: float, threshold: float, exclude: set[int]) -> list[di
         time.sleep(8)
 
 
+PROXIES_DEFAULT = "lbproxy,haproxy,haproxy-splice,nginx,direct"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="scripts/bench",
@@ -1058,7 +1077,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--proxies",
-        default="lbproxy,haproxy,haproxy-splice,nginx,direct",
+        default=PROXIES_DEFAULT,
         help="comma-separated subset (default: all five; direct = no proxy)",
     )
     p.add_argument("--load-core", type=int, default=0)
@@ -1103,7 +1122,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="instead of the comparison: profile lbproxy with py-spy (scripts/bench_profile.py)",
     )
+    p.add_argument(
+        "--syscalls",
+        action="store_true",
+        help="instead of the comparison: CPU per new connection split into user and system"
+        " time, and system calls per connection by name under strace"
+        " (scripts/bench_syscalls.py; default proxies lbproxy,haproxy)",
+    )
     a = p.parse_args(argv)
+    if a.syscalls and a.proxies == PROXIES_DEFAULT:
+        a.proxies = "lbproxy,haproxy"
     if a.duration is None:
         a.duration = 2 if a.quick else 5
     if a.idle_conns is None:
@@ -1173,6 +1201,11 @@ def main(argv: list[str] | None = None) -> int:
                 import bench_profile
 
                 bench_profile.run(args, procs, work)
+                return 0
+            if args.syscalls:
+                import bench_syscalls
+
+                bench_syscalls.run(args, procs, work)
                 return 0
             bench = Bench(args, procs, work)
             bench.start_real_servers()

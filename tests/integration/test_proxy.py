@@ -124,6 +124,48 @@ def test_half_close_client_still_gets_the_reply(lbproxy):
     assert answer == b"reply to question"
 
 
+def test_half_close_server_first_client_keeps_sending(lbproxy):
+    """The server sends and shuts down its side first: the client sees the FIN (a
+    half-close, not a close) and can still send, and the server still receives it all."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    backend_port = listener.getsockname()[1]
+    received: list[bytes] = []
+
+    def backend() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            conn.sendall(b"hello, then no more from me")
+            conn.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+            received.append(data)
+
+    thread = threading.Thread(target=backend)
+    thread.start()
+    port = free_port()
+
+    class Fake:
+        name = "a"
+        port = backend_port
+
+    lbproxy(vs_config(port, [Fake]))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        greeting = b""
+        while chunk := s.recv(65536):  # ends at the server's FIN, passed on
+            greeting += chunk
+        time.sleep(0.2)  # send well after the FIN arrived
+        for i in range(3):
+            s.sendall(b"late %d;" % i)
+        s.shutdown(socket.SHUT_WR)
+        assert s.recv(1) == b""
+    thread.join(10)
+    listener.close()
+    assert greeting == b"hello, then no more from me"
+    assert received == [b"late 0;late 1;late 2;"]
+
+
 def test_connect_retry_past_a_dead_server(name_servers, lbproxy):
     servers = name_servers("a", "c")
     dead_port = free_port()  # nothing listens here

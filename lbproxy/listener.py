@@ -1,9 +1,10 @@
 """Listening addresses: bind, accept, the accept-error back-off, and the SNI route.
 
 A `Listener` is one bound socket and the virtual servers it feeds. Its accept loop hands
-every accepted client to a task in the server's handlers nursery (trio's
-`serve_listeners` is the model: the accept loop and the handlers live in separate
-nurseries, so stopping accepting does not cancel connections).
+every accepted client to its handler, which serves it at once and, only for what has to
+wait, in a task in the server's handlers nursery (trio's `serve_listeners` is the model:
+the accept loop and the handlers live in separate nurseries, so stopping accepting does
+not cancel connections; proxy.py says how connections without a task are drained).
 
 An address fed by one virtual server without `sni` passes each client straight to that
 virtual server's handler. An address shared by several (or one with `sni`) routes TLS
@@ -28,7 +29,7 @@ import trio
 
 from lbproxy.client_hello import LIMIT, ClientHelloReader, Hello
 from lbproxy.config import Address
-from lbproxy.proxy import Handler
+from lbproxy.proxy import Handler, Spawn
 from lbproxy.proxy_header_io import read_proxy_header
 from lbproxy.proxy_protocol import ProxyProtocolError
 from lbproxy.virtual_server import VirtualServer
@@ -132,9 +133,10 @@ class Listener:
         self.handler = self._handlers[self.vs]
         self.routes = Routes(virtual_servers)
         if len(virtual_servers) == 1 and not self.vs.pool.config.sni:
-            self.serve_client = self.handler.handle
+            # Served at once by the handler, with a task only if it has to wait.
+            self.accept_client = self.handler.accept
         else:
-            self.serve_client = self._route
+            self.accept_client = self._spawn_route
 
     @property
     def virtual_servers(self) -> list[VirtualServer]:
@@ -144,6 +146,9 @@ class Listener:
         self.cancel_scope.cancel()
         trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
         self.sock.close()
+
+    def _spawn_route(self, client: socket.socket, peer: tuple, spawn: Spawn) -> None:
+        spawn(self._route, client, peer)
 
     async def _route(self, client: socket.socket, peer: tuple) -> None:
         """Pre-read a client of a shared (SNI) address and hand it to its handler.
@@ -246,7 +251,7 @@ class Listener:
                         burst_errors,
                     )
                     burst_errors = 0
-                spawn(listener.serve_client, client, peer)
+                listener.accept_client(client, peer, spawn)
                 batch += 1
                 if batch >= ACCEPT_BATCH:
                     batch = 0

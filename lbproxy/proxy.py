@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import trio
 
@@ -63,6 +64,14 @@ class Connection:
             self.connecting.cancel()
 
 
+# What the accept loop hands connections to: its handlers nursery's start_soon.
+Spawn = Callable[..., object]
+# A connect attempt begun by the fast path, for the task to go on with: the server, its
+# lease, when it was picked, and the connecting socket (None: not begun, the address is
+# still to be resolved).
+Pending = tuple[RealServer, Lease, float, "socket.socket | None"]
+
+
 class ConnectError(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -81,46 +90,219 @@ class Handler:
         self.vs = vs
         self.pool = vs.pool
         self._resolved: dict[Address, tuple[int, tuple]] = {}
+        # Connections served with no task (accept): the pumps, and the guardian task
+        # standing for them in the handlers nursery while there are any.
+        self._live: set[Pump] = set()
+        self._guarded = False
+        self._empty: trio.Event | None = None
+        self._spawn: Spawn | None = None
 
     @property
     def name(self) -> str:
         return self.pool.name
 
+    # -- the fast path: no task -------------------------------------------------------
+
+    def accept(self, client: socket.socket, peer: tuple, spawn: Spawn) -> None:
+        """Serve a client the accept loop just accepted; closes it in the end.
+
+        Whatever can be done at once is done here, in the accept loop, with no task:
+        admission, the pick, a non-blocking connect that a near server completes before
+        connect() returns, and the start of the pump, whose end the reactor reports to
+        `_pumped`. The first thing that has to wait -- a PROXY header to read, a name
+        to resolve, a connect in progress or failed (retries) -- hands the connection,
+        as it stands, to a task in `spawn`'s nursery (`_serve`, today's path), so every
+        wait keeps its trio code. Measured (docs/benchmarks.md): a task per connection
+        costs more user time than all of HAProxy's work for it.
+        """
+        pool = self.pool
+        config = pool.config
+        if config.accept_proxy or self.vs.queue is not None:
+            # A header to read, or a queue to wait in: a task from the start.
+            spawn(self.handle, client, peer)
+            return
+        pool.clients += 1
+        handed = False
+        try:
+            source = peer
+            throttle = self.vs.throttle
+            if throttle is not None and throttle.arrival():  # digg: close at once
+                self._reject("throttle", source)
+                return
+            if not self._admitted(config, source):
+                return
+            started = trio.current_time()
+            connection = self._connection(config)
+            tried: list[RealServer] = []
+            rs = pool.pick(started, tried, source)
+            if rs is None:  # no server: the task path counts and logs it
+                spawn(self._serve, client, source, b"", started, connection, config, tried, None)
+                handed = True
+                return
+            tried.append(rs)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s", explain_pick(pool, rs, []))
+            lease = pool.take(rs, started, connection, source)
+            cached = self._resolved.get(rs.address)
+            sock = None
+            err = errno.EINPROGRESS
+            if cached is not None:
+                try:
+                    sock, err = self._start_connect(*cached)
+                except (LocalCapacityError, ConnectError) as exc:
+                    if not self._attempt_failed(rs, lease, exc):  # no retry
+                        pool.rejected["connect_failed"] += 1
+                        if self.vs.access_log:
+                            self._log_access(source, None, connection.flow, started, "no_server")
+                        return
+                    pending = None  # retry another server in the task
+                else:
+                    pending = (rs, lease, started, sock) if err else None
+            else:
+                pending = (rs, lease, started, None)  # resolve, then connect, in the task
+            if err or sock is None:
+                spawn(self._serve, client, source, b"", started, connection, config, tried, pending)
+                handed = True
+                return
+            self._connected(rs, lease, started)
+            self._spawn = spawn
+            handed = self._pump_now(client, sock, source, started, connection, lease, config)
+        finally:
+            if not handed:
+                pool.clients -= 1
+                client.close()
+
+    def _pump_now(
+        self,
+        client: socket.socket,
+        server: socket.socket,
+        source: tuple,
+        started: float,
+        connection: Connection,
+        lease: Lease,
+        config: VirtualServerConfig,
+    ) -> bool:
+        """Start the pump with no task; True: the reactor owns the connection now."""
+        flow = connection.flow
+        try:
+            header = b""
+            if config.send_proxy != "none":
+                destination = client.getsockname()
+                header = proxy_protocol.encode(config.send_proxy, source, destination)
+            p = Pump(client, server, flow, preamble=header, close_sockets=True)
+        except OSError as exc:  # as in _serve
+            log.debug("%s: %s", self.pool.name, exc)
+            flow.error = exc
+            server.close()
+            self._ended(lease, flow, started, source, "error")
+            return False
+        p.on_end = lambda p: self._pumped(p, client, source, started, lease)
+        self._live.add(p)
+        if not self._guarded:
+            self._guarded = True
+            assert self._spawn is not None
+            self._spawn(self._guard)
+        p.start()
+        if p.outcome is not None and p.on_end is not None:  # ended before it began
+            p.close()
+            end = p.on_end
+            p.on_end = None
+            end(p)
+        return True
+
+    def _pumped(
+        self, p: Pump, client: socket.socket, source: tuple, started: float, lease: Lease
+    ) -> None:
+        """The reactor's report that a task-less connection is over (both sockets are
+        closed by then). Called from the reactor, a deadline or Flow.close(): it must
+        not raise."""
+        self._live.discard(p)
+        try:
+            self._ended(lease, p.flow, started, source, p.outcome or "error")
+        except Exception:
+            log.exception("%s: ending a connection", self.pool.name)
+        finally:
+            self.pool.clients -= 1
+            client.close()  # already closed by the pump: a no-op, kept for any path
+            if not self._live and self._empty is not None:
+                self._empty.set()
+
+    async def _guard(self) -> None:
+        """Stands, in the handlers nursery, for the connections that have no task, so
+        the drain waits for them, and closes them when its deadline cancels it."""
+        try:
+            while self._live:
+                self._empty = trio.Event()
+                await self._empty.wait()
+        except BaseException:
+            for p in list(self._live):
+                p.flow.close()  # outcome "cancelled", reported through _pumped
+            raise
+        finally:
+            self._guarded = False
+            self._empty = None
+
+    # -- the task path ----------------------------------------------------------------
+
     async def handle(
         self, client: socket.socket, peer: tuple, preread: bytes | None = None
     ) -> None:
-        """Serve one accepted client socket until both sides are done; closes it.
+        """Serve one accepted client socket in a task until both sides are done;
+        closes it. For what may wait from the start (a PROXY header to read, a queue)
+        and for the clients a shared (SNI) address routes here.
 
         `preread`: the listener has already read the PROXY header (if any; `peer` is
         then the source it names) and these bytes (a TLS ClientHello, for the route),
         which go to the real server first, unchanged.
-
-        One coroutine from admission to the end: its frame and trio's wait are what an
-        idle connection keeps alive, so the steps before the pump are helpers that
-        return, not frames that stay on the stack, and the pump is driven by the
-        reactor while this task waits in ``finished()``.
         """
         pool = self.pool
         config = pool.config
         pool.clients += 1
         try:
+            admitted = await self._admit(client, peer, config, preread)
+        except BaseException:
+            pool.clients -= 1
+            client.close()
+            raise
+        if admitted is None:
+            pool.clients -= 1
+            client.close()
+            return
+        source, leftover = admitted
+        started = trio.current_time()
+        connection = self._connection(config)
+        await self._serve(client, source, leftover, started, connection, config, [], None)
+
+    async def _serve(
+        self,
+        client: socket.socket,
+        source: tuple,
+        leftover: bytes,
+        started: float,
+        connection: Connection,
+        config: VirtualServerConfig,
+        tried: list[RealServer],
+        pending: Pending | None,
+    ) -> None:
+        """The rest of a connection's life, in a task: connect (the attempt `pending`
+        first, then retries), pump, end. Counted in pool.clients already; closes it.
+
+        One coroutine from here to the end: its frame and trio's wait are what an idle
+        connection keeps alive, so the steps before the pump are helpers that return,
+        not frames that stay on the stack, and the pump is driven by the reactor while
+        this task waits in ``finished()``.
+        """
+        pool = self.pool
+        flow = connection.flow
+        try:
             with client:
-                admitted = await self._admit(client, peer, config, preread)
-                if admitted is None:
-                    return
-                source, leftover = admitted
-                started = trio.current_time()
-                flow = Flow(config.idle_timeout)
-                connection = Connection(flow)
-                if self.vs.throttle is not None:  # start with the imposed idle timeout, if any
-                    flow.idle_timeout = self.vs.throttle.idle_timeout_for(config.idle_timeout)
                 queue = self.vs.queue
-                if queue is not None and queue.must_wait():
+                if queue is not None and queue.must_wait():  # never on the fast path
                     reason = await queue.wait()
                     if reason is not None:  # queue_full | queue_timeout
                         self._reject(reason, source)
                         return
-                connected = await self._connect(connection, config, source)
+                connected = await self._connect(connection, config, source, tried, pending)
                 if queue is not None and queue.waiting:
                     queue.kick()  # the slot is taken: the next waiter, if room is left
                 if connected is None:
@@ -161,16 +343,29 @@ class Handler:
                     flow.error = exc
                     outcome = "error"
                 finally:
-                    rs = lease.server
-                    rs.bytes_in += flow.bytes_in
-                    rs.bytes_out += flow.bytes_out
-                    now = trio.current_time()
-                    pool.drop(lease, now)
-                    pool.durations.observe(now - started)
-                    if self.vs.access_log:
-                        self._log_access(source, rs.name, flow, started, outcome)
+                    self._ended(lease, flow, started, source, outcome)
         finally:
             pool.clients -= 1
+
+    # -- shared by both paths ------------------------------------------------------------
+
+    def _connection(self, config: VirtualServerConfig) -> Connection:
+        flow = Flow(config.idle_timeout)
+        connection = Connection(flow)
+        if self.vs.throttle is not None:  # start with the imposed idle timeout, if any
+            flow.idle_timeout = self.vs.throttle.idle_timeout_for(config.idle_timeout)
+        return connection
+
+    def _ended(self, lease: Lease, flow: Flow, started: float, source: tuple, end: str) -> None:
+        pool = self.pool
+        rs = lease.server
+        rs.bytes_in += flow.bytes_in
+        rs.bytes_out += flow.bytes_out
+        now = trio.current_time()
+        pool.drop(lease, now)
+        pool.durations.observe(now - started)
+        if self.vs.access_log:
+            self._log_access(source, rs.name, flow, started, end)
 
     async def _admit(
         self,
@@ -194,13 +389,19 @@ class Handler:
             if header is None:
                 return None
             source, leftover = header
-        if not self._allowed(config, source[0]):
-            self._reject("acl", source)
-            return None
-        if config.max_connections and self.pool.clients > config.max_connections:
-            self._reject("max_connections", source)
+        if not self._admitted(config, source):
             return None
         return source, leftover
+
+    def _admitted(self, config: VirtualServerConfig, source: tuple) -> bool:
+        """The ACL and max_connections (counted and logged when they refuse)."""
+        if not self._allowed(config, source[0]):
+            self._reject("acl", source)
+            return False
+        if config.max_connections and self.pool.clients > config.max_connections:
+            self._reject("max_connections", source)
+            return False
+        return True
 
     def reject(self, reason: str, source: tuple) -> None:
         """Count (and access-log) a client closed before it reached this handler: the
@@ -233,56 +434,81 @@ class Handler:
         )
 
     async def _connect(
-        self, handle: Connection, config: VirtualServerConfig, source: tuple
+        self,
+        handle: Connection,
+        config: VirtualServerConfig,
+        source: tuple,
+        tried: list[RealServer],
+        pending: Pending | None = None,
     ) -> tuple[socket.socket, Lease] | None:
         """Connect to a picked real server, retrying others (never the same one twice).
 
         `source` is the client's address (the PROXY header's with accept_proxy), for
         persistence and maglev; the pool ignores it when neither is configured.
+        `tried` holds the servers already tried (by the fast path), and `pending` the
+        attempt it began: (server, lease, when, socket connecting or None: not begun).
         """
         pool = self.pool
-        tried: list[RealServer] = []
-        for _ in range(config.retries + 1):
-            if handle.flow.closing:  # closed while an earlier attempt was waiting
-                return None
-            now = trio.current_time()
-            rs = pool.pick(now, tried, source)
-            if rs is None:
-                break
-            tried.append(rs)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s", explain_pick(pool, rs, tried[:-1]))
-            # Taken before the connect completes, as IPVS counts a connection from its
-            # SYN: concurrent arrivals then see this one and spread out.
-            lease = pool.take(rs, now, handle, source)
-            try:
-                sock = await self._open(rs.address, config.connect_timeout, handle)
-            except LocalCapacityError:
-                # Out of descriptors here: not the real server's fault, and no other
-                # would do better; the client is closed (the accept loop backs off).
-                pool.drop(lease, trio.current_time())
-                break
-            except ConnectError as exc:
-                pool.drop(lease, trio.current_time())
-                if exc.reason == "cancelled":
+        while True:
+            if pending is not None:
+                rs, lease, now, started_sock = pending
+                pending = None
+            else:
+                if len(tried) > config.retries:
+                    break
+                if handle.flow.closing:  # closed while an earlier attempt was waiting
                     return None
-                rs.connect_failures[exc.reason] += 1
-                record_health(pool, rs, False, trio.current_time(), f"connect {exc.reason}")
-                continue
+                now = trio.current_time()
+                rs = pool.pick(now, tried, source)
+                if rs is None:
+                    break
+                tried.append(rs)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s", explain_pick(pool, rs, tried[:-1]))
+                # Taken before the connect completes, as IPVS counts a connection from
+                # its SYN: concurrent arrivals then see this one and spread out.
+                lease = pool.take(rs, now, handle, source)
+                started_sock = None
+            try:
+                sock = await self._open(rs.address, config.connect_timeout, handle, started_sock)
+            except (LocalCapacityError, ConnectError) as exc:
+                if isinstance(exc, ConnectError) and exc.reason == "cancelled":
+                    pool.drop(lease, trio.current_time())
+                    return None
+                if self._attempt_failed(rs, lease, exc):
+                    continue
+                break
             except BaseException:  # the drain deadline: give the lease back all the same
                 pool.drop(lease, trio.current_time())
                 raise
-            pool.established(lease)
-            if not rs.health.clean:
-                # a good connect ends a failure streak (or is a down server's trial)
-                record_health(pool, rs, True, now, "connect succeeded")
+            self._connected(rs, lease, now)
             return sock, lease
         pool.rejected["connect_failed" if tried else "no_server"] += 1
         return None
 
-    async def _open(self, address: Address, timeout: float, handle: Connection) -> socket.socket:
-        cached = self._resolved.get(address)  # no coroutine on the usual cache hit
-        family, sockaddr = cached if cached is not None else await self._resolve(address)
+    def _attempt_failed(
+        self, rs: RealServer, lease: Lease, exc: LocalCapacityError | ConnectError
+    ) -> bool:
+        """A connect attempt failed: give the lease back; True: try another server."""
+        pool = self.pool
+        pool.drop(lease, trio.current_time())
+        if isinstance(exc, LocalCapacityError):
+            # Out of descriptors here: not the real server's fault, and no other
+            # would do better; the client is closed (the accept loop backs off).
+            return False
+        rs.connect_failures[exc.reason] += 1
+        record_health(pool, rs, False, trio.current_time(), f"connect {exc.reason}")
+        return True
+
+    def _connected(self, rs: RealServer, lease: Lease, now: float) -> None:
+        self.pool.established(lease)
+        if not rs.health.clean:
+            # a good connect ends a failure streak (or is a down server's trial)
+            record_health(self.pool, rs, True, now, "connect succeeded")
+
+    def _start_connect(self, family: int, sockaddr: tuple) -> tuple[socket.socket, int]:
+        """socket() and a non-blocking connect: (socket, 0) connected already, or
+        (socket, EINPROGRESS). Raises LocalCapacityError or ConnectError (closed)."""
         try:
             # A plain non-blocking socket: trio's wrapper costs a checkpoint, an address
             # re-resolution and an ioctl per connect; the pump needs only the descriptor.
@@ -304,18 +530,43 @@ class Handler:
                     err = 0
                 except OSError:
                     pass
-            if err == errno.EINPROGRESS:
-                with trio.move_on_after(timeout) as deadline:
-                    handle.connecting = deadline  # Connection.close() cancels it
-                    try:
-                        await trio.lowlevel.wait_writable(sock.fileno())
-                    finally:
-                        handle.connecting = None
-                if handle.flow.closing:
-                    raise ConnectError("cancelled")
-                if deadline.cancelled_caught:
-                    raise ConnectError("timeout")
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err and err != errno.EINPROGRESS:
+                raise OSError(err, os.strerror(err))
+        except OSError as exc:
+            sock.close()
+            reason = "refused" if exc.errno == errno.ECONNREFUSED else "error"
+            raise ConnectError(reason) from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock, err
+
+    async def _open(
+        self,
+        address: Address,
+        timeout: float,
+        handle: Connection,
+        sock: socket.socket | None = None,
+    ) -> socket.socket:
+        """A connected socket to `address`; `sock`: a connect already in progress."""
+        if sock is None:
+            cached = self._resolved.get(address)  # no coroutine on the usual cache hit
+            family, sockaddr = cached if cached is not None else await self._resolve(address)
+            sock, err = self._start_connect(family, sockaddr)
+            if not err:
+                return sock
+        try:
+            with trio.move_on_after(timeout) as deadline:
+                handle.connecting = deadline  # Connection.close() cancels it
+                try:
+                    await trio.lowlevel.wait_writable(sock.fileno())
+                finally:
+                    handle.connecting = None
+            if handle.flow.closing:
+                raise ConnectError("cancelled")
+            if deadline.cancelled_caught:
+                raise ConnectError("timeout")
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 raise OSError(err, os.strerror(err))
         except OSError as exc:

@@ -80,7 +80,7 @@ import math
 import os
 import select
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Final, Literal
 
 try:
@@ -590,6 +590,7 @@ class Pump:
         "flow",
         "initial",
         "initial_uncounted",
+        "on_end",
         "open_directions",
         "outcome",
         "reactor",
@@ -631,6 +632,11 @@ class Pump:
         self.open_directions = 2
         self.alarm: Deadline | None = None  # the idle deadline in the process-wide heap
         self.task: trio.lowlevel.Task | None = None  # parked in finished()
+        # Instead of a task in finished(): called once, with the pump, when it ends --
+        # synchronously, from the reactor, the deadline heap, or whoever called
+        # Flow.close() or assigned Flow.idle_timeout (so such a caller must not be
+        # iterating over something the callback changes). It must not raise.
+        self.on_end: Callable[[Pump], None] | None = None
         self.registered = False
         # Bytes for the server before the loop starts; the first `initial_uncounted` of
         # them (a PROXY header) are not client data and do not count in bytes_in.
@@ -718,6 +724,10 @@ class Pump:
                 trio.lowlevel.reschedule(task, outcome.Error(self.error))
             else:
                 trio.lowlevel.reschedule(task)
+        elif self.on_end is not None:
+            on_end = self.on_end
+            self.on_end = None
+            on_end(self)
 
     # -- idle timeout and Flow.close() -------------------------------------------------
     #

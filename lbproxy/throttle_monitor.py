@@ -140,7 +140,9 @@ class ThrottleMonitor:
             )
         imposed = change.idle_timeout
         for rs in pool.servers:
-            for lease in rs.leases:
+            # A copy: a connection already idle longer than its new timeout ends at
+            # once, inside the assignment below, and drops its lease from this set.
+            for lease in list(rs.leases):
                 handle = lease.handle
                 own = getattr(handle, "own_idle_timeout", None)
                 if own is None:

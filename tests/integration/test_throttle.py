@@ -234,6 +234,28 @@ def test_reload_adds_and_removes_the_throttle(name_servers, lbproxy):
         sock.close()
 
 
+
+def test_imposed_idle_timeout_already_exceeded_closes_at_once(name_servers, lbproxy):
+    """Connections idle longer than the idle timeout a throttle imposes end at once,
+    while the monitor goes through the real servers' connections, and the proxy goes
+    on serving."""
+    (server,) = name_servers("a")
+    port = free_port()
+    plain = vs_config(port, [server], extra="idle_timeout: 60s")
+    throttled = vs_config(port, [server], extra=RELOADED_THROTTLE)
+    proxy = lbproxy(plain, wait_ports=[port])
+    held = [open_and_read_name(port)[0] for _ in range(3)]
+    time.sleep(3.6)  # idle longer than the 3.25 s the throttle is about to impose
+    proxy.reload(throttled)
+    _wait_log(proxy, re.escape("web: throttle low -> high (load 1.50, idle timeout 3.25s)"))
+    for sock in held:
+        assert _closed_within(sock, 1.0)  # now, not 3.25 s from now
+        sock.close()
+    sock, name = open_and_read_name(port)
+    sock.close()
+    assert name == "a"
+    assert "Traceback" not in proxy.log()
+
 def test_simulate_shows_the_throttle_timeline(tmp_path):
     config = tmp_path / "vs.yaml"
     config.write_text(

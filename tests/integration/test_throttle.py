@@ -234,7 +234,6 @@ def test_reload_adds_and_removes_the_throttle(name_servers, lbproxy):
         sock.close()
 
 
-
 def test_imposed_idle_timeout_already_exceeded_closes_at_once(name_servers, lbproxy):
     """Connections idle longer than the idle timeout a throttle imposes end at once,
     while the monitor goes through the real servers' connections, and the proxy goes
@@ -255,6 +254,7 @@ def test_imposed_idle_timeout_already_exceeded_closes_at_once(name_servers, lbpr
     sock.close()
     assert name == "a"
     assert "Traceback" not in proxy.log()
+
 
 def test_simulate_shows_the_throttle_timeline(tmp_path):
     config = tmp_path / "vs.yaml"

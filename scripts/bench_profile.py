@@ -29,25 +29,35 @@ import bench_proxies as bp
 
 # Phase of a sample, by the frames on its stack (first match wins).
 PHASES: list[tuple[str, tuple[str, ...]]] = [
-    ("accept loop (accept, wrap, spawn the handler)", ("accept_loop (lbproxy/listener.py",)),
-    ("connect to the real server (socket, connect, wait)", ("_open (lbproxy/proxy.py",)),
-    ("pump: FIN passed on (shutdown)", ("_pass_fin",)),
+    (
+        "connect to the real server (socket, connect, wait)",
+        ("_open (lbproxy/proxy.py", "_start_connect (lbproxy/proxy.py"),
+    ),
+    ("pump: FIN passed on (shutdown)", ("_pass_fin", "send_fin")),
     ("pump: waiting for readiness (epoll_ctl, park)", ("wait_readable", "wait_writable")),
     ("pump: copy (splice/recv/send, counters)", ("Direction.move", "Direction.write_out")),
     ("pump: idle deadline (heap, ring)", ("deadlines.py", "Pump.ring")),
     (
-        "pump: set-up and tear-down (reactor set, directions)",
+        "pump: set-up and tear-down (reactor set, directions, closing both sockets)",
         ("Pump.__init__", "Pump.start", "Pump.close"),
+    ),
+    (
+        "connection end (drop, histogram, access log)",
+        ("_pumped (lbproxy/proxy.py", "_ended (lbproxy/proxy.py"),
     ),
     (
         "pump: reactor (epoll_wait(0) per batch, interest changes)",
         ("Pump.on_event", "_Reactor._run"),
     ),
-    ("pick, take (scheduler)", ("_connect (lbproxy/proxy.py",)),
     (
-        "handler (admission, ACL; at the end drop, close, histogram)",
-        ("_admit (lbproxy/proxy.py", "handle (lbproxy/proxy.py"),
+        "pick, take (scheduler)",
+        ("_connect (lbproxy/proxy.py", "pick (lbproxy/pool.py", "take (lbproxy/pool.py"),
     ),
+    (
+        "handler (admission, ACL, the fast path's own lines)",
+        ("_admit (lbproxy/proxy.py", "handle (lbproxy/proxy.py", "accept (lbproxy/proxy.py"),
+    ),
+    ("accept loop (accept, the socket object)", ("accept_loop (lbproxy/listener.py",)),
     ("trio: epoll_wait and event dispatch", ("get_events", "_epoll_wait", "process_events")),
     ("trio: scheduler (task switches, deadlines)", ("unrolled_run",)),
 ]

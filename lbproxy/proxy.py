@@ -6,6 +6,17 @@ applies to new connections while established ones keep going undisturbed.
 
 Errors a connection can expect (refused, timeouts, resets, bad PROXY headers) are
 handled here and end only that connection; nothing escapes to the accept loop.
+
+Two paths, one behaviour (issue 15, docs/benchmarks.md). The fast path
+(`Handler.accept`, called by the accept loop) has no task: whatever can be done at once
+is done there -- admission, pick and take, a connect a near server completes before
+connect() returns, the start of the pump -- and the reactor reports the end to
+`_pumped`. The task path (`handle`, `_serve`) is for what has to wait: a PROXY header or
+a queue from the start, and, handed over as it stands, a name to resolve, a connect in
+progress or failed, retries. Both share the steps (`_admitted`, `_connection`,
+`_attempt_failed`, `_connected`, `_ended`). A task costs more user time than all of
+HAProxy's work for a connection; a task-less connection is drained through one guardian
+task per handler (`_guard`).
 """
 
 from __future__ import annotations

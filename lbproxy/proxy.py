@@ -213,7 +213,13 @@ class Handler:
             self._guarded = True
             assert self._spawn is not None
             self._spawn(self._guard)
-        p.start()
+        try:
+            p.start()
+        except OSError as exc:  # as in _serve: only this connection ends
+            log.debug("%s: %s", self.pool.name, exc)
+            flow.error = exc
+            if p.outcome is None:
+                p.outcome = "error"
         if p.outcome is not None and p.on_end is not None:  # ended before it began
             p.close()
             end = p.on_end

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -521,5 +522,13 @@ async def serve_asgi(
     config.accesslog = None
     config.errorlog = logging.getLogger("lbproxy.admin.http")
     config.graceful_timeout = 1.0
+    # No recycling of keep-alive connections (hypercorn's default ends one after 1,000
+    # requests): the app keeps nothing per connection, so there is nothing to reclaim, and
+    # the recycle races in hypercorn 0.17/0.18: when the client sends its next request
+    # (or closes) right after the body of the `Connection: close` answer, the read task's
+    # `send_eof` (taken outside hypercorn's send lock) meets the app task's last
+    # `send_all` and logs "Error in ASGI Framework" (trio.BusyResourceError). A client
+    # pool asking /locate keeps its connection; each recycle also cost it a reconnect.
+    config.keep_alive_max_requests = sys.maxsize
     wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
     await worker_serve(wrapped, config, sockets=Sockets([], [sock], []), task_status=task_status)

@@ -144,7 +144,7 @@ def bench_http(port: int, seconds: float, window: int, limit: int, path: str = L
             for key, _ in selector.select(0.5):
                 sock = key.fileobj
                 data = sock.recv(65536)  # type: ignore[union-attr]
-                if not data:  # hypercorn ends a keep-alive connection after 1,000 requests
+                if not data:  # the endpoint closed it (it no longer recycles after 1,000)
                     selector.unregister(sock)
                     del buffers[sock]  # type: ignore[arg-type]
                     sock.close()  # type: ignore[union-attr]

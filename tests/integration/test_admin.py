@@ -412,3 +412,26 @@ def test_disable_while_connecting_closes_the_client_and_frees_the_slot(lbproxy):
         for filler in fillers:
             filler.close()
         hole.close()
+
+
+def test_a_keep_alive_connection_is_not_recycled_after_1000_requests(proxied):
+    """hypercorn's default ends a keep-alive connection after 1,000 requests, and that
+    recycle could log "Error in ASGI Framework" (trio.BusyResourceError); a client pool
+    keeps its one connection instead. 1,200 requests, each sent as soon as the previous
+    answer's body is in, over one socket: every one answered, none with
+    `Connection: close`, nothing logged."""
+    proxy, _, _, admin_port = proxied
+    request = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", admin_port), timeout=10) as s:
+        buffer = b""
+        for _ in range(1200):
+            s.sendall(request)
+            while b"ok\n" not in buffer:
+                data = s.recv(65536)
+                assert data, "the admin endpoint closed the keep-alive connection"
+                buffer += data
+            head, _, buffer = buffer.partition(b"ok\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            assert b"connection: close" not in head.lower()
+    time.sleep(0.2)
+    assert "Error in ASGI" not in proxy.log()

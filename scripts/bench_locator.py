@@ -12,10 +12,11 @@ CPU 1: a bounded load generator that keeps `--window` queries (UDP) or connectio
 counted, plus the message); the generator only checks that it is an answer.
 
 Reported: answers per second of wall time, and per CPU-second of the lbproxy process
-(utime + stime from /proc) -- "per core". `http /healthz` is the same HTTP load on a
-route that does nothing: hypercorn's own cost per request, the ceiling of HTTP locate.
-Everything listens on 127.0.0.1; the process is stopped by PID at the end. Results go to
-docs/benchmarks.md by hand.
+(utime + stime from /proc) -- "per core" -- with the 1-minute load average beside it.
+`--seconds 60 --max 10000` makes each measurement a bounded number of answers instead.
+`http /healthz` is the same HTTP load on a route that does nothing: hypercorn's own cost
+per request, the ceiling of HTTP locate. Everything listens on 127.0.0.1; the process is
+stopped by PID at the end. Results go to docs/benchmarks.md by hand.
 """
 
 from __future__ import annotations
@@ -199,11 +200,13 @@ def main() -> None:
                     "per_second": round(answered / wall),
                     "per_cpu_second": round(answered / cpu) if cpu else None,
                     "lbproxy_cpu": round(cpu / wall, 2),
+                    "load_average": round(os.getloadavg()[0], 2),  # the machine is shared
                 }
                 print(
                     f"{name:13} {answered:8d} answers in {wall:.1f} s: "
                     f"{answered / wall:8.0f}/s, {answered / cpu if cpu else 0:8.0f} per "
-                    f"lbproxy CPU-second (lbproxy at {cpu / wall:.0%} of a core)"
+                    f"lbproxy CPU-second (lbproxy at {cpu / wall:.0%} of a core, "
+                    f"load average {os.getloadavg()[0]:.2f})"
                 )
             print(json.dumps(results))
         finally:

@@ -82,6 +82,9 @@ PLAIN_COLUMNS = (
     "BYTES_IN",
     "BYTES_OUT",
     "DISCOVERED",  # yes: from DNS (discovery.dns); no: from the configuration file
+    # Appended, not inserted, so that the columns above keep their places for awk.
+    "BACKUP",  # yes: `backup: true`, takes connections only while no primary is online
+    "QUEUED",  # the virtual server's clients waiting in its queue (repeated, as SCHEDULER)
 )
 UNBOUNDED = 1 << 20  # cells: wider than any terminal
 PLAIN_GAP = "   "  # as docker ps: three spaces between columns
@@ -115,6 +118,8 @@ def status_plain(document: dict) -> list[str]:
                     str(rs["bytes_in"]),
                     str(rs["bytes_out"]),
                     "yes" if rs.get("discovered") else "no",
+                    "yes" if rs.get("backup") else "no",
+                    str(vs.get("queued", 0)),
                     *([_load(rs)] if loads else []),
                 ]
             )

@@ -29,6 +29,7 @@ import pytest
 from tests.integration.conftest import vs_config
 from tests.integration.harness import ROOT, ask_name, free_port, open_and_read_name
 from tests.integration.test_admin import http, with_admin
+from tests.integration.test_status_output import front_door_proxy
 from tests.integration.test_workers import ready, wait_for, worker_servers, workers_config
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -142,7 +143,8 @@ def page_matches_api(driver, admin_port: int) -> bool | list:
     for vs in api(admin_port)["virtual_servers"]:
         section = driver.find_element("css selector", f'section.vs[data-vs="{vs["name"]}"]')
         head = section.find_element("css selector", ".vs-head").text
-        for word in (vs["name"], vs["scheduler"], vs["throttle_mode"], *vs["listen"]):
+        queued = f"queued {number(vs['queued'])}"
+        for word in (vs["name"], vs["scheduler"], vs["throttle_mode"], *vs["listen"], queued):
             if word not in head:
                 mismatches.append((vs["name"], word, head))
         for rs in vs["real_servers"]:
@@ -383,6 +385,36 @@ def test_dashboard_with_two_workers(browser, name_servers, lbproxy, tmp_path):
             sock.close()
     proxy.signal(signal.SIGTERM)
     assert proxy.proc.wait(15) == 0
+
+
+def test_dashboard_shows_the_backup_mark_and_the_queued_clients(browser, name_servers, lbproxy):
+    """A `backup: true` server and a `queue:` block, with two clients really waiting."""
+    _, admin_port, opened = front_door_proxy(name_servers, lbproxy, queued=2)
+    try:
+        (vs,) = api(admin_port)["virtual_servers"]
+        assert vs["queued"] == 2
+        browser.get(f"http://127.0.0.1:{admin_port}/")
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+        queued = 'section.vs[data-vs="web"] .vs-head .vs-queued'
+        assert browser.find_element("css selector", queued).text == "2"
+        marks = {
+            rs: [m.text for m in _row(browser, "web", rs).find_elements("css selector", ".backup")]
+            for rs in ("primary", "standby")
+        }
+        assert marks == {"primary": [], "standby": ["backup"]}
+        # The holder leaves: the first waiting client takes its slot, one still waits.
+        opened.pop(0).close()
+        wait_until(lambda: api(admin_port)["virtual_servers"][0]["queued"] == 1, what="1 queued")
+        wait_until(
+            lambda: browser.find_element("css selector", queued).text == "1",
+            what="the page to show 1 queued",
+        )
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+        problems = [e["message"] for e in browser.get_log("browser") if "ecurity" in e["message"]]
+        assert problems == [], problems
+    finally:
+        for sock in opened:
+            sock.close()
 
 
 def test_dashboard_page_is_served_whole_and_self_contained(name_servers, lbproxy):

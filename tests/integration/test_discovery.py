@@ -225,10 +225,10 @@ def test_discovered_names_in_patch_status_and_reload(name_servers, lbproxy, dnsm
 
     table = run_cli("status", "--admin", admin)
     assert table.returncode == 0
-    # Piped: plain columns, the real server 4th and DISCOVERED last.
+    # Piped: plain columns, the real server 4th and DISCOVERED 15th.
     rows = [line.split() for line in table.stdout.splitlines()]
-    assert rows[0][3] == "REAL_SERVER" and rows[0][-1] == "DISCOVERED"
-    assert {row[3]: row[-1] for row in rows[1:]} == {
+    assert rows[0][3] == "REAL_SERVER" and rows[0][14] == "DISCOVERED"
+    assert {row[3]: row[14] for row in rows[1:]} == {
         "s": "no",
         name_a: "yes",
         f"b.node.test:{b.port}": "yes",

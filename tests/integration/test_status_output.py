@@ -9,6 +9,7 @@ import os
 import pty
 import re
 import select
+import socket
 import struct
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from tests.integration.harness import ROOT, ask_name, free_port, run_cli
+from tests.integration.harness import ROOT, ask_name, free_port, open_and_read_name, run_cli
 from tests.integration.test_admin import with_admin
 
 VS_NAME = "web-frontend-production-eu-w01"  # 30 characters
@@ -79,6 +80,7 @@ def plain_fields(vs: dict, rs: dict) -> list[str]:
         "-" if weight["dynamic"] is None else str(weight["dynamic"]), str(weight["effective"]),
         str(rs["active_connections"]), str(rs["connections_total"]), str(rs["bytes_in"]),
         str(rs["bytes_out"]), "yes" if rs["discovered"] else "no",
+        "yes" if rs["backup"] else "no", str(vs["queued"]),
     ]  # fmt: skip
 
 
@@ -101,7 +103,7 @@ def test_piped_status_is_plain_aligned_columns_one_real_server_a_line(status_set
     assert lines[0].split() == [
         "VIRTUAL_SERVER", "SCHEDULER", "THROTTLE", "REAL_SERVER", "ADDRESS", "STATE",
         "HEALTH", "WEIGHT", "DYNAMIC", "EFFECTIVE", "ACTIVE", "TOTAL", "BYTES_IN", "BYTES_OUT",
-        "DISCOVERED",
+        "DISCOVERED", "BACKUP", "QUEUED",
     ]  # fmt: skip
     expected = [plain_fields(vs, rs) for vs, rs in rows(document)]
     assert [line.split() for line in lines[1:]] == expected
@@ -218,3 +220,86 @@ def test_a_wide_terminal_shows_the_table_with_every_value_whole(status_setup):
             str(rs["connections_total"]),
         ]  # fmt: skip
     assert f"{VS_NAME} (rr, low)" in screen
+
+
+# -- backup servers and the queue (SPEC §13) ---------------------------------------------
+
+
+def front_door_proxy(name_servers, lbproxy, queued: int = 2):
+    """A real proxy whose virtual server `web` has a primary with one slot, a backup
+    server and a queue: one connection holds the slot and `queued` clients wait.
+    Returns (port, admin_port, the open sockets); the caller closes them."""
+    primary, backup = name_servers("primary", "standby")
+    port, admin_port = free_port(), free_port()
+    config = with_admin(
+        "global:\n"
+        "  admin: {listen: none}\n"
+        "virtual_servers:\n"
+        "  - name: web\n"
+        f"    listen: 127.0.0.1:{port}\n"
+        "    scheduler: rr\n"
+        "    health_check: {type: none}\n"
+        "    queue: {max: 10, timeout: 30s}\n"
+        "    real_servers:\n"
+        f"      - {{name: primary, address: 127.0.0.1:{primary.port}, max_connections: 1}}\n"
+        f"      - {{name: standby, address: 127.0.0.1:{backup.port}, backup: true}}\n",
+        admin_port,
+    )
+    lbproxy(config, [port])
+    admin = f"http://127.0.0.1:{admin_port}"
+
+    def web() -> dict:
+        out = run_cli("status", "--json", "--admin", admin)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["virtual_servers"][0]
+
+    # the start-up probe of the listen port took the one slot for a moment
+    _until(lambda: web()["real_servers"][0]["active_connections"] == 0, "the probe to end")
+    holder, name = open_and_read_name(port)
+    opened = [holder]
+    assert name == "primary"  # full, yet online: the next clients queue, not the backup
+    for n in range(1, queued + 1):
+        opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        _until(lambda n=n: web()["queued"] == n, f"{n} queued")
+    return port, admin_port, opened
+
+
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_status_shows_the_backup_mark_and_the_queued_clients(name_servers, lbproxy):
+    _, admin_port, opened = front_door_proxy(name_servers, lbproxy, queued=2)
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        (vs,) = json.loads(run_cli("status", "--json", "--admin", admin).stdout)["virtual_servers"]
+        assert vs["queued"] == 2
+        assert {rs["name"]: rs["backup"] for rs in vs["real_servers"]} == {
+            "primary": False,
+            "standby": True,
+        }
+        # Piped: BACKUP per real server, the virtual server's QUEUED on each of its lines.
+        out = run_cli("status", "--admin", admin)
+        assert out.returncode == 0, out.stderr
+        header, *lines = (line.split() for line in out.stdout.splitlines())
+        assert header[15:] == ["BACKUP", "QUEUED"]
+        assert {line[3]: line[15:] for line in lines} == {
+            "primary": ["no", "2"],
+            "standby": ["yes", "2"],
+        }
+        # On a terminal: the table, and the wrapped blocks of a narrow one.
+        wide = run_in_terminal(200, "status", "--admin", admin)
+        assert "web (rr, low, 2 queued)" in wide
+        (standby,) = [line for line in wide.splitlines() if "standby" in line]
+        assert "standby (backup)" in standby
+        assert "primary (backup)" not in wide
+        narrow = run_in_terminal(40, "status", "--admin", admin).splitlines()
+        assert any("2 queued" in line for line in narrow), narrow
+        (standby,) = [line for line in narrow if "standby" in line]
+        assert standby.split()[:2] == ["standby", "(backup)"]
+    finally:
+        for sock in opened:
+            sock.close()

@@ -53,10 +53,10 @@ def test_plain_columns_keep_every_value_and_a_row_for_an_empty_virtual_server():
     lines = status_plain(DOCUMENT)
     assert [line.split() for line in lines[1:]] == [
         ["snmp-weighted", "dwd", "high", "alpha", "127.0.0.1:9001", "enabled", "up", "3", "40",
-         "2.5", "1", "123456789", "1234567", "89", "no"],
+         "2.5", "1", "123456789", "1234567", "89", "no", "no", "0"],
         ["snmp-weighted", "dwd", "high", "far", LONG_HOST, "enabled", "up", "3", "-", "2.5",
-         "1", "7", "1234567", "89", "yes"],
-        ["empty", "rr", "low"] + ["-"] * 12,
+         "1", "7", "1234567", "89", "yes", "no", "0"],
+        ["empty", "rr", "low"] + ["-"] * 14,
     ]  # fmt: skip
     assert render(30, terminal=False) == "".join(line + "\n" for line in lines)
 
@@ -81,7 +81,7 @@ def test_a_terminal_wide_enough_gets_the_table():
 
 
 def test_discovered_servers_are_marked_in_every_layout():
-    assert status_plain(DOCUMENT)[0].split()[-1] == "DISCOVERED"
+    assert status_plain(DOCUMENT)[0].split()[14] == "DISCOVERED"
     table = render(250, terminal=True)
     assert "far (dns)" in table and "alpha (dns)" not in table
     blocks = render(40, terminal=True).splitlines()
@@ -111,3 +111,7 @@ def test_backups_and_queued_clients_are_shown_in_the_table_and_the_blocks():
         text = out.getvalue()
         assert "3 queued" in text and "(backup)" in text
         assert text.count("(backup)") == 1  # only the backup server
+    # Piped: a BACKUP column per real server, the virtual server's QUEUED on each line.
+    header, *lines = (line.split() for line in status_plain(document))
+    assert header[-2:] == ["BACKUP", "QUEUED"]
+    assert {line[3]: line[-2:] for line in lines} == {"main": ["no", "3"], "sorry": ["yes", "3"]}

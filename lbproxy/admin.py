@@ -44,6 +44,9 @@ REAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([
 VIRTUAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)$")
 LOAD_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)/load$")
 LOCATE_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/locate$")
+# The asking client's "HOST PORT", from the supervisor of `workers: N` to a worker over
+# its private Unix socket (a locate's affinity); heeded from nowhere else.
+CLIENT_HEADER = b"x-lbproxy-client"
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -167,6 +170,15 @@ def parse_load_report(body: bytes) -> tuple[object, object]:
     if "load" not in request:
         raise _HTTPError(400, f"body needs 'load', like {example}")
     return request["load"], request.get("per_connection")
+
+
+def parse_client_header(value: bytes) -> tuple[str, int] | None:
+    """(host, port) of a CLIENT_HEADER value "HOST PORT" (port 0 when it is not a
+    number), None when empty. Never raises: the host is only ever hashed or a key."""
+    if not value:
+        return None
+    host, _, port = value.decode("latin-1").partition(" ")
+    return (host, int(port)) if port.isascii() and port.isdigit() else (host, 0)
 
 
 def virtual_server_document(pool: Pool) -> dict[str, Any]:
@@ -314,12 +326,27 @@ class AdminApp:
         pool = self._pool(vs_name)
         query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
         current = query.get("current", [None])[-1]
-        located = pool.locate(trio.current_time(), current or None, "http")
+        # The asking address, for maglev and persistence (None over a worker's Unix
+        # socket: the supervisor passes it on in a header, see _asking_client).
+        located = pool.locate(
+            trio.current_time(), current or None, "http", self._asking_client(scope)
+        )
         if located is None:
             raise _HTTPError(503, "no real server available")
         # Compact: the one hot route (a client pool asks before each connection), and
         # json's C encoder runs only without `indent`.
         return 200, (json.dumps(locate_document(located)) + "\n").encode(), "json"
+
+    def _asking_client(self, scope: dict[str, Any]) -> tuple | None:
+        """The address a locate is asked from: the HTTP peer, or, over a worker's
+        private endpoint (no peer address; only the supervisor reaches it), the one the
+        supervisor read from its own peer and passed on in CLIENT_HEADER."""
+        client = scope.get("client")
+        if client is not None:
+            return tuple(client)
+        if getattr(self.server, "admin_sock", None) is None:
+            return None
+        return parse_client_header(dict(scope.get("headers", [])).get(CLIENT_HEADER, b""))
 
     async def _report_load(
         self, vs_name: str, rs_name: str, receive: Receive

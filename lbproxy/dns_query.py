@@ -24,7 +24,8 @@ Names (SPEC §10), ZONE being `global.locator.dns.zone`, matched without case:
 
 A pick whose address is not of the asked family (an A query, an IPv6 server) answers
 NODATA and is not counted; a real server configured by host name has no A/AAAA record
-here, and its SRV target is that host name itself.
+here, and its SRV target is that host name itself. A locate's pick is given the query's
+source address as its client (maglev hashes it, persistence remembers the answer).
 """
 
 from __future__ import annotations
@@ -74,8 +75,13 @@ class QueryHandler:
         # dnspython and reused: an answer then costs a parse, a pick and a render.
         self._records: dict[tuple, tuple[dns.rrset.RRset | None, dns.rrset.RRset | None]] = {}
 
-    def handle(self, wire: bytes, now: float, max_size: int = UDP_PAYLOAD) -> bytes | None:
-        """The answer to one query message, or None to drop it. Never raises."""
+    def handle(
+        self, wire: bytes, now: float, max_size: int = UDP_PAYLOAD, client: tuple | None = None
+    ) -> bytes | None:
+        """The answer to one query message, or None to drop it. Never raises.
+
+        `client` is the query's source address: a locate's pick is given it, so that
+        `maglev` and `persistence` answer the same asker with the same server."""
         try:
             query = dns.message.from_wire(wire)
         except Exception:  # dnspython raises many kinds on garbage: all mean "malformed"
@@ -84,14 +90,16 @@ class QueryHandler:
             self.rcodes[DROPPED] += 1
             return None
         try:
-            response = self._respond(query, now)
+            response = self._respond(query, now, client)
             return self._wire(response, max_size)
         except Exception:  # a bug here must cost one answer, never the server
             return self._error(query.id, dns.rcode.SERVFAIL)
 
     # -- one query ------------------------------------------------------------------
 
-    def _respond(self, query: dns.message.Message, now: float) -> dns.message.Message:
+    def _respond(
+        self, query: dns.message.Message, now: float, client: tuple | None = None
+    ) -> dns.message.Message:
         response = dns.message.make_response(query)
         response.flags |= dns.flags.AA
         if query.opcode() != dns.opcode.QUERY:
@@ -110,12 +118,12 @@ class QueryHandler:
             if pool is None:
                 return self._rcode(response, dns.rcode.NXDOMAIN)
             if rdtype in _ADDRESS_TYPES:
-                rs = pool.pick(now)
+                rs = pool.pick(now, (), client)
                 if rs is None:
                     return self._rcode(response, dns.rcode.SERVFAIL)
                 record = self._records_of(name, rdtype, pool, rs)[0]
                 if record is not None:
-                    pool.answer(rs, now, "dns")
+                    pool.answer(rs, now, "dns", client)
                     response.answer.append(record)
             return self._rcode(response, dns.rcode.NOERROR)
         if len(labels) == 2 and labels[1].lower() == _TCP_LABEL and labels[0][:1] == b"_":
@@ -123,10 +131,10 @@ class QueryHandler:
             if pool is None:
                 return self._rcode(response, dns.rcode.NXDOMAIN)
             if rdtype == dns.rdatatype.SRV:
-                rs = pool.pick(now)
+                rs = pool.pick(now, (), client)
                 if rs is None:
                     return self._rcode(response, dns.rcode.SERVFAIL)
-                pool.answer(rs, now, "dns")
+                pool.answer(rs, now, "dns", client)
                 srv, additional = self._records_of(name, rdtype, pool, rs)
                 response.answer.append(srv)
                 if additional is not None:

@@ -27,7 +27,7 @@ import socket
 import trio
 
 from lbproxy.config import Address, DnsLocatorConfig
-from lbproxy.dns_query import QueryHandler
+from lbproxy.dns_query import UDP_PAYLOAD, QueryHandler
 from lbproxy.pool import Pool
 
 log = logging.getLogger("lbproxy.locator")
@@ -126,7 +126,7 @@ class DnsLocator:
                 log.debug("DNS UDP receive: %s", exc)
                 await trio.lowlevel.checkpoint()
                 continue
-            answer = handle(data, trio.current_time())
+            answer = handle(data, trio.current_time(), UDP_PAYLOAD, peer)
             if answer is not None:
                 try:
                     raw.sendto(answer, peer)
@@ -140,7 +140,7 @@ class DnsLocator:
     async def _tcp(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
             try:
-                client, _ = await sock.accept()
+                client, peer = await sock.accept()
             except OSError as exc:  # out of descriptors: back off, never spin
                 log.warning("DNS TCP accept: %s", exc)
                 await trio.sleep(0.1)
@@ -149,9 +149,9 @@ class DnsLocator:
                 client.close()
                 continue
             self.tcp_clients += 1
-            nursery.start_soon(self._tcp_client, client)
+            nursery.start_soon(self._tcp_client, client, peer)
 
-    async def _tcp_client(self, client: trio.socket.SocketType) -> None:
+    async def _tcp_client(self, client: trio.socket.SocketType, peer: tuple) -> None:
         stream = trio.SocketStream(client)
         try:
             async with stream:
@@ -161,7 +161,8 @@ class DnsLocator:
                         message = await _read_message(stream)
                     if message is None:  # end of file, a timeout, or half a message
                         return
-                    answer = self.handler.handle(message, trio.current_time(), MAX_TCP_MESSAGE)
+                    now = trio.current_time()
+                    answer = self.handler.handle(message, now, MAX_TCP_MESSAGE, peer)
                     if answer is None:
                         return
                     with trio.move_on_after(TCP_TIMEOUT):  # a client that reads nothing

@@ -616,9 +616,15 @@ class Pool:
             report(rs, value, step)
         return None
 
-    def answer(self, rs: RealServer, now: float, via: str = "http") -> None:
+    def answer(
+        self, rs: RealServer, now: float, via: str = "http", client: tuple | None = None
+    ) -> None:
         """Count a locator answer for `rs` as a pick: a connection sent that closes at
-        once (least-load adds its estimate, sap its load factor, rr/wrr advance)."""
+        once (least-load adds its estimate, sap its load factor, rr/wrr advance).
+
+        With persistence and the asking `client`'s address, its entry is made or moved
+        to `rs` and, the "connection" being over at once, lives `timeout` from now: a
+        client that asks again within `timeout` of its last answer gets `rs` again."""
         rs.seq = self._next_seq
         self._next_seq += 1
         rs.sched_active += 1
@@ -626,9 +632,25 @@ class Pool:
         rs.sched_active -= 1
         self.scheduler.on_drop(rs, now)
         self.answers[rs.name, via] += 1
+        persistence = self.persistence
+        if persistence is not None and client is not None:
+            key = client[0]
+            if ":" in key:
+                key = client_key(client)
+            persistence.release(persistence.acquire(key, rs, now), now)
 
-    def locate(self, now: float, current: str | None = None, via: str = "http") -> Located | None:
+    def locate(
+        self,
+        now: float,
+        current: str | None = None,
+        via: str = "http",
+        client: tuple | None = None,
+    ) -> Located | None:
         """The locator's answer, counted; None when no server is available.
+
+        `client` is the asking address (the HTTP peer, the DNS query's source), given
+        to the pick as a proxied connection's is: `maglev` hashes it, `persistence`
+        looks it up and remembers the answer (see `answer`).
 
         With `current` (Geode's `getReplacementServerForConnection`): replace when that
         server is unknown or unavailable, or when it is the most loaded and the pool is
@@ -637,22 +659,22 @@ class Pool:
         answer is `current` itself and nothing is counted.
         """
         if current is None:
-            rs = self.pick(now)
+            rs = self.pick(now, (), client)
             if rs is None:
                 return None
-            self.answer(rs, now, via)
+            self.answer(rs, now, via, client)
             return Located(rs, self.load_of(rs))
         old = self.by_name.get(current)
         if old is not None and old.available and not self._should_move(old):
             return Located(old, self.load_of(old), False)
-        rs = self.pick(now, () if old is None else (old,))
+        rs = self.pick(now, () if old is None else (old,), client)
         if rs is None:
             if old is not None and old.available:
                 return Located(old, self.load_of(old), False)
             return None
         if old is not None:
             self.scheduler.on_moved_away(old, now)
-        self.answer(rs, now, via)
+        self.answer(rs, now, via, client)
         return Located(rs, self.load_of(rs), True)
 
     def load_of(self, rs: RealServer) -> float | None:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
+from zlib import crc32
 
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -57,6 +58,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lbproxy import dashboard, logs
 from lbproxy.admin import (
+    CLIENT_HEADER,
     LOAD_PATH,
     LOCATE_PATH,
     REAL_SERVER_PATH,
@@ -74,6 +76,7 @@ from lbproxy.admin import (
 from lbproxy.config import Config
 from lbproxy.metrics import RELOAD_RESULTS
 from lbproxy.notify import STATUS_INTERVAL, Notifier, status_line
+from lbproxy.persistence import client_key
 from lbproxy.server import BindError, Server, listen_socket, load_for_reload
 
 log = logging.getLogger("lbproxy.workers")
@@ -124,10 +127,18 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def _http(socket_path: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+def _http(
+    socket_path: str,
+    method: str,
+    path: str,
+    body: bytes | None,
+    extra: dict[str, str] | None = None,
+) -> tuple[int, bytes]:
     connection = UnixHTTPConnection(socket_path, WORKER_TIMEOUT)
     try:
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        if extra:
+            headers.update(extra)
         connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
         return response.status, response.read()
@@ -487,10 +498,16 @@ class Supervisor:
     # -- talking to the workers -------------------------------------------------
 
     async def _ask(
-        self, worker: Worker, method: str, path: str, body: bytes | None = None
+        self,
+        worker: Worker,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, bytes]:
         return await trio.to_thread.run_sync(
-            partial(_http, worker.admin_path, method, path, body), abandon_on_cancel=True
+            partial(_http, worker.admin_path, method, path, body, headers),
+            abandon_on_cancel=True,
         )
 
     async def _each(
@@ -629,20 +646,32 @@ class Supervisor:
             self.load_reports[path] = body
             return 200, answers[0][2]
 
-    async def locate(self, path: str) -> tuple[int, bytes]:
+    async def locate(
+        self, path: str, vs_name: str = "", client: tuple | None = None
+    ) -> tuple[int, bytes]:
         """GET .../locate: asked of one ready worker, the next one each time.
 
         Every worker keeps its own pools, so each is a locator of its own; Geode's
         locators "do not share connection information among themselves" either. Round
-        robin spreads the answers' estimates evenly over the workers' views.
+        robin spreads the answers' estimates evenly over the workers' views. The
+        asking `client` is passed on (CLIENT_HEADER) for maglev and persistence; with
+        `persistence`, whose table is per worker, a client is always asked of the same
+        worker (by a hash of its address, while the set of ready workers stays).
         """
         ready = [worker for worker in self.workers if worker.ready]
         if not ready:
             raise _HTTPError(503, "no worker is ready")
-        self._next_locator = (self._next_locator + 1) % len(ready)
-        worker = ready[self._next_locator]
+        headers = None
+        if client is not None:
+            headers = {CLIENT_HEADER.decode(): f"{client[0]} {client[1]}"}
+        vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
+        if client is not None and vs is not None and vs.persistence is not None:
+            worker = ready[crc32(client_key(client).encode()) % len(ready)]
+        else:
+            self._next_locator = (self._next_locator + 1) % len(ready)
+            worker = ready[self._next_locator]
         try:
-            return await self._ask(worker, "GET", path)
+            return await self._ask(worker, "GET", path, headers=headers)
         except (OSError, http.client.HTTPException) as exc:
             raise _HTTPError(503, f"worker {worker.index} did not answer: {exc}") from None
 
@@ -775,7 +804,12 @@ class SupervisorApp(AdminApp):
             self._allow(method, "GET")
             query = scope.get("query_string", b"").decode("latin-1")
             target = f"/api/v1/virtual-servers/{urllib.parse.quote(match[1], safe='')}/locate"
-            status, answer = await supervisor.locate(target + (f"?{query}" if query else ""))
+            client = scope.get("client")
+            status, answer = await supervisor.locate(
+                target + (f"?{query}" if query else ""),
+                match[1],
+                None if client is None else tuple(client),
+            )
             return status, answer, "json"
         if match := LOAD_PATH.match(path):
             self._allow(method, "PUT")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+from http.client import HTTPConnection
 
 import dns.flags
 import dns.message
@@ -431,3 +432,128 @@ def test_simulate_locate_from_the_command_line(tmp_path):
     assert "#6 t=0.50s -> b  [a=0.6, b=0.5]" in explained
     refused = run_cli(*args, "--locate", "--hold")
     assert refused.returncode == 2 and "exclude each other" in refused.stderr
+
+
+# -- affinity for the asking client: maglev and persistence (SPEC §10, §12) -------------
+
+SOURCES = [f"127.0.0.{n}" for n in range(2, 34)]  # 32 loopback source addresses
+
+
+def affinity_config(admin_port: int, dns_port: int, ports: list[int], extra: str = "") -> str:
+    """`cache`: maglev over four servers; `sticky`: rr with persistence; locator only."""
+    servers = "".join(
+        f"      - {{name: s{i}, address: 127.0.0.1:{port}}}\n" for i, port in enumerate(ports)
+    )
+    return (
+        "global:\n"
+        f"  admin: {{listen: 127.0.0.1:{admin_port}}}\n"
+        f"  locator:\n    dns: {{listen: 127.0.0.1:{dns_port}, zone: lb.internal., ttl: 0}}\n"
+        f"{extra}"
+        "virtual_servers:\n"
+        "  - name: cache\n    listen: none\n    scheduler: maglev\n"
+        "    health_check: {type: none}\n    real_servers:\n" + servers + "  - name: sticky\n"
+        "    listen: none\n    scheduler: rr\n    persistence: {timeout: 1m}\n"
+        "    health_check: {type: none}\n    real_servers:\n" + servers
+    )
+
+
+def locate_from(admin_port: int, source: str, vs: str, headers=None) -> str:
+    """GET .../locate over a connection from `source` (a bound 127.0.0.x address)."""
+    connection = HTTPConnection("127.0.0.1", admin_port, timeout=10, source_address=(source, 0))
+    try:
+        connection.request("GET", f"/api/v1/virtual-servers/{vs}/locate", headers=headers or {})
+        response = connection.getresponse()
+        assert response.status == 200
+        return json.loads(response.read())["real_server"]
+    finally:
+        connection.close()
+
+
+def dns_locate_from(dns_port: int, source: str, vs: str, tcp: bool = False) -> str:
+    """The SRV target's real server for `_VS._tcp`, asked from `source` (UDP or TCP)."""
+    query = dns.message.make_query(f"_{vs}._tcp.lb.internal.", "SRV")
+    ask = dns.query.tcp if tcp else dns.query.udp
+    answer = ask(query, "127.0.0.1", timeout=5, port=dns_port, source=source)
+    (srv,) = answer.answer[0]
+    return srv.target.labels[0].decode()
+
+
+@pytest.fixture
+def affinity(name_servers, lbproxy):
+    ports = [free_port() for _ in range(4)]  # nothing need listen: a locate only names them
+    admin_port, dns_port = free_port(), free_port()
+    proxy = lbproxy(affinity_config(admin_port, dns_port, ports))
+    return proxy, admin_port, dns_port
+
+
+def test_maglev_locate_gives_each_asking_address_its_own_server(affinity):
+    _, admin_port, dns_port = affinity
+    # The same asker, the same answer, over and over (HTTP and DNS alike).
+    assert len({locate_from(admin_port, "127.0.0.1", "cache") for _ in range(8)}) == 1
+    answers = {}
+    for source in SOURCES:
+        by_http = [locate_from(admin_port, source, "cache") for _ in range(3)]
+        by_udp = [dns_locate_from(dns_port, source, "cache") for _ in range(2)]
+        by_tcp = dns_locate_from(dns_port, source, "cache", tcp=True)
+        assert len({*by_http, *by_udp, by_tcp}) == 1, (source, by_http, by_udp, by_tcp)
+        answers[source] = by_http[0]
+    # Different askers are spread over the servers (a fixed hash: this never varies;
+    # 32 addresses on one server of four would be a 4^-31 chance).
+    assert len(set(answers.values())) >= 2, answers
+    # The supervisor's header naming another asker is not heeded from a TCP client.
+    mine = locate_from(admin_port, "127.0.0.1", "cache")
+    other = next(source for source, name in answers.items() if name != mine)
+    spoofed = {"X-Lbproxy-Client": f"{other} 0"}
+    assert locate_from(admin_port, "127.0.0.1", "cache", spoofed) == mine
+
+
+def test_persistence_keeps_a_locating_client_on_its_server(affinity):
+    _, admin_port, dns_port = affinity
+    samples = metrics(admin_port)
+    assert sample(samples, "lbproxy_persistence_entries", virtual_server="sticky") == 0
+    # rr alone would alternate; the entry made by each answer keeps its asker in place
+    first = [locate_from(admin_port, source, "sticky") for source in SOURCES[:4]]
+    assert first == ["s0", "s1", "s2", "s3"]  # one miss each: rr picks
+    again = [locate_from(admin_port, source, "sticky") for source in SOURCES[:4] * 3]
+    assert again == first * 3  # twelve hits
+    assert [dns_locate_from(dns_port, source, "sticky") for source in SOURCES[:4]] == first
+    samples = metrics(admin_port)
+    lookups = {
+        result: sample(
+            samples, "lbproxy_persistence_lookups_total", virtual_server="sticky", result=result
+        )
+        for result in ("hit", "miss", "moved")
+    }
+    assert lookups == {"hit": 16, "miss": 4, "moved": 0}
+    assert sample(samples, "lbproxy_persistence_entries", virtual_server="sticky") == 4
+
+
+def test_workers_pass_the_asking_address_on(name_servers, lbproxy):
+    ports = [free_port() for _ in range(4)]
+    admin_port, dns_port = free_port(), free_port()
+    proxy = lbproxy(affinity_config(admin_port, dns_port, ports, extra="  workers: 2\n"))
+    admin = f"http://127.0.0.1:{admin_port}"
+    deadline = time.monotonic() + 15
+    while http("GET", f"{admin}/readyz")[0] != 200:
+        assert time.monotonic() < deadline, proxy.log()
+        time.sleep(0.05)
+    # maglev: every worker has the same table, so round robin over them changes nothing
+    answers = {}
+    for source in SOURCES[:8]:
+        seen = {locate_from(admin_port, source, "cache") for _ in range(4)}
+        assert len(seen) == 1, (source, seen)
+        answers[source] = seen.pop()
+    assert len(set(answers.values())) >= 2, answers
+    # a client's own header is not passed on: the supervisor names its peer
+    mine = locate_from(admin_port, "127.0.0.1", "cache")
+    other = next(source for source, name in answers.items() if name != mine)
+    spoofed = {"X-Lbproxy-Client": f"{other} 0"}
+    assert {locate_from(admin_port, "127.0.0.1", "cache", spoofed) for _ in range(2)} == {mine}
+    # persistence (a table per worker): a client is asked of one worker, and stays
+    for source in SOURCES[:4]:
+        assert len({locate_from(admin_port, source, "sticky") for _ in range(4)}) == 1
+    samples = metrics(admin_port)  # the supervisor's: the workers' counters added up
+    hits = sample(
+        samples, "lbproxy_persistence_lookups_total", virtual_server="sticky", result="hit"
+    )
+    assert hits == 12

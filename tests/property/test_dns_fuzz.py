@@ -11,6 +11,7 @@ import dns.rdatatype
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lbproxy.config import PersistenceConfig
 from lbproxy.dns_query import QueryHandler
 from lbproxy.pool import Pool
 from tests.factories import virtual_server
@@ -90,3 +91,36 @@ def test_well_formed_queries_get_one_of_the_spec_answers(labels, zone, rdtype, t
     assert answer.rcode() in expected
     for rrset in answer.answer:
         assert rrset.name == name
+
+
+AFFINITY = QueryHandler(
+    "lb.internal.",
+    0,
+    {
+        "cache": Pool(virtual_server("maglev", {"a": {}, "b": {}}, table_size=101), 0),
+        "sticky": Pool(
+            virtual_server(
+                "rr", {"a": {}, "b": {}}, persistence=PersistenceConfig(timeout=1, max_entries=4)
+            ),
+            0,
+        ),
+    }.get,
+)
+CLIENTS = st.one_of(
+    st.tuples(st.ip_addresses(v=4).map(str), st.integers(0, 65535)),
+    st.tuples(st.ip_addresses(v=6).map(str), st.integers(0, 65535), st.just(0), st.just(0)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["cache", "sticky"]),
+    st.sampled_from(["SRV", "A", "AAAA"]),
+    CLIENTS,
+    st.floats(0, 100),
+)
+def test_a_locate_from_any_source_address_is_answered(vs, rdtype, client, now):
+    name = f"_{vs}._tcp.lb.internal." if rdtype == "SRV" else f"{vs}.lb.internal."
+    query = dns.message.make_query(name, rdtype)
+    message = check(AFFINITY.handle(query.to_wire(), now, 512, client), query.id)
+    assert message.rcode() == dns.rcode.NOERROR

@@ -245,3 +245,47 @@ def test_a_reload_with_another_table_size_rebuilds_the_table():
     pool.pick(1)
     assert len(pool.scheduler.table) == 101
     assert "".join(rs.name for rs in pool.scheduler.table) == VECTOR
+
+
+# -- a locator answer is a connection that ends at once (SPEC §10) ------------------------
+
+
+def test_a_locate_makes_an_entry_that_lives_timeout_from_the_answer():
+    pool = sticky_pool(timeout=10.0)
+    asker = ("10.0.0.1", 40000)
+
+    def locate(now: float, client=asker) -> str:
+        return pool.locate(now, client=client).server.name
+
+    assert locate(0.0) == "a"  # a miss: rr picks, the entry is made
+    assert locate(0.0, ("10.0.0.2", 1)) == "b"  # another asker: rr goes on
+    assert [locate(t) for t in (5.0, 14.9)] == ["a", "a"]  # hits; each renews the entry
+    assert lookups(pool) == {"hit": 2, "miss": 2, "moved": 0}
+    assert pool.persistence_entries(24.8) == 2 - 1  # 10.0.0.2's ended at 10.0
+    assert locate(24.9) == "c"  # 10 s after the last answer: gone, rr picks afresh
+    assert lookups(pool) == {"hit": 2, "miss": 3, "moved": 0}
+    # no asking address (a worker's endpoint without the supervisor's header): the
+    # scheduler alone, nothing looked up or remembered
+    assert pool.locate(25.0) is not None
+    assert lookups(pool) == {"hit": 2, "miss": 3, "moved": 0}
+    assert pool.persistence_entries(25.0) == 1
+
+
+def test_a_locate_for_an_unavailable_server_moves_the_entry():
+    pool = sticky_pool(timeout=10.0)
+    asker = ("10.0.0.1", 40000)
+    assert pool.locate(0.0, client=asker).server.name == "a"
+    pool.set_state(pool.by_name["a"], "drain", 0.0)
+    assert pool.locate(1.0, client=asker).server.name == "b"
+    pool.set_state(pool.by_name["a"], "enabled", 1.0)
+    assert pool.locate(2.0, client=asker).server.name == "b"  # stays where it moved
+    assert lookups(pool) == {"hit": 1, "miss": 1, "moved": 1}
+
+
+def test_maglev_locate_answers_an_asker_as_its_connections_are_picked():
+    servers = {name: {} for name in "abcd"}
+    pool = Pool(virtual_server("maglev", servers, table_size=101), 0)
+    for n in range(1, 20):
+        client = (f"10.0.0.{n}", 1000 + n)
+        picked = pool.pick(0.0, (), client).name
+        assert {pool.locate(0.0, client=client).server.name for _ in range(3)} == {picked}

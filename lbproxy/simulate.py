@@ -379,7 +379,7 @@ def simulate(
             continue
         scores = pool.scores() if explain else {}
         if locate:  # a locator answer: counted as a pick, no connection held
-            located = pool.locate(now, via="simulate")
+            located = pool.locate(now, via="simulate", client=client)
             rs = None if located is None else located.server
         else:
             rs = pool.pick(now, (), client)

@@ -58,3 +58,13 @@ def test_with_persistence_clients_stay_after_the_join_until_the_timeout():
 def test_without_clients_the_result_has_no_clients():
     result = simulate(virtual_server("rr", {"a": {}}), 3)
     assert result.clients is None and "clients" not in result.as_json()
+
+
+def test_locate_answers_each_client_as_the_live_locator_does():
+    """--locate with maglev: a client's answers are its own server's, as a connection's."""
+    vs = virtual_server("maglev", {n: {} for n in "abcd"})
+    located = simulate(vs, 400, clients=40, locate=True)
+    connected = simulate(vs, 400, clients=40)
+    assert located.clients == connected.clients
+    assert all(len(set(servers)) == 1 for servers in located.clients.values())
+    assert len({servers[0] for servers in located.clients.values()}) == 4

@@ -237,6 +237,19 @@ def wait_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None
             time.sleep(0.02)
 
 
+def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
+    """Poll `condition` until it returns something true (returned), or fail after
+    `timeout` seconds naming `what`. Bounded in time; polls every 20 ms."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} ({timeout:g}s)")
+        time.sleep(0.02)
+
+
 def run_cli(*args: str, timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ, COLUMNS="120")
     return subprocess.run(

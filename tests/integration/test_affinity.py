@@ -11,9 +11,9 @@ import pytest
 
 from lbproxy.proxy_protocol import encode_v1
 from tests.integration.conftest import vs_config
-from tests.integration.harness import Lbproxy, NameServer, free_port, read_name
+from tests.integration.harness import Lbproxy, NameServer, free_port, read_name, wait_for
 from tests.integration.test_admin import http, metrics, sample, with_admin
-from tests.integration.test_workers import ready, wait_for, worker_servers
+from tests.integration.test_workers import ready, worker_servers
 
 FAST_HEALTH = "health_check: {type: tcp, interval: 200ms, timeout: 200ms, rise: 1, fall: 1}"
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.integration.harness import NameServer, free_port, read_name
+from tests.integration.harness import NameServer, free_port, read_name, wait_for
 from tests.integration.test_admin import http, metrics, sample
 
 
@@ -84,17 +84,6 @@ def split(admin: str) -> dict[str, int]:
 def health(admin: str) -> dict[str, str]:
     _, body = http("GET", f"{admin}/api/v1/virtual-servers/pool")
     return {rs["name"]: rs["health"] for rs in json.loads(body)["real_servers"]}
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def rejoin(lbproxy, name_servers, conditioning: str):

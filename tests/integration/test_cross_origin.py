@@ -14,9 +14,9 @@ import json
 import pytest
 
 from tests.integration.conftest import vs_config
-from tests.integration.harness import free_port
+from tests.integration.harness import free_port, wait_for
 from tests.integration.test_admin import metrics, sample, with_admin
-from tests.integration.test_workers import ready, wait_for, workers_config
+from tests.integration.test_workers import ready, workers_config
 
 
 def request(admin_port: int, method: str, path: str, body: bytes, headers: dict) -> tuple:

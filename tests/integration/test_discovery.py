@@ -23,6 +23,7 @@ from tests.integration.harness import (
     free_port,
     open_and_read_name,
     run_cli,
+    wait_for,
 )
 from tests.integration.test_admin import http, metrics, sample
 
@@ -95,17 +96,6 @@ def servers_of(admin_port: int) -> dict[str, dict]:
     return {rs["name"]: rs for rs in document(admin_port)["real_servers"]}
 
 
-def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout}s")
-        time.sleep(0.02)
-
-
 def wait_for_names(admin_port: int, names: set[str], timeout: float = 10.0) -> dict[str, dict]:
     found: dict[str, dict] = {}
 
@@ -114,7 +104,7 @@ def wait_for_names(admin_port: int, names: set[str], timeout: float = 10.0) -> d
         found.update(servers_of(admin_port))
         return found.keys() == names
 
-    wait_until(listed, timeout, f"real servers {sorted(names)}")
+    wait_for(listed, timeout, f"real servers {sorted(names)}")
     return found
 
 
@@ -153,11 +143,11 @@ def test_srv_servers_appear_and_follow_weight_changes(name_servers, lbproxy, dns
     assert picks(port, 8) == {"a": 2, "b": 6}  # smooth wrr: exact per cycle of 4
 
     dns.set_srv(srv_for(a, b, weights={"a": 3, "b": 3}))
-    wait_until(lambda: servers_of(admin_port)[name_a]["weight"]["static"] == 3, what="weight 3")
+    wait_for(lambda: servers_of(admin_port)[name_a]["weight"]["static"] == 3, what="weight 3")
     assert picks(port, 6) == {"a": 3, "b": 3}
 
     dns.set_srv(srv_for(a, b, weights={"a": 0, "b": 3}))  # SRV weight 0: no new connections
-    wait_until(lambda: servers_of(admin_port)[name_a]["weight"]["static"] == 0, what="weight 0")
+    wait_for(lambda: servers_of(admin_port)[name_a]["weight"]["static"] == 0, what="weight 0")
     assert picks(port, 4) == {"b": 4}
 
     samples = metrics(admin_port)
@@ -261,7 +251,7 @@ def test_a_records_change_at_once_but_go_only_after_hold(lbproxy, dnsmasq):
 
         dns.set_hosts({})  # NXDOMAIN: the servers stay for `hold` (2 s)
         gone_at = time.monotonic()
-        wait_until(lambda: "NXDOMAIN; its 1 server(s) go in 2s" in proxy.log(), what="log")
+        wait_for(lambda: "NXDOMAIN; its 1 server(s) go in 2s" in proxy.log(), what="log")
         time.sleep(0.5)
         assert set(servers_of(admin_port)) == {n2}
         assert ask_name(port) == "n2"
@@ -299,7 +289,7 @@ def test_a_resolver_outage_keeps_the_last_set(name_servers, lbproxy, dnsmasq):
             result="error",
         )
 
-    wait_until(lambda: errors() >= 4, timeout=10, what="4 failed rounds")
+    wait_for(lambda: errors() >= 4, timeout=10, what="4 failed rounds")
     assert set(servers_of(admin_port)) == names
     assert picks(port, 4) == {"a": 2, "b": 2}
     log = proxy.log()
@@ -307,7 +297,7 @@ def test_a_resolver_outage_keeps_the_last_set(name_servers, lbproxy, dnsmasq):
     assert "keeping the last 2 discovered server(s)" in log
 
     dns.start()
-    wait_until(lambda: "resolving again after" in proxy.log(), what="recovery log")
+    wait_for(lambda: "resolving again after" in proxy.log(), what="recovery log")
     assert set(servers_of(admin_port)) == names
 
 
@@ -320,9 +310,7 @@ def test_start_up_without_an_answer_serves_the_static_servers(name_servers, lbpr
     assert status == 200
     assert set(servers_of(admin_port)) == {"s"}
     assert ask_name(port) == "s"
-    wait_until(
-        lambda: "no answer yet: only the static real servers serve" in proxy.log(), what="log"
-    )
+    wait_for(lambda: "no answer yet: only the static real servers serve" in proxy.log(), what="log")
     dns.start(srv=srv_for(a), hosts=glue_for(a))
     wait_for_names(admin_port, {"s", f"a.node.test:{a.port}"})
 
@@ -342,7 +330,7 @@ def test_connections_to_a_removed_server_finish_undisturbed(name_servers, lbprox
     assert served_by == "a"  # `first`: the first in order
 
     dns.set_srv(srv_for(b))
-    found = wait_until(
+    found = wait_for(
         lambda: (rs := servers_of(admin_port)).get(name_a, {}).get("state") == "drain" and rs,
         what="a draining",
     )
@@ -473,7 +461,7 @@ def test_higher_srv_priorities_serve_only_while_the_primaries_are_down(lbproxy, 
 
         a.stop()
         b.stop()
-        wait_until(
+        wait_for(
             lambda: all(
                 rs["health"] == "down"
                 for name, rs in servers_of(admin_port).items()
@@ -484,7 +472,7 @@ def test_higher_srv_priorities_serve_only_while_the_primaries_are_down(lbproxy, 
         assert picks(port, 3) == {"c": 3}
 
         servers[0] = a = NameServer("a", port=a.port)  # a primary is back
-        wait_until(
+        wait_for(
             lambda: servers_of(admin_port)[f"a.node.test:{a.port}"]["health"] == "up",
             what="a up",
         )

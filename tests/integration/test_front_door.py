@@ -24,7 +24,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests.integration.conftest import vs_config
-from tests.integration.harness import NameServer, ask_name, free_port, open_and_read_name, read_name
+from tests.integration.harness import (
+    NameServer,
+    ask_name,
+    free_port,
+    open_and_read_name,
+    read_name,
+    wait_for,
+)
 from tests.integration.test_admin import http, metrics, sample, with_admin
 
 FAST_CHECKS = "health_check: {type: tcp, interval: 0.1s, timeout: 0.5s, rise: 1, fall: 1}"
@@ -108,13 +115,6 @@ def queued_proxy(name_servers, lbproxy, queue: str):
 
 def gauge(admin_port: int, name: str, **labels) -> float:
     return sample(metrics(admin_port), name, virtual_server="web", **labels)
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def served(sockets: list[socket.socket], timeout: float = 5.0) -> list[int]:

@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from tests.integration.harness import (
     free_port,
     open_and_read_name,
     run_cli,
+    wait_for,
 )
 from tests.integration.test_admin import http, metrics, sample, with_admin
 
@@ -31,17 +31,6 @@ def workers_config(port: int, servers, admin_port: int, workers: int = 2, rs_ext
         vs_config(port, servers, "rr", "health_check: {type: none}", rs_extra), admin_port
     )
     return config.replace("global:\n", f"global:\n  workers: {workers}\n", 1)
-
-
-def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def get_json(admin_port: int, path: str):

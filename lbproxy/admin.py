@@ -1,7 +1,7 @@
 """The admin endpoint: /metrics, /healthz, /readyz and the /api/v1 JSON API (SPEC §7).
 
-A small ASGI application served by hypercorn's trio worker inside the proxy's own trio
-program, so it reads the live pools directly; hypercorn does all the HTTP. Mutations
+A small ASGI application served by our own HTTP/1.1 server on h11 (http_server.py)
+inside the proxy's own trio program, so it reads the live pools directly. Mutations
 (PATCH, POST) need `Authorization: Bearer <token>` when `global.admin.token_file` is set
 (compared in constant time) and are refused from non-loopback clients when it is not.
 Nothing secret is logged.
@@ -16,19 +16,14 @@ import logging
 import os
 import re
 import stat
-import sys
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.config import Sockets
-from hypercorn.trio.run import worker_serve
-from hypercorn.utils import wrap_app
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lbproxy import dashboard
+from lbproxy import dashboard, http_server
 from lbproxy.metrics import make_registry
 from lbproxy.pool import Located, Pool, state_error, weight_error
 
@@ -37,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lbproxy.admin")
 
-MAX_BODY = 64 * 1024
+MAX_BODY = http_server.MAX_BODY  # larger bodies: 413, from the server before the app
 PATCH_KEYS = ("weight", "state")
 PATCH_EXAMPLE = '{"weight": 3} or {"state": "enabled" | "drain" | "disabled"}'
 REAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)$")
@@ -353,11 +348,7 @@ class AdminApp:
     ) -> tuple[int, bytes, str]:
         pool = self._pool(vs_name)
         self._real_server(pool, rs_name)
-        try:
-            body = await _read_body(receive)
-        except _HTTPError:
-            raise _HTTPError(400, f"body too large (over {MAX_BODY // 1024} KiB)") from None
-        load, per_connection = parse_load_report(body)
+        load, per_connection = parse_load_report(await _read_body(receive))
         error = self.server.report_load(vs_name, rs_name, load, per_connection)
         if error:
             raise _HTTPError(400, error)
@@ -544,18 +535,5 @@ async def serve_admin(
 async def serve_asgi(
     app: Any, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Serve an ASGI app (AdminApp or the supervisor's) with hypercorn until cancelled."""
-    config = HypercornConfig()
-    config.accesslog = None
-    config.errorlog = logging.getLogger("lbproxy.admin.http")
-    config.graceful_timeout = 1.0
-    # No recycling of keep-alive connections (hypercorn's default ends one after 1,000
-    # requests): the app keeps nothing per connection, so there is nothing to reclaim, and
-    # the recycle races in hypercorn 0.17/0.18: when the client sends its next request
-    # (or closes) right after the body of the `Connection: close` answer, the read task's
-    # `send_eof` (taken outside hypercorn's send lock) meets the app task's last
-    # `send_all` and logs "Error in ASGI Framework" (trio.BusyResourceError). A client
-    # pool asking /locate keeps its connection; each recycle also cost it a reconnect.
-    config.keep_alive_max_requests = sys.maxsize
-    wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
-    await worker_serve(wrapped, config, sockets=Sockets([], [sock], []), task_status=task_status)
+    """Serve an ASGI app (AdminApp or the supervisor's) until cancelled (http_server.py)."""
+    await http_server.serve(app, sock, task_status=task_status)

@@ -814,10 +814,7 @@ class SupervisorApp(AdminApp):
         if match := LOAD_PATH.match(path):
             self._allow(method, "PUT")
             self._authorize(scope)
-            try:
-                body = await _read_body(receive)
-            except _HTTPError:
-                raise _HTTPError(400, "body too large (over 64 KiB)") from None
+            body = await _read_body(receive)  # over 64 KiB: 413, as a PATCH
             quoted = [urllib.parse.quote(name, safe="") for name in (match[1], match[2])]
             status, answer = await supervisor.report_load(
                 f"/api/v1/virtual-servers/{quoted[0]}/real-servers/{quoted[1]}/load", body

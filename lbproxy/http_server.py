@@ -1,0 +1,504 @@
+"""The admin endpoint's HTTP/1.1 server: an ASGI app served over h11 on a trio socket.
+
+h11 does all the parsing and serialising (and the protocol's rules: framing, keep-alive,
+`Expect: 100-continue`, chunked bodies, HEAD); this module owns only the connection
+loop. It replaces hypercorn, whose per-request machinery (a task and a memory channel per
+request, its idle-timer task restarted after every answer, a lock and a shielded scope
+per write, three writes per answer) cost more than the admin app's hottest route, the
+locator's `GET .../locate` (figures in docs/benchmarks.md, "HTTP locate").
+
+The shape is chosen for cost:
+
+- One task per connection; the app is awaited inline (HTTP/1.1 answers in order on a
+  connection, so a request has nothing to run beside): no task per request.
+- One cancel scope per connection whose deadline is moved, never restarted: the idle
+  timeout between requests, the request timeout once a request has begun, none while the
+  app runs.
+- A complete answer (the app's `http.response.start` plus a last `http.response.body`)
+  leaves in ONE send: h11's Response, Data and EndOfMessage bytes joined. No lock: only
+  the connection's own task ever writes.
+- Plain non-blocking sockets under trio's wrapper (reads of 64 KiB); the task waits on
+  the descriptor only when a call would block. Nothing is logged per request.
+
+The request body is read whole (at most MAX_BODY) before the app is called, so
+`receive()` gives one `http.request` with the body and `more_body: False`, then
+`http.disconnect`. The server's own refusals are JSON `{"error": ...}` as the admin API's:
+400 a request h11 cannot parse, 413 a body over MAX_BODY, 431 a head over MAX_HEAD, 500
+when the app raises (logged once, with its traceback); each then closes the connection.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import errno
+import json
+import logging
+import math
+import socket
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import h11
+import trio
+
+from lbproxy.listener import ACCEPT_BACKOFF, ACCEPT_BATCH, ACCEPT_CAPACITY_ERRNOS
+
+log = logging.getLogger("lbproxy.http_server")
+
+MAX_BODY = 64 * 1024  # a request body, Content-Length or chunked (nginx: 413)
+MAX_HEAD = 16 * 1024  # the request line and headers (h11's max_incomplete_event_size): 431
+READ_SIZE = 64 * 1024
+IDLE_TIMEOUT = 5.0  # a keep-alive connection with no request for this long is closed
+# Once a request's first bytes are in, its head and body must be complete within this
+# (slowloris: a client sending a byte a second is closed after REQUEST_TIMEOUT).
+REQUEST_TIMEOUT = 3.0
+SEND_TIMEOUT = 10.0  # a client that reads nothing of an answer for this long is closed
+GRACE = 1.0  # on stop, an answer in progress has this long; idle connections close at once
+# After a refusal (400, 413, 431, 500) the connection is closed "lingering", as nginx
+# does: our side shut, what the client still sends read and dropped for up to this long,
+# so closing with unread bytes (an RST) does not destroy the answer before it is read.
+LINGER = 1.0
+LINGER_BYTES = 1024 * 1024
+# Requests answered on one connection without waiting for the socket (a pipelining
+# client) before it lets other tasks run.
+FAIR_BATCH = 16
+
+ASGI = {"version": "3.0", "spec_version": "2.3"}
+DISCONNECT = {"type": "http.disconnect"}
+
+App = Callable[..., Awaitable[None]]
+
+
+async def serve(
+    app: App, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve an ASGI app on a bound, listening socket (TCP or Unix) until cancelled.
+
+    The app's lifespan startup runs before the first accept; on cancel, accepting stops,
+    idle connections close, an answer in progress gets GRACE seconds, and the lifespan
+    shutdown runs."""
+    await Server(app).serve(sock, task_status=task_status)
+
+
+class Server:
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.connections: set[_Connection] = set()
+        self._handlers: trio.Nursery | None = None
+        self._stopped = trio.Event()
+
+    async def serve(
+        self, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        lifespan = _Lifespan(self.app)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lifespan.run)
+            await lifespan.startup()
+            await nursery.start(self._run_handlers)
+            try:
+                task_status.started()
+                await self._accept(sock)
+            finally:
+                self._stop()
+                await lifespan.shutdown()
+
+    async def _run_handlers(self, task_status: trio.TaskStatus[None]) -> None:
+        # The connections live in a nursery of their own, shielded: cancelling `serve`
+        # stops the accept loop, and `_stop` then ends each connection its own way.
+        with trio.CancelScope(shield=True) as scope:
+            async with trio.open_nursery() as handlers:
+                self._handlers = handlers
+                task_status.started()
+                await self._stopped.wait()
+                scope.deadline = trio.current_time() + GRACE + 0.5  # a backstop
+
+    def _stop(self) -> None:
+        self._stopped.set()
+        deadline = trio.current_time() + GRACE
+        for connection in self.connections:
+            connection.stop(deadline)
+
+    async def _accept(self, sock: socket.socket) -> None:
+        # As listener.py's accept loop: the plain socket, a wait only when the backlog is
+        # empty, a checkpoint every ACCEPT_BATCH, back-off on capacity errors.
+        sock.setblocking(False)
+        fd = sock.fileno()
+        unix = sock.family == socket.AF_UNIX
+        assert self._handlers is not None
+        spawn = self._handlers.start_soon
+        batch = 0
+        failing = False
+        while True:
+            try:
+                client, peer = sock.accept()
+            except BlockingIOError:
+                batch = 0
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            except OSError as exc:
+                if exc.errno in ACCEPT_CAPACITY_ERRNOS:
+                    if not failing:
+                        log.error("admin: accept failed (%s); retrying", exc.strerror)
+                    failing = True
+                    await trio.sleep(ACCEPT_BACKOFF)
+                    continue
+                if exc.errno in (errno.EBADF, errno.EINVAL):  # the socket was closed
+                    return
+                log.warning("admin: accept failed: %s", exc)
+                await trio.lowlevel.checkpoint()
+                continue
+            failing = False
+            client.setblocking(False)
+            spawn(self._connection, client, None if unix else peer[:2])
+            batch += 1
+            if batch >= ACCEPT_BATCH:
+                batch = 0
+                await trio.lowlevel.checkpoint()
+
+    async def _connection(self, sock: socket.socket, peer: tuple | None) -> None:
+        try:
+            local = None if peer is None else sock.getsockname()[:2]
+        except OSError:  # reset before we looked
+            sock.close()
+            return
+        connection = _Connection(self.app, sock, peer, local)
+        self.connections.add(connection)
+        try:
+            await connection.run()
+        finally:
+            self.connections.discard(connection)
+            sock.close()
+
+
+class _Gone(Exception):
+    """The client went away (reset, broken pipe, or it stopped reading)."""
+
+
+class _Connection:
+    """One client connection: its h11 state, its one cancel scope, the request in hand."""
+
+    def __init__(self, app: App, sock: socket.socket, peer: tuple | None, local: tuple | None):
+        self.app = app
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer = peer
+        self.local = local
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self.scope = trio.CancelScope()
+        self.busy = False  # a request is being answered: a stop lets it finish (GRACE)
+        self.closing = False
+        self.began = False  # bytes of the next request have arrived
+        self.timed = False  # ... and its REQUEST_TIMEOUT is set
+        self.eof = False
+        self.unwaited = 0  # answers since this connection last waited for its socket
+        # The request in hand (reset per request)
+        self.method = b""
+        self.body = b""
+        self.delivered = False
+        self.head: dict[str, Any] | None = None
+        self.started = False  # the answer's head is written
+        self.finished = False
+        self.asgi_receive = self._asgi_receive  # bound once, not per request
+        self.asgi_send = self._asgi_send
+
+    def stop(self, deadline: float) -> None:
+        if self.busy:
+            self.closing = True
+            self.scope.deadline = min(self.scope.deadline, deadline)
+        else:
+            self.scope.cancel()
+
+    async def run(self) -> None:
+        conn = self.h11
+        with self.scope:
+            self.scope.deadline = trio.current_time() + IDLE_TIMEOUT
+            try:
+                while await self._serve_one():
+                    conn.start_next_cycle()
+                    self.scope.deadline = trio.current_time() + IDLE_TIMEOUT
+                    self.began = self.timed = False
+                    self.unwaited += 1
+                    if self.unwaited >= FAIR_BATCH:
+                        self.unwaited = 0
+                        await trio.lowlevel.checkpoint()
+            except h11.RemoteProtocolError as exc:
+                if not self.eof:  # a client that closed mid-request is not answered
+                    status = exc.error_status_hint
+                    if status == 431:
+                        message = f"request head too large (over {MAX_HEAD // 1024} KiB)"
+                    else:
+                        message = f"bad request: {exc}"
+                    await self._refuse(status, message)
+            except _Gone as exc:
+                log.debug("admin client %s gone: %s", self.peer, exc)
+
+    async def _serve_one(self) -> bool:
+        """Read one request, answer it; True: the connection goes on."""
+        request = await self._next_event(wait_first=True)
+        if type(request) is not h11.Request:
+            return False  # ConnectionClosed (or PAUSED: nothing we would go on with)
+        self.busy = True
+        self.method = request.method
+        headers = list(request.headers)
+        for name, value in headers:
+            if name == b"content-length" and int(value) > MAX_BODY:
+                await self._refuse(413, f"body too large: more than {MAX_BODY} bytes")
+                return False
+        body = b""
+        while True:
+            event = await self._next_event()
+            if type(event) is h11.Data:
+                body += event.data
+                if len(body) > MAX_BODY:  # chunked
+                    await self._refuse(413, f"body too large: more than {MAX_BODY} bytes")
+                    return False
+            elif type(event) is h11.EndOfMessage:
+                break
+            else:  # nothing else can come before EndOfMessage
+                return False
+        self.scope.deadline = math.inf  # the app is never cut by a timeout of ours
+        self.body = body
+        self.delivered = self.started = self.finished = False
+        self.head = None
+        try:
+            await self.app(self._scope(request.target, headers), self.asgi_receive, self.asgi_send)
+            if not self.finished:
+                raise RuntimeError("the app returned without a complete answer")
+        except _Gone:
+            raise
+        except Exception:
+            log.exception("admin: %s %s failed", request.method.decode(), request.target.decode())
+            if not self.started:
+                await self._refuse(500, "internal error")
+            return False  # half an answer: only closing can end it
+        self.busy = False
+        return not self.closing and _reusable(self.h11)
+
+    def _scope(self, target: bytes, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+        raw_path, _, query = target.partition(b"?")
+        path = raw_path.decode("latin-1")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        return {
+            "type": "http",
+            "asgi": ASGI,
+            "http_version": self.h11.their_http_version.decode(),  # type: ignore[union-attr]
+            "method": self.method.decode("ascii"),
+            "scheme": "http",
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": self.peer,
+            "server": self.local,
+        }
+
+    async def _next_event(self, wait_first: bool = False) -> Any:
+        conn = self.h11
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            if self.began and not self.timed:  # a request has begun: it has a deadline now
+                self.timed = True
+                self.scope.deadline = trio.current_time() + REQUEST_TIMEOUT
+            if conn.they_are_waiting_for_100_continue:
+                await self._write(conn.send(h11.InformationalResponse(status_code=100)))
+            await self._read(wait_first)
+            wait_first = False
+
+    async def _read(self, wait_first: bool) -> None:
+        sock = self.sock
+        if wait_first:  # after an answer the next request is rarely there yet
+            self.unwaited = 0
+            await trio.lowlevel.wait_readable(self.fd)
+        while True:
+            try:
+                data = sock.recv(READ_SIZE)
+            except BlockingIOError:
+                self.unwaited = 0
+                await trio.lowlevel.wait_readable(self.fd)
+                continue
+            except OSError:  # reset: as an end of stream
+                data = b""
+            break
+        if data:
+            self.began = True
+        else:
+            self.eof = True
+        self.h11.receive_data(data)
+
+    async def _write(self, data: bytes) -> None:
+        sock = self.sock
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise _Gone(exc) from None
+        if sent == len(data):
+            return
+        view = memoryview(data)[sent:]
+        while view:
+            with trio.move_on_after(SEND_TIMEOUT) as waited:
+                await trio.lowlevel.wait_writable(self.fd)
+            if waited.cancelled_caught:
+                raise _Gone(f"it read nothing for {SEND_TIMEOUT}s")
+            try:
+                view = view[sock.send(view) :]
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise _Gone(exc) from None
+
+    # -- the ASGI side -------------------------------------------------------------
+
+    async def _asgi_receive(self) -> dict[str, Any]:
+        if self.delivered:
+            return DISCONNECT
+        self.delivered = True
+        return {"type": "http.request", "body": self.body, "more_body": False}
+
+    async def _asgi_send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self.head is not None:
+                raise RuntimeError("http.response.start sent twice")
+            self.head = message
+            return
+        if kind != "http.response.body":
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+        if self.head is None or self.finished:
+            raise RuntimeError("http.response.body without http.response.start, or after the end")
+        conn = self.h11
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        parts = []
+        if not self.started:
+            self.started = True
+            headers = list(self.head.get("headers", ()))
+            if not more and not any(name.lower() == b"content-length" for name, _ in headers):
+                headers.append((b"content-length", b"%d" % len(body)))
+            headers.append((b"date", _date()))
+            if self.closing:
+                headers.append((b"connection", b"close"))
+            parts.append(conn.send(h11.Response(status_code=self.head["status"], headers=headers)))
+        if body and self.method != b"HEAD":  # h11 frames HEAD answers with no body
+            parts.append(conn.send(h11.Data(data=body)))
+        if not more:
+            self.finished = True
+            parts.append(conn.send(h11.EndOfMessage()))
+        await self._write(b"".join(parts))
+
+    # -- refusals --------------------------------------------------------------------
+
+    async def _refuse(self, status: int, message: str) -> None:
+        """Answer an error (when an answer can still start) and close lingering."""
+        conn = self.h11
+        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            body = (json.dumps({"error": message}) + "\n").encode()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+                (b"date", _date()),
+                (b"connection", b"close"),
+            ]
+            try:
+                data = conn.send(h11.Response(status_code=status, headers=headers))
+                data += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+                await self._write(data)
+            except (_Gone, h11.LocalProtocolError):
+                return
+        await self._linger()
+
+    async def _linger(self) -> None:
+        sock = self.sock
+        with trio.move_on_after(LINGER):
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                return
+            dropped = 0
+            while dropped < LINGER_BYTES:
+                try:
+                    data = sock.recv(READ_SIZE)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(self.fd)
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                dropped += len(data)
+
+
+def _reusable(conn: h11.Connection) -> bool:
+    return conn.our_state is h11.DONE and conn.their_state is h11.DONE
+
+
+_date_cache = [0, b""]
+
+
+def _date() -> bytes:
+    """The `Date` header's value, formatted once a second."""
+    now = int(time.time())
+    if now != _date_cache[0]:
+        _date_cache[0] = now
+        _date_cache[1] = email.utils.formatdate(now, usegmt=True).encode()
+    return _date_cache[1]  # type: ignore[return-value]
+
+
+class _Lifespan:
+    """The ASGI lifespan protocol: startup before the first accept, shutdown after the
+    last connection. The apps here only acknowledge; an app without lifespan support
+    (it raises on the scope) is served all the same."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self._send, self._receive = trio.open_memory_channel[dict[str, Any]](2)
+        self._started = trio.Event()
+        self._stopped = trio.Event()
+        self._failure: str | None = None
+        self._scope: trio.CancelScope | None = None
+
+    async def run(self, task_status: trio.TaskStatus[None]) -> None:
+        # Shielded: it must outlive the cancel that stops the server, to hear shutdown.
+        with trio.CancelScope(shield=True) as self._scope:
+            task_status.started()
+            scope = {"type": "lifespan", "asgi": ASGI, "state": {}}
+            try:
+                await self.app(scope, self._receive.receive, self._asgi_send)
+            except Exception as exc:
+                log.debug("admin: the app does not do lifespan: %r", exc)
+            finally:
+                self._started.set()
+                self._stopped.set()
+
+    async def _asgi_send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "lifespan.startup.complete":
+            self._started.set()
+        elif kind == "lifespan.shutdown.complete":
+            self._stopped.set()
+        elif kind in ("lifespan.startup.failed", "lifespan.shutdown.failed"):
+            self._failure = message.get("message", "")
+            self._started.set()
+            self._stopped.set()
+
+    async def startup(self) -> None:
+        await self._send.send({"type": "lifespan.startup"})
+        await self._started.wait()
+        if self._failure is not None:
+            raise RuntimeError(f"admin app startup failed: {self._failure}")
+
+    async def shutdown(self) -> None:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(GRACE):
+                if not self._stopped.is_set():
+                    await self._send.send({"type": "lifespan.shutdown"})
+                    await self._stopped.wait()
+            if self._scope is not None:
+                self._scope.cancel()

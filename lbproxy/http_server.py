@@ -23,8 +23,9 @@ The shape is chosen for cost:
 The request body is read whole (at most MAX_BODY) before the app is called, so
 `receive()` gives one `http.request` with the body and `more_body: False`, then
 `http.disconnect`. The server's own refusals are JSON `{"error": ...}` as the admin API's:
-400 a request h11 cannot parse, 413 a body over MAX_BODY, 431 a head over MAX_HEAD, 500
-when the app raises (logged once, with its traceback); each then closes the connection.
+400 a request h11 cannot parse, 413 a body over MAX_BODY, 431 a head over MAX_HEAD, 505 an
+HTTP version other than 1.0 and 1.1, 500 when the app raises (logged once, with its
+traceback); each then closes the connection.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ LINGER_BYTES = 1024 * 1024
 # client) before it lets other tasks run.
 FAIR_BATCH = 16
 
+HEAD_TOO_LARGE = f"request head too large (over {MAX_HEAD // 1024} KiB)"
 ASGI = {"version": "3.0", "spec_version": "2.3"}
 DISCONNECT = {"type": "http.disconnect"}
 
@@ -167,6 +169,8 @@ class Server:
         self.connections.add(connection)
         try:
             await connection.run()
+        except Exception:  # a bug here must end only this connection, never the endpoint
+            log.exception("admin: connection from %s failed", peer or "a local client")
         finally:
             self.connections.discard(connection)
             sock.close()
@@ -227,7 +231,7 @@ class _Connection:
                 if not self.eof:  # a client that closed mid-request is not answered
                     status = exc.error_status_hint
                     if status == 431:
-                        message = f"request head too large (over {MAX_HEAD // 1024} KiB)"
+                        message = HEAD_TOO_LARGE
                     else:
                         message = f"bad request: {exc}"
                     await self._refuse(status, message)
@@ -241,11 +245,21 @@ class _Connection:
             return False  # ConnectionClosed (or PAUSED: nothing we would go on with)
         self.busy = True
         self.method = request.method
+        if request.http_version not in (b"1.1", b"1.0"):  # h11 parses any "HTTP/d.d"
+            await self._refuse(505, f"HTTP/{request.http_version.decode()} is not supported")
+            return False
         headers = list(request.headers)
+        # h11 bounds only a head still incomplete after a read; one that came whole in a
+        # read of up to READ_SIZE is measured here (the request line and the headers).
+        size = len(request.target) + 16
         for name, value in headers:
+            size += len(name) + len(value) + 4
             if name == b"content-length" and int(value) > MAX_BODY:
                 await self._refuse(413, f"body too large: more than {MAX_BODY} bytes")
                 return False
+        if size > MAX_HEAD:
+            await self._refuse(431, HEAD_TOO_LARGE)
+            return False
         body = b""
         while True:
             event = await self._next_event()
@@ -306,7 +320,7 @@ class _Connection:
                 self.timed = True
                 self.scope.deadline = trio.current_time() + REQUEST_TIMEOUT
             if conn.they_are_waiting_for_100_continue:
-                await self._write(conn.send(h11.InformationalResponse(status_code=100)))
+                await self._write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
             await self._read(wait_first)
             wait_first = False
 

@@ -1,0 +1,329 @@
+"""The admin endpoint's HTTP/1.1 server (lbproxy/http_server.py) through a real
+`lbproxy run` and raw sockets: what a client of nginx's or HAProxy's admin relies on.
+
+One process serves the whole module (every test leaves it as it found it); each test
+asserts the bytes a client sees and that the endpoint goes on serving others."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from lbproxy.http_server import MAX_BODY, MAX_HEAD, REQUEST_TIMEOUT
+from tests.integration.harness import Lbproxy, free_port
+
+LOAD = "/api/v1/virtual-servers/db/real-servers/a/load"
+PATCH = "/api/v1/virtual-servers/db/real-servers/a"
+
+
+def config(admin: str) -> str:
+    return f"""
+global:
+  admin: {{listen: "{admin}"}}
+virtual_servers:
+  - name: db
+    listen: none
+    scheduler: least-load
+    load_source: report
+    health_check: {{type: none}}
+    real_servers:
+      - {{name: a, address: 127.0.0.1:1}}
+      - {{name: b, address: 127.0.0.1:2}}
+"""
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    port = free_port()
+    proxy = Lbproxy(tmp_path_factory.mktemp("admin-http"), config(f"127.0.0.1:{port}"))
+    proxy.start([port])
+    yield proxy, port
+    proxy.stop()
+    assert "Traceback" not in proxy.log(), proxy.log()
+
+
+def connect(port: int, host: str = "127.0.0.1") -> socket.socket:
+    return socket.create_connection((host, port), timeout=10)
+
+
+def read_answer(sock: socket.socket, buffer: bytearray) -> tuple[int, dict[str, str], bytes]:
+    """One answer (status, headers, body) framed by Content-Length, from `buffer` and
+    the socket; what follows it stays in `buffer`."""
+    while b"\r\n\r\n" not in buffer:
+        data = sock.recv(65536)
+        assert data, f"closed before an answer; got {bytes(buffer)!r}"
+        buffer += data
+    head, _, rest = bytes(buffer).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", 0))
+    while len(rest) < length:
+        data = sock.recv(65536)
+        assert data, "closed in the middle of a body"
+        rest += data
+    buffer[:] = rest[length:]
+    return status, headers, rest[:length]
+
+
+def closed(sock: socket.socket, buffer: bytearray | None = None) -> bool:
+    """True when the endpoint closes the connection (nothing more was in `buffer`)."""
+    assert not buffer
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+def healthy(port: int) -> bool:
+    with connect(port) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        return read_answer(s, bytearray())[:1] == (200,)
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(endpoint):
+    _, port = endpoint
+    requests = [
+        b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET /nope HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"PUT "
+        + LOAD.encode()
+        + b' HTTP/1.1\r\nHost: t\r\nContent-Length: 13\r\n\r\n{"load": 0.5}',
+        b"GET /readyz HTTP/1.1\r\nHost: t\r\n\r\n",
+    ]
+    with connect(port) as s:
+        s.sendall(b"".join(requests) * 5)  # 20 requests in one write
+        buffer = bytearray()
+        for _ in range(5):
+            answers = [read_answer(s, buffer) for _ in requests]
+            assert [status for status, _, _ in answers] == [200, 404, 200, 200]
+            assert answers[0][2] == b"ok\n" and answers[3][2] == b"ready\n"
+            assert json.loads(answers[2][2])["reported"] == 0.5
+            assert all("connection" not in headers for _, headers, _ in answers)
+        s.sendall(requests[0])  # still open
+        assert read_answer(s, buffer)[0] == 200
+
+
+def test_http_1_0_is_answered_and_closed(endpoint):
+    _, port = endpoint
+    for extra in (b"", b"Connection: keep-alive\r\n"):  # h11 speaks no HTTP/1.0 keep-alive
+        with connect(port) as s:
+            s.sendall(b"GET /healthz HTTP/1.0\r\n" + extra + b"\r\n")
+            buffer = bytearray()
+            status, headers, body = read_answer(s, buffer)
+            assert (status, body, headers["connection"]) == (200, b"ok\n", "close")
+            assert closed(s, buffer)
+
+
+def test_connection_close_is_honoured(endpoint):
+    _, port = endpoint
+    with connect(port) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        buffer = bytearray()
+        assert read_answer(s, buffer)[1]["connection"] == "close"
+        assert closed(s, buffer)
+
+
+def test_expect_100_continue_then_the_body(endpoint):
+    _, port = endpoint
+    body = b'{"load": 0.25}'
+    with connect(port) as s:
+        s.sendall(
+            f"PUT {LOAD} HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            interim += s.recv(100)
+        assert interim == b"HTTP/1.1 100 \r\n\r\n"  # h11's, with no reason phrase
+        s.sendall(body)
+        status, _, answer = read_answer(s, bytearray())
+        assert status == 200 and json.loads(answer)["reported"] == 0.25
+
+
+def test_a_chunked_body(endpoint):
+    _, port = endpoint
+    with connect(port) as s:
+        s.sendall(
+            f"PUT {LOAD} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            + b'5\r\n{"loa\r\n9\r\nd": 0.75}\r\n0\r\n\r\n'
+        )
+        status, _, answer = read_answer(s, bytearray())
+        assert status == 200 and json.loads(answer)["reported"] == 0.75
+
+
+@pytest.mark.parametrize("method, path", [("PATCH", PATCH), ("PUT", LOAD)])
+@pytest.mark.parametrize("framing", ["content-length", "content-length, expect", "chunked"])
+def test_a_body_over_64_kib_is_413_for_patch_and_load_alike(endpoint, method, path, framing):
+    _, port = endpoint
+    change = b'{"weight": 7}' if method == "PATCH" else b'{"load": 9}'
+    big = b" " * MAX_BODY + change  # valid JSON: it would change `a` if it were taken
+    if framing == "chunked":
+        head = b"Transfer-Encoding: chunked\r\n\r\n"
+        payload = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (big[:40000], big[40000:]))
+        payload += b"0\r\n\r\n"
+    else:
+        head = b"Content-Length: %d\r\n" % len(big)
+        head += b"Expect: 100-continue\r\n\r\n" if "expect" in framing else b"\r\n"
+        payload = b"" if "expect" in framing else big  # the client waits; it is refused
+    with connect(port) as s:
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\n".encode() + head + payload)
+        buffer = bytearray()
+        status, headers, answer = read_answer(s, buffer)
+        assert status == 413 and headers["connection"] == "close"
+        assert json.loads(answer) == {"error": f"body too large: more than {MAX_BODY} bytes"}
+        assert closed(s, buffer)
+    with connect(port) as s:  # nothing changed
+        s.sendall(b"GET /api/v1/virtual-servers/db HTTP/1.1\r\nHost: t\r\n\r\n")
+        a = json.loads(read_answer(s, bytearray())[2])["real_servers"][0]
+        assert a["weight"]["static"] == 1 and a["load"] != 9
+
+
+def test_a_head_over_16_kib_is_431_and_closed(endpoint):
+    _, port = endpoint
+    with connect(port) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * MAX_HEAD + b"\r\n\r\n")
+        buffer = bytearray()
+        status, _, answer = read_answer(s, buffer)
+        assert status == 431 and json.loads(answer) == {
+            "error": f"request head too large (over {MAX_HEAD // 1024} KiB)"
+        }
+        assert closed(s, buffer)
+    assert healthy(port)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(40) + b"\r\n\r\n",  # TLS
+        b"GET /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: x\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n",
+        b"GET  HTTP/1.1\r\n\r\n",
+    ],
+)
+def test_garbage_is_400_and_closed(endpoint, garbage):
+    _, port = endpoint
+    with connect(port) as s:
+        s.sendall(garbage)
+        buffer = bytearray()
+        status, headers, answer = read_answer(s, buffer)
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(answer)["error"].startswith("bad request: ")
+        assert closed(s, buffer)
+    assert healthy(port)
+
+
+def test_an_http_version_other_than_1_0_and_1_1_is_505(endpoint):
+    _, port = endpoint
+    for version in (b"2.0", b"1.2", b"0.9"):
+        with connect(port) as s:
+            s.sendall(b"GET /healthz HTTP/" + version + b"\r\nHost: t\r\n\r\n")
+            buffer = bytearray()
+            status, _, answer = read_answer(s, buffer)
+            assert status == 505 and version.decode() in json.loads(answer)["error"]
+            assert closed(s, buffer)
+
+
+def test_a_slow_head_is_closed_while_another_client_is_served(endpoint):
+    """Slowloris: one byte every 0.2 s never completes a head; the endpoint closes it
+    within REQUEST_TIMEOUT of its first byte and serves a keep-alive client throughout."""
+    _, port = endpoint
+    stop = threading.Event()
+    served = []
+
+    def other() -> None:
+        with connect(port) as s:
+            buffer = bytearray()
+            while not stop.is_set() and len(served) < 2000:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+                served.append(read_answer(s, buffer)[0])
+                time.sleep(0.005)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        with connect(port) as slow:
+            started = time.monotonic()
+            request = b"GET /healthz HTTP/1.1\r\nHost: t\r\n" + b"X: y\r\n" * 100
+            for byte in request:
+                if time.monotonic() - started > REQUEST_TIMEOUT + 3:
+                    break
+                try:
+                    slow.sendall(bytes([byte]))
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                slow.settimeout(0.2)
+                try:
+                    if slow.recv(100) == b"":
+                        break
+                except TimeoutError:
+                    continue
+                except ConnectionResetError:
+                    break
+            elapsed = time.monotonic() - started
+        assert REQUEST_TIMEOUT - 0.3 < elapsed < REQUEST_TIMEOUT + 1.5, elapsed
+        served_meanwhile = len(served)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert served_meanwhile > 50 and set(served) == {200}
+
+
+def test_clients_vanishing_mid_request_and_mid_answer(endpoint):
+    """Resets in the middle of a head, of a body, and before a large answer is read:
+    the endpoint goes on and logs nothing."""
+    proxy, port = endpoint
+    rst = struct.pack("ii", 1, 0)  # SO_LINGER 0: close() sends a reset
+    for partial in (
+        b"GET /metr",
+        f"PUT {LOAD} HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n{{".encode(),
+        b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n" * 50,  # answers it never reads
+        b"GET / HTTP/1.1\r\nHost: t\r\n\r\n" * 20,
+    ):
+        for reset in (True, False):
+            s = connect(port)
+            if reset:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, rst)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(partial)
+            time.sleep(0.02)
+            s.close()
+    assert healthy(port)
+    time.sleep(0.2)
+    assert proxy.proc.poll() is None
+    assert "Traceback" not in proxy.log() and "ERROR" not in proxy.log()
+
+
+def test_head_requests_get_the_head_only(endpoint):
+    _, port = endpoint
+    with connect(port) as s:
+        s.sendall(
+            b"HEAD /healthz HTTP/1.1\r\nHost: t\r\n\r\nGET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+        )
+        data = b""
+        while data.count(b"ok\n") < 1:
+            data += s.recv(65536)
+        heads = data.split(b"\r\n\r\n")
+        assert heads[0].startswith(b"HTTP/1.1 200") and b"content-length: 3" in heads[0]
+        assert heads[1].startswith(b"HTTP/1.1 200") and heads[2] == b"ok\n"
+
+
+def test_an_ipv6_listen_address(tmp_path):
+    port = free_port("::1")
+    with Lbproxy(tmp_path, config(f"[::1]:{port}")).start() as proxy:
+        with connect(port, "::1") as s:
+            buffer = bytearray()
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert read_answer(s, buffer)[:1] == (200,)
+            # ::1 is loopback: a change without a token is accepted
+            s.sendall(
+                f"PUT {LOAD} HTTP/1.1\r\nHost: t\r\nContent-Length: 13\r\n\r\n".encode()
+                + b'{"load": 0.5}'
+            )
+            assert read_answer(s, buffer)[0] == 200
+        assert proxy.proc.poll() is None

@@ -230,10 +230,7 @@ class _Connection:
             except h11.RemoteProtocolError as exc:
                 if not self.eof:  # a client that closed mid-request is not answered
                     status = exc.error_status_hint
-                    if status == 431:
-                        message = HEAD_TOO_LARGE
-                    else:
-                        message = f"bad request: {exc}"
+                    message = HEAD_TOO_LARGE if status == 431 else f"bad request: {exc}"
                     await self._refuse(status, message)
             except _Gone as exc:
                 log.debug("admin client %s gone: %s", self.peer, exc)

@@ -17,15 +17,17 @@ The shape is chosen for cost:
 - A complete answer (the app's `http.response.start` plus a last `http.response.body`)
   leaves in ONE send: h11's Response, Data and EndOfMessage bytes joined. No lock: only
   the connection's own task ever writes.
-- Plain non-blocking sockets under trio's wrapper (reads of 64 KiB); the task waits on
+- Plain non-blocking sockets, not trio's socket wrapper (reads of 64 KiB); the task waits on
   the descriptor only when a call would block. Nothing is logged per request.
 
 The request body is read whole (at most MAX_BODY) before the app is called, so
 `receive()` gives one `http.request` with the body and `more_body: False`, then
 `http.disconnect`. The server's own refusals are JSON `{"error": ...}` as the admin API's:
-400 a request h11 cannot parse, 413 a body over MAX_BODY, 431 a head over MAX_HEAD, 505 an
-HTTP version other than 1.0 and 1.1, 500 when the app raises (logged once, with its
-traceback); each then closes the connection.
+400 a request h11 cannot parse, 413 a body over MAX_BODY, 431 a head over MAX_HEAD, 501 a
+Transfer-Encoding other than chunked, 505 an HTTP version other than 1.0 and 1.1, 500
+when the app raises (logged once, with its traceback); each then closes the connection.
+HTTP/1.0 is answered and closed, `Connection: keep-alive` or not (h11 keeps no HTTP/1.0
+connection alive).
 """
 
 from __future__ import annotations
@@ -230,7 +232,10 @@ class _Connection:
             except h11.RemoteProtocolError as exc:
                 if not self.eof:  # a client that closed mid-request is not answered
                     status = exc.error_status_hint
-                    message = HEAD_TOO_LARGE if status == 431 else f"bad request: {exc}"
+                    if status == 431:
+                        message = HEAD_TOO_LARGE
+                    else:  # 400, or h11's 501 for a Transfer-Encoding it does not know
+                        message = f"bad request: {exc}" if status == 400 else str(exc)
                     await self._refuse(status, message)
             except _Gone as exc:
                 log.debug("admin client %s gone: %s", self.peer, exc)

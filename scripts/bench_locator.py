@@ -14,9 +14,10 @@ counted, plus the message); the generator only checks that it is an answer.
 Reported: answers per second of wall time, and per CPU-second of the lbproxy process
 (utime + stime from /proc) -- "per core" -- with the 1-minute load average beside it.
 `--seconds 60 --max 10000` makes each measurement a bounded number of answers instead.
-`http /healthz` is the same HTTP load on a route that does nothing: hypercorn's own cost
-per request, the ceiling of HTTP locate. Everything listens on 127.0.0.1; the process is
-stopped by PID at the end. Results go to docs/benchmarks.md by hand.
+`http /healthz` is the same HTTP load on a route that does nothing: the HTTP server's own
+cost per request (lbproxy/http_server.py), the ceiling of HTTP locate. The share of the CPU
+spent in the kernel (stime) is printed beside each figure. Everything listens on
+127.0.0.1; the process is stopped by PID at the end. Results go to docs/benchmarks.md by hand.
 """
 
 from __future__ import annotations
@@ -48,10 +49,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return int(fields[11]) / ticks, int(fields[12]) / ticks  # utime, stime
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_times(pid))
 
 
 def start(servers: int, admin_port: int, dns_port: int, folder: str) -> subprocess.Popen:
@@ -145,7 +151,7 @@ def bench_http(port: int, seconds: float, window: int, limit: int, path: str = L
             for key, _ in selector.select(0.5):
                 sock = key.fileobj
                 data = sock.recv(65536)  # type: ignore[union-attr]
-                if not data:  # the endpoint closed it (it no longer recycles after 1,000)
+                if not data:  # the endpoint closed it (it does not recycle connections)
                     selector.unregister(sock)
                     del buffers[sock]  # type: ignore[arg-type]
                     sock.close()  # type: ignore[union-attr]
@@ -186,26 +192,30 @@ def main() -> None:
         proc = start(args.servers, admin_port, dns_port, folder)
         try:
             results = {}
-            healthz = partial(bench_http, path="/healthz")  # hypercorn's own floor
+            healthz = partial(bench_http, path="/healthz")  # the HTTP server's own floor
             for name, run, port in (
                 ("dns", bench_dns, dns_port),
                 ("http", bench_http, admin_port),
                 ("http /healthz", healthz, admin_port),
             ):
-                cpu0, wall0 = cpu_seconds(proc.pid), time.monotonic()
+                (user0, system0), wall0 = cpu_times(proc.pid), time.monotonic()
                 answered = run(port, args.seconds, args.window, args.max)
-                wall, cpu = time.monotonic() - wall0, cpu_seconds(proc.pid) - cpu0
+                user, system = cpu_times(proc.pid)
+                user, system = user - user0, system - system0
+                wall, cpu = time.monotonic() - wall0, user + system
                 results[name] = {
                     "answers": answered,
                     "per_second": round(answered / wall),
                     "per_cpu_second": round(answered / cpu) if cpu else None,
                     "lbproxy_cpu": round(cpu / wall, 2),
+                    "system_share": round(system / cpu, 2) if cpu else None,
                     "load_average": round(os.getloadavg()[0], 2),  # the machine is shared
                 }
                 print(
                     f"{name:13} {answered:8d} answers in {wall:.1f} s: "
                     f"{answered / wall:8.0f}/s, {answered / cpu if cpu else 0:8.0f} per "
                     f"lbproxy CPU-second (lbproxy at {cpu / wall:.0%} of a core, "
+                    f"{system / cpu if cpu else 0:.0%} of it system, "
                     f"load average {os.getloadavg()[0]:.2f})"
                 )
             print(json.dumps(results))

@@ -26,8 +26,7 @@ The request body is read whole (at most MAX_BODY) before the app is called, so
 400 a request h11 cannot parse, 413 a body over MAX_BODY, 431 a head over MAX_HEAD, 501 a
 Transfer-Encoding other than chunked, 505 an HTTP version other than 1.0 and 1.1, 500
 when the app raises (logged once, with its traceback); each then closes the connection.
-HTTP/1.0 is answered and closed, `Connection: keep-alive` or not (h11 keeps no HTTP/1.0
-connection alive).
+HTTP/1.0 is closed after its answer unless it asked for `Connection: keep-alive`.
 """
 
 from __future__ import annotations
@@ -198,6 +197,7 @@ class _Connection:
         self.began = False  # bytes of the next request have arrived
         self.timed = False  # ... and its REQUEST_TIMEOUT is set
         self.eof = False
+        self.keep_alive_10 = False  # an HTTP/1.0 request asked for keep-alive
         self.unwaited = 0  # answers since this connection last waited for its socket
         # The request in hand (reset per request)
         self.method = b""
@@ -206,6 +206,7 @@ class _Connection:
         self.head: dict[str, Any] | None = None
         self.started = False  # the answer's head is written
         self.finished = False
+        self.answered_by = self.h11  # the h11 connection that serialises the answer
         self.asgi_receive = self._asgi_receive  # bound once, not per request
         self.asgi_send = self._asgi_send
 
@@ -217,12 +218,10 @@ class _Connection:
             self.scope.cancel()
 
     async def run(self) -> None:
-        conn = self.h11
         with self.scope:
             self.scope.deadline = trio.current_time() + IDLE_TIMEOUT
             try:
                 while await self._serve_one():
-                    conn.start_next_cycle()
                     self.scope.deadline = trio.current_time() + IDLE_TIMEOUT
                     self.began = self.timed = False
                     self.unwaited += 1
@@ -251,6 +250,7 @@ class _Connection:
             await self._refuse(505, f"HTTP/{request.http_version.decode()} is not supported")
             return False
         headers = list(request.headers)
+        self.keep_alive_10 = False
         # h11 bounds only a head still incomplete after a read; one that came whole in a
         # read of up to READ_SIZE is measured here (the request line and the headers).
         size = len(request.target) + 16
@@ -259,6 +259,9 @@ class _Connection:
             if name == b"content-length" and int(value) > MAX_BODY:
                 await self._refuse(413, f"body too large: more than {MAX_BODY} bytes")
                 return False
+            if name == b"connection" and request.http_version == b"1.0":
+                tokens = [token.strip() for token in value.lower().split(b",")]
+                self.keep_alive_10 = b"keep-alive" in tokens and request.method != b"CONNECT"
         if size > MAX_HEAD:
             await self._refuse(431, HEAD_TOO_LARGE)
             return False
@@ -278,6 +281,7 @@ class _Connection:
         self.body = body
         self.delivered = self.started = self.finished = False
         self.head = None
+        self.answered_by = self.h11
         try:
             await self.app(self._scope(request.target, headers), self.asgi_receive, self.asgi_send)
             if not self.finished:
@@ -290,7 +294,16 @@ class _Connection:
                 await self._refuse(500, "internal error")
             return False  # half an answer: only closing can end it
         self.busy = False
-        return not self.closing and _reusable(self.h11)
+        if self.closing:
+            return False
+        conn = self.h11
+        if self.answered_by is not conn:  # an HTTP/1.0 keep-alive answer (_asgi_send)
+            self.h11 = _fresh(conn)
+            return True
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()
+            return True
+        return False
 
     def _scope(self, target: bytes, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
         raw_path, _, query = target.partition(b"?")
@@ -389,7 +402,7 @@ class _Connection:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
         if self.head is None or self.finished:
             raise RuntimeError("http.response.body without http.response.start, or after the end")
-        conn = self.h11
+        conn = self.answered_by
         body = message.get("body", b"")
         more = message.get("more_body", False)
         parts = []
@@ -401,6 +414,9 @@ class _Connection:
             headers.append((b"date", _date()))
             if self.closing:
                 headers.append((b"connection", b"close"))
+            elif self.keep_alive_10 and not more:  # a whole answer: Content-Length framed
+                conn = self.answered_by = _http_1_0_keep_alive_writer(self.method)
+                headers.append((b"connection", b"keep-alive"))
             parts.append(conn.send(h11.Response(status_code=self.head["status"], headers=headers)))
         if body and self.method != b"HEAD":  # h11 frames HEAD answers with no body
             parts.append(conn.send(h11.Data(data=body)))
@@ -451,8 +467,29 @@ class _Connection:
                 dropped += len(data)
 
 
-def _reusable(conn: h11.Connection) -> bool:
-    return conn.our_state is h11.DONE and conn.their_state is h11.DONE
+def _http_1_0_keep_alive_writer(method: bytes) -> h11.Connection:
+    """An h11 connection to serialise the answer to an HTTP/1.0 request that asked for
+    `Connection: keep-alive` (ApacheBench's `ab -k`, old client libraries). h11 closes
+    every HTTP/1.0 connection, so this one is told the same request came as HTTP/1.1:
+    it frames the whole answer by Content-Length and adds no `Connection: close`; the
+    status line says HTTP/1.1, as a server's own version may."""
+    writer = h11.Connection(h11.SERVER)
+    writer.receive_data(b"%s / HTTP/1.1\r\nhost: -\r\n\r\n" % method)
+    writer.next_event()  # the Request
+    writer.next_event()  # its EndOfMessage
+    return writer
+
+
+def _fresh(conn: h11.Connection) -> h11.Connection:
+    """A new h11 connection for the next request after an HTTP/1.0 keep-alive answer,
+    given whatever the client has sent after the last request."""
+    fresh = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+    data, closed = conn.trailing_data
+    if data:
+        fresh.receive_data(data)
+    if closed:
+        fresh.receive_data(b"")
+    return fresh
 
 
 _date_cache = [0, b""]

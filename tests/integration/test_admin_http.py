@@ -109,15 +109,27 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(endpoint):
         assert read_answer(s, buffer)[0] == 200
 
 
-def test_http_1_0_is_answered_and_closed(endpoint):
+def test_http_1_0_closes_unless_it_asks_for_keep_alive(endpoint):
     _, port = endpoint
-    for extra in (b"", b"Connection: keep-alive\r\n"):  # h11 speaks no HTTP/1.0 keep-alive
-        with connect(port) as s:
-            s.sendall(b"GET /healthz HTTP/1.0\r\n" + extra + b"\r\n")
-            buffer = bytearray()
+    with connect(port) as s:
+        s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        buffer = bytearray()
+        status, headers, body = read_answer(s, buffer)
+        assert (status, body, headers["connection"]) == (200, b"ok\n", "close")
+        assert closed(s, buffer)
+    keep = b"GET /healthz HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n"  # as `ab -k`
+    with connect(port) as s:
+        buffer = bytearray()
+        s.sendall(keep)
+        s.sendall(keep + keep)  # pipelined as well
+        for _ in range(3):
             status, headers, body = read_answer(s, buffer)
-            assert (status, body, headers["connection"]) == (200, b"ok\n", "close")
-            assert closed(s, buffer)
+            assert (status, body, headers["connection"]) == (200, b"ok\n", "keep-alive")
+            assert headers["content-length"] == "3"
+        s.sendall(b"GET /readyz HTTP/1.0\r\n\r\n")  # no keep-alive this time
+        status, headers, body = read_answer(s, buffer)
+        assert (status, body, headers["connection"]) == (200, b"ready\n", "close")
+        assert closed(s, buffer)
 
 
 def test_connection_close_is_honoured(endpoint):

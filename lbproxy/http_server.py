@@ -45,8 +45,6 @@ from typing import Any
 import h11
 import trio
 
-from lbproxy.listener import ACCEPT_BACKOFF, ACCEPT_BATCH, ACCEPT_CAPACITY_ERRNOS
-
 log = logging.getLogger("lbproxy.http_server")
 
 MAX_BODY = 64 * 1024  # a request body, Content-Length or chunked (nginx: 413)
@@ -63,6 +61,12 @@ GRACE = 1.0  # on stop, an answer in progress has this long; idle connections cl
 # so closing with unread bytes (an RST) does not destroy the answer before it is read.
 LINGER = 1.0
 LINGER_BYTES = 1024 * 1024
+# The accept loop's rules, as listener.py's (which this module must not import: the admin
+# side never reaches into the proxy's): capacity errors back off, never spin; at most
+# ACCEPT_BATCH accepts per wake-up before other tasks run.
+ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+ACCEPT_BACKOFF = 0.1
+ACCEPT_BATCH = 16
 # Requests answered on one connection without waiting for the socket (a pipelining
 # client) before it lets other tasks run.
 FAIR_BATCH = 16

@@ -42,6 +42,7 @@ IMPORTS_NEVER = {
     "lbproxy.proxy": ["lbproxy.listener", "lbproxy.server", "lbproxy.admin"],
     "lbproxy.listener": ["lbproxy.server", "lbproxy.admin"],
     "lbproxy.admin": ["lbproxy.server", "lbproxy.listener", "lbproxy.proxy"],
+    "lbproxy.http_server": ["lbproxy.server", "lbproxy.listener", "lbproxy.proxy", "lbproxy.admin"],
     "lbproxy.conditioning": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
     "lbproxy.locator": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server", "lbproxy.admin"],
 }

@@ -245,6 +245,7 @@ class _Connection:
 
     async def _serve_one(self) -> bool:
         """Read one request, answer it; True: the connection goes on."""
+        self.method = b""  # until a request's head is in (a refusal's framing reads it)
         request = await self._next_event(wait_first=True)
         if type(request) is not h11.Request:
             return False  # ConnectionClosed (or PAUSED: nothing we would go on with)
@@ -444,9 +445,10 @@ class _Connection:
             ]
             try:
                 data = conn.send(h11.Response(status_code=status, headers=headers))
-                data += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
-                await self._write(data)
-            except (_Gone, h11.LocalProtocolError):
+                if self.method != b"HEAD":  # h11 frames an answer to HEAD without a body
+                    data += conn.send(h11.Data(data=body))
+                await self._write(data + conn.send(h11.EndOfMessage()))
+            except _Gone:
                 return
         await self._linger()
 

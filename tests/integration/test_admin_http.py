@@ -239,6 +239,12 @@ def test_an_http_version_other_than_1_0_and_1_1_is_505(endpoint):
             status, _, answer = read_answer(s, buffer)
             assert status == 505 and version.decode() in json.loads(answer)["error"]
             assert closed(s, buffer)
+    with connect(port) as s:  # a refusal of a HEAD request has the head only, too
+        s.sendall(b"HEAD /healthz HTTP/2.0\r\nHost: t\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 505 ") and data.endswith(b"\r\n\r\n")
 
 
 def test_a_slow_head_is_closed_while_another_client_is_served(endpoint):

@@ -114,8 +114,8 @@ def test_any_bytes_get_answers_or_a_close_and_others_are_served(endpoint, stream
                 s.sendall(data[start:end])
                 start = end
             s.shutdown(socket.SHUT_WR)  # so every request ends: answered, or closed
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # refused and closed already
+        except OSError:  # EPIPE, ECONNRESET, ENOTCONN: refused and closed already
+            pass
         received = b""
         try:
             while chunk := s.recv(65536):  # a hang would time out (5 s): a failure

@@ -71,6 +71,7 @@ ACCEPT_BATCH = 16
 # client) before it lets other tasks run.
 FAIR_BATCH = 16
 
+BODY_TOO_LARGE = f"body too large: more than {MAX_BODY} bytes"
 HEAD_TOO_LARGE = f"request head too large (over {MAX_HEAD // 1024} KiB)"
 ASGI = {"version": "3.0", "spec_version": "2.3"}
 DISCONNECT = {"type": "http.disconnect"}
@@ -251,37 +252,10 @@ class _Connection:
             return False  # ConnectionClosed (or PAUSED: nothing we would go on with)
         self.busy = True
         self.method = request.method
-        if request.http_version not in (b"1.1", b"1.0"):  # h11 parses any "HTTP/d.d"
-            await self._refuse(505, f"HTTP/{request.http_version.decode()} is not supported")
-            return False
         headers = list(request.headers)
-        self.keep_alive_10 = False
-        # h11 bounds only a head still incomplete after a read; one that came whole in a
-        # read of up to READ_SIZE is measured here (the request line and the headers).
-        size = len(request.target) + 16
-        for name, value in headers:
-            size += len(name) + len(value) + 4
-            if name == b"content-length" and int(value) > MAX_BODY:
-                await self._refuse(413, f"body too large: more than {MAX_BODY} bytes")
-                return False
-            if name == b"connection" and request.http_version == b"1.0":
-                tokens = [token.strip() for token in value.lower().split(b",")]
-                self.keep_alive_10 = b"keep-alive" in tokens and request.method != b"CONNECT"
-        if size > MAX_HEAD:
-            await self._refuse(431, HEAD_TOO_LARGE)
-            return False
-        body = b""
-        while True:
-            event = await self._next_event()
-            if type(event) is h11.Data:
-                body += event.data
-                if len(body) > MAX_BODY:  # chunked
-                    await self._refuse(413, f"body too large: more than {MAX_BODY} bytes")
-                    return False
-            elif type(event) is h11.EndOfMessage:
-                break
-            else:  # nothing else can come before EndOfMessage
-                return False
+        body = await self._read_request(request, headers)
+        if body is None:
+            return False  # refused
         self.scope.deadline = math.inf  # the app is never cut by a timeout of ours
         self.body = body
         self.delivered = self.started = self.finished = False
@@ -297,7 +271,7 @@ class _Connection:
             log.exception("admin: %s %s failed", request.method.decode(), request.target.decode())
             if not self.started:
                 await self._refuse(500, "internal error")
-            return False  # half an answer: only closing can end it
+            return False  # or half an answer: only closing can end it
         self.busy = False
         if self.closing:
             return False
@@ -309,6 +283,41 @@ class _Connection:
             conn.start_next_cycle()
             return True
         return False
+
+    async def _read_request(
+        self, request: h11.Request, headers: list[tuple[bytes, bytes]]
+    ) -> bytes | None:
+        """The checks of a request's head, then its whole body; None: refused."""
+        if request.http_version not in (b"1.1", b"1.0"):  # h11 parses any "HTTP/d.d"
+            await self._refuse(505, f"HTTP/{request.http_version.decode()} is not supported")
+            return None
+        self.keep_alive_10 = False
+        # h11 bounds only a head still incomplete after a read; one that came whole in a
+        # read of up to READ_SIZE is measured here (the request line and the headers).
+        size = len(request.target) + 16
+        for name, value in headers:
+            size += len(name) + len(value) + 4
+            if name == b"content-length" and int(value) > MAX_BODY:
+                await self._refuse(413, BODY_TOO_LARGE)  # before any 100 Continue
+                return None
+            if name == b"connection" and request.http_version == b"1.0":
+                tokens = [token.strip() for token in value.lower().split(b",")]
+                self.keep_alive_10 = b"keep-alive" in tokens and request.method != b"CONNECT"
+        if size > MAX_HEAD:
+            await self._refuse(431, HEAD_TOO_LARGE)
+            return None
+        body = b""
+        while True:
+            event = await self._next_event()
+            if type(event) is h11.Data:
+                body += event.data
+                if len(body) > MAX_BODY:  # chunked
+                    await self._refuse(413, BODY_TOO_LARGE)
+                    return None
+            elif type(event) is h11.EndOfMessage:
+                return body
+            else:  # nothing else can come before EndOfMessage
+                return None
 
     def _scope(self, target: bytes, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
         raw_path, _, query = target.partition(b"?")

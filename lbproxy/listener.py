@@ -21,7 +21,9 @@ module imports the handler and the runtime virtual server; neither imports it.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
+import os
 import socket
 from collections.abc import Sequence
 
@@ -55,6 +57,7 @@ ACCEPT_BURST_QUIET = 1.0
 # A ClientHello is one read in practice (~300-600 bytes; more with post-quantum keys);
 # never more than the 16 KiB the reader looks at.
 HELLO_READ = LIMIT
+F_SETFL, O_NONBLOCK = fcntl.F_SETFL, os.O_NONBLOCK
 
 
 class BindError(Exception):
@@ -147,15 +150,18 @@ class Listener:
         trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
         self.sock.close()
 
-    def _spawn_route(self, client: socket.socket, peer: tuple, spawn: Spawn) -> None:
+    def _spawn_route(self, client: int, peer: tuple, spawn: Spawn) -> None:
         spawn(self._route, client, peer)
 
-    async def _route(self, client: socket.socket, peer: tuple) -> None:
+    async def _route(self, fd: int, peer: tuple) -> None:
         """Pre-read a client of a shared (SNI) address and hand it to its handler.
 
         Every way this can go wrong ends here, with the client closed (and counted as
         `no_route` when there is no default): nothing escapes to the nursery.
         """
+        # A socket object for the reads (the descriptor is non-blocking already); the
+        # handler gets the descriptor back.
+        client = socket.socket(-1, socket.SOCK_STREAM, 0, fd)
         # As they are now: a reload re-routing the listener meanwhile changes nothing
         # for this client.
         routes, handlers, first = self.routes, self._handlers, self.handler
@@ -198,7 +204,7 @@ class Listener:
                 client.close()
         # This frame waits as long as the connection lives: let go of the reader and
         # its copy of the hello now (an idle connection should keep only what it needs).
-        serve = handler.handle(client, source, bytes(received))
+        serve = handler.handle(client.detach(), source, bytes(received))
         del reader, received, routes, handlers, handler
         await serve
 
@@ -210,7 +216,13 @@ class Listener:
         # checkpoints (a scheduler round each) and a wrapper object per connection. We
         # wait only when the backlog is empty, and let other tasks run every
         # ACCEPT_BATCH connections so a flood cannot starve established ones.
+        # `_accept` is socket.accept() without the socket object (Python frames, and a
+        # getsockname call CPython makes to check the descriptor): the handler and the
+        # pump work on the descriptor. O_NONBLOCK with one fcntl, as HAProxy does
+        # (accept4's SOCK_NONBLOCK is not reachable from the standard library).
         sock = listener.sock
+        accept = sock._accept
+        set_flags = fcntl.fcntl
         fd = sock.fileno()
         batch = 0
         burst_errors = 0  # capacity errors in the current burst; 0: no burst
@@ -218,8 +230,7 @@ class Listener:
         with listener.cancel_scope:
             while True:
                 try:
-                    client, peer = sock.accept()
-                    client.setblocking(False)
+                    client, peer = accept()
                 except BlockingIOError:
                     batch = 0
                     try:
@@ -251,6 +262,12 @@ class Listener:
                         burst_errors,
                     )
                     burst_errors = 0
+                try:
+                    set_flags(client, F_SETFL, O_NONBLOCK)
+                except OSError as exc:  # not expected from a fresh socket: drop it
+                    log.warning("%s: accepted socket: %s", listener.address, exc)
+                    os.close(client)
+                    continue
                 listener.accept_client(client, peer, spawn)
                 batch += 1
                 if batch >= ACCEPT_BATCH:

@@ -17,6 +17,12 @@ progress or failed, retries. Both share the steps (`_admitted`, `_connection`,
 `_attempt_failed`, `_connected`, `_ended`). A task costs more user time than all of
 HAProxy's work for a connection; a task-less connection is drained through one guardian
 task per handler (`_guard`).
+
+A connection is carried as plain descriptors, the client's from accept to close and the
+real server's from its connect on: the pump splices descriptors, and a socket object per
+connection costs Python frames and, for an accepted one, a getsockname call (CPython's
+check that a descriptor is a socket). Socket objects are built only where something
+needs one: a PROXY header to read, SO_ERROR after a connect that had to wait.
 """
 
 from __future__ import annotations
@@ -43,10 +49,16 @@ access_log = logging.getLogger("lbproxy.access")
 
 
 _ALLOW_ALL = VirtualServerConfig.__dataclass_fields__["allow"].default
+# socket.socket() without a Python __init__: the C type, for the connect to a real server
+# (the pump needs only its descriptor, taken with detach() once connected).
+_new_socket = socket.SocketType
+_CONNECT_TYPE = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
 
 
 class Connection:
-    """The handle a pool lease carries: live byte counts, and a way to close it."""
+    """A pool lease's handle for a flow made elsewhere: live byte counts, and a way to
+    close it. The handler's own connections are `ClientConnection`s, which are their
+    own flow; this is the same interface for any other caller (tools, tests)."""
 
     __slots__ = ("connecting", "flow", "own_idle_timeout")
 
@@ -67,10 +79,49 @@ class Connection:
         return self.flow.bytes_out
 
     def close(self) -> None:
+        self.flow.close()
+        if self.connecting is not None:
+            self.connecting.cancel()
+
+
+class ClientConnection(Flow):
+    """One client connection: the flow the pump moves (byte counts, idle timeout, close)
+    and the handle its pool lease carries (`Connection`'s interface), with what its end
+    needs (the lease, its source, when it started) -- one object per connection, not
+    two, and no property between the counters and their readers.
+    """
+
+    __slots__ = ("connecting", "lease", "own_idle_timeout", "source", "started")
+
+    def __init__(self, idle_timeout: float, source: tuple, started: float) -> None:
+        # Flow.__init__'s lines, here: one frame less and no property setter (the
+        # configuration's idle_timeout is a number of seconds or math.inf already).
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.error: OSError | None = None
+        self.last_activity = 0.0
+        self.closing = False
+        self._pump: Pump | None = None
+        self._idle_timeout = idle_timeout
+        # The scope of a connect that is waiting for the real server's answer, if any.
+        self.connecting: trio.CancelScope | None = None
+        # The virtual server's idle_timeout when the connection started: the throttle
+        # imposes min(own, imposed) under load and gives this back in low mode.
+        self.own_idle_timeout = idle_timeout
+        self.source = source  # the client's address (the PROXY header's, if any)
+        self.started = started
+        self.lease: Lease | None = None  # once a server is taken
+
+    @property
+    def flow(self) -> Flow:
+        """The connection's flow: itself (for the control plane's readers)."""
+        return self
+
+    def close(self) -> None:
         # No cancel scope of its own (a scope costs ~0.7 kB for the connection's whole
         # life): while connecting, the connect wait's scope is cancelled and the retry
         # loop stops; from then on the pump ends ("cancelled").
-        self.flow.close()
+        Flow.close(self)
         if self.connecting is not None:
             self.connecting.cancel()
 
@@ -80,7 +131,7 @@ Spawn = Callable[..., object]
 # A connect attempt begun by the fast path, for the task to go on with: the server, its
 # lease, when it was picked, and the connecting socket (None: not begun, the address is
 # still to be resolved).
-Pending = tuple[RealServer, Lease, float, "socket.socket | None"]
+Pending = tuple[RealServer, Lease, float, "socket.SocketType | None"]
 
 
 class ConnectError(Exception):
@@ -107,6 +158,10 @@ class Handler:
         self._guarded = False
         self._empty: trio.Event | None = None
         self._spawn: Spawn | None = None
+        # Made once: the reactor's callback for every task-less connection's end.
+        self._on_end: Callable[[Pump], None] = self._pumped
+        # The run's clock, read directly (trio.current_time() is three Python frames).
+        self._clock: Callable[[], float] = trio.lowlevel.current_clock().current_time
 
     @property
     def name(self) -> str:
@@ -114,8 +169,9 @@ class Handler:
 
     # -- the fast path: no task -------------------------------------------------------
 
-    def accept(self, client: socket.socket, peer: tuple, spawn: Spawn) -> None:
-        """Serve a client the accept loop just accepted; closes it in the end.
+    def accept(self, client: int, peer: tuple, spawn: Spawn) -> None:
+        """Serve a client the accept loop just accepted (its non-blocking descriptor);
+        closes it in the end.
 
         Whatever can be done at once is done here, in the accept loop, with no task:
         admission, the pick, a non-blocking connect that a near server completes before
@@ -128,86 +184,91 @@ class Handler:
         """
         pool = self.pool
         config = pool.config
-        if config.accept_proxy or self.vs.queue is not None:
+        vs = self.vs
+        if config.accept_proxy or vs.queue is not None:
             # A header to read, or a queue to wait in: a task from the start.
-            spawn(self.handle, client, peer)
+            try:
+                spawn(self.handle, client, peer)
+            except BaseException:
+                os.close(client)
+                raise
             return
         pool.clients += 1
         handed = False
         try:
-            source = peer
-            throttle = self.vs.throttle
+            throttle = vs.throttle
             if throttle is not None and throttle.arrival():  # digg: close at once
-                self._reject("throttle", source)
+                self._reject("throttle", peer)
                 return
-            if not self._admitted(config, source):
+            if not self._admitted(config, peer):
                 return
-            started = trio.current_time()
-            connection = self._connection(config)
-            tried: list[RealServer] = []
-            rs = pool.pick(started, tried, source)
+            started = self._clock()
+            connection = self._connection(config, peer, started)
+            rs = pool.pick(started, (), peer)
             if rs is None:  # no server: the task path counts and logs it
-                spawn(self._serve, client, source, b"", started, connection, config, tried, None)
+                spawn(self._serve, client, b"", connection, config, [], None)
                 handed = True
                 return
-            tried.append(rs)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s", explain_pick(pool, rs, []))
-            lease = pool.take(rs, started, connection, source)
+            lease = connection.lease = pool.take(rs, started, connection, peer)
             cached = self._resolved.get(rs.address)
-            sock = None
-            err = errno.EINPROGRESS
-            if cached is not None:
-                try:
-                    sock, err = self._start_connect(*cached)
-                except (LocalCapacityError, ConnectError) as exc:
-                    if not self._attempt_failed(rs, lease, exc):  # no retry
-                        pool.rejected["connect_failed"] += 1
-                        if self.vs.access_log:
-                            self._log_access(source, None, connection.flow, started, "no_server")
-                        return
-                    pending = None  # retry another server in the task
-                else:
-                    pending = (rs, lease, started, sock) if err else None
-            else:
-                pending = (rs, lease, started, None)  # resolve, then connect, in the task
-            if err or sock is None:
-                spawn(self._serve, client, source, b"", started, connection, config, tried, pending)
+            if cached is None:  # resolve, then connect, in the task
+                spawn(
+                    self._serve, client, b"", connection, config, [rs], (rs, lease, started, None)
+                )
+                handed = True
+                return
+            try:
+                sock, err = self._start_connect(*cached)
+            except (LocalCapacityError, ConnectError) as exc:
+                if not self._attempt_failed(rs, lease, exc):  # no retry
+                    pool.rejected["connect_failed"] += 1
+                    if vs.access_log:
+                        self._log_access(peer, None, connection, started, "no_server")
+                    return
+                # retry another server in the task
+                spawn(self._serve, client, b"", connection, config, [rs], None)
+                handed = True
+                return
+            if err:  # in progress: the task waits for it
+                spawn(
+                    self._serve, client, b"", connection, config, [rs], (rs, lease, started, sock)
+                )
                 handed = True
                 return
             self._connected(rs, lease, started)
             self._spawn = spawn
-            handed = self._pump_now(client, sock, source, started, connection, lease, config)
+            handed = True  # the pump owns both descriptors now, whatever happens
+            self._pump_now(client, sock.detach(), connection, config)
         finally:
             if not handed:
                 pool.clients -= 1
-                client.close()
+                os.close(client)
 
     def _pump_now(
-        self,
-        client: socket.socket,
-        server: socket.socket,
-        source: tuple,
-        started: float,
-        connection: Connection,
-        lease: Lease,
-        config: VirtualServerConfig,
-    ) -> bool:
-        """Start the pump with no task; True: the reactor owns the connection now."""
-        flow = connection.flow
+        self, client: int, server: int, connection: ClientConnection, config: VirtualServerConfig
+    ) -> None:
+        """Start the pump with no task: it owns (and closes) both descriptors, and the
+        reactor reports its end to `_pumped`."""
+        header = b""
         try:
-            header = b""
             if config.send_proxy != "none":
-                destination = client.getsockname()
-                header = proxy_protocol.encode(config.send_proxy, source, destination)
-            p = Pump(client, server, flow, preamble=header, close_sockets=True)
+                header = proxy_protocol.encode(
+                    config.send_proxy, connection.source, _local_address(client)
+                )
+        except OSError as exc:  # as in _serve: the client reset before getsockname()
+            os.close(server)
+            os.close(client)
+            self._pump_failed(connection, exc)
+            return
+        try:
+            # close_sockets: it owns both descriptors from here on, even if this raises
+            p = Pump(client, server, connection, preamble=header, close_sockets=True)
         except OSError as exc:  # as in _serve
-            log.debug("%s: %s", self.pool.name, exc)
-            flow.error = exc
-            server.close()
-            self._ended(lease, flow, started, source, "error")
-            return False
-        p.on_end = lambda p: self._pumped(p, client, source, started, lease)
+            self._pump_failed(connection, exc)
+            return
+        p.on_end = self._on_end
         self._live.add(p)
         if not self._guarded:
             self._guarded = True
@@ -217,7 +278,7 @@ class Handler:
             p.start()
         except OSError as exc:  # as in _serve: only this connection ends
             log.debug("%s: %s", self.pool.name, exc)
-            flow.error = exc
+            connection.error = exc
             if p.outcome is None:
                 p.outcome = "error"
         if p.outcome is not None and p.on_end is not None:  # ended before it began
@@ -225,24 +286,30 @@ class Handler:
             end = p.on_end
             p.on_end = None
             end(p)
-        return True
 
-    def _pumped(
-        self, p: Pump, client: socket.socket, source: tuple, started: float, lease: Lease
-    ) -> None:
-        """The reactor's report that a task-less connection is over (both sockets are
-        closed by then). Called from the reactor, a deadline or Flow.close(): it must
-        not raise."""
+    def _pump_failed(self, connection: ClientConnection, exc: OSError) -> None:
+        log.debug("%s: %s", self.pool.name, exc)
+        connection.error = exc
+        self._finished(connection, "error")
+
+    def _pumped(self, p: Pump) -> None:
+        """The reactor's report that a task-less connection is over (both descriptors
+        are closed by then). Called from the reactor, a deadline or Flow.close(): it
+        must not raise."""
         self._live.discard(p)
+        self._finished(p.flow, p.outcome or "error")  # type: ignore[arg-type]
+        if not self._live and self._empty is not None:
+            self._empty.set()
+
+    def _finished(self, connection: ClientConnection, end: str) -> None:
+        """A task-less connection is over: its end, counted (must not raise)."""
         try:
-            self._ended(lease, p.flow, started, source, p.outcome or "error")
+            assert connection.lease is not None
+            self._ended(connection.lease, connection, connection.started, connection.source, end)
         except Exception:
             log.exception("%s: ending a connection", self.pool.name)
         finally:
             self.pool.clients -= 1
-            client.close()  # already closed by the pump: a no-op, kept for any path
-            if not self._live and self._empty is not None:
-                self._empty.set()
 
     async def _guard(self) -> None:
         """Stands, in the handlers nursery, for the connections that have no task, so
@@ -261,12 +328,10 @@ class Handler:
 
     # -- the task path ----------------------------------------------------------------
 
-    async def handle(
-        self, client: socket.socket, peer: tuple, preread: bytes | None = None
-    ) -> None:
-        """Serve one accepted client socket in a task until both sides are done;
-        closes it. For what may wait from the start (a PROXY header to read, a queue)
-        and for the clients a shared (SNI) address routes here.
+    async def handle(self, client: int, peer: tuple, preread: bytes | None = None) -> None:
+        """Serve one accepted client (its descriptor) in a task until both sides are
+        done; closes it. For what may wait from the start (a PROXY header to read, a
+        queue) and for the clients a shared (SNI) address routes here.
 
         `preread`: the listener has already read the PROXY header (if any; `peer` is
         then the source it names) and these bytes (a TLS ClientHello, for the route),
@@ -279,30 +344,28 @@ class Handler:
             admitted = await self._admit(client, peer, config, preread)
         except BaseException:
             pool.clients -= 1
-            client.close()
+            os.close(client)
             raise
         if admitted is None:
             pool.clients -= 1
-            client.close()
+            os.close(client)
             return
         source, leftover = admitted
-        started = trio.current_time()
-        connection = self._connection(config)
-        await self._serve(client, source, leftover, started, connection, config, [], None)
+        connection = self._connection(config, source, trio.current_time())
+        await self._serve(client, leftover, connection, config, [], None)
 
     async def _serve(
         self,
-        client: socket.socket,
-        source: tuple,
+        client: int,
         leftover: bytes,
-        started: float,
-        connection: Connection,
+        connection: ClientConnection,
         config: VirtualServerConfig,
         tried: list[RealServer],
         pending: Pending | None,
     ) -> None:
         """The rest of a connection's life, in a task: connect (the attempt `pending`
-        first, then retries), pump, end. Counted in pool.clients already; closes it.
+        first, then retries), pump, end. Counted in pool.clients already; closes the
+        client's descriptor.
 
         One coroutine from here to the end: its frame and trio's wait are what an idle
         connection keeps alive, so the steps before the pump are helpers that return,
@@ -310,67 +373,73 @@ class Handler:
         this task waits in ``finished()``.
         """
         pool = self.pool
-        flow = connection.flow
+        source, started = connection.source, connection.started
+        client_open = True  # until the pump owns it
         try:
-            with client:
-                queue = self.vs.queue
-                if queue is not None and queue.must_wait():  # never on the fast path
-                    reason = await queue.wait()
-                    if reason is not None:  # queue_full | queue_timeout
-                        self._reject(reason, source)
-                        return
-                connected = await self._connect(connection, config, source, tried, pending)
-                if queue is not None and queue.waiting:
-                    queue.kick()  # the slot is taken: the next waiter, if room is left
-                if connected is None:
-                    if self.vs.access_log:
-                        end = "cancelled" if flow.closing else "no_server"
-                        self._log_access(source, None, flow, started, end)
+            queue = self.vs.queue
+            if queue is not None and queue.must_wait():  # never on the fast path
+                reason = await queue.wait()
+                if reason is not None:  # queue_full | queue_timeout
+                    self._reject(reason, source)
                     return
-                server, lease = connected
-                outcome = "cancelled"  # the drain deadline cancelled us
-                try:
-                    with server:
-                        header = b""
-                        if config.send_proxy != "none":
-                            destination = client.getsockname()
-                            header = proxy_protocol.encode(config.send_proxy, source, destination)
-                        # close_sockets: the pump closes both the moment it ends (the
-                        # `with` blocks then do nothing), which saves two epoll_ctl and
-                        # usually a shutdown per connection.
-                        p = Pump(
-                            client,
-                            server,
-                            flow,
-                            preamble=header,
-                            initial_client_bytes=leftover,
-                            close_sockets=True,
-                        )
-                        try:  # pump()'s body, here: one coroutine frame less per connection
-                            p.start()
-                            await p.finished()
-                        finally:
-                            p.close()
-                        outcome = p.outcome
-                except OSError as exc:
-                    # Out of descriptors for a pipe (EMFILE), or the client reset before
-                    # getsockname(). Only this connection ends; the accept loop backs off
-                    # by itself when descriptors run out.
-                    log.debug("%s: %s", pool.name, exc)
-                    flow.error = exc
-                    outcome = "error"
+            connected = await self._connect(connection, config, source, tried, pending)
+            if queue is not None and queue.waiting:
+                queue.kick()  # the slot is taken: the next waiter, if room is left
+            if connected is None:
+                if self.vs.access_log:
+                    end = "cancelled" if connection.closing else "no_server"
+                    self._log_access(source, None, connection, started, end)
+                return
+            server, lease = connected
+            outcome = "cancelled"  # the drain deadline cancelled us
+            try:
+                header = b""
+                if config.send_proxy != "none":
+                    try:
+                        destination = _local_address(client)
+                    except BaseException:
+                        os.close(server)
+                        raise
+                    header = proxy_protocol.encode(config.send_proxy, source, destination)
+                # close_sockets: the pump closes both the moment it ends (or fails to
+                # start), which saves two epoll_ctl and usually a shutdown per connection.
+                client_open = False
+                p = Pump(
+                    client,
+                    server,
+                    connection,
+                    preamble=header,
+                    initial_client_bytes=leftover,
+                    close_sockets=True,
+                )
+                try:  # pump()'s body, here: one coroutine frame less per connection
+                    p.start()
+                    await p.finished()
                 finally:
-                    self._ended(lease, flow, started, source, outcome)
+                    p.close()
+                outcome = p.outcome
+            except OSError as exc:
+                # Out of descriptors for a pipe (EMFILE), or the client reset before
+                # getsockname(). Only this connection ends; the accept loop backs off
+                # by itself when descriptors run out.
+                log.debug("%s: %s", pool.name, exc)
+                connection.error = exc
+                outcome = "error"
+            finally:
+                self._ended(lease, connection, started, source, outcome)
         finally:
+            if client_open:
+                os.close(client)
             pool.clients -= 1
 
     # -- shared by both paths ------------------------------------------------------------
 
-    def _connection(self, config: VirtualServerConfig) -> Connection:
-        flow = Flow(config.idle_timeout)
-        connection = Connection(flow)
+    def _connection(
+        self, config: VirtualServerConfig, source: tuple, started: float
+    ) -> ClientConnection:
+        connection = ClientConnection(config.idle_timeout, source, started)
         if self.vs.throttle is not None:  # start with the imposed idle timeout, if any
-            flow.idle_timeout = self.vs.throttle.idle_timeout_for(config.idle_timeout)
+            connection.idle_timeout = self.vs.throttle.idle_timeout_for(config.idle_timeout)
         return connection
 
     def _ended(self, lease: Lease, flow: Flow, started: float, source: tuple, end: str) -> None:
@@ -378,7 +447,7 @@ class Handler:
         rs = lease.server
         rs.bytes_in += flow.bytes_in
         rs.bytes_out += flow.bytes_out
-        now = trio.current_time()
+        now = self._clock()
         pool.drop(lease, now)
         pool.durations.observe(now - started)
         if self.vs.access_log:
@@ -386,7 +455,7 @@ class Handler:
 
     async def _admit(
         self,
-        client: socket.socket,
+        client: int,
         peer: tuple,
         config: VirtualServerConfig,
         preread: bytes | None = None,
@@ -400,9 +469,12 @@ class Handler:
         if preread is not None:
             leftover = preread
         elif config.accept_proxy:
-            header = await self._read_proxy_header(
-                trio.socket.from_stdlib_socket(client), config.connect_timeout
-            )
+            # A trio socket over the descriptor for the read; detached after, not closed.
+            sock = trio.socket.from_stdlib_socket(socket.socket(-1, socket.SOCK_STREAM, 0, client))
+            try:
+                header = await self._read_proxy_header(sock, config.connect_timeout)
+            finally:
+                sock.detach()
             if header is None:
                 return None
             source, leftover = header
@@ -452,13 +524,14 @@ class Handler:
 
     async def _connect(
         self,
-        handle: Connection,
+        handle: ClientConnection,
         config: VirtualServerConfig,
         source: tuple,
         tried: list[RealServer],
         pending: Pending | None = None,
-    ) -> tuple[socket.socket, Lease] | None:
-        """Connect to a picked real server, retrying others (never the same one twice).
+    ) -> tuple[int, Lease] | None:
+        """Connect to a picked real server, retrying others (never the same one twice):
+        (its connected descriptor, the lease), or None.
 
         `source` is the client's address (the PROXY header's with accept_proxy), for
         persistence and maglev; the pool ignores it when neither is configured.
@@ -473,7 +546,7 @@ class Handler:
             else:
                 if len(tried) > config.retries:
                     break
-                if handle.flow.closing:  # closed while an earlier attempt was waiting
+                if handle.closing:  # closed while an earlier attempt was waiting
                     return None
                 now = trio.current_time()
                 rs = pool.pick(now, tried, source)
@@ -484,7 +557,7 @@ class Handler:
                     log.debug("%s", explain_pick(pool, rs, tried[:-1]))
                 # Taken before the connect completes, as IPVS counts a connection from
                 # its SYN: concurrent arrivals then see this one and spread out.
-                lease = pool.take(rs, now, handle, source)
+                lease = handle.lease = pool.take(rs, now, handle, source)
                 started_sock = None
             try:
                 sock = await self._open(rs.address, config.connect_timeout, handle, started_sock)
@@ -499,7 +572,7 @@ class Handler:
                 pool.drop(lease, trio.current_time())
                 raise
             self._connected(rs, lease, now)
-            return sock, lease
+            return sock.detach(), lease
         pool.rejected["connect_failed" if tried else "no_server"] += 1
         return None
 
@@ -523,13 +596,14 @@ class Handler:
             # a good connect ends a failure streak (or is a down server's trial)
             record_health(self.pool, rs, True, now, "connect succeeded")
 
-    def _start_connect(self, family: int, sockaddr: tuple) -> tuple[socket.socket, int]:
+    def _start_connect(self, family: int, sockaddr: tuple) -> tuple[socket.SocketType, int]:
         """socket() and a non-blocking connect: (socket, 0) connected already, or
         (socket, EINPROGRESS). Raises LocalCapacityError or ConnectError (closed)."""
         try:
             # A plain non-blocking socket: trio's wrapper costs a checkpoint, an address
-            # re-resolution and an ioctl per connect; the pump needs only the descriptor.
-            sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            # re-resolution and an ioctl per connect, and socket.socket's Python layer
+            # frames of its own; the pump needs only the descriptor.
+            sock = _new_socket(family, _CONNECT_TYPE)
         except OSError as exc:
             if exc.errno in LOCAL_CAPACITY_ERRNOS:
                 raise LocalCapacityError(exc.strerror) from None
@@ -562,9 +636,9 @@ class Handler:
         self,
         address: Address,
         timeout: float,
-        handle: Connection,
-        sock: socket.socket | None = None,
-    ) -> socket.socket:
+        handle: ClientConnection,
+        sock: socket.SocketType | None = None,
+    ) -> socket.SocketType:
         """A connected socket to `address`; `sock`: a connect already in progress."""
         if sock is None:
             cached = self._resolved.get(address)  # no coroutine on the usual cache hit
@@ -574,12 +648,12 @@ class Handler:
                 return sock
         try:
             with trio.move_on_after(timeout) as deadline:
-                handle.connecting = deadline  # Connection.close() cancels it
+                handle.connecting = deadline  # ClientConnection.close() cancels it
                 try:
                     await trio.lowlevel.wait_writable(sock.fileno())
                 finally:
                     handle.connecting = None
-            if handle.flow.closing:
+            if handle.closing:
                 raise ConnectError("cancelled")
             if deadline.cancelled_caught:
                 raise ConnectError("timeout")
@@ -647,3 +721,12 @@ def explain_pick(pool: Pool, chosen: RealServer, tried: list[RealServer]) -> str
 def _format_peer(peer: tuple) -> str:
     host, port = peer[0], peer[1]
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def _local_address(fd: int) -> tuple:
+    """The local address of a connected descriptor (send_proxy's destination)."""
+    sock = socket.socket(-1, socket.SOCK_STREAM, 0, fd)
+    try:
+        return sock.getsockname()
+    finally:
+        sock.detach()

@@ -5,11 +5,11 @@ are finished" (SPEC section 4): the two directions, the half-close hand-over, th
 timeout and the pipe pool behind splice(2). It does not own the sockets: the caller
 closes both after :func:`pump` returns, whatever it returns -- or asks the pump to close
 them the moment it ends (``Pump(close_sockets=True)``, what the connection handler
-does), which leaves two system calls per connection to close(2): the epoll set's
-removal, and the last FIN of a connection both of whose sides have closed. A FIN read
-while the other way is still open is passed on as a half-close at the end of the
-reactor's batch, so a client and a server that close at about the same time (HTTP with
-``Connection: close``) need no shutdown at all.
+does, with plain descriptors rather than socket objects), which leaves two system calls
+per connection to close(2): the epoll set's removal, and the last FIN of a connection
+both of whose sides have closed. A FIN read while the other way is still open is passed
+on as a half-close at the end of the reactor's batch, so a client and a server that
+close at about the same time (HTTP with ``Connection: close``) need no shutdown at all.
 
 How it works
 ------------
@@ -350,29 +350,31 @@ class _Direction:
     ``move()`` reads one chunk and writes out as much of it as dst takes;
     ``write_out()`` goes on writing a chunk that dst refused before. Both return one of
     the statuses above and keep the flow's counter and ``last_activity`` up to date.
-    The pump owns the state machine; a direction only moves bytes.
+    The pump owns the state machine; a direction only moves bytes. It works on the two
+    descriptors: no socket object is needed to splice, and none is built per connection
+    (CPython makes a ``getsockname`` call and a few Python frames for each).
     """
 
     __slots__ = (
-        "dst",
+        "clock",
         "dst_fd",
         "error",
         "fin_pending",
         "flow",
         "last_read",
         "pending",
-        "src",
         "src_fd",
         "state",
         "to_server",
     )
 
-    def __init__(self, src: SocketType, dst: SocketType, flow: Flow, to_server: bool) -> None:
-        self.src = src
-        self.dst = dst
-        self.src_fd = src.fileno()
-        self.dst_fd = dst.fileno()
+    def __init__(
+        self, src_fd: int, dst_fd: int, flow: Flow, to_server: bool, clock: Callable[[], float]
+    ) -> None:
+        self.src_fd = src_fd
+        self.dst_fd = dst_fd
         self.flow = flow
+        self.clock = clock  # the run's clock.current_time: one frame, not trio's three
         self.to_server = to_server  # which counter; which side a failure is blamed on
         self.state = _READING
         self.pending = 0  # bytes read from src and not yet written to dst
@@ -390,11 +392,12 @@ class _Direction:
         keep-alive response) ends the turn without trying a read that would only find
         nothing. The bound keeps one busy connection from holding the loop.
         """
-        for _ in range(_BURST - 1):
+        left = _BURST
+        while True:
             status = self._move_one()
-            if status or self.last_read < _BIG_CHUNK:
+            left -= 1
+            if status or not left or self.last_read < _BIG_CHUNK:
                 return status
-        return self._move_one()
 
     def _move_one(self) -> int:
         raise NotImplementedError
@@ -413,7 +416,7 @@ class _Direction:
             flow.bytes_in += n
         else:
             flow.bytes_out += n
-        flow.last_activity = trio.current_time()
+        flow.last_activity = self.clock()
 
 
 class _SpliceDirection(_Direction):
@@ -425,8 +428,20 @@ class _SpliceDirection(_Direction):
 
     __slots__ = ("pipe", "spliced")
 
-    def __init__(self, src: SocketType, dst: SocketType, flow: Flow, to_server: bool) -> None:
-        super().__init__(src, dst, flow, to_server)
+    def __init__(
+        self, src_fd: int, dst_fd: int, flow: Flow, to_server: bool, clock: Callable[[], float]
+    ) -> None:
+        # _Direction.__init__'s lines, here: one frame less per direction
+        self.src_fd = src_fd
+        self.dst_fd = dst_fd
+        self.flow = flow
+        self.clock = clock
+        self.to_server = to_server
+        self.state = _READING
+        self.pending = 0
+        self.last_read = 0
+        self.error: OSError | None = None
+        self.fin_pending = False
         self.pipe: tuple[int, int] | None = None
         self.spliced = False  # until a splice succeeds, EINVAL means "cannot splice"
 
@@ -458,6 +473,7 @@ class _SpliceDirection(_Direction):
         pipe = self.pipe
         assert pipe is not None
         dst_fd = self.dst_fd
+        flow = self.flow
         while self.pending:
             try:
                 n = os.splice(pipe[0], dst_fd, self.pending, flags=_SPLICE_FLAGS)
@@ -466,7 +482,14 @@ class _SpliceDirection(_Direction):
             except OSError as exc:
                 self.error = exc
                 return _DESTINATION_FAILED
-            self._wrote(n)  # partial writes are normal: loop until the pipe is empty
+            # _wrote(n), inline (once per chunk, twice per keep-alive request); partial
+            # writes are normal: loop until the pipe is empty.
+            self.pending -= n
+            if self.to_server:
+                flow.bytes_in += n
+            else:
+                flow.bytes_out += n
+            flow.last_activity = self.clock()
         # Empty again: back to the pool, so an idle connection holds no pipe.
         self.pipe = None
         if len(_idle_pipes) < MAX_IDLE_PIPES:
@@ -496,12 +519,14 @@ class _BufferDirection(_Direction):
 
     __slots__ = ("buf", "recv_into", "rsock", "send", "sent", "wsock")
 
-    def __init__(self, src: SocketType, dst: SocketType, flow: Flow, to_server: bool) -> None:
-        super().__init__(src, dst, flow, to_server)
+    def __init__(
+        self, src_fd: int, dst_fd: int, flow: Flow, to_server: bool, clock: Callable[[], float]
+    ) -> None:
+        super().__init__(src_fd, dst_fd, flow, to_server, clock)
         # Views over the caller's descriptors; release() detaches them without closing.
-        self.rsock = socket.socket(src.family, src.type, src.proto, self.src_fd)
+        self.rsock = _view(src_fd)
         try:
-            self.wsock = socket.socket(dst.family, dst.type, dst.proto, self.dst_fd)
+            self.wsock = _view(dst_fd)
         except BaseException:
             self.rsock.detach()
             raise
@@ -561,6 +586,31 @@ class _BufferDirection(_Direction):
         self.wsock.detach()
 
 
+def _view(fd: int) -> socket.socket:
+    """A socket object over a connected TCP descriptor it does not own (``detach()`` it
+    afterwards): for the few calls that need one -- shutdown, SO_ERROR, the fallback's
+    recv/send. Not on the splice path: CPython checks the descriptor with getsockname."""
+    return socket.socket(-1, socket.SOCK_STREAM, 0, fd)
+
+
+def _shutdown_write(fd: int) -> None:
+    """shutdown(fd, SHUT_WR): pass a FIN on (a half-close)."""
+    sock = _view(fd)
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    finally:
+        sock.detach()
+
+
+def _socket_error(fd: int) -> int:
+    """The socket's pending error (SO_ERROR), 0 if none."""
+    sock = _view(fd)
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    finally:
+        sock.detach()
+
+
 # --------------------------------------------------------------------------- pump
 
 
@@ -604,8 +654,8 @@ class Pump:
 
     def __init__(
         self,
-        client: SocketType,
-        server: SocketType,
+        client: SocketType | socket.socket | int,
+        server: SocketType | socket.socket | int,
         flow: Flow,
         *,
         preamble: bytes = b"",
@@ -622,34 +672,37 @@ class Pump:
         # batch woken by a finished socket's hang-up before the caller's close), and the
         # last FIN of a connection whose two directions are both finished is sent by
         # close, without a shutdown first (both receive queues are empty then: close
-        # sends FIN, not RST).
+        # sends FIN, not RST). `client` and `server` are socket objects or plain
+        # descriptors (what the connection handler passes: no socket object is built
+        # per connection); the pump itself uses only the descriptors. It owns them from
+        # the call on: should this constructor raise, they are closed.
         self.sockets = (client, server) if close_sockets else None
+        self.up: _Direction | None = None
+        self.down: _Direction | None = None
+        self.registered = False
+        self.alarm: Deadline | None = None  # the idle deadline in the process-wide heap
+        self.flow = flow
         splicing = use_splice and hasattr(os, "splice")
         direction = _SpliceDirection if splicing else _BufferDirection
-        self.flow = flow
         self.outcome: Outcome | None = None
         self.error: BaseException | None = None  # a bug met while moving bytes
         self.open_directions = 2
-        self.alarm: Deadline | None = None  # the idle deadline in the process-wide heap
         self.task: trio.lowlevel.Task | None = None  # parked in finished()
         # Instead of a task in finished(): called once, with the pump, when it ends --
         # synchronously, from the reactor, the deadline heap, or whoever called
         # Flow.close() or assigned Flow.idle_timeout (so such a caller must not be
         # iterating over something the callback changes). It must not raise.
         self.on_end: Callable[[Pump], None] | None = None
-        self.registered = False
         # Bytes for the server before the loop starts; the first `initial_uncounted` of
         # them (a PROXY header) are not client data and do not count in bytes_in.
         self.initial = preamble + initial_client_bytes
         self.initial_uncounted = len(preamble)
-        self.client_fd = client.fileno()
-        self.server_fd = server.fileno()
-        self.reactor = _reactor()
-        self.up: _Direction | None = None
-        self.down: _Direction | None = None
+        client_fd = self.client_fd = client if type(client) is int else client.fileno()
+        server_fd = self.server_fd = server if type(server) is int else server.fileno()
         try:
-            self.up = direction(client, server, flow, True)
-            self.down = direction(server, client, flow, False)
+            reactor = self.reactor = _reactor()
+            self.up = direction(client_fd, server_fd, flow, True, reactor.clock)
+            self.down = direction(server_fd, client_fd, flow, False, reactor.clock)
         except BaseException:
             self.close()
             raise
@@ -665,7 +718,7 @@ class Pump:
         self.reactor.add(self)
         self.registered = True
         flow._pump = self
-        flow.last_activity = trio.current_time()
+        flow.last_activity = self.reactor.clock()
         self._update_interest()
         if self.initial:
             self._write_initial()
@@ -690,8 +743,8 @@ class Pump:
         return trio.lowlevel.Abort.SUCCEEDED
 
     def close(self) -> None:
-        """End: stop watching, give back pipes and buffers (the sockets stay open).
-        Safe to call more than once."""
+        """End: stop watching, give back pipes and buffers; the sockets stay open
+        unless the pump owns them (``close_sockets``). Safe to call more than once."""
         if self.flow._pump is self:
             self.flow._pump = None
         if self.alarm is not None:
@@ -707,12 +760,21 @@ class Pump:
                     d.fin_pending = False
                     if sockets is None:  # else close() below sends it
                         with contextlib.suppress(OSError):
-                            d.dst.shutdown(socket.SHUT_WR)
+                            _shutdown_write(d.dst_fd)
                 d.release()
         if sockets is not None:
             self.sockets = None
-            for sock in sockets:
-                sock.close()
+            client, server = sockets
+            try:
+                if type(client) is int:
+                    os.close(client)
+                else:
+                    client.close()
+            finally:
+                if type(server) is int:
+                    os.close(server)
+                else:
+                    server.close()
 
     def _finish(self) -> None:
         """The outcome is set: clean up and wake the task waiting in finished()."""
@@ -749,7 +811,7 @@ class Pump:
         """
         if self.outcome is not None:
             return
-        if trio.current_time() >= self.flow.last_activity + self.flow._idle_timeout:
+        if self.reactor.clock() >= self.flow.last_activity + self.flow._idle_timeout:
             self._end(IDLE_TIMEOUT)
         else:
             self._arm()
@@ -832,8 +894,7 @@ class Pump:
 
     def _unwatched_event(self, fd: int, client_side: bool) -> None:
         """An error or hang-up on a socket no direction is watching right now."""
-        sock = self.up.src if client_side else self.down.src  # type: ignore[union-attr]
-        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        code = _socket_error(fd)
         if code:  # a reset after its side half-closed: end now, not at the idle timeout
             self._failed(client_side, OSError(code, os.strerror(code)))
             return
@@ -858,13 +919,13 @@ class Pump:
         sockets (``close_sockets``) lets close(2) send both FINs, with no shutdown at
         all. Otherwise the FIN goes out as a half-close, as before.
         """
-        self.flow.last_activity = trio.current_time()
+        self.flow.last_activity = self.reactor.clock()
         d.state = _DONE
         self.open_directions -= 1
         if self.open_directions == 0:
             if self.sockets is None:  # else close() sends it, when the pump ends now
                 try:
-                    d.dst.shutdown(socket.SHUT_WR)
+                    _shutdown_write(d.dst_fd)
                 except OSError as exc:  # ENOTCONN: dst was reset meanwhile
                     self._failed(not d.to_server, exc)
                     return
@@ -880,7 +941,7 @@ class Pump:
             return
         d.fin_pending = False
         try:
-            d.dst.shutdown(socket.SHUT_WR)
+            _shutdown_write(d.dst_fd)
         except OSError as exc:  # ENOTCONN: dst was reset meanwhile
             self._failed(not d.to_server, exc)
             self._finish()
@@ -921,7 +982,7 @@ class Pump:
             log.warning("splice(2) refused (%s); using recv/send", exc)
             splice_enabled = False
         d.release()
-        replacement = _BufferDirection(d.src, d.dst, d.flow, d.to_server)
+        replacement = _BufferDirection(d.src_fd, d.dst_fd, d.flow, d.to_server, d.clock)
         if d is self.up:
             self.up = replacement
         else:
@@ -949,7 +1010,7 @@ class Pump:
             self.initial_uncounted = max(0, -counted)
             if counted > 0:
                 flow.bytes_in += counted
-            flow.last_activity = trio.current_time()
+            flow.last_activity = self.reactor.clock()
         if up.state == _HELD:
             up.state = _READING
             self._update_interest()
@@ -969,6 +1030,9 @@ class _Reactor:
 
     def __init__(self) -> None:
         self.epoll = select.epoll()
+        # The run's clock, read directly: trio.current_time() is three Python frames, and
+        # the byte path reads the time once per chunk (Flow.last_activity).
+        self.clock: Callable[[], float] = trio.lowlevel.current_clock().current_time
         self.pumps: dict[int, Pump] = {}
         # FINs read in this batch, passed on at its end (Pump._pass_fin).
         self.fins: list[tuple[Pump, _Direction]] = []

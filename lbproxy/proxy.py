@@ -297,7 +297,20 @@ class Handler:
         are closed by then). Called from the reactor, a deadline or Flow.close(): it
         must not raise."""
         self._live.discard(p)
-        self._finished(p.flow, p.outcome or "error")  # type: ignore[arg-type]
+        connection: ClientConnection = p.flow  # type: ignore[assignment]
+        try:  # _finished(), inline: once per connection
+            assert connection.lease is not None
+            self._ended(
+                connection.lease,
+                connection,
+                connection.started,
+                connection.source,
+                p.outcome or "error",
+            )
+        except Exception:
+            log.exception("%s: ending a connection", self.pool.name)
+        finally:
+            self.pool.clients -= 1
         if not self._live and self._empty is not None:
             self._empty.set()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import trio
+import trio.testing
 from trio.socket import SocketType
 
 from lbproxy import pump as pump_mod
@@ -363,6 +364,34 @@ def test_idle_timeout_counts_from_last_activity(use_splice: bool) -> None:
         assert 0.49 <= p.elapsed < 1.5
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("use_splice", MODES)
+@pytest.mark.parametrize("tick_at", [None, 3.0])
+def test_long_idle_timeout_armed_by_the_sweep_is_exact(use_splice: bool, tick_at) -> None:
+    """A timeout of a second or more is armed by the reactor's sweep of new connections
+    (_Reactor.defer), not when the pump starts; it still counts from the last activity,
+    neither early nor late. Virtual time: the clock jumps whenever every task waits."""
+    timeout = 5.0
+    assert timeout >= pump_mod._DEFER_IDLE
+
+    async def main() -> None:
+        async with rig() as r:
+            p = PumpTask(r, Flow(idle_timeout=timeout), use_splice)
+            last = 0.0
+            with trio.fail_after(60):
+                async with trio.open_nursery() as n:
+                    n.start_soon(p.run)
+                    if tick_at is not None:
+                        await trio.sleep(tick_at)
+                        await send_all(r.server, b"tick", shut=False)
+                        assert await recv_exactly(r.client, 4) == b"tick"
+                        last = trio.current_time() - p.started
+                    await p.done.wait()
+        assert p.outcome == "idle_timeout"
+        assert abs(p.elapsed - (last + timeout)) < 0.01
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 @pytest.mark.parametrize("use_splice", MODES)

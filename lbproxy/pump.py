@@ -482,8 +482,11 @@ class _SpliceDirection(_Direction):
                 self.error = exc
                 return _SOURCE_FAILED
             self.spliced = True
-            if not n:
-                _put_pipe(pipe)
+            if not n:  # EOF: the pipe goes back as it came (_put_pipe, inline)
+                if len(_idle_pipes) < MAX_IDLE_PIPES:
+                    _idle_pipes.append(pipe)
+                else:
+                    _discard_pipe(pipe)
                 return _EOF
             self.pipe = pipe
             self.pending = self.last_read = n
@@ -739,11 +742,16 @@ class Pump:
         if flow.closing:  # closed before it started
             self.outcome = CANCELLED
             return
-        self.reactor.add(self)
+        reactor = self.reactor
+        reactor.add(self)
         self.registered = True
         flow._pump = self
-        flow.last_activity = self.reactor.clock()
-        self._update_interest()
+        flow.last_activity = reactor.clock()
+        # _update_interest() for the start, inline: both directions read.
+        reactor.epoll.register(self.client_fd, _IN)
+        self.client_mask = _IN
+        reactor.epoll.register(self.server_fd, _IN)
+        self.server_mask = _IN
         if self.initial:
             self._write_initial()
         if self.outcome is None:
@@ -1106,6 +1114,13 @@ class _Reactor:
     def remove(self, p: Pump, unregister: bool = True) -> None:
         """Forget `p`; ``unregister=False``: its sockets are about to be closed, which
         takes them out of the epoll set."""
+        pumps = self.pumps
+        if not unregister:  # the usual case (close_sockets), without the loop
+            if pumps.get(p.client_fd) is p:  # the caller may have closed and reused it
+                del pumps[p.client_fd]
+            if pumps.get(p.server_fd) is p:
+                del pumps[p.server_fd]
+            return
         for fd, mask in ((p.client_fd, p.client_mask), (p.server_fd, p.server_mask)):
             if self.pumps.get(fd) is p:  # the caller may have closed and reused the fd
                 del self.pumps[fd]

@@ -488,9 +488,36 @@ class _SpliceDirection(_Direction):
                 else:
                     _discard_pipe(pipe)
                 return _EOF
-            self.pipe = pipe
-            self.pending = self.last_read = n
-            status = self.write_out()
+            self.last_read = n
+            # The usual case, inline: the whole chunk goes out at once (else write_out()
+            # goes on with what is left, and waits for dst if it has to).
+            try:
+                m = os.splice(pipe[0], self.dst_fd, n, flags=_SPLICE_FLAGS)
+            except BlockingIOError:
+                self.pipe = pipe
+                self.pending = n
+                return _BLOCKED
+            except OSError as exc:
+                self.pipe = pipe  # still holding the chunk: release() discards it
+                self.pending = n
+                self.error = exc
+                return _DESTINATION_FAILED
+            flow = self.flow
+            if self.to_server:
+                flow.bytes_in += m
+            else:
+                flow.bytes_out += m
+            flow.last_activity = self.clock()
+            if m == n:
+                if len(_idle_pipes) < MAX_IDLE_PIPES:
+                    _idle_pipes.append(pipe)
+                else:
+                    _discard_pipe(pipe)
+                status = _MOVED
+            else:  # a partial write: write_out() goes on (and waits if it has to)
+                self.pipe = pipe
+                self.pending = n - m
+                status = self.write_out()
             left -= 1
             if status or not left or n < _BIG_CHUNK:
                 return status

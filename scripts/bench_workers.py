@@ -1,14 +1,24 @@
 """CPU per new connection with `workers: 1` against `workers: 2` (issue 15's last goal).
 
     .venv/bin/python scripts/bench_workers.py [--rounds 3] [--seconds 4]
+    flock /tmp/lbproxy-bench.lock .venv/bin/python scripts/bench_workers.py --pin --rounds 6
 
 nginx answers `ok` on loopback; lbproxy (`rr`, no checks, no admin endpoint) runs in
-front of it with 1 and then 2 workers; wrk opens new connections (`Connection: close`,
-20 at a time). Each round adds up utime + stime of every lbproxy process (supervisor and
+front of it with 1 and 2 workers; wrk opens new connections (`Connection: close`, 20 at a
+time). Each round adds up utime + stime of every lbproxy process (supervisor and
 workers, from /proc) over the run and divides by the requests wrk counted: "as efficient
-per core" means the same CPU per connection. Nothing is pinned: wrk and nginx share the
-two cores, so read the rate as a side figure. Needs wrk and nginx (scripts/bench installs
-them as root). Every process started is stopped by PID; loopback only.
+per core" means the same CPU per connection (the same connections per CPU-second).
+
+Without `--pin` nothing is pinned: wrk and nginx share the two cores with lbproxy, so
+read the rate as a side figure. With `--pin` (what makes the comparison decisive on a
+2-core machine) wrk and nginx run on `--load-core` and every lbproxy process --
+supervisor and both workers, or the single process -- on `--proxy-core`, so both setups
+get exactly one core; lbproxy is started afresh for every round and the rounds
+alternate 1, 2, 2, 1, 1, 2, ... so a drift in the machine's load hits both alike. The
+table then also splits the CPU by process (the supervisor's share, the workers').
+
+Needs wrk and nginx (scripts/bench installs them as root). Bounded: rounds x (seconds +
+a few seconds of start-up); every process started is stopped by PID; loopback only.
 """
 
 from __future__ import annotations
@@ -42,15 +52,21 @@ def process_tree(pid: int) -> list[int]:
     return [pid] + [p for child in children for p in process_tree(int(child))]
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
+def cpu_split(pids: list[int]) -> tuple[float, float]:
+    """(user, system) CPU seconds of these processes so far."""
+    user = system = 0
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / TICK
+        user += int(fields[11])  # utime
+        system += int(fields[12])  # stime
+    return user / TICK, system / TICK
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    return sum(cpu_split(pids))
 
 
 def wait_port(port: int, seconds: float = 10) -> None:
@@ -64,7 +80,10 @@ def wait_port(port: int, seconds: float = 10) -> None:
     raise SystemExit(f"nothing listens on 127.0.0.1:{port}")
 
 
-def measure(workdir: Path, backend: int, workers: int, rounds: int, seconds: int) -> list:
+def measure(
+    workdir: Path, backend: int, workers: int, seconds: int, pin: list[str], load: list[str]
+) -> dict:
+    """One round: a fresh lbproxy with `workers`, new-connection load, CPU per process."""
     port = free_port()
     config = workdir / f"lbproxy-{workers}.yaml"
     config.write_text(
@@ -76,47 +95,99 @@ def measure(workdir: Path, backend: int, workers: int, rounds: int, seconds: int
         f"    real_servers:\n      - {{name: n, address: 127.0.0.1:{backend}}}\n"
     )
     proxy = subprocess.Popen(
-        [sys.executable, "-m", "lbproxy", "run", str(config), "--log-level", "warning"],
+        [*pin, sys.executable, "-m", "lbproxy", "run", str(config), "--log-level", "warning"],
         cwd=ROOT,
     )
-    results = []
     try:
         wait_port(port)
         time.sleep(1)  # every worker up
         pids = process_tree(proxy.pid)
-        for _ in range(rounds):
-            before = cpu_seconds(pids)
-            out = subprocess.run(
-                [
-                    "wrk",
-                    "-t1",
-                    "-c20",
-                    f"-d{seconds}s",
-                    "-H",
-                    "Connection: close",
-                    f"http://127.0.0.1:{port}/",
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            used = cpu_seconds(pids) - before
-            requests = int(re.search(r"(\d+) requests in", out).group(1))
-            results.append((requests / seconds, used / requests * 1e6, os.getloadavg()[0]))
+        if len(pids) != (1 if workers == 1 else 1 + workers):
+            time.sleep(1)
+            pids = process_tree(proxy.pid)
+        wrk = [*load, "wrk", "-t1", "-c20", "-H", "Connection: close"]
+        subprocess.run([*wrk, "-d1s", f"http://127.0.0.1:{port}/"], capture_output=True)
+        before = [cpu_seconds([pid]) for pid in pids]
+        split0 = cpu_split(pids)
+        t0 = time.monotonic()
+        out = subprocess.run(
+            [*wrk, f"-d{seconds}s", f"http://127.0.0.1:{port}/"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        wall = time.monotonic() - t0
+        used = [cpu_seconds([pid]) - b for pid, b in zip(pids, before, strict=True)]
+        split1 = cpu_split(pids)
+        requests = int(re.search(r"(\d+) requests in", out).group(1))
     finally:
         proxy.send_signal(signal.SIGTERM)
         proxy.wait(30)
-    return results
+    total = sum(used)
+    return {
+        "workers": workers,
+        "rate": requests / seconds,
+        "us": total / requests * 1e6,
+        "user_us": (split1[0] - split0[0]) / requests * 1e6,
+        "sys_us": (split1[1] - split0[1]) / requests * 1e6,
+        "per_cpu_s": requests / total if total else 0.0,
+        "util": total / wall,
+        # the supervisor is the first pid; with workers: 1 it is the only process
+        "supervisor_us": used[0] / requests * 1e6 if workers > 1 else None,
+        "workers_us": sum(used[1:]) / requests * 1e6 if workers > 1 else None,
+        "load": os.getloadavg()[0],
+    }
+
+
+def report(results: list[dict]) -> None:
+    import statistics
+
+    for workers in (1, 2):
+        runs = [r for r in results if r["workers"] == workers]
+        if not runs:
+            continue
+        us = [r["us"] for r in runs]
+        per = [r["per_cpu_s"] for r in runs]
+        user = statistics.median(r["user_us"] for r in runs)
+        system = statistics.median(r["sys_us"] for r in runs)
+        line = (
+            f"workers {workers}: median {statistics.median(us):4.0f} us CPU per connection "
+            f"({min(us):.0f}-{max(us):.0f}; user {user:.0f} + system {system:.0f}), "
+            f"{statistics.median(per):,.0f} connections per CPU-second, {len(runs)} rounds"
+        )
+        if workers > 1:
+            sup = statistics.median(r["supervisor_us"] for r in runs)
+            wrk = statistics.median(r["workers_us"] for r in runs)
+            line += f"; supervisor {sup:.1f} us, workers {wrk:.0f} us"
+        print(line)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per setting")
     parser.add_argument("--seconds", type=int, default=4)
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="wrk and nginx on --load-core, every lbproxy process on --proxy-core",
+    )
+    parser.add_argument("--load-core", type=int, default=0)
+    parser.add_argument("--proxy-core", type=int, default=1)
     args = parser.parse_args()
-    for tool in ("wrk", "nginx"):
+    tools = ("wrk", "nginx", "taskset") if args.pin else ("wrk", "nginx")
+    for tool in tools:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is missing (scripts/bench installs it as root)")
+    pin = ["taskset", "-c", str(args.proxy_core)] if args.pin else []
+    load = ["taskset", "-c", str(args.load_core)] if args.pin else []
+    # Alternating (1, 2, 2, 1, ...) when pinned; all of 1 then all of 2 otherwise, as
+    # this script always did.
+    if args.pin:
+        order = [(1, 2) if r % 2 == 0 else (2, 1) for r in range(args.rounds)]
+        settings = [w for pair in order for w in pair]
+    else:
+        settings = [1] * args.rounds + [2] * args.rounds
+    results = []
     with tempfile.TemporaryDirectory(prefix="lbproxy-workers-") as tmp:
         workdir = Path(tmp)
         backend = free_port()
@@ -127,18 +198,27 @@ def main() -> None:
             "http { access_log off; server { listen 127.0.0.1:%d; "
             'location / { return 200 "ok\\n"; } } }\n' % backend
         )
-        nginx = subprocess.Popen(["nginx", "-c", str(workdir / "nginx.conf"), "-p", tmp])
+        nginx = subprocess.Popen([*load, "nginx", "-c", str(workdir / "nginx.conf"), "-p", tmp])
         try:
             wait_port(backend)
-            for workers in (1, 2):
-                for rate, us, load in measure(workdir, backend, workers, args.rounds, args.seconds):
-                    print(
-                        f"workers {workers}: {us:4.0f} us CPU per connection (all lbproxy "
-                        f"processes), {rate:,.0f} connections/s, load average {load:.2f}"
-                    )
+            for workers in settings:
+                r = measure(workdir, backend, workers, args.seconds, pin, load)
+                results.append(r)
+                split = ""
+                if r["supervisor_us"] is not None:
+                    split = f" (supervisor {r['supervisor_us']:.1f}, workers {r['workers_us']:.0f})"
+                print(
+                    f"workers {workers}: {r['us']:4.0f} us CPU per connection{split} (all "
+                    f"lbproxy processes; user {r['user_us']:.0f} + system {r['sys_us']:.0f}), "
+                    f"{r['rate']:,.0f} connections/s, "
+                    f"{r['per_cpu_s']:,.0f} per CPU-second, util {r['util']:.2f}, "
+                    f"load average {r['load']:.2f}",
+                    flush=True,
+                )
         finally:
             nginx.terminate()
             nginx.wait(10)
+    report(results)
 
 
 if __name__ == "__main__":

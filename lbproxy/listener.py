@@ -1,12 +1,10 @@
 """Listening addresses: bind, accept, the accept-error back-off, and the SNI route.
 
-A `Listener` is one bound socket and the virtual servers it feeds. The socket is
-served by the pump's reactor (pump.py), in the same epoll set as the connections'
-sockets, and every accepted client goes to its handler, which serves it at once and,
-only for what has to wait, in a task in the server's handlers nursery (trio's
-`serve_listeners` is the model: the accept loop and the handlers live in separate
-nurseries, so stopping accepting does not cancel connections; proxy.py says how
-connections without a task are drained).
+A `Listener` is one bound socket and the virtual servers it feeds. Its accept loop hands
+every accepted client to its handler, which serves it at once and, only for what has to
+wait, in a task in the server's handlers nursery (trio's `serve_listeners` is the model:
+the accept loop and the handlers live in separate nurseries, so stopping accepting does
+not cancel connections; proxy.py says how connections without a task are drained).
 
 An address fed by one virtual server without `sni` passes each client straight to that
 virtual server's handler. An address shared by several (or one with `sni`) routes TLS
@@ -17,8 +15,7 @@ to the real server unchanged. A reload that only changes which virtual servers a
 address feeds re-routes its listener in place: the socket stays bound.
 
 Data flows one way: client -> listener -> connection handler (proxy.py) -> pump. This
-module imports the handler, the runtime virtual server and the pump's reactor; none of
-them imports it.
+module imports the handler and the runtime virtual server; neither imports it.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ from collections.abc import Sequence
 
 import trio
 
-from lbproxy import pump
 from lbproxy.client_hello import LIMIT, ClientHelloReader, Hello
 from lbproxy.config import Address
 from lbproxy.proxy import Handler, Spawn
@@ -121,18 +117,10 @@ class Listener:
         self, address: Address, sock: socket.socket, virtual_servers: Sequence[VirtualServer]
     ):
         self.address = address
-        # A plain non-blocking socket, served by the pump's reactor (see accept_loop),
-        # so trio's socket wrapper would only add cost.
+        # A plain non-blocking socket: the accept loop waits on its descriptor itself
+        # (see accept_loop), so trio's socket wrapper would only add cost.
         self.sock = sock
-        self._fd = sock.fileno()
-        self._accept = sock._accept
         self.cancel_scope = trio.CancelScope()
-        self._closed = False
-        self._reactor: pump.Reactor | None = None
-        self._spawn: Spawn | None = None
-        self._pause: trio.Event | None = None  # set: stop watching (back off, or closed)
-        self._burst_errors = 0  # capacity errors in the current burst; 0: no burst
-        self._last_error = 0.0
         self._handlers: dict[VirtualServer, Handler] = {}
         self.route(virtual_servers)
 
@@ -158,9 +146,8 @@ class Listener:
         return list(self._handlers)
 
     def close(self) -> None:
-        self._closed = True
         self.cancel_scope.cancel()
-        self._stop_watching()  # before the close: the descriptor may be reused at once
+        trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
         self.sock.close()
 
     def _spawn_route(self, client: int, peer: tuple, spawn: Spawn) -> None:
@@ -222,97 +209,70 @@ class Listener:
         await serve
 
     async def accept_loop(self, handlers: trio.Nursery) -> None:
-        """Accept clients until closed, each handed to its handler (which starts a task
-        in `handlers` only for what has to wait).
-
-        The accepting is done by the pump's reactor (`on_accept`): the listening socket
-        sits in the reactor's epoll set with the connections' sockets, so new
-        connections and established ones cost one trio wait per batch between them,
-        not one each (docs/benchmarks.md, issue 15). This task stands for the listener
-        in the service nursery: it pauses accepting after a capacity error (the
-        back-off) and stops it when the listener is closed or cancelled.
-        """
-        if self._closed:
-            return
-        self._spawn = handlers.start_soon
-        reactor = self._reactor = pump.reactor()
-        with self.cancel_scope:
-            try:
-                while not self._closed:
-                    self._pause = trio.Event()
+        """Accept clients until closed, each served by a task in `handlers`."""
+        spawn = handlers.start_soon
+        listener = self
+        # Accept on the plain socket under trio's wrapper: trio's accept() costs two
+        # checkpoints (a scheduler round each) and a wrapper object per connection. We
+        # wait only when the backlog is empty, and let other tasks run every
+        # ACCEPT_BATCH connections so a flood cannot starve established ones.
+        # `_accept` is socket.accept() without the socket object (Python frames, and a
+        # getsockname call CPython makes to check the descriptor): the handler and the
+        # pump work on the descriptor. O_NONBLOCK with one fcntl, as HAProxy does
+        # (accept4's SOCK_NONBLOCK is not reachable from the standard library).
+        sock = listener.sock
+        accept = sock._accept
+        set_flags = fcntl.fcntl
+        fd = sock.fileno()
+        batch = 0
+        burst_errors = 0  # capacity errors in the current burst; 0: no burst
+        last_error = 0.0
+        with listener.cancel_scope:
+            while True:
+                try:
+                    client, peer = accept()
+                except BlockingIOError:
+                    batch = 0
                     try:
-                        reactor.watch_listener(self._fd, self)
-                    except OSError:  # closed meanwhile (a reload)
+                        await trio.lowlevel.wait_readable(fd)
+                    except trio.ClosedResourceError:  # closed by a reload
                         return
-                    await self._pause.wait()  # set by on_accept: back off, or closed
-                    reactor.unwatch_listener(self._fd, self)
-                    if not self._closed:
+                    continue
+                except OSError as exc:
+                    if exc.errno in ACCEPT_CAPACITY_ERRNOS:
+                        if not burst_errors:
+                            log.error(
+                                "%s: accept failed (%s); retrying every %ss",
+                                listener.address,
+                                exc.strerror,
+                                ACCEPT_BACKOFF,
+                            )
+                        burst_errors += 1
+                        last_error = trio.current_time()
                         await trio.sleep(ACCEPT_BACKOFF)
-            finally:
-                reactor.unwatch_listener(self._fd, self)
-
-    def on_accept(self) -> None:
-        """The listening socket is readable (the reactor calls this at the end of a
-        batch): accept until the backlog is empty, or ACCEPT_BATCH connections, after
-        which the level-triggered set reports it again in the next batch -- other tasks
-        run in between, so a flood cannot starve established connections.
-
-        `_accept` is socket.accept() without the socket object (Python frames, and a
-        getsockname call CPython makes to check the descriptor): the handler and the
-        pump work on the descriptor. O_NONBLOCK with one fcntl, as HAProxy does
-        (accept4's SOCK_NONBLOCK is not reachable from the standard library).
-        """
-        accept = self._accept
-        accept_client = self.accept_client
-        spawn = self._spawn
-        assert spawn is not None
-        for _ in range(ACCEPT_BATCH):
-            try:
-                client, peer = accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if exc.errno in ACCEPT_CAPACITY_ERRNOS:
-                    # Out of descriptors or memory: stop watching (a level-triggered
-                    # set would report the socket again at once) and let the task
-                    # back off. The pending connection stays in the kernel's backlog.
-                    if not self._burst_errors:
-                        log.error(
-                            "%s: accept failed (%s); retrying every %ss",
-                            self.address,
-                            exc.strerror,
-                            ACCEPT_BACKOFF,
-                        )
-                    self._burst_errors += 1
-                    self._last_error = trio.current_time()
-                    self._stop_watching()
-                    return
-                if exc.errno in (errno.EBADF, errno.EINVAL):  # closed by a reload
-                    self._closed = True
-                    self._stop_watching()
-                    return
-                log.warning("%s: accept failed: %s", self.address, exc)
-                continue
-            if self._burst_errors and trio.current_time() - self._last_error >= ACCEPT_BURST_QUIET:
-                log.info(
-                    "%s: accepting again (%d accept failure(s) in that burst)",
-                    self.address,
-                    self._burst_errors,
-                )
-                self._burst_errors = 0
-            try:
-                fcntl.fcntl(client, F_SETFL, O_NONBLOCK)
-            except OSError as exc:  # not expected from a fresh socket: drop it
-                log.warning("%s: accepted socket: %s", self.address, exc)
-                os.close(client)
-                continue
-            accept_client(client, peer, spawn)
-
-    def _stop_watching(self) -> None:
-        if self._reactor is not None:
-            self._reactor.unwatch_listener(self._fd, self)
-        if self._pause is not None:
-            self._pause.set()
+                        continue
+                    if exc.errno in (errno.EBADF, errno.EINVAL):  # closed by a reload
+                        return
+                    log.warning("%s: accept failed: %s", listener.address, exc)
+                    continue
+                if burst_errors and trio.current_time() - last_error >= ACCEPT_BURST_QUIET:
+                    log.info(
+                        "%s: accepting again (%d accept failure(s) in that burst)",
+                        listener.address,
+                        burst_errors,
+                    )
+                    burst_errors = 0
+                try:
+                    set_flags(client, F_SETFL, O_NONBLOCK)
+                except OSError as exc:  # not expected from a fresh socket: drop it
+                    log.warning("%s: accepted socket: %s", listener.address, exc)
+                    os.close(client)
+                    continue
+                listener.accept_client(client, peer, spawn)
+                batch += 1
+                if batch >= ACCEPT_BATCH:
+                    batch = 0
+                    await trio.lowlevel.checkpoint()
 
 
 def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:

@@ -81,7 +81,7 @@ import os
 import select
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Final, Literal, Protocol
+from typing import TYPE_CHECKING, Final, Literal
 
 try:
     import fcntl
@@ -109,7 +109,6 @@ __all__ = [
     "Pump",
     "close_idle_pipes",
     "pump",
-    "reactor",
     "splice_available",
 ]
 
@@ -1106,10 +1105,6 @@ class _Reactor:
         # defer); the sweep's own deadline is armed while there are any.
         self.young: list[Pump] = []
         self.pumps: dict[int, Pump] = {}
-        # Listening sockets served from this set too (watch_listener), and those that
-        # became readable in this batch: they accept at its end.
-        self.listeners: dict[int, _Listening] = {}
-        self.ready: list[_Listening] = []
         # FINs read in this batch, passed on at its end (Pump._pass_fin).
         self.fins: list[tuple[Pump, _Direction]] = []
         trio.lowlevel.spawn_system_task(self._run, name="lbproxy pump reactor")
@@ -1143,27 +1138,6 @@ class _Reactor:
                 p.alarm = None
                 p._arm()
 
-    def watch_listener(self, fd: int, listener: _Listening) -> None:
-        """Serve a listening socket from this set: when it is readable, the reactor
-        calls ``listener.on_accept()`` at the end of the batch.
-
-        The accept loop needs no wake-up of its own then: a burst of new connections and
-        the bytes of established ones cost one trio wait (and one epoll_ctl to re-arm
-        it) per batch, not two -- which matters most when several workers share a core
-        and each batch is small. At the end of the batch, not in it: a descriptor freed
-        by a connection that ended in this batch may be reused by an accepted one, and
-        must not get that batch's remaining (stale) events.
-        """
-        self.listeners[fd] = listener
-        self.epoll.register(fd, _IN)
-
-    def unwatch_listener(self, fd: int, listener: _Listening) -> None:
-        """Stop serving `listener` (safe to call more than once, and after a close)."""
-        if self.listeners.get(fd) is listener:  # not a newer listener on a reused fd
-            del self.listeners[fd]
-            with contextlib.suppress(OSError, ValueError):  # closed already
-                self.epoll.unregister(fd)
-
     def remove(self, p: Pump, unregister: bool = True) -> None:
         """Forget `p`; ``unregister=False``: its sockets are about to be closed, which
         takes them out of the epoll set."""
@@ -1186,18 +1160,13 @@ class _Reactor:
         poll = self.epoll.poll
         pumps = self.pumps
         fins = self.fins
-        listeners = self.listeners
-        ready = self.ready
         try:
             while True:
                 await wait_readable(epfd)
                 for fd, events in poll(0, self.MAX_EVENTS):
                     p = pumps.get(fd)
-                    if p is None:
-                        listener = listeners.get(fd)
-                        if listener is not None:
-                            ready.append(listener)
-                        continue  # else: ended earlier in this batch
+                    if p is None:  # ended earlier in this batch
+                        continue
                     try:
                         p.on_event(fd, events)
                     except Exception as exc:  # a bug: end that connection, not the reactor
@@ -1205,19 +1174,9 @@ class _Reactor:
                         p.crashed(exc)
                 if fins:
                     self._send_fins()
-                if ready:
-                    self._accept(ready)
         finally:  # the run is over (system tasks are cancelled last)
             trio.lowlevel.notify_closing(epfd)
             self.epoll.close()
-
-    def _accept(self, ready: list[_Listening]) -> None:
-        for listener in ready:
-            try:
-                listener.on_accept()
-            except Exception:  # a bug: the accept loop goes on, as does the reactor
-                log.exception("pump: unexpected error accepting connections")
-        ready.clear()
 
     def _send_fins(self) -> None:
         fins = self.fins.copy()
@@ -1230,21 +1189,7 @@ class _Reactor:
                 p.crashed(exc)
 
 
-Reactor = _Reactor  # for annotations outside this module (listener.py)
-
-
-class _Listening(Protocol):
-    """What a listening socket served by the reactor provides (listener.py's Listener)."""
-
-    def on_accept(self) -> None: ...
-
-
 _reactors: trio.lowlevel.RunVar[_Reactor] = trio.lowlevel.RunVar("lbproxy_reactor")
-
-
-def reactor() -> _Reactor:
-    """The reactor of the current trio run (created on first use)."""
-    return _reactor()
 
 
 def _reactor() -> _Reactor:

@@ -346,9 +346,6 @@ class _Deferred:
 
     __slots__ = ()
 
-    def cancel(self) -> None:
-        pass  # the sweep skips a pump whose alarm is no longer this
-
 
 _DEFERRED: Final = _Deferred()
 
@@ -810,8 +807,7 @@ class Pump:
         if self.flow._pump is self:
             self.flow._pump = None
         if self.alarm is not None:
-            self.alarm.cancel()
-            self.alarm = None
+            self._disarm()
         sockets = self.sockets
         if self.registered:
             self.registered = False
@@ -889,11 +885,20 @@ class Pump:
 
     def _arm(self) -> None:
         if self.alarm is not None:
-            self.alarm.cancel()
-            self.alarm = None
+            self._disarm()
         when = self.flow.last_activity + self.flow._idle_timeout
         if when != math.inf:
             self.alarm = self.reactor.deadlines.at(when, self)
+
+    def _disarm(self) -> None:
+        alarm = self.alarm
+        self.alarm = None
+        if alarm is _DEFERRED:
+            # Out of the sweep's set at once: an ended connection is not kept alive
+            # until the next sweep (nor promoted to an older GC generation meanwhile).
+            del self.reactor.young[self]
+        elif alarm is not None:
+            alarm.cancel()
 
     # -- moving bytes ------------------------------------------------------------------
 
@@ -1103,7 +1108,8 @@ class _Reactor:
         self.deadlines = deadlines()
         # Pumps started since the last sweep whose idle deadline is not armed yet (see
         # defer); the sweep's own deadline is armed while there are any.
-        self.young: list[Pump] = []
+        self.young: dict[Pump, None] = {}
+        self.sweeping = False  # the sweep's deadline is armed
         self.pumps: dict[int, Pump] = {}
         # FINs read in this batch, passed on at its end (Pump._pass_fin).
         self.fins: list[tuple[Pump, _Direction]] = []
@@ -1126,17 +1132,18 @@ class _Reactor:
         """
         p.alarm = _DEFERRED
         young = self.young
-        young.append(p)
-        if len(young) == 1:
+        young[p] = None  # taken out again when p's alarm is disarmed (Pump._disarm)
+        if not self.sweeping:
+            self.sweeping = True
             self.deadlines.at(self.clock() + _SWEEP, self)
 
     def ring(self) -> None:
         """The sweep (the deadline heap calls it): arm the deferred idle deadlines."""
-        young, self.young = self.young, []
-        for p in young:
-            if p.alarm is _DEFERRED:  # still open, and not re-armed meanwhile
-                p.alarm = None
-                p._arm()
+        young, self.young = self.young, {}
+        self.sweeping = False
+        for p in young:  # all still open and deferred: Pump._disarm takes them out
+            p.alarm = None
+            p._arm()
 
     def remove(self, p: Pump, unregister: bool = True) -> None:
         """Forget `p`; ``unregister=False``: its sockets are about to be closed, which

@@ -185,8 +185,10 @@ class Handler:
         pool = self.pool
         config = pool.config
         vs = self.vs
-        if config.accept_proxy or vs.queue is not None:
-            # A header to read, or a queue to wait in: a task from the start.
+        queue = vs.queue
+        if config.accept_proxy or (queue is not None and queue.must_wait()):
+            # A header to read, or a queue to wait in: a task from the start. An idle
+            # queue (no one waiting, a server free) keeps the fast path.
             try:
                 spawn(self.handle, client, peer)
             except BaseException:
@@ -238,6 +240,8 @@ class Handler:
                 handed = True
                 return
             self._connected(rs, lease, started)
+            if queue is not None and queue.waiting:
+                queue.kick()  # the slot is taken: the next waiter, if room is left
             self._spawn = spawn
             handed = True  # the pump owns both descriptors now, whatever happens
             self._pump_now(client, sock.detach(), connection, config)
@@ -390,7 +394,9 @@ class Handler:
         client_open = True  # until the pump owns it
         try:
             queue = self.vs.queue
-            if queue is not None and queue.must_wait():  # never on the fast path
+            # A connection the fast path hands over has picked already (`tried`): it
+            # holds a lease, and must not wait behind the slot it holds itself.
+            if queue is not None and not tried and queue.must_wait():
                 reason = await queue.wait()
                 if reason is not None:  # queue_full | queue_timeout
                     self._reject(reason, source)

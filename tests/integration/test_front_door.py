@@ -157,6 +157,32 @@ def test_one_slot_five_waiting_clients_are_served_in_arrival_order(name_servers,
             s.close()
 
 
+def test_a_connection_handed_to_a_task_with_its_lease_does_not_queue_behind_itself(
+    name_servers, lbproxy
+):
+    """With an idle queue a client takes the fast path; one whose real server's name is
+    not resolved yet goes on in a task holding the lease it took -- the last slot, so the
+    queue is no longer empty -- and must connect, not wait in the queue for itself."""
+    (server,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    config = vs_config(
+        port,
+        [server],
+        "rr",
+        "health_check: {type: none}\nqueue: {max: 10, timeout: 20s}",
+        rs_extra={"a": "max_connections: 1"},
+    ).replace(f"address: 127.0.0.1:{server.port}", f"address: localhost:{server.port}")
+    lbproxy(with_admin(config, admin_port), wait_ports=[port])
+    # wait_port's probe was the first connection: it resolved the name in a task
+    wait_for(lambda: gauge(admin_port, "lbproxy_active_connections", real_server="a") == 0)
+    assert gauge(admin_port, "lbproxy_queued_connections") == 0
+    holder, name = open_and_read_name(port)
+    try:
+        assert name == "a"
+    finally:
+        holder.close()
+
+
 def test_a_client_waits_up_to_the_queue_timeout_then_is_closed(name_servers, lbproxy):
     port, admin_port = queued_proxy(name_servers, lbproxy, "{timeout: 300ms}")
     holder, _ = open_and_read_name(port)

@@ -81,7 +81,13 @@ def wait_port(port: int, seconds: float = 10) -> None:
 
 
 def measure(
-    workdir: Path, backend: int, workers: int, seconds: int, pin: list[str], load: list[str]
+    workdir: Path,
+    backend: int,
+    workers: int,
+    seconds: int,
+    pin: list[str],
+    load: list[str],
+    connections: int = 20,
 ) -> dict:
     """One round: a fresh lbproxy with `workers`, new-connection load, CPU per process."""
     port = free_port()
@@ -105,7 +111,7 @@ def measure(
         if len(pids) != (1 if workers == 1 else 1 + workers):
             time.sleep(1)
             pids = process_tree(proxy.pid)
-        wrk = [*load, "wrk", "-t1", "-c20", "-H", "Connection: close"]
+        wrk = [*load, "wrk", "-t1", f"-c{connections}", "-H", "Connection: close"]
         subprocess.run([*wrk, "-d1s", f"http://127.0.0.1:{port}/"], capture_output=True)
         before = [cpu_seconds([pid]) for pid in pids]
         split0 = cpu_split(pids)
@@ -173,6 +179,9 @@ def main() -> None:
     )
     parser.add_argument("--load-core", type=int, default=0)
     parser.add_argument("--proxy-core", type=int, default=1)
+    parser.add_argument(
+        "--connections", type=int, default=20, help="wrk's concurrent connections (-c)"
+    )
     args = parser.parse_args()
     tools = ("wrk", "nginx", "taskset") if args.pin else ("wrk", "nginx")
     for tool in tools:
@@ -202,7 +211,7 @@ def main() -> None:
         try:
             wait_port(backend)
             for workers in settings:
-                r = measure(workdir, backend, workers, args.seconds, pin, load)
+                r = measure(workdir, backend, workers, args.seconds, pin, load, args.connections)
                 results.append(r)
                 split = ""
                 if r["supervisor_us"] is not None:

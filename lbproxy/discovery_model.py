@@ -132,6 +132,10 @@ def _unusable(record: SrvRecord) -> str:
         return "port 0"
     if not isinstance(record.target, str) or record.target in (".", ""):
         return "no target (the service is not available there)"
+    # dnspython prints a space in a label as \032; a raw one is no host name, and
+    # parse_address would strip it into another name.
+    if any(ch.isspace() for ch in record.target):
+        return f"target {record.target!r} is not a host name"
     return ""
 
 

@@ -19,7 +19,7 @@ import dns.rdatatype
 import dns.rdtypes.IN.A
 import dns.rdtypes.IN.SRV
 import dns.rrset
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lbproxy.config import parse_address
@@ -68,6 +68,8 @@ def check_servers(servers, records: list[SrvRecord]) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(RECORDS, max_size=12), ADDRESSES)
+# Found by CI: a raw space in a target was stripped by parse_address into another name.
+@example([SrvRecord(0, 0, 0, "."), SrvRecord(0, 0, 1, " _")], {})
 def test_srv_conversion_never_raises_and_gives_usable_servers(records, addresses):
     servers, skipped = servers_from_srv(records, addresses)
     check_servers(servers, records)

@@ -644,8 +644,7 @@ class Handler:
                 raise OSError(err, os.strerror(err))
         except OSError as exc:
             sock.close()
-            reason = "refused" if exc.errno == errno.ECONNREFUSED else "error"
-            raise ConnectError(reason) from None
+            raise _connect_error(exc) from None
         except BaseException:
             sock.close()
             raise
@@ -681,8 +680,7 @@ class Handler:
                 raise OSError(err, os.strerror(err))
         except OSError as exc:
             sock.close()
-            reason = "refused" if exc.errno == errno.ECONNREFUSED else "error"
-            raise ConnectError(reason) from None
+            raise _connect_error(exc) from None
         except BaseException:
             sock.close()
             raise
@@ -749,3 +747,8 @@ def _local_address(fd: int) -> tuple:
         return sock.getsockname()
     finally:
         sock.detach()
+
+
+def _connect_error(exc: OSError) -> ConnectError:
+    """A failed connect attempt, by the reason its metrics count: refused or error."""
+    return ConnectError("refused" if exc.errno == errno.ECONNREFUSED else "error")

@@ -209,12 +209,9 @@ class Maglev(Scheduler):
         self, client: tuple | None, now: float, avoid: Collection[RealServer] = ()
     ) -> RealServer | None:
         """pick_for with `hash_key: source_port` (bound in its place by __init__)."""
-        table = self.table
+        table = self.table if self.table is not None else self._build()
         if not table:
-            if table is None:
-                table = self._build()
-            if not table:
-                return None
+            return None
         slot = client_hash(client, True) % self.size
         rs = table[slot]
         if rs.available and (not avoid or rs not in avoid):

@@ -14,7 +14,9 @@ from pathlib import Path
 import click
 
 from lbproxy import __version__
-from lbproxy.config import MAX_WEIGHT, Config, ConfigError, load, summary
+from lbproxy.config.model import MAX_WEIGHT, Config, ConfigError
+from lbproxy.config.reader import load
+from lbproxy.config.summary import summary
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -54,16 +56,16 @@ def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
 
     SIGHUP reloads the configuration; SIGTERM or SIGINT drain, then exit.
     """
-    from lbproxy import server  # trio is imported only by the commands that need it
+    from lbproxy.runtime import server  # trio is imported only by the commands that need it
 
     server.raise_descriptor_limit()
     if worker_fd is not None:  # started by the supervisor, which sends the configuration
-        from lbproxy import workers
+        from lbproxy.runtime import workers
 
         sys.exit(workers.run_worker(worker_fd, list(config), log_level))
     cfg = _load_or_exit(config)
     if cfg.global_.workers > 1:
-        from lbproxy import workers
+        from lbproxy.runtime import workers
 
         sys.exit(workers.run(cfg, config_paths=list(config), log_level=log_level))
     sys.exit(server.run(cfg, config_paths=list(config), log_level=log_level))
@@ -89,8 +91,8 @@ def _print_discovered(cfg: Config) -> bool:
     """`check --resolve`: each discovery name's servers now; False if one did not answer."""
     import trio
 
-    from lbproxy.config import discovery_summary
-    from lbproxy.discovery import resolve_all
+    from lbproxy.config.summary import discovery_summary
+    from lbproxy.control.discovery import resolve_all
 
     found = trio.run(resolve_all, cfg.virtual_servers)
     if not found:
@@ -154,8 +156,8 @@ def simulate(
     if locate and hold:
         click.echo("--locate and --hold exclude each other: a locator holds nothing", err=True)
         sys.exit(EXIT_USAGE)
-    from lbproxy.simulate import SimulationError, choose_virtual_server, parse_events
-    from lbproxy.simulate import simulate as run_simulation
+    from lbproxy.tools.simulate import SimulationError, choose_virtual_server, parse_events
+    from lbproxy.tools.simulate import simulate as run_simulation
 
     cfg = _load_or_exit(config)
     try:
@@ -183,7 +185,7 @@ def simulate(
     if as_json:
         click.echo(json.dumps(result.as_json()))
         return
-    from lbproxy.render import print_explain, print_simulation
+    from lbproxy.tools.render import print_explain, print_simulation
 
     if explain:
         print_explain(result)
@@ -202,7 +204,7 @@ def simulate(
 def demo(port: int, duration: float | None) -> None:
     """Start three demo real servers, an SNMP agent each, and lbproxy in front of them
     on loopback: wlc on PORT, dwd (weights from SNMP) on PORT+1."""
-    from lbproxy import demo as demo_module
+    from lbproxy.tools import demo as demo_module
 
     sys.exit(demo_module.run(port=port, duration=duration))
 
@@ -223,7 +225,7 @@ token_option = click.option(
 
 
 def _client(admin: str | None, token_file: str | None):
-    from lbproxy.client import AdminClient, AdminError, admin_url, load_token
+    from lbproxy.admin.client import AdminClient, AdminError, admin_url, load_token
 
     try:
         return AdminClient(admin_url(admin), load_token(token_file))
@@ -233,7 +235,7 @@ def _client(admin: str | None, token_file: str | None):
 
 
 def _call(function, *args):
-    from lbproxy.client import AdminError
+    from lbproxy.admin.client import AdminError
 
     try:
         return function(*args)
@@ -253,7 +255,7 @@ def status(admin: str | None, token_file: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(document, indent=2))
         return
-    from lbproxy.render import print_status
+    from lbproxy.tools.render import print_status
 
     print_status(document)
 
@@ -273,7 +275,7 @@ class WeightType(click.ParamType):
     """A static weight as the configuration file writes it: digits, 0 to MAX_WEIGHT.
 
     Checked here, before the admin API is asked: `1.5`, `3.0`, `abc`, `-1` or `1e3`
-    exit 2 with the rule (the API applies the same one, lbproxy/pool.py weight_error).
+    exit 2 with the rule (the API applies the same one, lbproxy/core/pool.py weight_error).
     """
 
     name = "weight"

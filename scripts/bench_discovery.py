@@ -5,17 +5,17 @@
 The usual round brings the same answer again; a changed round (one address in, the
 previous newcomer out) converts the answer, merges it with the static servers and applies
 it through `Pool.reconfigure`, the reload's path. No DNS traffic: the answers are the
-address lists the resolver would give (lbproxy.discovery.resolve does the querying).
+address lists the resolver would give (lbproxy.control.discovery.resolve does the querying).
 """
 
 from __future__ import annotations
 
 import time
 
-from lbproxy.config import Address, DnsDiscoveryConfig, VirtualServerConfig
-from lbproxy.discovery import LastAnswer
-from lbproxy.discovery_model import DiscoveryState, resolution, servers_from_addresses
-from lbproxy.pool import Pool
+from lbproxy.config.model import Address, DnsDiscoveryConfig, VirtualServerConfig
+from lbproxy.control.discovery import LastAnswer
+from lbproxy.core.discovery_model import DiscoveryState, resolution, servers_from_addresses
+from lbproxy.core.pool import Pool
 
 ROUNDS = 20
 

@@ -15,7 +15,7 @@ Reported: answers per second of wall time, and per CPU-second of the lbproxy pro
 (utime + stime from /proc) -- "per core" -- with the 1-minute load average beside it.
 `--seconds 60 --max 10000` makes each measurement a bounded number of answers instead.
 `http /healthz` is the same HTTP load on a route that does nothing: the HTTP server's own
-cost per request (lbproxy/http_server.py), the ceiling of HTTP locate. The share of the CPU
+cost per request (lbproxy/admin/http_server.py), the ceiling of HTTP locate. The share of the CPU
 spent in the kernel (stime) is printed beside each figure. Everything listens on
 127.0.0.1; the process is stopped by PID at the end. Results go to docs/benchmarks.md by hand.
 """

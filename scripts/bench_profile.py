@@ -31,7 +31,10 @@ import bench_proxies as bp
 PHASES: list[tuple[str, tuple[str, ...]]] = [
     (
         "connect to the real server (socket, connect, wait)",
-        ("_open (lbproxy/proxy.py", "_start_connect (lbproxy/proxy.py"),
+        (
+            "_open (lbproxy/dataplane/connection.py",
+            "_start_connect (lbproxy/dataplane/connection.py",
+        ),
     ),
     ("pump: FIN passed on (shutdown)", ("_pass_fin", "send_fin")),
     ("pump: waiting for readiness (epoll_ctl, park)", ("wait_readable", "wait_writable")),
@@ -43,7 +46,7 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "connection end (drop, histogram, access log)",
-        ("_pumped (lbproxy/proxy.py", "_ended (lbproxy/proxy.py"),
+        ("_pumped (lbproxy/dataplane/connection.py", "_ended (lbproxy/dataplane/connection.py"),
     ),
     (
         "pump: reactor (epoll_wait(0) per batch, interest changes)",
@@ -51,13 +54,21 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "pick, take (scheduler)",
-        ("_connect (lbproxy/proxy.py", "pick (lbproxy/pool.py", "take (lbproxy/pool.py"),
+        (
+            "_connect (lbproxy/dataplane/connection.py",
+            "pick (lbproxy/core/pool.py",
+            "take (lbproxy/core/pool.py",
+        ),
     ),
     (
         "handler (admission, ACL, the fast path's own lines)",
-        ("_admit (lbproxy/proxy.py", "handle (lbproxy/proxy.py", "accept (lbproxy/proxy.py"),
+        (
+            "_admit (lbproxy/dataplane/connection.py",
+            "handle (lbproxy/dataplane/connection.py",
+            "accept (lbproxy/dataplane/connection.py",
+        ),
     ),
-    ("accept loop (accept, the socket object)", ("accept_loop (lbproxy/listener.py",)),
+    ("accept loop (accept, the socket object)", ("accept_loop (lbproxy/dataplane/listener.py",)),
     ("trio: epoll_wait and event dispatch", ("get_events", "_epoll_wait", "process_events")),
     ("trio: scheduler (task switches, deadlines)", ("unrolled_run",)),
 ]

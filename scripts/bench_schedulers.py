@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_schedulers.py [--sizes 10,100,1000,10000]
                                                  [--ops 20000] [--repeat 5] [--json FILE]
 
-For every registered scheduler (lbproxy.schedulers.available()) and every pool size n it
+For every registered scheduler (lbproxy.core.schedulers.available()) and every pool size n it
 builds a real Pool from VirtualServerConfig/RealServerConfig objects (as tests/factories.py
 does) and times two workloads, in nanoseconds per connection (one pick + one take + one
 drop):
@@ -53,8 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lbproxy import schedulers
-from lbproxy.config import (
+from lbproxy.config.model import (
     Address,
     HealthCheckConfig,
     PersistenceConfig,
@@ -62,9 +61,10 @@ from lbproxy.config import (
     SnmpConfig,
     VirtualServerConfig,
 )
-from lbproxy.persistence import Persistence
-from lbproxy.pool import Pool
-from lbproxy.schedulers.maglev import populate
+from lbproxy.core import schedulers
+from lbproxy.core.persistence import Persistence
+from lbproxy.core.pool import Pool
+from lbproxy.core.schedulers.maglev import populate
 
 STEP = 1e-4  # simulated seconds between connections: 10,000 per second
 # What the runs are timed with: wall time (perf_counter) for the per-connection table;

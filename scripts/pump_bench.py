@@ -1,4 +1,4 @@
-"""Throughput check for lbproxy.pump over loopback (not a test).
+"""Throughput check for lbproxy.net.pump over loopback (not a test).
 
     .venv/bin/python scripts/pump_bench.py [--size-mb 1024] [--both] [--mode splice|fallback|all]
 
@@ -76,7 +76,7 @@ def endpoints(pump_port: int, size: int, both: bool) -> None:
 def run_one(size: int, both: bool, use_splice: bool) -> tuple[float, float, int, str]:
     import trio
 
-    from lbproxy import pump as pump_mod
+    from lbproxy.net import pump as pump_mod
 
     async def main() -> tuple[float, float, int, str]:
         lst = trio.socket.socket()

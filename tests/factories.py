@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lbproxy.config import Address, RealServerConfig, SnmpConfig, VirtualServerConfig
+from lbproxy.config.model import Address, RealServerConfig, SnmpConfig, VirtualServerConfig
 
 
 def real_server(name: str, port: int, **options: Any) -> RealServerConfig:

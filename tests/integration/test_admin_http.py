@@ -1,4 +1,4 @@
-"""The admin endpoint's HTTP/1.1 server (lbproxy/http_server.py) through a real
+"""The admin endpoint's HTTP/1.1 server (lbproxy/admin/http_server.py) through a real
 `lbproxy run` and raw sockets: what a client of nginx's or HAProxy's admin relies on.
 
 One process serves the whole module (every test leaves it as it found it); each test
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from lbproxy.http_server import MAX_BODY, MAX_HEAD, REQUEST_TIMEOUT
+from lbproxy.admin.http_server import MAX_BODY, MAX_HEAD, REQUEST_TIMEOUT
 from tests.integration.harness import Lbproxy, free_port
 
 LOAD = "/api/v1/virtual-servers/db/real-servers/a/load"

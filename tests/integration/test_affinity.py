@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from lbproxy.proxy_protocol import encode_v1
+from lbproxy.wire.proxy_protocol import encode_v1
 from tests.integration.conftest import vs_config
 from tests.integration.harness import Lbproxy, NameServer, free_port, read_name, wait_for
 from tests.integration.test_admin import http, metrics, sample, with_admin

@@ -454,5 +454,5 @@ def test_the_page_is_package_data(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr
-    built = tmp_path / "lib" / "lbproxy" / "dashboard.html"
-    assert built.read_bytes() == (ROOT / "lbproxy" / "dashboard.html").read_bytes()
+    built = tmp_path / "lib" / "lbproxy" / "admin" / "dashboard.html"
+    assert built.read_bytes() == (ROOT / "lbproxy" / "admin" / "dashboard.html").read_bytes()

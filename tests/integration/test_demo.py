@@ -16,8 +16,8 @@ from collections import Counter
 import pytest
 import trio
 
-from lbproxy.config import SnmpConfig
-from lbproxy.snmp import SnmpClient
+from lbproxy.config.model import SnmpConfig
+from lbproxy.control.snmp import SnmpClient
 from tests.integration.harness import ROOT, ask_name, open_and_read_name, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]

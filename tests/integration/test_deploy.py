@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from lbproxy.config import load
+from lbproxy.config.reader import load
 from tests.integration.conftest import vs_config
 from tests.integration.harness import ROOT, free_port, open_and_read_name, run_cli, wait_for
 from tests.integration.test_admin import http, with_admin

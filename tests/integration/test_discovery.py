@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from lbproxy.pool import RealServer
+from lbproxy.core.pool import RealServer
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 from tests.integration.harness import (
     NameServer,

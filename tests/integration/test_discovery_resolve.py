@@ -1,4 +1,4 @@
-"""One discovery round in process (lbproxy.discovery.resolve) against a real dnsmasq:
+"""One discovery round in process (lbproxy.control.discovery.resolve) against a real dnsmasq:
 dnspython's asynchronous resolver on trio, each result class, and the round's bound."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import dns.rcode
 import pytest
 import trio
 
-from lbproxy.config import Address, DnsDiscoveryConfig
-from lbproxy.discovery import resolve, resolve_all
-from lbproxy.discovery_model import Resolution
+from lbproxy.config.model import Address, DnsDiscoveryConfig
+from lbproxy.control.discovery import resolve, resolve_all
+from lbproxy.core.discovery_model import Resolution
 from tests.factories import virtual_server
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 

@@ -1,4 +1,4 @@
-"""lbproxy/http_server.py in-process, over real loopback and Unix sockets, with small
+"""lbproxy/admin/http_server.py in-process, over real loopback and Unix sockets, with small
 ASGI apps that do what the admin apps never do: raise, stream, answer nothing, hang.
 
 (What the admin app itself sees through a real `lbproxy run` is in test_admin_http.py.)
@@ -14,7 +14,7 @@ import tempfile
 import h11
 import trio
 
-from lbproxy import http_server
+from lbproxy.admin import http_server
 
 
 async def read_all(stream: trio.SocketStream) -> bytes:

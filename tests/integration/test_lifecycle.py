@@ -24,9 +24,10 @@ from collections import Counter
 import pytest
 import trio
 
-from lbproxy.checks import decode_send, host_header, probe
-from lbproxy.config import Address, HealthCheckConfig, load
-from lbproxy.server import Server
+from lbproxy.config.model import Address, HealthCheckConfig
+from lbproxy.config.reader import load
+from lbproxy.control.checks import decode_send, host_header, probe
+from lbproxy.runtime.server import Server
 from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ROOT,

@@ -187,7 +187,7 @@ def test_notify_socket_gone_is_harmless(name_servers, lbproxy, tmp_path, monkeyp
 def test_notifier_recovers_when_the_socket_comes_back_and_pops_the_variable(
     tmp_path, monkeypatch, caplog
 ):
-    from lbproxy.notify import Notifier
+    from lbproxy.runtime.notify import Notifier
 
     path = tmp_path / "later.sock"
     monkeypatch.setenv("NOTIFY_SOCKET", str(path))

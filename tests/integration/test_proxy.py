@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from lbproxy import proxy_protocol
+from lbproxy.wire import proxy_protocol
 from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ask_name,

@@ -1,4 +1,4 @@
-"""lbproxy.pump over real loopback TCP connections, splice and fallback paths.
+"""lbproxy.net.pump over real loopback TCP connections, splice and fallback paths.
 
 Each test builds two real connections, (client, proxy_client) and (proxy_server,
 server), runs pump() between the two proxy-side sockets and plays client and server
@@ -22,10 +22,10 @@ import trio
 import trio.testing
 from trio.socket import SocketType
 
-from lbproxy import pump as pump_mod
-from lbproxy.proxy_header_io import read_proxy_header
-from lbproxy.proxy_protocol import ProxyProtocolError, encode_v1, encode_v2
-from lbproxy.pump import Flow, close_idle_pipes, pump
+from lbproxy.dataplane.proxy_header_io import read_proxy_header
+from lbproxy.net import pump as pump_mod
+from lbproxy.net.pump import Flow, close_idle_pipes, pump
+from lbproxy.wire.proxy_protocol import ProxyProtocolError, encode_v1, encode_v2
 
 pytestmark = pytest.mark.integration
 

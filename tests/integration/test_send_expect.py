@@ -18,8 +18,8 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lbproxy.checks import EXCERPT_LIMIT, describe_received, probe
-from lbproxy.config import Address, HealthCheckConfig
+from lbproxy.config.model import Address, HealthCheckConfig
+from lbproxy.control.checks import EXCERPT_LIMIT, describe_received, probe
 from tests.integration.conftest import vs_config
 from tests.integration.harness import free_port
 from tests.integration.test_admin import metrics, sample, with_admin

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lbproxy.workers import MetricSums, merge_documents, parse_metrics
+from lbproxy.runtime.workers import MetricSums, merge_documents, parse_metrics
 from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ask_name,

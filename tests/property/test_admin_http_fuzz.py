@@ -1,4 +1,4 @@
-"""Fuzz the admin endpoint's HTTP server (lbproxy/http_server.py) through a real
+"""Fuzz the admin endpoint's HTTP server (lbproxy/admin/http_server.py) through a real
 `lbproxy run` over loopback: any bytes, split anywhere, get answers or a close, never a
 500, a hang or a crash, and the endpoint keeps serving others."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lbproxy.admin import parse_client_header
+from lbproxy.admin.api import parse_client_header
 
 
 @given(st.binary(max_size=200))

@@ -22,9 +22,9 @@ import dns.rrset
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lbproxy.config import parse_address
-from lbproxy.discovery import glue, srv_records
-from lbproxy.discovery_model import (
+from lbproxy.config.values import parse_address
+from lbproxy.control.discovery import glue, srv_records
+from lbproxy.core.discovery_model import (
     SrvRecord,
     resolution,
     servers_from_addresses,

@@ -11,9 +11,9 @@ import dns.rdatatype
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.config import PersistenceConfig
-from lbproxy.dns_query import QueryHandler
-from lbproxy.pool import Pool
+from lbproxy.config.model import PersistenceConfig
+from lbproxy.core.pool import Pool
+from lbproxy.locator.dns_answers import QueryHandler
 from tests.factories import virtual_server
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.schedulers.heap import KeyedHeap
+from lbproxy.core.schedulers.heap import KeyedHeap
 
 ops = st.lists(
     st.tuples(st.sampled_from(["set", "discard"]), st.integers(0, 15), st.integers(-50, 50)),

@@ -13,8 +13,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.admin import _HTTPError, parse_load_report
-from lbproxy.pool import Pool
+from lbproxy.admin.api import _HTTPError, parse_load_report
+from lbproxy.core.pool import Pool
 from tests.factories import virtual_server
 
 json_values = st.recursive(

@@ -14,8 +14,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.pool import Pool
-from lbproxy.schedulers.maglev import _round_robin, _weighted, client_hash, permutation
+from lbproxy.core.pool import Pool
+from lbproxy.core.schedulers.maglev import _round_robin, _weighted, client_hash, permutation
 from tests.factories import virtual_server
 
 M = 65537

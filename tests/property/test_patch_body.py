@@ -11,8 +11,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.admin import _HTTPError, parse_patch
-from lbproxy.pool import STATES, state_error, weight_error
+from lbproxy.admin.api import _HTTPError, parse_patch
+from lbproxy.core.pool import STATES, state_error, weight_error
 
 json_values = st.recursive(
     st.none()

@@ -11,9 +11,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy import schedulers
-from lbproxy.config import PersistenceConfig
-from lbproxy.pool import ENABLED, Pool
+from lbproxy.config.model import PersistenceConfig
+from lbproxy.core import schedulers
+from lbproxy.core.pool import ENABLED, Pool
 from tests.factories import SNMP, virtual_server
 
 SCHEDULERS = schedulers.available()

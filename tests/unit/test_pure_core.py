@@ -6,18 +6,22 @@ import subprocess
 import sys
 
 PURE = [
-    "lbproxy.config",
-    "lbproxy.pool",
-    "lbproxy.health",
-    "lbproxy.simulate",
-    "lbproxy.proxy_protocol",
-    "lbproxy.schedulers",
-    "lbproxy.schedulers.maglev",
-    "lbproxy.persistence",
-    "lbproxy.discovery_model",
-    "lbproxy.client_hello",
-    "lbproxy.balance",
-    "lbproxy.dns_query",
+    "lbproxy.config.model",
+    "lbproxy.config.values",
+    "lbproxy.config.tables",
+    "lbproxy.config.reader",
+    "lbproxy.config.summary",
+    "lbproxy.core.pool",
+    "lbproxy.core.health",
+    "lbproxy.tools.simulate",
+    "lbproxy.wire.proxy_protocol",
+    "lbproxy.core.schedulers",
+    "lbproxy.core.schedulers.maglev",
+    "lbproxy.core.persistence",
+    "lbproxy.core.discovery_model",
+    "lbproxy.wire.client_hello",
+    "lbproxy.core.balance",
+    "lbproxy.locator.dns_answers",
 ]
 
 
@@ -25,7 +29,7 @@ def test_pure_modules_do_not_import_trio():
     code = (
         "import sys\n"
         f"for name in {PURE!r}: __import__(name)\n"
-        "import lbproxy.schedulers as s; s.available()\n"
+        "import lbproxy.core.schedulers as s; s.available()\n"
         "print('trio' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -35,16 +39,54 @@ def test_pure_modules_do_not_import_trio():
 # Arrows point down only (ARCHITECTURE.md): a module on the left never imports, even
 # indirectly, the modules on the right.
 IMPORTS_NEVER = {
-    "lbproxy.virtual_server": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
-    "lbproxy.waiting": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
-    "lbproxy.checks": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
-    "lbproxy.throttle_monitor": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
-    "lbproxy.proxy": ["lbproxy.listener", "lbproxy.server", "lbproxy.admin"],
-    "lbproxy.listener": ["lbproxy.server", "lbproxy.admin"],
-    "lbproxy.admin": ["lbproxy.server", "lbproxy.listener", "lbproxy.proxy"],
-    "lbproxy.http_server": ["lbproxy.server", "lbproxy.listener", "lbproxy.proxy", "lbproxy.admin"],
-    "lbproxy.conditioning": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server"],
-    "lbproxy.locator": ["lbproxy.proxy", "lbproxy.listener", "lbproxy.server", "lbproxy.admin"],
+    "lbproxy.dataplane.virtual_server": [
+        "lbproxy.dataplane.connection",
+        "lbproxy.dataplane.listener",
+        "lbproxy.runtime.server",
+    ],
+    "lbproxy.dataplane.queue": [
+        "lbproxy.dataplane.connection",
+        "lbproxy.dataplane.listener",
+        "lbproxy.runtime.server",
+    ],
+    "lbproxy.control.checks": [
+        "lbproxy.dataplane.connection",
+        "lbproxy.dataplane.listener",
+        "lbproxy.runtime.server",
+    ],
+    "lbproxy.control.throttle_monitor": [
+        "lbproxy.dataplane.connection",
+        "lbproxy.dataplane.listener",
+        "lbproxy.runtime.server",
+    ],
+    "lbproxy.dataplane.connection": [
+        "lbproxy.dataplane.listener",
+        "lbproxy.runtime.server",
+        "lbproxy.admin.api",
+    ],
+    "lbproxy.dataplane.listener": ["lbproxy.runtime.server", "lbproxy.admin.api"],
+    "lbproxy.admin.api": [
+        "lbproxy.runtime.server",
+        "lbproxy.dataplane.listener",
+        "lbproxy.dataplane.connection",
+    ],
+    "lbproxy.admin.http_server": [
+        "lbproxy.runtime.server",
+        "lbproxy.dataplane.listener",
+        "lbproxy.dataplane.connection",
+        "lbproxy.admin.api",
+    ],
+    "lbproxy.control.conditioning": [
+        "lbproxy.dataplane.connection",
+        "lbproxy.dataplane.listener",
+        "lbproxy.runtime.server",
+    ],
+    "lbproxy.locator.dns_server": [
+        "lbproxy.dataplane.connection",
+        "lbproxy.dataplane.listener",
+        "lbproxy.runtime.server",
+        "lbproxy.admin.api",
+    ],
 }
 
 

@@ -1,0 +1,539 @@
+"""The admin endpoint: /metrics, /healthz, /readyz and the /api/v1 JSON API (SPEC §7).
+
+A small ASGI application served by our own HTTP/1.1 server on h11 (http_server.py)
+inside the proxy's own trio program, so it reads the live pools directly. Mutations
+(PATCH, POST) need `Authorization: Bearer <token>` when `global.admin.token_file` is set
+(compared in constant time) and are refused from non-loopback clients when it is not.
+Nothing secret is logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import stat
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from lbproxy.admin import dashboard, http_server
+from lbproxy.admin.metrics import make_registry
+from lbproxy.core.pool import Located, Pool, state_error, weight_error
+
+if TYPE_CHECKING:
+    import socket
+
+log = logging.getLogger("lbproxy.admin")
+
+MAX_BODY = http_server.MAX_BODY  # larger bodies: 413, from the server before the app
+PATCH_KEYS = ("weight", "state")
+PATCH_EXAMPLE = '{"weight": 3} or {"state": "enabled" | "drain" | "disabled"}'
+REAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)$")
+VIRTUAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)$")
+LOAD_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)/load$")
+LOCATE_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/locate$")
+# The asking client's "HOST PORT", from the supervisor of `workers: N` to a worker over
+# its private Unix socket (a locate's affinity); heeded from nowhere else.
+CLIENT_HEADER = b"x-lbproxy-client"
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class ProxyControl(Protocol):
+    """What the admin app reads and changes: a small interface, not the `Server` class.
+
+    `lbproxy.runtime.server.Server` is one (a worker or a single process); the supervisor of
+    lbproxy/runtime/workers.py is another. The admin app imports neither.
+    """
+
+    ready: bool
+    draining: bool
+    reloads: dict[str, int]
+
+    def pools(self) -> Iterable[Pool]: ...
+
+    def reload(self) -> tuple[bool, list[str]]: ...
+
+    def set_state(self, vs_name: str, rs_name: str, state: object) -> str | None: ...
+
+    def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None: ...
+
+    def report_load(
+        self, vs_name: str, rs_name: str, load: object, per_connection: object = None
+    ) -> str | None: ...
+
+
+class TokenError(Exception):
+    """The token file is missing, empty or readable by everyone."""
+
+
+def read_token(path: str) -> str:
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise TokenError(f"admin token_file {path}: {exc.strerror}") from None
+    if mode & stat.S_IROTH:
+        raise TokenError(
+            f"admin token_file {path} is readable by every user; "
+            f"run `chmod o-rwx {path}` (or chmod 600)"
+        )
+    if not token:
+        raise TokenError(f"admin token_file {path} is empty")
+    return token
+
+
+# -- documents (the same for the API and `lbproxy status --json`) ---------------------
+
+
+def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
+    rs = pool.by_name[name]
+    pool.advance(trio.current_time())  # effective weight as the scheduler uses it now
+    stats = pool._server_stats(rs)
+    return {
+        "name": stats.name,
+        "address": stats.address,
+        "state": stats.state,
+        "health": stats.health,
+        "backup": stats.backup,
+        "weight": {
+            "static": _number(stats.weight_static),
+            "dynamic": None if not pool.polls_snmp else _number(stats.weight_dynamic),
+            "effective": _number(stats.weight_effective),
+        },
+        "active_connections": stats.active_connections,
+        "connections_total": stats.connections_total,
+        "bytes_in": stats.bytes_in,
+        "bytes_out": stats.bytes_out,
+        "snmp": _snmp_document(pool, rs),
+        "load": _load(pool, rs),
+        "discovered": rs.config.discovered,  # from DNS (discovery.dns), not from a file
+    }
+
+
+def _snmp_document(pool: Pool, rs: Any) -> dict[str, Any] | None:
+    """The last SNMP poll of a polled real server: {"value", "result"}; else None."""
+    if not pool.polls_snmp or rs.config.snmp is None:
+        return None
+    result, value = rs.snmp_last or (None, None)
+    return {"value": value, "result": result}
+
+
+def _load(pool: Pool, rs: Any) -> float | None:
+    """least-load's current load (estimates included), else None."""
+    if pool.config.scheduler != "least-load":
+        return None
+    return _number(pool.load_of(rs))
+
+
+def locate_document(located: Located) -> dict[str, Any]:
+    """The answer of GET .../locate (SPEC §10)."""
+    rs = located.server
+    document: dict[str, Any] = {
+        "real_server": rs.name,
+        "address": str(rs.address),
+        "load": _number(located.load),
+    }
+    if located.replace is not None:
+        document["replace"] = located.replace
+    return document
+
+
+def parse_load_report(body: bytes) -> tuple[object, object]:
+    """(load, per_connection) of a PUT .../load body; raises a 400 naming the problem.
+
+    The numbers themselves are checked by `Pool.report_load`."""
+    example = '{"load": 0.4, "per_connection": 0.1}'
+    try:
+        request = json.loads(body or b"null")
+    except (ValueError, UnicodeDecodeError):
+        raise _HTTPError(400, f"body must be JSON, like {example}") from None
+    if not isinstance(request, dict):
+        raise _HTTPError(400, f"body must be a JSON object like {example}")
+    unknown = sorted(set(request) - {"load", "per_connection"})
+    if unknown:
+        raise _HTTPError(400, f"unknown key(s) {', '.join(map(repr, unknown))}; like {example}")
+    if "load" not in request:
+        raise _HTTPError(400, f"body needs 'load', like {example}")
+    return request["load"], request.get("per_connection")
+
+
+def parse_client_header(value: bytes) -> tuple[str, int] | None:
+    """(host, port) of a CLIENT_HEADER value "HOST PORT" (port 0 when it is not a
+    number), None when empty. Never raises: the host is only ever hashed or a key."""
+    if not value:
+        return None
+    host, _, port = value.decode("latin-1").partition(" ")
+    return (host, int(port)) if port.isascii() and port.isdigit() else (host, 0)
+
+
+def virtual_server_document(pool: Pool) -> dict[str, Any]:
+    stats = pool.statistics(trio.current_time())
+    return {
+        "name": pool.name,
+        "listen": [str(address) for address in pool.config.listen],
+        "scheduler": pool.config.scheduler,
+        "throttle_mode": pool.throttle_mode,
+        "active_connections": stats.active_connections,
+        "clients": pool.clients,
+        "sni": list(pool.config.sni),
+        "queued": pool.queued,
+        "rejected": stats.rejected,
+        "dynamic_weight_fallback": stats.dynamic_weight_fallback,
+        "real_servers": [real_server_document(pool, rs.name) for rs in stats.real_servers],
+    }
+
+
+def _number(value: float | None) -> float | int | None:
+    if value is None:
+        return None
+    return int(value) if float(value).is_integer() else round(value, 4)
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _header(headers: dict[bytes, bytes], name: bytes) -> str:
+    return headers.get(name, b"").decode("latin-1")
+
+
+def _cross_origin(headers: dict[bytes, bytes]) -> bool:
+    """True when a browser sent this request from a page of another origin.
+
+    The `Origin` header's host and port must be the `Host` the request was sent to (an
+    opaque origin, "null", never is); a request without `Origin` is not from a page of
+    another origin (browsers always send it cross-origin on POST, PUT and PATCH)."""
+    origin = headers.get(b"origin")
+    if origin is None:
+        return False
+    netloc = urllib.parse.urlsplit(origin.decode("latin-1")).netloc
+    return not netloc or netloc.lower() != _header(headers, b"host").lower()
+
+
+# -- the ASGI application --------------------------------------------------------------
+
+
+class AdminApp:
+    def __init__(self, server: ProxyControl, token: str | None) -> None:
+        self.server = server
+        self.token = token
+        self.registry = make_registry(server)
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            status, body, content_type = await self._route(scope, receive)
+        except _HTTPError as exc:
+            status, body, content_type = exc.status, _json({"error": exc.message}), "json"
+        headers = [
+            (b"content-type", _CONTENT_TYPES.get(content_type, content_type).encode()),
+            (b"content-length", str(len(body)).encode()),
+            (b"cache-control", b"no-store"),
+        ]
+        if content_type == "html":  # the dashboard: its own scripts only, never framed
+            headers += dashboard.headers()
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        server = self.server
+        if path == "/":  # the dashboard (lbproxy/admin/dashboard.py)
+            self._allow(method, "GET")
+            return 200, dashboard.page(), "html"
+        if path == "/metrics":
+            self._allow(method, "GET")
+            return 200, generate_latest(self.registry), "metrics"
+        if path == "/healthz":
+            self._allow(method, "GET")
+            return 200, b"ok\n", "text"
+        if path == "/readyz":
+            self._allow(method, "GET")
+            if server.ready and not server.draining:
+                return 200, b"ready\n", "text"
+            return 503, b"draining\n" if server.draining else b"starting\n", "text"
+        if path == "/api/v1/virtual-servers":
+            self._allow(method, "GET")
+            pools = list(server.pools())
+            return (
+                200,
+                _json({"virtual_servers": [virtual_server_document(p) for p in pools]}),
+                "json",
+            )
+        if match := VIRTUAL_SERVER_PATH.match(path):
+            self._allow(method, "GET")
+            return 200, _json(virtual_server_document(self._pool(match[1]))), "json"
+        if match := REAL_SERVER_PATH.match(path):
+            if method == "GET":
+                pool = self._pool(match[1])
+                self._real_server(pool, match[2])
+                return 200, _json(real_server_document(pool, match[2])), "json"
+            self._allow(method, "PATCH")
+            self._authorize(scope)
+            return await self._patch(match[1], match[2], receive)
+        if path == "/api/v1/reload":
+            self._allow(method, "POST")
+            self._authorize(scope)
+            ok, messages = server.reload()
+            if ok:
+                return 200, _json({"result": "ok", "changes": messages}), "json"
+            return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
+        if match := LOCATE_PATH.match(path):
+            self._allow(method, "GET")
+            return self._locate(match[1], scope)
+        if match := LOAD_PATH.match(path):
+            self._allow(method, "PUT")
+            self._authorize(scope)
+            return await self._report_load(match[1], match[2], receive)
+        raise _HTTPError(404, f"no such path: {path}")
+
+    # -- the locator (SPEC §10) ------------------------------------------------------
+
+    def _locate(self, vs_name: str, scope: dict[str, Any]) -> tuple[int, bytes, str]:
+        pool = self._pool(vs_name)
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        current = query.get("current", [None])[-1]
+        # The asking address, for maglev and persistence (None over a worker's Unix
+        # socket: the supervisor passes it on in a header, see _asking_client).
+        located = pool.locate(
+            trio.current_time(), current or None, "http", self._asking_client(scope)
+        )
+        if located is None:
+            raise _HTTPError(503, "no real server available")
+        # Compact: the one hot route (a client pool asks before each connection), and
+        # json's C encoder runs only without `indent`.
+        return 200, (json.dumps(locate_document(located)) + "\n").encode(), "json"
+
+    def _asking_client(self, scope: dict[str, Any]) -> tuple | None:
+        """The address a locate is asked from: the HTTP peer, or, over a worker's
+        private endpoint (no peer address; only the supervisor reaches it), the one the
+        supervisor read from its own peer and passed on in CLIENT_HEADER."""
+        client = scope.get("client")
+        if client is not None:
+            return tuple(client)
+        if getattr(self.server, "admin_sock", None) is None:
+            return None
+        return parse_client_header(dict(scope.get("headers", [])).get(CLIENT_HEADER, b""))
+
+    async def _report_load(
+        self, vs_name: str, rs_name: str, receive: Receive
+    ) -> tuple[int, bytes, str]:
+        pool = self._pool(vs_name)
+        self._real_server(pool, rs_name)
+        load, per_connection = parse_load_report(await _read_body(receive))
+        error = self.server.report_load(vs_name, rs_name, load, per_connection)
+        if error:
+            raise _HTTPError(400, error)
+        rs = pool.by_name[rs_name]
+        reported, step = pool.load_reports[rs]
+        document = {
+            "virtual_server": pool.name,
+            "real_server": rs_name,
+            "reported": _number(reported),
+            "per_connection": _number(step),
+            "load": _load(pool, rs),
+        }
+        return 200, _json(document), "json"
+
+    async def _patch(self, vs_name: str, rs_name: str, receive: Receive) -> tuple[int, bytes, str]:
+        pool = self._pool(vs_name)
+        self._real_server(pool, rs_name)
+        change = parse_patch(await _read_body(receive), f"{vs_name}/{rs_name}")
+        # The whole body is valid: both keys apply, or (a 400 above) neither.
+        if "weight" in change:
+            error = self.server.set_weight(vs_name, rs_name, change["weight"])
+            if error:
+                raise _HTTPError(400, error)
+        if "state" in change:
+            error = self.server.set_state(vs_name, rs_name, change["state"])
+            if error:
+                raise _HTTPError(400, error)
+        return 200, _json(real_server_document(pool, rs_name)), "json"
+
+    def _pool(self, name: str) -> Pool:
+        for pool in self.server.pools():
+            if pool.name == name:
+                return pool
+        raise _HTTPError(404, f"no virtual server {name!r}")
+
+    @staticmethod
+    def _real_server(pool: Pool, name: str) -> None:
+        if name not in pool.by_name:
+            raise _HTTPError(404, f"no real server {name!r} in virtual server {pool.name!r}")
+
+    @staticmethod
+    def _allow(method: str, allowed: str) -> None:
+        if method != allowed and not (allowed == "GET" and method == "HEAD"):
+            raise _HTTPError(405, f"method {method} not allowed; use {allowed}")
+
+    def _authorize(self, scope: dict[str, Any]) -> None:
+        client = scope.get("client")
+        if client is None and getattr(self.server, "admin_sock", None) is not None:
+            # A worker's private endpoint (lbproxy/runtime/workers.py): a Unix socket in a
+            # folder only the supervisor's user can enter; the supervisor has already
+            # checked the token or the loopback rule of the request it passes on.
+            return
+        headers = dict(scope.get("headers", []))
+        if _cross_origin(headers):
+            # Cross-site request forgery: without a token, the loopback rule alone would
+            # let any web page open in a browser on this host POST a reload (a "simple"
+            # request needs no CORS pre-check). Browsers name the page's origin on every
+            # cross-origin POST, PUT and PATCH; curl, the CLI and the workers' supervisor
+            # send none, and the dashboard's own requests name this endpoint itself.
+            raise _HTTPError(
+                403,
+                f"cross-origin change refused: Origin {_header(headers, b'origin')!r} "
+                f"is not this endpoint ({_header(headers, b'host')!r})",
+            )
+        if self.token is None:
+            if not _is_loopback(client[0] if client else None):
+                raise _HTTPError(403, "changes are only accepted from loopback without a token")
+            return
+        header = headers.get(b"authorization", b"")
+        scheme, _, given = header.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise _HTTPError(401, "missing bearer token")
+        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            raise _HTTPError(403, "wrong token")
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_CONTENT_TYPES = {
+    "json": "application/json",
+    "text": "text/plain; charset=utf-8",
+    "metrics": CONTENT_TYPE_LATEST,
+    "html": "text/html; charset=utf-8",
+}
+
+
+def _json(document: Any) -> bytes:
+    return (json.dumps(document, indent=2) + "\n").encode()
+
+
+async def _read_body(receive: Receive) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if len(body) > MAX_BODY:
+            raise _HTTPError(413, f"body too large: more than {MAX_BODY} bytes")
+        if not message.get("more_body"):
+            return body
+
+
+def parse_patch(body: bytes, where: str) -> dict[str, Any]:
+    """A PATCH body checked whole before anything changes: `{"weight": N, "state": S}`.
+
+    Raises a 400 naming the first problem: not JSON (NaN and Infinity are not JSON
+    either), not an object, a key twice, an unknown key, no key at all, or a value that
+    `weight_error` / `state_error` refuses. The single-process endpoint and the
+    supervisor of `workers: N` (which then reaches no worker) both call it, so a change
+    is applied whole or not at all. `where`, the vs/rs names already found, is for the
+    log line of a refusal.
+    """
+    if not body.strip():
+        return _refuse(where, f"body is empty; send {PATCH_EXAMPLE}")
+    try:
+        request = json.loads(
+            body.decode("utf-8"),
+            parse_constant=_not_json,
+            object_pairs_hook=_no_repeated_keys,
+        )
+    except UnicodeDecodeError:
+        return _refuse(where, f"body is not UTF-8 JSON; send {PATCH_EXAMPLE}")
+    except _RepeatedKey as exc:
+        return _refuse(where, f"key {json.dumps(str(exc))} appears twice in the body")
+    except ValueError as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        return _refuse(where, f"body is not valid JSON ({reason}); send {PATCH_EXAMPLE}")
+    if not isinstance(request, dict):
+        return _refuse(where, f"body must be a JSON object: {PATCH_EXAMPLE}")
+    unknown = [key for key in request if key not in PATCH_KEYS]
+    if unknown:
+        return _refuse(
+            where,
+            f"unknown key {json.dumps(unknown[0])} in the body; "
+            f"the keys are {' and '.join(map(json.dumps, PATCH_KEYS))}",
+        )
+    if not request:
+        return _refuse(where, f"body changes nothing; send {PATCH_EXAMPLE}")
+    if "weight" in request and (error := weight_error(request["weight"])):
+        return _refuse(where, error)
+    if "state" in request and (error := state_error(request["state"])):
+        return _refuse(where, error)
+    return request
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _RepeatedKey(key)
+        document[key] = value
+    return document
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _refuse(where: str, message: str) -> Any:
+    # INFO: a rejected change is rare and an operator wants to see why it did not happen.
+    log.info("%s: change refused: %s", where, message)
+    raise _HTTPError(400, message)
+
+
+async def serve_admin(
+    server: ProxyControl,
+    sock: socket.socket,
+    token: str | None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the admin app on an already bound, listening socket until cancelled."""
+    await serve_asgi(AdminApp(server, token), sock, task_status=task_status)
+
+
+async def serve_asgi(
+    app: Any, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve an ASGI app (AdminApp or the supervisor's) until cancelled (http_server.py)."""
+    await http_server.serve(app, sock, task_status=task_status)

@@ -1,0 +1,1 @@
+"""Configuration (PURE): the model, the value parsers, the section tables, the YAML reader."""

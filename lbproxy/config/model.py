@@ -1,0 +1,222 @@
+"""The configuration model: frozen, typed objects the rest of lbproxy reads.
+
+PURE: no trio, no sockets, no clock. The dataclasses below are the contract the rest of
+lbproxy reads; defaults are the ones of SPEC §2 and §9 and the README's configuration
+reference. The package's other modules fill them: values.py (`parse_duration`,
+`parse_address`, the converters that check one value each), tables.py (the keys of each
+section), reader.py (each section into its dataclass, the checks across files, `load`)
+and summary.py (`summary` for `lbproxy check`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    file: str
+    line: int  # 1-based
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.message}"
+
+
+class ConfigError(Exception):
+    """Raised by `load` with every problem found, in file and line order."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    host: str  # "127.0.0.1", "::1", "0.0.0.0", "::" or a host name (real servers only)
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    listen: Address | None = Address("127.0.0.1", 9100)  # None: `listen: none`
+    token_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DnsLocatorConfig:
+    """`global.locator.dns`: the DNS face of the locator (SPEC §10)."""
+
+    listen: Address = Address("127.0.0.1", 5353)  # UDP and TCP
+    zone: str = "lb.internal."  # absolute, lower case, ending in a dot
+    ttl: int = 0  # of every answer; 0 = ask again each time
+
+
+@dataclass(frozen=True, slots=True)
+class LocatorConfig:
+    dns: DnsLocatorConfig | None = None  # None: no DNS locator
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalConfig:
+    admin: AdminConfig = AdminConfig()
+    locator: LocatorConfig = LocatorConfig()
+    log_format: str = "text"  # text | json
+    drain_timeout: float = 30.0
+    access_log: bool = False  # one INFO line per connection on logger lbproxy.access
+    workers: int = 1  # `auto` is resolved to os.cpu_count() by the loader
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheckConfig:
+    type: str = "tcp"  # tcp | send_expect | http | none
+    interval: float = 2.0
+    timeout: float = 1.0
+    rise: int = 2
+    fall: int = 3
+    send: str | None = None  # send_expect
+    expect: str | None = None  # send_expect: regular expression
+    path: str = "/"  # http
+    expect_status: tuple[int, ...] = (200,)  # http
+    on_down: str = "keep"  # keep | close: what happens to established connections
+
+
+@dataclass(frozen=True, slots=True)
+class SnmpConfig:
+    oid: str = "1.3.6.1.4.1.2021.10.1.5.1"
+    version: str = "2c"  # "2c" | "3"
+    community: str = "public"
+    user: str | None = None
+    auth_protocol: str = "SHA"  # SHA | SHA256 | MD5
+    auth_key_file: str | None = None
+    priv_protocol: str = "AES"  # AES | AES256 | DES
+    priv_key_file: str | None = None
+    host: str | None = None  # None: the real server's own address host
+    port: int = 161
+    interval: float = 5.0
+    timeout: float = 1.0
+    retries: int = 1
+    on_no_answer: str = "zero"  # zero | hold | static
+    stale_after: float | None = None  # None: 3 x interval
+    smoothing: float = 1.0  # 0 < a <= 1
+    max_value: int = 100
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottleConfig:
+    max_connections: int | None = None
+    max_rate: float | None = None
+    digg_factor: float = 2.0
+    high_idle_timeout: float = 49.0
+    min_idle_timeout: float = 1.0
+    interval: float = 1.0
+
+
+# The largest static weight, in the file and at run time (PATCH, `set-weight`): ipvsadm's
+# bound ("the valid values of weight are 0 through to 65535"), and a DNS SRV weight's.
+MAX_WEIGHT = 65535
+
+
+@dataclass(frozen=True, slots=True)
+class PersistenceConfig:
+    timeout: float = 300.0  # an entry expires this long after its last connection ended
+    max_entries: int = 100000  # least recently used entries beyond this are evicted
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    max: int = 1000  # waiting clients; one more is refused (queue_full)
+    timeout: float = 5.0  # seconds a client may wait for a free slot (queue_timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class ConditioningConfig:
+    """`conditioning:` of a virtual server: Geode's load conditioning (SPEC §11)."""
+
+    interval: float = 300.0  # Geode's load-conditioning-interval default, 5 minutes
+    idle_for: float = 30.0  # only connections idle this long are candidates
+    max_per_interval: int = 10  # at most this many closed per interval
+    threshold: float = 10.0  # Geode's locator-load-imbalance-threshold
+
+
+# Geode's default imbalance threshold, for `?current=` on a virtual server that has no
+# `conditioning:` block (LocatorLoadSnapshot.DEFAULT_LOAD_IMBALANCE_THRESHOLD).
+DEFAULT_IMBALANCE_THRESHOLD = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RealServerConfig:
+    name: str
+    address: Address
+    weight: int = 1
+    max_connections: int = 0  # 0 = unlimited
+    load_factor: float = 1.0
+    state: str = "enabled"  # enabled | drain | disabled
+    backup: bool = False  # takes connections only while no primary is online (SPEC §13)
+    snmp: SnmpConfig | None = None  # the VS block merged with this server's overrides
+    line: int = field(default=0, compare=False)  # where, not what: moving lines is no change
+    discovered: bool = False  # made from a DNS answer (discovery.dns), not read from a file
+
+
+@dataclass(frozen=True, slots=True)
+class DnsDiscoveryConfig:
+    """`discovery.dns` of a virtual server (SPEC §14): real servers from SRV/A/AAAA."""
+
+    name: str  # resolved as an absolute name: no search domains
+    type: str = "SRV"  # SRV | A | AAAA
+    port: int | None = None  # A/AAAA only (required there); SRV records carry their port
+    resolvers: tuple[Address, ...] = ()  # empty: the system's (/etc/resolv.conf)
+    interval: float = 10.0  # re-resolve period; the answers' TTL is not used
+    hold: float = 30.0  # empty answers or NXDOMAIN this long before servers go
+    timeout: float = 2.0  # bound of one round, so a silent resolver stalls nothing
+    line: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualServerConfig:
+    name: str
+    listen: tuple[Address, ...]
+    real_servers: tuple[RealServerConfig, ...]
+    scheduler: str = "wlc"
+    quiesce: bool = False
+    load_source: str = "connections"  # connections | snmp | report
+    load_poll_interval: float = 5.0
+    slow_start: float = 0.0
+    connect_timeout: float = 3.0
+    idle_timeout: float = 300.0
+    retries: int = 2
+    max_connections: int = 0  # 0 = unlimited
+    allow: tuple[IPNetwork, ...] = (
+        ipaddress.ip_network("0.0.0.0/0"),
+        ipaddress.ip_network("::/0"),
+    )
+    deny: tuple[IPNetwork, ...] = ()
+    send_proxy: str = "none"  # none | v1 | v2
+    accept_proxy: bool = False
+    health_check: HealthCheckConfig = HealthCheckConfig()
+    snmp: SnmpConfig | None = None  # None: no `snmp:` block
+    throttle: ThrottleConfig | None = None  # None: no admission control
+    table_size: int = 65537  # maglev: lookup table slots, a prime >= 101
+    hash_key: str = "source"  # maglev: source | source_port
+    persistence: PersistenceConfig | None = None  # None: no client persistence
+    discovery: DnsDiscoveryConfig | None = None  # None: only the static real_servers
+    queue: QueueConfig | None = None  # None: a full pool refuses (max_connections)
+    # TLS server names routed here from a shared listen address (lower case); (): the
+    # default of its addresses, or a virtual server alone on them
+    sni: tuple[str, ...] = ()
+    conditioning: ConditioningConfig | None = None  # None: connections are never moved
+    file: str = field(default="", compare=False)
+    line: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    global_: GlobalConfig = GlobalConfig()
+    virtual_servers: tuple[VirtualServerConfig, ...] = ()
+    files: tuple[str, ...] = field(default=())

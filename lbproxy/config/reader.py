@@ -1,0 +1,826 @@
+"""Reading YAML files into the model: lines kept, every problem reported at once.
+
+PURE. `load(paths)` reads every file, keeps the line of every node (PyYAML's composed
+nodes carry `start_mark`), checks across files (duplicate names, port clashes, a single
+`global:`) and raises a `ConfigError` listing every `Problem(file, line, message)`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import yaml
+
+from lbproxy.config.model import (
+    Address,
+    AdminConfig,
+    ConditioningConfig,
+    Config,
+    ConfigError,
+    DnsDiscoveryConfig,
+    DnsLocatorConfig,
+    GlobalConfig,
+    HealthCheckConfig,
+    LocatorConfig,
+    PersistenceConfig,
+    Problem,
+    QueueConfig,
+    RealServerConfig,
+    SnmpConfig,
+    ThrottleConfig,
+    VirtualServerConfig,
+)
+from lbproxy.config.tables import (
+    _ADMIN_FIELDS,
+    _CONDITIONING_FIELDS,
+    _DISCOVERY_SECTIONS,
+    _DNS_DISCOVERY_FIELDS,
+    _DNS_LOCATOR_FIELDS,
+    _GLOBAL_FIELDS,
+    _GLOBAL_SECTIONS,
+    _HEALTH_CHECK_FIELDS,
+    _LOCATOR_SECTIONS,
+    _MAGLEV_KEYS,
+    _PERSISTENCE_FIELDS,
+    _QUEUE_FIELDS,
+    _REAL_SERVER_FIELDS,
+    _REAL_SERVER_SECTIONS,
+    _SNMP_FIELDS,
+    _SNMP_SCHEDULERS,
+    _THROTTLE_FIELDS,
+    _TOP_LEVEL_SECTIONS,
+    _UNCONDITIONED_SCHEDULERS,
+    _VIRTUAL_SERVER_FIELDS,
+    _VIRTUAL_SERVER_SECTIONS,
+)
+from lbproxy.config.values import Converter, _did_you_mean, _Invalid, _shown
+
+# --------------------------------------------------------------------------------------
+# Reading one file: mappings with lines, unknown and duplicate keys
+# --------------------------------------------------------------------------------------
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+_STRING_TAG = "tag:yaml.org,2002:str"
+_NULL_TAG = "tag:yaml.org,2002:null"
+
+
+def _is_null(node: yaml.Node) -> bool:
+    return isinstance(node, yaml.ScalarNode) and node.tag == _NULL_TAG
+
+
+@dataclass
+class _Section:
+    """One YAML mapping, read: the valid values and where every key was."""
+
+    line: int  # of the key that introduced the mapping, else of the mapping itself
+    values: dict[str, Any] = field(default_factory=dict)  # converted, valid values only
+    nodes: dict[str, yaml.Node] = field(default_factory=dict)  # every known key's value
+    key_lines: dict[str, int] = field(default_factory=dict)  # every key present
+
+    def line_of(self, key: str) -> int:
+        return self.key_lines.get(key, self.line)
+
+
+class _Document:
+    """One configuration file: composes it and reports problems against it."""
+
+    def __init__(self, file: str, problems: list[Problem]):
+        self.file = file
+        self.problems = problems
+
+    def error(self, line: int, message: str) -> None:
+        self.problems.append(Problem(self.file, line, message))
+
+    def compose(self) -> yaml.Node | None:
+        """The root node, or None for an empty or unreadable file (reported)."""
+        try:
+            with open(self.file, encoding="utf-8") as stream:
+                return yaml.compose(stream, Loader=yaml.SafeLoader)
+        except OSError as exc:
+            self.error(1, f"cannot read: {exc.strerror or exc}")
+        except UnicodeDecodeError as exc:
+            self.error(1, f"cannot read: not UTF-8 text ({exc.reason})")
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            context = f" ({exc.context})" if exc.context else ""
+            self.error(mark.line + 1 if mark else 1, f"YAML syntax error: {exc.problem}{context}")
+        except yaml.YAMLError as exc:  # e.g. a control character: no mark, only a position
+            self.error(1, f"YAML error: {exc}")
+        return None
+
+    def section(
+        self,
+        node: yaml.Node,
+        where: str,
+        fields: Mapping[str, Converter],
+        nested: Collection[str] = (),
+        *,
+        prefix: str = "",
+        line: int | None = None,
+    ) -> _Section | None:
+        """Read a mapping: convert `fields`, keep `nested` sections' nodes for the caller.
+
+        `where` names the mapping in messages ("virtual server web"); `prefix` qualifies
+        its keys in messages ("health_check."). An empty value counts as an empty mapping,
+        so `health_check:` with nothing under it means "all defaults". Returns None (and
+        reports) when the node is not a mapping.
+        """
+        section = _Section(line if line is not None else _line(node))
+        if _is_null(node):
+            return section
+        if not isinstance(node, yaml.MappingNode):
+            self.error(_line(node), f"{where} must be a mapping, got {_shown(node)}")
+            return None
+        known = [*fields, *nested]
+        for key_node, value_node in node.value:
+            key = self._key(key_node, section, where, known)
+            if key is None:
+                continue
+            section.nodes[key] = value_node
+            if key in fields:
+                try:
+                    section.values[key] = fields[key](value_node, prefix + key)
+                except _Invalid as exc:
+                    self.error(_line(exc.node or value_node), exc.message)
+        return section
+
+    def _key(
+        self, key_node: yaml.Node, section: _Section, where: str, known: Collection[str]
+    ) -> str | None:
+        """The key as a known, first-seen string; anything else is reported, giving None."""
+        line = _line(key_node)
+        # Only plain strings: YAML would read `yes:` as True and `1:` as an int.
+        is_string = isinstance(key_node, yaml.ScalarNode) and key_node.tag == _STRING_TAG
+        key = key_node.value if is_string else None
+        if key is None:
+            self.error(line, f"keys must be strings, got {_shown(key_node)} in {where}")
+            return None
+        if key in section.key_lines:
+            first = section.key_lines[key]
+            self.error(line, f"duplicate key {key!r} in {where} (first at line {first})")
+            return None
+        section.key_lines[key] = line
+        if key not in known:
+            hint = _did_you_mean(key, known)
+            self.error(line, f"unknown key {key!r} in {where}" + (f" ({hint})" if hint else ""))
+            return None
+        return key
+
+    def require(self, section: _Section, where: str, *keys: str) -> None:
+        for key in keys:
+            if key not in section.key_lines:
+                self.error(section.line, f"{where} needs {key!r}")
+
+
+def _peek_name(node: yaml.Node) -> str | None:
+    """The `name:` of a mapping before it is read, to say where its problems are."""
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    for key_node, value_node in node.value:
+        if key_node.value == "name" and isinstance(value_node, yaml.ScalarNode):
+            return value_node.value or None
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Sections -> dataclasses
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _GlobalRead:
+    config: GlobalConfig
+    file: str
+    line: int  # of the `global:` key
+    admin_line: int | None  # of `admin.listen`; None when it is the default
+    dns_line: int = 0  # of `locator.dns.listen` (or of `dns:`)
+
+
+@dataclass
+class _VirtualServerRead:
+    """What the checks across files need, known even when the virtual server is invalid."""
+
+    file: str
+    line: int
+    name: str | None
+    name_line: int
+    listen: list[tuple[Address, int]]  # each address with its own line
+    config: VirtualServerConfig | None  # None when a problem prevented building it
+    sni: list[tuple[str, int]] = field(default_factory=list)  # each name with its line
+    accept_proxy: tuple[bool, int] = (False, 0)  # and the line of the key, 0: default
+
+
+def _nested(
+    doc: _Document,
+    parent: _Section,
+    key: str,
+    where: str,
+    fields: Mapping[str, Converter],
+    nested: Collection[str] = (),
+    *,
+    prefix: str = "",
+) -> _Section | None:
+    """The section under `parent[key]`; None when it is absent or not a mapping."""
+    node = parent.nodes.get(key)
+    if node is None:
+        return None
+    return doc.section(node, where, fields, nested, prefix=prefix, line=parent.line_of(key))
+
+
+def _read_file(
+    doc: _Document, root: yaml.Node
+) -> tuple[_GlobalRead | None, list[_VirtualServerRead]]:
+    top = doc.section(root, "the top level", {}, _TOP_LEVEL_SECTIONS)
+    if top is None:
+        return None, []
+    global_read = _read_global(doc, top) if "global" in top.nodes else None
+    return global_read, _read_virtual_servers(doc, top)
+
+
+def _read_global(doc: _Document, top: _Section) -> _GlobalRead:
+    line = top.line_of("global")
+    section = _nested(doc, top, "global", "global", _GLOBAL_FIELDS, _GLOBAL_SECTIONS)
+    section = section or _Section(line)
+    admin = _nested(doc, section, "admin", "global.admin", _ADMIN_FIELDS, prefix="admin.")
+    admin = admin or _Section(line)
+    locator, dns_line = _read_locator(doc, section)
+    config = GlobalConfig(admin=AdminConfig(**admin.values), locator=locator, **section.values)
+    read = _GlobalRead(config, doc.file, line, admin.key_lines.get("listen"))
+    read.dns_line = dns_line
+    return read
+
+
+def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int]:
+    """`global.locator`, and the line of its DNS listen address (for port clashes)."""
+    locator = _nested(
+        doc, section, "locator", "global.locator", {}, _LOCATOR_SECTIONS, prefix="locator."
+    )
+    if locator is None:
+        return LocatorConfig(), 0
+    dns = _nested(
+        doc, locator, "dns", "global.locator.dns", _DNS_LOCATOR_FIELDS, prefix="locator.dns."
+    )
+    if dns is None:
+        return LocatorConfig(), 0
+    return LocatorConfig(DnsLocatorConfig(**dns.values)), dns.line_of("listen")
+
+
+def _read_virtual_servers(doc: _Document, top: _Section) -> list[_VirtualServerRead]:
+    node = top.nodes.get("virtual_servers")
+    if node is None or _is_null(node):
+        return []
+    if not isinstance(node, yaml.SequenceNode):
+        doc.error(_line(node), f"virtual_servers must be a list, got {_shown(node)}")
+        return []
+    reads = (_read_virtual_server(doc, item) for item in node.value)
+    return [read for read in reads if read is not None]
+
+
+def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead | None:
+    name = _peek_name(node)
+    where = f"virtual server {name}" if name else "virtual server"
+    vs = doc.section(node, where, _VIRTUAL_SERVER_FIELDS, _VIRTUAL_SERVER_SECTIONS)
+    if vs is None:
+        return None
+    # With discovery, the static real servers may be empty or left out (SPEC §14).
+    discovers = "discovery" in vs.nodes
+    doc.require(vs, where, "name", "listen", *(() if discovers else ("real_servers",)))
+    health_check = _read_health_check(doc, vs, where)
+    snmp = _nested(doc, vs, "snmp", f"snmp of {where}", _SNMP_FIELDS, prefix="snmp.")
+    throttle = _read_throttle(doc, vs, where)
+    persistence = _read_persistence(doc, vs, where)
+    discovery = _read_discovery(doc, vs, where)
+    queue = _nested(doc, vs, "queue", f"queue of {where}", _QUEUE_FIELDS, prefix="queue.")
+    conditioning = _read_conditioning(doc, vs, where)
+    real_servers = _read_real_servers(doc, vs, snmp, allow_empty=discovers)
+
+    config = None
+    if "name" in vs.values and "listen" in vs.values and (real_servers or discovery):
+        config = VirtualServerConfig(
+            **vs.values,
+            real_servers=tuple(real_servers),
+            health_check=health_check,
+            snmp=_snmp_config(snmp.values, default_host=None) if snmp else None,
+            throttle=throttle,
+            persistence=persistence,
+            discovery=discovery,
+            queue=QueueConfig(**queue.values) if queue is not None else None,
+            conditioning=conditioning,
+            file=doc.file,
+            line=vs.line,
+        )
+        _check_scheduler_needs(doc, vs, config)
+        _check_conditioning(doc, vs, config)
+    listen = list(
+        zip(vs.values.get("listen", ()), _item_lines(vs.nodes.get("listen")), strict=False)
+    )
+    sni = list(zip(vs.values.get("sni", ()), _item_lines(vs.nodes.get("sni")), strict=False))
+    seen: dict[str, int] = {}
+    for name, line in sni:
+        if name in seen:
+            doc.error(line, f"duplicate sni name {name!r} (first at line {seen[name]})")
+        seen.setdefault(name, line)
+    accept_proxy = (vs.values.get("accept_proxy", False), vs.key_lines.get("accept_proxy", 0))
+    return _VirtualServerRead(
+        doc.file,
+        vs.line,
+        vs.values.get("name"),
+        vs.line_of("name"),
+        listen,
+        config,
+        sni=sni,
+        accept_proxy=accept_proxy,
+    )
+
+
+def _item_lines(node: yaml.Node | None) -> list[int]:
+    """The line of each item of a list, or of a lone value."""
+    if node is None:
+        return []
+    if isinstance(node, yaml.SequenceNode):
+        return [_line(item) for item in node.value]
+    return [_line(node)]
+
+
+def _read_health_check(doc: _Document, vs: _Section, where: str) -> HealthCheckConfig:
+    section = _nested(
+        doc,
+        vs,
+        "health_check",
+        f"health_check of {where}",
+        _HEALTH_CHECK_FIELDS,
+        prefix="health_check.",
+    )
+    if section is None:
+        return HealthCheckConfig()
+    check = HealthCheckConfig(**section.values)
+    if check.type == "send_expect" and "expect" not in section.nodes:
+        doc.error(section.line_of("type"), "health_check type send_expect needs 'expect'")
+    return check
+
+
+def _read_throttle(doc: _Document, vs: _Section, where: str) -> ThrottleConfig | None:
+    section = _nested(
+        doc, vs, "throttle", f"throttle of {where}", _THROTTLE_FIELDS, prefix="throttle."
+    )
+    if section is None:
+        return None
+    if not section.nodes.keys() & {"max_connections", "max_rate"}:
+        doc.error(section.line, "throttle needs max_connections or max_rate (or both)")
+    throttle = ThrottleConfig(**section.values)
+    if throttle.min_idle_timeout > throttle.high_idle_timeout:
+        key = "min_idle_timeout" if "min_idle_timeout" in section.nodes else "high_idle_timeout"
+        doc.error(
+            section.line_of(key),
+            f"throttle.min_idle_timeout ({throttle.min_idle_timeout:g}s) must not exceed "
+            f"throttle.high_idle_timeout ({throttle.high_idle_timeout:g}s)",
+        )
+    return throttle
+
+
+def _read_persistence(doc: _Document, vs: _Section, where: str) -> PersistenceConfig | None:
+    section = _nested(
+        doc,
+        vs,
+        "persistence",
+        f"persistence of {where}",
+        _PERSISTENCE_FIELDS,
+        prefix="persistence.",
+    )
+    return None if section is None else PersistenceConfig(**section.values)
+
+
+def _read_conditioning(doc: _Document, vs: _Section, where: str) -> ConditioningConfig | None:
+    section = _nested(
+        doc,
+        vs,
+        "conditioning",
+        f"conditioning of {where}",
+        _CONDITIONING_FIELDS,
+        prefix="conditioning.",
+    )
+    return None if section is None else ConditioningConfig(**section.values)
+
+
+def _check_conditioning(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
+    """Conditioning moves connections by load: a scheduler without one cannot have it."""
+    if config.conditioning is not None and config.scheduler in _UNCONDITIONED_SCHEDULERS:
+        doc.error(
+            vs.line_of("conditioning"),
+            f"conditioning needs a scheduler with a load (lc, wlc, dwd, dwr, least-load, "
+            f"sap); scheduler {config.scheduler} has none",
+        )
+
+
+def _read_real_servers(
+    doc: _Document, vs: _Section, vs_snmp: _Section | None, *, allow_empty: bool = False
+) -> list[RealServerConfig]:
+    node = vs.nodes.get("real_servers")
+    if node is None or (allow_empty and _is_null(node)):
+        return []  # reported by `require`
+    if not isinstance(node, yaml.SequenceNode):
+        doc.error(vs.line_of("real_servers"), f"real_servers must be a list, got {_shown(node)}")
+        return []
+    if not node.value and not allow_empty:
+        doc.error(vs.line_of("real_servers"), "real_servers is empty: a virtual server needs one")
+        return []
+    servers: list[RealServerConfig] = []
+    first_lines: dict[str, int] = {}
+    for item in node.value:
+        read = _read_real_server(doc, item, vs_snmp)
+        if read is None:
+            continue
+        section, config = read
+        name = section.values.get("name")
+        if name in first_lines:
+            doc.error(
+                section.line_of("name"),
+                f"duplicate real server name {name!r} (first at line {first_lines[name]})",
+            )
+        elif name is not None:
+            first_lines[name] = section.line_of("name")
+        if config is not None:
+            servers.append(config)
+    return servers
+
+
+def _read_discovery(doc: _Document, vs: _Section, where: str) -> DnsDiscoveryConfig | None:
+    section = _nested(doc, vs, "discovery", f"discovery of {where}", {}, _DISCOVERY_SECTIONS)
+    if section is None:
+        return None
+    if "dns" not in section.key_lines:
+        doc.error(section.line, "discovery needs 'dns'")
+        return None
+    dns = _nested(
+        doc,
+        section,
+        "dns",
+        f"discovery.dns of {where}",
+        _DNS_DISCOVERY_FIELDS,
+        prefix="discovery.dns.",
+    )
+    if dns is None:
+        return None
+    doc.require(dns, "discovery.dns", "name")
+    record_type = dns.values.get("type", "SRV")
+    if "type" in dns.nodes and "type" not in dns.values:
+        return None  # an unknown type: reported; whether a port belongs is unknown too
+    if record_type == "SRV" and "port" in dns.nodes:
+        doc.error(
+            dns.line_of("port"),
+            "discovery.dns.port is only for type A or AAAA: SRV records carry their own port",
+        )
+        return None
+    if record_type != "SRV" and "port" not in dns.nodes:
+        doc.error(
+            dns.line_of("type"),
+            f"discovery.dns type {record_type} needs 'port' ({record_type} records carry none)",
+        )
+        return None
+    if "name" not in dns.values or ("port" in dns.nodes and "port" not in dns.values):
+        return None  # reported
+    return DnsDiscoveryConfig(**dns.values, line=dns.line)
+
+
+def _read_real_server(
+    doc: _Document, node: yaml.Node, vs_snmp: _Section | None
+) -> tuple[_Section, RealServerConfig | None] | None:
+    name = _peek_name(node)
+    where = f"real server {name}" if name else "real server"
+    rs = doc.section(node, where, _REAL_SERVER_FIELDS, _REAL_SERVER_SECTIONS)
+    if rs is None:
+        return None
+    doc.require(rs, where, "name", "address")
+    rs_snmp = _nested(doc, rs, "snmp", f"snmp of {where}", _SNMP_FIELDS, prefix="snmp.")
+    if "name" not in rs.values or "address" not in rs.values:
+        return rs, None
+    snmp = _real_server_snmp(doc, vs_snmp, rs_snmp, rs.values["address"].host)
+    return rs, RealServerConfig(**rs.values, snmp=snmp, line=rs.line)
+
+
+def _real_server_snmp(
+    doc: _Document, vs_snmp: _Section | None, rs_snmp: _Section | None, host: str
+) -> SnmpConfig | None:
+    """The virtual server's snmp block with the real server's overrides on top."""
+    blocks = [block for block in (vs_snmp, rs_snmp) if block is not None]
+    if not blocks:
+        return None
+    values: dict[str, Any] = {}
+    for block in blocks:
+        values.update(block.values)
+    snmp = _snmp_config(values, default_host=host)
+    if snmp.version == "3" and snmp.user is None:
+        # Report where version 3 was asked for; one virtual-server block shared by many
+        # real servers gives the same problem each time, which `load` reports once.
+        setter = next(block for block in reversed(blocks) if "version" in block.values)
+        doc.error(setter.line_of("version"), "snmp version 3 needs 'user'")
+    return snmp
+
+
+def _snmp_config(values: Mapping[str, Any], *, default_host: str | None) -> SnmpConfig:
+    snmp = SnmpConfig(**values)
+    stale_after = snmp.stale_after if snmp.stale_after is not None else 3 * snmp.interval
+    return replace(snmp, host=snmp.host or default_host, stale_after=stale_after)
+
+
+def _check_scheduler_needs(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
+    """Dynamic schedulers need their load source configured."""
+    scheduler, line = config.scheduler, vs.line_of("scheduler")
+    if scheduler in _SNMP_SCHEDULERS or (
+        scheduler == "least-load" and config.load_source == "snmp"
+    ):
+        missing = [rs.name for rs in config.real_servers if rs.snmp is None]
+        if config.snmp is None and missing:
+            what = "least-load with load_source snmp" if scheduler == "least-load" else scheduler
+            doc.error(
+                line,
+                f"scheduler {what} needs an snmp block on the virtual server or on every "
+                f"real server (missing on {', '.join(missing)})",
+            )
+    if scheduler != "maglev":
+        for key in _MAGLEV_KEYS:
+            if key in vs.key_lines:
+                doc.error(vs.line_of(key), f"{key} applies to scheduler maglev only")
+    if config.discovery is not None:
+        _check_discovery_needs(doc, vs, config)
+    if scheduler == "least-load" and config.load_source == "connections":
+        # Load is connections / max_connections: unlimited servers have no load to compare.
+        for rs in config.real_servers:
+            if rs.max_connections == 0:
+                doc.error(
+                    rs.line,
+                    f"real server {rs.name} needs max_connections > 0 "
+                    "(scheduler least-load with load_source connections)",
+                )
+
+
+def _check_discovery_needs(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
+    """Discovered servers have only a name, an address and a weight: what a scheduler
+    needs beyond that must come from the virtual server."""
+    scheduler, line = config.scheduler, vs.line_of("discovery")
+    if config.snmp is None and (
+        scheduler in _SNMP_SCHEDULERS
+        or (scheduler == "least-load" and config.load_source == "snmp")
+    ):
+        doc.error(
+            line,
+            f"scheduler {scheduler} with discovery needs an snmp block on the virtual "
+            "server (discovered real servers are polled with it)",
+        )
+    if scheduler == "least-load" and config.load_source == "connections":
+        doc.error(
+            line,
+            "scheduler least-load with load_source connections cannot use discovery "
+            "(discovered real servers have no max_connections)",
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Checks across files
+# --------------------------------------------------------------------------------------
+
+
+def _at(file: str, first_file: str, first_line: int) -> str:
+    """Where the first of two things is, seen from a problem in `file`."""
+    return f"line {first_line}" if file == first_file else f"{first_file}:{first_line}"
+
+
+def _single_global(reads: list[_GlobalRead], problems: list[Problem]) -> GlobalConfig:
+    if not reads:
+        return GlobalConfig()
+    first = reads[0]
+    for extra in reads[1:]:
+        where = _at(extra.file, first.file, first.line)
+        problems.append(
+            Problem(extra.file, extra.line, f"only one file may hold global: (first at {where})")
+        )
+    return first.config
+
+
+def _check_unique_names(servers: list[_VirtualServerRead], problems: list[Problem]) -> None:
+    first: dict[str, _VirtualServerRead] = {}
+    for vs in servers:
+        if vs.name is None:
+            continue
+        if vs.name not in first:
+            first[vs.name] = vs
+            continue
+        where = _at(vs.file, first[vs.name].file, first[vs.name].name_line)
+        problems.append(
+            Problem(
+                vs.file,
+                vs.name_line,
+                f"duplicate virtual server name {vs.name!r} (first at {where})",
+            )
+        )
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A listen address taken, and by what."""
+
+    address: Address
+    what: str  # "0.0.0.0:80 of virtual server web", "the admin endpoint 127.0.0.1:9100"
+    file: str | None  # None: a default, not written anywhere
+    line: int
+    vs: _VirtualServerRead | None = None  # the virtual server that listens there
+
+    def describe(self, seen_from: str) -> str:
+        if self.file is None:
+            return f"{self.what} (the default; set global.admin.listen to move it)"
+        return f"{self.what} at {_at(seen_from, self.file, self.line)}"
+
+
+def _check_port_clashes(
+    servers: list[_VirtualServerRead], global_read: _GlobalRead | None, problems: list[Problem]
+) -> None:
+    """Report every listen address that another listener (or the admin endpoint) has."""
+    claims = _admin_claims(global_read) + _locator_claims(global_read, problems)
+    for vs in servers:
+        owner = f"virtual server {vs.name}" if vs.name else "a virtual server"
+        for address, line in vs.listen:
+            clash = next(
+                (
+                    claim
+                    for claim in claims
+                    if _clashes(address, claim.address)
+                    # Two virtual servers on the very same address share it when one
+                    # of them routes by SNI (SPEC §13; two without are two defaults:
+                    # a clash). The rest is `_check_shared_addresses`' job.
+                    and not (
+                        claim.vs not in (None, vs)
+                        and (vs.sni or claim.vs.sni)  # type: ignore[union-attr]
+                        and _same(address, claim.address)
+                    )
+                ),
+                None,
+            )
+            if clash is not None:
+                problems.append(
+                    Problem(
+                        vs.file,
+                        line,
+                        f"listen address {address} clashes with {clash.describe(vs.file)}",
+                    )
+                )
+            claims.append(_Claim(address, f"{address} of {owner}", vs.file, line, vs))
+
+
+def _admin_claims(global_read: _GlobalRead | None) -> list[_Claim]:
+    admin = global_read.config.admin if global_read else GlobalConfig().admin
+    if admin.listen is None:
+        return []
+    what = f"the admin endpoint {admin.listen}"
+    if global_read is None or global_read.admin_line is None:
+        return [_Claim(admin.listen, what, None, 0)]
+    return [_Claim(admin.listen, what, global_read.file, global_read.admin_line)]
+
+
+def _locator_claims(global_read: _GlobalRead | None, problems: list[Problem]) -> list[_Claim]:
+    """The DNS locator's TCP port (its UDP port clashes with no TCP listener)."""
+    dns = global_read.config.locator.dns if global_read else None
+    if dns is None or global_read is None:
+        return []
+    line = global_read.dns_line or global_read.line
+    claim = _Claim(dns.listen, f"the DNS locator {dns.listen}", global_read.file, line)
+    for admin in _admin_claims(global_read):
+        if _clashes(dns.listen, admin.address):
+            problems.append(
+                Problem(
+                    global_read.file,
+                    line,
+                    f"{claim.what} clashes with {admin.describe(global_read.file)}",
+                )
+            )
+    return [claim]
+
+
+def _clashes(a: Address, b: Address) -> bool:
+    """Would binding both fail? A wildcard host takes the port for its whole family."""
+    if a.port != b.port:
+        return False
+    ip_a, ip_b = _listen_ip(a.host), _listen_ip(b.host)
+    if ip_a.version != ip_b.version:
+        return False
+    return ip_a == ip_b or ip_a.is_unspecified or ip_b.is_unspecified
+
+
+def _same(a: Address, b: Address) -> bool:
+    return a.port == b.port and _listen_ip(a.host) == _listen_ip(b.host)
+
+
+def _check_shared_addresses(servers: list[_VirtualServerRead], problems: list[Problem]) -> None:
+    """Virtual servers on one address (SPEC §13): no name routed to two of them, and
+    one way of reading the PROXY header (it is read before the ClientHello, so before
+    the virtual server is known). Two defaults are a clash (`_check_port_clashes`)."""
+    groups: dict[tuple, list[tuple[_VirtualServerRead, Address, int]]] = {}
+    for vs in servers:
+        for address, line in vs.listen:
+            key = (_listen_ip(address.host), address.port)
+            group = groups.setdefault(key, [])
+            if not any(other is vs for other, _, _ in group):
+                group.append((vs, address, line))
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        names: dict[str, tuple[_VirtualServerRead, int]] = {}
+        first_vs, _, first_line = group[0]
+        for vs, address, line in group:
+            for name, name_line in vs.sni:
+                if name in names:
+                    other, other_line = names[name]
+                    problems.append(
+                        Problem(
+                            vs.file,
+                            name_line,
+                            f"sni name {name!r} on {address} is routed to virtual server "
+                            f"{other.name} already (at {_at(vs.file, other.file, other_line)})",
+                        )
+                    )
+                else:
+                    names[name] = (vs, name_line)
+            if vs.accept_proxy[0] != first_vs.accept_proxy[0]:
+                problems.append(
+                    Problem(
+                        vs.file,
+                        vs.accept_proxy[1] or line,
+                        f"virtual servers sharing {address} must agree on accept_proxy "
+                        f"({first_vs.name} at {_at(vs.file, first_vs.file, first_line)} has "
+                        f"{str(first_vs.accept_proxy[0]).lower()})",
+                    )
+                )
+
+
+def _listen_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address("127.0.0.1" if host == "localhost" else host)
+
+
+# --------------------------------------------------------------------------------------
+# load
+# --------------------------------------------------------------------------------------
+
+
+def load(paths: Sequence[str | os.PathLike[str]]) -> Config:
+    """Read and validate configuration files and folders; ConfigError lists every problem."""
+    problems: list[Problem] = []
+    files = _expand(paths, problems)
+    global_reads: list[_GlobalRead] = []
+    servers: list[_VirtualServerRead] = []
+    for file in files:
+        doc = _Document(file, problems)
+        root = doc.compose()
+        if root is None:
+            continue
+        global_read, file_servers = _read_file(doc, root)
+        if global_read is not None:
+            global_reads.append(global_read)
+        servers.extend(file_servers)
+
+    global_ = _single_global(global_reads, problems)
+    _check_unique_names(servers, problems)
+    _check_port_clashes(servers, global_reads[0] if global_reads else None, problems)
+    _check_shared_addresses(servers, problems)
+    if not servers and (files or paths):
+        first = files[0] if files else os.fsdecode(paths[0])
+        problems.append(Problem(first, 1, "no virtual servers configured"))
+    if problems:
+        raise ConfigError(_in_order(problems))
+    return Config(
+        global_=global_,
+        virtual_servers=tuple(vs.config for vs in servers if vs.config is not None),
+        files=tuple(files),
+    )
+
+
+def _expand(paths: Sequence[str | os.PathLike[str]], problems: list[Problem]) -> list[str]:
+    """Files to read: each path itself, or a folder's *.yaml and *.yml in name order."""
+    if not paths:
+        problems.append(Problem("<command line>", 0, "no configuration file or folder given"))
+    files: list[str] = []
+    for path in map(os.fsdecode, paths):
+        if not os.path.isdir(path):
+            files.append(path)  # a missing file is reported when it is read
+            continue
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as exc:
+            problems.append(Problem(path, 1, f"cannot read folder: {exc.strerror or exc}"))
+            continue
+        for name in names:
+            joined = os.path.join(path, name)
+            if name.endswith((".yaml", ".yml")) and os.path.isfile(joined):
+                files.append(joined)
+    return files
+
+
+def _in_order(problems: list[Problem]) -> list[Problem]:
+    """Sorted by file and line; a problem found several times is reported once."""
+    return sorted(dict.fromkeys(problems), key=lambda p: (p.file, p.line))

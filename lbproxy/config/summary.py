@@ -1,0 +1,145 @@
+"""`lbproxy check`'s summary of a valid configuration."""
+
+from __future__ import annotations
+
+from lbproxy.config.model import (
+    ConditioningConfig,
+    Config,
+    DnsDiscoveryConfig,
+    GlobalConfig,
+    HealthCheckConfig,
+    RealServerConfig,
+    ThrottleConfig,
+    VirtualServerConfig,
+)
+from lbproxy.config.tables import _SNMP_SCHEDULERS
+
+# --------------------------------------------------------------------------------------
+# summary (for `lbproxy check`)
+# --------------------------------------------------------------------------------------
+
+
+def summary(config: Config) -> str:
+    lines = [_global_summary(config.global_)]
+    for vs in config.virtual_servers:
+        lines.extend(_virtual_server_summary(vs))
+    servers = sum(len(vs.real_servers) for vs in config.virtual_servers)
+    lines.append(
+        f"{_count(len(config.virtual_servers), 'virtual server')}, {_count(servers, 'real server')}"
+    )
+    return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _global_summary(global_: GlobalConfig) -> str:
+    admin = str(global_.admin.listen) if global_.admin.listen else "off"
+    text = (
+        f"admin {admin}, log {global_.log_format}, workers {global_.workers}, "
+        f"drain timeout {global_.drain_timeout:g}s"
+    )
+    dns = global_.locator.dns
+    if dns is not None:
+        text += f"\nDNS locator {dns.listen} (UDP and TCP), zone {dns.zone}, ttl {dns.ttl}"
+    return text
+
+
+def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
+    scheduler = vs.scheduler
+    if vs.quiesce:
+        scheduler += ", quiesce"
+    if vs.scheduler == "least-load":
+        scheduler += f", load from {vs.load_source}"
+    if vs.slow_start:
+        scheduler += f", slow start {vs.slow_start:g}s"
+    if vs.scheduler == "maglev":
+        scheduler += f", table {vs.table_size}, hash {vs.hash_key}"
+    lines = [
+        f"virtual server {vs.name} ({vs.file}:{vs.line})",
+        f"  listen      {_listen_summary(vs)}",
+    ]
+    if vs.sni:
+        lines.append(f"  sni         {', '.join(vs.sni)}")
+    lines += [
+        f"  scheduler   {scheduler}",
+        f"  health      {_health_summary(vs.health_check)}",
+    ]
+    if vs.throttle is not None:
+        lines.append(f"  throttle    {_throttle_summary(vs.throttle)}")
+    if vs.persistence is not None:
+        lines.append(
+            f"  persistence {vs.persistence.timeout:g}s, "
+            f"at most {vs.persistence.max_entries} clients"
+        )
+    if vs.discovery is not None:
+        lines.append(f"  discovery   {discovery_summary(vs.discovery)}")
+    if vs.queue is not None:
+        lines.append(f"  queue       up to {vs.queue.max} clients for {vs.queue.timeout:g}s")
+    if vs.conditioning is not None:
+        lines.append(f"  conditioning {_conditioning_summary(vs.conditioning)}")
+    lines.append("  real servers")
+    lines.extend(_table([_real_server_row(vs, rs) for rs in vs.real_servers], indent="    "))
+    if vs.discovery is not None:
+        lines.append("    + discovered (lbproxy check --resolve shows them)")
+    return lines
+
+
+def discovery_summary(dns: DnsDiscoveryConfig) -> str:
+    """`SRV _web._tcp.service.consul via 127.0.0.1:8600, every 10s, hold 30s`."""
+    what = f"{dns.type} {dns.name}" + (f" port {dns.port}" if dns.port is not None else "")
+    via = ", ".join(str(a) for a in dns.resolvers) if dns.resolvers else "the system's resolvers"
+    return f"{what} via {via}, every {dns.interval:g}s, hold {dns.hold:g}s"
+
+
+def _listen_summary(vs: VirtualServerConfig) -> str:
+    if not vs.listen:
+        return "none (locator only)"
+    return ", ".join(str(address) for address in vs.listen)
+
+
+def _conditioning_summary(c: ConditioningConfig) -> str:
+    return (
+        f"every {c.interval:g}s, idle for {c.idle_for:g}s, at most {c.max_per_interval} "
+        f"per interval, threshold {c.threshold:g}"
+    )
+
+
+def _health_summary(check: HealthCheckConfig) -> str:
+    if check.type == "none":
+        return "none"
+    return f"{check.type} every {check.interval:g}s, rise {check.rise}, fall {check.fall}"
+
+
+def _throttle_summary(throttle: ThrottleConfig) -> str:
+    limits = []
+    if throttle.max_connections is not None:
+        limits.append(f"max {throttle.max_connections} connections")
+    if throttle.max_rate is not None:
+        limits.append(f"max {throttle.max_rate:g} connections/s")
+    return ", ".join(limits)
+
+
+def _real_server_row(vs: VirtualServerConfig, rs: RealServerConfig) -> list[str]:
+    row = [rs.name, str(rs.address), f"weight {rs.weight}", rs.state]
+    if rs.backup:
+        row.append("backup")
+    if vs.scheduler == "sap":
+        row.append(f"load factor {rs.load_factor:g}")
+    if rs.max_connections:
+        row.append(f"max {rs.max_connections} connections")
+    if rs.snmp is not None and vs.scheduler in (*_SNMP_SCHEDULERS, "least-load"):
+        row.append(f"snmp {rs.snmp.host}:{rs.snmp.port}")
+    return row
+
+
+def _table(rows: list[list[str]], indent: str) -> list[str]:
+    """Left-aligned columns."""
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(max(map(len, rows)))]
+    return [
+        indent + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
+        for row in rows
+    ]

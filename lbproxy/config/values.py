@@ -1,0 +1,519 @@
+"""One value at a time: durations, addresses, and the converters that check a YAML value.
+
+PURE. `parse_duration` and `parse_address` are public (the CLI and the simulator use them);
+a converter takes a YAML node and the key as the user wrote it, and returns the value or
+raises `_Invalid` with a message that names what to fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import math
+import os
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import yaml
+
+from lbproxy.config.model import Address, IPNetwork
+
+# --------------------------------------------------------------------------------------
+# Scalars: durations and addresses (public, also used by the CLI and the simulator)
+# --------------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"(?P<number>[+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?P<unit>ms|s|m|h)?")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+# RFC 1123 host names; an all-numeric dotted name is a mistyped IPv4 address instead.
+_HOST_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_-]{1,63})*\.?"
+)
+_DOTTED_NUMBERS = re.compile(r"[0-9.]+")
+
+
+def parse_duration(value: object) -> float:
+    """`250ms`, `5s`, `2m`, `1h` or a number of seconds -> seconds; ValueError if bad."""
+    if isinstance(value, bool):  # bool is an int to Python, never a duration to a user
+        raise ValueError("a boolean is not a duration")
+    if isinstance(value, int | float):
+        seconds = _finite_float(value)
+    elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
+        seconds = _finite_float(float(match["number"]) * _DURATION_UNITS[match["unit"] or "s"])
+    else:
+        raise ValueError(f"{value!r} is not a duration like 250ms, 5s, 2m, 1h or seconds")
+    if seconds is None:
+        raise ValueError("a duration must be finite")
+    if seconds < 0:
+        raise ValueError("a duration cannot be negative")
+    return seconds
+
+
+def parse_address(text: str, *, listen: bool = False) -> Address:
+    """`HOST:PORT` or `[IPv6]:PORT` -> Address; ValueError with the reason if bad.
+
+    A listen host must be an IP literal or `localhost` (we bind it, so it must be ours
+    and must not depend on DNS); a real-server host may also be a DNS name. IP literals
+    are normalised (`[::0001]` -> `::1`) so that equal addresses compare equal.
+    """
+    if not isinstance(text, str):
+        raise ValueError("an address must be a string")
+    text = text.strip()
+    if text.startswith("["):
+        inside, bracket, port = text[1:].partition("]:")
+        if not bracket:
+            raise ValueError("expected [IPv6]:PORT")
+        try:
+            host = str(ipaddress.IPv6Address(inside))
+        except ValueError:
+            raise ValueError(f"{inside!r} is not an IPv6 address") from None
+    else:
+        host, colon, port = text.rpartition(":")
+        if not colon or not host:
+            raise ValueError("expected HOST:PORT")
+        host = _parse_host(host, listen=listen)
+    return Address(host, _parse_port(port))
+
+
+def _parse_host(host: str, *, listen: bool) -> str:
+    if ":" in host:
+        raise ValueError("an IPv6 address needs brackets, as in [::1]:80")
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        pass
+    if listen and host != "localhost":
+        raise ValueError("a listen host must be an IP address or localhost")
+    if _DOTTED_NUMBERS.fullmatch(host) or not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"{host!r} is not an IP address or host name")
+    return host
+
+
+def _parse_port(port: str) -> int:
+    if not (port.isascii() and port.isdigit()):
+        raise ValueError(f"port {port!r} is not a number")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"port {int(port)} is not in 1..65535")
+    return int(port)
+
+
+def _parse_network(text: object) -> IPNetwork:
+    if not isinstance(text, str):
+        raise ValueError("a network must be a string")
+    try:
+        return ipaddress.ip_network(text.strip(), strict=True)
+    except ValueError:
+        pass
+    try:
+        loose = ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        raise ValueError("not an IPv4 or IPv6 network") from None
+    # Rejected rather than masked: `10.0.0.1/8` is more likely a typo than 10.0.0.0/8.
+    raise ValueError(f"host bits set; did you mean {loose}?")
+
+
+def _finite_float(value: float) -> float | None:
+    try:
+        result = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return result if math.isfinite(result) else None
+
+
+# --------------------------------------------------------------------------------------
+# Converters: (value node, label) -> Python value, or raise _Invalid
+# --------------------------------------------------------------------------------------
+# A converter checks one YAML value. `label` is the key as the user wrote it, qualified by
+# its section ("health_check.timeout"), so that messages name what to fix.
+
+Converter = Callable[[yaml.Node, str], Any]
+
+_NOT_SCALAR = object()  # what `_scalar` gives for a list or a mapping: fails every check
+
+
+class _Invalid(Exception):
+    """A value is wrong; reported at the line of `node` (or of the value being read)."""
+
+    def __init__(self, message: str, node: yaml.Node | None = None):
+        super().__init__(message)
+        self.message = message
+        self.node = node
+
+
+def _scalar(node: yaml.Node, label: str) -> Any:
+    """The Python value of a scalar node as YAML resolves it (`yes` -> True, `5` -> 5)."""
+    if not isinstance(node, yaml.ScalarNode):
+        return _NOT_SCALAR
+    try:
+        return yaml.constructor.SafeConstructor().construct_object(node)
+    except Exception:  # explicit tags (`!!int x`, `!foo`) fail in many different ways
+        tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+        raise _Invalid(f"{label}: cannot read {node.value!r} tagged {tag}") from None
+
+
+def _shown(node: yaml.Node) -> str:
+    """The value of `node` as the user wrote it, for a message."""
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    try:
+        value = yaml.constructor.SafeConstructor().construct_object(node)
+    except Exception:  # unreadable: the text as written is good enough here
+        return repr(node.value)
+    if value is None:
+        return "nothing"
+    return repr(value) if isinstance(value, str) else node.value
+
+
+def _expected(label: str, requirement: str, node: yaml.Node, detail: str = "") -> _Invalid:
+    message = f"{label} must be {requirement}, got {_shown(node)}"
+    return _Invalid(f"{message} ({detail})" if detail else message, node)
+
+
+def _did_you_mean(word: object, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(word), list(options), n=1)
+    return f"did you mean {close[0]!r}?" if close else ""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _integer(minimum: int, maximum: int | None = None) -> Converter:
+    if maximum is None:
+        requirement = f"an integer >= {minimum}"
+    else:
+        requirement = f"an integer from {minimum} to {maximum}"
+
+    def convert(node: yaml.Node, label: str) -> int:
+        value = _scalar(node, label)
+        if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+            raise _expected(label, requirement, node)
+        return value
+
+    return convert
+
+
+def _number(above: float, at_most: float | None = None) -> Converter:
+    """A finite number > `above` (and <= `at_most`), as a float."""
+    requirement = f"a number > {above:g}" + (f" and <= {at_most:g}" if at_most is not None else "")
+
+    def convert(node: yaml.Node, label: str) -> float:
+        value = _scalar(node, label)
+        number = _finite_float(value) if _is_number(value) else None
+        if number is None or number <= above or (at_most is not None and number > at_most):
+            raise _expected(label, requirement, node)
+        return number
+
+    return convert
+
+
+def _duration(*, positive: bool) -> Converter:
+    requirement = "a duration (250ms, 5s, 2m, 1h or seconds) " + ("> 0" if positive else ">= 0")
+
+    def convert(node: yaml.Node, label: str) -> float:
+        try:
+            seconds = parse_duration(_scalar(node, label))
+        except ValueError:
+            raise _expected(label, requirement, node) from None
+        if positive and seconds == 0:
+            raise _expected(label, requirement, node)
+        return seconds
+
+    return convert
+
+
+def _choice(*options: str) -> Converter:
+    requirement = "one of " + ", ".join(options)
+
+    def convert(node: yaml.Node, label: str) -> str:
+        value = _scalar(node, label)
+        if value not in options:
+            raise _expected(label, requirement, node, _did_you_mean(value, options))
+        return value
+
+    return convert
+
+
+def _boolean(node: yaml.Node, label: str) -> bool:
+    value = _scalar(node, label)
+    if not isinstance(value, bool):
+        raise _expected(label, "true or false", node)
+    return value
+
+
+def _string(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not value:
+        raise _expected(label, "a non-empty string", node)
+    return value
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _name(node: yaml.Node, label: str) -> str:
+    # Names appear in API paths, CLI arguments and metric labels: keep them plain.
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise _expected(label, "a name of letters, digits, '.', '_' or '-'", node)
+    return value
+
+
+def _address(*, listen: bool) -> Converter:
+    def convert(node: yaml.Node, label: str) -> Address:
+        value = _scalar(node, label)
+        try:
+            return parse_address(value, listen=listen)
+        except ValueError as exc:
+            raise _expected(label, "HOST:PORT or [IPv6]:PORT", node, str(exc)) from None
+
+    return convert
+
+
+_listen_address = _address(listen=True)
+
+
+def _one_or_list(convert: Converter, what: str) -> Converter:
+    """A converter for one value, or a non-empty list of them, into a tuple."""
+
+    def read(node: yaml.Node, label: str) -> tuple:
+        if not isinstance(node, yaml.SequenceNode):
+            return (convert(node, label),)
+        if not node.value:
+            raise _Invalid(f"{label} must name at least one {what}", node)
+        return tuple(convert(item, label) for item in node.value)
+
+    return read
+
+
+_listen_addresses = _one_or_list(_listen_address, "address")
+
+
+def _sni_name(node: yaml.Node, label: str) -> str:
+    # An exact host name, or `*.` and a host name: the wildcard stands for exactly one
+    # label (as nginx's and HAProxy's SNI maps, and certificates, RFC 6125 §6.4.3).
+    value = _scalar(node, label)
+    requirement = "a host name like api.example.com or a wildcard like *.example.com"
+    if not isinstance(value, str):
+        raise _expected(label, requirement, node)
+    name = value.lower().removesuffix(".")
+    host = name[2:] if name.startswith("*.") else name
+    if "*" in host:
+        raise _expected(label, requirement, node, "'*' may only be the whole first label")
+    if not _HOST_NAME.fullmatch(host) or ".." in host:
+        raise _expected(label, requirement, node)
+    return name
+
+
+_sni_names = _one_or_list(_sni_name, "name")
+
+
+def _admin_listen(node: yaml.Node, label: str) -> Address | None:
+    # `listen: none` (or an empty value) turns the admin endpoint off.
+    if _scalar(node, label) in (None, "none"):
+        return None
+    return _listen_address(node, label)
+
+
+def _vs_listen(node: yaml.Node, label: str) -> tuple[Address, ...]:
+    # `listen: none`: a locator-only virtual server (SPEC §10) binds nothing.
+    if _scalar(node, label) == "none":
+        return ()
+    return _listen_addresses(node, label)
+
+
+def _dns_zone(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    text = value.rstrip(".") if isinstance(value, str) else ""
+    if not text or not _HOST_NAME.fullmatch(text):
+        raise _expected(label, "a DNS zone like lb.internal.", node)
+    return text.lower() + "."
+
+
+def _networks(node: yaml.Node, label: str) -> tuple[IPNetwork, ...]:
+    """A list of CIDR networks (a single one is accepted too); a bare IP is a /32 or /128."""
+    items = node.value if isinstance(node, yaml.SequenceNode) else [node]
+    networks = []
+    for item in items:
+        try:
+            networks.append(_parse_network(_scalar(item, label)))
+        except ValueError as exc:
+            raise _expected(
+                label, "a list of CIDR networks like 10.0.0.0/8", item, str(exc)
+            ) from None
+    return tuple(networks)
+
+
+def _regex(node: yaml.Node, label: str) -> str:
+    pattern = _string(node, label)
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise _expected(label, "a regular expression", node, str(exc)) from None
+    return pattern
+
+
+_status_codes = _one_or_list(_integer(100, 599), "status code")
+
+MAX_TABLE_SIZE = 1000003  # a rebuild costs ~M log M probes in Python: ~2 s at this size
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    divisor = 3
+    while divisor * divisor <= n:
+        if n % divisor == 0:
+            return False
+        divisor += 2
+    return True
+
+
+def _table_size(node: yaml.Node, label: str) -> int:
+    # Maglev's permutations (offset + j * skip) mod M visit every slot only when M is prime.
+    value = _scalar(node, label)
+    requirement = f"a prime from 101 to {MAX_TABLE_SIZE} (e.g. 65537, 131071 or 1000003)"
+    if not _is_int(value) or not 101 <= value <= MAX_TABLE_SIZE:
+        raise _expected(label, requirement, node)
+    if not _is_prime(value):
+        raise _expected(label, requirement, node, f"{value} is not prime")
+    return value
+
+
+def _dns_name(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not value.strip():
+        raise _expected(label, "a DNS name like _web._tcp.service.consul", node)
+    value = value.strip()
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        pass
+    else:
+        raise _expected(label, "a DNS name, not an address", node, "list it in real_servers")
+    if _DOTTED_NUMBERS.fullmatch(value) or not _HOST_NAME.fullmatch(value):
+        raise _expected(label, "a DNS name like _web._tcp.service.consul", node)
+    return value
+
+
+_DISCOVERY_TYPES = ("SRV", "A", "AAAA")
+
+
+def _record_type(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    if isinstance(value, str) and value.upper() in _DISCOVERY_TYPES:
+        return value.upper()  # `srv` or `a` is what a user means; DNS types are uppercase
+    raise _expected(label, "one of SRV, A, AAAA", node)
+
+
+def _resolver(node: yaml.Node, label: str) -> Address:
+    """A resolver: an IP address with an optional port (53), `IP:PORT` or `[v6]:PORT`."""
+    value = _scalar(node, label)
+    requirement = "an IP address or IP:PORT, [IPv6]:PORT"
+    if not isinstance(value, str):
+        raise _expected(label, requirement, node)
+    try:
+        return Address(str(ipaddress.ip_address(value.strip())), 53)
+    except ValueError:
+        pass
+    try:
+        address = parse_address(value)
+    except ValueError as exc:
+        raise _expected(label, requirement, node, str(exc)) from None
+    try:
+        ipaddress.ip_address(address.host)
+    except ValueError:
+        # Finding the resolver by name would need a resolver.
+        raise _expected(label, requirement, node, "a resolver must be an IP address") from None
+    return address
+
+
+_resolvers = _one_or_list(_resolver, "resolver")
+
+
+def _workers(node: yaml.Node, label: str) -> int:
+    if _scalar(node, label) == "auto":
+        return os.cpu_count() or 1
+    try:
+        return _integer(1)(node, label)
+    except _Invalid:
+        raise _expected(label, "an integer >= 1 or auto", node) from None
+
+
+def _snmp_version(node: yaml.Node, label: str) -> str:
+    # YAML reads `version: 3` as an int and `version: 2c` as a string; both are fine.
+    value = _scalar(node, label)
+    if value in ("2c", "3") or (_is_int(value) and value == 3):
+        return str(value)
+    raise _expected(label, "2c or 3", node)
+
+
+_OID = re.compile(r"\.?\d+(?:\.\d+)+")
+
+
+def _oid(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not _OID.fullmatch(value):
+        raise _expected(label, "a dotted numeric OID like 1.3.6.1.4.1.2021.10.1.5.1", node)
+    return value.lstrip(".")
+
+
+def _host(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    try:
+        if not isinstance(value, str):
+            raise ValueError("a host must be a string")
+        if ":" in value:  # a bare IPv6 literal needs no brackets here: there is no port
+            return str(ipaddress.IPv6Address(value))
+        return _parse_host(value, listen=False)
+    except ValueError as exc:
+        raise _expected(label, "a host name or IP address", node, str(exc)) from None
+
+
+def _http_path(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise _expected(label, "a path starting with /", node)
+    return value
+
+
+def _scheduler(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    known = _known_schedulers()
+    if value not in known:
+        hint = _did_you_mean(value, known)
+        hint = f" ({hint})" if hint else ""
+        raise _Invalid(f"unknown scheduler {_shown(node)}{hint}; known: {', '.join(known)}", node)
+    return value
+
+
+_FALLBACK_SCHEDULERS = (
+    "rr",
+    "wrr",
+    "lc",
+    "wlc",
+    "dwd",
+    "dwr",
+    "least-load",
+    "sap",
+    "first",
+    "maglev",
+)
+
+
+def _known_schedulers() -> list[str]:
+    # Imported late: the scheduler package may import this module.
+    try:
+        from lbproxy.core.schedulers import available
+    except ImportError:
+        return sorted(_FALLBACK_SCHEDULERS)
+    return sorted(available())

@@ -1,0 +1,1 @@
+"""The control plane beside the proxy: health checks, SNMP, throttle, conditioning, discovery."""

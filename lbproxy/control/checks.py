@@ -1,0 +1,353 @@
+"""Active health checks: one trio task per real server, beside the listeners.
+
+What this module owns:
+
+- `probe(address, check)`: one check of one real server -> ("ok" | "fail" | "timeout",
+  reason). Three kinds, bounded by `health_check.timeout` as a whole:
+    tcp          the connect succeeds
+    send_expect  after the connect, `send` (if any) is sent and the answer is read until
+                 the regular expression `expect` is found in it, the peer closes, 4 KiB
+                 have arrived, or the timeout: found = ok (the regular expression is
+                 *searched*, so `^` anchors at the start of the answer). A wrong answer
+                 is a `fail`, whichever of close, 4 KiB or timeout ends the read;
+                 `timeout` means the server said nothing at all within `timeout` (or
+                 the connect did not complete): "it answered wrongly" and "it did not
+                 answer" are different faults, and an operator needs to tell them apart.
+                 The reason names what was received (escaped, at most 60 characters).
+    http         `GET path` with Host and `Connection: close`; the status line is
+                 parsed by h11 (strictly, as any HTTP/1.1 client does): its status code
+                 must be one of `expect_status`
+- `HealthChecks`: one task per real server of every virtual server whose check type is
+  not `none`, kept in step with the configuration (`sync()` after start-up and after
+  each reload, as the throttle monitors and the SNMP pollers are). A task starts after a
+  random offset within its first interval, so the checks of many servers spread out,
+  then checks every `interval` (measured from the start of one check to the next).
+- `record_health()`: the one path that feeds a result to the pure hysteresis
+  (pool.record_health -> health.py) and, when the server goes down and the virtual
+  server says `on_down: close`, closes its established connections. The connection
+  handler (passive health) calls it too.
+
+Up/down transitions are logged once at INFO by the pool, with the reason of the last
+result; individual check failures are logged at DEBUG only.
+
+A check that cannot even create its socket because *this* process is out of
+descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) says nothing about the real
+server: it is not counted, so a proxy at its descriptor limit does not mark every real
+server down (which would turn a busy moment into an outage).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import re
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import h11
+import trio
+
+from lbproxy.config.model import Address, HealthCheckConfig
+from lbproxy.core.pool import Lease, Pool, RealServer
+from lbproxy.dataplane.virtual_server import VirtualServer
+
+log = logging.getLogger("lbproxy.checks")
+
+READ_LIMIT = 4096  # send_expect: the answer searched is at most this long
+EXCERPT_LIMIT = 60  # characters of a received answer quoted in a failure reason
+LOCAL_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+USER_AGENT = "lbproxy-health-check"
+
+OK, FAIL, TIMEOUT = "ok", "fail", "timeout"  # lbproxy_health_checks_total{result}
+
+
+class LocalCapacityError(Exception):
+    """This process could not create a socket: no result for the real server."""
+
+
+class _Failed(Exception):
+    """The check failed for a reason worth a log line."""
+
+
+# -- feeding results ----------------------------------------------------------------
+
+
+def record_health(
+    pool: Pool, rs: RealServer, ok: bool, now: float, reason: str = ""
+) -> bool | None:
+    """Count one health result (active check or passive connect) for `rs`.
+
+    Returns the new up/down state on a transition, else None. With
+    `health_check.on_down: close`, a transition to down closes `rs`'s connections.
+    """
+    changed = pool.record_health(rs, ok, now, reason)
+    if changed is False and pool.config.health_check.on_down == "close":
+        closed = close_leases(rs.leases)
+        if closed:
+            log.info("%s/%s: closed %d connection(s) (on_down: close)", pool.name, rs.name, closed)
+    return changed
+
+
+def close_leases(leases: Iterable[Lease]) -> int:
+    """Close the connections behind `leases` (their handle's `close()`); returns how many.
+
+    Closing cancels the connection's task; its lease is dropped from the pool as that
+    task unwinds, so the caller may pass `rs.leases` itself.
+    """
+    closed = 0
+    for lease in list(leases):
+        handle = lease.handle
+        if handle is not None:
+            handle.close()
+            closed += 1
+    return closed
+
+
+# -- one check ----------------------------------------------------------------------
+
+
+def decode_send(text: str) -> bytes:
+    r"""The bytes of `send`: YAML's double quotes already turn "\r\n" into CR LF; in a
+    plain or single-quoted string the escapes \r \n \t \0 \\ and \xHH are decoded here,
+    so `send: PING\r\n` means what it looks like. Other characters are sent as UTF-8."""
+    out = bytearray()
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == "\\" and i + 1 < len(text):
+            nxt = text[i + 1]
+            simple = {"r": b"\r", "n": b"\n", "t": b"\t", "0": b"\0", "\\": b"\\"}
+            if nxt in simple:
+                out += simple[nxt]
+                i += 2
+                continue
+            if nxt == "x" and re.fullmatch(r"[0-9A-Fa-f]{2}", text[i + 2 : i + 4]):
+                out.append(int(text[i + 2 : i + 4], 16))
+                i += 4
+                continue
+        out += char.encode()
+        i += 1
+    return bytes(out)
+
+
+def host_header(address: Address) -> str:
+    host = f"[{address.host}]" if ":" in address.host else address.host
+    return host if address.port == 80 else f"{host}:{address.port}"
+
+
+# How describe_received writes bytes that would be ambiguous or invisible in a log line.
+_ESCAPES = {"\r": "\\r", "\n": "\\n", "\t": "\\t", "\\": "\\\\", '"': '\\"'}
+
+
+def describe_received(data: bytes) -> str:
+    r"""What a server sent, for a log line: its length and its first bytes, quoted,
+    escaped (\r \n \t \\ \" and \xHH for other non-printable bytes) and cut at
+    EXCERPT_LIMIT characters (never inside an escape), "..." marking the cut."""
+    pieces: list[str] = []
+    length = 0
+    for byte in data:
+        char = chr(byte)
+        if char in _ESCAPES:
+            piece = _ESCAPES[char]
+        elif 0x20 <= byte < 0x7F:
+            piece = char
+        else:
+            piece = f"\\x{byte:02x}"
+        if length + len(piece) > EXCERPT_LIMIT:
+            pieces.append("...")
+            break
+        pieces.append(piece)
+        length += len(piece)
+    count = f"{len(data)} byte{'' if len(data) == 1 else 's'}"
+    return f'{count} "{"".join(pieces)}"'
+
+
+async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
+    """Run one check of the real server at `address`: (result, reason for the log).
+
+    Raises LocalCapacityError when this process is out of descriptors or memory.
+    """
+    connected = False
+    answer = bytearray()  # send_expect: what the server has sent so far
+    try:
+        with trio.fail_after(check.timeout):
+            stream = await _connect(address)
+            connected = True
+            async with stream:
+                if check.type == "send_expect":
+                    await _send_expect(stream, check, answer)
+                elif check.type == "http":
+                    await _http(stream, address, check)
+        return OK, ""
+    except trio.TooSlowError:
+        within = f"within {check.timeout:g}s"
+        if not connected:
+            return TIMEOUT, f"{check.type} check: connect did not complete {within}"
+        if check.type != "send_expect":
+            return TIMEOUT, f"{check.type} check: no answer {within}"
+        if not answer:
+            return TIMEOUT, f"send_expect check: nothing received {within}"
+        received = describe_received(bytes(answer))
+        return FAIL, f"send_expect check: {check.expect!r} not found in {received} {within}"
+    except _Failed as exc:
+        return FAIL, f"{check.type} check: {exc}"
+    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        return FAIL, f"{check.type} check: {_describe(exc)}"
+
+
+async def _connect(address: Address) -> trio.SocketStream:
+    try:
+        infos = await trio.socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise _Failed(f"cannot resolve {address.host}: {_describe(exc)}") from None
+    family, _, _, _, sockaddr = infos[0]
+    try:
+        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        if exc.errno in LOCAL_CAPACITY_ERRNOS:
+            raise LocalCapacityError(_describe(exc)) from None
+        raise
+    try:
+        await sock.connect(sockaddr)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
+
+
+async def _send_expect(
+    stream: trio.SocketStream, check: HealthCheckConfig, answer: bytearray
+) -> None:
+    """Send, then read into `answer` (the caller's, so that a timeout can tell a wrong
+    answer from none) until `expect` is found; raises _Failed on close or at 4 KiB."""
+    if check.send:
+        await stream.send_all(decode_send(check.send))
+    pattern = re.compile(check.expect or "")
+    while True:
+        # Decoded as a whole each time: a character split between reads still matches.
+        if pattern.search(answer.decode("utf-8", errors="replace")):
+            return
+        if len(answer) >= READ_LIMIT:
+            raise _Failed(
+                f"{check.expect!r} not found in the first {READ_LIMIT} bytes"
+                f" ({describe_received(bytes(answer))})"
+            )
+        chunk = await stream.receive_some(READ_LIMIT - len(answer))
+        if not chunk:
+            if not answer:
+                raise _Failed("closed without an answer")
+            received = describe_received(bytes(answer))
+            raise _Failed(f"{check.expect!r} not found in {received} before the server closed")
+        answer += chunk
+
+
+async def _http(stream: trio.SocketStream, address: Address, check: HealthCheckConfig) -> None:
+    conn = h11.Connection(h11.CLIENT)
+    request = h11.Request(
+        method="GET",
+        target=check.path,
+        headers=[
+            ("Host", host_header(address)),
+            ("User-Agent", USER_AGENT),
+            ("Accept", "*/*"),
+            ("Connection", "close"),
+        ],
+    )
+    await stream.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
+    try:
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(READ_LIMIT))
+            elif isinstance(event, h11.Response):
+                if event.status_code not in check.expect_status:
+                    raise _Failed(f"GET {check.path} answered {event.status_code}")
+                return
+            elif isinstance(event, h11.ConnectionClosed):
+                raise _Failed(f"GET {check.path}: closed before a status line")
+            # InformationalResponse (1xx): the final status follows
+    except h11.RemoteProtocolError as exc:
+        raise _Failed(f"GET {check.path}: not an HTTP answer ({exc})") from None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno).lower()  # trio's strerror also names the address
+    return str(exc) or type(exc).__name__
+
+
+# -- the tasks ----------------------------------------------------------------------
+
+
+@dataclass
+class _Task:
+    key: tuple[HealthCheckConfig, Address]  # what the task was started with
+    cancel_scope: trio.CancelScope
+
+
+class HealthChecks:
+    """One check task per real server, in step with the configuration."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[RealServer, _Task] = {}
+
+    def sync(self, virtual_servers: Iterable[VirtualServer], nursery: trio.Nursery) -> None:
+        """Start, restart or stop check tasks to match the running configuration.
+
+        Called with the running virtual servers after start-up and after each reload.
+        A real server that is gone (removed, or its virtual server removed, or checks
+        turned off with `type: none`) has its task cancelled; one whose check settings or
+        address changed gets a new task (and a new random offset).
+        """
+        wanted: dict[RealServer, tuple[Pool, HealthCheckConfig]] = {}
+        for vs in virtual_servers:
+            check = vs.pool.config.health_check
+            if check.type == "none":
+                continue
+            for rs in vs.pool.servers:
+                wanted[rs] = (vs.pool, check)
+        for rs, task in list(self._tasks.items()):
+            want = wanted.get(rs)
+            if want is None or task.key != (want[1], rs.address):
+                task.cancel_scope.cancel()
+                del self._tasks[rs]
+        for rs, (pool, check) in wanted.items():
+            if rs not in self._tasks:
+                task = _Task((check, rs.address), trio.CancelScope())
+                self._tasks[rs] = task
+                nursery.start_soon(self._run, pool, rs, check, task.cancel_scope)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    @staticmethod
+    async def _run(
+        pool: Pool, rs: RealServer, check: HealthCheckConfig, cancel_scope: trio.CancelScope
+    ) -> None:
+        address = rs.address
+        out_of_capacity = False
+        with cancel_scope:
+            await trio.sleep(random.uniform(0, check.interval))
+            next_at = trio.current_time()
+            while True:
+                result: str | None = None  # None: no result (out of descriptors here)
+                try:
+                    result, reason = await probe(address, check)
+                except LocalCapacityError as exc:
+                    if not out_of_capacity:  # once per burst
+                        log.warning("%s/%s: health check skipped: %s", pool.name, rs.name, exc)
+                        out_of_capacity = True
+                except Exception as exc:  # a bug here must not stop the proxy
+                    log.exception("%s/%s: health check crashed", pool.name, rs.name)
+                    result, reason = FAIL, f"{check.type} check: {type(exc).__name__}"
+                if result is not None:
+                    out_of_capacity = False
+                    rs.health_checks[result] += 1
+                    if result != OK:
+                        log.debug("%s/%s: %s", pool.name, rs.name, reason)
+                    record_health(pool, rs, result == OK, trio.current_time(), reason)
+                next_at = max(next_at + check.interval, trio.current_time())
+                await trio.sleep_until(next_at)

@@ -1,0 +1,134 @@
+"""Connection conditioning: one trio task per virtual server with a `conditioning:` block.
+
+Geode's client pools "condition (rebalance) existing pool connections" with the locator's
+best server every load-conditioning-interval (seeds/000); lbproxy does it for the
+long-lived connections it proxies (SPEC §11). The decision is the pure
+lbproxy/core/balance.py (`plan_round`: Geode's balance rule, threshold and hysteresis); this
+module samples the pool every `conditioning.interval`, closes what the round chose and
+logs it.
+
+- Candidates are connections whose pump runs and that moved no byte for `idle_for`
+  (`flow.last_activity`), longest idle first; only the servers the round takes
+  connections from are looked at.
+- Servers that are draining, disabled or down are not members of the round at all
+  (`Pool.balance_members`): their connections are never closed by conditioning.
+- A close is the pump's own close path (`Flow.close`): the handler then closes both
+  sockets with nothing unread or unsent, which is a FIN each way, never an RST. The
+  client reconnects and is scheduled as usual -- toward the least loaded server.
+- Counted in `pool.conditioned` (lbproxy_conditioned_connections_total) and logged at
+  INFO once per round that closes something.
+
+`Conditioners` keeps one monitor per virtual server in step with the configuration, as
+throttle_monitor.Throttles does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from lbproxy.core.balance import Member, Round, plan_round
+from lbproxy.core.pool import Lease, RealServer
+
+if TYPE_CHECKING:
+    from lbproxy.dataplane.virtual_server import VirtualServer
+
+log = logging.getLogger("lbproxy.conditioning")
+
+
+def idle_leases(rs: RealServer, now: float, idle_for: float) -> list[Lease]:
+    """`rs`'s connections idle for at least `idle_for`, longest idle first."""
+    idle = []
+    for lease in rs.leases:
+        flow = getattr(lease.handle, "flow", None)
+        if flow is None or not flow.pumping or flow.closing:
+            continue  # still connecting, or already closing
+        if now - flow.last_activity >= idle_for:
+            idle.append((flow.last_activity, lease))
+    idle.sort(key=lambda pair: pair[0])
+    return [lease for _, lease in idle]
+
+
+class ConditioningMonitor:
+    def __init__(self, vs: VirtualServer) -> None:
+        self.vs = vs
+        self.cancel_scope = trio.CancelScope()
+
+    async def run(self) -> None:
+        with self.cancel_scope:
+            while True:
+                config = self.vs.pool.config.conditioning
+                if config is None:  # removed by a reload; Conditioners stops us
+                    return
+                await trio.sleep(config.interval)
+                self.round(trio.current_time())
+
+    def round(self, now: float) -> Round | None:
+        """One interval: plan with Geode's rule, close what it chose, log it."""
+        pool = self.vs.pool
+        config = pool.config.conditioning
+        if config is None:
+            return None
+        members = [Member(rs, load, step) for rs, load, step in pool.balance_members()]
+
+        def candidates(rs: Any) -> list[Lease]:
+            return idle_leases(rs, now, config.idle_for)
+
+        plan = plan_round(
+            members, pool.balance, config.threshold, config.max_per_interval, candidates
+        )
+        if plan is None:
+            return None
+        closed: Counter[str] = Counter()
+        for move in plan.moves:
+            move.connection.handle.close()
+            closed[move.server.name] += 1  # type: ignore[attr-defined]
+            pool.conditioned[move.server.name] += 1  # type: ignore[attr-defined]
+        targets = sorted({move.to.name for move in plan.moves})  # type: ignore[attr-defined]
+        log.info(
+            "%s: conditioning closed %d connection(s)%s%s; load %.4g..%.4g, step %.4g; %s",
+            pool.name,
+            len(plan.moves),
+            " (" + ", ".join(f"{name} {n}" for name, n in sorted(closed.items())) + ")"
+            if closed
+            else "",
+            f" toward {', '.join(targets)}" if targets else "",
+            plan.best,
+            plan.worst,
+            plan.step,
+            "still rebalancing" if plan.rebalancing else "balanced",
+        )
+        return plan
+
+    def stop(self) -> None:
+        self.cancel_scope.cancel()
+
+
+class Conditioners:
+    """One monitor per virtual server with a `conditioning:` block, kept in step with reloads."""
+
+    def __init__(self) -> None:
+        self._monitors: dict[VirtualServer, ConditioningMonitor] = {}
+
+    def sync(self, virtual_servers: Iterable[VirtualServer], nursery: trio.Nursery) -> list[str]:
+        changes: list[str] = []
+        running = set()
+        for vs in virtual_servers:
+            running.add(vs)
+            monitor = self._monitors.get(vs)
+            if vs.pool.config.conditioning is None:
+                if monitor is not None:
+                    self._monitors.pop(vs).stop()
+                    changes.append(f"{vs.name}: conditioning removed")
+            elif monitor is None:
+                monitor = self._monitors[vs] = ConditioningMonitor(vs)
+                nursery.start_soon(monitor.run)
+                changes.append(f"{vs.name}: conditioning added")
+        for vs in list(self._monitors):
+            if vs not in running:
+                self._monitors.pop(vs).stop()
+        return changes

@@ -1,0 +1,296 @@
+"""DNS discovery on trio: one task per virtual server with `discovery.dns` (SPEC §14).
+
+Each round asks the name through dnspython's asynchronous resolver (it runs on trio
+through sniffio: `dns.asyncbackend` picks its trio backend by itself), turns the answer
+into a `Resolution` (discovery_model.py decides everything else, without a clock), and
+when the set changed asks the Server to apply the merged configuration through the
+reload path (`Server.apply_discovered`). Nothing is written by hand: queries, retries
+over TCP for a truncated answer and the reading of /etc/resolv.conf are dnspython's.
+
+Rounds start every `interval` (the answers' TTL is not used, as HAProxy's `hold valid`
+and Envoy's `dns_refresh_rate` do not wait for it either). A round — the query, and the
+address lookups of SRV targets the answer brought no address for — is bounded by
+`timeout` under a trio cancel scope as well as by the resolver's own lifetime, so a
+silent resolver delays nothing but its own virtual server's next answer.
+
+While a removed server still has connections the task looks at it every LEAVING_POLL
+seconds, so that it disappears from the list shortly after its last connection closes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import astuple
+from typing import Any, Protocol
+
+import dns.asyncresolver
+import dns.exception
+import dns.name
+import dns.nameserver
+import dns.rdatatype
+import dns.resolver
+import dns.rrset
+import trio
+
+from lbproxy.config.model import DnsDiscoveryConfig, VirtualServerConfig
+from lbproxy.core.discovery_model import (
+    DiscoveryState,
+    Resolution,
+    SrvRecord,
+    resolution,
+    servers_from_addresses,
+    servers_from_srv,
+    target_host,
+)
+
+log = logging.getLogger("lbproxy.discovery")
+
+LEAVING_POLL = 0.1  # seconds between looks at removed servers that still have connections
+
+
+# -- one resolution -------------------------------------------------------------------
+
+
+def make_resolver(config: DnsDiscoveryConfig) -> dns.asyncresolver.Resolver:
+    """A resolver for `config.resolvers`, else the system's (/etc/resolv.conf, read
+    again each round, so an edit there is followed). Raises dns.resolver.
+    NoResolverConfiguration when there is neither."""
+    if config.resolvers:
+        resolver = dns.asyncresolver.Resolver(configure=False)
+        resolver.nameservers = [
+            dns.nameserver.Do53Nameserver(address.host, address.port)
+            for address in config.resolvers
+        ]
+    else:
+        resolver = dns.asyncresolver.Resolver()
+    resolver.cache = None  # every round asks again
+    resolver.lifetime = config.timeout
+    # Leave time to ask a second resolver when the first is silent.
+    resolver.timeout = config.timeout / min(2, len(resolver.nameservers) or 1)
+    return resolver
+
+
+class LastAnswer:
+    """The last answer of one virtual server's name and its Resolution.
+
+    Most rounds bring the same answer again; giving back the same Resolution (the same
+    tuple of servers, which DiscoveryState recognises at once) spares parsing and
+    comparing thousands of servers every `interval` on the event loop.
+    """
+
+    def __init__(self) -> None:
+        self.raw: object = None
+        self.outcome: Resolution | None = None
+        self.addresses: dict = {}  # servers_from_addresses's `known`
+
+    def convert(self, raw: object, make: Callable[[], Resolution]) -> Resolution:
+        if self.outcome is None or raw != self.raw:
+            self.raw, self.outcome = raw, make()
+        return self.outcome
+
+
+async def resolve(config: DnsDiscoveryConfig, last: LastAnswer | None = None) -> Resolution:
+    """One round: the name's servers, or why there are none; never raises (but Cancelled).
+
+    `last` (the task's) gives back its Resolution when the answer is the same as last time.
+    """
+    last = last or LastAnswer()
+    try:
+        resolver = make_resolver(config)
+    except dns.exception.DNSException as exc:
+        return Resolution("error", detail=f"no resolvers: {exc}")
+    deadline = trio.current_time() + config.timeout
+    answer = None
+    with trio.move_on_at(deadline):
+        try:
+            # Absolute: a discovery name never goes through resolv.conf's search domains.
+            name = dns.name.from_text(config.name)
+            answer = await resolver.resolve(
+                name, config.type, search=False, raise_on_no_answer=False
+            )
+        except dns.resolver.NXDOMAIN:
+            return Resolution("nxdomain")
+        except dns.resolver.NoAnswer:
+            return Resolution("empty")
+        except (dns.exception.DNSException, OSError, ValueError) as exc:
+            return Resolution("error", detail=str(exc) or type(exc).__name__)
+    if answer is None:
+        return Resolution("error", detail=f"no answer within {config.timeout:g}s")
+    if answer.rrset is None:
+        return Resolution("empty")
+    if config.type != "SRV":
+        assert config.port is not None  # the loader requires it for A/AAAA
+        port = config.port
+        addresses = tuple(sorted(r.address for r in answer))
+        return last.convert(
+            addresses,
+            lambda: resolution(*servers_from_addresses(addresses, port, last.addresses)),
+        )
+    records = srv_records(answer.rrset)
+    addresses = glue(answer.response.additional)
+    missing = {target_host(r.target) for r in records} - addresses.keys() - {""}
+    if missing:
+        # Within the same round: a target not found by then keeps its name.
+        with trio.move_on_at(deadline):
+            await _lookup(resolver, missing, addresses)
+    raw = (sorted(map(astuple, records)), sorted(addresses.items()))
+    return last.convert(raw, lambda: resolution(*servers_from_srv(records, addresses)))
+
+
+def srv_records(rrset: Iterable[Any]) -> list[SrvRecord]:
+    """The SRV rdatas of an answer as plain records (the target as dnspython prints it)."""
+    return [SrvRecord(r.priority, r.weight, r.port, r.target.to_text()) for r in rrset]
+
+
+def glue(additional: Iterable[dns.rrset.RRset]) -> dict[str, str]:
+    """Addresses the answer brought for its targets (Consul and dnsmasq send them)."""
+    found: dict[str, list[str]] = {}
+    for rrset in additional:
+        if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+            found.setdefault(target_host(rrset.name.to_text()), []).extend(r.address for r in rrset)
+    # The lowest address: a stable choice when a target has several (no flapping).
+    return {host: min(ips, key=_ip_order) for host, ips in found.items() if ips}
+
+
+def _ip_order(text: str) -> tuple[int, str]:
+    return (":" in text, text)  # IPv4 first; any fixed order will do
+
+
+async def _lookup(
+    resolver: dns.asyncresolver.Resolver, hosts: set[str], addresses: dict[str, str]
+) -> None:
+    """Find an address for each SRV target the answer had none for, A then AAAA, all
+    at once; a target that has none keeps its name (resolved when connecting)."""
+
+    async def one(host: str) -> None:
+        for rdtype in ("A", "AAAA"):
+            try:
+                answer = await resolver.resolve(
+                    dns.name.from_text(host), rdtype, search=False, raise_on_no_answer=False
+                )
+            except (dns.exception.DNSException, OSError, ValueError):
+                continue
+            if answer.rrset is not None and len(answer.rrset):
+                addresses[host] = min((r.address for r in answer), key=_ip_order)
+                return
+
+    async with trio.open_nursery() as nursery:
+        for host in sorted(hosts):
+            nursery.start_soon(one, host)
+
+
+# -- the task of one virtual server ---------------------------------------------------
+
+
+class DiscoveryTarget(Protocol):
+    """What a discovery task needs from the Server (kept small: no import of server)."""
+
+    def apply_discovered(self, vs_name: str) -> list[str]: ...
+
+    def discovered_active(self, vs_name: str, rs_name: str) -> int: ...
+
+
+class Discoveries:
+    """The discovery state and task of every virtual server that has `discovery.dns`.
+
+    A state outlives reloads (a reload re-merges the servers found so far); a task is
+    restarted when the block changes, with the state it had (the last set stays until
+    the new name answers).
+    """
+
+    def __init__(self) -> None:
+        self.states: dict[str, DiscoveryState] = {}
+        self._tasks: dict[str, tuple[DnsDiscoveryConfig, trio.CancelScope]] = {}
+
+    def merged(
+        self, vs: VirtualServerConfig, target: DiscoveryTarget | None = None
+    ) -> VirtualServerConfig:
+        """`vs` with its discovered servers (as the reload and each change apply it)."""
+        state = self.states.get(vs.name)
+        if state is None or vs.discovery is None:
+            return vs
+        if target is None:
+            return state.merged(vs)
+        return state.merged(vs, lambda rs: target.discovered_active(vs.name, rs))
+
+    def sync(
+        self,
+        virtual_servers: Iterable[VirtualServerConfig],
+        nursery: trio.Nursery,
+        target: DiscoveryTarget,
+    ) -> None:
+        """Start, restart or stop tasks to match the configuration (start-up, reload)."""
+        wanted = {vs.name: vs.discovery for vs in virtual_servers if vs.discovery is not None}
+        for name in list(self.states):
+            if name not in wanted:
+                del self.states[name]
+        for name, (config, scope) in list(self._tasks.items()):
+            if wanted.get(name) != config:
+                scope.cancel()
+                del self._tasks[name]
+        for name, config in wanted.items():
+            assert config is not None
+            state = self.states.get(name)
+            if state is None:
+                state = self.states[name] = DiscoveryState(name, config)
+                log.info(
+                    "%s: discovering real servers from %s %s; static real servers only "
+                    "until it answers",
+                    name,
+                    config.type,
+                    config.name,
+                )
+            state.config = config
+            if name not in self._tasks:
+                scope = trio.CancelScope()
+                self._tasks[name] = (config, scope)
+                nursery.start_soon(self._run, state, target, scope)
+
+    @staticmethod
+    async def _run(state: DiscoveryState, target: DiscoveryTarget, scope: trio.CancelScope) -> None:
+        config = state.config
+        vs_name = state.vs_name
+
+        def active(rs_name: str) -> int:
+            return target.discovered_active(vs_name, rs_name)
+
+        last = LastAnswer()
+        with scope:
+            while True:
+                started = trio.current_time()
+                next_round = started + config.interval
+                try:
+                    outcome = await resolve(config, last)
+                    if state.record(outcome, trio.current_time()):
+                        target.apply_discovered(vs_name)
+                    # Removed servers with connections: drop each once its last one closed.
+                    while state.leaving and trio.current_time() < next_round:
+                        await trio.sleep(min(LEAVING_POLL, next_round - trio.current_time()))
+                        if any(active(name) == 0 for name in state.leaving):
+                            target.apply_discovered(vs_name)
+                except Exception:
+                    # A bug here must not take the proxy down with it (its exception
+                    # would cancel the service nursery): log it, try again next round.
+                    log.exception("%s: discovery round failed; trying again", vs_name)
+                await trio.sleep_until(next_round)
+
+
+# -- lbproxy check --resolve ----------------------------------------------------------
+
+
+async def resolve_all(
+    virtual_servers: Iterable[VirtualServerConfig],
+) -> list[tuple[VirtualServerConfig, Resolution]]:
+    """Resolve every discovery name once, all at once (`lbproxy check --resolve`)."""
+    found: dict[str, Resolution] = {}
+    servers = [vs for vs in virtual_servers if vs.discovery is not None]
+
+    async def one(vs: VirtualServerConfig) -> None:
+        assert vs.discovery is not None
+        found[vs.name] = await resolve(vs.discovery)
+
+    async with trio.open_nursery() as nursery:
+        for vs in servers:
+            nursery.start_soon(one, vs)
+    return [(vs, found[vs.name]) for vs in servers]

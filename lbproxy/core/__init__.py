@@ -1,0 +1,1 @@
+"""The pure core: pool, real servers, health, throttle, persistence, schedulers. No trio."""

@@ -1,0 +1,944 @@
+"""The pool of one virtual server: its real servers' state, weights and counters.
+
+PURE: no trio, no sockets, no clock — every method that needs the time takes `now`.
+
+The pool owns everything a scheduler decides on and tells the scheduler what changed
+through its hooks (schedulers/__init__.py). Three notions, kept apart on purpose:
+
+- *online*: enabled, health up, not removed by a reload, base weight > 0. Coming online
+  is what LVS calls a server (re)joining: it starts the `slow_start` ramp and, with
+  `quiesce: true` and a scheduler that supports it, resets the connection table.
+- *available*: online and below `max_connections`, with effective weight > 0. Only
+  available servers are in the scheduler's structures and can be picked.
+- *effective weight*: the base weight (static, or the dynamic SNMP weight for `dwd`/`dwr`
+  unless every server's dynamic weight is 0, in which case the pool falls back to static
+  weights) times the slow-start factor `max(0.1, elapsed / slow_start)`.
+
+Connections are counted twice: `active` is the truth (metrics, max_connections), and
+`sched_active` is what schedulers see — the quiesce reset zeroes it, and a connection
+opened before a reset (its lease carries the old epoch) does not decrement it.
+
+Affinity (SPEC §12): `pick` and `take` are given the client's address. Only two things
+read it — the persistence table (persistence.py), consulted before the scheduler, and a
+`keyed` scheduler (maglev) — and a pool with neither never looks at it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from lbproxy.config.model import (
+    DEFAULT_IMBALANCE_THRESHOLD,
+    MAX_WEIGHT,
+    RealServerConfig,
+    VirtualServerConfig,
+)
+from lbproxy.core import schedulers
+from lbproxy.core.balance import Balance, spread
+from lbproxy.core.health import Health
+from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, QUEUE_BUCKETS, Histogram
+from lbproxy.core.persistence import Entry, Persistence, client_key
+
+log = logging.getLogger("lbproxy.pool")
+
+ENABLED, DRAIN, DISABLED = "enabled", "drain", "disabled"
+STATES = (ENABLED, DRAIN, DISABLED)
+REJECT_REASONS = (
+    "no_server",
+    "connect_failed",
+    "throttle",
+    "max_connections",
+    "acl",
+    "queue_timeout",
+    "queue_full",
+    "no_route",
+)
+SLOW_START_FLOOR = 0.1  # a ramping server starts at 10 % of its weight (SPEC §3)
+SLOW_START_STEPS = 50  # effective weight is recomputed this many times over the ramp
+
+
+def weight_error(weight: object) -> str | None:
+    """Why `weight` is not a static weight, or None when it is one.
+
+    A static weight is an integer from 0 to MAX_WEIGHT, the rule of `weight:` in the
+    configuration file, for every runtime change too (PATCH, `set-weight`, simulate
+    events): not a boolean (True is an int in Python), not a string holding digits, and
+    not a fraction, 3.0 included, as HAProxy's `server_parse_weight_change_request`
+    refuses anything but digits. Effective weights may be fractional (slow start); the
+    weight a user sets is not.
+    """
+    if isinstance(weight, int) and not isinstance(weight, bool) and 0 <= weight <= MAX_WEIGHT:
+        return None
+    hint = ""
+    if isinstance(weight, bool):
+        hint = " (a boolean is not a weight)"
+    elif isinstance(weight, str):
+        hint = " (a string; write the number without quotes)" if weight.isdigit() else ""
+    elif isinstance(weight, float) and weight.is_integer() and 0 <= weight <= MAX_WEIGHT:
+        hint = f" (write {int(weight)}: a weight has no fraction)"
+    return f"weight must be an integer from 0 to {MAX_WEIGHT}, got {_shown(weight)}{hint}"
+
+
+def state_error(state: object) -> str | None:
+    """Why `state` is not an admin state (enabled | drain | disabled), or None."""
+    if isinstance(state, str) and state in STATES:
+        return None
+    close = difflib.get_close_matches(state, STATES, n=1) if isinstance(state, str) else []
+    hint = f" (did you mean {_shown(close[0])}?)" if close else ""
+    return f"state must be one of {', '.join(STATES)}, got {_shown(state)}{hint}"
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """A value as JSON writes it (true, null, "3"), cut at `limit` characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Lease:
+    """One connection to a real server, from `Pool.take` to `Pool.drop`."""
+
+    __slots__ = ("epoch", "handle", "server", "sticky")
+
+    def __init__(self, server: RealServer, epoch: int, handle: Any) -> None:
+        self.server = server
+        self.epoch = epoch
+        self.handle = handle  # the proxy's per-connection object (byte counters, close)
+        self.sticky: Entry | None = None  # its client's persistence entry, if any
+
+
+class RealServer:
+    __slots__ = (
+        "active",
+        "address",
+        "available",
+        "backup",
+        "bytes_in",
+        "bytes_out",
+        "config",
+        "connect_failures",
+        "connections_total",
+        "dyn_positive",
+        "dynamic_weight",
+        "effective_weight",
+        "full",
+        "health",
+        "health_checks",
+        "index",
+        "leases",
+        "load_factor",
+        "max_connections",
+        "name",
+        "online",
+        "primary_online",
+        "ramp_start",
+        "removed",
+        "retry_at",
+        "sched_active",
+        "seq",
+        "snmp_last",
+        "snmp_polls",
+        "state",
+        "static_weight",
+        "trial",
+    )
+
+    def __init__(self, config: RealServerConfig, index: int, health: Health) -> None:
+        self.name = config.name
+        self.index = index  # configuration order: the last tie-break everywhere
+        self.seq = index  # when it was last picked: round-robin order among ties
+        self.health = health
+        self.dynamic_weight: float | None = None
+        self.dyn_positive = False
+        self.online = False
+        self.primary_online = False  # counted in Pool._primaries_online
+        self.available = False
+        self.full = False  # would be available but for max_connections
+        self.removed = False
+        # Passive health only (`health_check.type: none`): a down server is offered one
+        # trial connection at `retry_at` (see Pool.record_health).
+        self.trial = False
+        self.retry_at: float | None = None
+        self.effective_weight = 0.0
+        self.ramp_start: float | None = None
+        self.active = 0
+        self.sched_active = 0
+        self.connections_total = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.connect_failures: Counter[str] = Counter()  # refused | timeout | error
+        self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
+        self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
+        self.snmp_last: tuple[str, int | None] | None = None  # last poll: (result, value)
+        self.leases: set[Lease] = set()
+        self.apply_config(config)
+
+    def apply_config(self, config: RealServerConfig) -> None:
+        self.config = config
+        self.address = config.address
+        self.static_weight = float(config.weight)
+        self.max_connections = config.max_connections
+        self.load_factor = config.load_factor
+        self.state = config.state
+        self.backup = config.backup
+
+    def apply_changes(self, config: RealServerConfig) -> None:
+        """Apply `config` but keep a runtime change (a PATCHed state or weight) of every
+        field `config` leaves as it was: a discovery round, or a reload, re-applying a
+        discovered server's unchanged configuration must not undo what an operator set."""
+        old, state, weight = self.config, self.state, self.static_weight
+        self.apply_config(config)
+        if config.state == old.state:
+            self.state = state
+        if config.weight == old.weight:
+            self.static_weight = weight
+
+    def __repr__(self) -> str:
+        return f"<RealServer {self.name} {self.address} {self.state}>"
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """A locator answer (SPEC §10): the server, its load after the answer (None for a
+    scheduler without one) and, for `?current=`, whether the client should move."""
+
+    server: RealServer
+    load: float | None
+    replace: bool | None = None
+
+
+@dataclass(frozen=True)
+class RealServerStats:
+    name: str
+    address: str
+    state: str
+    health: str  # up | down
+    available: bool
+    backup: bool
+    weight_static: float
+    weight_dynamic: float | None
+    weight_effective: float
+    active_connections: int
+    connections_total: int
+    bytes_in: int
+    bytes_out: int
+    connect_failures: dict[str, int]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    name: str
+    scheduler: str
+    active_connections: int
+    rejected: dict[str, int]
+    dynamic_weight_fallback: bool
+    real_servers: tuple[RealServerStats, ...] = field(default=())
+
+
+class Pool:
+    def __init__(self, config: VirtualServerConfig, now: float) -> None:
+        self.name = config.name
+        self.config = config
+        self.scheduler: schedulers.Scheduler = schedulers.get(config.scheduler)(self)
+        self.servers: list[RealServer] = []
+        self.by_name: dict[str, RealServer] = {}
+        self.active = 0  # connections leased to real servers
+        self.clients = 0  # client connections accepted and not yet closed (proxy-owned)
+        self.rejected: Counter[str] = Counter()
+        self.durations = Histogram(DURATION_BUCKETS)  # connection lifetimes, seconds
+        self.poll_durations = Histogram(POLL_BUCKETS)  # SNMP round trips, seconds
+        self.throttle_mode = "low"  # low | high | digg, set by the throttle monitor
+        # The queue (SPEC §13, lbproxy/dataplane/queue.py) reads these two counts to decide
+        # whether a new client waits, is told by `on_available` when a server becomes
+        # available, and publishes its length and waits here for the metrics.
+        self.available_servers = 0  # servers in the scheduler's structures
+        self.full_servers = 0  # servers held back only by their max_connections
+        self.on_available: Callable[[], None] | None = None
+        self.queued = 0
+        self.queue_waits = Histogram(QUEUE_BUCKETS)
+        self.epoch = 0
+        self.fallback = self.polls_snmp  # nothing answered yet
+        self._dynamic_positive = 0
+        # Backup servers (SPEC §13) are offered to the scheduler only while this is 0:
+        # a count kept on every online change, so a pick never looks at the primaries.
+        self._primaries_online = 0
+        self._ramping: set[RealServer] = set()
+        self._retrying: set[RealServer] = set()  # passively down, waiting for a trial
+        self._next_tick = float("-inf")  # when `pick` next runs `_tick`
+        self._scheduler_tick = float("-inf")  # when the scheduler next wants `on_tick`
+        self._next_seq = len(config.real_servers)
+        # Client persistence (SPEC §12), None when not configured: then neither pick nor
+        # take looks at the client address.
+        self.persistence: Persistence | None = None
+        self._by_client = False  # persistence or a keyed scheduler: pick needs the client
+        self._client_pick = self._pick_for  # with _by_client: what pick calls
+        self._configure_affinity()
+        # The locator (SPEC §10, §11): pushed load reports (kept across reloads and
+        # scheduler swaps), Geode's balance state, and counts for the metrics.
+        self.load_reports: dict[RealServer, tuple[float, float]] = {}
+        self.load_report_counts: Counter[str] = Counter()
+        self.answers: Counter[tuple[str, str]] = Counter()  # (real server, via)
+        self.conditioned: Counter[str] = Counter()  # connections closed by conditioning
+        self.balance = Balance()
+        # Servers present at start-up come online together: resetting the (empty)
+        # connection table for each of them would only cost O(n²).
+        self._starting = True
+        for rs_config in config.real_servers:
+            self._add(rs_config, now)
+        self._starting = False
+
+    @property
+    def polls_snmp(self) -> bool:
+        """True when this virtual server's scheduler reads SNMP values."""
+        return self.scheduler.dynamic_weights or (
+            self.config.scheduler == "least-load" and self.config.load_source == "snmp"
+        )
+
+    # -- the hot path -------------------------------------------------------------
+
+    def pick(
+        self, now: float, avoid: Collection[RealServer] = (), client: tuple | None = None
+    ) -> RealServer | None:
+        """The real server for a new connection, or None when none is available.
+
+        `client` is the client's address `(host, port)` (the PROXY header's, with
+        accept_proxy); only persistence and keyed schedulers (maglev) read it. `avoid`
+        holds the servers this connection already failed on: empty on its first pick,
+        which is the one persistence counts.
+        """
+        if now >= self._next_tick:
+            self._tick(now)
+        if self._by_client:
+            return self._client_pick(client, now, avoid)
+        return self.scheduler.pick(now, avoid)
+
+    def advance(self, now: float) -> None:
+        """Bring time-driven state up to `now`, as `pick` does before it chooses.
+
+        Slow-start steps, passive-health trials and the scheduler's periodic samples
+        happen on the clock, not on traffic: a reader (metrics, the admin API, `lbproxy
+        status`) calls this, through `statistics(now)`, so that what it shows is what
+        the scheduler uses at that moment even when no connection has arrived since.
+        O(1) when nothing is due; a due step costs O(ramping + retrying).
+        """
+        if now >= self._next_tick:
+            self._tick(now)
+
+    def _pick_for(
+        self, client: tuple | None, now: float, avoid: Collection[RealServer]
+    ) -> RealServer | None:
+        persistence = self.persistence
+        if persistence is not None and client is not None and not avoid:
+            key = client[0]
+            if ":" in key:  # IPv6, or IPv4 through a dual-stack listener
+                key = client_key(client)
+            entry = persistence.lookup(key, now)
+            if entry is None:
+                persistence.lookups["miss"] += 1
+            elif entry.server.available:
+                persistence.lookups["hit"] += 1
+                return entry.server
+            else:
+                persistence.lookups["moved"] += 1  # take() replaces the entry
+        return self.scheduler.pick_for(client, now, avoid)
+
+    @property
+    def reads_client(self) -> bool:
+        """True when picks depend on the client address (persistence or maglev)."""
+        return self._by_client
+
+    def persistence_entries(self, now: float) -> int:
+        """Live persistence entries (expired ones are dropped first); 0 without it."""
+        if self.persistence is None:
+            return 0
+        self.persistence.expire(now)
+        return len(self.persistence)
+
+    def take(
+        self, rs: RealServer, now: float, handle: Any = None, client: tuple | None = None
+    ) -> Lease:
+        """Count a connection sent to `rs`; pass the lease to `drop` when it ends.
+
+        Called before the connect, as IPVS counts a connection from its SYN, so that
+        concurrent arrivals see it and spread out. It is not yet one of `rs`'s
+        `connections_total`: `established` counts it once the connect has completed.
+        """
+        lease = Lease(rs, self.epoch, handle)
+        if self.persistence is not None and client is not None:
+            key = client[0]
+            if ":" in key:
+                key = client_key(client)
+            lease.sticky = self.persistence.acquire(key, rs, now)
+        rs.leases.add(lease)
+        rs.active += 1
+        rs.sched_active += 1
+        rs.seq = self._next_seq
+        self._next_seq += 1
+        self.active += 1
+        self.scheduler.on_take(rs, now)
+        if rs.trial:
+            # The one trial connection of a passively-down server: no other until its
+            # result (or, should that never come, until the next trial).
+            self._schedule_trial(rs, now)
+            self._apply(rs, now)
+        elif rs.max_connections and rs.active >= rs.max_connections:
+            self._apply(rs, now)
+        return lease
+
+    def established(self, lease: Lease) -> None:
+        """The connect behind `lease` completed: one more of its server's connections.
+
+        `connections_total` (metric, JSON document, status) counts connections
+        established to a server; a failed attempt is only a connect failure.
+        """
+        lease.server.connections_total += 1
+
+    def drop(self, lease: Lease, now: float) -> None:
+        rs = lease.server
+        rs.leases.discard(lease)
+        rs.active -= 1
+        self.active -= 1
+        if lease.sticky is not None:
+            self.persistence.release(lease.sticky, now)  # type: ignore[union-attr]
+            lease.sticky = None
+        if lease.epoch == self.epoch:
+            rs.sched_active -= 1
+            self.scheduler.on_drop(rs, now)
+        if rs.max_connections and rs.active == rs.max_connections - 1:
+            self._apply(rs, now)
+
+    # -- state changes ------------------------------------------------------------
+
+    def record_health(self, rs: RealServer, ok: bool, now: float, reason: str = "") -> bool | None:
+        """Feed one active check or passive connect result; returns a new up/down state.
+
+        With `health_check.type: none` only passive results arrive, so a down server
+        could never come back by itself: `interval` after it went down (or after its
+        last failed trial) it becomes available for one trial connection (`_tick`),
+        and that connection's successful connect brings it up at once.
+        """
+        passive_only = self.config.health_check.type == "none"
+        was_trial = rs.trial
+        if passive_only and ok and not rs.health.up:
+            rs.health.force(True)  # the trial connection got through
+            changed: bool | None = True
+        else:
+            changed = rs.health.record(ok)
+        if passive_only and not ok and not rs.health.up:
+            self._schedule_trial(rs, now)
+        elif changed:
+            self._cancel_trial(rs)
+        if changed is not None:
+            log.info(  # not per check or connection: only on a transition
+                "%s/%s is %s%s",
+                self.name,
+                rs.name,
+                "up" if changed else "down",
+                f" ({reason})" if reason else "",
+            )
+        if changed is not None or was_trial:
+            self._update(rs, now)
+        return changed
+
+    def set_state(self, rs: RealServer, state: str, now: float) -> list[Lease]:
+        """Change the admin state; returns the leases the caller must close (disabled)."""
+        error = state_error(state)
+        if error:
+            raise ValueError(error)
+        rs.state = state
+        self._update(rs, now)
+        return list(rs.leases) if state == DISABLED else []
+
+    def set_weight(self, rs: RealServer, weight: object, now: float) -> str | None:
+        """Change the static weight at run time; returns an error message, or None.
+
+        The one validated path for a weight (`weight_error`), as HAProxy's
+        `server_parse_weight_change_request`; an invalid weight changes nothing.
+        """
+        error = weight_error(weight)
+        if error:
+            return error
+        rs.static_weight = float(weight)  # type: ignore[arg-type]
+        self._update(rs, now)
+        return None
+
+    def set_dynamic_weight(self, rs: RealServer, weight: float, now: float) -> None:
+        """The SNMP poller's weight for `rs`, after `on_no_answer` decided it (>= 0)."""
+        rs.dynamic_weight = max(0.0, float(weight))
+        self._update(rs, now)
+
+    def report_value(self, rs: RealServer, value: float, now: float) -> None:
+        """A raw SNMP value: a weight for dwd/dwr, a load report for least-load."""
+        if self.scheduler.dynamic_weights:
+            snmp = rs.config.snmp
+            max_value = snmp.max_value if snmp else 100
+            weight = self.scheduler.weight_from_value(value, max_value)  # type: ignore[attr-defined]
+            self.set_dynamic_weight(rs, weight, now)
+        else:
+            self.scheduler.on_report(rs, value, now)
+            if self.polls_snmp:
+                # least-load fed by SNMP: the dynamic weight only gates availability
+                # (on_no_answer zero -> 0); an answer opens it at the static weight.
+                self.set_dynamic_weight(rs, rs.static_weight, now)
+
+    # -- reload -------------------------------------------------------------------
+
+    def reconfigure(
+        self, config: VirtualServerConfig, now: float, *, keep_runtime: bool = False
+    ) -> list[str]:
+        """Apply a new configuration of this virtual server; returns what changed.
+
+        Established connections are never touched: a removed server's leases finish on
+        their own and still drop correctly. A reload applies the file as written
+        (`apply_config`), except to discovered servers, which no file describes; with
+        `keep_runtime` (a discovery round: the file did not change) no server loses a
+        runtime change of a field its configuration leaves as it was (`apply_changes`).
+        """
+        changes: list[str] = []
+        old_config, self.config = self.config, config
+        if config.health_check != old_config.health_check:
+            changes.append("health_check changed")
+            self._retune_health(now)
+        if config.persistence != old_config.persistence:
+            changes.append("persistence changed")
+        if (config.scheduler, config.table_size, config.hash_key) != (
+            old_config.scheduler,
+            old_config.table_size,
+            old_config.hash_key,
+        ):
+            if config.scheduler != old_config.scheduler:
+                changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")
+            else:
+                changes.append("maglev table_size or hash_key changed")
+            self._swap_scheduler(config.scheduler, now)
+        self._configure_affinity()
+        wanted = {rs.name: (i, rs) for i, rs in enumerate(config.real_servers)}
+        for rs in list(self.servers):
+            if rs.name not in wanted:
+                rs.removed = True
+                self.load_reports.pop(rs, None)
+                self._cancel_trial(rs)
+                self._update(rs, now)
+                self.servers.remove(rs)
+                del self.by_name[rs.name]
+                changes.append(f"removed {rs.name}")
+        reorder = False
+        for index, rs_config in wanted.values():
+            rs = self.by_name.get(rs_config.name)
+            if rs is None:
+                self._add(rs_config, now)
+                changes.append(f"added {rs_config.name}")
+                continue
+            reorder |= rs.index != index
+            if rs.config != rs_config:
+                changes.append(f"changed {rs.name}")
+            if keep_runtime or rs_config.discovered:
+                rs.apply_changes(rs_config)
+            else:
+                rs.apply_config(rs_config)
+            self._update(rs, now)
+        self.servers.sort(key=lambda s: wanted[s.name][0])
+        if reorder:
+            for i, rs in enumerate(self.servers):
+                rs.index = i
+            self._swap_scheduler(config.scheduler, now)
+        return changes
+
+    def _configure_affinity(self) -> None:
+        """Set up (or retune, or drop) the persistence table for the current config."""
+        wanted = self.config.persistence
+        if wanted is None:
+            self.persistence = None
+        elif self.persistence is None:
+            self.persistence = Persistence(wanted.timeout, wanted.max_entries)
+        else:  # a reload keeps the entries; new limits apply from now on
+            self.persistence.timeout = wanted.timeout
+            self.persistence.max_entries = wanted.max_entries
+        self._by_client = self.persistence is not None or self.scheduler.keyed
+        # maglev alone: straight to the scheduler, one call less per pick
+        self._client_pick = self.scheduler.pick_for if self.persistence is None else self._pick_for
+
+    def _swap_scheduler(self, name: str, now: float) -> None:
+        self.scheduler = schedulers.get(name)(self)
+        self._configure_affinity()
+        for rs in self.servers:
+            if rs.online:
+                self.scheduler.on_online(rs, now)
+            if rs.available:
+                self.scheduler.on_available(rs, now)
+        self._next_tick = self._scheduler_tick = float("-inf")
+
+    def scores(self, tried: Collection[RealServer] = ()) -> dict[str, str]:
+        """Every server's score as the scheduler sees it, for decision explain (O(n))."""
+        return {
+            rs.name: "tried"
+            if rs in tried
+            else schedulers.format_score(self.scheduler.explain(rs))
+            if rs.available
+            else "unavailable"
+            for rs in self.servers
+        }
+
+    # -- the locator: load reports, answers, balance (SPEC §10, §11) ------------------
+
+    def report_load(
+        self, rs: RealServer, load: object, per_connection: object = None
+    ) -> str | None:
+        """A server's pushed load report; returns an error message (nothing changed) or None.
+
+        `per_connection` defaults to 1 / max_connections, else 0 (Geode's default probe:
+        "the load estimate for each additional pool connection is 1/max-connections").
+        It replaces the load of `least-load` with `load_source: report` and clears the
+        estimates added since the last report; on any other virtual server it is kept
+        for when a reload makes it one.
+        """
+        error = _non_negative("load", load)
+        if error:
+            return error
+        if per_connection is None:
+            per_connection = 1.0 / rs.max_connections if rs.max_connections else 0.0
+        error = _non_negative("per_connection", per_connection)
+        if error:
+            return error
+        value, step = float(load), float(per_connection)  # type: ignore[arg-type]
+        self.load_reports[rs] = (value, step)
+        self.load_report_counts[rs.name] += 1
+        report = getattr(self.scheduler, "report", None)
+        if report is not None and self.config.load_source == "report":
+            report(rs, value, step)
+        return None
+
+    def answer(
+        self, rs: RealServer, now: float, via: str = "http", client: tuple | None = None
+    ) -> None:
+        """Count a locator answer for `rs` as a pick: a connection sent that closes at
+        once (least-load adds its estimate, sap its load factor, rr/wrr advance).
+
+        With persistence and the asking `client`'s address, its entry is made or moved
+        to `rs` and, the "connection" being over at once, lives `timeout` from now: a
+        client that asks again within `timeout` of its last answer gets `rs` again."""
+        rs.seq = self._next_seq
+        self._next_seq += 1
+        rs.sched_active += 1
+        self.scheduler.on_take(rs, now)
+        rs.sched_active -= 1
+        self.scheduler.on_drop(rs, now)
+        self.answers[rs.name, via] += 1
+        persistence = self.persistence
+        if persistence is not None and client is not None:
+            key = client[0]
+            if ":" in key:
+                key = client_key(client)
+            persistence.release(persistence.acquire(key, rs, now), now)
+
+    def locate(
+        self,
+        now: float,
+        current: str | None = None,
+        via: str = "http",
+        client: tuple | None = None,
+    ) -> Located | None:
+        """The locator's answer, counted; None when no server is available.
+
+        `client` is the asking address (the HTTP peer, the DNS query's source), given
+        to the pick as a proxied connection's is: `maglev` hashes it, `persistence`
+        looks it up and remembers the answer (see `answer`).
+
+        With `current` (Geode's `getReplacementServerForConnection`): replace when that
+        server is unknown or unavailable, or when it is the most loaded and the pool is
+        out of balance by §11's rule (threshold and hysteresis); then the answer is the
+        scheduler's pick and `current` loses one connection's estimate. Otherwise the
+        answer is `current` itself and nothing is counted.
+        """
+        if current is None:
+            rs = self.pick(now, (), client)
+            if rs is None:
+                return None
+            self.answer(rs, now, via, client)
+            return Located(rs, self.load_of(rs))
+        old = self.by_name.get(current)
+        if old is not None and old.available and not self._should_move(old):
+            return Located(old, self.load_of(old), False)
+        rs = self.pick(now, () if old is None else (old,), client)
+        if rs is None:
+            if old is not None and old.available:
+                return Located(old, self.load_of(old), False)
+            return None
+        if old is not None:
+            self.scheduler.on_moved_away(old, now)
+        self.answer(rs, now, via, client)
+        return Located(rs, self.load_of(rs), True)
+
+    def load_of(self, rs: RealServer) -> float | None:
+        """`rs`'s load as the balance rule sees it (None: the scheduler has none)."""
+        pair = self.scheduler.balance_load(rs)
+        return None if pair is None else pair[0]
+
+    def balance_members(self) -> list[tuple[RealServer, float, float]]:
+        """(server, L, p) for every server that takes part in balancing: enabled, health
+        up, weight > 0 (draining, disabled and down servers never do). O(n)."""
+        members = []
+        for rs in self.servers:
+            if rs.online:
+                pair = self.scheduler.balance_load(rs)
+                if pair is None:
+                    return []
+                members.append((rs, *pair))
+        return members
+
+    @property
+    def imbalance_threshold(self) -> float:
+        conditioning = self.config.conditioning
+        return conditioning.threshold if conditioning else DEFAULT_IMBALANCE_THRESHOLD
+
+    def _should_move(self, rs: RealServer) -> bool:
+        # O(n), for `?current=` only (a plain locate is one pick): Geode scans too.
+        members = self.balance_members()
+        numbers = spread((load, step) for _, load, step in members)
+        if numbers is None:
+            return False
+        if self.balance.check(*numbers, self.imbalance_threshold):
+            return False
+        mine = next((load for server, load, _ in members if server is rs), None)
+        # Geode's isCurrentServerMostLoaded: no other server is loaded more.
+        return mine is not None and not any(load > mine for _, load, _ in members)
+
+    # -- statistics ---------------------------------------------------------------
+
+    def statistics(self, now: float | None = None) -> PoolStats:
+        """A frozen snapshot for metrics, the admin API and `lbproxy status`.
+
+        With `now`, time-driven state is brought up to date first (`advance`): the
+        effective weights are then those the scheduler uses at `now`.
+        """
+        if now is not None:
+            self.advance(now)
+        return PoolStats(
+            name=self.name,
+            scheduler=self.config.scheduler,
+            active_connections=self.active,
+            rejected={reason: self.rejected[reason] for reason in REJECT_REASONS},
+            dynamic_weight_fallback=self.fallback,
+            real_servers=tuple(self._server_stats(rs) for rs in self.servers),
+        )
+
+    @staticmethod
+    def _server_stats(rs: RealServer) -> RealServerStats:
+        # Bytes of connections still open are read from their live counters.
+        live_in = sum(getattr(lease.handle, "bytes_in", 0) for lease in rs.leases)
+        live_out = sum(getattr(lease.handle, "bytes_out", 0) for lease in rs.leases)
+        return RealServerStats(
+            name=rs.name,
+            address=str(rs.address),
+            state=rs.state,
+            health="up" if rs.health.up else "down",
+            available=rs.available,
+            backup=rs.backup,
+            weight_static=rs.static_weight,
+            weight_dynamic=rs.dynamic_weight,
+            weight_effective=rs.effective_weight,
+            active_connections=rs.active,
+            connections_total=rs.connections_total,
+            bytes_in=rs.bytes_in + live_in,
+            bytes_out=rs.bytes_out + live_out,
+            connect_failures=dict(rs.connect_failures),
+        )
+
+    # -- internals ----------------------------------------------------------------
+
+    def _add(self, config: RealServerConfig, now: float) -> RealServer:
+        check = self.config.health_check
+        rs = RealServer(config, len(self.servers), Health(check.rise, check.fall, up=True))
+        if self.polls_snmp and config.snmp is not None:
+            # Until the agent answers, `on_no_answer` decides: static uses the static
+            # weight, zero and hold (nothing to hold yet) give 0.
+            if config.snmp.on_no_answer == "static":
+                rs.dynamic_weight = rs.static_weight
+            else:
+                rs.dynamic_weight = 0.0
+        self.servers.append(rs)
+        self.by_name[rs.name] = rs
+        self._update(rs, now)
+        return rs
+
+    def _base_weight(self, rs: RealServer) -> float:
+        if self.polls_snmp and not self.fallback:
+            return rs.dynamic_weight or 0.0
+        return rs.static_weight
+
+    def _update(self, rs: RealServer, now: float) -> None:
+        """Recompute `rs` after any change, and every server if the fallback flips."""
+        if self.polls_snmp:
+            positive = (
+                not rs.removed
+                and rs.state == ENABLED
+                and rs.health.up
+                and (rs.dynamic_weight or 0.0) > 0
+            )
+            if positive != rs.dyn_positive:
+                rs.dyn_positive = positive
+                self._dynamic_positive += 1 if positive else -1
+            fallback = self._dynamic_positive == 0
+            if fallback != self.fallback:
+                self.fallback = fallback
+                if fallback:
+                    log.warning("%s: every dynamic weight is 0; using static weights", self.name)
+                else:
+                    log.info("%s: dynamic weights in use again", self.name)
+                for other in self.servers:
+                    self._apply(other, now)
+                return
+        self._apply(rs, now)
+
+    def _apply(self, rs: RealServer, now: float) -> None:
+        base = self._base_weight(rs)
+        online = not rs.removed and rs.state == ENABLED and rs.health.up and base > 0
+        if online and not rs.online:
+            rs.online = True
+            self._came_online(rs, now)
+        elif not online and rs.online:
+            rs.online = False
+            rs.ramp_start = None
+            self._ramping.discard(rs)
+            self.scheduler.on_offline(rs, now)
+        # A full primary (max_connections) still counts: its clients queue or are
+        # refused rather than spill over to the backups, as in HAProxy.
+        tier_flip = False
+        primary_online = online and not rs.backup
+        if primary_online != rs.primary_online:
+            rs.primary_online = primary_online
+            self._primaries_online += 1 if primary_online else -1
+            tier_flip = self._primaries_online == (1 if primary_online else 0)
+        old = rs.effective_weight
+        rs.effective_weight = base * self._ramp_factor(rs, now)
+        trial = rs.trial and not rs.removed and rs.state == ENABLED and base > 0
+        candidate = (online or trial) and not (rs.backup and self._primaries_online)
+        has_room = not rs.max_connections or rs.active < rs.max_connections
+        available = candidate and has_room
+        full = candidate and not has_room
+        if full != rs.full:
+            rs.full = full
+            self.full_servers += 1 if full else -1
+        if available and not rs.available:
+            rs.available = True
+            self.available_servers += 1
+            self.scheduler.on_available(rs, now)
+            if self.on_available is not None:
+                self.on_available()
+        elif not available and rs.available:
+            rs.available = False
+            self.available_servers -= 1
+            self.scheduler.on_unavailable(rs, now)
+        elif available and rs.effective_weight != old:
+            self.scheduler.on_weight(rs, old, now)
+        if tier_flip:
+            # The first primary came online (backups leave the scheduler; their
+            # connections finish on their own) or the last went (backups join it).
+            # A scan, but only on this transition, never per connection.
+            backups = [other for other in self.servers if other.backup]
+            if backups and not self._starting:
+                log.info(
+                    "%s: %s",
+                    self.name,
+                    "a primary is online again; backup servers stand by"
+                    if self._primaries_online
+                    else "no primary server online; using the backup servers",
+                )
+            for other in backups:
+                self._apply(other, now)
+
+    def _came_online(self, rs: RealServer, now: float) -> None:
+        if self.config.slow_start > 0:
+            rs.ramp_start = now
+            self._ramping.add(rs)
+            self._next_tick = min(self._next_tick, now)
+        if self.config.quiesce and self.scheduler.quiesce_resets and not self._starting:
+            self._quiesce_reset(now)
+        self.scheduler.on_online(rs, now)
+
+    def _schedule_trial(self, rs: RealServer, now: float) -> None:
+        """Passive health only: offer `rs` one trial connection `interval` from now."""
+        rs.trial = False
+        rs.retry_at = now + self.config.health_check.interval
+        self._retrying.add(rs)
+        self._next_tick = min(self._next_tick, rs.retry_at)
+
+    def _cancel_trial(self, rs: RealServer) -> None:
+        rs.trial = False
+        rs.retry_at = None
+        self._retrying.discard(rs)
+
+    def _retune_health(self, now: float) -> None:
+        """New health_check settings (a reload): keep each server's up/down state."""
+        check = self.config.health_check
+        for rs in self.servers:
+            rs.health.rise, rs.health.fall = check.rise, check.fall
+            rs.health.force(rs.health.up)
+            if check.type == "none" and not rs.health.up:
+                if rs not in self._retrying and not rs.trial:
+                    self._schedule_trial(rs, now)
+            elif check.type != "none":
+                self._cancel_trial(rs)  # active checks bring it back now
+
+    def _quiesce_reset(self, now: float) -> None:
+        # LVS: "the least-connections table is reset to zero and the LVS router routes
+        # requests as if all the real servers were newly added to the cluster".
+        self.epoch += 1
+        for rs in self.servers:
+            rs.sched_active = 0
+        self.scheduler.on_reset(now)
+        log.info("%s: quiesce reset of the connection table", self.name)
+
+    def _ramp_factor(self, rs: RealServer, now: float) -> float:
+        if rs.ramp_start is None:
+            return 1.0
+        elapsed = now - rs.ramp_start
+        if elapsed >= self.config.slow_start:
+            return 1.0
+        return max(SLOW_START_FLOOR, elapsed / self.config.slow_start)
+
+    def _tick(self, now: float) -> None:
+        """Time-driven work, run from `pick` when due: slow-start steps, load samples."""
+        if now >= self._scheduler_tick:
+            self._scheduler_tick = self.scheduler.on_tick(now)
+        next_tick = self._scheduler_tick
+        for rs in list(self._retrying):
+            if rs.removed or rs.health.up:
+                self._cancel_trial(rs)
+            elif now >= rs.retry_at:  # type: ignore[operator]
+                self._retrying.discard(rs)
+                rs.retry_at = None
+                rs.trial = True
+                self._apply(rs, now)
+            else:
+                next_tick = min(next_tick, rs.retry_at)  # type: ignore[type-var]
+        if self._ramping:
+            for rs in list(self._ramping):
+                if now - rs.ramp_start >= self.config.slow_start:  # type: ignore[operator]
+                    rs.ramp_start = None
+                    self._ramping.discard(rs)
+                self._apply(rs, now)
+            if self._ramping:
+                next_tick = min(next_tick, now + self.config.slow_start / SLOW_START_STEPS)
+        self._next_tick = next_tick
+
+
+def _non_negative(name: str, value: object) -> str | None:
+    """The one check of a reported number: finite, >= 0, not a boolean."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{name} must be a number >= 0, got {value!r}"
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        number = float("inf")
+    if not number >= 0 or number == float("inf"):
+        return f"{name} must be a finite number >= 0, got {value!r}"
+    return None

@@ -1,0 +1,51 @@
+"""lc and wlc: (weighted) least connections, with the LVS quiesce reset.
+
+lc : least active connections.
+wlc: least (active + 1) / weight (LVS document, seeds/001; `ip_vs_wlc.c` compares
+     `h1 * w2 > h2 * w1`: the same order, kept here as a float key because effective
+     weights may be fractional under slow start and smoothing).
+Ties: the tied server that was picked longest ago, then configuration order — round-robin
+order among tied servers, kept in the heap key instead of a scan.
+
+Quiesce (`quiesce: true`, wlc and the dynamic-weight schedulers): when a server comes
+online the pool resets every server's scheduling count to zero, and connections opened
+before the reset no longer count (nor decrement when they close). Without it, a server
+that rejoins with zero connections takes every new connection until it is level with the
+others — the "flood" of the LVS document.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lbproxy.core.schedulers import HeapScheduler, register
+
+if TYPE_CHECKING:
+    from lbproxy.core.pool import RealServer
+
+
+@register
+class LeastConnections(HeapScheduler):
+    name = "lc"
+
+    def key(self, rs: RealServer) -> tuple[float, int]:
+        return (rs.sched_active, rs.seq)
+
+    def balance_load(self, rs: RealServer) -> tuple[float, float]:
+        return float(rs.active), 1.0  # SPEC §11: L = active, p = 1
+
+
+@register
+class WeightedLeastConnections(HeapScheduler):
+    name = "wlc"
+    quiesce_resets = True
+
+    def key(self, rs: RealServer) -> tuple[float, int]:
+        return ((rs.sched_active + 1) / rs.effective_weight, rs.seq)
+
+    def balance_load(self, rs: RealServer) -> tuple[float, float]:
+        # SPEC §11: L = active / weight, p = 1 / weight (dwd, dwr inherit it)
+        weight = rs.effective_weight
+        if weight <= 0:
+            return float("inf") if rs.active else 0.0, 0.0
+        return rs.active / weight, 1.0 / weight

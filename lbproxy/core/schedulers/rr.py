@@ -1,0 +1,90 @@
+"""rr and wrr: (weighted) round robin as earliest-deadline-first.
+
+wrr (LVS document, seeds/001: "weights 1 and 5 give 5 connections to 1"): each available
+server has a virtual deadline; the earliest deadline wins (ties: configuration order),
+and a server that takes a connection moves its deadline on by 1/weight. A server starts,
+or comes back, half a period after the current virtual time, which interleaves picks
+smoothly: weights 1 and 5 give b b a b b b, b b b b a b, ... (Envoy's EDF scheduler; the
+same shares as nginx's smooth weighted round robin, in O(log n) instead of O(n)).
+
+rr is the same with every weight taken as 1: servers in configuration order, cycling.
+A weight change keeps the progress already made: the time left to the deadline is
+scaled by old/new weight.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lbproxy.core.schedulers import HeapScheduler, register
+
+if TYPE_CHECKING:
+    from lbproxy.core.pool import Pool, RealServer
+
+
+@register
+class WeightedRoundRobin(HeapScheduler):
+    name = "wrr"
+
+    def __init__(self, pool: Pool) -> None:
+        super().__init__(pool)
+        self.now_virtual = 0.0
+        # deadline = base + (picks + 0.5) / weight, computed from scratch each time
+        # rather than accumulated, so weights 1 and 5 tie exactly at 1.5 and float drift
+        # never reorders a cycle.
+        self.base: dict[RealServer, float] = {}
+        self.picks: dict[RealServer, int] = {}
+
+    def weight(self, rs: RealServer) -> float:
+        return rs.effective_weight
+
+    def deadline(self, rs: RealServer) -> float:
+        return self.base[rs] + (self.picks[rs] + 0.5) / self.weight(rs)
+
+    def key(self, rs: RealServer) -> tuple[float, int]:
+        return (self.deadline(rs), rs.index)
+
+    def on_available(self, rs: RealServer, now: float) -> None:
+        self.base[rs] = self.now_virtual
+        self.picks[rs] = 0
+        super().on_available(rs, now)
+
+    def on_unavailable(self, rs: RealServer, now: float) -> None:
+        self.base.pop(rs, None)
+        self.picks.pop(rs, None)
+        super().on_unavailable(rs, now)
+
+    def on_weight(self, rs: RealServer, old: float, now: float) -> None:
+        if rs not in self.base or old <= 0:
+            return
+        # Keep the progress made: the time left to the deadline scales by old/new.
+        left = self.base[rs] + (self.picks[rs] + 0.5) / old - self.now_virtual
+        new_weight = self.weight(rs)
+        ratio = old / new_weight if new_weight != old else 1.0
+        self.base[rs] = self.now_virtual + left * ratio - 0.5 / new_weight
+        self.picks[rs] = 0
+        super().on_weight(rs, old, now)
+
+    def on_take(self, rs: RealServer, now: float) -> None:
+        if rs not in self.base:  # taken while not available (e.g. the last slot filled)
+            return
+        self.now_virtual = max(self.now_virtual, self.deadline(rs))
+        self.picks[rs] += 1
+        self._rekey(rs)
+
+    def on_drop(self, rs: RealServer, now: float) -> None:
+        pass  # round robin does not look at connection counts
+
+    def on_reset(self, now: float) -> None:
+        pass
+
+
+@register
+class RoundRobin(WeightedRoundRobin):
+    name = "rr"
+
+    def weight(self, rs: RealServer) -> float:
+        return 1.0
+
+    def on_weight(self, rs: RealServer, old: float, now: float) -> None:
+        pass  # rr ignores weights (0 makes a server unavailable, handled by the pool)

@@ -1,0 +1,1 @@
+"""The data plane: listeners, the connection handler, the queue, the virtual server."""

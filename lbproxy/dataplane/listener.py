@@ -1,0 +1,336 @@
+"""Listening addresses: bind, accept, the accept-error back-off, and the SNI route.
+
+A `Listener` is one bound socket and the virtual servers it feeds. Its accept loop hands
+every accepted client to its handler, which serves it at once and, only for what has to
+wait, in a task in the server's handlers nursery (trio's `serve_listeners` is the model:
+the accept loop and the handlers live in separate nurseries, so stopping accepting does
+not cancel connections; connection.py says how connections without a task are drained).
+
+An address fed by one virtual server without `sni` passes each client straight to that
+virtual server's handler. An address shared by several (or one with `sni`) routes TLS
+passthrough (SPEC §13): it pre-reads the PROXY header (if `accept_proxy`) and the
+ClientHello (client_hello.py, pure), picks the virtual server by the server name
+(`Routes`), and hands the client over with the bytes read, which the handler forwards
+to the real server unchanged. A reload that only changes which virtual servers an
+address feeds re-routes its listener in place: the socket stays bound.
+
+Data flows one way: client -> listener -> connection handler (connection.py) -> pump. This
+module imports the handler and the runtime virtual server; neither imports it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+from collections.abc import Sequence
+
+import trio
+
+from lbproxy.config.model import Address
+from lbproxy.dataplane.connection import Handler, Spawn
+from lbproxy.dataplane.proxy_header_io import read_proxy_header
+from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.wire.client_hello import LIMIT, ClientHelloReader, Hello
+from lbproxy.wire.proxy_protocol import ProxyProtocolError
+
+log = logging.getLogger("lbproxy.listener")
+
+LISTEN_BACKLOG = 4096
+
+# Accept errors that mean "out of descriptors or memory": back off and retry, never
+# crash or spin (trio's ACCEPT_CAPACITY_ERRNOS in _highlevel_serve_listeners.py). The
+# pending connection stays in the kernel's backlog and is served once a slot frees up.
+ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+ACCEPT_BACKOFF = 0.1
+# Connections accepted per wake-up, at most, before the accept loop lets other tasks run:
+# it accepts until the backlog is empty (EAGAIN) or this many, so a burst of arrivals
+# costs one trio wait and one scheduler round instead of one each (each round is an
+# epoll_wait), and a flood still cannot starve established connections.
+ACCEPT_BATCH = 16
+# A burst of capacity errors ends (and "accepting again" is logged, once) only when an
+# accept succeeds this long after the last error: at the limit, every freed descriptor
+# lets one accept through between errors, which is still the same burst.
+ACCEPT_BURST_QUIET = 1.0
+# A ClientHello is one read in practice (~300-600 bytes; more with post-quantum keys);
+# never more than the 16 KiB the reader looks at.
+HELLO_READ = LIMIT
+F_SETFL, O_NONBLOCK = fcntl.F_SETFL, os.O_NONBLOCK
+
+
+class BindError(Exception):
+    """A listen address could not be bound (in use, no permission): exit code 1."""
+
+
+class Routes:
+    """Which virtual server a TLS server name goes to, on one listen address.
+
+    An exact name first, else the wildcard for the name's parent (`*.example.com`
+    stands for one label, so for `a.example.com` only `*.example.com` can match:
+    the "longest matching wildcard" of SPEC §13 is that one), else the default (the
+    virtual server without `sni`), else None: no route.
+    """
+
+    __slots__ = ("default", "exact", "wildcard")
+
+    def __init__(self, virtual_servers: Sequence[VirtualServer]) -> None:
+        self.exact: dict[str, VirtualServer] = {}
+        self.wildcard: dict[str, VirtualServer] = {}  # "example.com" for *.example.com
+        self.default: VirtualServer | None = None
+        for vs in virtual_servers:
+            names = vs.pool.config.sni
+            if not names and self.default is None:
+                self.default = vs
+            for name in names:
+                if name.startswith("*."):
+                    self.wildcard.setdefault(name[2:], vs)
+                else:
+                    self.exact.setdefault(name, vs)
+
+    def match(self, server_name: str | None) -> VirtualServer | None:
+        if server_name is not None:
+            vs = self.exact.get(server_name)
+            if vs is not None:
+                return vs
+            _, dot, parent = server_name.partition(".")
+            if dot:
+                vs = self.wildcard.get(parent)
+                if vs is not None:
+                    return vs
+        return self.default
+
+
+class Listener:
+    """One bound listening socket, the virtual servers it feeds, and its accept loop.
+
+    One virtual server without `sni` (the usual case): every client goes straight to
+    its handler, which reads the PROXY header itself; nothing here costs a thing per
+    connection. Otherwise (SNI routing) each client is first pre-read here
+    (`_route`): the PROXY header if `accept_proxy`, then the TLS ClientHello, within
+    the first virtual server's `connect_timeout`; the bytes read go to the chosen
+    virtual server's handler, to be forwarded unchanged.
+    """
+
+    def __init__(
+        self, address: Address, sock: socket.socket, virtual_servers: Sequence[VirtualServer]
+    ):
+        self.address = address
+        # A plain non-blocking socket: the accept loop waits on its descriptor itself
+        # (see accept_loop), so trio's socket wrapper would only add cost.
+        self.sock = sock
+        self.cancel_scope = trio.CancelScope()
+        self._handlers: dict[VirtualServer, Handler] = {}
+        self.route(virtual_servers)
+
+    def route(self, virtual_servers: Sequence[VirtualServer]) -> None:
+        """Feed these virtual servers (configuration order) from now on.
+
+        Called when the listener is made and after every reload: the set of virtual
+        servers on an address, or their `sni` names, may change while the socket
+        stays bound. Connections already handed to a handler keep it.
+        """
+        self._handlers = {vs: self._handlers.get(vs) or Handler(vs) for vs in virtual_servers}
+        self.vs = virtual_servers[0]  # the address's first: it counts no_route
+        self.handler = self._handlers[self.vs]
+        self.routes = Routes(virtual_servers)
+        if len(virtual_servers) == 1 and not self.vs.pool.config.sni:
+            # Served at once by the handler, with a task only if it has to wait.
+            self.accept_client = self.handler.accept
+        else:
+            self.accept_client = self._spawn_route
+
+    @property
+    def virtual_servers(self) -> list[VirtualServer]:
+        return list(self._handlers)
+
+    def close(self) -> None:
+        self.cancel_scope.cancel()
+        trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
+        self.sock.close()
+
+    def _spawn_route(self, client: int, peer: tuple, spawn: Spawn) -> None:
+        spawn(self._route, client, peer)
+
+    async def _route(self, fd: int, peer: tuple) -> None:
+        """Pre-read a client of a shared (SNI) address and hand it to its handler.
+
+        Every way this can go wrong ends here, with the client closed (and counted as
+        `no_route` when there is no default): nothing escapes to the nursery.
+        """
+        # A socket object for the reads (the descriptor is non-blocking already); the
+        # handler gets the descriptor back.
+        client = socket.socket(-1, socket.SOCK_STREAM, 0, fd)
+        # As they are now: a reload re-routing the listener meanwhile changes nothing
+        # for this client.
+        routes, handlers, first = self.routes, self._handlers, self.handler
+        config = first.pool.config
+        source = peer
+        reader = ClientHelloReader()
+        received = bytearray()  # outside the deadline's scope: kept when it expires
+        handler = None
+        header_read = not config.accept_proxy
+        try:
+            with trio.move_on_after(config.connect_timeout):
+                if config.accept_proxy:
+                    header = await _read_proxy_header(client, first.name)
+                    if header is None:
+                        return  # a bad PROXY header: dropped, as the handler would
+                    source = header[0]
+                    received += header[1]
+                    header_read = True
+                await _read_client_hello(client, reader, received)
+            if not header_read:
+                log.debug("%s: no PROXY header within %ss", first.name, config.connect_timeout)
+                return
+            result = reader.eof()  # incomplete at the deadline or EOF: not a hello
+            server_name = result.server_name if isinstance(result, Hello) else None
+            vs = routes.match(server_name)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: sni %s -> %s", self.address, server_name, vs and vs.name)
+            if vs is None:
+                first.reject("no_route", source)
+                return
+            handler = handlers[vs]
+        except OSError as exc:  # reset while we read: nobody to route
+            log.debug("%s: client gone before it was routed: %s", self.address, exc)
+            return
+        except Exception as exc:  # a bug in routing must end only this connection
+            log.warning("%s: routing failed: %r", self.address, exc)
+            return
+        finally:
+            if handler is None:
+                client.close()
+        # This frame waits as long as the connection lives: let go of the reader and
+        # its copy of the hello now (an idle connection should keep only what it needs).
+        serve = handler.handle(client.detach(), source, bytes(received))
+        del reader, received, routes, handlers, handler
+        await serve
+
+    async def accept_loop(self, handlers: trio.Nursery) -> None:
+        """Accept clients until closed, each served by a task in `handlers`."""
+        spawn = handlers.start_soon
+        listener = self
+        # Accept on the plain socket under trio's wrapper: trio's accept() costs two
+        # checkpoints (a scheduler round each) and a wrapper object per connection. We
+        # wait only when the backlog is empty, and let other tasks run every
+        # ACCEPT_BATCH connections so a flood cannot starve established ones.
+        # `_accept` is socket.accept() without the socket object (Python frames, and a
+        # getsockname call CPython makes to check the descriptor): the handler and the
+        # pump work on the descriptor. O_NONBLOCK with one fcntl, as HAProxy does
+        # (accept4's SOCK_NONBLOCK is not reachable from the standard library).
+        sock = listener.sock
+        accept = sock._accept
+        set_flags = fcntl.fcntl
+        fd = sock.fileno()
+        batch = 0
+        burst_errors = 0  # capacity errors in the current burst; 0: no burst
+        last_error = 0.0
+        with listener.cancel_scope:
+            while True:
+                try:
+                    client, peer = accept()
+                except BlockingIOError:
+                    batch = 0
+                    try:
+                        await trio.lowlevel.wait_readable(fd)
+                    except trio.ClosedResourceError:  # closed by a reload
+                        return
+                    continue
+                except OSError as exc:
+                    if exc.errno in ACCEPT_CAPACITY_ERRNOS:
+                        if not burst_errors:
+                            log.error(
+                                "%s: accept failed (%s); retrying every %ss",
+                                listener.address,
+                                exc.strerror,
+                                ACCEPT_BACKOFF,
+                            )
+                        burst_errors += 1
+                        last_error = trio.current_time()
+                        await trio.sleep(ACCEPT_BACKOFF)
+                        continue
+                    if exc.errno in (errno.EBADF, errno.EINVAL):  # closed by a reload
+                        return
+                    log.warning("%s: accept failed: %s", listener.address, exc)
+                    continue
+                if burst_errors and trio.current_time() - last_error >= ACCEPT_BURST_QUIET:
+                    log.info(
+                        "%s: accepting again (%d accept failure(s) in that burst)",
+                        listener.address,
+                        burst_errors,
+                    )
+                    burst_errors = 0
+                try:
+                    set_flags(client, F_SETFL, O_NONBLOCK)
+                except OSError as exc:  # not expected from a fresh socket: drop it
+                    log.warning("%s: accepted socket: %s", listener.address, exc)
+                    os.close(client)
+                    continue
+                listener.accept_client(client, peer, spawn)
+                batch += 1
+                if batch >= ACCEPT_BATCH:
+                    batch = 0
+                    await trio.lowlevel.checkpoint()
+
+
+def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    host = "127.0.0.1" if address.host == "localhost" else address.host
+    # A stdlib socket bound synchronously (the host is a literal: no DNS), then handed
+    # to trio: a reload can bind all its addresses before changing anything.
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            # workers > 1: every worker binds its own socket on the address and the
+            # kernel spreads new connections across them (lbproxy/runtime/workers.py)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            # one socket per family, as trio's open_tcp_listeners: [::]:80 and
+            # 0.0.0.0:80 can then both be configured
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted
+        sock.bind((host, address.port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"cannot listen on {address}: {exc.strerror}") from None
+    return sock
+
+
+# -- the pre-read of a shared (SNI) address ------------------------------------------
+
+
+async def _read_proxy_header(client: socket.socket, name: str) -> tuple[tuple, bytes] | None:
+    """The source a PROXY header names and the bytes after it; None: a bad header."""
+    sock = trio.socket.from_stdlib_socket(client)
+    try:
+        source, leftover = await read_proxy_header(sock)
+        return (source or client.getpeername()[:2]), leftover
+    except (OSError, ProxyProtocolError) as exc:
+        log.debug("%s: bad PROXY header: %s", name, exc)
+        return None
+
+
+async def _read_client_hello(
+    client: socket.socket, reader: ClientHelloReader, received: bytearray
+) -> None:
+    """Read into `received` until `reader` has a result; returns early on EOF (the
+    caller's deadline cancels it; a socket error is raised). Bytes already in
+    `received` (after a PROXY header) are fed first."""
+    if received and reader.feed(bytes(received)) is not None:
+        return
+    fd = client.fileno()
+    while True:
+        try:
+            chunk = client.recv(HELLO_READ)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(fd)
+            continue
+        if not chunk:
+            return
+        received += chunk
+        if reader.feed(chunk) is not None:
+            return

@@ -1,0 +1,52 @@
+"""The runtime virtual server: the one object the handler, the sensors and the admin read.
+
+A `VirtualServer` is its pool (real servers, scheduler, counters, `pool.config`) plus
+the few runtime parts that are not the pool itself: the access-log flag, the
+admission-control monitor and the connection queue, if any. It owns no task and moves no byte.
+
+Imports point one way (ARCHITECTURE.md): the connection handler (connection.py), the
+sensors (checks.py, throttle_monitor.py), the listeners and the server all import this
+module, and it imports none of them (only the pool and the queue it holds). The
+throttle monitor is therefore named here only by the two methods the handler calls
+(`Admission`), not by its class.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from lbproxy.core.pool import Pool
+from lbproxy.dataplane.queue import Queue
+
+log = logging.getLogger("lbproxy.virtual_server")
+
+
+class Admission(Protocol):
+    """What the connection handler asks of an admission-control monitor."""
+
+    def arrival(self) -> bool:
+        """Count one accepted client, already counted in `pool.clients`; True: refuse
+        it (digg). May take the mode up at once (throttle.py)."""
+        ...
+
+    def idle_timeout_for(self, own: float) -> float:
+        """The idle timeout a new connection starts with, given the virtual server's own."""
+        ...
+
+
+class VirtualServer:
+    """The running side of one virtual server: its pool and its runtime switches."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.access_log = False  # global.access_log, set by the Server
+        # Admission control (throttle_monitor.py), set by the Server's Throttles when the
+        # virtual server has a `throttle:` block; it publishes `pool.throttle_mode`.
+        self.throttle: Admission | None = None
+        # The connection queue (queue.py), when the virtual server has `queue:`.
+        self.queue: Queue | None = None
+
+    @property
+    def name(self) -> str:
+        return self.pool.name

@@ -1,0 +1,1 @@
+"""Geode's locator: answers over DNS (the HTTP routes are the admin app's)."""

@@ -1,0 +1,194 @@
+"""The DNS locator: `global.locator.dns` served over UDP and TCP (SPEC §10).
+
+The answers are lbproxy/locator/dns_answers.py's (pure, dnspython); this module owns the sockets:
+two trio tasks beside the admin endpoint, in the proxy's own process, reading the live
+pools. With `workers` > 1 every worker binds the same address with SO_REUSEPORT and
+answers from its own pools -- Geode's "locators do not share connection information
+among themselves": the kernel spreads queries over them as it spreads connections.
+
+Defences, so that no client disturbs another or the proxy:
+
+- UDP: one task; each datagram is answered before the next is read (a query costs one
+  pick and ~100 us of dnspython), and the loop lets other tasks run every UDP_BATCH
+  datagrams, so a flood shares the CPU with the proxied connections instead of
+  starving them. What the
+  socket buffer cannot hold the kernel drops, as any DNS server under a flood does.
+- TCP (RFC 7766): 2-byte length framing, several queries per connection; every read of
+  one message must complete within TCP_TIMEOUT (a client that sends half a message and
+  stalls is closed, and never blocks another: one task per client); at most
+  MAX_TCP_CLIENTS at once, more are closed at accept.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import trio
+
+from lbproxy.config.model import Address, DnsLocatorConfig
+from lbproxy.core.pool import Pool
+from lbproxy.locator.dns_answers import UDP_PAYLOAD, QueryHandler
+
+log = logging.getLogger("lbproxy.locator")
+
+TCP_TIMEOUT = 2.0  # seconds to read one length-framed message (and to wait for the next)
+MAX_TCP_CLIENTS = 64
+MAX_TCP_MESSAGE = 65535  # what the 2-byte length allows
+UDP_RECEIVE = 65535
+UDP_BATCH = 16  # datagrams answered between two checkpoints of the UDP loop
+
+
+class DnsLocator:
+    """The DNS face of the locator for one process; `pools` maps names to live pools."""
+
+    def __init__(self, config: DnsLocatorConfig, pools: dict[str, object]) -> None:
+        self.config = config
+        self._pools = pools  # the Server's `virtual_servers` (name -> VirtualServer)
+        self.handler = QueryHandler(config.zone, config.ttl, self._find)
+        self.tcp_clients = 0
+
+    @property
+    def rcodes(self) -> dict[str, int]:
+        return self.handler.rcodes
+
+    def _find(self, label: str) -> Pool | None:
+        vs = self._pools.get(label)
+        if vs is None:  # DNS names have no case; ours do: O(n) only on this miss
+            lower = label.lower()
+            vs = next((v for name, v in self._pools.items() if name.lower() == lower), None)
+        return None if vs is None else vs.pool  # type: ignore[attr-defined]
+
+    # -- binding (synchronous, so a bad address fails before anything starts) ----------
+
+    @staticmethod
+    def bind(address: Address, reuse_port: bool) -> tuple[socket.socket, socket.socket]:
+        """(UDP, TCP) sockets bound on `address`; OSError names the problem."""
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        host = "127.0.0.1" if address.host == "localhost" else address.host
+        bound = []
+        try:
+            for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+                sock = socket.socket(family, kind)
+                bound.append(sock)
+                if kind == socket.SOCK_STREAM:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind((host, address.port))
+                if kind == socket.SOCK_STREAM:
+                    sock.listen(128)
+                sock.setblocking(False)
+        except OSError:
+            for sock in bound:
+                sock.close()
+            raise
+        return bound[0], bound[1]
+
+    # -- serving ---------------------------------------------------------------------
+
+    async def serve(
+        self,
+        udp: socket.socket,
+        tcp: socket.socket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve both sockets until cancelled; closes them."""
+        tcp_sock = trio.socket.from_stdlib_socket(tcp)
+        with udp, tcp_sock:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._udp, udp)
+                nursery.start_soon(self._tcp, tcp_sock, nursery)
+                log.info(
+                    "DNS locator on %s (UDP and TCP), zone %s", self.config.listen, self.config.zone
+                )
+                task_status.started()
+
+    async def _udp(self, raw: socket.socket) -> None:
+        # The plain socket under trio's wrapper, as the accept loop in server.py: trio's
+        # recvfrom and sendto cost a scheduler round each. We wait only when nothing is
+        # queued, and let other tasks run every UDP_BATCH datagrams, so a flood shares
+        # the CPU with the proxied connections.
+        fd = raw.fileno()
+        handle = self.handler.handle
+        batch = 0
+        while True:
+            try:
+                data, peer = raw.recvfrom(UDP_RECEIVE)
+            except BlockingIOError:
+                batch = 0
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            except OSError as exc:  # e.g. ICMP port unreachable of an earlier answer
+                log.debug("DNS UDP receive: %s", exc)
+                await trio.lowlevel.checkpoint()
+                continue
+            answer = handle(data, trio.current_time(), UDP_PAYLOAD, peer)
+            if answer is not None:
+                try:
+                    raw.sendto(answer, peer)
+                except OSError as exc:  # a full buffer drops it, as UDP may
+                    log.debug("DNS UDP answer to %s: %s", peer, exc)
+            batch += 1
+            if batch >= UDP_BATCH:
+                batch = 0
+                await trio.lowlevel.checkpoint()
+
+    async def _tcp(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                client, peer = await sock.accept()
+            except OSError as exc:  # out of descriptors: back off, never spin
+                log.warning("DNS TCP accept: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            if self.tcp_clients >= MAX_TCP_CLIENTS:
+                client.close()
+                continue
+            self.tcp_clients += 1
+            nursery.start_soon(self._tcp_client, client, peer)
+
+    async def _tcp_client(self, client: trio.socket.SocketType, peer: tuple) -> None:
+        stream = trio.SocketStream(client)
+        try:
+            async with stream:
+                while True:
+                    message = None
+                    with trio.move_on_after(TCP_TIMEOUT):
+                        message = await _read_message(stream)
+                    if message is None:  # end of file, a timeout, or half a message
+                        return
+                    now = trio.current_time()
+                    answer = self.handler.handle(message, now, MAX_TCP_MESSAGE, peer)
+                    if answer is None:
+                        return
+                    with trio.move_on_after(TCP_TIMEOUT):  # a client that reads nothing
+                        await stream.send_all(len(answer).to_bytes(2, "big") + answer)
+                        continue
+                    return
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.debug("DNS TCP client: %s", exc)
+        finally:
+            self.tcp_clients -= 1
+
+
+async def _read_message(stream: trio.SocketStream) -> bytes | None:
+    """One length-framed message (RFC 1035 4.2.2), or None at end of file."""
+    size = await _read_exactly(stream, 2)
+    if size is None:
+        return None
+    return await _read_exactly(stream, int.from_bytes(size, "big"))
+
+
+async def _read_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
+    """`n` bytes, or None at end of file."""
+    data = bytearray()
+    while len(data) < n:
+        chunk = await stream.receive_some(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)

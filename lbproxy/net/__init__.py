@@ -1,0 +1,1 @@
+"""Moving bytes on trio: deadlines, the pump and its reactor."""

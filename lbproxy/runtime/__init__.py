@@ -1,0 +1,1 @@
+"""The process: the server and its reloads, workers, systemd notify, logs."""

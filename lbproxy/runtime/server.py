@@ -1,0 +1,541 @@
+"""The running proxy: the nursery tree, signals, reload and graceful stop.
+
+The nursery tree (hypercorn's `worker_serve` is the model):
+
+    handlers nursery          every client connection; given a deadline on shutdown
+      service nursery         accept loops, signal handling, health checks, admin
+                              endpoint; cancelled first on shutdown, so accepting stops
+                              at once while connections drain
+
+`serve()` reports `task_status.started(server)` only once every listener is bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from lbproxy.admin.api import TokenError, read_token, serve_admin
+from lbproxy.config.model import Address, Config, ConfigError, VirtualServerConfig
+from lbproxy.config.reader import load
+from lbproxy.control.checks import HealthChecks, close_leases
+from lbproxy.control.conditioning import Conditioners
+from lbproxy.control.discovery import Discoveries
+from lbproxy.control.snmp import SnmpPollers
+from lbproxy.control.throttle_monitor import Throttles
+from lbproxy.core.pool import DISABLED, Pool, RealServer, state_error
+from lbproxy.dataplane import queue as waiting
+from lbproxy.dataplane.listener import BindError, Listener, listen_socket
+from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.locator.dns_server import DnsLocator
+from lbproxy.runtime import logs
+from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
+
+log = logging.getLogger("lbproxy.server")
+
+
+def load_for_reload(paths: Sequence[str]) -> Config | list[str]:
+    """Load the files again for a reload: the new Config, or every problem as
+    `FILE:LINE: message`, each logged, with the running configuration left alone."""
+    try:
+        return load(paths)
+    except ConfigError as exc:
+        messages = [str(problem) for problem in exc.problems]
+        for message in messages:
+            log.error("reload: %s", message)
+        log.error("reload failed; the running configuration is unchanged")
+        return messages
+
+
+class Server:
+    def __init__(
+        self,
+        config: Config,
+        config_paths: Sequence[str] = (),
+        admin_token: str | None = None,
+        *,
+        reuse_port: bool = False,
+        admin_sock: socket.socket | None = None,
+    ) -> None:
+        self.config = config
+        self.admin_token = admin_token
+        # A worker (lbproxy/runtime/workers.py): listeners shared with SO_REUSEPORT, and the
+        # admin endpoint on this bound socket instead of global.admin.listen.
+        self.reuse_port = reuse_port
+        self.admin_sock = admin_sock
+        self.config_paths = list(config_paths)
+        self.virtual_servers: dict[str, VirtualServer] = {}
+        self.listeners: dict[Address, Listener] = {}
+        self.ready = False
+        self.draining = False
+        self.reloads = {"ok": 0, "error": 0}
+        self._stop = trio.Event()
+        self._finished = trio.Event()
+        self._handlers: trio.Nursery | None = None
+        self._service: trio.Nursery | None = None
+        self.throttles = Throttles()  # one admission-control monitor per throttled VS
+        self.checks = HealthChecks()  # one health-check task per real server
+        self.snmp = SnmpPollers()  # one SNMP poller per real server of dwd/dwr/least-load
+        self.discovery = Discoveries()  # one DNS discovery task per VS with discovery.dns
+        # systemd's notify protocol: a no-op unless run() finds $NOTIFY_SOCKET (never in
+        # a worker of `workers: N`, where the supervisor notifies)
+        self.notifier = Notifier()
+        self.conditioners = Conditioners()  # one per virtual server with `conditioning:`
+        self.dns: DnsLocator | None = None  # global.locator.dns, once bound
+
+    # -- life cycle ---------------------------------------------------------------
+
+    async def serve(
+        self,
+        *,
+        task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+        handle_signals: bool = True,
+    ) -> None:
+        # Bind before any task starts, so a bad address fails plainly (exit code 1).
+        bound, _ = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
+        admin_address = self.config.global_.admin.listen
+        try:
+            admin_sock = self.admin_sock
+            if admin_sock is None and admin_address:
+                admin_sock = listen_socket(admin_address)
+            dns_socks = self._bind_dns()
+        except BindError:
+            for listener in bound:
+                listener.sock.close()
+            raise
+        # The admin endpoint outlives the drain (so /readyz can answer 503 meanwhile)
+        # and is cancelled once the last connection is done; the DNS locator with it.
+        async with trio.open_nursery() as admin:
+            if admin_sock is not None:
+                await admin.start(serve_admin, self, admin_sock, self.admin_token)
+            if dns_socks is not None and self.dns is not None:
+                await admin.start(self.dns.serve, *dns_socks)
+            await admin.start(self._serve, bound, handle_signals)
+            task_status.started(self)
+            if self.notifier.enabled:
+                self.notifier.ready(self.status_line())
+                admin.start_soon(self._report_status)
+            await self._finished.wait()
+            admin.cancel_scope.cancel()
+        log.info("stopped")
+
+    def status_line(self) -> str:
+        """systemd's STATUS= text: virtual servers and active connections."""
+        active = sum(vs.pool.active for vs in self.virtual_servers.values())
+        return status_line(len(self.virtual_servers), active, "draining" if self.draining else "")
+
+    async def _report_status(self) -> None:
+        while True:
+            await trio.sleep(STATUS_INTERVAL)
+            self.notifier.status(self.status_line())
+
+    def _bind_dns(self) -> tuple[socket.socket, socket.socket] | None:
+        """Bind global.locator.dns (UDP and TCP), or None when it is not configured."""
+        config = self.config.global_.locator.dns
+        if config is None:
+            return None
+        try:
+            socks = DnsLocator.bind(config.listen, self.reuse_port)
+        except OSError as exc:
+            raise BindError(
+                f"cannot listen on {config.listen} (DNS locator): {exc.strerror}"
+            ) from None
+        self.dns = DnsLocator(config, self.virtual_servers)
+        return socks
+
+    @property
+    def dns_queries(self) -> dict[str, int]:
+        """DNS locator answers by rcode, for the metrics."""
+        return dict(self.dns.rcodes) if self.dns is not None else {}
+
+    def _add_locator_only(self, configs: Sequence[VirtualServerConfig], now: float) -> list[str]:
+        """Virtual servers with `listen: none`: no listener registers them, so do it here."""
+        added = []
+        for vs_config in configs:
+            if not vs_config.listen and vs_config.name not in self.virtual_servers:
+                vs = VirtualServer(Pool(vs_config, now))
+                vs.access_log = self.config.global_.access_log
+                self.virtual_servers[vs_config.name] = vs
+                added.append(f"{vs_config.name}: locator only (listen: none)")
+        if added:  # back to configuration order, in place (the DNS locator holds the dict)
+            order = {vs_config.name: i for i, vs_config in enumerate(configs)}
+            running = sorted(self.virtual_servers.items(), key=lambda kv: order.get(kv[0], 0))
+            self.virtual_servers.clear()
+            self.virtual_servers.update(running)
+        return added
+
+    def pools(self) -> list[Pool]:
+        """The pools of the configured virtual servers, in configuration order."""
+        return [vs.pool for vs in self.virtual_servers.values()]
+
+    async def _serve(
+        self,
+        bound: list[Listener],
+        handle_signals: bool,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        try:
+            await self._serve_until_drained(bound, handle_signals, task_status)
+        finally:
+            self._finished.set()
+
+    async def _serve_until_drained(
+        self, bound: list[Listener], handle_signals: bool, task_status: trio.TaskStatus[None]
+    ) -> None:
+        async with trio.open_nursery() as handlers:
+            self._handlers = handlers
+            async with trio.open_nursery() as service:
+                self._service = service
+                for listener in bound:
+                    self._start_listener(listener)
+                self._add_locator_only(self.config.virtual_servers, trio.current_time())
+                self.conditioners.sync(self.virtual_servers.values(), service)
+                self.throttles.sync(self.virtual_servers.values(), service)
+                self._sync_queues()
+                self.checks.sync(self.virtual_servers.values(), service)
+                self.snmp.sync(self.virtual_servers)
+                await service.start(self.snmp.run)
+                self.discovery.sync(self.config.virtual_servers, service, self)
+                if handle_signals:
+                    await service.start(self._signals)
+                self.ready = True
+                log.info(
+                    "listening on %s",
+                    ", ".join(str(address) for address in self.listeners)
+                    or "nothing (locator only)",
+                )
+                task_status.started()
+                await self._stop.wait()
+                service.cancel_scope.cancel()
+            for listener in self.listeners.values():
+                listener.sock.close()
+            open_now = sum(vs.pool.clients for vs in self.virtual_servers.values())
+            log.info(
+                "stopped accepting; draining %d connection(s) for up to %ss",
+                open_now,
+                self.config.global_.drain_timeout,
+            )
+            handlers.cancel_scope.deadline = trio.current_time() + self.config.global_.drain_timeout
+
+    def stop(self) -> None:
+        """Stop accepting at once; connections get `drain_timeout` to finish."""
+        first = not self.draining
+        self.draining = True
+        if first:
+            self.notifier.stopping(self.status_line())
+        self._stop.set()
+
+    async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:
+            task_status.started()
+            async for signum in sigs:
+                if signum == signal.SIGHUP:
+                    self.reload()
+                else:
+                    log.info("received %s", signal.Signals(signum).name)
+                    self.stop()
+
+    # -- listeners ----------------------------------------------------------------
+
+    def _bind_virtual_servers(
+        self, configs: Sequence[VirtualServerConfig], now: float
+    ) -> tuple[list[Listener], dict[Address, list[VirtualServer]]]:
+        """Bind every listen address not bound yet; all or nothing (raises BindError).
+
+        Returns the new listeners and, for every address wanted, the virtual servers
+        it is to feed (configuration order; new ones made here, unregistered until
+        the caller commits). An address already bound is never bound again: when only
+        the set of virtual servers on it changes, its listener is re-routed
+        (`Listener.route`), so there is no moment where connections are refused.
+        """
+        routes: dict[Address, list[VirtualServer]] = {}
+        for vs_config in configs:
+            vs = self.virtual_servers.get(vs_config.name)
+            if vs is None:
+                vs = VirtualServer(Pool(vs_config, now))
+                vs.access_log = self.config.global_.access_log
+            for address in vs_config.listen:
+                routes.setdefault(address, []).append(vs)
+        bound: list[Listener] = []
+        try:
+            for address, virtual_servers in routes.items():
+                if address not in self.listeners:
+                    bound.append(Listener(address, self._bind(address), virtual_servers))
+        except BindError:
+            for listener in bound:
+                listener.sock.close()
+            raise
+        return bound, routes
+
+    def _bind(self, address: Address) -> socket.socket:
+        sock = listen_socket(address, self.reuse_port)
+        sock.setblocking(False)
+        return sock
+
+    def _start_listener(self, listener: Listener) -> None:
+        self.listeners[listener.address] = listener
+        for vs in listener.virtual_servers:
+            self.virtual_servers.setdefault(vs.name, vs)
+        assert self._service is not None and self._handlers is not None
+        self._service.start_soon(listener.accept_loop, self._handlers)
+
+    # -- runtime changes (admin API) ----------------------------------------------
+
+    def set_state(self, vs_name: str, rs_name: str, state: object) -> str | None:
+        """Set a real server's state (enabled | drain | disabled); returns an error or None.
+
+        The one path for a runtime state change: `disabled` also closes the server's
+        established connections (`drain` lets them finish). Lasts until the next reload,
+        which applies the file as written.
+        """
+        found = self._find(vs_name, rs_name)
+        if isinstance(found, str):
+            return found
+        pool, rs = found
+        error = state_error(state)
+        if error:
+            return error
+        old = rs.state
+        closed = close_leases(pool.set_state(rs, state, trio.current_time()))
+        if old != state or closed:
+            log.info(
+                "%s/%s: state %s -> %s%s",
+                pool.name,
+                rs.name,
+                old,
+                state,
+                f"; closed {closed} connection(s)" if closed else "",
+            )
+        return None
+
+    def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None:
+        """Set a real server's static weight (an integer 0..65535); returns an error or None.
+
+        Lasts until the next reload, which applies the file as written.
+        """
+        found = self._find(vs_name, rs_name)
+        if isinstance(found, str):
+            return found
+        pool, rs = found
+        old = rs.static_weight
+        error = pool.set_weight(rs, weight, trio.current_time())
+        if error is None and old != rs.static_weight:
+            log.info("%s/%s: weight %g -> %g", pool.name, rs.name, old, rs.static_weight)
+        return error
+
+    def report_load(
+        self, vs_name: str, rs_name: str, load: object, per_connection: object = None
+    ) -> str | None:
+        """A real server's pushed load report (SPEC §10); returns an error or None."""
+        found = self._find(vs_name, rs_name)
+        if isinstance(found, str):
+            return found
+        pool, rs = found
+        error = pool.report_load(rs, load, per_connection)
+        if error is None:
+            log.debug("%s/%s: load report %r", pool.name, rs.name, pool.load_reports[rs])
+        return error
+
+    def _find(self, vs_name: str, rs_name: str) -> tuple[Pool, RealServer] | str:
+        vs = self.virtual_servers.get(vs_name)
+        if vs is None:
+            return f"no virtual server {vs_name!r}"
+        rs = vs.pool.by_name.get(rs_name)
+        if rs is None:
+            return f"no real server {rs_name!r} in virtual server {vs_name!r}"
+        return vs.pool, rs
+
+    # -- reload -------------------------------------------------------------------
+
+    def reload(self) -> tuple[bool, list[str]]:
+        """Validate the configuration files again and apply the difference.
+
+        Returns (ok, messages): the changes applied, or every problem found. On any
+        problem the running configuration stays as it was.
+        """
+        self.notifier.reloading()
+        try:
+            return self._reload()
+        finally:  # READY=1 ends the reload for systemd, whether applied or refused
+            self.notifier.ready(self.status_line())
+
+    def _reload(self) -> tuple[bool, list[str]]:
+        new = load_for_reload(self.config_paths)
+        if isinstance(new, list):
+            self.reloads["error"] += 1
+            return False, new
+        try:
+            changes = self.apply(new)
+        except BindError as exc:
+            log.error("reload failed; the running configuration is unchanged: %s", exc)
+            self.reloads["error"] += 1
+            return False, [str(exc)]
+        self.reloads["ok"] += 1
+        log.info("reloaded: %s", "; ".join(changes) if changes else "no changes")
+        return True, changes
+
+    def apply(self, new: Config) -> list[str]:
+        now = trio.current_time()
+        # may raise BindError
+        bound, routes = self._bind_virtual_servers(new.virtual_servers, now)
+        changes: list[str] = []
+        wanted = {vs.name: vs for vs in new.virtual_servers}
+        wanted_addresses = {a for vs in new.virtual_servers for a in vs.listen}
+        for name in list(self.virtual_servers):
+            if name not in wanted:
+                # Its connections keep their pool and finish on their own.
+                del self.virtual_servers[name]
+                changes.append(f"removed virtual server {name}")
+        for address in list(self.listeners):
+            if address not in wanted_addresses:
+                self.listeners.pop(address).close()
+                changes.append(f"closed {address}")
+        for vs_config in new.virtual_servers:
+            vs = self.virtual_servers.get(vs_config.name)
+            if vs is None:
+                changes.append(f"added virtual server {vs_config.name}")
+            else:
+                # The file's servers and those discovered so far (SPEC §14).
+                merged = self.discovery.merged(vs_config, self)
+                changes.extend(self._reconfigure(vs, merged, now))
+        by_name = {vs.name: vs for feeds in routes.values() for vs in feeds}
+        for vs_config in new.virtual_servers:
+            if vs_config.name in by_name:  # not a locator-only one: it has no address
+                self.virtual_servers.setdefault(vs_config.name, by_name[vs_config.name])
+        changes.extend(self._add_locator_only(new.virtual_servers, now))
+        for address, feeds in routes.items():
+            listener = self.listeners.get(address)
+            if listener is None:
+                continue
+            # A kept address: re-routed after reconfigure(), so new sni names count.
+            before = [vs.name for vs in listener.virtual_servers]
+            listener.route(feeds)
+            if [vs.name for vs in feeds] != before:
+                changes.append(f"{address}: now feeds {', '.join(vs.name for vs in feeds)}")
+        for listener in bound:
+            self._start_listener(listener)
+            names = ", ".join(vs.name for vs in listener.virtual_servers)
+            changes.append(f"{names}: listening on {listener.address}")
+        if new.global_.locator != self.config.global_.locator:
+            log.warning("reload: global.locator changes take effect at the next restart")
+        self.config = new
+        if self._service is not None and not self.draining:  # start/stop/retune throttles
+            changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))
+            self.checks.sync(self.virtual_servers.values(), self._service)
+            self.snmp.sync(self.virtual_servers)  # start/stop/restart SNMP pollers
+            self.discovery.sync(new.virtual_servers, self._service, self)
+            changes.extend(self.conditioners.sync(self.virtual_servers.values(), self._service))
+        changes.extend(self._sync_queues())
+        for vs in self.virtual_servers.values():
+            vs.access_log = new.global_.access_log
+        return changes
+
+    def _reconfigure(
+        self, vs: VirtualServer, vs_config: VirtualServerConfig, now: float, **options: bool
+    ) -> list[str]:
+        """Apply one virtual server's new configuration to its pool (reload, discovery)."""
+        changes = [
+            f"{vs.name}: {change}" for change in vs.pool.reconfigure(vs_config, now, **options)
+        ]
+        # The one exception to "a reload never closes a connection": the file now says
+        # `state: disabled`, which means exactly that (SPEC §6).
+        disabled = [rs for rs in vs.pool.servers if rs.state == DISABLED and rs.leases]
+        for rs in disabled:
+            closed = close_leases(rs.leases)
+            changes.append(f"{vs.name}: closed {closed} connection(s) of disabled {rs.name}")
+        return changes
+
+    # -- discovery (lbproxy/control/discovery.py) -------------------------------------------
+
+    def apply_discovered(self, vs_name: str) -> list[str]:
+        """A discovery round changed `vs_name`'s discovered servers: apply its file
+        configuration merged with them, as a reload applies it, keeping every runtime
+        change (PATCHed states and weights); then start or stop health checks and SNMP
+        pollers for the servers that came or went."""
+        vs = self.virtual_servers.get(vs_name)
+        vs_config = next((c for c in self.config.virtual_servers if c.name == vs_name), None)
+        if vs is None or vs_config is None or self.draining:
+            return []
+        merged = self.discovery.merged(vs_config, self)
+        changes = self._reconfigure(vs, merged, trio.current_time(), keep_runtime=True)
+        if self._service is not None:
+            self.checks.sync(self.virtual_servers.values(), self._service)
+            self.snmp.sync(self.virtual_servers)
+        if changes:
+            log.info("discovery: %s", "; ".join(changes))
+        return changes
+
+    def discovered_active(self, vs_name: str, rs_name: str) -> int:
+        """Connections open to a discovered server (0 when it is not in the pool)."""
+        vs = self.virtual_servers.get(vs_name)
+        rs = vs.pool.by_name.get(rs_name) if vs is not None else None
+        return rs.active if rs is not None and rs.config.discovered else 0
+
+    def _sync_queues(self) -> list[str]:
+        """Give each virtual server the connection queue its configuration asks for."""
+        changes = []
+        for vs in self.virtual_servers.values():
+            vs.queue, change = waiting.sync(vs.queue, vs.pool)
+            if change is not None:
+                changes.append(f"{vs.name}: {change}")
+        return changes
+
+
+def raise_descriptor_limit() -> None:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit.
+
+    Every connection holds two descriptors (client and real server) and two more per
+    pipe in flight, so the common soft default of 1024 would cap lbproxy near 500
+    connections. HAProxy raises its own limit the same way; the hard limit stays the
+    administrator's to set (LimitNOFILE=, ulimit -Hn, --ulimit).
+    """
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run(
+    config: Config,
+    *,
+    config_paths: Sequence[str] = (),
+    log_level: str = "info",
+    on_started: Callable[[Server], Any] | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    logs.configure(config.global_.log_format, log_level)
+    token = None
+    if config.global_.admin.listen and config.global_.admin.token_file:
+        try:
+            token = read_token(config.global_.admin.token_file)
+        except TokenError as exc:
+            log.error("%s", exc)
+            return 2
+    server = Server(config, config_paths, admin_token=token)
+    server.notifier = Notifier.from_environment()
+
+    failures: list[BindError] = []
+    try:
+        trio.run(_serve_main, server, on_started)
+    except* BindError as group:
+        failures.extend(group.exceptions)  # type: ignore[arg-type]
+    for exc in failures:
+        log.error("%s", exc)
+    return 1 if failures else 0
+
+
+async def _serve_main(server: Server, on_started: Callable[[Server], Any] | None) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        if on_started is not None:
+            on_started(server)

@@ -1,0 +1,952 @@
+"""`global.workers: N` (N > 1): a supervisor process and N proxy workers (SPEC §2, §9).
+
+    supervisor (`run`, the process `lbproxy run` started)
+      signals         SIGHUP: validate the files, then reload every worker; SIGTERM and
+                      SIGINT: passed on to every worker, exit 0 once all have exited
+      one task per worker slot
+                      start `python -m lbproxy run --worker-fd FD -- CONFIG...`, send it
+                      the configuration, wait for "ready", wait for its exit, restart it
+                      (at once after a crash, with a growing delay when it keeps crashing)
+      admin endpoint  on global.admin.listen (SupervisorApp, the routes of AdminApp):
+                      /metrics adds up the workers' metrics, /api/v1 merges their
+                      documents, a PATCH or a reload goes to every worker
+
+    worker (`run_worker`)
+      the ordinary Server, every listener bound with SO_REUSEPORT (the kernel spreads
+      new connections across the workers' sockets), its admin endpoint on a private
+      Unix socket in a folder only this user can enter (mode 0700)
+
+Supervisor and worker talk over a socketpair the worker inherits: the supervisor sends
+the running configuration (pickled: a restarted worker runs what the others run, even
+when the files were edited since), the worker answers "ready\\n" once every listener is
+bound, and reads on until end of file, which means the supervisor is gone (killed, even
+with SIGKILL): it then stops accepting and drains, so no orphan keeps the ports.
+
+Merging rules (README "Workers"): counters and histograms are added up, and so is
+`lbproxy_active_connections`; the state-like gauges in MAX_FAMILIES take the highest
+value (a real server is up when any worker sees it up; weights are the same in every
+worker); `lbproxy_config_reloads_total` counts the supervisor's reloads. A worker that
+exits keeps its last scraped counters in the sums, so they do not go backwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import http.client
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import urllib.parse
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+from zlib import crc32
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from lbproxy.admin import dashboard
+from lbproxy.admin.api import (
+    CLIENT_HEADER,
+    LOAD_PATH,
+    LOCATE_PATH,
+    REAL_SERVER_PATH,
+    VIRTUAL_SERVER_PATH,
+    AdminApp,
+    Receive,
+    TokenError,
+    _HTTPError,
+    _json,
+    _read_body,
+    parse_patch,
+    read_token,
+    serve_asgi,
+)
+from lbproxy.admin.metrics import RELOAD_RESULTS
+from lbproxy.config.model import Config
+from lbproxy.core.persistence import client_key
+from lbproxy.runtime import logs
+from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
+from lbproxy.runtime.server import BindError, Server, listen_socket, load_for_reload
+
+log = logging.getLogger("lbproxy.workers")
+
+# Gauges that say what a state is rather than how much there is: the highest value wins.
+MAX_FAMILIES = frozenset(
+    {
+        "lbproxy_real_server_up",
+        "lbproxy_real_server_weight",
+        "lbproxy_dynamic_weight_fallback",
+        "lbproxy_throttle_mode",
+        "lbproxy_discovered_servers",  # every worker resolves the same name
+        "lbproxy_real_server_load",  # each worker is its own locator: the highest estimate
+    }
+)
+OWN_FAMILIES = frozenset({"lbproxy_config_reloads"})  # the supervisor's, not the workers'
+COUNTER_TYPES = ("counter", "histogram")
+
+WORKER_TIMEOUT = 10.0  # seconds for one admin request to a worker
+STABLE_AFTER = 10.0  # a worker that ran this long before exiting is restarted at once
+RESTART_DELAY = 0.5  # then 1, 2, 4 ... seconds while it keeps exiting within STABLE_AFTER
+RESTART_DELAY_MAX = 30.0
+KILL_GRACE = 5.0  # after drain_timeout, a worker still running gets SIGKILL
+
+THROTTLE_ORDER = {"low": 0, "high": 1, "digg": 2}
+VS_SUMS = ("active_connections", "clients", "queued")
+RS_SUMS = ("active_connections", "connections_total", "bytes_in", "bytes_out")
+
+
+# -- HTTP to a worker's Unix socket (http.client in a thread) ---------------------------
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket; "localhost" only fills the Host header."""
+
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _http(
+    socket_path: str,
+    method: str,
+    path: str,
+    body: bytes | None,
+    extra: dict[str, str] | None = None,
+) -> tuple[int, bytes]:
+    connection = UnixHTTPConnection(socket_path, WORKER_TIMEOUT)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if extra:
+            headers.update(extra)
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+# -- merging ---------------------------------------------------------------------------
+
+
+class MetricSums:
+    """Metric families added up across workers (state-like gauges: the maximum)."""
+
+    def __init__(self) -> None:
+        # family name -> (help, type, {(sample name, labels): (sample name, labels, value)})
+        self.families: dict[str, tuple[str, str, dict[tuple, tuple[str, dict, float]]]] = {}
+
+    def add(self, families: Iterable[Metric], *, existing_only: bool = False) -> None:
+        """Add samples in; with `existing_only`, only to samples already present."""
+        for family in families:
+            entry = self.families.get(family.name)
+            if entry is None:
+                if existing_only:
+                    continue
+                entry = self.families[family.name] = (family.documentation, family.type, {})
+            values = entry[2]
+            highest = family.name in MAX_FAMILIES
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                old = values.get(key)
+                if old is None:
+                    if not existing_only:
+                        values[key] = (sample.name, sample.labels, sample.value)
+                    continue
+                value = max(old[2], sample.value) if highest else old[2] + sample.value
+                values[key] = (sample.name, old[1], value)
+
+    def metrics(self) -> list[Metric]:
+        merged = []
+        for name, (documentation, kind, values) in self.families.items():
+            metric = Metric(name, documentation, kind)
+            for sample_name, labels, value in values.values():
+                metric.add_sample(sample_name, labels, value)
+            merged.append(metric)
+        return merged
+
+
+def parse_metrics(text: str) -> list[Metric]:
+    """A worker's /metrics, without the families the supervisor reports itself."""
+    return [f for f in text_string_to_metric_families(text) if f.name not in OWN_FAMILIES]
+
+
+def _merge_real_server(rs: dict[str, Any], other: dict[str, Any]) -> None:
+    for key in RS_SUMS:
+        rs[key] = rs.get(key, 0) + other.get(key, 0)
+    if other.get("health") == "up":
+        rs["health"] = "up"  # as lbproxy_real_server_up: up when any worker sees it up
+
+
+def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
+    for key in VS_SUMS:
+        if key in vs:
+            vs[key] += other.get(key, 0)
+    for reason, count in (other.get("rejected") or {}).items():
+        vs.setdefault("rejected", {})[reason] = vs["rejected"].get(reason, 0) + count
+    if THROTTLE_ORDER.get(other.get("throttle_mode"), 0) > THROTTLE_ORDER.get(
+        vs.get("throttle_mode"), 0
+    ):
+        vs["throttle_mode"] = other["throttle_mode"]
+    if other.get("dynamic_weight_fallback"):
+        vs["dynamic_weight_fallback"] = True
+    by_name = {rs["name"]: rs for rs in other.get("real_servers", [])}
+    for rs in vs.get("real_servers", []):
+        if rs["name"] in by_name:
+            _merge_real_server(rs, by_name[rs["name"]])
+
+
+def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' /api/v1/virtual-servers documents as one: counts and bytes added up,
+    names, states and weights from the first worker, health up when any sees it up."""
+    merged = copy.deepcopy(documents[0])
+    for document in documents[1:]:
+        by_name = {vs["name"]: vs for vs in document.get("virtual_servers", [])}
+        for vs in merged.get("virtual_servers", []):
+            if vs["name"] in by_name:
+                _merge_virtual_server(vs, by_name[vs["name"]])
+    return merged
+
+
+def merge_real_servers(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    merged = copy.deepcopy(documents[0])
+    for document in documents[1:]:
+        _merge_real_server(merged, document)
+    return merged
+
+
+def _totals(document: dict[str, Any]) -> tuple[int, int]:
+    servers = [rs for vs in document.get("virtual_servers", []) for rs in vs["real_servers"]]
+    return (
+        sum(rs["active_connections"] for rs in servers),
+        sum(rs["connections_total"] for rs in servers),
+    )
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+# -- the supervisor --------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    index: int  # 1..N, stable across restarts
+    admin_path: str
+    process: trio.Process | None = None
+    pid: int | None = None
+    ready: bool = False  # this process has bound every listener and caught up
+    ever_ready: bool = False  # some process of this slot was ready once
+    restarts: int = 0
+    counters: list[Metric] = field(default_factory=list)  # last scraped counter families
+    error: str | None = None  # why the process could not start, as it said
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    def __init__(
+        self, config: Config, config_paths: list[str], token: str | None, log_level: str
+    ) -> None:
+        self.config = config
+        self.config_paths = config_paths
+        self.token = token
+        self.log_level = log_level
+        self.folder = tempfile.mkdtemp(prefix="lbproxy-workers-")  # mode 0700
+        self.workers = [
+            Worker(i, os.path.join(self.folder, f"worker-{i}.sock"))
+            for i in range(1, config.global_.workers + 1)
+        ]
+        self.generation = 0
+        self.overrides: list[tuple[str, bytes]] = []  # PATCHes since the last reload
+        self.reloads = {"ok": 0, "error": 0}
+        self.retired = MetricSums()  # counters of worker processes that have exited
+        self.draining = False
+        self.exit_code = 0
+        self._stop = trio.Event()
+        self._changes = trio.Lock()  # one reload, PATCH or catch-up at a time
+        self._nursery: trio.Nursery | None = None
+        self._announced = False  # "all N workers ready" is logged once
+        self.notifier = Notifier()  # systemd's: the supervisor notifies, never a worker
+        # The last load report of each real server (path -> body): kept across reloads,
+        # as a worker keeps them, and sent to a worker that starts later.
+        self.load_reports: dict[str, bytes] = {}
+        self._next_locator = 0  # round-robin over the workers for GET .../locate
+
+    # -- life cycle -------------------------------------------------------------
+
+    async def main(self, admin_sock: socket.socket | None) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self._signals)
+            if admin_sock is not None:
+                await nursery.start(
+                    partial(serve_asgi, SupervisorApp(self, self.token), admin_sock)
+                )
+            if self.notifier.enabled:
+                nursery.start_soon(self._report_status)
+            async with trio.open_nursery() as slots:
+                for worker in self.workers:
+                    slots.start_soon(self._supervise, worker)
+            nursery.cancel_scope.cancel()  # every worker has exited: admin and signals end
+        log.info("stopped")
+
+    def stop(self) -> None:
+        """Pass SIGTERM on to every worker; main() returns once all have exited."""
+        if self._stop.is_set():
+            return
+        self.draining = True
+        self._stop.set()
+        self.notifier.stopping(self._status_line(None))
+        for worker in self.workers:
+            self._terminate(worker)
+        if self._nursery is not None:
+            self._nursery.start_soon(self._kill_stragglers)
+
+    def _fail(self, message: str) -> None:
+        log.error("%s; stopping", message)
+        self.exit_code = 1
+        self.stop()
+
+    @staticmethod
+    def _terminate(worker: Worker) -> None:
+        if worker.process is not None and worker.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGTERM)
+
+    async def _kill_stragglers(self) -> None:
+        await trio.sleep(self.config.global_.drain_timeout + KILL_GRACE)
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                log.warning("worker %d (pid %d) is still running; killing it", *_who(worker))
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.kill()
+
+    async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:
+            task_status.started()
+            async for signum in sigs:
+                if signum == signal.SIGHUP:
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self.reload)
+                else:
+                    log.info(
+                        "received %s; stopping %d workers",
+                        signal.Signals(signum).name,
+                        len(self.workers),
+                    )
+                    self.stop()
+
+    # -- one worker slot --------------------------------------------------------
+
+    async def _supervise(self, worker: Worker) -> None:
+        quick_exits = 0
+        while not self._stop.is_set():
+            started = trio.current_time()
+            code = await self._run_once(worker)
+            if self._stop.is_set():
+                return
+            if not worker.ever_ready:
+                reason = f": {worker.error}" if worker.error else ""
+                self._fail(
+                    f"worker {worker.index} {describe_exit(code)} before it was ready{reason}"
+                )
+                return
+            # The first exit is restarted at once; exits that keep coming within
+            # STABLE_AFTER of the start wait 0.5, 1, 2 ... seconds, up to RESTART_DELAY_MAX.
+            quick_exits = quick_exits + 1 if trio.current_time() - started < STABLE_AFTER else 0
+            delay = 0.0
+            if quick_exits > 1:
+                delay = min(RESTART_DELAY * 2 ** (quick_exits - 2), RESTART_DELAY_MAX)
+            log.error(
+                "worker %d (pid %d) %s; restarting it%s",
+                worker.index,
+                worker.pid,
+                describe_exit(code),
+                f" in {delay:g}s" if delay else "",
+            )
+            worker.restarts += 1
+            with trio.move_on_after(delay):
+                await self._stop.wait()
+
+    async def _run_once(self, worker: Worker) -> int:
+        """Start one process for the slot and wait for its exit; returns its exit code."""
+        ours, theirs = socket.socketpair()
+        command = [
+            sys.executable, "-m", "lbproxy", "run", "--worker-fd", str(theirs.fileno()),
+            "--log-level", self.log_level, "--", *self.config_paths,
+        ]  # fmt: skip
+        package_root = str(Path(__file__).resolve().parents[2])
+        pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        try:
+            process = await trio.lowlevel.open_process(
+                command,
+                pass_fds=(theirs.fileno(),),
+                env={**os.environ, "PYTHONPATH": pythonpath},
+                process_group=0,  # Ctrl-C reaches the supervisor, which passes SIGTERM on
+            )
+        except OSError as exc:
+            ours.close()
+            log.error("worker %d: cannot start %s: %s", worker.index, sys.executable, exc)
+            return 1
+        finally:
+            theirs.close()
+        worker.process, worker.pid, worker.error = process, process.pid, None
+        if self._stop.is_set():
+            self._terminate(worker)
+        log.info("worker %d started (pid %d)", worker.index, process.pid)
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._talk, worker, stream)
+                code = await process.wait()
+                # _talk ends on the end of file that follows the exit; it may still have
+                # to read the worker's last words ("error ...")
+                nursery.cancel_scope.deadline = trio.current_time() + 1.0
+        finally:
+            worker.ready = False
+            worker.process = None
+            ours.close()
+            self.retired.add(worker.counters)  # its counts stay in the sums
+            worker.counters = []
+        return code
+
+    async def _talk(self, worker: Worker, stream: trio.SocketStream) -> None:
+        """Send the configuration, wait for "ready", bring the worker up to date."""
+        generation = self.generation
+        payload = pickle.dumps(
+            {"config": self.config, "index": worker.index, "admin": worker.admin_path}
+        )
+        try:
+            await stream.send_all(len(payload).to_bytes(4, "big") + payload)
+            answer = b""
+            while not answer.endswith(b"\n"):
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    return  # it exited; _run_once sees the code
+                answer += chunk
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if answer.startswith(b"error "):  # it cannot start: "error MESSAGE\n", then exit 1
+            worker.error = answer[6:].decode(errors="replace").strip()
+            return
+        async with self._changes:
+            try:
+                await self._catch_up(worker, generation)
+            except (OSError, http.client.HTTPException) as exc:
+                log.error(
+                    "worker %d: catching up with runtime changes failed: %s", worker.index, exc
+                )
+            worker.ready = worker.ever_ready = True
+        log.info("worker %d (pid %d) ready", *_who(worker))
+        if not self._announced and all(w.ready for w in self.workers):
+            self._announced = True
+            addresses = list(
+                dict.fromkeys(str(a) for vs in self.config.virtual_servers for a in vs.listen)
+            )
+            log.info(
+                "all %d workers ready; listening on %s", len(self.workers), ", ".join(addresses)
+            )
+            self.notifier.ready(self._status_line(None))  # connections: in the next STATUS=
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while await stream.receive_some(4096):  # our end stays open: closing it stops
+                pass  # the worker; the end of file here means the worker has exited
+
+    async def _catch_up(self, worker: Worker, generation: int) -> None:
+        """A reload or PATCH that happened while the worker started: apply it now."""
+        if generation != self.generation:
+            status, body = await self._ask(worker, "POST", "/api/v1/reload", b"{}")
+            if status != 200:
+                log.error(
+                    "worker %d: catching up with the last reload failed: %s", worker.index, body
+                )
+        for path, body in self.overrides:
+            await self._ask(worker, "PATCH", path, body)
+        for path, body in self.load_reports.items():
+            await self._ask(worker, "PUT", path, body)
+
+    # -- talking to the workers -------------------------------------------------
+
+    async def _ask(
+        self,
+        worker: Worker,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        return await trio.to_thread.run_sync(
+            partial(_http, worker.admin_path, method, path, body, headers),
+            abandon_on_cancel=True,
+        )
+
+    async def _each(
+        self, method: str, path: str, body: bytes | None = None
+    ) -> list[tuple[Worker, int, bytes]]:
+        """The same request to every ready worker, at once; the ones that answered."""
+        answers: dict[int, tuple[int, bytes]] = {}
+
+        async def one(worker: Worker) -> None:
+            try:
+                answers[worker.index] = await self._ask(worker, method, path, body)
+            except (OSError, http.client.HTTPException) as exc:
+                if worker.ready:
+                    log.warning("worker %d: %s %s: %s", worker.index, method, path, exc)
+
+        targets = [worker for worker in self.workers if worker.ready]
+        async with trio.open_nursery() as nursery:
+            for worker in targets:
+                nursery.start_soon(one, worker)
+        return [(w, *answers[w.index]) for w in targets if w.index in answers]
+
+    async def documents(self) -> list[tuple[Worker, dict[str, Any]]]:
+        return [
+            (worker, json.loads(body))
+            for worker, status, body in await self._each("GET", "/api/v1/virtual-servers")
+            if status == 200
+        ]
+
+    async def merged_document(self) -> dict[str, Any]:
+        documents = [document for _, document in await self.documents()]
+        if not documents:
+            raise _HTTPError(503, "no worker is ready")
+        return merge_documents(documents)
+
+    async def workers_document(self) -> dict[str, Any]:
+        documents = {worker.index: document for worker, document in await self.documents()}
+        entries = []
+        for worker in self.workers:
+            document = documents.get(worker.index)
+            active, total = _totals(document) if document else (None, None)
+            entries.append(
+                {
+                    "index": worker.index,
+                    "pid": worker.pid,
+                    "ready": worker.ready,
+                    "restarts": worker.restarts,
+                    "active_connections": active,
+                    "connections_total": total,
+                }
+            )
+        return {"workers": entries}
+
+    async def worker_document(self, index: int) -> dict[str, Any]:
+        for worker, document in await self.documents():
+            if worker.index == index:
+                return document
+        raise _HTTPError(404, f"no ready worker {index}")
+
+    async def metrics(self) -> bytes:
+        sums = MetricSums()
+        for worker, status, body in await self._each("GET", "/metrics"):
+            if status != 200:
+                continue
+            families = parse_metrics(body.decode())
+            worker.counters = [f for f in families if f.type in COUNTER_TYPES]
+            sums.add(families)
+        for family in self.retired.metrics():
+            sums.add([family], existing_only=True)
+        reloads = CounterMetricFamily(
+            "lbproxy_config_reloads", "Configuration reloads, by result.", labels=["result"]
+        )
+        for result in RELOAD_RESULTS:
+            reloads.add_metric([result], self.reloads[result])
+        ready = GaugeMetricFamily("lbproxy_workers_ready", "Worker processes ready to serve.")
+        ready.add_metric([], sum(worker.ready for worker in self.workers))
+        restarts = CounterMetricFamily(
+            "lbproxy_worker_restarts", "Worker processes restarted after an exit."
+        )
+        restarts.add_metric([], sum(worker.restarts for worker in self.workers))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families([*sums.metrics(), reloads, ready, restarts]))  # type: ignore[arg-type]
+        return generate_latest(registry)
+
+    # -- runtime changes: every worker ------------------------------------------
+
+    async def patch(self, vs_name: str, rs_name: str, body: bytes) -> tuple[int, bytes]:
+        """One PATCH to every worker, checked here first (names, then the whole body).
+
+        A bad request is a 404 or 400 that reaches no worker, and every worker gets the
+        same valid change, so none is applied on some workers and refused on others.
+        """
+        async with self._changes:  # a reload in progress may add or remove the names
+            vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
+            if vs is None:
+                raise _HTTPError(404, f"no virtual server {vs_name!r}")
+            if all(rs.name != rs_name for rs in vs.real_servers):
+                raise _HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
+            change = parse_patch(body, f"{vs_name}/{rs_name}")
+            body = json.dumps(change).encode()
+            path = "/api/v1/virtual-servers/{}/real-servers/{}".format(
+                *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))
+            )
+            answers = await self._each("PATCH", path, body)
+            if not answers:
+                raise _HTTPError(503, "no worker is ready")
+            for _, status, answer in answers:
+                if status != 200:
+                    return status, answer  # the worker's own error document
+            self.overrides.append((path, body))  # for a worker that starts later
+            return 200, _json(merge_real_servers([json.loads(a) for _, _, a in answers]))
+
+    def _status_line(self, active: int | None) -> str:
+        """systemd's STATUS= text: virtual servers, active connections, workers."""
+        ready = sum(worker.ready for worker in self.workers)
+        extra = f"{ready}/{len(self.workers)} workers ready"
+        if self.draining:
+            extra += ", draining"
+        return status_line(len(self.config.virtual_servers), active, extra)
+
+    async def _report_status(self) -> None:
+        while True:
+            await trio.sleep(STATUS_INTERVAL)
+            documents = [document for _, document in await self.documents()]
+            active = sum(_totals(document)[0] for document in documents) if documents else None
+            self.notifier.status(self._status_line(active))
+
+    async def report_load(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """A load report goes to every worker, as a PATCH does (each is a locator)."""
+        async with self._changes:
+            answers = await self._each("PUT", path, body)
+            if not answers:
+                raise _HTTPError(503, "no worker is ready")
+            for _, status, answer in answers:
+                if status != 200:
+                    return status, answer
+            self.load_reports[path] = body
+            return 200, answers[0][2]
+
+    async def locate(
+        self, path: str, vs_name: str = "", client: tuple | None = None
+    ) -> tuple[int, bytes]:
+        """GET .../locate: asked of one ready worker, the next one each time.
+
+        Every worker keeps its own pools, so each is a locator of its own; Geode's
+        locators "do not share connection information among themselves" either. Round
+        robin spreads the answers' estimates evenly over the workers' views. The
+        asking `client` is passed on (CLIENT_HEADER) for maglev and persistence; with
+        `persistence`, whose table is per worker, a client is always asked of the same
+        worker (by a hash of its address, while the set of ready workers stays).
+        """
+        ready = [worker for worker in self.workers if worker.ready]
+        if not ready:
+            raise _HTTPError(503, "no worker is ready")
+        headers = None
+        if client is not None:
+            headers = {CLIENT_HEADER.decode(): f"{client[0]} {client[1]}"}
+        vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
+        if client is not None and vs is not None and vs.persistence is not None:
+            worker = ready[crc32(client_key(client).encode()) % len(ready)]
+        else:
+            self._next_locator = (self._next_locator + 1) % len(ready)
+            worker = ready[self._next_locator]
+        try:
+            return await self._ask(worker, "GET", path, headers=headers)
+        except (OSError, http.client.HTTPException) as exc:
+            raise _HTTPError(503, f"worker {worker.index} did not answer: {exc}") from None
+
+    async def reload(self) -> tuple[bool, list[str]]:
+        """Validate the files, then reload every worker; (ok, changes or errors)."""
+        self.notifier.reloading()
+        try:
+            return await self._reload()
+        finally:  # READY=1 ends the reload for systemd, whether applied or refused
+            if self._announced:  # (before every worker is ready, READY=1 comes then)
+                self.notifier.ready(self._status_line(None))
+
+    async def _reload(self) -> tuple[bool, list[str]]:
+        async with self._changes:
+            new = load_for_reload(self.config_paths)
+            if isinstance(new, list):
+                self.reloads["error"] += 1
+                return False, new
+            if new.global_.workers != len(self.workers):
+                log.warning(
+                    "reload: workers %d -> %d takes a restart; still running %d",
+                    len(self.workers),
+                    new.global_.workers,
+                    len(self.workers),
+                )
+            errors: list[str] = []
+            changes: list[str] | None = None
+            answers = await self._each("POST", "/api/v1/reload", b"{}")
+            for worker, status, body in answers:
+                try:
+                    document = json.loads(body)
+                except ValueError:
+                    document = {"errors": [f"worker {worker.index}: HTTP {status}"]}
+                if status == 200:
+                    if changes is None:
+                        changes = document.get("changes", [])
+                else:
+                    errors += [e for e in document.get("errors", []) if e not in errors]
+            if errors:
+                for message in errors:
+                    log.error("reload: %s", message)
+                log.error("reload failed; the running configuration is unchanged")
+                self.reloads["error"] += 1
+                return False, errors
+            # Workers still starting (none answered) reload once they are ready (_catch_up).
+            self.config = new
+            self.generation += 1
+            self.overrides.clear()
+            self.reloads["ok"] += 1
+            changes = changes or []
+            log.info(
+                "reloaded %d workers: %s",
+                len(answers),
+                "; ".join(changes) if changes else "no changes",
+            )
+            return True, changes
+
+
+def _who(worker: Worker) -> tuple[int, int]:
+    return worker.index, worker.pid or 0
+
+
+# -- the supervisor's admin endpoint ---------------------------------------------------
+
+WORKER_PATH = "/api/v1/workers"
+
+
+class SupervisorApp(AdminApp):
+    """AdminApp's routes, answered from the workers (and `/api/v1/workers` besides)."""
+
+    def __init__(self, supervisor: Supervisor, token: str | None) -> None:
+        self.server = supervisor  # type: ignore[assignment]
+        self.supervisor = supervisor
+        self.token = token
+
+    async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        supervisor = self.supervisor
+        if path == "/":  # the dashboard: the same page, fed by the merged document
+            self._allow(method, "GET")
+            return 200, dashboard.page(), "html"
+        if path == "/metrics":
+            self._allow(method, "GET")
+            return 200, await supervisor.metrics(), "metrics"
+        if path == "/healthz":
+            self._allow(method, "GET")
+            return 200, b"ok\n", "text"
+        if path == "/readyz":
+            self._allow(method, "GET")
+            workers = supervisor.workers
+            if supervisor.draining:
+                return 503, b"draining\n", "text"
+            if all(w.ever_ready for w in workers) and any(w.ready for w in workers):
+                return 200, b"ready\n", "text"
+            return 503, b"starting\n", "text"
+        if path == WORKER_PATH:
+            self._allow(method, "GET")
+            return 200, _json(await supervisor.workers_document()), "json"
+        if path.startswith(WORKER_PATH + "/") and path.endswith("/virtual-servers"):
+            self._allow(method, "GET")
+            index = path[len(WORKER_PATH) + 1 : -len("/virtual-servers")]
+            if not index.isdigit():
+                raise _HTTPError(404, f"no such path: {path}")
+            return 200, _json(await supervisor.worker_document(int(index))), "json"
+        if path == "/api/v1/virtual-servers":
+            self._allow(method, "GET")
+            return 200, _json(await supervisor.merged_document()), "json"
+        if match := VIRTUAL_SERVER_PATH.match(path):
+            self._allow(method, "GET")
+            return 200, _json(_find(await supervisor.merged_document(), match[1])), "json"
+        if match := REAL_SERVER_PATH.match(path):
+            if method == "GET":
+                vs = _find(await supervisor.merged_document(), match[1])
+                for rs in vs["real_servers"]:
+                    if rs["name"] == match[2]:
+                        return 200, _json(rs), "json"
+                raise _HTTPError(404, f"no real server {match[2]!r} in virtual server {match[1]!r}")
+            self._allow(method, "PATCH")
+            self._authorize(scope)
+            status, answer = await supervisor.patch(match[1], match[2], await _read_body(receive))
+            return status, answer, "json"
+        if path == "/api/v1/reload":
+            self._allow(method, "POST")
+            self._authorize(scope)
+            ok, messages = await supervisor.reload()
+            if ok:
+                return 200, _json({"result": "ok", "changes": messages}), "json"
+            return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
+        if match := LOCATE_PATH.match(path):
+            self._allow(method, "GET")
+            query = scope.get("query_string", b"").decode("latin-1")
+            target = f"/api/v1/virtual-servers/{urllib.parse.quote(match[1], safe='')}/locate"
+            client = scope.get("client")
+            status, answer = await supervisor.locate(
+                target + (f"?{query}" if query else ""),
+                match[1],
+                None if client is None else tuple(client),
+            )
+            return status, answer, "json"
+        if match := LOAD_PATH.match(path):
+            self._allow(method, "PUT")
+            self._authorize(scope)
+            body = await _read_body(receive)  # over 64 KiB: 413, as a PATCH
+            quoted = [urllib.parse.quote(name, safe="") for name in (match[1], match[2])]
+            status, answer = await supervisor.report_load(
+                f"/api/v1/virtual-servers/{quoted[0]}/real-servers/{quoted[1]}/load", body
+            )
+            return status, answer, "json"
+        raise _HTTPError(404, f"no such path: {path}")
+
+
+def _find(document: dict[str, Any], name: str) -> dict[str, Any]:
+    for vs in document.get("virtual_servers", []):
+        if vs["name"] == name:
+            return vs
+    raise _HTTPError(404, f"no virtual server {name!r}")
+
+
+def run(config: Config, *, config_paths: list[str], log_level: str = "info") -> int:
+    """The supervisor: run until SIGTERM/SIGINT; returns the process exit code."""
+    logs.configure(config.global_.log_format, log_level)
+    token = None
+    admin = config.global_.admin
+    if admin.listen and admin.token_file:
+        try:
+            token = read_token(admin.token_file)
+        except TokenError as exc:
+            log.error("%s", exc)
+            return 2
+    try:
+        admin_sock = listen_socket(admin.listen) if admin.listen else None
+    except BindError as exc:
+        log.error("%s", exc)
+        return 1
+    supervisor = Supervisor(config, config_paths, token, log_level)
+    # Taken out of the environment before any worker starts: workers never notify.
+    supervisor.notifier = Notifier.from_environment()
+    log.info("starting %d workers", len(supervisor.workers))
+    try:
+        trio.run(supervisor.main, admin_sock)
+    finally:
+        shutil.rmtree(supervisor.folder, ignore_errors=True)
+    return supervisor.exit_code
+
+
+# -- the worker ------------------------------------------------------------------------
+
+
+class _WorkerTag(logging.Filter):
+    """Tags a worker's log lines: `lbproxy.server[w2]: listening on ...`."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.tag = f"[w{index}]"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.endswith(self.tag):
+            record.name += self.tag
+        return True
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError("the supervisor closed the connection")
+        data += chunk
+    return data
+
+
+def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
+    """A worker: its configuration comes from the supervisor over the inherited socket."""
+    channel = socket.socket(fileno=fd)
+    try:
+        size = int.from_bytes(_receive_exactly(channel, 4), "big")
+        init = pickle.loads(_receive_exactly(channel, size))
+    except (OSError, EOFError, pickle.UnpicklingError) as exc:
+        print(f"lbproxy worker: no configuration from the supervisor: {exc}", file=sys.stderr)
+        return 1
+    config: Config = init["config"]
+    logs.configure(config.global_.log_format, log_level)
+    for handler in logging.getLogger("lbproxy").handlers:
+        handler.addFilter(_WorkerTag(init["index"]))
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(init["admin"])  # left by the process this one replaces
+        admin_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        admin_sock.bind(init["admin"])
+        admin_sock.listen(64)
+    except OSError as exc:
+        log.error("cannot listen on %s: %s", init["admin"], exc.strerror)
+        return 1
+    server = Server(config, config_paths, reuse_port=True, admin_sock=admin_sock)
+    failures: list[BindError] = []
+    orphaned = False
+    try:
+        orphaned = trio.run(_worker_main, server, channel)
+    except* BindError as group:
+        failures.extend(group.exceptions)  # type: ignore[arg-type]
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(init["admin"])
+    if orphaned:  # the supervisor could not remove its folder: the last worker out does
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(init["admin"]))
+    for exc in failures:
+        log.error("%s", exc)
+    if failures:
+        with contextlib.suppress(OSError):  # the supervisor repeats it when it stops
+            channel.sendall(f"error {failures[0]}\n".encode())
+    return 1 if failures else 0
+
+
+async def _worker_main(server: Server, channel: socket.socket) -> bool:
+    """Serve until stopped; True when stopped because the supervisor is gone."""
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(channel))
+    async with trio.open_nursery() as nursery:
+
+        async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                await server.serve(task_status=task_status)
+            finally:
+                nursery.cancel_scope.cancel()  # drained: stop watching the supervisor
+
+        orphaned = False
+        await nursery.start(serve)
+        try:
+            await stream.send_all(b"ready\n")
+            while await stream.receive_some():
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        log.warning("the supervisor is gone; stopping")
+        server.stop()
+        orphaned = True
+    return orphaned

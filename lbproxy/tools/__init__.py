@@ -1,0 +1,1 @@
+"""Offline tools: simulate, demo, and the terminal tables."""

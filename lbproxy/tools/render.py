@@ -1,0 +1,305 @@
+"""Terminal tables (rich) for `simulate` and `status`; `status` in plain columns when piped."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
+
+from lbproxy.tools.simulate import SimulationResult
+
+SEQUENCE_SHOWN = 200  # picks printed in table mode
+SEQUENCE_ROW = 20
+
+
+def simulation_table(result: SimulationResult, *, hold: bool) -> Table:
+    total = sum(result.picks.values())
+    refused = result.sequence.count(None)
+    title = (
+        f"{result.virtual_server} ({result.scheduler}): {len(result.sequence)} connections"
+        f"{', held' if hold else ''}{f', {refused} not served' if refused else ''}"
+    )
+    table = Table(title=title)
+    table.add_column("real server")
+    table.add_column("picks", justify="right")
+    table.add_column("share", justify="right")
+    for name, picks in result.picks.items():
+        share = picks / total if total else 0.0
+        table.add_row(name, str(picks), f"{share:.1%}")
+    return table
+
+
+def print_simulation(result: SimulationResult, *, hold: bool) -> None:
+    console = Console(highlight=False)
+    console.print(simulation_table(result, hold=hold))
+    # The sequence in numbered rows, so a change after connection N is easy to find.
+    shown = result.sequence[:SEQUENCE_SHOWN]
+    console.print("sequence (- = not served):")
+    for start in range(0, len(shown), SEQUENCE_ROW):
+        row = " ".join(
+            name if name is not None else "-" for name in shown[start : start + SEQUENCE_ROW]
+        )
+        console.print(f"  {start + 1:>5}: {row}")
+    if len(result.sequence) > len(shown):
+        console.print(f"  ... {len(result.sequence) - len(shown)} more (--json prints all)")
+
+
+def print_explain(result: SimulationResult) -> None:
+    console = Console(highlight=False)
+    for pick in result.explain:
+        scores = ", ".join(f"{name}={score}" for name, score in pick.scores.items())
+        # markup=False: "[a=(1, 0), ...]" is data, not a rich style tag
+        console.print(
+            f"#{pick.number} t={pick.time:.2f}s -> {pick.server or '-'}  [{scores}]",
+            markup=False,
+        )
+
+
+# -- `lbproxy status` ----------------------------------------------------------------
+#
+# No name, address or number is ever cut, whatever the width. Piped (`| grep`, `watch`,
+# cron, ssh without a tty): plain aligned columns, one real server per line with its
+# virtual server repeated, as `kubectl get` and `docker ps` print. On a terminal: a table
+# when it fits, else each real server as a short block of `key value` items, wrapped
+# between items (a value wider than the whole terminal folds onto the next line).
+
+PLAIN_COLUMNS = (
+    "VIRTUAL_SERVER",
+    "SCHEDULER",
+    "THROTTLE",
+    "REAL_SERVER",
+    "ADDRESS",
+    "STATE",
+    "HEALTH",
+    "WEIGHT",
+    "DYNAMIC",
+    "EFFECTIVE",
+    "ACTIVE",
+    "TOTAL",
+    "BYTES_IN",
+    "BYTES_OUT",
+    "DISCOVERED",  # yes: from DNS (discovery.dns); no: from the configuration file
+    # Appended, not inserted, so that the columns above keep their places for awk.
+    "BACKUP",  # yes: `backup: true`, takes connections only while no primary is online
+    "QUEUED",  # the virtual server's clients waiting in its queue (repeated, as SCHEDULER)
+)
+UNBOUNDED = 1 << 20  # cells: wider than any terminal
+PLAIN_GAP = "   "  # as docker ps: three spaces between columns
+
+
+def status_plain(document: dict) -> list[str]:
+    """The lines of `lbproxy status` when stdout is not a terminal: header, then rows.
+
+    Every value is one word (`-` for none, exact byte counts), so `awk '{print $4}'`
+    and `grep NAME` work on it; a virtual server without real servers still has a row.
+    """
+    loads = _has_load(document)
+    columns = [*PLAIN_COLUMNS, "LOAD"] if loads else list(PLAIN_COLUMNS)
+    rows = [columns]
+    for vs in document["virtual_servers"]:
+        head = [vs["name"], vs["scheduler"], _mode(vs)]
+        for rs in vs["real_servers"]:
+            weight = rs["weight"]
+            rows.append(
+                [
+                    *head,
+                    rs["name"],
+                    rs["address"],
+                    rs["state"],
+                    rs["health"],
+                    str(weight["static"]),
+                    "-" if weight.get("dynamic") is None else str(weight["dynamic"]),
+                    str(weight["effective"]),
+                    str(rs["active_connections"]),
+                    str(rs["connections_total"]),
+                    str(rs["bytes_in"]),
+                    str(rs["bytes_out"]),
+                    "yes" if rs.get("discovered") else "no",
+                    "yes" if rs.get("backup") else "no",
+                    str(vs.get("queued", 0)),
+                    *([_load(rs)] if loads else []),
+                ]
+            )
+        if not vs["real_servers"]:
+            rows.append([*head] + ["-"] * (len(columns) - len(head)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = []
+    for row in rows:
+        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
+        lines.append(PLAIN_GAP.join(cells).rstrip())
+    return lines
+
+
+def status_table(document: dict) -> Table:
+    table = Table(title="lbproxy status")
+    for column, justify in (
+        ("virtual server", "left"),
+        ("real server", "left"),
+        ("address", "left"),
+        ("state", "left"),
+        ("health", "left"),
+        ("weight", "right"),
+        ("effective", "right"),
+        ("active", "right"),
+        ("total", "right"),
+        ("bytes in", "right"),
+        ("bytes out", "right"),
+    ):
+        # fold, never an ellipsis: print_status only prints the table when it fits.
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    loads = _has_load(document)
+    if loads:
+        table.add_column("load", justify="right", overflow="fold")
+    for vs in document["virtual_servers"]:
+        first = True
+        label = f"{vs['name']} ({vs['scheduler']}, {_mode(vs, ' ')}{_queued(vs)})"
+        for rs in vs["real_servers"]:
+            weight = rs["weight"]
+            static = str(weight["static"])
+            if weight.get("dynamic") is not None:
+                static += f" / snmp {weight['dynamic']}"
+            table.add_row(
+                Text(label if first else ""),  # Text: names and addresses are not markup
+                Text(
+                    rs["name"]
+                    + (" (dns)" if rs.get("discovered") else "")
+                    + (" (backup)" if rs.get("backup") else "")
+                ),
+                Text(rs["address"]),
+                rs["state"],
+                _health(rs["health"]),
+                static,
+                str(weight["effective"]),
+                str(rs["active_connections"]),
+                str(rs["connections_total"]),
+                _bytes(rs["bytes_in"]),
+                _bytes(rs["bytes_out"]),
+                *([_load(rs)] if loads else []),
+            )
+            first = False
+        if first:  # no real servers: the virtual server still has its row
+            table.add_row(Text(label), *["-"] * (len(table.columns) - 1))
+        table.add_section()
+    return table
+
+
+def _queued(vs: dict) -> str:
+    """`, 3 queued` while clients wait in the virtual server's queue (SPEC §13)."""
+    return f", {vs['queued']} queued" if vs.get("queued") else ""
+
+
+def status_blocks(document: dict, width: int) -> list[Text]:
+    """The terminal lines for a table too wide: per real server, items wrapped to `width`."""
+    lines = [Text("lbproxy status", style="italic")]
+    for vs in document["virtual_servers"]:
+        label = [
+            Text(vs["name"], style="bold"),
+            Text(f"({vs['scheduler']}, {_mode(vs, ' ')}{_queued(vs)})"),
+        ]
+        lines += _pack(label, width, indent=0)
+        if not vs["real_servers"]:
+            lines.append(Text("  no real servers"))
+        for rs in vs["real_servers"]:
+            weight = rs["weight"]
+            items = [
+                Text(rs["name"], style="bold"),
+                *([Text("(dns)")] if rs.get("discovered") else []),
+                *([Text("(backup)")] if rs.get("backup") else []),
+                Text(rs["address"]),
+                Text(rs["state"]),
+                _health(rs["health"]),
+                Text(f"weight {weight['static']}"),
+            ]
+            if weight.get("dynamic") is not None:
+                items.append(Text(f"snmp {weight['dynamic']}"))
+            items += [
+                Text(f"effective {weight['effective']}"),
+                Text(f"active {rs['active_connections']}"),
+                Text(f"total {rs['connections_total']}"),
+                Text(f"bytes in {_bytes(rs['bytes_in'])}"),
+                Text(f"bytes out {_bytes(rs['bytes_out'])}"),
+            ]
+            if rs.get("load") is not None:
+                items.append(Text(f"load {_load(rs)}"))
+            lines += _pack(items, width, indent=2)
+    return lines
+
+
+def _pack(items: list[Text], width: int, indent: int) -> list[Text]:
+    """Items on lines of at most `width` cells, two spaces apart, never split (the first
+    line at `indent`, the next ones 2 deeper); an item wider than a line gets one alone."""
+    lines: list[Text] = []
+    line = Text(" " * indent)
+    empty = True
+    for item in items:
+        if not empty and line.cell_len + 2 + item.cell_len > width:
+            lines.append(line)
+            line, empty = Text(" " * (indent + 2)), True
+        if not empty:
+            line.append("  ")
+        line.append_text(item)
+        empty = False
+    lines.append(line)
+    return lines
+
+
+def print_status(document: dict, console: Console | None = None) -> None:
+    """`lbproxy status`: plain columns unless stdout is a terminal, then a table or blocks.
+
+    The layout follows whether stdout *is* a terminal: FORCE_COLOR or TTY_COMPATIBLE in
+    the environment (rich honours both) do not turn a pipe into one.
+    """
+    if console is None:
+        console = Console(highlight=False, force_terminal=_isatty(sys.stdout))
+    if not console.is_terminal:
+        console.file.write("".join(line + "\n" for line in status_plain(document)))
+        console.file.flush()
+        return
+    table = status_table(document)
+    unbounded = console.options.update(max_width=UNBOUNDED)  # the table's natural width
+    if Measurement.get(console, unbounded, table).maximum <= console.width:
+        console.print(table)
+        return
+    for line in status_blocks(document, console.width):
+        console.print(line, overflow="fold")
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        return False
+
+
+def _mode(vs: dict, space: str = "-") -> str:
+    """The throttle mode, or `locator only` for a virtual server with `listen: none`
+    (it has no connections to throttle; SPEC §10)."""
+    return f"locator{space}only" if vs.get("listen") == [] else vs["throttle_mode"]
+
+
+def _has_load(document: dict) -> bool:
+    """Whether any real server has a `least-load` load to show (a LOAD column)."""
+    return any(
+        rs.get("load") is not None
+        for vs in document["virtual_servers"]
+        for rs in vs["real_servers"]
+    )
+
+
+def _load(rs: dict) -> str:
+    return "-" if rs.get("load") is None else f"{rs['load']:.4g}"
+
+
+def _health(health: str) -> Text:
+    return Text("up", style="green") if health == "up" else Text("down", style="red")
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)

@@ -1,0 +1,1 @@
+"""Wire formats, sans-io (PURE): PROXY protocol, TLS ClientHello."""

@@ -1,0 +1,374 @@
+"""DNS discovery's pure part: answers -> real servers, the hold/streak state, the merge,
+and what the pool keeps when a merged configuration is applied (explicit times)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+
+from lbproxy.config.model import Address, DnsDiscoveryConfig, RealServerConfig, SnmpConfig
+from lbproxy.core.discovery_model import (
+    DiscoveryState,
+    Resolution,
+    SrvRecord,
+    resolution,
+    servers_from_addresses,
+    servers_from_srv,
+)
+from lbproxy.core.pool import Pool
+from tests.factories import virtual_server
+
+DNS = DnsDiscoveryConfig(name="_web._tcp.service.consul", hold=30.0, line=7)
+
+
+def srv(priority: int, weight: int, port: int, target: str) -> SrvRecord:
+    return SrvRecord(priority, weight, port, target)
+
+
+def names(servers) -> list[str]:
+    return [rs.name for rs in servers]
+
+
+# -- answers -> servers ------------------------------------------------------------------
+
+
+def test_srv_names_weights_and_backups():
+    servers, skipped = servers_from_srv(
+        [
+            srv(1, 1, 8083, "web3.node.consul."),
+            srv(0, 5, 8081, "Web1.Node.Consul."),
+            srv(0, 0, 8082, "web2.node.consul."),
+            srv(2, 9, 8084, "web4.node.consul."),
+        ],
+        {"web1.node.consul": "10.0.0.1", "web3.node.consul": "::1"},
+    )
+    assert skipped == []
+    assert [(rs.name, str(rs.address), rs.weight, rs.backup) for rs in servers] == [
+        ("web1.node.consul:8081", "10.0.0.1:8081", 5, False),
+        ("web2.node.consul:8082", "web2.node.consul:8082", 0, False),  # weight 0 stays 0
+        ("web3.node.consul:8083", "[::1]:8083", 1, True),
+        ("web4.node.consul:8084", "web4.node.consul:8084", 9, True),
+    ]
+    assert all(rs.discovered and rs.state == "enabled" for rs in servers)
+
+
+def test_srv_primaries_are_the_lowest_priority_whatever_its_number():
+    servers, _ = servers_from_srv(
+        [srv(10, 1, 80, "a."), srv(20, 1, 80, "b."), srv(10, 2, 81, "c.")]
+    )
+    assert [(rs.name, rs.backup) for rs in servers] == [
+        ("a:80", False),
+        ("c:81", False),
+        ("b:80", True),
+    ]
+
+
+def test_a_target_listed_twice_counts_once_at_its_best():
+    servers, _ = servers_from_srv(
+        [srv(1, 9, 80, "a.x."), srv(0, 2, 80, "a.x."), srv(0, 7, 80, "A.X"), srv(0, 1, 81, "a.x.")]
+    )
+    assert [(rs.name, rs.weight, rs.backup) for rs in servers] == [
+        ("a.x:80", 7, False),
+        ("a.x:81", 1, False),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        (srv(0, 1, 80, "."), "no target"),
+        (srv(0, 1, 0, "a.x."), "port 0"),
+        (srv(0, 1, 80, "bad\\032name."), "is not an IP address or host name"),
+        (srv(0, 70000, 80, "a.x."), "weight 70000"),
+        (srv(-1, 1, 80, "a.x."), "priority -1"),
+    ],
+)
+def test_unusable_srv_records_are_skipped_and_said(record, reason):
+    servers, skipped = servers_from_srv([record, srv(0, 1, 80, "ok.x.")])
+    assert names(servers) == ["ok.x:80"]
+    assert len(skipped) == 1 and reason in skipped[0]
+
+
+def test_an_answer_of_only_unusable_records_is_empty():
+    outcome = resolution(*servers_from_srv([srv(0, 0, 80, ".")]))
+    assert outcome.result == "empty" and outcome.servers == ()
+    assert "no target" in outcome.detail
+
+
+def test_addresses_are_named_with_the_port_ipv6_in_brackets():
+    servers, skipped = servers_from_addresses(
+        ["10.0.0.12", "::1", "10.0.0.2", "10.0.0.12", "2001:db8::0001", "junk"], 8080
+    )
+    assert names(servers) == [
+        "10.0.0.2:8080",
+        "10.0.0.12:8080",
+        "[::1]:8080",
+        "[2001:db8::1]:8080",
+    ]
+    assert servers[2].address == Address("::1", 8080)
+    assert skipped == ["'junk': not an IP address"]
+
+
+# -- the state: streaks and hold -----------------------------------------------------------
+
+
+def ok(*names_: str, weight: int = 1) -> Resolution:
+    servers = tuple(
+        RealServerConfig(
+            name, Address("127.0.0.1", int(name.rsplit(":")[1])), weight, discovered=True
+        )
+        for name in names_
+    )
+    return Resolution("ok", servers)
+
+
+ERROR = Resolution("error", detail="The DNS operation timed out")
+NXDOMAIN = Resolution("nxdomain")
+EMPTY = Resolution("empty")
+
+
+def test_an_error_keeps_the_last_set_and_is_logged_once_per_streak(caplog):
+    state = DiscoveryState("web", DNS)
+    assert state.record(ok("a:1", "b:2"), 0.0)
+    with caplog.at_level(logging.INFO, logger="lbproxy.discovery_model"):
+        assert not state.record(ERROR, 10.0)
+        assert not state.record(ERROR, 20.0)
+        assert not state.record(ERROR, 1000.0)  # far beyond hold: errors never remove
+        assert not state.record(ok("a:1", "b:2"), 1010.0)  # same set: nothing to apply
+        assert not state.record(ERROR, 1020.0)
+    assert state.current == ["a:1", "b:2"]
+    failed = [r.message for r in caplog.records if "resolution failed" in r.message]
+    assert (
+        failed
+        == [
+            "web: discovery SRV _web._tcp.service.consul: resolution failed "
+            "(The DNS operation timed out); keeping the last 2 discovered server(s)"
+        ]
+        * 2
+    )  # one per streak: two streaks
+    assert "resolving again after 3 failed round(s)" in caplog.text
+    assert state.results == {"ok": 2, "error": 4}
+
+
+def test_no_answer_yet_says_only_static_servers_serve(caplog):
+    state = DiscoveryState("web", DNS)
+    with caplog.at_level(logging.WARNING, logger="lbproxy.discovery_model"):
+        assert not state.record(ERROR, 0.0)
+    assert "no answer yet: only the static real servers serve" in caplog.text
+    assert state.current == [] and not state.answered
+
+
+@pytest.mark.parametrize("gone", [NXDOMAIN, EMPTY])
+def test_empty_or_nxdomain_removes_only_after_hold(gone):
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1", "b:2"), 0.0)
+    assert not state.record(gone, 10.0)  # the streak starts
+    assert not state.record(gone, 39.9)
+    assert state.current == ["a:1", "b:2"]
+    assert state.record(gone, 40.0)  # hold (30 s) since the first empty answer
+    assert state.current == [] and state.leaving == {"a:1", "b:2"}
+    assert not state.record(gone, 50.0)  # nothing more to remove
+    assert state.results[gone.result] == 4
+
+
+def test_an_answer_within_hold_ends_the_empty_streak():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1"), 0.0)
+    state.record(NXDOMAIN, 10.0)
+    state.record(ok("a:1"), 20.0)
+    assert not state.record(NXDOMAIN, 45.0)  # a new streak: 0 s of hold spent
+    assert not state.record(NXDOMAIN, 74.0)
+    assert state.record(NXDOMAIN, 75.0)
+
+
+def test_errors_inside_an_empty_streak_neither_end_nor_extend_it():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1"), 0.0)
+    state.record(EMPTY, 10.0)
+    state.record(ERROR, 20.0)
+    assert state.record(EMPTY, 40.0)
+
+
+def test_hold_zero_removes_at_the_first_empty_answer():
+    state = DiscoveryState("web", replace(DNS, hold=0.0))
+    state.record(ok("a:1"), 0.0)
+    assert state.record(EMPTY, 1.0)
+
+
+# -- the merge ---------------------------------------------------------------------------
+
+VS = replace(virtual_server("wlc", {"s": {}}), discovery=DNS)
+
+
+def test_merged_is_static_first_then_discovered_in_order_of_appearance():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("b:2", "c:3"), 0.0)
+    state.record(ok("a:1", "b:2", "c:3"), 10.0)  # a new name goes last
+    merged = state.merged(VS)
+    assert names(merged.real_servers) == ["s", "b:2", "c:3", "a:1"]
+    assert [rs.discovered for rs in merged.real_servers] == [False, True, True, True]
+    assert merged.real_servers[1].line == 7  # where: the discovery block
+
+
+def test_a_leaving_server_drains_while_it_has_connections_then_goes():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1", "b:2"), 0.0)
+    assert state.record(ok("b:2"), 10.0)
+    active = {"a:1": 2}
+    merged = state.merged(VS, lambda name: active.get(name, 0))
+    assert [(rs.name, rs.state) for rs in merged.real_servers] == [
+        ("s", "enabled"),
+        ("a:1", "drain"),
+        ("b:2", "enabled"),
+    ]
+    active["a:1"] = 0
+    assert not state.forget_idle(lambda name: 1)
+    assert state.forget_idle(lambda name: active.get(name, 0))
+    assert names(state.merged(VS).real_servers) == ["s", "b:2"]
+    assert state.leaving == set()
+
+
+def test_a_leaving_server_that_comes_back_keeps_its_place():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1", "b:2"), 0.0)
+    state.record(ok("b:2"), 10.0)
+    assert state.record(ok("a:1", "b:2"), 20.0)
+    merged = state.merged(VS, lambda name: 1)
+    assert [(rs.name, rs.state) for rs in merged.real_servers][1:] == [
+        ("a:1", "enabled"),
+        ("b:2", "enabled"),
+    ]
+
+
+def test_a_weight_change_is_a_change_of_the_same_server():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1", "b:2"), 0.0)
+    assert state.record(ok("a:1", "b:2", weight=4), 10.0)
+    assert [rs.weight for rs in state.merged(VS).real_servers] == [1, 4, 4]
+
+
+def test_a_static_name_wins_over_a_discovered_one(caplog):
+    state = DiscoveryState("web", DNS)
+    state.record(ok("s:9", "a:1"), 0.0)
+    vs = replace(VS, real_servers=(replace(VS.real_servers[0], name="s:9"),))
+    with caplog.at_level(logging.WARNING, logger="lbproxy.discovery_model"):
+        merged = state.merged(vs)
+        state.merged(vs)
+    assert [(rs.name, rs.discovered) for rs in merged.real_servers] == [
+        ("s:9", False),
+        ("a:1", True),
+    ]
+    assert caplog.text.count("s:9 is a static real server") == 1
+
+
+def test_discovered_servers_get_the_virtual_servers_snmp_block_with_their_host():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1"), 0.0)
+    vs = replace(VS, snmp=SnmpConfig(port=1161))
+    (rs,) = state.merged(vs).real_servers[1:]
+    assert rs.snmp == SnmpConfig(port=1161, host="127.0.0.1")
+
+
+# -- the pool, fed the merged configurations ------------------------------------------------
+
+
+def test_a_discovery_round_keeps_runtime_changes_and_what_the_pool_keeps():
+    vs = replace(VS, slow_start=10.0)
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1", "b:2"), 0.0)
+    pool = Pool(state.merged(vs), 0.0)
+    s, a, b = pool.servers
+    lease = pool.take(a, 1.0)
+    pool.set_state(b, "drain", 1.0)  # PATCHed
+    pool.set_weight(s, 7, 1.0)  # PATCHed, on the static server
+    assert state.record(ok("a:1", "b:2", "c:3"), 2.0)
+    pool.reconfigure(state.merged(vs), 2.0, keep_runtime=True)
+    assert pool.servers[:3] == [s, a, b]  # the same objects: counters, health, leases
+    c = pool.servers[3]
+    assert (a.active, lease in a.leases, b.state, s.static_weight) == (1, True, "drain", 7)
+    assert (a.ramp_start, c.ramp_start) == (0.0, 2.0)  # a's ramp goes on; c's starts
+    assert c.effective_weight == pytest.approx(0.1)
+    pool.drop(lease, 3.0)
+
+
+def test_a_weight_change_applies_and_keeps_a_patched_state():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1"), 0.0)
+    pool = Pool(state.merged(VS), 0.0)
+    a = pool.by_name["a:1"]
+    pool.set_state(a, "disabled", 0.0)
+    state.record(ok("a:1", weight=5), 1.0)
+    pool.reconfigure(state.merged(VS), 1.0, keep_runtime=True)
+    assert (a.static_weight, a.state) == (5.0, "disabled")
+
+
+def test_a_reload_applies_the_file_but_keeps_discovered_runtime_state():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1"), 0.0)
+    pool = Pool(state.merged(VS), 0.0)
+    s, a = pool.servers
+    pool.set_state(s, "drain", 0.0)
+    pool.set_state(a, "drain", 0.0)
+    pool.reconfigure(state.merged(VS), 1.0)  # a reload: keep_runtime False
+    assert (s.state, a.state) == ("enabled", "drain")
+
+
+def test_removed_servers_drain_then_leave_the_pool():
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1", "b:2"), 0.0)
+    pool = Pool(state.merged(VS), 0.0)
+    a = pool.by_name["a:1"]
+    lease = pool.take(a, 0.0)
+
+    def active(name: str) -> int:
+        return pool.by_name[name].active if name in pool.by_name else 0
+
+    state.record(ok("b:2"), 1.0)
+    pool.reconfigure(state.merged(VS, active), 1.0, keep_runtime=True)
+    assert (a.state, a.available) == ("drain", False)
+    assert names(pool.servers) == ["s", "a:1", "b:2"]
+    assert all(pool.pick(1.5) is not a for _ in range(10))
+    pool.drop(lease, 2.0)
+    pool.reconfigure(state.merged(VS, active), 2.0, keep_runtime=True)
+    assert names(pool.servers) == ["s", "b:2"] and a.removed
+
+
+def test_quiesce_resets_when_a_discovered_server_comes_online():
+    vs = replace(VS, quiesce=True)
+    state = DiscoveryState("web", DNS)
+    state.record(ok("a:1"), 0.0)
+    pool = Pool(state.merged(vs), 0.0)
+    pool.take(pool.by_name["a:1"], 0.0)
+    epoch = pool.epoch
+    state.record(ok("a:1", "b:2"), 1.0)
+    pool.reconfigure(state.merged(vs), 1.0, keep_runtime=True)
+    assert pool.epoch == epoch + 1
+    assert pool.by_name["a:1"].sched_active == 0 and pool.by_name["a:1"].active == 1
+
+
+# -- what makes the usual round cheap ---------------------------------------------------
+
+
+def test_known_addresses_are_reused_and_only_the_current_ones_kept():
+    known: dict = {}
+    first, _ = servers_from_addresses(["10.0.0.1", "10.0.0.2"], 80, known)
+    second, _ = servers_from_addresses(["10.0.0.2", "10.0.0.3", "10.0.0.1"], 80, known)
+    assert names(second) == ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]
+    assert second[0] is first[0] and second[1] is first[1]  # not parsed again
+    assert second == servers_from_addresses(["10.0.0.3", "10.0.0.2", "10.0.0.1"], 80)[0]
+    servers_from_addresses(["10.0.0.3"], 80, known)
+    assert set(known) == {"10.0.0.3"}
+
+
+def test_the_same_resolution_again_is_no_change_and_merges_to_equal_configs():
+    state = DiscoveryState("web", DNS)
+    outcome = ok("a:1", "b:2")
+    assert state.record(outcome, 0.0)
+    vs = replace(VS, snmp=SnmpConfig())  # the running configuration: one object
+    first = state.merged(vs)
+    assert not state.record(outcome, 1.0)  # the very same tuple: recognised at once
+    again = state.merged(vs)
+    assert again == first and again.real_servers[1] is first.real_servers[1]
+    assert not state.record(ok("a:1", "b:2"), 2.0)  # an equal answer: no change either

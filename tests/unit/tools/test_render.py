@@ -1,0 +1,117 @@
+"""`lbproxy status` rendering of the API document: plain columns, table, wrapped blocks."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from lbproxy.tools.render import print_status, status_plain
+
+LONG_HOST = "backend-" + "x" * 52 + ".example:8080"  # 73 characters: wider than a terminal
+
+
+def real_server(name: str, address: str, dynamic=None, total=7, discovered=False) -> dict:
+    return {
+        "name": name,
+        "address": address,
+        "state": "enabled",
+        "health": "up",
+        "weight": {"static": 3, "dynamic": dynamic, "effective": 2.5},
+        "active_connections": 1,
+        "connections_total": total,
+        "bytes_in": 1234567,
+        "bytes_out": 89,
+        "discovered": discovered,
+    }
+
+
+DOCUMENT = {
+    "virtual_servers": [
+        {
+            "name": "snmp-weighted",
+            "scheduler": "dwd",
+            "throttle_mode": "high",
+            "real_servers": [
+                real_server("alpha", "127.0.0.1:9001", dynamic=40, total=123456789),
+                real_server("far", LONG_HOST, discovered=True),
+            ],
+        },
+        {"name": "empty", "scheduler": "rr", "throttle_mode": "low", "real_servers": []},
+    ]
+}
+
+
+def render(width: int, terminal: bool) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=terminal, color_system=None)
+    print_status(DOCUMENT, console)
+    return out.getvalue()
+
+
+def test_plain_columns_keep_every_value_and_a_row_for_an_empty_virtual_server():
+    lines = status_plain(DOCUMENT)
+    assert [line.split() for line in lines[1:]] == [
+        ["snmp-weighted", "dwd", "high", "alpha", "127.0.0.1:9001", "enabled", "up", "3", "40",
+         "2.5", "1", "123456789", "1234567", "89", "no", "no", "0"],
+        ["snmp-weighted", "dwd", "high", "far", LONG_HOST, "enabled", "up", "3", "-", "2.5",
+         "1", "7", "1234567", "89", "yes", "no", "0"],
+        ["empty", "rr", "low"] + ["-"] * 14,
+    ]  # fmt: skip
+    assert render(30, terminal=False) == "".join(line + "\n" for line in lines)
+
+
+def test_a_narrow_terminal_folds_a_value_wider_than_itself_and_cuts_nothing():
+    screen = render(40, terminal=True)
+    lines = screen.splitlines()
+    assert "…" not in screen and max(len(line) for line in lines) <= 40
+    assert LONG_HOST in "".join(line.strip() for line in lines)  # folded, not cut
+    for item in ("weight 3", "snmp 40", "effective 2.5", "active 1", "total 123456789"):
+        assert any(item in line for line in lines), item
+    assert any("bytes in 1.2 MB" in line for line in lines)
+    assert lines[-2:] == ["empty  (rr, low)", "  no real servers"]
+
+
+def test_a_terminal_wide_enough_gets_the_table():
+    screen = render(250, terminal=True)
+    assert "┃ virtual server" in screen and "…" not in screen
+    assert max(len(line) for line in screen.splitlines()) <= 250
+    assert "│ empty (rr, low)" in screen
+    assert "3 / snmp 40" in screen and LONG_HOST in screen and "123456789" in screen
+
+
+def test_discovered_servers_are_marked_in_every_layout():
+    assert status_plain(DOCUMENT)[0].split()[14] == "DISCOVERED"
+    table = render(250, terminal=True)
+    assert "far (dns)" in table and "alpha (dns)" not in table
+    blocks = render(40, terminal=True).splitlines()
+    far = next(i for i, line in enumerate(blocks) if line.strip().startswith("far"))
+    assert blocks[far].split()[:2] == ["far", "(dns)"]
+
+
+def test_backups_and_queued_clients_are_shown_in_the_table_and_the_blocks():
+    document = {
+        "virtual_servers": [
+            {
+                "name": "web",
+                "scheduler": "rr",
+                "throttle_mode": "low",
+                "queued": 3,
+                "real_servers": [
+                    real_server("main", "127.0.0.1:9001"),
+                    {**real_server("sorry", "127.0.0.1:9002"), "backup": True},
+                ],
+            }
+        ]
+    }
+    for width in (200, 40):  # the table, then the wrapped blocks
+        out = io.StringIO()
+        console = Console(file=out, width=width, force_terminal=True, color_system=None)
+        print_status(document, console)
+        text = out.getvalue()
+        assert "3 queued" in text and "(backup)" in text
+        assert text.count("(backup)") == 1  # only the backup server
+    # Piped: a BACKUP column per real server, the virtual server's QUEUED on each line.
+    header, *lines = (line.split() for line in status_plain(document))
+    assert header[-2:] == ["BACKUP", "QUEUED"]
+    assert {line[3]: line[-2:] for line in lines} == {"main": ["no", "3"], "sorry": ["yes", "3"]}

@@ -22,7 +22,7 @@ when the files were edited since), the worker answers "ready\\n" once every list
 bound, and reads on until end of file, which means the supervisor is gone (killed, even
 with SIGKILL): it then stops accepting and drains, so no orphan keeps the ports.
 
-Merging rules (README "Workers"): counters and histograms are added up, and so is
+Merging rules (docs/concepts/workers.md): counters and histograms are added up, and so is
 `lbproxy_active_connections`; the state-like gauges in MAX_FAMILIES take the highest
 value (a real server is up when any worker sees it up; weights are the same in every
 worker); `lbproxy_config_reloads_total` counts the supervisor's reloads. A worker that

@@ -223,9 +223,9 @@ def test_dockerfile_ships_the_container_configuration_and_exposes_its_ports():
     assert int(healthcheck) == admin.port
     check = run_cli("check", str(ROOT / "configs" / "container"))
     assert check.returncode == 0, check.stderr
-    # The README's and the Dockerfile's own `docker run` publish exactly those ports.
-    readme = (ROOT / "README.md").read_text()
-    runs = re.findall(r"docker run [^\n`]*", readme + text)
+    # The documentation's and the Dockerfile's own `docker run` publish exactly those ports.
+    docs = "".join(page.read_text() for page in (ROOT / "docs").rglob("*.md"))
+    runs = re.findall(r"docker run [^\n`]*", docs + text)
     assert runs
     for command in runs:
         published = {int(p) for p in re.findall(r"-p \d+:(\d+)", command)}

@@ -1,6 +1,6 @@
 """send_expect results through a real `lbproxy run` process and real loopback servers.
 
-The rule (README, "Health checks"): `timeout` only when nothing at all was received
+The rule (docs/concepts/health.md): `timeout` only when nothing at all was received
 within `timeout` (or the connect did not complete); `fail` when bytes were received and
 `expect` was not found by the time the server closed, 4 KiB were read, or `timeout`
 passed. The reason in the log names what was received, escaped, cut at 60 characters.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lbproxy.core.pool import Pool
@@ -52,6 +52,13 @@ def test_equal_weights_give_every_server_its_share_within_one_percent(server_nam
 def test_removing_a_server_moves_its_slots_and_few_others_and_adding_it_back_restores_all(
     server_names, data
 ):
+    # Two servers whose skips are equal (h2 mod 65536 collides: 1 in 65536 for a pair)
+    # walk one slot sequence, shifted; the removal of a third then reshuffles the slots
+    # between those two, and the paper's bound does not hold (35 % of the others moved
+    # for ['0', '--gkg', '7bpcgi0c4c2q'], found by this test). A property of Maglev's
+    # permutations (Envoy's are the same), not of this table: outside the claim.
+    skips = {permutation(name, M)[1] for name in server_names}
+    assume(len(skips) == len(server_names))
     pool = maglev_pool({name: {} for name in server_names})
     before = table(pool)
     gone = data.draw(st.sampled_from(server_names))

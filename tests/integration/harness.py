@@ -33,11 +33,22 @@ def _ephemeral_range() -> tuple[int, int]:
 # by any outgoing connection on the machine — a client, a health check, a proxied
 # connect — and the test then fails with "Address already in use".
 _EPHEMERAL_LOW = _ephemeral_range()[0]
-_PORTS = (
-    random.Random(os.getpid()).sample(range(10000, _EPHEMERAL_LOW), _EPHEMERAL_LOW - 10000)
-    if _EPHEMERAL_LOW > 12000
-    else []
-)
+
+
+def _worker_slice() -> tuple[int, int]:
+    """(index, count) of this pytest-xdist worker, (0, 1) outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return (index, count) if 0 <= index < count else (0, 1)
+
+
+# Under pytest-xdist each worker hands out only every count-th port, from its own index
+# on: two workers of one run never hand out the same port, even when both ask in the
+# same instant, before either has bound it.
+_INDEX, _COUNT = _worker_slice()
+_OURS = range(10000 + _INDEX, _EPHEMERAL_LOW, _COUNT)
+_PORTS = random.Random(os.getpid()).sample(_OURS, len(_OURS)) if _EPHEMERAL_LOW > 12000 else []
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -87,6 +87,23 @@ def check(config: tuple[str, ...], resolve: bool) -> None:
         sys.exit(EXIT_RUNTIME)
 
 
+@main.command()
+def schema() -> None:
+    """Print the configuration's JSON Schema (draft 2020-12), for editors.
+
+    It is built from the definition `check` uses: every key, type, range and default.
+
+    \b
+    Example:
+      lbproxy schema > /etc/lbproxy/lbproxy.schema.json
+      # first line of a configuration file:
+      # yaml-language-server: $schema=lbproxy.schema.json
+    """
+    from lbproxy.config.schema import dumps
+
+    click.echo(dumps(), nl=False)
+
+
 def _print_discovered(cfg: Config) -> bool:
     """`check --resolve`: each discovery name's servers now; False if one did not answer."""
     import trio

@@ -1,11 +1,12 @@
 """The configuration model: frozen, typed objects the rest of lbproxy reads.
 
 PURE: no trio, no sockets, no clock. The dataclasses below are the contract the rest of
-lbproxy reads; defaults are the ones of SPEC §2 and §9 and the README's configuration
-reference. The package's other modules fill them: values.py (`parse_duration`,
-`parse_address`, the converters that check one value each), tables.py (the keys of each
-section), reader.py (each section into its dataclass, the checks across files, `load`)
-and summary.py (`summary` for `lbproxy check`).
+lbproxy reads; defaults are the ones of SPEC §2 and §9, and the configuration reference
+(docs/reference/configuration.md) and `lbproxy schema` show them from here. The package's
+other modules fill them: values.py (`parse_duration`, `parse_address`, the converters
+that check one value each), tables.py (the keys of each section), reader.py (each section
+into its dataclass, the checks across files, `load`), summary.py (`summary` for `lbproxy
+check`), and reference.py and schema.py (the tables as a page and as a JSON Schema).
 """
 
 from __future__ import annotations

@@ -1,11 +1,32 @@
-"""The keys of each configuration section and the converter that reads each one.
+"""The keys of each configuration section, the converter that reads each one, and what
+each key means.
 
 PURE. The reader (reader.py) walks these tables; nothing else decides which keys exist.
+The same tables, through `SECTIONS`, give the configuration reference
+(docs/reference/configuration.md, reference.py) and the JSON Schema (`lbproxy schema`,
+schema.py), so the three cannot disagree: a key is added here, with `.about(...)`, once.
 """
 
 from __future__ import annotations
 
-from lbproxy.config.model import MAX_WEIGHT
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lbproxy.config.model import (
+    MAX_WEIGHT,
+    AdminConfig,
+    ConditioningConfig,
+    DnsDiscoveryConfig,
+    DnsLocatorConfig,
+    GlobalConfig,
+    HealthCheckConfig,
+    PersistenceConfig,
+    QueueConfig,
+    RealServerConfig,
+    SnmpConfig,
+    ThrottleConfig,
+    VirtualServerConfig,
+)
 from lbproxy.config.values import (
     Converter,
     _address,
@@ -41,146 +62,441 @@ from lbproxy.config.values import (
 # --------------------------------------------------------------------------------------
 # Keys map to the dataclass field of the same name; nested sections are read separately.
 
-_TOP_LEVEL_SECTIONS = ("global", "virtual_servers")
+# Schedulers whose weights come from the SNMP poller.
+_SNMP_SCHEDULERS = ("dwd", "dwr")
 
 _GLOBAL_FIELDS: dict[str, Converter] = {
-    "log_format": _choice("text", "json"),
-    "drain_timeout": _duration(positive=False),
-    "workers": _workers,
-    "access_log": _boolean,
+    "log_format": _choice("text", "json").about(
+        "`text`, or `json` (one object per line), on stderr"
+    ),
+    "drain_timeout": _duration(positive=False).about(
+        "on SIGTERM/SIGINT, how long connections may finish before the rest are closed"
+    ),
+    "workers": _workers.about(
+        "processes sharing the listeners (`auto` = one per CPU); changing it takes a restart"
+    ),
+    "access_log": _boolean.about(
+        "one line per connection on logger `lbproxy.access`: client, virtual and real "
+        "server, bytes each way, duration, how it ended"
+    ),
 }
-_GLOBAL_SECTIONS = ("admin", "locator")
 
 _ADMIN_FIELDS: dict[str, Converter] = {
-    "listen": _admin_listen,
-    "token_file": _string,
+    "listen": _admin_listen.about(
+        "the admin endpoint (API, `/metrics`, dashboard); `none` turns it off; in a "
+        "container `0.0.0.0:9100` with a `token_file`"
+    ),
+    "token_file": _string.about(
+        "file holding the bearer token mutations need; must not be world-readable "
+        "(lbproxy refuses to start)",
+        default="none",
+    ),
 }
 
 _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
-    "name": _name,
-    "listen": _vs_listen,
-    "scheduler": _scheduler,
-    "quiesce": _boolean,
-    "load_source": _choice("connections", "snmp", "report"),
-    "load_poll_interval": _duration(positive=True),
-    "slow_start": _duration(positive=False),
-    "connect_timeout": _duration(positive=True),
-    "idle_timeout": _duration(positive=True),
-    "retries": _integer(0),
-    "max_connections": _integer(0),
-    "allow": _networks,
-    "deny": _networks,
-    "send_proxy": _choice("none", "v1", "v2"),
-    "accept_proxy": _boolean,
-    "table_size": _table_size,
-    "hash_key": _choice("source", "source_port"),
-    "sni": _sni_names,
-}
-_VIRTUAL_SERVER_SECTIONS = (
-    "health_check",
-    "snmp",
-    "throttle",
-    "persistence",
-    "queue",
-    "conditioning",
-    "real_servers",
-    "discovery",
-)
-
-_REAL_SERVER_FIELDS: dict[str, Converter] = {
-    "name": _name,
-    "address": _address(listen=False),
-    "weight": _integer(0, MAX_WEIGHT),
-    "max_connections": _integer(0),
-    "load_factor": _number(above=0),
-    "state": _choice("enabled", "drain", "disabled"),
-    "backup": _boolean,
-}
-_REAL_SERVER_SECTIONS = ("snmp",)
-
-_HEALTH_CHECK_FIELDS: dict[str, Converter] = {
-    "type": _choice("tcp", "send_expect", "http", "none"),
-    "interval": _duration(positive=True),
-    "timeout": _duration(positive=True),
-    "rise": _integer(1),
-    "fall": _integer(1),
-    "send": _string,
-    "expect": _regex,
-    "path": _http_path,
-    "expect_status": _status_codes,
-    "on_down": _choice("keep", "close"),
-}
-
-_SNMP_FIELDS: dict[str, Converter] = {
-    "oid": _oid,
-    "version": _snmp_version,
-    "community": _string,
-    "user": _string,
-    "auth_protocol": _choice("SHA", "SHA256", "MD5"),
-    "auth_key_file": _string,
-    "priv_protocol": _choice("AES", "AES256", "DES"),
-    "priv_key_file": _string,
-    "host": _host,
-    "port": _integer(1, 65535),
-    "interval": _duration(positive=True),
-    "timeout": _duration(positive=True),
-    "retries": _integer(0),
-    "on_no_answer": _choice("zero", "hold", "static"),
-    "stale_after": _duration(positive=True),
-    "smoothing": _number(above=0, at_most=1),
-    "max_value": _integer(1),
-}
-
-_THROTTLE_FIELDS: dict[str, Converter] = {
-    "max_connections": _integer(1),
-    "max_rate": _number(above=0),
-    "digg_factor": _number(above=1),
-    "high_idle_timeout": _duration(positive=True),
-    "min_idle_timeout": _duration(positive=True),
-    "interval": _duration(positive=True),
-}
-
-_PERSISTENCE_FIELDS: dict[str, Converter] = {
-    "timeout": _duration(positive=True),
-    "max_entries": _integer(1),
+    "name": _name.about("unique name (it appears in API paths and metric labels)"),
+    "listen": _vs_listen.about(
+        "an address or a list of them; `none`: locator only, nothing is bound"
+    ),
+    "scheduler": _scheduler.about("how a real server is picked (see Schedulers)"),
+    "quiesce": _boolean.about(
+        "reset the connection table when a real server comes online",
+        read_by=("wlc", "dwd", "dwr"),
+    ),
+    "load_source": _choice("connections", "snmp", "report").about(
+        "`connections` (connections / `max_connections`), `snmp` (value / "
+        "`snmp.max_value`) or `report` (pushed by the servers, `PUT .../load`)",
+        read_by=("least-load",),
+    ),
+    "load_poll_interval": _duration(positive=True).about(
+        "with `load_source: connections`: how often the load is sampled",
+        read_by=("least-load",),
+    ),
+    "slow_start": _duration(positive=False).about(
+        "ramp a server coming online from 10 % to its full weight over this time"
+    ),
+    "connect_timeout": _duration(positive=True).about(
+        "connecting to a real server; also how long an `accept_proxy` header may take, and "
+        "(on an SNI address, the first virtual server's) how long the PROXY header and the "
+        "TLS ClientHello may take together"
+    ),
+    "idle_timeout": _duration(positive=True).about(
+        "close when neither side sent anything for this long (also bounds half-closed connections)"
+    ),
+    "retries": _integer(0).about("on connect failure, try up to N *other* real servers"),
+    "max_connections": _integer(0).about(
+        "concurrent client connections for this virtual server (0 = unlimited); more are "
+        'closed and counted (`reason="max_connections"`)'
+    ),
+    "allow": _networks.about("client networks allowed"),
+    "deny": _networks.about('client networks refused; deny wins over allow (`reason="acl"`)'),
+    "send_proxy": _choice("none", "v1", "v2").about(
+        "`v1` or `v2`: send a PROXY protocol header to the real server first"
+    ),
+    "accept_proxy": _boolean.about(
+        "expect a PROXY v1/v2 header from an upstream balancer; its client address is the "
+        "one the ACL checks and `send_proxy` passes on"
+    ),
+    "table_size": _table_size.about(
+        "slots of the lookup table; more slots, finer shares (keep it above 100 × the "
+        "number of real servers)",
+        only=("maglev",),
+    ),
+    "hash_key": _choice("source", "source_port").about(
+        "hash the client address (`source`) or address and port (`source_port`)",
+        only=("maglev",),
+    ),
+    "sni": _sni_names.about(
+        "TLS server names routed here from a listen address it shares with other virtual "
+        "servers: exact names or `*.example.com` (one label), case-insensitive",
+        default="none",
+    ),
 }
 
 # Keys that only the maglev scheduler reads: an error with any other (not silently unused).
-_MAGLEV_KEYS = ("table_size", "hash_key")
-_LOCATOR_SECTIONS = ("dns",)
+_MAGLEV_KEYS = tuple(key for key, c in _VIRTUAL_SERVER_FIELDS.items() if c.only == ("maglev",))
+
+_REAL_SERVER_FIELDS: dict[str, Converter] = {
+    "name": _name.about("unique within the virtual server"),
+    "address": _address(listen=False).about(
+        "`HOST:PORT` (host names are resolved once, when first used)"
+    ),
+    "weight": _integer(0, MAX_WEIGHT).about(
+        "static weight (ipvsadm's range); 0 = no new connections"
+    ),
+    "max_connections": _integer(0).about(
+        "concurrent connections to this server (0 = unlimited); `least-load` with "
+        "`load_source: connections` needs it > 0"
+    ),
+    "load_factor": _number(above=0).about(
+        "added to the accumulated load per connection; higher = weaker server",
+        read_by=("sap",),
+    ),
+    "state": _choice("enabled", "drain", "disabled").about("at start-up (and after each reload)"),
+    "backup": _boolean.about(
+        "a backup server: new connections only while no primary server is online"
+    ),
+}
+
+_HEALTH_CHECK_FIELDS: dict[str, Converter] = {
+    "type": _choice("tcp", "send_expect", "http", "none").about(
+        "`tcp` (connect), `send_expect`, `http`, or `none` (passive health only)"
+    ),
+    "interval": _duration(positive=True).about(
+        "time between checks (each server starts at a random offset)"
+    ),
+    "timeout": _duration(positive=True).about("per check"),
+    "rise": _integer(1).about("good checks in a row to come back up"),
+    "fall": _integer(1).about("failures in a row to go down"),
+    "send": _string.about("`send_expect`: bytes to send (`\\r\\n` escapes work)", default="none"),
+    "expect": _regex.about(
+        "`send_expect` (required there): a regular expression searched in the first 4 KiB "
+        "of the answer",
+        default="none",
+    ),
+    "path": _http_path.about("`http`: the path to GET"),
+    "expect_status": _status_codes.about("`http`: the accepted status codes"),
+    "on_down": _choice("keep", "close").about(
+        "`keep` or `close` the established connections of a server that goes down"
+    ),
+}
+
+_SNMP_FIELDS: dict[str, Converter] = {
+    "oid": _oid.about("the OID to GET (default: UCD-SNMP-MIB 1-minute load average × 100)"),
+    "version": _snmp_version.about('`2c`, `3` or `"3"`'),
+    "community": _string.about("v2c community"),
+    "user": _string.about("v3 user (required with version 3)", default="none"),
+    "auth_protocol": _choice("SHA", "SHA256", "MD5").about("v3 authentication protocol"),
+    "auth_key_file": _string.about(
+        "v3: file holding the authentication passphrase (authNoPriv with this file only)",
+        default="none",
+    ),
+    "priv_protocol": _choice("AES", "AES256", "DES").about("v3 privacy protocol"),
+    "priv_key_file": _string.about(
+        "v3: file holding the privacy passphrase (authPriv with both files)", default="none"
+    ),
+    "host": _host.about("where the agent is", default="the real server's host"),
+    "port": _integer(1, 65535).about("the agent's UDP port"),
+    "interval": _duration(positive=True).about("poll period"),
+    "timeout": _duration(positive=True).about("per transmission"),
+    "retries": _integer(0).about("retransmissions within one poll"),
+    "on_no_answer": _choice("zero", "hold", "static").about(
+        "the dynamic weight after a failed poll: `zero`, `hold` (the last value for "
+        "`stale_after`, then 0) or `static` (the configured weight)"
+    ),
+    "stale_after": _duration(positive=True).about(
+        "`hold`: how long the last value is kept", default="3 × interval"
+    ),
+    "smoothing": _number(above=0, at_most=1).about("exponential moving average factor (1 = none)"),
+    "max_value": _integer(1).about(
+        "`dwr`: weight = max_value − value; `least-load`: load = value / max_value"
+    ),
+}
+
+_THROTTLE_FIELDS: dict[str, Converter] = {
+    "max_connections": _integer(1).about(
+        "concurrent client connections that make load 1", default="none"
+    ),
+    "max_rate": _number(above=0).about(
+        "new connections per second that make load 1 (at least one of the two)",
+        default="none",
+    ),
+    "digg_factor": _number(above=1).about("the load at which new connections are refused"),
+    "high_idle_timeout": _duration(positive=True).about("idle timeout imposed at load 1"),
+    "min_idle_timeout": _duration(positive=True).about(
+        "idle timeout imposed at `digg_factor` and in digg (at most `high_idle_timeout`)"
+    ),
+    "interval": _duration(positive=True).about(
+        "how often the monitor re-evaluates while busy (stepping down; going up happens at "
+        "the arrival that reaches a threshold)"
+    ),
+}
+
+_PERSISTENCE_FIELDS: dict[str, Converter] = {
+    "timeout": _duration(positive=True).about(
+        "an entry expires this long after the client's last connection ended"
+    ),
+    "max_entries": _integer(1).about("beyond this, the least recently used clients are evicted"),
+}
 
 _DNS_LOCATOR_FIELDS: dict[str, Converter] = {
-    "listen": _listen_address,
-    "zone": _dns_zone,
-    "ttl": _integer(0, 2**31 - 1),
+    "listen": _listen_address.about("the DNS locator, UDP and TCP"),
+    "zone": _dns_zone.about(
+        "the zone it answers for (`VS.ZONE`, `_VS._tcp.ZONE`); any other name is REFUSED"
+    ),
+    "ttl": _integer(0, 2**31 - 1).about("TTL of every answer, seconds (0 = ask again each time)"),
 }
 
 _CONDITIONING_FIELDS: dict[str, Converter] = {
-    "interval": _duration(positive=True),
-    "idle_for": _duration(positive=False),
-    "max_per_interval": _integer(1),
-    "threshold": _number(above=0),
+    "interval": _duration(positive=True).about("time between rounds"),
+    "idle_for": _duration(positive=False).about(
+        "a connection is a candidate only after this long without a byte either way"
+    ),
+    "max_per_interval": _integer(1).about("closed per round, at most"),
+    "threshold": _number(above=0).about(
+        "imbalance, in per-connection steps, that starts rebalancing (also used by `?current=`)"
+    ),
 }
 
-# Schedulers without a load to balance (SPEC §11): they reject a `conditioning:` block.
-_UNCONDITIONED_SCHEDULERS = ("rr", "wrr", "first", "maglev")
-
-_DISCOVERY_SECTIONS = ("dns",)
-
 _DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
-    "name": _dns_name,
-    "type": _record_type,
-    "port": _integer(1, 65535),
-    "resolvers": _resolvers,
-    "interval": _duration(positive=True),
-    "hold": _duration(positive=False),
-    "timeout": _duration(positive=True),
+    "name": _dns_name.about(
+        "the name to resolve, always as an absolute name (no search domains; a trailing "
+        "dot is optional)"
+    ),
+    "type": _record_type.about("the record type to ask for"),
+    "port": _integer(1, 65535).about(
+        "`A`/`AAAA` only, and required there: the port of every address (SRV records "
+        "carry their own)",
+        default="none",
+    ),
+    "resolvers": _resolvers.about(
+        "where to ask; without it `/etc/resolv.conf` is read again each round",
+        default="the system's",
+    ),
+    "interval": _duration(positive=True).about("time between the starts of two rounds"),
+    "hold": _duration(positive=False).about(
+        "how long the name must answer empty or NXDOMAIN before its servers are removed "
+        "(`0s`: at once)"
+    ),
+    "timeout": _duration(positive=True).about(
+        "one round (the query, retries, a second resolver, the address lookups of SRV "
+        "targets) gives up after this; a silent resolver delays nothing else"
+    ),
 }
 
 _QUEUE_FIELDS: dict[str, Converter] = {
-    "max": _integer(1),
-    "timeout": _duration(positive=True),
+    "max": _integer(1).about("waiting clients; one more is refused (`queue_full`)"),
+    "timeout": _duration(positive=True).about(
+        "how long a client may wait for a free slot (`queue_timeout`)"
+    ),
 }
 
-# Schedulers whose weights come from the SNMP poller.
-_SNMP_SCHEDULERS = ("dwd", "dwr")
+
+# --------------------------------------------------------------------------------------
+# The tree of sections: where each table applies, for the reader, reference and schema
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Section:
+    """One mapping of the configuration (or, `many`, a list of them)."""
+
+    fields: Mapping[str, Converter]
+    model: type | None  # the dataclass whose field defaults are this section's defaults
+    description: str
+    sections: Mapping[str, Section] = field(default_factory=dict)
+    many: bool = False  # a list of mappings (virtual_servers, real_servers)
+    required: tuple[str, ...] = ()
+    page: str = ""  # the concept page that explains it, relative to docs/
+    read_by: tuple[str, ...] = ()  # schedulers that use it; empty: every scheduler
+    defaults_from: str = ""  # a section whose values are the defaults ("overrides of")
+    only: tuple[str, ...] = ()  # schedulers that alone accept it (another: an error)
+    required_unless: Mapping[str, str] = field(default_factory=dict)  # key -> other key
+    # What the reader checks across keys, as JSON Schema (`if`/`then`, `anyOf`): the
+    # schema's share of the rules that no one key's converter can say.
+    rules: tuple[dict, ...] = ()
+
+
+_SNMP = Section(
+    _SNMP_FIELDS,
+    SnmpConfig,
+    "the SNMP poller that feeds `dwd`, `dwr` and `least-load` with `load_source: snmp`",
+    page="concepts/dynamic-weights.md",
+    read_by=(*_SNMP_SCHEDULERS, "least-load"),
+)
+
+SECTIONS = Section(
+    {},
+    None,
+    "A file holds a `global:` section (only one file may), a `virtual_servers:` list, or both.",
+    sections={
+        "global": Section(
+            _GLOBAL_FIELDS,
+            GlobalConfig,
+            "process-wide settings",
+            sections={
+                "admin": Section(
+                    _ADMIN_FIELDS,
+                    AdminConfig,
+                    "the admin endpoint: API, `/metrics`, `/healthz`, `/readyz`, dashboard",
+                    page="reference/admin-api.md",
+                ),
+                "locator": Section(
+                    {},
+                    None,
+                    "the locator's other faces",
+                    sections={
+                        "dns": Section(
+                            _DNS_LOCATOR_FIELDS,
+                            DnsLocatorConfig,
+                            "the DNS locator (only with this block); changing it takes a restart",
+                            page="concepts/locator.md",
+                        )
+                    },
+                    page="concepts/locator.md",
+                ),
+            },
+        ),
+        "virtual_servers": Section(
+            _VIRTUAL_SERVER_FIELDS,
+            VirtualServerConfig,
+            "what clients connect to: listen addresses, a scheduler and real servers",
+            required=("name", "listen"),
+            required_unless={"real_servers": "discovery"},
+            many=True,
+            page="concepts/servers.md",
+            sections={
+                "health_check": Section(
+                    _HEALTH_CHECK_FIELDS,
+                    HealthCheckConfig,
+                    "active health checks of every real server",
+                    page="concepts/health.md",
+                    rules=(
+                        {
+                            "if": {
+                                "properties": {"type": {"const": "send_expect"}},
+                                "required": ["type"],
+                            },
+                            "then": {"required": ["expect"]},
+                        },
+                    ),
+                ),
+                "snmp": _SNMP,
+                "throttle": Section(
+                    _THROTTLE_FIELDS,
+                    ThrottleConfig,
+                    "admission control (low, high, digg); needs `max_connections` or `max_rate`",
+                    page="concepts/throttle.md",
+                    rules=(
+                        {"anyOf": [{"required": ["max_connections"]}, {"required": ["max_rate"]}]},
+                    ),
+                ),
+                "persistence": Section(
+                    _PERSISTENCE_FIELDS,
+                    PersistenceConfig,
+                    "client persistence: a client goes back to its last real server",
+                    page="concepts/affinity.md",
+                ),
+                "queue": Section(
+                    _QUEUE_FIELDS,
+                    QueueConfig,
+                    "clients wait for a server held back by `max_connections` instead of "
+                    "being refused; `queue:` alone takes the defaults",
+                    page="concepts/front-door.md",
+                ),
+                "conditioning": Section(
+                    _CONDITIONING_FIELDS,
+                    ConditioningConfig,
+                    "move idle long-lived connections toward the least-loaded server",
+                    page="concepts/conditioning.md",
+                    only=("lc", "wlc", "dwd", "dwr", "least-load", "sap"),
+                ),
+                "real_servers": Section(
+                    _REAL_SERVER_FIELDS,
+                    RealServerConfig,
+                    "the servers connections go to (may be empty or left out with `discovery`)",
+                    many=True,
+                    required=("name", "address"),
+                    page="concepts/servers.md",
+                    sections={
+                        "snmp": Section(
+                            _SNMP_FIELDS,
+                            SnmpConfig,
+                            "overrides of the virtual server's `snmp` block, key by key, "
+                            "e.g. `{host: 10.0.0.11, port: 1161}`",
+                            page="concepts/dynamic-weights.md",
+                            defaults_from="virtual_servers[].snmp",
+                        )
+                    },
+                ),
+                "discovery": Section(
+                    {},
+                    None,
+                    "real servers from DNS, beside the static ones",
+                    required=("dns",),
+                    page="concepts/discovery.md",
+                    sections={
+                        "dns": Section(
+                            _DNS_DISCOVERY_FIELDS,
+                            DnsDiscoveryConfig,
+                            "SRV, A or AAAA records, re-resolved every `interval`",
+                            required=("name",),
+                            page="concepts/discovery.md",
+                            rules=(
+                                {  # A/AAAA need a port; SRV records carry their own
+                                    "if": {
+                                        "properties": {"type": {"pattern": "^(?:[Aa]|[Aa]{4})$"}},
+                                        "required": ["type"],
+                                    },
+                                    "then": {"required": ["port"]},
+                                    "else": {"properties": {"port": False}},
+                                },
+                            ),
+                        )
+                    },
+                ),
+            },
+        ),
+    },
+)
+
+_VIRTUAL_SERVER = SECTIONS.sections["virtual_servers"]
+# Schedulers without a load to balance (SPEC §11): they reject a `conditioning:` block.
+_UNCONDITIONED_SCHEDULERS = ("rr", "wrr", "first", "maglev")
+
+_TOP_LEVEL_SECTIONS = tuple(SECTIONS.sections)
+_GLOBAL_SECTIONS = tuple(SECTIONS.sections["global"].sections)
+_LOCATOR_SECTIONS = tuple(SECTIONS.sections["global"].sections["locator"].sections)
+_VIRTUAL_SERVER_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections)
+_REAL_SERVER_SECTIONS = tuple(
+    SECTIONS.sections["virtual_servers"].sections["real_servers"].sections
+)
+_DISCOVERY_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["discovery"].sections)
+
+
+def walk(section: Section = SECTIONS, path: str = ""):
+    """Every section with its dotted path ("virtual_servers[].health_check"), top first."""
+    yield path, section
+    for name, child in section.sections.items():
+        child_path = f"{path}.{name}" if path else name
+        yield from walk(child, child_path + ("[]" if child.many else ""))

@@ -3,6 +3,13 @@
 PURE. `parse_duration` and `parse_address` are public (the CLI and the simulator use them);
 a converter takes a YAML node and the key as the user wrote it, and returns the value or
 raises `_Invalid` with a message that names what to fix.
+
+A converter also says what it accepts, in words (`accepts`: the messages and the
+configuration reference) and as a JSON Schema fragment (`schema`: `lbproxy schema`),
+beside the code that checks it: the reference, the schema and `lbproxy check` are one
+definition. The schema may be looser than the check where JSON Schema cannot say it (a
+prime table size, a host name's labels), never stricter: what `check` accepts, the schema
+accepts.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from lbproxy.config.model import Address, IPNetwork
 # Scalars: durations and addresses (public, also used by the CLI and the simulator)
 # --------------------------------------------------------------------------------------
 
-_DURATION = re.compile(r"(?P<number>[+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?P<unit>ms|s|m|h)?")
+# ASCII digits only: `\d` would take any script's digits, and float() reads them.
+_DURATION = re.compile(r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))\s*(?P<unit>ms|s|m|h)?")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 # RFC 1123 host names; an all-numeric dotted name is a mistyped IPv4 address instead.
@@ -127,7 +135,91 @@ def _finite_float(value: float) -> float | None:
 # A converter checks one YAML value. `label` is the key as the user wrote it, qualified by
 # its section ("health_check.timeout"), so that messages name what to fix.
 
-Converter = Callable[[yaml.Node, str], Any]
+Reader = Callable[[yaml.Node, str], Any]
+Schema = dict[str, Any]
+
+
+class Converter:
+    """Reads one YAML value (`converter(node, label)`) and says what it accepts.
+
+    `accepts` is the requirement in words ("an integer from 0 to 65535"), `schema` the JSON
+    Schema of the accepted values (a callable for one computed late, e.g. the registered
+    schedulers). A table entry adds what only the key knows with `about()`: a description,
+    the default as shown when the model's default is not the whole story, and the
+    schedulers that read it (`read_by`) or that alone accept it (`only`: another
+    scheduler makes it an error).
+    """
+
+    __slots__ = ("_schema", "accepts", "default", "description", "only", "read", "read_by")
+
+    def __init__(
+        self,
+        read: Reader,
+        accepts: str,
+        schema: Schema | Callable[[], Schema],
+        *,
+        description: str = "",
+        default: str | None = None,
+        only: tuple[str, ...] = (),
+        read_by: tuple[str, ...] = (),
+    ) -> None:
+        self.read = read
+        self.accepts = accepts
+        self._schema = schema
+        self.description = description
+        self.default = default
+        self.only = only
+        self.read_by = read_by
+
+    def __call__(self, node: yaml.Node, label: str) -> Any:
+        return self.read(node, label)
+
+    @property
+    def schema(self) -> Schema:
+        return self._schema() if callable(self._schema) else dict(self._schema)
+
+    def about(
+        self,
+        description: str,
+        *,
+        default: str | None = None,
+        only: tuple[str, ...] = (),
+        read_by: tuple[str, ...] = (),
+    ) -> Converter:
+        """This converter, documented for one key."""
+        return Converter(
+            self.read,
+            self.accepts,
+            self._schema,
+            description=description,
+            default=default,
+            only=only,
+            read_by=only or read_by,
+        )
+
+
+def _accepting(accepts: str, schema: Schema | Callable[[], Schema]):
+    """Decorator: a reader function becomes a Converter that accepts `accepts`."""
+
+    def wrap(read: Reader) -> Converter:
+        return Converter(read, accepts, schema)
+
+    return wrap
+
+
+# JSON Schema fragments shared by several converters; loose where a pattern cannot say
+# what the code checks (ports 1..65535, IP literals), so never stricter than the code.
+_ADDRESS_SCHEMA: Schema = {
+    "type": "string",
+    "pattern": r"^\s*(?:\[[^\]]*\]|[^\s:\[\]]+):[0-9]+\s*$",
+}
+_NUMBER_FORMS = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_UNIT = r"\s*(?:ms|s|m|h)?\s*$"
+
+
+def _one_or_list_schema(item: Schema) -> Schema:
+    return {"anyOf": [item, {"type": "array", "items": item, "minItems": 1}]}
+
 
 _NOT_SCALAR = object()  # what `_scalar` gives for a list or a mapping: fails every check
 
@@ -197,7 +289,10 @@ def _integer(minimum: int, maximum: int | None = None) -> Converter:
             raise _expected(label, requirement, node)
         return value
 
-    return convert
+    schema: Schema = {"type": "integer", "minimum": minimum}
+    if maximum is not None:
+        schema["maximum"] = maximum
+    return Converter(convert, requirement, schema)
 
 
 def _number(above: float, at_most: float | None = None) -> Converter:
@@ -211,7 +306,10 @@ def _number(above: float, at_most: float | None = None) -> Converter:
             raise _expected(label, requirement, node)
         return number
 
-    return convert
+    schema: Schema = {"type": "number", "exclusiveMinimum": above}
+    if at_most is not None:
+        schema["maximum"] = at_most
+    return Converter(convert, requirement, schema)
 
 
 def _duration(*, positive: bool) -> Converter:
@@ -226,7 +324,13 @@ def _duration(*, positive: bool) -> Converter:
             raise _expected(label, requirement, node)
         return seconds
 
-    return convert
+    if positive:  # a non-zero digit somewhere, no sign but +
+        text = r"^\s*\+?(?=[0-9.]*[1-9])" + _NUMBER_FORMS + _UNIT
+        number: Schema = {"type": "number", "exclusiveMinimum": 0}
+    else:  # -0 is 0, as parse_duration reads it
+        text = r"^\s*(?:\+?" + _NUMBER_FORMS + r"|-(?:0+(?:\.0*)?|\.0+))" + _UNIT
+        number = {"type": "number", "minimum": 0}
+    return Converter(convert, requirement, {"anyOf": [number, {"type": "string", "pattern": text}]})
 
 
 def _choice(*options: str) -> Converter:
@@ -238,9 +342,10 @@ def _choice(*options: str) -> Converter:
             raise _expected(label, requirement, node, _did_you_mean(value, options))
         return value
 
-    return convert
+    return Converter(convert, requirement, {"enum": list(options)})
 
 
+@_accepting("true or false", {"type": "boolean"})
 def _boolean(node: yaml.Node, label: str) -> bool:
     value = _scalar(node, label)
     if not isinstance(value, bool):
@@ -248,6 +353,7 @@ def _boolean(node: yaml.Node, label: str) -> bool:
     return value
 
 
+@_accepting("a non-empty string", {"type": "string", "minLength": 1})
 def _string(node: yaml.Node, label: str) -> str:
     value = _scalar(node, label)
     if not isinstance(value, str) or not value:
@@ -258,6 +364,9 @@ def _string(node: yaml.Node, label: str) -> str:
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+@_accepting(
+    "a name of letters, digits, '.', '_' or '-'", {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"}
+)
 def _name(node: yaml.Node, label: str) -> str:
     # Names appear in API paths, CLI arguments and metric labels: keep them plain.
     value = _scalar(node, label)
@@ -274,7 +383,8 @@ def _address(*, listen: bool) -> Converter:
         except ValueError as exc:
             raise _expected(label, "HOST:PORT or [IPv6]:PORT", node, str(exc)) from None
 
-    return convert
+    what = "IP:PORT, [IPv6]:PORT or localhost:PORT" if listen else "HOST:PORT or [IPv6]:PORT"
+    return Converter(convert, what, _ADDRESS_SCHEMA)
 
 
 _listen_address = _address(listen=True)
@@ -290,12 +400,18 @@ def _one_or_list(convert: Converter, what: str) -> Converter:
             raise _Invalid(f"{label} must name at least one {what}", node)
         return tuple(convert(item, label) for item in node.value)
 
-    return read
+    return Converter(
+        read, f"{convert.accepts}, or a list of them", _one_or_list_schema(convert.schema)
+    )
 
 
 _listen_addresses = _one_or_list(_listen_address, "address")
 
 
+@_accepting(
+    "a host name like api.example.com or a wildcard like *.example.com",
+    {"type": "string", "pattern": r"^(?:\*\.)?[A-Za-z0-9_.-]+$"},
+)
 def _sni_name(node: yaml.Node, label: str) -> str:
     # An exact host name, or `*.` and a host name: the wildcard stands for exactly one
     # label (as nginx's and HAProxy's SNI maps, and certificates, RFC 6125 §6.4.3).
@@ -315,6 +431,10 @@ def _sni_name(node: yaml.Node, label: str) -> str:
 _sni_names = _one_or_list(_sni_name, "name")
 
 
+@_accepting(
+    "IP:PORT, [IPv6]:PORT, localhost:PORT or none",
+    {"anyOf": [{"type": "null"}, {"const": "none"}, _ADDRESS_SCHEMA]},
+)
 def _admin_listen(node: yaml.Node, label: str) -> Address | None:
     # `listen: none` (or an empty value) turns the admin endpoint off.
     if _scalar(node, label) in (None, "none"):
@@ -322,6 +442,10 @@ def _admin_listen(node: yaml.Node, label: str) -> Address | None:
     return _listen_address(node, label)
 
 
+@_accepting(
+    "an address (IP:PORT, [IPv6]:PORT), a list of them, or none",
+    {"anyOf": [{"const": "none"}, _one_or_list_schema(_ADDRESS_SCHEMA)]},
+)
 def _vs_listen(node: yaml.Node, label: str) -> tuple[Address, ...]:
     # `listen: none`: a locator-only virtual server (SPEC §10) binds nothing.
     if _scalar(node, label) == "none":
@@ -329,6 +453,7 @@ def _vs_listen(node: yaml.Node, label: str) -> tuple[Address, ...]:
     return _listen_addresses(node, label)
 
 
+@_accepting("a DNS zone like lb.internal.", {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"})
 def _dns_zone(node: yaml.Node, label: str) -> str:
     value = _scalar(node, label)
     text = value.rstrip(".") if isinstance(value, str) else ""
@@ -337,6 +462,13 @@ def _dns_zone(node: yaml.Node, label: str) -> str:
     return text.lower() + "."
 
 
+_NETWORK_SCHEMA: Schema = {"type": "string", "pattern": r"^\s*[0-9A-Fa-f:.]+(?:/[0-9.]+)?\s*$"}
+
+
+@_accepting(
+    "a list of CIDR networks like 10.0.0.0/8 (a bare IP is a /32 or /128)",
+    {"anyOf": [_NETWORK_SCHEMA, {"type": "array", "items": _NETWORK_SCHEMA}]},
+)
 def _networks(node: yaml.Node, label: str) -> tuple[IPNetwork, ...]:
     """A list of CIDR networks (a single one is accepted too); a bare IP is a /32 or /128."""
     items = node.value if isinstance(node, yaml.SequenceNode) else [node]
@@ -351,6 +483,7 @@ def _networks(node: yaml.Node, label: str) -> tuple[IPNetwork, ...]:
     return tuple(networks)
 
 
+@_accepting("a regular expression", {"type": "string", "minLength": 1, "format": "regex"})
 def _regex(node: yaml.Node, label: str) -> str:
     pattern = _string(node, label)
     try:
@@ -378,6 +511,10 @@ def _is_prime(n: int) -> bool:
     return True
 
 
+@_accepting(
+    f"a prime from 101 to {MAX_TABLE_SIZE}",
+    {"type": "integer", "minimum": 101, "maximum": MAX_TABLE_SIZE},
+)
 def _table_size(node: yaml.Node, label: str) -> int:
     # Maglev's permutations (offset + j * skip) mod M visit every slot only when M is prime.
     value = _scalar(node, label)
@@ -389,6 +526,10 @@ def _table_size(node: yaml.Node, label: str) -> int:
     return value
 
 
+@_accepting(
+    "a DNS name like _web._tcp.service.consul",
+    {"type": "string", "pattern": r"^\s*[A-Za-z0-9_.-]+\s*$"},
+)
 def _dns_name(node: yaml.Node, label: str) -> str:
     value = _scalar(node, label)
     if not isinstance(value, str) or not value.strip():
@@ -408,6 +549,10 @@ def _dns_name(node: yaml.Node, label: str) -> str:
 _DISCOVERY_TYPES = ("SRV", "A", "AAAA")
 
 
+@_accepting(
+    "SRV, A or AAAA (any case)",
+    {"type": "string", "pattern": "^(?:[Ss][Rr][Vv]|[Aa]|[Aa][Aa][Aa][Aa])$"},
+)
 def _record_type(node: yaml.Node, label: str) -> str:
     value = _scalar(node, label)
     if isinstance(value, str) and value.upper() in _DISCOVERY_TYPES:
@@ -415,6 +560,7 @@ def _record_type(node: yaml.Node, label: str) -> str:
     raise _expected(label, "one of SRV, A, AAAA", node)
 
 
+@_accepting("an IP address, IP:PORT or [IPv6]:PORT (port 53 by default)", {"type": "string"})
 def _resolver(node: yaml.Node, label: str) -> Address:
     """A resolver: an IP address with an optional port (53), `IP:PORT` or `[v6]:PORT`."""
     value = _scalar(node, label)
@@ -440,6 +586,9 @@ def _resolver(node: yaml.Node, label: str) -> Address:
 _resolvers = _one_or_list(_resolver, "resolver")
 
 
+@_accepting(
+    "an integer >= 1 or auto", {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]}
+)
 def _workers(node: yaml.Node, label: str) -> int:
     if _scalar(node, label) == "auto":
         return os.cpu_count() or 1
@@ -449,6 +598,7 @@ def _workers(node: yaml.Node, label: str) -> int:
         raise _expected(label, "an integer >= 1 or auto", node) from None
 
 
+@_accepting("2c or 3", {"enum": ["2c", "3", 3]})
 def _snmp_version(node: yaml.Node, label: str) -> str:
     # YAML reads `version: 3` as an int and `version: 2c` as a string; both are fine.
     value = _scalar(node, label)
@@ -457,9 +607,13 @@ def _snmp_version(node: yaml.Node, label: str) -> str:
     raise _expected(label, "2c or 3", node)
 
 
-_OID = re.compile(r"\.?\d+(?:\.\d+)+")
+_OID = re.compile(r"\.?[0-9]+(?:\.[0-9]+)+")
 
 
+@_accepting(
+    "a dotted numeric OID like 1.3.6.1.4.1.2021.10.1.5.1",
+    {"type": "string", "pattern": r"^\.?[0-9]+(?:\.[0-9]+)+$"},
+)
 def _oid(node: yaml.Node, label: str) -> str:
     value = _scalar(node, label)
     if not isinstance(value, str) or not _OID.fullmatch(value):
@@ -467,6 +621,7 @@ def _oid(node: yaml.Node, label: str) -> str:
     return value.lstrip(".")
 
 
+@_accepting("a host name or IP address", {"type": "string", "minLength": 1})
 def _host(node: yaml.Node, label: str) -> str:
     value = _scalar(node, label)
     try:
@@ -479,6 +634,7 @@ def _host(node: yaml.Node, label: str) -> str:
         raise _expected(label, "a host name or IP address", node, str(exc)) from None
 
 
+@_accepting("a path starting with /", {"type": "string", "pattern": "^/"})
 def _http_path(node: yaml.Node, label: str) -> str:
     value = _scalar(node, label)
     if not isinstance(value, str) or not value.startswith("/"):
@@ -486,6 +642,11 @@ def _http_path(node: yaml.Node, label: str) -> str:
     return value
 
 
+def _scheduler_schema() -> Schema:
+    return {"enum": _known_schedulers()}
+
+
+@_accepting("the name of a scheduler", _scheduler_schema)
 def _scheduler(node: yaml.Node, label: str) -> str:
     value = _scalar(node, label)
     known = _known_schedulers()

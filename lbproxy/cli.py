@@ -217,13 +217,19 @@ def simulate(
 
 @main.command()
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option(
+    "--admin-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port of the admin endpoint and dashboard (default 9100, or a free one if taken).",
+)
 @click.option("--duration", type=float, default=None, hidden=True)  # tests: stop by itself
-def demo(port: int, duration: float | None) -> None:
+def demo(port: int, admin_port: int | None, duration: float | None) -> None:
     """Start three demo real servers, an SNMP agent each, and lbproxy in front of them
     on loopback: wlc on PORT, dwd (weights from SNMP) on PORT+1."""
     from lbproxy.tools import demo as demo_module
 
-    sys.exit(demo_module.run(port=port, duration=duration))
+    sys.exit(demo_module.run(port=port, duration=duration, admin_port=admin_port))
 
 
 # -- runtime commands through the admin API -------------------------------------------

@@ -12,6 +12,9 @@ One trio program runs everything:
   `demo` (scheduler `wlc`, static weights 1, 2, 3) on 127.0.0.1:PORT, and `demo-dwd`
   (scheduler `dwd`: each server's weight is the value its agent reports, polled every
   second) on PORT+1 (a free port with `--port 0`);
+- the admin endpoint on 127.0.0.1 (the dashboard at `/`, `/metrics`, the API that
+  `lbproxy status` and `lbproxy drain` use): port 9100, where those commands look by
+  default, or a free port when 9100 is taken, with `--port 0`, or `--admin-port`;
 - a control port on 127.0.0.1 (a port the OS picks) taking lines `NAME VALUE` (answered
   `ok NAME VALUE`), so another terminal changes a reported value with `nc` or bash's
   `/dev/tcp`; on a terminal the same lines can be typed into the demo itself.
@@ -22,8 +25,10 @@ noSuchInstance) -- hold shows that a missed poll does not drain a server at once
 weight still drops to 0 three seconds later; a loaded demo (someone benchmarking it)
 that misses one poll keeps its weights instead of flickering to 0.
 
-Output (SPEC §1, §9): the first line on stdout is `lbproxy demo: connect to HOST:PORT`,
-then the dwd address and the control command, then how to try it, then a per-server
+Output (SPEC §1, §9): the first line on stdout is `lbproxy demo: connect to HOST:PORT`
+(the contract scripts read), the second `dashboard: http://127.0.0.1:PORT/` (issue 27:
+the dashboard's URL before anything else the demo says), then the dwd address and the
+control command, then how to try it, then a per-server
 table of both virtual servers read from `pool.statistics(now)` -- a `rich.live.Live` view
 on a terminal, one plain line per server and virtual server every second otherwise
 (tests, pipes). SIGINT/SIGTERM stop everything with exit code 0; a listen address that
@@ -64,6 +69,7 @@ from lbproxy.config.model import (
 )
 from lbproxy.control.snmp import serve_v2c_agent
 from lbproxy.core.pool import Pool, PoolStats
+from lbproxy.dataplane.listener import listen_socket
 from lbproxy.runtime import logs
 from lbproxy.runtime.server import BindError, Server
 
@@ -93,6 +99,7 @@ CONTROL_WAIT = 30.0  # a control connection may take this long to send its first
 CONTROL_LINGER = 0.5  # after an answer, this long for another line, then the port closes
 MAX_LINE = 200  # longest control line (and typed line) accepted
 TABLE_WIDTH = 78  # the live view fits an 80-column terminal
+ADMIN_PORT = 9100  # lbproxy's default admin port: `lbproxy status` finds the demo there
 
 
 @dataclass
@@ -112,15 +119,23 @@ class Backend:
         return "none" if self.value is None else str(self.value)
 
 
-def run(port: int = 8080, duration: float | None = None) -> int:
-    """Run the demo until Ctrl-C/SIGTERM (or `duration` seconds); returns the exit code."""
+def run(port: int = 8080, duration: float | None = None, admin_port: int | None = None) -> int:
+    """Run the demo until Ctrl-C/SIGTERM (or `duration` seconds); returns the exit code.
+
+    `admin_port`: the admin endpoint's port; None: 9100, or a free port when 9100 is taken
+    or `port` is 0 (free ports everywhere); 0: a free port."""
     logs.configure("text", "warning")  # keep the table readable
+    try:
+        admin = admin_socket(admin_port, free=port == 0)
+    except BindError as exc:
+        print(f"lbproxy demo: {exc} (try --admin-port 0 for a free port)", file=sys.stderr)
+        return 1
     port, dwd_port, reserved = listen_ports(port)
     tty = sys.stdout.isatty()
     keyboard = tty and _foreground_terminal(sys.stdin)
     failures: list[BindError] = []
     try:
-        trio.run(_main, port, dwd_port, reserved, duration, tty, keyboard)
+        trio.run(_main, port, dwd_port, reserved, duration, tty, keyboard, admin)
     except* BindError as group:
         failures.extend(group.exceptions)  # type: ignore[arg-type]
     except* KeyboardInterrupt:
@@ -149,12 +164,26 @@ def listen_ports(port: int) -> tuple[int, int, list[socket.socket]]:
     return port, ports[0] if ports else port + 1, reserved
 
 
+def admin_socket(port: int | None, *, free: bool) -> socket.socket:
+    """The admin endpoint's listening socket (bound here, so the printed URL is sure)."""
+    if port is not None:
+        return listen_socket(Address(HOST, port))
+    if not free:
+        try:
+            return listen_socket(Address(HOST, ADMIN_PORT))
+        except BindError:
+            pass  # another lbproxy (or anything) has 9100: the demo takes a free port
+    return listen_socket(Address(HOST, 0))
+
+
 def _release(reserved: list[socket.socket]) -> None:
     for sock in reserved:
         sock.close()
 
 
-def demo_config(port: int, dwd_port: int, backends: Sequence[Backend]) -> Config:
+def demo_config(
+    port: int, dwd_port: int, backends: Sequence[Backend], admin: Address | None = None
+) -> Config:
     """The demo's configuration, built in code: what a YAML file would say."""
     health_check = HealthCheckConfig(type="tcp", interval=1.0, timeout=0.5, rise=2, fall=2)
     wlc = VirtualServerConfig(
@@ -185,7 +214,7 @@ def demo_config(port: int, dwd_port: int, backends: Sequence[Backend]) -> Config
         snmp=SNMP,
     )
     return Config(
-        global_=GlobalConfig(admin=AdminConfig(listen=None), drain_timeout=DRAIN_TIMEOUT),
+        global_=GlobalConfig(admin=AdminConfig(listen=admin), drain_timeout=DRAIN_TIMEOUT),
         virtual_servers=(wlc, dwd),
     )
 
@@ -282,6 +311,7 @@ async def _main(
     duration: float | None,
     tty: bool,
     keyboard: bool,
+    admin_sock: socket.socket,
 ) -> None:
     # Installed first: from here on SIGINT/SIGTERM are messages, not KeyboardInterrupt.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -295,7 +325,8 @@ async def _main(
                 backends.append(backend)
             view = View(backends, tty, keyboard)
             _release(reserved)
-            server = Server(demo_config(port, dwd_port, backends))
+            admin = Address(HOST, admin_sock.getsockname()[1])
+            server = Server(demo_config(port, dwd_port, backends, admin), admin_sock=admin_sock)
             served = trio.Event()
             await nursery.start(_serve, server, served)  # raises BindError
             view.pools = [server.virtual_servers[name].pool for name in _NAMES]
@@ -303,7 +334,8 @@ async def _main(
             view.control = Address(HOST, control_port)
 
             print(f"lbproxy demo: connect to {HOST}:{port}", flush=True)
-            _print_intro(port, dwd_port, control_port, backends, keyboard)
+            print(f"dashboard: http://{admin}/", flush=True)
+            _print_intro(port, dwd_port, control_port, backends, keyboard, admin)
             display = trio.CancelScope()
             nursery.start_soon(_display, display, view)
 
@@ -398,7 +430,12 @@ async def _answer(stream: trio.SocketStream, view: View, line: bytes) -> None:
 
 
 def _print_intro(
-    port: int, dwd_port: int, control_port: int, backends: Sequence[Backend], keyboard: bool
+    port: int,
+    dwd_port: int,
+    control_port: int,
+    backends: Sequence[Backend],
+    keyboard: bool,
+    admin: Address,
 ) -> None:
     example = f"{backends[1].name} 80"
     weights = [b.weight for b in backends]
@@ -428,7 +465,12 @@ def _print_intro(
         f"      {python}",
         f"      (port {dwd_port} for {DWD_VIRTUAL_SERVER}). Short connections that close "
         "before the next",
-        "      one arrives find every server idle, so they take turns.",
+        f"      one arrives find every server idle: wlc sends each to {backends[-1].name}.",
+        "",
+        f"The dashboard (http://{admin}/) shows both virtual servers; its drain, enable,",
+        "disable and weight buttons change a server while connections are held. So does",
+        f"  lbproxy drain {VIRTUAL_SERVER} {backends[-1].name} --admin http://{admin}",
+        f"and lbproxy status --admin http://{admin} prints the table; /metrics is there too.",
         "",
         f"Change what an agent reports; {DWD_VIRTUAL_SERVER}'s weights follow within a "
         "second or two:",

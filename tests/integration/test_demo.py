@@ -3,6 +3,7 @@ the table, clean exits."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -54,6 +56,10 @@ class Demo:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.wait_for(r"Ctrl-C stops everything\.")  # the end of the intro
+        # The second line, before anything else the demo says: the dashboard's URL.
+        dashboard = re.fullmatch(r"dashboard: (http://127\.0\.0\.1:\d+/)", self.lines[0])
+        assert dashboard, self.lines[:2]
+        self.dashboard = dashboard.group(1)
         self.dwd_port = int(self.search(r"lbproxy demo: demo-dwd .* on 127\.0\.0\.1:(\d+)"))
         self.control_port = int(
             self.search(r"lbproxy demo: change a reported value: .* nc 127\.0\.0\.1 (\d+)")
@@ -284,3 +290,41 @@ def test_a_port_in_use_is_exit_code_1_naming_the_address(busy):
     assert f"127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
     assert "connect to" not in result.stdout
+
+
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, str, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return answer.status, answer.headers["Content-Type"], answer.read()
+
+
+def test_the_printed_dashboard_serves_the_page_and_drains_a_server_while_connections_are_held():
+    """The tour of docs/getting-started.md: hold connections, drain charlie from the
+    dashboard's API, its connections stay, new ones go elsewhere."""
+    demo = Demo(duration=20)
+    held = []
+    try:
+        status, kind, page = _http("GET", demo.dashboard)
+        assert status == 200 and kind.startswith("text/html")
+        assert b"<title>" in page and b"lbproxy" in page
+        held = [open_and_read_name(demo.port) for _ in range(12)]
+        assert Counter(name for _, name in held) == {"alpha": 2, "bravo": 4, "charlie": 6}
+
+        url = demo.dashboard + "api/v1/virtual-servers/demo/real-servers/charlie"
+        status, _, body = _http("PATCH", url, {"state": "drain"})
+        assert status == 200 and json.loads(body)["state"] == "drain"
+
+        for sock, name in held:  # every held connection still answers, charlie's too
+            sock.sendall(b"ping\n")
+            assert sock.recv(64) == b"ping\n", name
+        new = [ask_name(demo.port) for _ in range(6)]
+        assert "charlie" not in new, new
+        _, _, document = _http("GET", demo.dashboard + "api/v1/virtual-servers/demo")
+        servers = {rs["name"]: rs for rs in json.loads(document)["real_servers"]}
+        assert servers["charlie"]["state"] == "drain"
+        assert servers["charlie"]["active_connections"] == 6
+    finally:
+        for sock, _ in held:
+            sock.close()
+        demo.stop()

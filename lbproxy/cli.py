@@ -22,6 +22,11 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 
 
+def _examples(*lines: str) -> str:
+    """An epilog of example command lines, kept as written (click's \\b: no rewrap)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def _load_or_exit(paths: tuple[str, ...]) -> Config:
     try:
         return load(list(paths))
@@ -36,13 +41,30 @@ def _load_or_exit(paths: tuple[str, ...]) -> Config:
         sys.exit(EXIT_USAGE)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=_examples(
+        "lbproxy demo                    # demo servers, the proxy and its dashboard",
+        "lbproxy check /etc/lbproxy      # validate a configuration folder",
+        "lbproxy run /etc/lbproxy        # serve it (SIGHUP reloads)",
+        "lbproxy status                  # the live table from the admin endpoint",
+        "lbproxy COMMAND --help          # each command's options and examples",
+    )
+    + '\n\nShell completion: eval "$(_LBPROXY_COMPLETE=bash_source lbproxy)" (zsh_source,'
+    " fish_source); see docs/reference/cli.md.",
+)
 @click.version_option(__version__, prog_name="lbproxy")
 def main() -> None:
     """lbproxy: a Layer-4 TCP reverse proxy and load balancer."""
 
 
-@main.command()
+@main.command(
+    epilog=_examples(
+        "lbproxy run configs/",
+        "lbproxy run global.yaml web.yaml --log-level debug",
+        "kill -HUP $(pidof -s lbproxy)    # reload the files",
+    )
+)
 @click.argument("config", nargs=-1, required=True)
 @click.option(
     "--log-level",
@@ -71,7 +93,9 @@ def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
     sys.exit(server.run(cfg, config_paths=list(config), log_level=log_level))
 
 
-@main.command()
+@main.command(
+    epilog=_examples("lbproxy check configs/", "lbproxy check --resolve /etc/lbproxy/web.yaml")
+)
 @click.argument("config", nargs=-1, required=True)
 @click.option(
     "--resolve",
@@ -87,17 +111,17 @@ def check(config: tuple[str, ...], resolve: bool) -> None:
         sys.exit(EXIT_RUNTIME)
 
 
-@main.command()
+@main.command(
+    epilog=_examples(
+        "lbproxy schema > /etc/lbproxy/lbproxy.schema.json",
+        "# then, as the first line of a configuration file:",
+        "# yaml-language-server: $schema=lbproxy.schema.json",
+    )
+)
 def schema() -> None:
     """Print the configuration's JSON Schema (draft 2020-12), for editors.
 
     It is built from the definition `check` uses: every key, type, range and default.
-
-    \b
-    Example:
-      lbproxy schema > /etc/lbproxy/lbproxy.schema.json
-      # first line of a configuration file:
-      # yaml-language-server: $schema=lbproxy.schema.json
     """
     from lbproxy.config.schema import dumps
 
@@ -136,7 +160,13 @@ def _print_discovered(cfg: Config) -> bool:
     return answered
 
 
-@main.command()
+@main.command(
+    epilog=_examples(
+        "lbproxy simulate configs/sap.yaml -n 8",
+        "lbproxy simulate configs/wrr.yaml -n 12 --explain",
+        "lbproxy simulate maglev.yaml -n 3000 --clients 1000 --events moves.yaml",
+    )
+)
 @click.argument("config", nargs=-1, required=True)
 @click.option("--connections", "-n", type=click.IntRange(min=0), required=True)
 @click.option("--hold", is_flag=True, help="Every connection stays open.")
@@ -215,7 +245,13 @@ def simulate(
             click.echo(f"  {moves.line()}")
 
 
-@main.command()
+@main.command(
+    epilog=_examples(
+        "lbproxy demo                 # 8080, 8081 and the dashboard on 9100",
+        "lbproxy demo --port 0        # free ports everywhere",
+        "nc 127.0.0.1 8080            # from another terminal",
+    )
+)
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option(
     "--admin-port",
@@ -267,7 +303,14 @@ def _call(function, *args):
         sys.exit(EXIT_RUNTIME)
 
 
-@main.command()
+@main.command(
+    epilog=_examples(
+        "lbproxy status",
+        "lbproxy status --admin http://10.0.0.5:9100 --token-file admin.token",
+        'lbproxy status | awk \'NR > 1 && $7 == "down" {print $1 "/" $4}\'',
+        "lbproxy status --json | jq '.virtual_servers[].name'",
+    )
+)
 @admin_option
 @token_option
 @click.option("--json", "as_json", is_flag=True, help="Print the API's JSON document.")
@@ -328,7 +371,11 @@ class _SetWeightCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
-@main.command("set-weight", cls=_SetWeightCommand)
+@main.command(
+    "set-weight",
+    cls=_SetWeightCommand,
+    epilog=_examples("lbproxy set-weight web s1 3", "lbproxy set-weight web s1 0   # no new"),
+)
 @click.argument("vs")
 @click.argument("rs")
 @click.argument("weight", type=WeightType())
@@ -343,7 +390,7 @@ def set_weight(vs: str, rs: str, weight: int, admin, token_file) -> None:
 
 
 def _state_command(name: str, state: str, help_text: str):
-    @main.command(name, help=help_text)
+    @main.command(name, help=help_text, epilog=_examples(f"lbproxy {name} web s1"))
     @click.argument("vs")
     @click.argument("rs")
     @admin_option
@@ -359,7 +406,7 @@ _state_command("enable", "enabled", "RS takes new connections again.")
 _state_command("disable", "disabled", "No new connections to RS, and its existing ones close.")
 
 
-@main.command()
+@main.command(epilog=_examples("lbproxy reload", "lbproxy reload --admin http://127.0.0.1:9100"))
 @admin_option
 @token_option
 def reload(admin: str | None, token_file: str | None) -> None:

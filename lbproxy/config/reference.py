@@ -81,11 +81,11 @@ def _schedulers_table() -> list[str]:
             continue
         for key, converter in section.fields.items():
             if converter.read_by:
-                enforced = "only these (another is an error)" if converter.only else "read by"
+                enforced = "only these; another is an error" if converter.only else "these read it"
                 rows.append((f"{path}.{key}", converter.read_by, enforced, path))
         for key, child in section.sections.items():
             if child.read_by or child.only:
-                enforced = "only these (another is an error)" if child.only else "read by"
+                enforced = "only these; another is an error" if child.only else "these read it"
                 child_path = f"{path}.{key}"
                 rows.append((child_path, child.only or child.read_by, enforced, child_path))
     lines = [
@@ -95,7 +95,7 @@ def _schedulers_table() -> list[str]:
         "([Schedulers](../concepts/schedulers.md)). Every other key applies to every "
         "scheduler.",
         "",
-        "| key | schedulers | |",
+        "| key | schedulers | rule |",
         "|---|---|---|",
     ]
     for key, schedulers, enforced, where in rows:

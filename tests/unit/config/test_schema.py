@@ -49,6 +49,14 @@ def test_every_key_is_a_field_of_the_model_and_every_field_a_key(path, section):
     assert keys == fields, f"{path}: keys and model fields differ"
 
 
+def test_every_key_and_section_says_what_it_means():
+    """A key added without `.about(...)` would be a blank line in the reference."""
+    for path, section in walk():
+        assert section.description, path or "the top level"
+        for key, converter in section.fields.items():
+            assert converter.description, f"{path}.{key}: add .about('what it means')"
+
+
 def test_the_committed_reference_page_is_what_the_definition_writes():
     page = (ROOT / reference.PAGE).read_text()
     assert page == reference.markdown(), "run: python -m lbproxy.config.reference"

@@ -34,9 +34,19 @@ CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIR
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> dict[str, Path]:
+    # From a copy of the tree: a build writes lbproxy.egg-info beside the sources, and
+    # parallel test workers building at once must not share (or touch) the clone's.
+    source = tmp_path_factory.mktemp("source") / "lbproxy"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "site", "dist", "build", "*.egg-info", "__pycache__", ".*cache"
+        ),
+    )
     out = tmp_path_factory.mktemp("dist")
     result = subprocess.run(
-        [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+        [sys.executable, "-m", "build", "--outdir", str(out), str(source)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -3,15 +3,22 @@
 Eisenbud et al., NSDI 2016, §3.4 and §5.3: with M = 65537 every server of equal weight
 holds 1/N of the table; removing a server moves its own slots and few others; adding it
 back gives the same table. Measured here (scripts/bench_schedulers.py prints the same):
-removing one of N servers moves 0.01-0.9 % of the other servers' slots (worst seen 0.92 %
-at N = 10, names s0..s9); the test allows 3 %.
+removing one of N servers moves 0.01-0.9 % of the other servers' slots on average. The
+paper's figure is an average, not a bound on every pool: a few name sets move more (10 %
+of the others for ['9t5vo', 't', 'ri'], 3.6 % for one random set of 10 in 100), so the
+disruption is asserted over a fixed sample of pools (mean and 95th percentile), and every
+removal is asserted exactly for what Maglev does guarantee: the removed server's slots
+all go, and adding it back restores the table slot for slot.
 """
 
 from __future__ import annotations
 
+import random
+import statistics
+import string
 from collections import Counter
 
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbproxy.core.pool import Pool
@@ -47,22 +54,11 @@ def test_equal_weights_give_every_server_its_share_within_one_percent(server_nam
         assert abs(counts[name] - share) <= 0.01 * share, (name, counts[name], share)
 
 
-@settings(max_examples=25, deadline=None)
-@given(server_names=names, data=st.data())
-def test_removing_a_server_moves_its_slots_and_few_others_and_adding_it_back_restores_all(
-    server_names, data
-):
-    # Two servers whose skips are equal (h2 mod 65536 collides: 1 in 65536 for a pair)
-    # walk one slot sequence, shifted; the removal of a third then reshuffles the slots
-    # between those two, and the paper's bound does not hold (35 % of the others moved
-    # for ['0', '--gkg', '7bpcgi0c4c2q'], found by this test). A property of Maglev's
-    # permutations (Envoy's are the same), not of this table: outside the claim.
-    skips = {permutation(name, M)[1] for name in server_names}
-    assume(len(skips) == len(server_names))
-    pool = maglev_pool({name: {} for name in server_names})
+def remove_and_restore(names: list[str], gone: str, how: str) -> float:
+    """Take `gone` out (`how`), check the table, put it back; the share of the others'
+    slots that moved while it was out."""
+    pool = maglev_pool({name: {} for name in names})
     before = table(pool)
-    gone = data.draw(st.sampled_from(server_names))
-    how = data.draw(st.sampled_from(["disabled", "drain", "health"]))
     rs = pool.by_name[gone]
     if how == "health":
         for _ in range(3):
@@ -73,13 +69,38 @@ def test_removing_a_server_moves_its_slots_and_few_others_and_adding_it_back_res
     assert gone not in after
     others = [slot for slot, name in enumerate(before) if name != gone]
     moved = sum(1 for slot in others if after[slot] != before[slot])
-    assert moved <= 0.03 * len(others), f"{moved / len(others):.2%} of the others moved"
     if how == "health":
         for _ in range(2):
             pool.record_health(rs, True, 0)
     else:
         pool.set_state(rs, "enabled", 0)
     assert table(pool) == before
+    return moved / len(others)
+
+
+@settings(max_examples=25, deadline=None)
+@given(server_names=names, data=st.data())
+def test_removing_a_server_takes_all_its_slots_and_adding_it_back_restores_the_table(
+    server_names, data
+):
+    gone = data.draw(st.sampled_from(server_names))
+    how = data.draw(st.sampled_from(["disabled", "drain", "health"]))
+    remove_and_restore(server_names, gone, how)
+
+
+def test_removing_a_server_moves_few_other_slots_over_a_sample_of_pools():
+    # 60 pools of 3 to 40 servers with random names (a fixed seed: the same sample every
+    # run); the paper's "few others" as the mean and the 95th percentile of the sample.
+    rnd = random.Random(20261202)
+    alphabet = string.ascii_lowercase + string.digits
+    moved = []
+    for _ in range(60):
+        n = rnd.randint(3, 40)
+        pool_names = sorted({"".join(rnd.choices(alphabet, k=rnd.randint(1, 8))) for _ in range(n)})
+        moved.append(remove_and_restore(pool_names, rnd.choice(pool_names), "disabled"))
+    assert statistics.mean(moved) <= 0.01, f"mean {statistics.mean(moved):.2%}"
+    p95 = sorted(moved)[int(0.95 * len(moved))]
+    assert p95 <= 0.03, f"95th percentile {p95:.2%}"
 
 
 @settings(max_examples=25, deadline=None)

@@ -283,11 +283,12 @@ class AdminApp:
         if path == "/api/v1/virtual-servers":
             self._allow(method, "GET")
             pools = list(server.pools())
-            return (
-                200,
-                _json({"virtual_servers": [virtual_server_document(p) for p in pools]}),
-                "json",
-            )
+            document: dict[str, Any] = {
+                "virtual_servers": [virtual_server_document(p) for p in pools]
+            }
+            cluster = getattr(server, "cluster_document", None)  # SPEC §18; None: unclustered
+            document["cluster"] = cluster() if cluster is not None else None
+            return 200, _json(document), "json"
         if match := VIRTUAL_SERVER_PATH.match(path):
             self._allow(method, "GET")
             return 200, _json(virtual_server_document(self._pool(match[1]))), "json"

@@ -25,11 +25,13 @@ from lbproxy.core.discovery_model import DiscoveryState
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.core.pool import REJECT_REASONS, Pool
 from lbproxy.core.throttle import MODE_VALUES
+from lbproxy.wire.cluster_messages import KINDS as CLUSTER_KINDS
 
 CONNECT_FAILURE_REASONS = ("refused", "timeout", "error")
 HEALTH_RESULTS = ("ok", "fail", "timeout")
 SNMP_RESULTS = ("ok", "timeout", "error", "bad_value")
 RELOAD_RESULTS = ("ok", "error")
+CLUSTER_IGNORED = ("oversized", "garbage", "invalid", "unknown")
 LOCATOR_VIAS = ("http", "dns")
 DNS_RCODES = ("NOERROR", "NXDOMAIN", "REFUSED", "SERVFAIL", "FORMERR", "NOTIMP", "dropped")
 VS, RS = "virtual_server", "real_server"
@@ -171,6 +173,7 @@ class LbproxyCollector:
         for result in RELOAD_RESULTS:
             reloads.add_metric([result], self.source.reloads.get(result, 0))
         yield from self._locator_families()
+        yield from self._cluster()
         yield from (
             connections,
             active,
@@ -214,6 +217,43 @@ class LbproxyCollector:
             discovered.add_metric([name], len(state.current))
         yield resolutions
         yield discovered
+
+    def _cluster(self) -> Iterator[Metric]:
+        """SPEC §18; only with `global.cluster` (without it: no families)."""
+        cluster = getattr(self.source, "cluster", None)
+        if cluster is None:
+            return
+        yield GaugeMetricFamily(
+            "lbproxy_cluster_connected",
+            "1 while this instance is connected to the cluster's Redis.",
+            value=1 if cluster.connected else 0,
+        )
+        messages = CounterMetricFamily(
+            "lbproxy_cluster_messages",
+            "Cluster messages, by kind (state, weight, load, entries, invalid) and "
+            "direction (in: read from Redis, out: written).",
+            labels=["kind", "direction"],
+        )
+        for kind in (*CLUSTER_KINDS, "entries", "invalid"):
+            for direction in ("in", "out"):
+                if kind != "invalid" or direction == "in":
+                    messages.add_metric([kind, direction], cluster.messages[kind, direction])
+        yield messages
+        ignored = CounterMetricFamily(
+            "lbproxy_cluster_ignored_messages",
+            "Messages from Redis not applied, by reason (oversized, garbage, invalid, "
+            "unknown: a virtual or real server this instance does not have).",
+            labels=["reason"],
+        )
+        for reason in CLUSTER_IGNORED:
+            ignored.add_metric([reason], cluster.ignored[reason])
+        yield ignored
+        yield GaugeMetricFamily(
+            "lbproxy_cluster_sync_lag_seconds",
+            "Connected: how long the last change from another instance took to apply "
+            "here; disconnected: how long Redis has been away.",
+            value=cluster.sync_lag,
+        )
 
     def _locator_families(self) -> Iterator[Metric]:
         """SPEC §10 and §11: locator answers, DNS queries, load reports, conditioning."""

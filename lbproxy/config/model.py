@@ -65,9 +65,25 @@ class LocatorConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """`global.cluster.redis`: the Redis (or Valkey) server the instances share (SPEC §18)."""
+
+    url: str  # redis://HOST:PORT/DB | rediss://HOST:PORT/DB | unix:///PATH (no password)
+    password_file: str | None = None  # the password (AUTH), read at start; none: no AUTH
+    key_prefix: str = "lbproxy"  # every key and channel starts with "PREFIX:"
+    name: str | None = None  # this instance's member name; None: the host name
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    redis: RedisConfig | None = None  # None: no cluster, every instance on its own
+
+
+@dataclass(frozen=True, slots=True)
 class GlobalConfig:
     admin: AdminConfig = AdminConfig()
     locator: LocatorConfig = LocatorConfig()
+    cluster: ClusterConfig = ClusterConfig()
     log_format: str = "text"  # text | json
     drain_timeout: float = 30.0
     access_log: bool = False  # one INFO line per connection on logger lbproxy.access

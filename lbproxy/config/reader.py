@@ -18,6 +18,7 @@ import yaml
 from lbproxy.config.model import (
     Address,
     AdminConfig,
+    ClusterConfig,
     ConditioningConfig,
     Config,
     ConfigError,
@@ -30,12 +31,14 @@ from lbproxy.config.model import (
     Problem,
     QueueConfig,
     RealServerConfig,
+    RedisConfig,
     SnmpConfig,
     ThrottleConfig,
     VirtualServerConfig,
 )
 from lbproxy.config.tables import (
     _ADMIN_FIELDS,
+    _CLUSTER_SECTIONS,
     _CONDITIONING_FIELDS,
     _DISCOVERY_SECTIONS,
     _DNS_DISCOVERY_FIELDS,
@@ -49,6 +52,7 @@ from lbproxy.config.tables import (
     _QUEUE_FIELDS,
     _REAL_SERVER_FIELDS,
     _REAL_SERVER_SECTIONS,
+    _REDIS_FIELDS,
     _SNMP_FIELDS,
     _SNMP_SCHEDULERS,
     _THROTTLE_FIELDS,
@@ -252,7 +256,12 @@ def _read_global(doc: _Document, top: _Section) -> _GlobalRead:
     admin = _nested(doc, section, "admin", "global.admin", _ADMIN_FIELDS, prefix="admin.")
     admin = admin or _Section(line)
     locator, dns_line = _read_locator(doc, section)
-    config = GlobalConfig(admin=AdminConfig(**admin.values), locator=locator, **section.values)
+    config = GlobalConfig(
+        admin=AdminConfig(**admin.values),
+        locator=locator,
+        cluster=_read_cluster(doc, section),
+        **section.values,
+    )
     read = _GlobalRead(config, doc.file, line, admin.key_lines.get("listen"))
     read.dns_line = dns_line
     return read
@@ -271,6 +280,26 @@ def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int
     if dns is None:
         return LocatorConfig(), 0
     return LocatorConfig(DnsLocatorConfig(**dns.values)), dns.line_of("listen")
+
+
+def _read_cluster(doc: _Document, section: _Section) -> ClusterConfig:
+    """`global.cluster` (SPEC §18): today one backend, `redis`."""
+    cluster = _nested(
+        doc, section, "cluster", "global.cluster", {}, _CLUSTER_SECTIONS, prefix="cluster."
+    )
+    if cluster is None:
+        return ClusterConfig()
+    redis = _nested(
+        doc, cluster, "redis", "global.cluster.redis", _REDIS_FIELDS, prefix="cluster.redis."
+    )
+    if redis is None:
+        if "redis" not in cluster.key_lines:
+            doc.error(cluster.line, "global.cluster needs 'redis'")
+        return ClusterConfig()
+    doc.require(redis, "global.cluster.redis", "url")
+    if "url" not in redis.values:
+        return ClusterConfig()
+    return ClusterConfig(RedisConfig(**redis.values))
 
 
 def _read_virtual_servers(doc: _Document, top: _Section) -> list[_VirtualServerRead]:

@@ -43,6 +43,11 @@ def _global_summary(global_: GlobalConfig) -> str:
     dns = global_.locator.dns
     if dns is not None:
         text += f"\nDNS locator {dns.listen} (UDP and TCP), zone {dns.zone}, ttl {dns.ttl}"
+    redis = global_.cluster.redis
+    if redis is not None:
+        name = redis.name or "the host name"
+        auth = f", password from {redis.password_file}" if redis.password_file else ""
+        text += f"\ncluster through {redis.url} (keys {redis.key_prefix}:*{auth}), as {name}"
     return text
 
 

@@ -23,6 +23,7 @@ from lbproxy.config.model import (
     PersistenceConfig,
     QueueConfig,
     RealServerConfig,
+    RedisConfig,
     SnmpConfig,
     ThrottleConfig,
     VirtualServerConfig,
@@ -40,11 +41,14 @@ from lbproxy.config.values import (
     _http_path,
     _integer,
     _listen_address,
+    _member_name,
     _name,
     _networks,
     _number,
     _oid,
     _record_type,
+    _redis_key_prefix,
+    _redis_url,
     _regex,
     _resolvers,
     _scheduler,
@@ -90,6 +94,29 @@ _ADMIN_FIELDS: dict[str, Converter] = {
         "file holding the bearer token mutations need; must not be world-readable "
         "(lbproxy refuses to start)",
         default="none",
+    ),
+}
+
+_REDIS_FIELDS: dict[str, Converter] = {
+    "url": _redis_url.about(
+        "the Redis (or Valkey) the instances share: `redis://HOST:PORT/DB`, "
+        "`rediss://HOST:PORT/DB` (TLS; options `ssl_ca_certs`, `ssl_cert_reqs`, "
+        "`ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`) or `unix:///PATH` (option "
+        "`db`); a user name may be given (`redis://lb@host:6379/0`), a password may not",
+        default="required",
+    ),
+    "password_file": _string.about(
+        "file holding the password (`AUTH`), read at every connection attempt (a rotated "
+        "password is picked up); none: no `AUTH`",
+        default="none",
+    ),
+    "key_prefix": _redis_key_prefix.about(
+        "every key and channel starts with `PREFIX:`; several clusters may share one Redis "
+        "with their own prefixes"
+    ),
+    "name": _member_name.about(
+        "this instance's member name; with `workers: N` each worker is a member, `NAME-wI`",
+        default="the host name",
     ),
 }
 
@@ -375,6 +402,24 @@ SECTIONS = Section(
                     },
                     page="concepts/locator.md",
                 ),
+                "cluster": Section(
+                    {},
+                    None,
+                    "several instances as one, through a shared Redis; changing it takes a "
+                    "restart",
+                    required=("redis",),
+                    page="howto/several-instances.md",
+                    sections={
+                        "redis": Section(
+                            _REDIS_FIELDS,
+                            RedisConfig,
+                            "the Redis server: runtime changes, load reports, persistence "
+                            "entries and members are shared through it",
+                            required=("url",),
+                            page="howto/several-instances.md",
+                        )
+                    },
+                ),
             },
         ),
         "virtual_servers": Section(
@@ -487,6 +532,7 @@ _UNCONDITIONED_SCHEDULERS = ("rr", "wrr", "first", "maglev")
 _TOP_LEVEL_SECTIONS = tuple(SECTIONS.sections)
 _GLOBAL_SECTIONS = tuple(SECTIONS.sections["global"].sections)
 _LOCATOR_SECTIONS = tuple(SECTIONS.sections["global"].sections["locator"].sections)
+_CLUSTER_SECTIONS = tuple(SECTIONS.sections["global"].sections["cluster"].sections)
 _VIRTUAL_SERVER_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections)
 _REAL_SERVER_SECTIONS = tuple(
     SECTIONS.sections["virtual_servers"].sections["real_servers"].sections

@@ -19,6 +19,7 @@ import ipaddress
 import math
 import os
 import re
+import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -678,3 +679,82 @@ def _known_schedulers() -> list[str]:
     except ImportError:
         return sorted(_FALLBACK_SCHEDULERS)
     return sorted(available())
+
+
+# -- global.cluster.redis (SPEC §18) ---------------------------------------------------
+
+_TLS_QUERY = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
+_REDIS_URL_EXAMPLE = "redis://HOST:6379/0, rediss://HOST:6379/0 or unix:///PATH"
+
+
+@_accepting(
+    _REDIS_URL_EXAMPLE,
+    {"type": "string", "pattern": "^(?:[Rr][Ee][Dd][Ii][Ss][Ss]?|[Uu][Nn][Ii][Xx])://"},
+)
+def _redis_url(node: yaml.Node, label: str) -> str:
+    """A Redis URL as coredis reads it, checked here so that a typo is a FILE:LINE error,
+    not a failure at run time. No password in it: URLs are shown in logs and summaries
+    (a user name may be given, for Redis 6 ACLs; the password goes in password_file)."""
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not value:
+        raise _expected(label, _REDIS_URL_EXAMPLE, node)
+    parts = urllib.parse.urlsplit(value)
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss", "unix"):
+        raise _expected(label, _REDIS_URL_EXAMPLE, node, "the scheme is redis, rediss or unix")
+    try:
+        password, port = parts.password, parts.port
+    except ValueError:
+        raise _expected(label, _REDIS_URL_EXAMPLE, node, "the port is not a number") from None
+    if password:
+        raise _Invalid(
+            f"{label}: put the password in password_file, not in the URL "
+            "(a URL is shown in logs and in `lbproxy check`)",
+            node,
+        )
+    allowed = _TLS_QUERY if scheme == "rediss" else ("db",) if scheme == "unix" else ()
+    for key in urllib.parse.parse_qs(parts.query, keep_blank_values=True):
+        if key not in allowed:
+            options = ", ".join(allowed) or "none"
+            raise _Invalid(f"{label}: unknown URL option {key!r} (options: {options})", node)
+    if scheme == "unix":
+        if parts.netloc.rpartition("@")[2] or not parts.path.startswith("/"):
+            raise _expected(label, "unix:///ABSOLUTE/PATH", node)
+        return value
+    if not parts.hostname:
+        raise _expected(label, _REDIS_URL_EXAMPLE, node, "no host")
+    if port == 0:
+        raise _expected(label, _REDIS_URL_EXAMPLE, node, "port 0")
+    database = parts.path.strip("/")
+    if database and not (database.isascii() and database.isdigit()):
+        raise _expected(label, _REDIS_URL_EXAMPLE, node, "the path is a database number")
+    return value
+
+
+_KEY_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+@_accepting(
+    "up to 64 letters, digits, '.', '_', ':' or '-'",
+    {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
+)
+def _redis_key_prefix(node: yaml.Node, label: str) -> str:
+    # Keys are matched with SCAN patterns: no glob characters (* ? [ ]) and no spaces.
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not _KEY_PREFIX.fullmatch(value):
+        raise _expected(label, "up to 64 letters, digits, '.', '_', ':' or '-'", node)
+    return value
+
+
+_MEMBER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@_accepting(
+    "up to 64 letters, digits, '.', '_' or '-'",
+    {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+)
+def _member_name(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    if not isinstance(value, str) or not _MEMBER_NAME.fullmatch(value):
+        raise _expected(label, "up to 64 letters, digits, '.', '_' or '-'", node)
+    return value

@@ -26,6 +26,15 @@ open is passed over (moved to the end, as in use) unless the first few all are, 
 the oldest goes all the same (that client's next connection is scheduled afresh). Each
 entry counts its client's open connections; a lease holds its Entry, so a connection
 ending after its entry was evicted or replaced changes nothing.
+
+Shared persistence (SPEC §18, lbproxy/control/cluster.py): with a cluster, `outbox` is a
+dict and every entry this table creates or moves to another server is put in it (key ->
+entry; a later change of the same client replaces the earlier), as is an entry in use
+whose last share is older than half the timeout (so the other instances' copies, which
+expire `timeout` after they were shared, do not run out while the client still comes
+here). The cluster sync empties the outbox in the background: the connection path only
+does a dict assignment. Entries the other instances share come in through `learn`,
+which neither counts a lookup nor goes to the outbox.
 """
 
 from __future__ import annotations
@@ -41,13 +50,14 @@ SWEEP_PER_LOOKUP = 4  # expired entries dropped from the front at most, per look
 
 
 class Entry:
-    __slots__ = ("active", "expires", "key", "server")
+    __slots__ = ("active", "expires", "key", "server", "shared")
 
     def __init__(self, key: str, server: Any) -> None:
         self.key = key
         self.server = server
         self.active = 0  # connections of this client open now
         self.expires = 0.0  # meaningful once active is 0
+        self.shared = 0.0  # when it was last shared with (or learned from) the cluster
 
 
 def client_key(client: tuple) -> str:
@@ -69,6 +79,8 @@ class Persistence:
         # stopped at (entries behind it expire later; entries touched since, later
         # still). Lookups sweep only from then on: one comparison until something is due.
         self._sweep_at = float("-inf")
+        # With a cluster: entries to share, filled here, emptied by the cluster sync.
+        self.outbox: dict[str, Entry] | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -93,10 +105,42 @@ class Persistence:
             entries.move_to_end(key)  # a replaced expired entry keeps its old place
             while len(entries) > self.max_entries:  # more than one after a reload lowered it
                 self._evict(key)
+            if self.outbox is not None:
+                self._share(entry, now)
         else:
+            if self.outbox is not None and (
+                entry.server is not server or now - entry.shared >= self.timeout / 2
+            ):
+                self._share(entry, now)
             entry.server = server
             entries.move_to_end(key)
         entry.active += 1
+        return entry
+
+    def _share(self, entry: Entry, now: float) -> None:
+        entry.shared = now
+        self.outbox[entry.key] = entry  # type: ignore[index]
+
+    def learn(self, key: str, server: Any, ttl: float, now: float) -> Entry:
+        """Another instance sent client `key` to `server`; the entry has `ttl` left.
+
+        The entry is this table's like any other (the next lookup hits it) but not this
+        instance's to share. A client with connections open here keeps them (they finish
+        on their old server); its next connection goes to `server`. Placed at the end
+        like a touched entry, although it may expire before entries ahead of it: only
+        the gauge may count it a little longer, a lookup checks its own expiry.
+        """
+        entries = self.entries
+        entry = entries.get(key)
+        if entry is None:
+            entry = entries[key] = Entry(key, server)
+            while len(entries) > self.max_entries:
+                self._evict(key)
+        entry.server = server
+        entry.shared = now
+        if not entry.active:
+            entry.expires = now + min(ttl, self.timeout)
+        entries.move_to_end(key)
         return entry
 
     def _evict(self, keep: str) -> None:
@@ -121,6 +165,8 @@ class Persistence:
             entry.active = 0
             entry.expires = now + self.timeout
             self.entries.move_to_end(entry.key)
+            if self.outbox is not None and now - entry.shared >= self.timeout / 2:
+                self._share(entry, now)
 
     def expire(self, now: float, limit: int | None = None) -> int:
         """Drop expired entries from the front (at most `limit` steps); returns the count."""

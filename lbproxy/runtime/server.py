@@ -25,6 +25,7 @@ from lbproxy.admin.api import TokenError, read_token, serve_admin
 from lbproxy.config.model import Address, Config, ConfigError, VirtualServerConfig
 from lbproxy.config.reader import load
 from lbproxy.control.checks import HealthChecks, close_leases
+from lbproxy.control.cluster import Cluster
 from lbproxy.control.conditioning import Conditioners
 from lbproxy.control.discovery import Discoveries
 from lbproxy.control.snmp import SnmpPollers
@@ -36,6 +37,7 @@ from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.runtime import logs
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
+from lbproxy.wire.cluster_messages import Change, EntryBatch
 
 log = logging.getLogger("lbproxy.server")
 
@@ -62,6 +64,7 @@ class Server:
         *,
         reuse_port: bool = False,
         admin_sock: socket.socket | None = None,
+        cluster_name: str | None = None,
     ) -> None:
         self.config = config
         self.admin_token = admin_token
@@ -88,6 +91,10 @@ class Server:
         self.notifier = Notifier()
         self.conditioners = Conditioners()  # one per virtual server with `conditioning:`
         self.dns: DnsLocator | None = None  # global.locator.dns, once bound
+        # global.cluster (SPEC §18): runtime changes and persistence shared through Redis.
+        # Not changed by a reload (like global.locator): it is this process's identity.
+        redis = config.global_.cluster.redis
+        self.cluster = Cluster(redis, self, cluster_name) if redis is not None else None
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -193,8 +200,15 @@ class Server:
             async with trio.open_nursery() as service:
                 self._service = service
                 for listener in bound:
-                    self._start_listener(listener)
+                    self._register(listener)
                 self._add_locator_only(self.config.virtual_servers, trio.current_time())
+                if self.cluster is not None:
+                    # The file first, then the cluster's changes (as a reload would),
+                    # before the first connection is accepted; at once without Redis.
+                    self.cluster.share_entries()
+                    await service.start(self.cluster.run)
+                for listener in bound:
+                    self._start_accepting(listener)
                 self.conditioners.sync(self.virtual_servers.values(), service)
                 self.throttles.sync(self.virtual_servers.values(), service)
                 self._sync_queues()
@@ -279,9 +293,15 @@ class Server:
         return sock
 
     def _start_listener(self, listener: Listener) -> None:
+        self._register(listener)
+        self._start_accepting(listener)
+
+    def _register(self, listener: Listener) -> None:
         self.listeners[listener.address] = listener
         for vs in listener.virtual_servers:
             self.virtual_servers.setdefault(vs.name, vs)
+
+    def _start_accepting(self, listener: Listener) -> None:
         assert self._service is not None and self._handlers is not None
         self._service.start_soon(listener.accept_loop, self._handlers)
 
@@ -301,18 +321,24 @@ class Server:
         error = state_error(state)
         if error:
             return error
+        self._apply_state(pool, rs, state)  # type: ignore[arg-type]
+        if self.cluster is not None:
+            self.cluster.publish("state", pool.name, rs.name, state)
+        return None
+
+    def _apply_state(self, pool: Pool, rs: RealServer, state: str, via: str = "") -> None:
         old = rs.state
         closed = close_leases(pool.set_state(rs, state, trio.current_time()))
         if old != state or closed:
             log.info(
-                "%s/%s: state %s -> %s%s",
+                "%s/%s: state %s -> %s%s%s",
                 pool.name,
                 rs.name,
                 old,
                 state,
                 f"; closed {closed} connection(s)" if closed else "",
+                via,
             )
-        return None
 
     def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None:
         """Set a real server's static weight (an integer 0..65535); returns an error or None.
@@ -323,10 +349,18 @@ class Server:
         if isinstance(found, str):
             return found
         pool, rs = found
+        error = self._apply_weight(pool, rs, weight)
+        if error is None and self.cluster is not None:
+            self.cluster.publish("weight", pool.name, rs.name, weight)
+        return error
+
+    def _apply_weight(
+        self, pool: Pool, rs: RealServer, weight: object, via: str = ""
+    ) -> str | None:
         old = rs.static_weight
         error = pool.set_weight(rs, weight, trio.current_time())
         if error is None and old != rs.static_weight:
-            log.info("%s/%s: weight %g -> %g", pool.name, rs.name, old, rs.static_weight)
+            log.info("%s/%s: weight %g -> %g%s", pool.name, rs.name, old, rs.static_weight, via)
         return error
 
     def report_load(
@@ -340,7 +374,45 @@ class Server:
         error = pool.report_load(rs, load, per_connection)
         if error is None:
             log.debug("%s/%s: load report %r", pool.name, rs.name, pool.load_reports[rs])
+            if self.cluster is not None:
+                step = None if per_connection is None else float(per_connection)  # type: ignore[arg-type]
+                self.cluster.publish("load", pool.name, rs.name, float(load), step)  # type: ignore[arg-type]
         return error
+
+    # -- the cluster's changes (lbproxy/control/cluster.py's ClusterTarget) -------------
+
+    def apply_change(self, change: Change) -> bool:
+        """Apply a validated change from another instance, without publishing it again;
+        False when this instance has no such virtual or real server."""
+        found = self._find(change.virtual_server, change.real_server)
+        if isinstance(found, str):
+            return False
+        pool, rs = found
+        via = f" (cluster: from {change.origin})"
+        if change.kind == "state":
+            self._apply_state(pool, rs, change.value, via)
+        elif change.kind == "weight":
+            self._apply_weight(pool, rs, change.value, via)
+        else:
+            pool.report_load(rs, change.value, change.per_connection)
+        return True
+
+    def apply_entries(self, batch: EntryBatch, now: float) -> tuple[int, int]:
+        """Persistence entries another instance made: into this instance's table."""
+        vs = self.virtual_servers.get(batch.virtual_server)
+        persistence = vs.pool.persistence if vs is not None else None
+        if vs is None or persistence is None:
+            return 0, len(batch.entries)
+        applied = 0
+        for entry in batch.entries:
+            rs = vs.pool.by_name.get(entry.real_server)
+            if rs is not None:
+                persistence.learn(entry.client, rs, entry.ttl_ms / 1000, now)
+                applied += 1
+        return applied, len(batch.entries) - applied
+
+    def cluster_document(self) -> dict[str, Any] | None:
+        return self.cluster.document() if self.cluster is not None else None
 
     def _find(self, vs_name: str, rs_name: str) -> tuple[Pool, RealServer] | str:
         vs = self.virtual_servers.get(vs_name)
@@ -377,6 +449,9 @@ class Server:
             self.reloads["error"] += 1
             return False, [str(exc)]
         self.reloads["ok"] += 1
+        if self.cluster is not None:  # the files first, then the cluster's changes
+            self.cluster.share_entries()
+            self.cluster.reapply()
         log.info("reloaded: %s", "; ".join(changes) if changes else "no changes")
         return True, changes
 
@@ -424,6 +499,8 @@ class Server:
             changes.append(f"{names}: listening on {listener.address}")
         if new.global_.locator != self.config.global_.locator:
             log.warning("reload: global.locator changes take effect at the next restart")
+        if new.global_.cluster != self.config.global_.cluster:
+            log.warning("reload: global.cluster changes take effect at the next restart")
         self.config = new
         if self._service is not None and not self.draining:  # start/stop/retune throttles
             changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))

@@ -75,6 +75,7 @@ from lbproxy.admin.api import (
 )
 from lbproxy.admin.metrics import RELOAD_RESULTS
 from lbproxy.config.model import Config
+from lbproxy.control.cluster import member_name
 from lbproxy.core.persistence import client_key
 from lbproxy.runtime import logs
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
@@ -91,6 +92,8 @@ MAX_FAMILIES = frozenset(
         "lbproxy_throttle_mode",
         "lbproxy_discovered_servers",  # every worker resolves the same name
         "lbproxy_real_server_load",  # each worker is its own locator: the highest estimate
+        "lbproxy_cluster_connected",  # each worker is a member: 1 when any is connected
+        "lbproxy_cluster_sync_lag_seconds",  # the worst worker's
     }
 )
 OWN_FAMILIES = frozenset({"lbproxy_config_reloads"})  # the supervisor's, not the workers'
@@ -222,6 +225,9 @@ def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
     names, states and weights from the first worker, health up when any sees it up."""
     merged = copy.deepcopy(documents[0])
     for document in documents[1:]:
+        cluster = document.get("cluster")
+        if merged.get("cluster") and cluster:  # each worker is a member of its own
+            merged["cluster"]["connected"] &= bool(cluster.get("connected"))
         by_name = {vs["name"]: vs for vs in document.get("virtual_servers", [])}
         for vs in merged.get("virtual_servers", []):
             if vs["name"] in by_name:
@@ -906,7 +912,12 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     except OSError as exc:
         log.error("cannot listen on %s: %s", init["admin"], exc.strerror)
         return 1
-    server = Server(config, config_paths, reuse_port=True, admin_sock=admin_sock)
+    redis = config.global_.cluster.redis
+    # Each worker has its own tables, so each is a member of the cluster of its own.
+    cluster_name = f"{member_name(redis)[:58]}-w{init['index']}" if redis is not None else None
+    server = Server(
+        config, config_paths, reuse_port=True, admin_sock=admin_sock, cluster_name=cluster_name
+    )
     failures: list[BindError] = []
     orphaned = False
     try:

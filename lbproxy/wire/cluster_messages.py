@@ -1,0 +1,291 @@
+"""The cluster's messages (SPEC §18): what lbproxy instances write to Redis and read back.
+
+PURE: no trio, no sockets, no clock. Encoding and validation only; the sync itself
+(lbproxy/control/cluster.py) owns the Redis keys and channels.
+
+Everything read from Redis is input from the network: another lbproxy wrote it, or
+anyone who can reach the Redis server did. So `decode_*` accepts exactly what
+`encode_*` writes and nothing else — UTF-8 JSON, one object, the exact set of keys, the
+protocol version, names as the configuration allows them, weights and states as a PATCH
+allows them, finite numbers in range, a bounded size — and raises `MessageError`
+(with a short `reason` for the metrics: oversized, garbage, invalid) for anything
+else. A message is applied whole or not at all: its caller gets a validated object or
+an exception, never a half-read one.
+
+Three kinds of message:
+
+- `Change`: one runtime change of a real server (state, weight or load report),
+  versioned. The version is a hybrid logical clock (Kulkarni et al., 2014): the
+  wall clock in milliseconds shifted left by VERSION_SHIFT bits, plus a counter, and
+  never lower than one above any version this instance has seen; ties are broken by
+  the origin's name. Two changes to one server therefore settle on the later one
+  everywhere: every instance keeps the highest (version, origin).
+- `EntryBatch`: persistence entries one instance created or moved (client -> real
+  server, with the time they have left), for one virtual server.
+- `Member`: the value of an instance's heartbeat key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from ipaddress import ip_address
+from typing import Any
+
+from lbproxy.config.model import MAX_WEIGHT
+
+PROTOCOL = 1  # "v" of every message; a message of another version is refused
+MAX_MESSAGE = 64 * 1024  # bytes; a larger message is refused unread ("oversized")
+MAX_ENTRIES = 500  # persistence entries per EntryBatch
+MAX_VERSION = 2**53 - 1  # exact in a double (Redis' Lua compares versions as numbers)
+VERSION_SHIFT = 10  # 1024 versions per millisecond before the clock part moves on
+MAX_LOAD = 1e9  # a load report above this is refused (no real load is)
+MAX_TTL_MS = 366 * 24 * 3600 * 1000  # a persistence entry's time left, at most a year
+KINDS = ("state", "weight", "load")
+STATES = ("enabled", "drain", "disabled")  # lbproxy.core.pool.STATES (a test checks)
+REASONS = ("oversized", "garbage", "invalid")
+
+# Names as the configuration allows them (config/values.py `_name`, `_member_name`).
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+MEMBER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class MessageError(ValueError):
+    """A message that is not one of ours; `reason` is one of REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    kind: str  # state | weight | load
+    virtual_server: str
+    real_server: str
+    value: Any  # state: a STATES name; weight: an int 0..MAX_WEIGHT; load: a float >= 0
+    per_connection: float | None  # load only: the per-connection estimate, None: default
+    version: int
+    origin: str  # the member name of the instance that made the change
+
+    @property
+    def field(self) -> str:
+        """Its field in the cluster's state hash: one per kind and real server."""
+        return f"{self.kind}/{self.virtual_server}/{self.real_server}"
+
+    @property
+    def order(self) -> tuple[int, str]:
+        """What decides between two changes of one field: the higher wins."""
+        return (self.version, self.origin)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteEntry:
+    client: str  # the persistence key: the client's address (persistence.client_key)
+    real_server: str
+    ttl_ms: int  # how long the entry has left
+
+
+@dataclass(frozen=True, slots=True)
+class EntryBatch:
+    origin: str
+    virtual_server: str
+    entries: tuple[RemoteEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    name: str
+    last_seen: float  # Unix time of its last heartbeat, seconds
+
+
+def next_version(wall_seconds: float, last: int) -> int:
+    """The version of a change made now: the clock's, or one above the last seen."""
+    return min(max(int(wall_seconds * 1000) << VERSION_SHIFT, last + 1), MAX_VERSION)
+
+
+def version_time(version: int) -> float:
+    """The wall-clock time (seconds) a version was made at (within its counter)."""
+    return (version >> VERSION_SHIFT) / 1000
+
+
+# -- encoding ---------------------------------------------------------------------------
+
+
+def _dump(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode_change(change: Change) -> bytes:
+    document: dict[str, Any] = {
+        "v": PROTOCOL,
+        "kind": change.kind,
+        "vs": change.virtual_server,
+        "rs": change.real_server,
+        "value": change.value,
+        "version": change.version,
+        "origin": change.origin,
+    }
+    if change.kind == "load":
+        document["per_connection"] = change.per_connection
+    return _dump(document)
+
+
+def encode_entries(batch: EntryBatch) -> bytes:
+    return _dump(
+        {
+            "v": PROTOCOL,
+            "origin": batch.origin,
+            "vs": batch.virtual_server,
+            "entries": [[e.client, e.real_server, e.ttl_ms] for e in batch.entries],
+        }
+    )
+
+
+def encode_member(member: Member) -> bytes:
+    return _dump({"v": PROTOCOL, "name": member.name, "last_seen": member.last_seen})
+
+
+def batches(origin: str, vs: str, entries: list[RemoteEntry]) -> list[EntryBatch]:
+    """`entries` cut into batches that each encode within MAX_MESSAGE."""
+    # An entry encodes within 300 bytes (a 64-byte client, a 200-byte name, a number):
+    # MAX_ENTRIES of them stay far below MAX_MESSAGE with any names the reader allows.
+    return [
+        EntryBatch(origin, vs, tuple(entries[i : i + MAX_ENTRIES]))
+        for i in range(0, len(entries), MAX_ENTRIES)
+    ]
+
+
+# -- decoding -----------------------------------------------------------------------------
+
+
+def _load(data: object, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    if not isinstance(data, bytes | bytearray | memoryview | str):
+        raise MessageError("garbage", f"not bytes: {type(data).__name__}")
+    if len(data) > MAX_MESSAGE:
+        raise MessageError("oversized", f"{len(data)} bytes (at most {MAX_MESSAGE})")
+    try:
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+        document = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise MessageError("garbage", f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(document, dict):
+        raise MessageError("garbage", "not a JSON object")
+    present = set(document)
+    if not set(keys) <= present <= set(keys) | set(optional):
+        raise MessageError("invalid", f"keys {sorted(present)}, expected {sorted(keys)}")
+    if document["v"] != PROTOCOL or isinstance(document["v"], bool):
+        raise MessageError("invalid", f"protocol version {document['v']!r}, not {PROTOCOL}")
+    return document
+
+
+def _no_constant(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        raise ValueError("a key twice")
+    return document
+
+
+def _name(value: object, what: str, pattern: re.Pattern[str] = NAME) -> str:
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise MessageError("invalid", f"{what} is not a name: {_short(value)}")
+    return value
+
+
+def _integer(value: object, what: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise MessageError("invalid", f"{what} is not an integer {low}..{high}: {_short(value)}")
+    return value
+
+
+def _real(value: object, what: str, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise MessageError("invalid", f"{what} is not a number: {_short(value)}")
+    number = float(value)  # an int too large for a float raises OverflowError: caught here
+    if not (math.isfinite(number) and 0 <= number <= high):
+        raise MessageError("invalid", f"{what} is out of range: {_short(value)}")
+    return number
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def decode_change(data: object) -> Change:
+    document = _load(
+        data, ("v", "kind", "vs", "rs", "value", "version", "origin"), ("per_connection",)
+    )
+    kind = document["kind"]
+    if kind not in KINDS:
+        raise MessageError("invalid", f"unknown kind {_short(kind)}")
+    value = document["value"]
+    per_connection = None
+    if kind == "state":
+        if value not in STATES or not isinstance(value, str):
+            raise MessageError("invalid", f"state {_short(value)}")
+    elif kind == "weight":
+        value = _integer(value, "weight", 0, MAX_WEIGHT)
+    else:
+        value = _real(value, "load", MAX_LOAD)
+        if document.get("per_connection") is not None:
+            per_connection = _real(document["per_connection"], "per_connection", MAX_LOAD)
+    if kind != "load" and "per_connection" in document:
+        raise MessageError("invalid", "per_connection on a change that is not a load report")
+    return Change(
+        kind,
+        _name(document["vs"], "vs"),
+        _name(document["rs"], "rs"),
+        value,
+        per_connection,
+        _integer(document["version"], "version", 0, MAX_VERSION),
+        _name(document["origin"], "origin", MEMBER),
+    )
+
+
+def decode_entries(data: object) -> EntryBatch:
+    document = _load(data, ("v", "origin", "vs", "entries"))
+    rows = document["entries"]
+    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ENTRIES:
+        raise MessageError("invalid", f"entries is not a list of 1..{MAX_ENTRIES}")
+    return EntryBatch(
+        _name(document["origin"], "origin", MEMBER),
+        _name(document["vs"], "vs"),
+        tuple(decode_entry(row) for row in rows),
+    )
+
+
+def decode_entry(row: object) -> RemoteEntry:
+    if not isinstance(row, list) or len(row) != 3:
+        raise MessageError("invalid", f"an entry is not [client, server, ttl]: {_short(row)}")
+    client, server, ttl = row
+    return RemoteEntry(
+        client_address(client), _name(server, "server"), _integer(ttl, "ttl", 1, MAX_TTL_MS)
+    )
+
+
+def client_address(value: object) -> str:
+    """A persistence key from the network: an IP address as `client_key` writes it."""
+    if not isinstance(value, str) or not 2 <= len(value) <= 64:
+        raise MessageError("invalid", f"client {_short(value)}")
+    try:
+        parsed = ip_address(value)
+    except ValueError:
+        raise MessageError("invalid", f"client {_short(value)} is not an address") from None
+    if value != str(parsed):  # one spelling per address, so one key per client
+        raise MessageError("invalid", f"client {_short(value)} is not written as {parsed}")
+    return value
+
+
+def decode_member(data: object) -> Member:
+    document = _load(data, ("v", "name", "last_seen"))
+    return Member(
+        _name(document["name"], "name", MEMBER), _real(document["last_seen"], "last_seen", 1e11)
+    )

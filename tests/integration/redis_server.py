@@ -1,0 +1,120 @@
+"""A real redis-server on a loopback port, in its own folder (SPEC §18 tests).
+
+    redis = RedisServer(tmp_path / "redis").start()          # or .start(password="...")
+    redis.url                 # redis://127.0.0.1:PORT/0, for global.cluster.redis.url
+    redis.cli("HGETALL", "lbproxy:state")                    # redis-cli, its output
+    redis.stop()              # SIGTERM by PID, waited for; start() again: the same port
+
+No persistence (`save ""`, no AOF): a restart starts empty, as a Redis restarted
+without its data would, which is the harder case for a resync. Stopped by PID only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import free_port
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+
+requires_redis = pytest.mark.skipif(
+    REDIS_SERVER is None or REDIS_CLI is None,
+    reason="redis-server is not installed (apt-get install redis-server; scripts/test does it)",
+)
+
+
+class RedisServer:
+    def __init__(self, folder: Path, port: int | None = None) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.port = port or free_port()
+        self.password: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, password: str | None = None, timeout: float = 10.0) -> RedisServer:
+        if password is not None:
+            self.password = password
+        conf = self.folder / "redis.conf"
+        lines = [
+            "bind 127.0.0.1",
+            f"port {self.port}",
+            f"dir {self.folder}",
+            'save ""',
+            "appendonly no",
+            "protected-mode yes",
+            "daemonize no",
+            f"logfile {self.folder / 'redis.log'}",
+        ]
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        conf.write_text("\n".join(lines) + "\n")
+        assert REDIS_SERVER is not None
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(100):  # +PONG, or -NOAUTH with a password: up either way
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {self.log()}")
+            time.sleep(0.02)
+
+    def log(self) -> str:
+        path = self.folder / "redis.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def cli(self, *args: str) -> str:
+        assert REDIS_CLI is not None
+        command = [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), "--no-auth-warning"]
+        if self.password:
+            command += ["-a", self.password]
+        done = subprocess.run(
+            [*command, *args], capture_output=True, text=True, timeout=10, check=True
+        )
+        return done.stdout
+
+    def publish(self, channel: str, payload: bytes) -> None:
+        """PUBLISH exactly these bytes (redis-cli -x reads the last argument from stdin)."""
+        assert REDIS_CLI is not None
+        command = [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), "--no-auth-warning"]
+        if self.password:
+            command += ["-a", self.password]
+        subprocess.run(
+            [*command, "-x", "PUBLISH", channel], input=payload, timeout=10, check=True,
+            capture_output=True,
+        )  # fmt: skip
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

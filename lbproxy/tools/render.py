@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from rich.console import Console
 from rich.measure import Measurement
@@ -255,16 +256,74 @@ def print_status(document: dict, console: Console | None = None) -> None:
     if console is None:
         console = Console(highlight=False, force_terminal=_isatty(sys.stdout))
     if not console.is_terminal:
-        console.file.write("".join(line + "\n" for line in status_plain(document)))
+        lines = status_plain(document) + cluster_plain(document, time.time())
+        console.file.write("".join(line + "\n" for line in lines))
         console.file.flush()
         return
     table = status_table(document)
     unbounded = console.options.update(max_width=UNBOUNDED)  # the table's natural width
     if Measurement.get(console, unbounded, table).maximum <= console.width:
         console.print(table)
-        return
-    for line in status_blocks(document, console.width):
+    else:
+        for line in status_blocks(document, console.width):
+            console.print(line, overflow="fold")
+    for line in cluster_lines(document, time.time()):
         console.print(line, overflow="fold")
+
+
+def _ago(last_seen: object, now: float) -> str:
+    if not isinstance(last_seen, int | float):
+        return "-"
+    return f"{max(0.0, now - last_seen):.1f}s"
+
+
+def cluster_plain(document: dict, now: float) -> list[str]:
+    """The cluster's members (SPEC §18) after the rows, when clustered: a blank line,
+    a header, one row per member, one word per column as above."""
+    cluster = document.get("cluster")
+    if not cluster:
+        return []
+    state = "connected" if cluster.get("connected") else "disconnected"
+    rows = [["CLUSTER", "MEMBER", "LAST_SEEN", "ALIVE"]]
+    for member in cluster.get("members") or [{"name": "-", "last_seen": None}]:
+        alive = member.get("alive")
+        rows.append(
+            [
+                state,
+                str(member.get("name", "-")),
+                _ago(member.get("last_seen"), now),
+                "-" if alive is None else "yes" if alive else "no",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [""]
+    for row in rows:
+        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
+        lines.append(PLAIN_GAP.join(cells).rstrip())
+    return lines
+
+
+def cluster_lines(document: dict, now: float) -> list[Text]:
+    """The terminal's view of the cluster: its state, then each member and when it was
+    last seen (this instance's own heartbeat included)."""
+    cluster = document.get("cluster")
+    if not cluster:
+        return []
+    members = cluster.get("members") or []
+    if cluster.get("connected"):
+        head = Text("cluster: connected", style="green")
+    else:
+        head = Text("cluster: Redis unreachable, serving on local state", style="red")
+    head.append(f" ({len(members)} member{'' if len(members) == 1 else 's'} last seen)")
+    lines = [head]
+    for member in members:
+        line = Text(
+            f"  {member.get('name', '-')}  last seen {_ago(member.get('last_seen'), now)} ago"
+        )
+        if member.get("alive") is False:
+            line.append("  (no heartbeat)", style="red")
+        lines.append(line)
+    return lines
 
 
 def _isatty(stream) -> bool:

@@ -53,6 +53,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+import anyio
 import coredis
 import coredis.exceptions
 import trio
@@ -161,15 +162,23 @@ def _outage(exc: BaseException) -> tuple[str, str]:
     not Redis or the network failing."""
     leaves = list(_leaves(exc))
     for leaf in leaves:
-        if isinstance(leaf, coredis.exceptions.AuthenticationError | PasswordError):
-            return "auth", str(leaf) or type(leaf).__name__
+        if isinstance(leaf, coredis.exceptions.AuthenticationRequiredError):
+            return "auth", "it needs a password: set global.cluster.redis.password_file"
+        if isinstance(leaf, coredis.exceptions.AuthenticationError):
+            return "auth", f"the password was refused ({str(leaf).rstrip('.')})"
+        if isinstance(leaf, PasswordError):
+            return "auth", str(leaf)
     for leaf in leaves:
-        if isinstance(leaf, coredis.exceptions.RedisError | OSError | TimeoutError):
+        if isinstance(leaf, coredis.exceptions.RedisError | OSError | TimeoutError | _CLOSED):
             return "unreachable", str(leaf) or type(leaf).__name__
         if isinstance(leaf, trio.TooSlowError):
             return "unreachable", f"no answer within {TIMEOUT:g}s"
     leaf = leaves[0] if leaves else exc
     return "bug", f"{type(leaf).__name__}: {leaf}"
+
+
+# anyio's errors of a stream closed under coredis when the connection drops
+_CLOSED = anyio.ClosedResourceError | anyio.BrokenResourceError | anyio.EndOfStream
 
 
 def _leaves(exc: BaseException) -> Iterable[BaseException]:
@@ -265,28 +274,37 @@ class Cluster:
         attempt = 0
         logged: str | None = None  # the category of the outage already logged
         while True:
+            ended: Exception | None = None
             try:
                 await self._session(first)
-            except Exception as exc:
+            except* trio.Cancelled:
+                # Shutting down. coredis' own clean-up may fail on the way out (it
+                # unsubscribes on a connection already closed): only the cancellation
+                # goes on.
+                raise
+            except* Exception as group:
+                ended = group
+            if ended is not None:  # (a session never ends without an exception)
+                exc = ended.exceptions[0] if len(ended.exceptions) == 1 else ended
                 category, text = _outage(exc)
-                if self.connected:
-                    attempt = 0  # it had worked: start the back-off again
+                if self.connected:  # it had worked: a new outage, logged, a new back-off
+                    attempt, logged = 0, None
                 self._disconnected()
                 if category == "bug":
-                    log.error("internal error, reconnecting", exc_info=exc)
+                    if self._may_log("bug"):
+                        log.error("internal error, reconnecting", exc_info=exc)
                 elif logged != category:
                     where = self._where()
                     if category == "auth":
                         log.error(
                             "Redis at %s refused this instance: %s; serving on "
-                            "local state, unclustered, and retrying",
+                            "local state, unclustered, and retrying every few seconds",
                             where,
                             text,
                         )
                     else:
                         log.warning(
-                            "Redis at %s is unreachable (%s); serving on local "
-                            "state and retrying",
+                            "Redis at %s is unreachable (%s); serving on local state and retrying",
                             where,
                             text,
                         )
@@ -296,8 +314,6 @@ class Cluster:
                 delay = min(cap, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
                 attempt = min(attempt + 1, 16)
                 await trio.sleep(delay)
-                continue
-            logged = None  # (a session only ends by an exception or cancellation)
 
     def _disconnected(self) -> None:
         if self.connected or self.lost_at is None:
@@ -430,6 +446,7 @@ class Cluster:
                 self._receive_change(data)
             elif channel == self.entries_channel.encode():
                 self._receive_entries(data)
+        raise coredis.exceptions.ConnectionError("the subscription ended")
 
     def _receive_change(self, data: object, field: bytes | None = None) -> None:
         try:
@@ -477,12 +494,8 @@ class Cluster:
     def _ignore(self, reason: str, detail: str) -> None:
         """Count and log (at most once a minute per reason) a message not applied."""
         self.ignored[reason] += 1
-        now = trio.current_time()
-        last = self._logged.get(reason)
-        if last is not None and now - last < LOG_EVERY:
-            self._suppressed[reason] += 1
+        if not self._may_log(reason):
             return
-        self._logged[reason] = now
         more = self._suppressed.pop(reason, 0)
         log.warning(
             "ignored a message from Redis (%s): %s%s",
@@ -490,6 +503,16 @@ class Cluster:
             detail,
             f" (and {more} more since the last report)" if more else "",
         )
+
+    def _may_log(self, reason: str) -> bool:
+        """True at most once every LOG_EVERY seconds per reason (others are counted)."""
+        now = trio.current_time()
+        last = self._logged.get(reason)
+        if last is not None and now - last < LOG_EVERY:
+            self._suppressed[reason] += 1
+            return False
+        self._logged[reason] = now
+        return True
 
     # -- writing --------------------------------------------------------------------
 

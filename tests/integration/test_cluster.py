@@ -38,8 +38,8 @@ class Instance:
         self.proxy.start([self.admin])
         return self
 
-    def stop(self) -> None:
-        self.proxy.stop()
+    def stop(self) -> int:
+        return self.proxy.stop()
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.admin}{path}"
@@ -90,8 +90,11 @@ def cluster(tmp_path, name_servers):
     make.instance = instance  # type: ignore[attr-defined]
     make.servers = servers  # type: ignore[attr-defined]
     yield make
+    codes = {one.name: one.stop() for one in started}
+    # SIGTERM with a cluster session open (or retrying) is a clean exit, whatever Redis does
+    assert codes == dict.fromkeys(codes, 0), codes
     for one in started:
-        one.stop()
+        assert "Traceback" not in one.log(), one.log()
 
 
 def cluster_config(
@@ -251,11 +254,278 @@ def test_status_and_the_document_list_the_members(redis, cluster):
     lb3.stop()  # its heartbeat key expires; it stays listed with its last heartbeat
     last = next(m for m in lb1.document()["cluster"]["members"] if m["name"] == "lb3")
     wait_for(
-        lambda: not next(m for m in lb1.document()["cluster"]["members"] if m["name"] == "lb3")[
-            "alive"
-        ],
+        lambda: (
+            not next(m for m in lb1.document()["cluster"]["members"] if m["name"] == "lb3")["alive"]
+        ),
         15.0,
         "lb3's heartbeat to expire",
     )
     gone = next(m for m in lb1.document()["cluster"]["members"] if m["name"] == "lb3")
     assert abs(gone["last_seen"] - last["last_seen"]) < 2.5
+
+
+# -- shared persistence -----------------------------------------------------------------
+
+
+def client_header(index: int, port: int) -> bytes:
+    source = (f"10.9.{index // 250}.{index % 250 + 1}", 40000 + index)
+    return encode_v1(source, ("127.0.0.1", port))
+
+
+def entries(one: Instance) -> float:
+    return sample(metrics(one.admin), "lbproxy_persistence_entries", virtual_server="web")
+
+
+def test_persistence_follows_a_client_to_every_instance_and_survives_one(redis, cluster):
+    persistent = "accept_proxy: true\npersistence: {timeout: 5m}"
+    lb1, lb2, lb3 = cluster(redis, extra=persistent)
+    wait_connected(lb1, lb2, lb3)
+    clients = range(200)
+    first = {i: ask(lb1.port, client_header(i, lb1.port)) for i in clients}
+    assert set(first.values()) == {"a", "b", "c"}
+    for other in (lb2, lb3):
+        wait_for(lambda o=other: entries(o) == 200, 5.0, f"{other.name} has the 200 entries")
+    # Another order than lb1's: rr alone would give other servers; the entries do not.
+    assert {i: ask(lb2.port, client_header(i, lb2.port)) for i in reversed(clients)} == first
+    assert {i: ask(lb3.port, client_header(i, lb3.port)) for i in clients[1::2]} == {
+        i: first[i] for i in clients[1::2]
+    }
+    lb1.stop()  # the instance the clients used is gone: the survivors still agree
+    assert {i: ask(lb3.port, client_header(i, lb3.port)) for i in clients} == first
+    assert {i: ask(lb2.port, client_header(i, lb2.port)) for i in clients[::3]} == {
+        i: first[i] for i in clients[::3]
+    }
+    # in Redis with the timeout as TTL
+    ttl = int(redis.cli("PTTL", "lbproxy:p:web:10.9.0.1"))
+    assert 295_000 < ttl <= 300_000
+    assert redis.cli("GET", "lbproxy:p:web:10.9.0.1").strip() == first[0]
+    # and a new instance starts with them
+    lb4 = cluster.instance(redis, "lb4", start=True, extra=persistent)
+    assert entries(lb4) == 200
+    assert {i: ask(lb4.port, client_header(i, lb4.port)) for i in clients[::7]} == {
+        i: first[i] for i in clients[::7]
+    }
+
+
+def test_a_moved_client_moves_on_every_instance(redis, cluster):
+    persistent = "accept_proxy: true\npersistence: {timeout: 5m}"
+    lb1, lb2 = cluster(redis, 2, extra=persistent)
+    wait_connected(lb1, lb2)
+    before = ask(lb1.port, client_header(7, lb1.port))
+    wait_for(lambda: entries(lb2) == 1, 3.0, "lb2 has the entry")
+    lb1.patch(before, {"state": "disabled"})  # on every instance: the client moves
+    wait_for(lambda: lb2.server(before)["state"] == "disabled", 2.0, "disabled on lb2")
+    moved = ask(lb1.port, client_header(7, lb1.port))
+    assert moved != before
+    lb1.patch(before, {"state": "enabled"})
+    wait_for(lambda: lb2.server(before)["state"] == "enabled", 2.0, "enabled on lb2")
+    # The move replicates (batched every 50 ms); until then lb2 would answer `before`.
+    wait_for(lambda: ask(lb2.port, client_header(7, lb2.port)) == moved, 1.0, "the move")
+
+
+# -- Redis gone --------------------------------------------------------------------------
+
+
+class ConnectionLoop:
+    """Connections through some instances, one after another, in a thread, until
+    stopped (bounded: at most `limit` connections); every failure is kept."""
+
+    def __init__(self, ports: list[int], limit: int = 20000) -> None:
+        import threading
+
+        self.ports, self.limit = ports, limit
+        self.served = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ConnectionLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.served + len(self.failures) < self.limit:
+            for port in self.ports:
+                try:
+                    name = ask(port)
+                except OSError as exc:
+                    self.failures.append(f"{port}: {exc}")
+                    continue
+                if name in ("a", "b", "c"):
+                    self.served += 1
+                else:
+                    self.failures.append(f"{port}: answered {name!r}")
+            time.sleep(0.005)
+
+
+def test_redis_stopped_for_ten_seconds_under_a_connection_loop(redis, cluster):
+    lb1, lb2, lb3 = cluster(redis)
+    wait_connected(lb1, lb2, lb3)
+    with ConnectionLoop([lb1.port, lb2.port, lb3.port]) as loop:
+        redis.stop()
+        stopped = time.monotonic()
+        for one in (lb1, lb2, lb3):
+            wait_for(lambda o=one: not o.connected(), 5.0, f"{one.name} sees Redis gone")
+        lb2.patch("b", {"state": "drain"})  # applies on lb2 now, published when Redis is back
+        assert lb2.server("b")["state"] == "drain"
+        assert lb1.server("b")["state"] == lb3.server("b")["state"] == "enabled"
+        # an instance started while Redis is down serves from its file
+        lb4 = cluster.instance(redis, "lb4", start=True)
+        assert {ask(lb4.port) for _ in range(6)} == {"a", "b", "c"}
+        assert sample(metrics(lb4.admin), "lbproxy_cluster_connected") == 0
+        assert sample(metrics(lb1.admin), "lbproxy_cluster_sync_lag_seconds") > 0
+        wait_for(lambda: time.monotonic() - stopped >= 10, 12.0, "ten seconds without Redis")
+        redis.start()  # the same port, and empty: the instances rebuild it
+        back = time.monotonic()
+        for one in (lb1, lb3, lb4):
+            wait_for(lambda o=one: o.server("b")["state"] == "drain", 2.0, f"{one.name}: drain")
+        assert time.monotonic() - back < 2.0
+        served = loop.served
+        wait_for(lambda: loop.served > served + 30, 5.0, "connections after Redis' return")
+    assert loop.failures == []
+    assert loop.served > 300  # the loop did run through the whole outage
+    for one in (lb1, lb2, lb3):
+        log = one.log()
+        assert log.count("is unreachable") == 1, log  # the outage, logged once
+        assert "is reachable after" in log
+    assert "state enabled -> drain (cluster: from lb2)" in lb1.log()
+    assert json.loads(redis.cli("HGET", "lbproxy:state", "state/web/b"))["value"] == "drain"
+
+
+def test_a_change_made_while_redis_was_away_loses_to_a_later_one(redis, cluster):
+    lb1, lb2 = cluster(redis, 2)
+    wait_connected(lb1, lb2)
+    redis.stop()
+    wait_for(lambda: not lb1.connected() and not lb2.connected(), 5.0, "Redis gone")
+    lb1.patch("a", {"weight": 2})  # earlier, held by lb1 until Redis is back
+    lb2.patch("a", {"weight": 9})  # later
+    redis.start()
+    for one in (lb1, lb2):
+        wait_for(lambda o=one: o.server("a")["weight"]["static"] == 9, 3.0, f"{one.name}: 9")
+    wait_connected(lb1, lb2)
+    assert lb1.server("a")["weight"]["static"] == 9
+
+
+# -- hostile input ------------------------------------------------------------------------
+
+
+def test_garbage_and_hostile_messages_are_ignored_counted_and_logged(redis, cluster):
+    lb1, lb2 = cluster(redis, 2, extra="persistence: {timeout: 5m}")
+    wait_connected(lb1, lb2)
+
+    def change(**fields) -> bytes:
+        document = {"v": 1, "kind": "weight", "vs": "web", "rs": "a", "value": 4,
+                    "version": 10**15, "origin": "mallory"}  # fmt: skip
+        document.update(fields)
+        return json.dumps({k: v for k, v in document.items() if v is not None}).encode()
+
+    hostile = [
+        b"\x00\xff\xfe not json",
+        b"[" * 60_000,  # deep nesting, within the size limit
+        b"{}",
+        b'{"v": 1, "kind": "weight", "vs": "web", "rs": "a", "value": NaN}',
+        b"x" * 200_000,  # oversized
+        change(value=70000),  # out of range
+        change(value=-1),
+        change(value="4"),
+        change(value=True),
+        change(value=4.5),
+        change(kind="state", value="drained"),
+        change(kind="state", value="drain", per_connection=0.1),
+        change(kind="shutdown"),
+        change(vs="web/../x"),
+        change(v=2),
+        change(origin="a b"),
+        change(version=-5),
+        change(version=2**60),
+        change(extra="field"),
+        change(rs="nosuch"),  # well formed, but a server this instance does not have
+        change(vs="nosuch"),
+    ]
+    for payload in hostile:
+        redis.publish("lbproxy:changes", payload)
+    entries = [
+        b"garbage",
+        json.dumps({"v": 1, "origin": "m", "vs": "web", "entries": [["not-an-ip", "a", 10]]}),
+        json.dumps({"v": 1, "origin": "m", "vs": "web", "entries": [["10.0.0.1", "a", -1]]}),
+        json.dumps({"v": 1, "origin": "m", "vs": "web", "entries": [["10.0.0.1", "zz", 1000]]}),
+        json.dumps({"v": 1, "origin": "m", "vs": "web", "entries": []}),
+    ]
+    for payload in entries:
+        redis.publish(
+            "lbproxy:entries", payload if isinstance(payload, bytes) else payload.encode()
+        )
+    # a valid change afterwards is still applied: nothing above stopped the sync
+    redis.publish("lbproxy:changes", change(rs="c", value=6))
+    for one in (lb1, lb2):
+        wait_for(lambda o=one: o.server("c")["weight"]["static"] == 6, 3.0, f"{one.name}: c")
+        assert [one.server(rs)["weight"]["static"] for rs in ("a", "b")] == [1, 1]
+        counted = metrics(one.admin)
+        ignored = {
+            reason: sample(counted, "lbproxy_cluster_ignored_messages_total", reason=reason)
+            for reason in ("oversized", "garbage", "invalid", "unknown")
+        }
+        assert ignored == {"oversized": 1, "garbage": 4, "invalid": 18, "unknown": 3}
+        assert sample(counted, "lbproxy_persistence_entries", virtual_server="web") == 0
+        log = one.log()
+        for reason in ("oversized", "garbage", "invalid", "unknown"):  # rate limited: once
+            assert log.count(f"ignored a message from Redis ({reason})") == 1, log
+    assert ask(lb1.port) in ("a", "b", "c") and ask(lb2.port) in ("a", "b", "c")  # it serves
+
+
+def test_a_hostile_state_in_redis_does_not_stop_a_start(redis, cluster):
+    redis.cli("HSET", "lbproxy:state", "weight/web/a", "garbage", "state/web/b",
+              json.dumps({"v": 1, "kind": "state", "vs": "web", "rs": "c", "value": "disabled",
+                          "version": 1, "origin": "x"}))  # fmt: skip
+    redis.cli("HSET", "lbproxy:members", "evil", "not json")
+    lb1 = cluster.instance(redis, "lb1", start=True)
+    wait_connected(lb1)
+    assert [lb1.server(rs)["state"] for rs in ("a", "b", "c")] == ["enabled"] * 3
+    assert {ask(lb1.port) for _ in range(6)} == {"a", "b", "c"}
+    lb1.patch("a", {"weight": 2})  # the garbage stored there loses to a real change
+    wait_for(
+        lambda: '"value":2' in redis.cli("HGET", "lbproxy:state", "weight/web/a"),
+        2.0,
+        "the change stored",
+    )
+    assert member_names(lb1) == ["lb1"]
+
+
+# -- AUTH -------------------------------------------------------------------------------
+
+
+def password_file(folder: Path, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "redis.password"
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_auth_with_a_password_file(tmp_path, cluster):
+    with RedisServer(tmp_path / "redis-auth").start(password="s3cret-pass") as redis:
+        secret = password_file(tmp_path / "secret", "s3cret-pass")
+        lb1, lb2 = cluster(redis, 2, redis_extra=f"password_file: {secret}")
+        wait_connected(lb1, lb2)
+        lb1.patch("a", {"state": "drain"})
+        wait_for(lambda: lb2.server("a")["state"] == "drain", 2.0, "drain through AUTH")
+        assert "s3cret" not in lb1.log()
+
+
+def test_a_wrong_password_is_a_clear_error_and_the_instance_serves_unclustered(tmp_path, cluster):
+    with RedisServer(tmp_path / "redis-auth").start(password="right") as redis:
+        secret = password_file(tmp_path / "secret", "wrong")
+        lb1 = cluster.instance(redis, "lb1", start=True, redis_extra=f"password_file: {secret}")
+        wait_for(lambda: "refused this instance" in lb1.log(), 5.0, "the error")
+        line = next(line for line in lb1.log().splitlines() if "refused this instance" in line)
+        assert " ERROR " in line and redis.url in line and "password" in line, line
+        assert {ask(lb1.port) for _ in range(6)} == {"a", "b", "c"}
+        assert lb1.document()["cluster"]["connected"] is False
+        lb1.patch("b", {"state": "drain"})  # still applies here
+        assert {ask(lb1.port) for _ in range(6)} == {"a", "c"}
+        assert lb1.log().count("refused this instance") == 1  # retried, logged once
+        assert "wrong" not in lb1.log()

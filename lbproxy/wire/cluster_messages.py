@@ -38,7 +38,7 @@ from lbproxy.config.model import MAX_WEIGHT
 
 PROTOCOL = 1  # "v" of every message; a message of another version is refused
 MAX_MESSAGE = 64 * 1024  # bytes; a larger message is refused unread ("oversized")
-MAX_ENTRIES = 500  # persistence entries per EntryBatch
+MAX_ENTRIES = 200  # persistence entries per EntryBatch (see `batches`)
 MAX_VERSION = 2**53 - 1  # exact in a double (Redis' Lua compares versions as numbers)
 VERSION_SHIFT = 10  # 1024 versions per millisecond before the clock part moves on
 MAX_LOAD = 1e9  # a load report above this is refused (no real load is)
@@ -151,8 +151,9 @@ def encode_member(member: Member) -> bytes:
 
 def batches(origin: str, vs: str, entries: list[RemoteEntry]) -> list[EntryBatch]:
     """`entries` cut into batches that each encode within MAX_MESSAGE."""
-    # An entry encodes within 300 bytes (a 64-byte client, a 200-byte name, a number):
-    # MAX_ENTRIES of them stay far below MAX_MESSAGE with any names the reader allows.
+    # An entry encodes within 290 bytes (a client of at most 64 characters, a name of at
+    # most 200, a TTL of at most 11 digits, 10 of punctuation): MAX_ENTRIES of them and
+    # the rest of the message stay below MAX_MESSAGE with any names the reader allows.
     return [
         EntryBatch(origin, vs, tuple(entries[i : i + MAX_ENTRIES]))
         for i in range(0, len(entries), MAX_ENTRIES)
@@ -208,7 +209,10 @@ def _integer(value: object, what: str, low: int, high: int) -> int:
 def _real(value: object, what: str, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise MessageError("invalid", f"{what} is not a number: {_short(value)}")
-    number = float(value)  # an int too large for a float raises OverflowError: caught here
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float (JSON allows 4300 digits)
+        number = math.inf
     if not (math.isfinite(number) and 0 <= number <= high):
         raise MessageError("invalid", f"{what} is out of range: {_short(value)}")
     return number

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -421,3 +422,126 @@ def test_every_grafana_panel_uses_the_data_source_variable():
             continue
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert panel["targets"], panel["title"]
+
+
+# -- contrib/cluster: three instances and Redis (docker compose) ---------------------------
+
+COMPOSE = CONTRIB / "cluster" / "compose.yaml"
+
+
+
+def test_the_cluster_example_agrees_with_the_configuration_it_mounts():
+    document = yaml.safe_load(COMPOSE.read_text())
+    services = document["services"]
+    lbproxies = {name: s for name, s in services.items() if s.get("image") == "lbproxy"}
+    assert sorted(lbproxies) == ["lb1", "lb2", "lb3"]
+    # one configuration for all: the folder mounted at /etc/lbproxy, where the image runs it
+    (mount,) = {volume for s in lbproxies.values() for volume in s["volumes"]}
+    source, target, mode = mount.split(":")
+    assert (target, mode) == ("/etc/lbproxy", "ro")
+    assert 'CMD ["run", "/etc/lbproxy"]' in dockerfile()
+    folder = COMPOSE.parent / source
+    check = run_cli("check", str(folder))
+    assert check.returncode == 0, check.stdout + check.stderr
+    config = load([str(folder)])
+    redis = config.global_.cluster.redis
+    assert redis is not None and redis.name is None  # the member name is the host name
+    assert sorted(s["hostname"] for s in lbproxies.values()) == ["lb1", "lb2", "lb3"]
+    # Redis: the compose service, with the password from the secret both sides mount
+    url = urllib.parse.urlsplit(redis.url)
+    assert url.hostname in services and "redis-server" in " ".join(
+        services[url.hostname]["command"]
+    )
+    secret_of = {
+        name: {s["target"]: s["source"] for s in service.get("secrets", [])}
+        for name, service in services.items()
+    }
+    for name in lbproxies:
+        assert redis.password_file in secret_of[name]
+    (secret,) = set(secret_of[url.hostname].values())
+    assert secret_of["lb1"][redis.password_file] == secret
+    assert "--requirepass" in services[url.hostname]["command"][-1]
+    assert document["secrets"][secret]["file"] == "./redis.password"
+    assert "redis.password" in (COMPOSE.parent / ".gitignore").read_text().split()
+    for name in lbproxies:  # the image's user can read it
+        (grant,) = lbproxies[name]["secrets"]
+        assert grant["uid"] == "10001" and "--uid 10001" in dockerfile()
+    # real servers: compose services on the port they listen on
+    for vs in config.virtual_servers:
+        for rs in vs.real_servers:
+            assert rs.address.host in services, rs
+            assert str(rs.address.port) in services[rs.address.host]["command"]
+    # ports: each instance publishes the listener and the admin endpoint, on its own host ports
+    wanted = {
+        config.global_.admin.listen.port,
+        *(a.port for vs in config.virtual_servers for a in vs.listen),
+    }
+    published = []
+    for service in lbproxies.values():
+        pairs = [port.split(":") for port in service["ports"]]
+        assert {int(inside) for _, inside in pairs} == wanted
+        published += [int(outside) for outside, _ in pairs]
+    assert len(set(published)) == len(published)
+    # stopping waits for the drain
+    for service in lbproxies.values():
+        assert seconds(service["stop_grace_period"]) > config.global_.drain_timeout
+
+
+def test_the_cluster_example_runs_as_a_cluster(tmp_path):
+    """Its files with a real redis-server and two `lbproxy run`: the addresses that
+    compose resolves replaced by loopback ones, everything else as shipped."""
+    from tests.integration.harness import Lbproxy
+    from tests.integration.redis_server import REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    config = load([str(COMPOSE.parent / "lbproxy")])
+    redis_config = config.global_.cluster.redis
+    secret = tmp_path / "redis.password"
+    secret.write_text("example-secret\n")
+    secret.chmod(0o600)
+    with RedisServer(tmp_path / "redis").start(password="example-secret") as redis:
+        instances = []
+        try:
+            for name in ("lb1", "lb2"):
+                admin, port = free_port(), free_port()
+                text = "\n".join(
+                    (COMPOSE.parent / "lbproxy" / f).read_text()
+                    for f in ("global.yaml", "web.yaml")
+                )
+                text = (
+                    text.replace(redis_config.url, redis.url)
+                    .replace(redis_config.password_file, str(secret))
+                    .replace("0.0.0.0:9100", f"127.0.0.1:{admin}")
+                    .replace("0.0.0.0:8080", f"127.0.0.1:{port}")
+                    .replace("# name:", f"name: {name} #")
+                )
+                for app in ("app-1", "app-2", "app-3"):
+                    text = text.replace(f"{app}:8000", f"127.0.0.1:{free_port()}")
+                folder = tmp_path / name
+                folder.mkdir()
+                proxy = Lbproxy(folder, text).start([admin])
+                instances.append((proxy, admin))
+
+            def document(admin: int) -> dict:
+                status, body = http("GET", f"http://127.0.0.1:{admin}/api/v1/virtual-servers")
+                assert status == 200
+                return json.loads(body)
+
+            for _, admin in instances:
+                wait_for(lambda a=admin: document(a)["cluster"]["connected"], 10.0, "connected")
+            (_, one), (_, two) = instances
+            status, _ = http(
+                "PATCH", f"http://127.0.0.1:{one}/api/v1/virtual-servers/web/real-servers/app-2",
+                {"state": "drain"},
+            )  # fmt: skip
+            assert status == 200
+
+            def state(admin: int) -> str:
+                (vs,) = document(admin)["virtual_servers"]
+                return next(rs["state"] for rs in vs["real_servers"] if rs["name"] == "app-2")
+
+            wait_for(lambda: state(two) == "drain", 2.0, "the drain on the other instance")
+        finally:
+            for proxy, _ in instances:
+                proxy.stop()

@@ -429,7 +429,6 @@ def test_every_grafana_panel_uses_the_data_source_variable():
 COMPOSE = CONTRIB / "cluster" / "compose.yaml"
 
 
-
 def test_the_cluster_example_agrees_with_the_configuration_it_mounts():
     document = yaml.safe_load(COMPOSE.read_text())
     services = document["services"]

@@ -62,6 +62,7 @@ from coredis.retry import NoRetryPolicy
 from lbproxy.config.model import RedisConfig
 from lbproxy.core.pool import Pool
 from lbproxy.wire.cluster_messages import (
+    MAX_ENTRIES,
     Change,
     EntryBatch,
     Member,
@@ -73,8 +74,9 @@ from lbproxy.wire.cluster_messages import (
     decode_entries,
     decode_member,
     encode_change,
-    encode_entries,
     encode_member,
+    encode_rows,
+    entries_prefix,
     next_version,
     version_time,
 )
@@ -113,6 +115,19 @@ end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('PUBLISH', KEYS[2], ARGV[2])
 return 1
+"""
+
+
+# Write one batch of persistence entries and publish it, in one command: the per-entry
+# work (a SET with its TTL) is Redis', not a command built in Python per entry. The batch
+# is our own (encode_rows), so it decodes.
+WRITE_ENTRIES = """
+local batch = cjson.decode(ARGV[2])
+for _, entry in ipairs(batch.entries) do
+  redis.call('SET', ARGV[1] .. entry[1], entry[2], 'PX', entry[3])
+end
+redis.call('PUBLISH', KEYS[1], ARGV[2])
+return #batch.entries
 """
 
 
@@ -213,6 +228,8 @@ class Cluster:
         self.lost_at: float | None = None  # when Redis went away (None: never, or connected)
         self.sessions = 0  # connections made, for tests and the log
         self._wake = trio.Event()
+        self._write_entries_script: Any = None  # registered on the session's client
+        self._own_batches = entries_prefix(self.name)
         self._resync_wanted = False
         self._logged: dict[str, float] = {}  # reason -> when last logged
         self._suppressed: Counter[str] = Counter()
@@ -358,6 +375,7 @@ class Cluster:
         )
 
     async def _session(self, first: trio.Event) -> None:
+        self._write_entries_script = None
         async with self._client() as client:
             cas = client.register_script(COMPARE_AND_SET)
             async with client.pubsub(
@@ -476,6 +494,10 @@ class Cluster:
             self.last_lag = max(0.0, time.time() - version_time(change.version))
 
     def _receive_entries(self, data: object) -> None:
+        if isinstance(data, bytes) and data.startswith(self._own_batches):
+            # Our own batch, back from the channel: not decoded (a batch costs as much to
+            # read as to apply). A forged one that claims to be ours is ignored too.
+            return
         try:
             batch = decode_entries(data)
         except MessageError as exc:
@@ -563,15 +585,14 @@ class Cluster:
             if not persistence.outbox:
                 continue
             outbox, persistence.outbox = persistence.outbox, {}
-            entries = []
+            rows = []  # [client, real server, ttl_ms], as encode_rows writes them
+            timeout, table = persistence.timeout, persistence.entries
             for key, entry in outbox.items():
-                ttl = persistence.timeout if entry.active else entry.expires - now
-                if ttl > 0 and persistence.entries.get(key) is entry:
-                    entries.append(
-                        RemoteEntry(key, entry.server.name, max(1, math.ceil(ttl * 1000)))
-                    )
+                ttl = timeout if entry.active else entry.expires - now
+                if ttl > 0 and table.get(key) is entry:
+                    rows.append([key, entry.server.name, math.ceil(ttl * 1000)])
             try:
-                await self._write_entries(client, pool.name, entries)
+                await self._write_entries(client, pool.name, rows)
             except BaseException:
                 # Not written: back in the outbox, behind what came in meanwhile.
                 for key, entry in outbox.items():
@@ -579,18 +600,19 @@ class Cluster:
                 raise
 
     async def _write_entries(
-        self, client: coredis.Redis[bytes], vs: str, entries: list[RemoteEntry]
+        self, client: coredis.Redis[bytes], vs: str, rows: list[list[Any]]
     ) -> None:
-        for batch in batches(self.name, vs, entries):
-            async with client.pipeline(transaction=False) as pipe:
-                for entry in batch.entries:
-                    pipe.set(
-                        f"{self.entry_prefix}{vs}:{entry.client}",
-                        entry.real_server,
-                        px=entry.ttl_ms,
-                    )
-                pipe.publish(self.entries_channel, encode_entries(batch))
-            self.messages[KIND_ENTRIES, "out"] += 1
+        if not rows:
+            return
+        script = self._write_entries_script or client.register_script(WRITE_ENTRIES)
+        self._write_entries_script = script
+        keys, prefix = [self.entries_channel], f"{self.entry_prefix}{vs}:"
+        cut = range(0, len(rows), MAX_ENTRIES)
+        async with client.pipeline(transaction=False) as pipe:
+            for i in cut:
+                batch = encode_rows(self.name, vs, rows[i : i + MAX_ENTRIES])
+                script(keys=keys, args=[prefix, batch], client=pipe)
+        self.messages[KIND_ENTRIES, "out"] += len(cut)
 
     # -- members --------------------------------------------------------------------
 

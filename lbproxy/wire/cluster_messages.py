@@ -135,14 +135,20 @@ def encode_change(change: Change) -> bytes:
 
 
 def encode_entries(batch: EntryBatch) -> bytes:
-    return _dump(
-        {
-            "v": PROTOCOL,
-            "origin": batch.origin,
-            "vs": batch.virtual_server,
-            "entries": [[e.client, e.real_server, e.ttl_ms] for e in batch.entries],
-        }
-    )
+    rows = [[e.client, e.real_server, e.ttl_ms] for e in batch.entries]
+    return encode_rows(batch.origin, batch.virtual_server, rows)
+
+
+def encode_rows(origin: str, vs: str, rows: list[list[Any]]) -> bytes:
+    """An EntryBatch from its rows `[client, real server, ttl_ms]` as they are (the
+    sender's fast path: no RemoteEntry per entry); at most MAX_ENTRIES of them."""
+    return _dump({"v": PROTOCOL, "origin": origin, "vs": vs, "entries": rows})
+
+
+def entries_prefix(origin: str) -> bytes:
+    """How every batch that `encode_entries` writes for `origin` begins, so that an
+    instance can pass over its own batches without decoding them."""
+    return _dump({"v": PROTOCOL, "origin": origin})[:-1] + b","
 
 
 def encode_member(member: Member) -> bytes:

@@ -35,6 +35,7 @@ from lbproxy.wire.cluster_messages import (
     encode_change,
     encode_entries,
     encode_member,
+    entries_prefix,
 )
 
 names = st.from_regex(NAME, fullmatch=True)
@@ -93,6 +94,14 @@ def test_every_batch_encodes_and_decodes_to_itself(batch):
     data = encode_entries(batch)
     assert len(data) <= MAX_MESSAGE
     assert decode_entries(data) == batch
+
+
+@given(entry_batches)
+@settings(max_examples=20)
+def test_a_batch_starts_with_its_origins_prefix(batch):
+    assert encode_entries(batch).startswith(entries_prefix(batch.origin))
+    other = EntryBatch(batch.origin + "x", batch.virtual_server, batch.entries)
+    assert not encode_entries(other).startswith(entries_prefix(batch.origin))
 
 
 @given(members, st.floats(0, 1e11, allow_nan=False))

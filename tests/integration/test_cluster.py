@@ -147,6 +147,7 @@ def wait_connected(*instances: Instance, timeout: float = 10.0) -> None:
 # -- runtime changes ----------------------------------------------------------------------
 
 
+@pytest.mark.serial  # its deadline (SPEC §18) is measured time
 def test_a_drain_on_one_instance_reaches_the_others_within_a_second(redis, cluster):
     lb1, lb2, lb3 = cluster(redis)
     wait_connected(lb1, lb2, lb3)
@@ -198,6 +199,7 @@ def test_an_instance_started_later_begins_with_the_cluster_state(redis, cluster)
     assert lb3.server("c")["state"] == "disabled"
 
 
+@pytest.mark.serial  # its deadline (SPEC §18) is measured time
 def test_a_load_report_to_one_instance_changes_the_locate_answer_of_another(redis, cluster):
     lb1, lb2, lb3 = cluster(redis, scheduler="least-load", extra="load_source: report")
     wait_connected(lb1, lb2, lb3)
@@ -362,6 +364,7 @@ class ConnectionLoop:
             time.sleep(0.005)
 
 
+@pytest.mark.serial  # its deadline (SPEC §18) is measured time
 def test_redis_stopped_for_ten_seconds_under_a_connection_loop(redis, cluster):
     lb1, lb2, lb3 = cluster(redis)
     wait_connected(lb1, lb2, lb3)

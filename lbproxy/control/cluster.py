@@ -94,6 +94,11 @@ FORGET_AFTER = 3600.0  # members not seen for this long leave the members hash
 MAX_MEMBERS = 1000  # a members hash larger than this is not read
 SCAN_COUNT = 1000  # keys per SCAN step, and per pipeline when reading them back
 LOG_EVERY = 60.0  # an ignored message's reason is logged at most this often
+START_WAIT = 5.0  # the longest a start waits for the first sync
+# A change whose version is further ahead of this instance's clock than this is refused
+# ("invalid"): one forged with the highest version would otherwise win every field for
+# ever, and pull every instance's clock (next_version) with it.
+MAX_AHEAD = 3600.0
 KIND_ENTRIES, KIND_INVALID = "entries", "invalid"
 
 
@@ -284,7 +289,11 @@ class Cluster:
         first = trio.Event()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._loop, first)
-            await first.wait()
+            # A Redis that answers, but slowly (a huge state, a loaded server), delays
+            # the start by START_WAIT at most: then the instance serves from its files
+            # and the sync goes on beside it.
+            with trio.move_on_after(START_WAIT):
+                await first.wait()
             task_status.started()
 
     async def _loop(self, first: trio.Event) -> None:
@@ -480,6 +489,9 @@ class Cluster:
 
     def _consider(self, change: Change) -> None:
         """Apply `change` if it is higher than what this instance knows of its field."""
+        if version_time(change.version) > time.time() + MAX_AHEAD:
+            self._ignore("invalid", f"{change.field}: a version {MAX_AHEAD:g}s ahead or more")
+            return
         self.last_version = max(self.last_version, change.version)
         known = self.records.get(change.field)
         if known is not None and known.order >= change.order:

@@ -546,6 +546,8 @@ class Server:
             self.snmp.sync(self.virtual_servers)
         if changes:
             log.info("discovery: %s", "; ".join(changes))
+            if self.cluster is not None:  # a server that came may have cluster changes
+                self.cluster.reapply()
         return changes
 
     def discovered_active(self, vs_name: str, rs_name: str) -> int:

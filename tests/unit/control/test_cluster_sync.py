@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import trio
 
@@ -67,7 +68,7 @@ def test_equal_versions_are_decided_by_the_origin_name():
 
 def test_a_local_change_is_versioned_above_everything_seen():
     sync = cluster()
-    far = next_version(4_000_000_000, 0)  # a change from an instance whose clock is ahead
+    far = next_version(time.time() + 600, 0)  # from an instance whose clock is 10 min ahead
     in_trio(lambda: sync._receive_change(weight(2, far)))
     sync.publish("weight", "web", "a", 9)
     mine = sync.pending["weight/web/a"]
@@ -120,3 +121,13 @@ def test_reapply_puts_every_known_change_back_after_a_reload():
     sync.target.applied.clear()
     sync.reapply()
     assert sorted(sync.target.applied) == [("state", "b", "drain"), ("weight", "a", 5)]
+
+
+def test_a_version_from_far_in_the_future_is_refused():
+    sync = cluster()
+    forged = next_version(time.time() + 2 * 3600, 0)  # would win every field for ever
+    in_trio(lambda: sync._receive_change(weight(9, forged)))
+    assert sync.ignored["invalid"] == 1 and sync.target.applied == []
+    assert sync.last_version < forged  # the local clock was not pulled forward
+    sync.publish("weight", "web", "a", 2)
+    assert sync.pending["weight/web/a"].version < forged

@@ -405,8 +405,7 @@ SECTIONS = Section(
                 "cluster": Section(
                     {},
                     None,
-                    "several instances as one, through a shared Redis; changing it takes a "
-                    "restart",
+                    "several instances as one, through a shared Redis; changing it takes a restart",
                     required=("redis",),
                     page="howto/several-instances.md",
                     sections={

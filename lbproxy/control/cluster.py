@@ -51,13 +51,9 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import anyio
-import coredis
-import coredis.exceptions
 import trio
-from coredis.retry import NoRetryPolicy
 
 from lbproxy.config.model import RedisConfig
 from lbproxy.core.pool import Pool
@@ -80,6 +76,13 @@ from lbproxy.wire.cluster_messages import (
     next_version,
     version_time,
 )
+
+if TYPE_CHECKING:
+    import coredis
+
+# coredis (and anyio under it) is imported when a cluster first connects, not with this
+# module: it takes longer to import than the rest of lbproxy, and every `lbproxy run`,
+# `check` and worker would pay for it, clustered or not.
 
 log = logging.getLogger("lbproxy.cluster")
 
@@ -180,6 +183,11 @@ def member_name(config: RedisConfig) -> str:
 def _outage(exc: BaseException) -> tuple[str, str]:
     """(category, text) of what ended a session; category "bug" for anything that is
     not Redis or the network failing."""
+    import anyio
+    import coredis.exceptions
+
+    # anyio's errors of a stream closed under coredis when the connection drops
+    closed = anyio.ClosedResourceError | anyio.BrokenResourceError | anyio.EndOfStream
     leaves = list(_leaves(exc))
     for leaf in leaves:
         if isinstance(leaf, coredis.exceptions.AuthenticationRequiredError):
@@ -189,16 +197,12 @@ def _outage(exc: BaseException) -> tuple[str, str]:
         if isinstance(leaf, PasswordError):
             return "auth", str(leaf)
     for leaf in leaves:
-        if isinstance(leaf, coredis.exceptions.RedisError | OSError | TimeoutError | _CLOSED):
+        if isinstance(leaf, coredis.exceptions.RedisError | OSError | TimeoutError | closed):
             return "unreachable", str(leaf) or type(leaf).__name__
         if isinstance(leaf, trio.TooSlowError):
             return "unreachable", f"no answer within {TIMEOUT:g}s"
     leaf = leaves[0] if leaves else exc
     return "bug", f"{type(leaf).__name__}: {leaf}"
-
-
-# anyio's errors of a stream closed under coredis when the connection drops
-_CLOSED = anyio.ClosedResourceError | anyio.BrokenResourceError | anyio.EndOfStream
 
 
 def _leaves(exc: BaseException) -> Iterable[BaseException]:
@@ -371,6 +375,9 @@ class Cluster:
         return self.config.url
 
     def _client(self) -> coredis.Redis[bytes]:
+        import coredis
+        from coredis.retry import NoRetryPolicy
+
         password = None
         if self.config.password_file:
             password = read_password(self.config.password_file)  # each time: rotation
@@ -473,6 +480,8 @@ class Cluster:
                 self._receive_change(data)
             elif channel == self.entries_channel.encode():
                 self._receive_entries(data)
+        import coredis.exceptions
+
         raise coredis.exceptions.ConnectionError("the subscription ended")
 
     def _receive_change(self, data: object, field: bytes | None = None) -> None:

@@ -131,3 +131,15 @@ def test_a_version_from_far_in_the_future_is_refused():
     assert sync.last_version < forged  # the local clock was not pulled forward
     sync.publish("weight", "web", "a", 2)
     assert sync.pending["weight/web/a"].version < forged
+
+
+def test_lbproxy_without_a_cluster_never_imports_coredis():
+    """coredis takes longer to import than the rest of lbproxy: every start (and every
+    worker) would pay for it; it is imported when a cluster first connects."""
+    import subprocess
+    import sys
+
+    code = "import sys, lbproxy.cli, lbproxy.runtime.server, lbproxy.runtime.workers; " \
+           "print('coredis' in sys.modules, 'anyio' in sys.modules)"  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from tests.integration.conftest import vs_config
-from tests.integration.harness import ask_name, free_port, run_cli
+from tests.integration.harness import ask_name, free_port, run_cli, wait_for
 from tests.integration.test_admin import http, metrics, sample, with_admin
 
 
@@ -31,9 +31,19 @@ def test_failed_connects_are_not_connections(name_servers, lbproxy):
     # (until b's third failure marks it down) and is retried on a.
     extra = "health_check: {type: none, fall: 3}\nretries: 2"
     proxy = lbproxy(with_admin(vs_config(port, [a, b], "wlc", extra), admin_port), [port])
-    # wait_port's probe has come and gone: it met a (and b left untried), or b's
-    # refusal and then a. Count from here.
-    before = metrics(admin_port)
+
+    # wait_port's probe: it meets a (and b left untried), or b's refusal and then a --
+    # a connection to a either way, counted once it is established, which may be after
+    # the port answered. Count from when it has been.
+    def probe_counted():
+        samples = metrics(admin_port)
+        return (
+            samples
+            if sample(samples, "lbproxy_connections_total", virtual_server="web", real_server="a")
+            else None
+        )
+
+    before = wait_for(probe_counted, what="the start-up probe's connection to a")
     a_before = sample(before, "lbproxy_connections_total", virtual_server="web", real_server="a")
     refused_before = sample(
         before,

@@ -168,6 +168,16 @@ DEFAULT_IMBALANCE_THRESHOLD = 10.0
 
 
 @dataclass(frozen=True, slots=True)
+class UdpConfig:
+    """`udp:` of a virtual server with `protocol: udp` (SPEC §19): its session table."""
+
+    idle_timeout: float = 30.0  # a session without datagrams this long ends
+    responses: int | None = None  # replies per request; 0: none expected; None: unlimited
+    max_sessions: int = 10000  # the table's size; a new client beyond it is dropped
+    max_sessions_per_source: int = 100  # sessions one client address may hold
+
+
+@dataclass(frozen=True, slots=True)
 class RealServerConfig:
     name: str
     address: Address
@@ -228,6 +238,8 @@ class VirtualServerConfig:
     # default of its addresses, or a virtual server alone on them
     sni: tuple[str, ...] = ()
     conditioning: ConditioningConfig | None = None  # None: connections are never moved
+    protocol: str = "tcp"  # tcp | udp (SPEC §19)
+    udp: UdpConfig = UdpConfig()  # read only with protocol: udp
     file: str = field(default="", compare=False)
     line: int = field(default=0, compare=False)
 

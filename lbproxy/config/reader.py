@@ -34,6 +34,7 @@ from lbproxy.config.model import (
     RedisConfig,
     SnmpConfig,
     ThrottleConfig,
+    UdpConfig,
     VirtualServerConfig,
 )
 from lbproxy.config.tables import (
@@ -57,9 +58,11 @@ from lbproxy.config.tables import (
     _SNMP_SCHEDULERS,
     _THROTTLE_FIELDS,
     _TOP_LEVEL_SECTIONS,
+    _UDP_FIELDS,
     _UNCONDITIONED_SCHEDULERS,
     _VIRTUAL_SERVER_FIELDS,
     _VIRTUAL_SERVER_SECTIONS,
+    TCP_ONLY_KEYS,
 )
 from lbproxy.config.values import Converter, _did_you_mean, _Invalid, _shown
 
@@ -220,6 +223,7 @@ class _VirtualServerRead:
     config: VirtualServerConfig | None  # None when a problem prevented building it
     sni: list[tuple[str, int]] = field(default_factory=list)  # each name with its line
     accept_proxy: tuple[bool, int] = (False, 0)  # and the line of the key, 0: default
+    protocol: str = "tcp"  # a TCP and a UDP listener on one address do not clash
 
 
 def _nested(
@@ -329,6 +333,10 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     discovery = _read_discovery(doc, vs, where)
     queue = _nested(doc, vs, "queue", f"queue of {where}", _QUEUE_FIELDS, prefix="queue.")
     conditioning = _read_conditioning(doc, vs, where)
+    udp = _read_udp(doc, vs, where)
+    if udp is not None and "type" not in _health_keys(vs):
+        # A TCP connect says nothing of a UDP service: passive health only by default.
+        health_check = replace(health_check, type="none")
     real_servers = _read_real_servers(doc, vs, snmp, allow_empty=discovers)
 
     config = None
@@ -343,6 +351,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             discovery=discovery,
             queue=QueueConfig(**queue.values) if queue is not None else None,
             conditioning=conditioning,
+            udp=udp or UdpConfig(),
             file=doc.file,
             line=vs.line,
         )
@@ -358,6 +367,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             doc.error(line, f"duplicate sni name {name!r} (first at line {seen[name]})")
         seen.setdefault(name, line)
     accept_proxy = (vs.values.get("accept_proxy", False), vs.key_lines.get("accept_proxy", 0))
+    protocol = vs.values.get("protocol", "tcp")
     return _VirtualServerRead(
         doc.file,
         vs.line,
@@ -367,7 +377,42 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
         config,
         sni=sni,
         accept_proxy=accept_proxy,
+        protocol=protocol,
     )
+
+
+def _health_keys(vs: _Section) -> set[str]:
+    """The keys written under `health_check:` (none when it is not a mapping)."""
+    node = vs.nodes.get("health_check")
+    if not isinstance(node, yaml.MappingNode):
+        return set()
+    return {key.value for key, _ in node.value if isinstance(key, yaml.ScalarNode)}
+
+
+# Health check types that speak TCP: meaningless against a UDP service.
+_TCP_CHECKS = ("tcp", "send_expect", "http")
+
+
+def _read_udp(doc: _Document, vs: _Section, where: str) -> UdpConfig | None:
+    """`udp:` and the keys a UDP virtual server refuses; None for a TCP one (SPEC §19)."""
+    udp = _nested(doc, vs, "udp", f"udp of {where}", _UDP_FIELDS, prefix="udp.")
+    if vs.values.get("protocol", "tcp") != "udp":
+        if udp is not None:
+            doc.error(vs.line_of("udp"), "udp: needs protocol: udp on the virtual server")
+        return None
+    for key in TCP_ONLY_KEYS:
+        if key in vs.key_lines:
+            doc.error(vs.line_of(key), f"{key} is for TCP; a UDP virtual server refuses it")
+    check = vs.nodes.get("health_check")
+    if check is not None and "type" in _health_keys(vs):
+        for key, value in check.value:
+            if key.value == "type" and getattr(value, "value", None) in _TCP_CHECKS:
+                doc.error(
+                    _line(value),
+                    f"health_check type {value.value} is for TCP; a UDP virtual server "
+                    "takes none (passive: ICMP port unreachable)",
+                )
+    return UdpConfig(**udp.values) if udp is not None else UdpConfig()
 
 
 def _item_lines(node: yaml.Node | None) -> list[int]:
@@ -661,6 +706,7 @@ class _Claim:
     file: str | None  # None: a default, not written anywhere
     line: int
     vs: _VirtualServerRead | None = None  # the virtual server that listens there
+    protocol: str = "tcp"  # a UDP socket and a TCP one may share an address and port
 
     def describe(self, seen_from: str) -> str:
         if self.file is None:
@@ -680,7 +726,8 @@ def _check_port_clashes(
                 (
                     claim
                     for claim in claims
-                    if _clashes(address, claim.address)
+                    if claim.protocol == vs.protocol
+                    and _clashes(address, claim.address)
                     # Two virtual servers on the very same address share it when one
                     # of them routes by SNI (SPEC §13; two without are two defaults:
                     # a clash). The rest is `_check_shared_addresses`' job.
@@ -700,7 +747,8 @@ def _check_port_clashes(
                         f"listen address {address} clashes with {clash.describe(vs.file)}",
                     )
                 )
-            claims.append(_Claim(address, f"{address} of {owner}", vs.file, line, vs))
+            what = f"{address} of {owner}" + (" (udp)" if vs.protocol == "udp" else "")
+            claims.append(_Claim(address, what, vs.file, line, vs, vs.protocol))
 
 
 def _admin_claims(global_read: _GlobalRead | None) -> list[_Claim]:
@@ -714,7 +762,7 @@ def _admin_claims(global_read: _GlobalRead | None) -> list[_Claim]:
 
 
 def _locator_claims(global_read: _GlobalRead | None, problems: list[Problem]) -> list[_Claim]:
-    """The DNS locator's TCP port (its UDP port clashes with no TCP listener)."""
+    """The DNS locator's TCP and UDP ports."""
     dns = global_read.config.locator.dns if global_read else None
     if dns is None or global_read is None:
         return []
@@ -729,7 +777,7 @@ def _locator_claims(global_read: _GlobalRead | None, problems: list[Problem]) ->
                     f"{claim.what} clashes with {admin.describe(global_read.file)}",
                 )
             )
-    return [claim]
+    return [claim, replace(claim, protocol="udp")]
 
 
 def _clashes(a: Address, b: Address) -> bool:
@@ -753,7 +801,7 @@ def _check_shared_addresses(servers: list[_VirtualServerRead], problems: list[Pr
     groups: dict[tuple, list[tuple[_VirtualServerRead, Address, int]]] = {}
     for vs in servers:
         for address, line in vs.listen:
-            key = (_listen_ip(address.host), address.port)
+            key = (_listen_ip(address.host), address.port, vs.protocol)
             group = groups.setdefault(key, [])
             if not any(other is vs for other, _, _ in group):
                 group.append((vs, address, line))

@@ -26,6 +26,7 @@ from lbproxy.config.model import (
     RedisConfig,
     SnmpConfig,
     ThrottleConfig,
+    UdpConfig,
     VirtualServerConfig,
 )
 from lbproxy.config.values import (
@@ -51,6 +52,7 @@ from lbproxy.config.values import (
     _redis_url,
     _regex,
     _resolvers,
+    _responses,
     _scheduler,
     _sni_names,
     _snmp_version,
@@ -122,6 +124,10 @@ _REDIS_FIELDS: dict[str, Converter] = {
 
 _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "name": _name.about("unique name (it appears in API paths and metric labels)"),
+    "protocol": _choice("tcp", "udp").about(
+        "`tcp`, or `udp`: datagrams in sessions per client address (see UDP virtual "
+        "servers); a TCP and a UDP virtual server may share an address and port"
+    ),
     "listen": _vs_listen.about(
         "an address or a list of them; `none`: locator only, nothing is bound"
     ),
@@ -331,6 +337,26 @@ _DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
     ),
 }
 
+_UDP_FIELDS: dict[str, Converter] = {
+    "idle_timeout": _duration(positive=True).about(
+        "a session ends after this long without a datagram either way"
+    ),
+    "responses": _responses.about(
+        "replies per request a client gets: the session ends once they all came (`1` for "
+        "DNS); `0`: none expected, replies are dropped (syslog); `none`: unlimited",
+        default="none",
+    ),
+    "max_sessions": _integer(1).about(
+        'sessions in the table; a new client beyond it is dropped (`reason="max_sessions"`)'
+    ),
+    "max_sessions_per_source": _integer(1).about(
+        'sessions one client IP address may hold; beyond: dropped (`reason="per_source"`)'
+    ),
+}
+
+# Keys and sections a UDP virtual server refuses: they speak of TCP connections.
+TCP_ONLY_KEYS = ("sni", "accept_proxy", "send_proxy", "queue", "conditioning", "retries")
+
 _QUEUE_FIELDS: dict[str, Converter] = {
     "max": _integer(1).about("waiting clients; one more is refused (`queue_full`)"),
     "timeout": _duration(positive=True).about(
@@ -474,6 +500,12 @@ SECTIONS = Section(
                     "move idle long-lived connections toward the least-loaded server",
                     page="concepts/conditioning.md",
                     only=("lc", "wlc", "dwd", "dwr", "least-load", "sap"),
+                ),
+                "udp": Section(
+                    _UDP_FIELDS,
+                    UdpConfig,
+                    "the session table of a virtual server with `protocol: udp`",
+                    page="concepts/udp.md",
                 ),
                 "real_servers": Section(
                     _REAL_SERVER_FIELDS,

@@ -599,6 +599,20 @@ def _workers(node: yaml.Node, label: str) -> int:
         raise _expected(label, "an integer >= 1 or auto", node) from None
 
 
+@_accepting(
+    "an integer >= 0 or none",
+    {"anyOf": [{"type": "null"}, {"const": "none"}, {"type": "integer", "minimum": 0}]},
+)
+def _responses(node: yaml.Node, label: str) -> int | None:
+    # `responses: none` (or empty): replies are not counted, the session ends when idle.
+    if _scalar(node, label) in (None, "none"):
+        return None
+    try:
+        return _integer(0)(node, label)
+    except _Invalid:
+        raise _expected(label, "an integer >= 0 or none", node) from None
+
+
 @_accepting("2c or 3", {"enum": ["2c", "3", 3]})
 def _snmp_version(node: yaml.Node, label: str) -> str:
     # YAML reads `version: 3` as an int and `version: 2c` as a string; both are fine.

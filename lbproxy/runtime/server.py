@@ -270,6 +270,13 @@ class Server:
         """
         routes: dict[Address, list[VirtualServer]] = {}
         for vs_config in configs:
+            if vs_config.protocol == "udp":
+                # The configuration is read and checked (SPEC §19); the datagram path is
+                # not there yet: refusing beats binding a TCP socket nobody asked for.
+                raise BindError(
+                    f"virtual server {vs_config.name}: protocol: udp is checked but not "
+                    "served yet by this version"
+                )
             vs = self.virtual_servers.get(vs_config.name)
             if vs is None:
                 vs = VirtualServer(Pool(vs_config, now))

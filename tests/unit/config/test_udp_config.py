@@ -1,0 +1,101 @@
+"""`protocol: udp` and `udp:` on a virtual server (SPEC §19): defaults, every key read,
+TCP-only keys refused at FILE:LINE, and a TCP and a UDP virtual server on one port."""
+
+from __future__ import annotations
+
+from lbproxy.config.model import UdpConfig
+from lbproxy.config.reader import load
+from tests.unit.config.test_config import problems, write
+
+RS = "    real_servers: [{name: a, address: 127.0.0.1:5301}]\n"
+
+
+def test_defaults_and_every_key(tmp_path):
+    path = write(
+        tmp_path,
+        "lb.yaml",
+        "virtual_servers:\n"
+        "  - name: dns\n    protocol: udp\n    listen: 127.0.0.1:5300\n"
+        "    udp: {idle_timeout: 5s, responses: 1, max_sessions: 50,"
+        " max_sessions_per_source: 3}\n" + RS + "  - name: syslog\n    protocol: udp\n"
+        "    listen: 127.0.0.1:5514\n" + RS + "  - name: web\n    listen: 127.0.0.1:8080\n" + RS,
+    )
+    dns, syslog, web = load([path]).virtual_servers
+    assert dns.protocol == "udp"
+    assert dns.udp == UdpConfig(
+        idle_timeout=5.0, responses=1, max_sessions=50, max_sessions_per_source=3
+    )
+    assert syslog.udp == UdpConfig(30.0, None, 10000, 100)
+    # A TCP connect says nothing of a UDP service: passive health only unless asked.
+    assert syslog.health_check.type == "none"
+    assert web.protocol == "tcp" and web.health_check.type == "tcp"
+
+
+def test_responses_zero_and_none(tmp_path):
+    for text, expected in (("0", 0), ("none", None), ("3", 3)):
+        path = write(
+            tmp_path,
+            "lb.yaml",
+            "virtual_servers:\n  - name: s\n    protocol: udp\n    listen: 127.0.0.1:5514\n"
+            f"    udp: {{responses: {text}}}\n" + RS,
+        )
+        assert load([path]).virtual_servers[0].udp.responses == expected
+
+
+def test_tcp_only_keys_refused_with_file_and_line(tmp_path):
+    path = write(
+        tmp_path,
+        "lb.yaml",
+        "virtual_servers:\n"
+        "  - name: dns\n"
+        "    protocol: udp\n"
+        "    listen: 127.0.0.1:5300\n"
+        "    sni: [a.example]\n"  # 5
+        "    accept_proxy: true\n"  # 6
+        "    send_proxy: v2\n"  # 7
+        "    queue: {}\n"  # 8
+        "    udp: {responses: -1}\n"  # 9
+        "    health_check: {type: http}\n" + RS,  # 10
+    )
+    assert problems([path]) == [
+        f"{path}:5: sni is for TCP; a UDP virtual server refuses it",
+        f"{path}:6: accept_proxy is for TCP; a UDP virtual server refuses it",
+        f"{path}:7: send_proxy is for TCP; a UDP virtual server refuses it",
+        f"{path}:8: queue is for TCP; a UDP virtual server refuses it",
+        f"{path}:9: udp.responses must be an integer >= 0 or none, got -1",
+        f"{path}:10: health_check type http is for TCP; a UDP virtual server takes none "
+        "(passive: ICMP port unreachable)",
+    ]
+
+
+def test_udp_block_needs_protocol_udp(tmp_path):
+    path = write(
+        tmp_path,
+        "lb.yaml",
+        "virtual_servers:\n  - name: web\n    listen: 127.0.0.1:8080\n    udp: {}\n" + RS,
+    )
+    assert problems([path]) == [f"{path}:4: udp: needs protocol: udp on the virtual server"]
+
+
+def test_tcp_and_udp_share_a_port_two_udp_clash(tmp_path):
+    shared = write(
+        tmp_path,
+        "ok.yaml",
+        "virtual_servers:\n  - name: dns\n    protocol: udp\n    listen: 127.0.0.1:5300\n"
+        + RS
+        + "  - name: dns-tcp\n    listen: 127.0.0.1:5300\n"
+        + RS,
+    )
+    assert [vs.name for vs in load([shared]).virtual_servers] == ["dns", "dns-tcp"]
+    clash = write(
+        tmp_path,
+        "clash.yaml",
+        "virtual_servers:\n  - name: a\n    protocol: udp\n    listen: 127.0.0.1:5300\n"
+        + RS
+        + "  - name: b\n    protocol: udp\n    listen: 0.0.0.0:5300\n"
+        + RS,
+    )
+    assert problems([clash]) == [
+        f"{clash}:8: listen address 0.0.0.0:5300 clashes with 127.0.0.1:5300 of virtual "
+        "server a (udp) at line 4"
+    ]

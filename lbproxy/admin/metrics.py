@@ -33,7 +33,16 @@ SNMP_RESULTS = ("ok", "timeout", "error", "bad_value")
 RELOAD_RESULTS = ("ok", "error")
 CLUSTER_IGNORED = ("oversized", "garbage", "invalid", "unknown")
 LOCATOR_VIAS = ("http", "dns")
-DNS_RCODES = ("NOERROR", "NXDOMAIN", "REFUSED", "SERVFAIL", "FORMERR", "NOTIMP", "dropped")
+DNS_RCODES = (
+    "NOERROR",
+    "NXDOMAIN",
+    "REFUSED",
+    "SERVFAIL",
+    "FORMERR",
+    "NOTIMP",
+    "dropped",
+    "ratelimited",
+)
 VS, RS = "virtual_server", "real_server"
 
 

@@ -50,13 +50,31 @@ class AdminConfig:
     token_file: str | None = None
 
 
+# Who may ask the DNS locator by default: loopback and the private ranges (SPEC §16).
+DNS_ALLOW_DEFAULT: tuple[IPNetwork, ...] = tuple(
+    ipaddress.ip_network(n)
+    for n in ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DnsRateLimitConfig:
+    """`global.locator.dns.rate_limit`: response rate limiting per source prefix (BIND RRL)."""
+
+    responses_per_second: int = 100  # per /24 (IPv4) or /56 (IPv6); 0 = no limit
+    slip: int = 2  # every slip-th query over the limit is answered empty with TC=1; 0 = never
+
+
 @dataclass(frozen=True, slots=True)
 class DnsLocatorConfig:
-    """`global.locator.dns`: the DNS face of the locator (SPEC §10)."""
+    """`global.locator.dns`: the DNS face of the locator (SPEC §10, §16)."""
 
     listen: Address = Address("127.0.0.1", 5353)  # UDP and TCP
     zone: str = "lb.internal."  # absolute, lower case, ending in a dot
     ttl: int = 0  # of every answer; 0 = ask again each time
+    allow: tuple[IPNetwork, ...] = DNS_ALLOW_DEFAULT  # other sources: REFUSED, no pick
+    rate_limit: DnsRateLimitConfig = DnsRateLimitConfig()
+    tcp_clients_per_source: int = 8  # concurrent TCP clients of one address
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from lbproxy.config.model import (
     ConfigError,
     DnsDiscoveryConfig,
     DnsLocatorConfig,
+    DnsRateLimitConfig,
     GlobalConfig,
     HealthCheckConfig,
     LocatorConfig,
@@ -44,6 +45,8 @@ from lbproxy.config.tables import (
     _DISCOVERY_SECTIONS,
     _DNS_DISCOVERY_FIELDS,
     _DNS_LOCATOR_FIELDS,
+    _DNS_LOCATOR_SECTIONS,
+    _DNS_RATE_LIMIT_FIELDS,
     _GLOBAL_FIELDS,
     _GLOBAL_SECTIONS,
     _HEALTH_CHECK_FIELDS,
@@ -279,11 +282,28 @@ def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int
     if locator is None:
         return LocatorConfig(), 0
     dns = _nested(
-        doc, locator, "dns", "global.locator.dns", _DNS_LOCATOR_FIELDS, prefix="locator.dns."
+        doc,
+        locator,
+        "dns",
+        "global.locator.dns",
+        _DNS_LOCATOR_FIELDS,
+        _DNS_LOCATOR_SECTIONS,
+        prefix="locator.dns.",
     )
     if dns is None:
         return LocatorConfig(), 0
-    return LocatorConfig(DnsLocatorConfig(**dns.values)), dns.line_of("listen")
+    rate_limit = _nested(
+        doc,
+        dns,
+        "rate_limit",
+        "global.locator.dns.rate_limit",
+        _DNS_RATE_LIMIT_FIELDS,
+        prefix="locator.dns.rate_limit.",
+    )
+    values = dict(dns.values)
+    if rate_limit is not None:
+        values["rate_limit"] = DnsRateLimitConfig(**rate_limit.values)
+    return LocatorConfig(DnsLocatorConfig(**values)), dns.line_of("listen")
 
 
 def _read_cluster(doc: _Document, section: _Section) -> ClusterConfig:

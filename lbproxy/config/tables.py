@@ -18,6 +18,7 @@ from lbproxy.config.model import (
     ConditioningConfig,
     DnsDiscoveryConfig,
     DnsLocatorConfig,
+    DnsRateLimitConfig,
     GlobalConfig,
     HealthCheckConfig,
     PersistenceConfig,
@@ -298,6 +299,26 @@ _DNS_LOCATOR_FIELDS: dict[str, Converter] = {
         "the zone it answers for (`VS.ZONE`, `_VS._tcp.ZONE`); any other name is REFUSED"
     ),
     "ttl": _integer(0, 2**31 - 1).about("TTL of every answer, seconds (0 = ask again each time)"),
+    "allow": _networks.about(
+        "source networks that may ask; any other source is answered REFUSED (no pick is made)",
+        default="`127.0.0.0/8`, `::1/128`, `10.0.0.0/8`, `172.16.0.0/12`, "
+        "`192.168.0.0/16`, `fc00::/7`",
+    ),
+    "tcp_clients_per_source": _integer(1).about(
+        "concurrent TCP clients from one address (beside the limit of 64 in all); more "
+        "are closed at once"
+    ),
+}
+
+_DNS_RATE_LIMIT_FIELDS: dict[str, Converter] = {
+    "responses_per_second": _integer(0).about(
+        "UDP answers per second to one source prefix (/24 for IPv4, /56 for IPv6); over "
+        "it a query is dropped without a pick (`0`: no limit)"
+    ),
+    "slip": _integer(0).about(
+        "every `slip`-th dropped query is answered empty with TC=1, so a real client asks "
+        "again over TCP (`0`: drop them all)"
+    ),
 }
 
 _CONDITIONING_FIELDS: dict[str, Converter] = {
@@ -424,6 +445,15 @@ SECTIONS = Section(
                             DnsLocatorConfig,
                             "the DNS locator (only with this block); changing it takes a restart",
                             page="concepts/locator.md",
+                            sections={
+                                "rate_limit": Section(
+                                    _DNS_RATE_LIMIT_FIELDS,
+                                    DnsRateLimitConfig,
+                                    "response rate limiting of UDP answers per source "
+                                    "prefix, as BIND's `rate-limit`",
+                                    page="concepts/locator.md",
+                                )
+                            },
                         )
                     },
                     page="concepts/locator.md",
@@ -563,6 +593,9 @@ _UNCONDITIONED_SCHEDULERS = ("rr", "wrr", "first", "maglev")
 _TOP_LEVEL_SECTIONS = tuple(SECTIONS.sections)
 _GLOBAL_SECTIONS = tuple(SECTIONS.sections["global"].sections)
 _LOCATOR_SECTIONS = tuple(SECTIONS.sections["global"].sections["locator"].sections)
+_DNS_LOCATOR_SECTIONS = tuple(
+    SECTIONS.sections["global"].sections["locator"].sections["dns"].sections
+)
 _CLUSTER_SECTIONS = tuple(SECTIONS.sections["global"].sections["cluster"].sections)
 _VIRTUAL_SERVER_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections)
 _REAL_SERVER_SECTIONS = tuple(

@@ -22,6 +22,11 @@ Names (SPEC §10), ZONE being `global.locator.dns.zone`, matched without case:
                                    dropped (never answer an answer: no loops)
     an opcode other than QUERY     NOTIMP; a class other than IN: REFUSED
 
+Over UDP an answer fits the client's EDNS size (512 without EDNS, at most 1232); one
+that does not is sent empty with TC=1 and is not counted as a locate (the client asks
+again over TCP). The source ACL and the rate limit are decided before `handle`
+(dns_rate_limit.py); `refuse` and `rate_limited` answer those queries without a pick.
+
 A pick whose address is not of the asked family (an A query, an IPv6 server) answers
 NODATA and is not counted; a real server configured by host name has no A/AAAA record
 here, and its SRV target is that host name itself. A locate's pick is given the query's
@@ -50,8 +55,13 @@ from dns.rdtypes.IN.SRV import SRV
 from lbproxy.core.pool import Pool, RealServer
 
 HEADER_SIZE = 12
-UDP_PAYLOAD = 512  # without EDNS (RFC 1035); our answers are far smaller anyway
+UDP_PAYLOAD = 512  # a UDP answer's size without EDNS (RFC 1035)
+# The largest UDP answer, whatever the client advertises: DNS Flag Day 2020's 1232,
+# which fits an IPv6 minimum MTU without fragments. A `max_size` above it means a
+# stream transport (TCP), where the answer is not bounded by the client's EDNS size.
+MAX_UDP_PAYLOAD = 1232
 DROPPED = "dropped"  # the rcode label of a message that got no answer
+RATELIMITED = "ratelimited"  # dropped, or answered empty with TC=1, by the rate limit
 
 _ADDRESS_TYPES = (dns.rdatatype.A, dns.rdatatype.AAAA)
 _TCP_LABEL = b"_tcp"
@@ -74,6 +84,8 @@ class QueryHandler:
         # The records of each (name as asked, type, server, address), built once by
         # dnspython and reused: an answer then costs a parse, a pick and a render.
         self._records: dict[tuple, tuple[dns.rrset.RRset | None, dns.rrset.RRset | None]] = {}
+        self._indexes: dict[str, tuple[object, Pool, dict[str, RealServer]]] = {}
+        self._located: tuple[Pool, RealServer] | None = None  # the answer to count
 
     def handle(
         self, wire: bytes, now: float, max_size: int = UDP_PAYLOAD, client: tuple | None = None
@@ -90,17 +102,55 @@ class QueryHandler:
             self.rcodes[DROPPED] += 1
             return None
         try:
+            self._located = None
             response = self._respond(query, now, client)
-            return self._wire(response, max_size)
+            wire, fits = self._wire(response, _size_limit(query, max_size))
+            if fits and self._located is not None:
+                # Counted only once it is sent whole: a client given TC=1 asks again
+                # over TCP, and that answer is the locate.
+                pool, rs = self._located
+                pool.answer(rs, now, "dns", client)
+            return wire
         except Exception:  # a bug here must cost one answer, never the server
             return self._error(query.id, dns.rcode.SERVFAIL)
+
+    def refuse(self, wire: bytes, max_size: int = UDP_PAYLOAD) -> bytes | None:
+        """REFUSED to a query from a source not allowed: no name is looked at, no pick."""
+        query = self._query(wire)
+        if query is None:
+            return None
+        response = dns.message.make_response(query, our_payload=MAX_UDP_PAYLOAD)
+        response.set_rcode(dns.rcode.REFUSED)
+        self.rcodes["REFUSED"] += 1
+        return response.to_wire(max_size=_size_limit(query, max_size))
+
+    def rate_limited(self, wire: bytes, slip: bool) -> bytes | None:
+        """A query over the rate limit: nothing, or (`slip`) an empty answer with TC=1 so
+        that a real client asks again over TCP; no pick either way."""
+        self.rcodes[RATELIMITED] += 1
+        if not slip:
+            return None
+        query = self._query(wire)
+        if query is None:
+            return None
+        response = dns.message.make_response(query, our_payload=MAX_UDP_PAYLOAD)
+        response.flags |= dns.flags.TC | dns.flags.AA
+        return response.to_wire(max_size=_size_limit(query, UDP_PAYLOAD))
+
+    @staticmethod
+    def _query(wire: bytes) -> dns.message.Message | None:
+        try:
+            query = dns.message.from_wire(wire)
+        except Exception:  # garbage: dropped
+            return None
+        return None if query.flags & dns.flags.QR else query
 
     # -- one query ------------------------------------------------------------------
 
     def _respond(
         self, query: dns.message.Message, now: float, client: tuple | None = None
     ) -> dns.message.Message:
-        response = dns.message.make_response(query)
+        response = dns.message.make_response(query, our_payload=MAX_UDP_PAYLOAD)
         response.flags |= dns.flags.AA
         if query.opcode() != dns.opcode.QUERY:
             return self._rcode(response, dns.rcode.NOTIMP)
@@ -123,7 +173,7 @@ class QueryHandler:
                     return self._rcode(response, dns.rcode.SERVFAIL)
                 record = self._records_of(name, rdtype, pool, rs)[0]
                 if record is not None:
-                    pool.answer(rs, now, "dns", client)
+                    self._located = (pool, rs)
                     response.answer.append(record)
             return self._rcode(response, dns.rcode.NOERROR)
         if len(labels) == 2 and labels[1].lower() == _TCP_LABEL and labels[0][:1] == b"_":
@@ -134,7 +184,7 @@ class QueryHandler:
                 rs = pool.pick(now, (), client)
                 if rs is None:
                     return self._rcode(response, dns.rcode.SERVFAIL)
-                pool.answer(rs, now, "dns", client)
+                self._located = (pool, rs)
                 srv, additional = self._records_of(name, rdtype, pool, rs)
                 response.answer.append(srv)
                 if additional is not None:
@@ -211,16 +261,24 @@ class QueryHandler:
         except UnicodeDecodeError:
             return None
 
-    @staticmethod
-    def _real_server(pool: Pool, label: bytes) -> RealServer | None:
+    def _real_server(self, pool: Pool, label: bytes) -> RealServer | None:
         try:
             name = label.decode("ascii")
         except UnicodeDecodeError:
             return None
         rs = pool.by_name.get(name)
-        if rs is None:  # DNS names have no case; ours do: O(n) only on this miss
-            rs = next((s for s in pool.servers if s.name.lower() == name.lower()), None)
+        if rs is None:  # DNS names have no case; ours do: an index by lower-case name
+            rs = self._lower_index(pool).get(name.lower())
         return rs
+
+    def _lower_index(self, pool: Pool) -> dict[str, RealServer]:
+        """`pool`'s servers by lower-case name, rebuilt when its configuration changes
+        (a reload or a discovery round gives the pool a new config object)."""
+        cached = self._indexes.get(pool.name)
+        if cached is None or cached[0] is not pool.config or cached[1] is not pool:
+            index = {rs.name.lower(): rs for rs in pool.servers}
+            cached = self._indexes[pool.name] = (pool.config, pool, index)
+        return cached[2]
 
     # -- building and counting --------------------------------------------------------
 
@@ -228,18 +286,19 @@ class QueryHandler:
         response.set_rcode(rcode)
         return response
 
-    def _wire(self, response: dns.message.Message, max_size: int) -> bytes:
-        if response.edns >= 0:
-            max_size = max(max_size, response.payload)
+    def _wire(self, response: dns.message.Message, max_size: int) -> tuple[bytes, bool]:
+        """The answer's bytes, and False when it did not fit (then sent empty, TC=1)."""
+        fits = True
         try:
             wire = response.to_wire(max_size=max_size)
         except dns.exception.TooBig:  # over UDP: set TC, the client asks again over TCP
+            fits = False
             response.answer.clear()
             response.additional.clear()
             response.flags |= dns.flags.TC
             wire = response.to_wire(max_size=max_size)
         self.rcodes[dns.rcode.to_text(response.rcode())] += 1
-        return wire
+        return wire, fits
 
     def _unparsable(self, wire: bytes) -> bytes | None:
         # Answer FORMERR only to what looks like a query (a whole header, QR clear).
@@ -254,6 +313,17 @@ class QueryHandler:
         response.set_rcode(rcode)
         self.rcodes[dns.rcode.to_text(rcode)] += 1
         return response.to_wire()
+
+
+def _size_limit(query: dns.message.Message, max_size: int) -> int:
+    """The largest answer to `query`: over TCP (`max_size` above MAX_UDP_PAYLOAD) the
+    transport's; over UDP the size the client advertised with EDNS (512 without EDNS,
+    never less than 512 nor more than MAX_UDP_PAYLOAD)."""
+    if max_size > MAX_UDP_PAYLOAD:
+        return max_size
+    if query.edns < 0:
+        return UDP_PAYLOAD
+    return min(max(query.payload, UDP_PAYLOAD), MAX_UDP_PAYLOAD)
 
 
 def _family(host: str) -> int | None:

@@ -16,7 +16,13 @@ Defences, so that no client disturbs another or the proxy:
 - TCP (RFC 7766): 2-byte length framing, several queries per connection; every read of
   one message must complete within TCP_TIMEOUT (a client that sends half a message and
   stalls is closed, and never blocks another: one task per client); at most
-  MAX_TCP_CLIENTS at once, more are closed at accept.
+  MAX_TCP_CLIENTS at once and `tcp_clients_per_source` from one address, more are
+  closed at once (counted in this module's bookkeeping, not in the accept call, so
+  the accept loop itself may move).
+- Who may ask, and how often (SPEC §16, dns_rate_limit.py): a source outside
+  `allow` is answered REFUSED, over UDP and TCP; UDP answers are rate limited per
+  source prefix (BIND's RRL). Both are decided before the query is answered, so a
+  refused or rate-limited query makes no pick and counts nothing but its rcode.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import trio
 from lbproxy.config.model import Address, DnsLocatorConfig
 from lbproxy.core.pool import Pool
 from lbproxy.locator.dns_answers import UDP_PAYLOAD, QueryHandler
+from lbproxy.locator.dns_rate_limit import ANSWER, REFUSE, SLIP, SourcePolicy
 
 log = logging.getLogger("lbproxy.locator")
 
@@ -37,6 +44,7 @@ MAX_TCP_CLIENTS = 64
 MAX_TCP_MESSAGE = 65535  # what the 2-byte length allows
 UDP_RECEIVE = 65535
 UDP_BATCH = 16  # datagrams answered between two checkpoints of the UDP loop
+VS_INDEX_MAX_AGE = 1.0  # seconds; a name missed in an older index rebuilds it
 
 
 class DnsLocator:
@@ -46,7 +54,14 @@ class DnsLocator:
         self.config = config
         self._pools = pools  # the Server's `virtual_servers` (name -> VirtualServer)
         self.handler = QueryHandler(config.zone, config.ttl, self._find)
+        self.policy = SourcePolicy(
+            config.allow, config.rate_limit.responses_per_second, config.rate_limit.slip
+        )
         self.tcp_clients = 0
+        self.tcp_per_source: dict[str, int] = {}
+        self._index: dict[str, str] = {}  # lower-case virtual-server name -> its name
+        self._index_size = -1
+        self._index_built = float("-inf")
 
     @property
     def rcodes(self) -> dict[str, int]:
@@ -54,10 +69,26 @@ class DnsLocator:
 
     def _find(self, label: str) -> Pool | None:
         vs = self._pools.get(label)
-        if vs is None:  # DNS names have no case; ours do: O(n) only on this miss
-            lower = label.lower()
-            vs = next((v for name, v in self._pools.items() if name.lower() == lower), None)
+        if vs is None:  # DNS names have no case; ours do: look the lower case up
+            vs = self._pools.get(self._lower_name(label.lower()))
         return None if vs is None else vs.pool  # type: ignore[attr-defined]
+
+    def _lower_name(self, lower: str) -> str:
+        """The virtual server's name for a lower-case label, through an index of names.
+
+        The pools dict is the Server's, changed in place by reloads and discovery; the
+        index is rebuilt when its size changed, or on a miss once it is older than
+        VS_INDEX_MAX_AGE -- so a flood of unknown names costs one rebuild a second at
+        most, never a scan per query."""
+        name = self._index.get(lower)
+        if name is not None and name in self._pools and len(self._pools) == self._index_size:
+            return name
+        now = trio.current_time()
+        if len(self._pools) != self._index_size or now - self._index_built >= VS_INDEX_MAX_AGE:
+            self._index = {n.lower(): n for n in self._pools}
+            self._index_size = len(self._pools)
+            self._index_built = now
+        return self._index.get(lower, "")
 
     # -- binding (synchronous, so a bad address fails before anything starts) ----------
 
@@ -126,7 +157,14 @@ class DnsLocator:
                 log.debug("DNS UDP receive: %s", exc)
                 await trio.lowlevel.checkpoint()
                 continue
-            answer = handle(data, trio.current_time(), UDP_PAYLOAD, peer)
+            now = trio.current_time()
+            verdict = self.policy.verdict(peer[0], now)
+            if verdict == ANSWER:
+                answer = handle(data, now, UDP_PAYLOAD, peer)
+            elif verdict == REFUSE:
+                answer = self.handler.refuse(data)
+            else:  # over the rate limit: no pick; every slip-th gets TC=1
+                answer = self.handler.rate_limited(data, verdict == SLIP)
             if answer is not None:
                 try:
                     raw.sendto(answer, peer)
@@ -145,11 +183,27 @@ class DnsLocator:
                 log.warning("DNS TCP accept: %s", exc)
                 await trio.sleep(0.1)
                 continue
-            if self.tcp_clients >= MAX_TCP_CLIENTS:
+            if not self._admit_tcp(peer[0]):
                 client.close()
                 continue
-            self.tcp_clients += 1
             nursery.start_soon(self._tcp_client, client, peer)
+
+    def _admit_tcp(self, host: str) -> bool:
+        """Count a new TCP client of `host` in, or False when a limit is reached."""
+        from_host = self.tcp_per_source.get(host, 0)
+        if self.tcp_clients >= MAX_TCP_CLIENTS or from_host >= self.config.tcp_clients_per_source:
+            return False
+        self.tcp_clients += 1
+        self.tcp_per_source[host] = from_host + 1
+        return True
+
+    def _release_tcp(self, host: str) -> None:
+        self.tcp_clients -= 1
+        left = self.tcp_per_source[host] - 1
+        if left:
+            self.tcp_per_source[host] = left
+        else:
+            del self.tcp_per_source[host]
 
     async def _tcp_client(self, client: trio.socket.SocketType, peer: tuple) -> None:
         stream = trio.SocketStream(client)
@@ -162,7 +216,10 @@ class DnsLocator:
                     if message is None:  # end of file, a timeout, or half a message
                         return
                     now = trio.current_time()
-                    answer = self.handler.handle(message, now, MAX_TCP_MESSAGE, peer)
+                    if self.policy.allowed(peer[0]):  # no rate limit: TCP proves the address
+                        answer = self.handler.handle(message, now, MAX_TCP_MESSAGE, peer)
+                    else:
+                        answer = self.handler.refuse(message, MAX_TCP_MESSAGE)
                     if answer is None:
                         return
                     with trio.move_on_after(TCP_TIMEOUT):  # a client that reads nothing
@@ -172,7 +229,7 @@ class DnsLocator:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("DNS TCP client: %s", exc)
         finally:
-            self.tcp_clients -= 1
+            self._release_tcp(peer[0])
 
 
 async def _read_message(stream: trio.SocketStream) -> bytes | None:

@@ -3,6 +3,7 @@ crash (SPEC §10: "a malformed message -> FORMERR or dropped, never a crash").""
 
 from __future__ import annotations
 
+import dns.edns
 import dns.flags
 import dns.message
 import dns.name
@@ -124,3 +125,27 @@ def test_a_locate_from_any_source_address_is_answered(vs, rdtype, client, now):
     query = dns.message.make_query(name, rdtype)
     message = check(AFFINITY.handle(query.to_wire(), now, 512, client), query.id)
     assert message.rcode() == dns.rcode.NOERROR
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["db.lb.internal.", "_db._tcp.lb.internal.", "a.db.lb.internal."]),
+    st.sampled_from(["A", "SRV", "TXT"]),
+    st.one_of(st.none(), st.integers(0, 65535)),
+    st.lists(st.tuples(st.integers(0, 65535), st.binary(max_size=40)), max_size=4),
+)
+def test_edns_sizes_and_options_bound_a_udp_answer(name, rdtype, payload, options):
+    """Any advertised EDNS size and options: a UDP answer within 512..1232 bytes of the
+    client's size (512 without EDNS), TC=1 and no records when it does not fit."""
+    query = dns.message.make_query(name, rdtype)
+    if payload is not None:
+        query.use_edns(
+            0, 0, payload, options=[dns.edns.GenericOption(code, data) for code, data in options]
+        )
+    wire = HANDLER.handle(query.to_wire(), 0.0, 512)
+    answer = check(wire, query.id)
+    assert answer is not None
+    limit = 512 if payload is None else min(max(payload, 512), 1232)
+    assert len(wire) <= limit
+    if answer.flags & dns.flags.TC:
+        assert not answer.answer

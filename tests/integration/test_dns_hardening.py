@@ -1,0 +1,229 @@
+"""The DNS locator's defences through a real `lbproxy run` (SPEC §16, issue 21 item 4):
+the source ACL (REFUSED, no pick), the client's EDNS size (TC=1 and a retry over TCP by
+real `dig`), response rate limiting per source prefix under a bounded flood from many
+loopback sources, and the per-source cap on TCP clients."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+
+import dns.flags
+import dns.message
+import dns.query
+import dns.rcode
+import pytest
+
+from tests.integration.harness import ask_name, free_port
+from tests.integration.test_admin import metrics, sample
+
+DIG = shutil.which("dig")
+
+
+def need_dig() -> str:
+    if DIG is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("dig (bind9-dnsutils) is missing, and CI installs it")
+        pytest.skip("dig (bind9-dnsutils) not installed")
+    return DIG
+
+
+def dig(port: int, *args: str) -> str:
+    out = subprocess.run(
+        [need_dig(), "@127.0.0.1", "-p", str(port), "+time=3", "+tries=1", *args],
+        capture_output=True, text=True, timeout=15,
+    )  # fmt: skip
+    return out.stdout
+
+
+def status_of(text: str) -> str:
+    return text.split("status: ", 1)[1].split(",", 1)[0]
+
+
+def flags_of(text: str) -> set[str]:
+    return set(text.split(";; flags: ", 1)[1].split(";", 1)[0].split())
+
+
+# A zone and a real server host name near DNS's 255-byte limit: the SRV answer (the
+# host name is its target and cannot be compressed against the zone) is over 512 bytes.
+LONG_ZONE = ".".join(["z" * 60, "y" * 60, "x" * 60, "w" * 50]) + ".lb."
+LONG_HOST = ".".join(["h" * 62, "g" * 62, "f" * 62, "e" * 60])
+
+
+def config(admin: int, dns_port: int, proxy: int, backend: int, dns_extra: str = "") -> str:
+    return f"""
+global:
+  admin: {{listen: 127.0.0.1:{admin}}}
+  drain_timeout: 1s
+  locator:
+    dns:
+      listen: 127.0.0.1:{dns_port}
+      zone: lb.internal.
+{dns_extra}
+virtual_servers:
+  - name: db
+    listen: 127.0.0.1:{proxy}
+    scheduler: rr
+    health_check: {{type: none}}
+    persistence: {{timeout: 10m, max_entries: 1000}}
+    real_servers:
+      - {{name: a, address: 127.0.0.1:{backend}}}
+"""
+
+
+def answers_counted(admin: int) -> float:
+    key = ("lbproxy_locator_answers_total",
+           (("real_server", "a"), ("via", "dns"), ("virtual_server", "db")))  # fmt: skip
+    return metrics(admin).get(key, 0)
+
+
+def test_a_source_not_allowed_is_refused_and_moves_nothing(name_servers, lbproxy):
+    (a,) = name_servers("a")
+    admin, dns_port, proxy = free_port(), free_port(), free_port()
+    lbproxy(config(admin, dns_port, proxy, a.port, "      allow: [10.0.0.0/8]"))
+    assert status_of(dig(dns_port, "+notcp", "db.lb.internal", "A")) == "REFUSED"
+    assert status_of(dig(dns_port, "+tcp", "_db._tcp.lb.internal", "SRV")) == "REFUSED"
+    samples = metrics(admin)
+    assert sample(samples, "lbproxy_dns_queries_total", rcode="REFUSED") == 2
+    assert answers_counted(admin) == 0  # no pick, no answer counted
+    assert sample(samples, "lbproxy_persistence_entries", virtual_server="db") == 0
+
+
+def test_an_answer_too_big_for_the_clients_size_is_truncated_and_dig_retries_over_tcp(
+    name_servers, lbproxy
+):
+    (a,) = name_servers("a")
+    admin, dns_port, proxy = free_port(), free_port(), free_port()
+    text = config(admin, dns_port, proxy, a.port).replace(
+        "zone: lb.internal.", f"zone: {LONG_ZONE}"
+    )
+    text = text.replace(f"address: 127.0.0.1:{a.port}", f"address: {LONG_HOST}:{a.port}")
+    lbproxy(text)
+    name = f"_db._tcp.{LONG_ZONE}"
+    udp_only = dig(dns_port, "+bufsize=512", "+notcp", "+ignore", name, "SRV")
+    assert "tc" in flags_of(udp_only) and "ANSWER: 0" in udp_only
+    retried = dig(dns_port, "+bufsize=512", name, "SRV")
+    assert "Truncated, retrying in TCP mode" in retried
+    assert status_of(retried) == "NOERROR" and f"{LONG_HOST}." in retried
+    fits = dig(dns_port, "+bufsize=1232", "+notcp", "+ignore", name, "SRV")  # dig's default
+    assert "tc" not in flags_of(fits) and f"{LONG_HOST}." in fits
+    plain = dig(dns_port, "+noedns", "+notcp", "+ignore", name, "SRV")  # 512 without EDNS
+    assert "tc" in flags_of(plain)
+    # only the answers sent whole are locates: the one dig got over TCP and `fits`
+    assert answers_counted(admin) == 2
+
+
+def test_a_flood_from_many_sources_is_held_to_the_rate_per_prefix(name_servers, lbproxy):
+    (a,) = name_servers("a")
+    admin, dns_port, proxy = free_port(), free_port(), free_port()
+    limit = 100
+    lbproxy(config(admin, dns_port, proxy, a.port,
+                   f"      rate_limit: {{responses_per_second: {limit}, slip: 2}}"))  # fmt: skip
+    # 50 sources in 10 /24 prefixes (127.0.P.S), 400 queries each, in about 3 s
+    sources = [f"127.0.{p}.{s}" for p in range(1, 11) for s in range(1, 6)]
+    per_source, rounds = 400, 100
+    socks = []
+    for source in sources:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", dns_port))
+        sock.setblocking(False)
+        socks.append(sock)
+    wire = dns.message.make_query("db.lb.internal.", "A").to_wire()
+    answered: Counter[str] = Counter()
+    truncated: Counter[str] = Counter()
+
+    def drain() -> None:
+        for source, sock in zip(sources, socks, strict=True):
+            while True:
+                try:
+                    reply = dns.message.from_wire(sock.recv(4096))
+                except BlockingIOError:
+                    break
+                prefix = source.rsplit(".", 1)[0]
+                if reply.flags & dns.flags.TC:
+                    assert not reply.answer
+                    truncated[prefix] += 1
+                elif reply.answer:
+                    answered[prefix] += 1
+
+    proxied: list[str] = []
+    stop = threading.Event()
+
+    def connect_through() -> None:  # proxied connections keep flowing during the flood
+        while not stop.is_set() and len(proxied) < 200:
+            proxied.append(ask_name(proxy))
+            time.sleep(0.01)
+
+    connector = threading.Thread(target=connect_through, daemon=True)
+    connector.start()
+    started = time.monotonic()
+    try:
+        for _ in range(rounds):  # bounded: 50 x 400 = 20,000 queries
+            for _ in range(per_source // rounds):  # interleaved: no source sent last
+                for sock in socks:
+                    sock.send(wire)
+            time.sleep(0.03)
+            drain()
+            assert time.monotonic() - started < 30
+        time.sleep(0.5)
+        drain()
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        connector.join(10)
+        for sock in socks:
+            sock.close()
+    # Windows are whole seconds of the server's clock: a run of `elapsed` seconds
+    # touches at most ceil(elapsed) + 1 of them.
+    windows = int(elapsed) + 2
+    for prefix in {s.rsplit(".", 1)[0] for s in sources}:
+        assert answered[prefix] <= limit * windows, (prefix, answered[prefix], elapsed)
+        assert answered[prefix] >= limit * 0.5, (prefix, answered[prefix])  # not starved
+        assert truncated[prefix] > 0  # every slip-th one over the limit: TC=1
+    samples = metrics(admin)
+    counted = answers_counted(admin)
+    ratelimited = sample(samples, "lbproxy_dns_queries_total", rcode="ratelimited")
+    # A locate only for what was answered: not one for a rate-limited query.
+    assert counted <= limit * windows * 10
+    assert counted >= sum(answered.values())
+    assert ratelimited >= len(sources) * per_source - limit * windows * 10 - 2000  # lost UDP
+    # Persistence: each locate looks the source up (and may evict another entry when
+    # full); only answered queries did, so the churn is bounded by the rate.
+    lookups = sum(
+        value
+        for (name, labels), value in samples.items()
+        if name == "lbproxy_persistence_lookups_total" and ("virtual_server", "db") in labels
+    )
+    assert lookups == counted + len(proxied)  # the proxied connections' picks too
+    entries = sample(samples, "lbproxy_persistence_entries", virtual_server="db")
+    assert entries <= len(sources) + 1  # and 127.0.0.1, the proxied connections
+    assert proxied and set(proxied) == {"a"}
+    assert len(proxied) >= 20, len(proxied)
+
+
+def test_tcp_clients_are_capped_per_source(name_servers, lbproxy):
+    (a,) = name_servers("a")
+    admin, dns_port, proxy = free_port(), free_port(), free_port()
+    lbproxy(config(admin, dns_port, proxy, a.port, "      tcp_clients_per_source: 3"))
+    query = dns.message.make_query("db.lb.internal.", "A")
+    held = []
+    try:
+        for _ in range(3):
+            held.append(socket.create_connection(("127.0.0.1", dns_port), timeout=5))
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", dns_port), timeout=5) as extra:
+            assert extra.recv(10) == b""  # the 4th from 127.0.0.1 is closed at once
+        other = dns.query.tcp(query, "127.0.0.1", port=dns_port, timeout=2, source="127.0.0.2")
+        assert other.rcode() == dns.rcode.NOERROR and other.answer  # another source is not
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert dns.query.tcp(query, "127.0.0.1", port=dns_port, timeout=2).answer

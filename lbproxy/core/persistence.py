@@ -96,6 +96,16 @@ class Persistence:
             self.expire(now, SWEEP_PER_LOOKUP)
         return entry
 
+    def holds(self, key: str, server: Any, now: float) -> bool:
+        """True when client `key` has a live entry for `server`: a connection sent there
+        now is a persistence hit, not a scheduler pick (rr's turn must not move)."""
+        entry = self.entries.get(key)
+        return (
+            entry is not None
+            and entry.server is server
+            and (entry.active > 0 or entry.expires > now)
+        )
+
     def acquire(self, key: str, server: Any, now: float) -> Entry:
         """A connection of client `key` was sent to `server`; returns its entry."""
         entries = self.entries

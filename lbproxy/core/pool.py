@@ -372,18 +372,26 @@ class Pool:
         `connections_total`: `established` counts it once the connect has completed.
         """
         lease = Lease(rs, self.epoch, handle)
-        if self.persistence is not None and client is not None:
+        sticky = False
+        persistence = self.persistence
+        if persistence is not None and client is not None:
             key = client[0]
             if ":" in key:
                 key = client_key(client)
-            lease.sticky = self.persistence.acquire(key, rs, now)
+            sticky = persistence.holds(key, rs, now)
+            lease.sticky = persistence.acquire(key, rs, now)
         rs.leases.add(lease)
         rs.active += 1
         rs.sched_active += 1
-        rs.seq = self._next_seq
-        self._next_seq += 1
         self.active += 1
-        self.scheduler.on_take(rs, now)
+        if sticky:
+            # A persistence hit bypasses the scheduler (an LVS template, a HAProxy stick
+            # table): counts include it, positions (rr's turn, `seq`) do not move.
+            self.scheduler.on_sticky_take(rs, now)
+        else:
+            rs.seq = self._next_seq
+            self._next_seq += 1
+            self.scheduler.on_take(rs, now)
         if rs.trial:
             # The one trial connection of a passively-down server: no other until its
             # result (or, should that never come, until the next trial).
@@ -625,19 +633,24 @@ class Pool:
         With persistence and the asking `client`'s address, its entry is made or moved
         to `rs` and, the "connection" being over at once, lives `timeout` from now: a
         client that asks again within `timeout` of its last answer gets `rs` again."""
-        rs.seq = self._next_seq
-        self._next_seq += 1
-        rs.sched_active += 1
-        self.scheduler.on_take(rs, now)
-        rs.sched_active -= 1
-        self.scheduler.on_drop(rs, now)
-        self.answers[rs.name, via] += 1
         persistence = self.persistence
+        key = None
         if persistence is not None and client is not None:
             key = client[0]
             if ":" in key:
                 key = client_key(client)
-            persistence.release(persistence.acquire(key, rs, now), now)
+        rs.sched_active += 1
+        if key is not None and persistence.holds(key, rs, now):  # type: ignore[union-attr]
+            self.scheduler.on_sticky_take(rs, now)  # a hit, not a pick (see take)
+        else:
+            rs.seq = self._next_seq
+            self._next_seq += 1
+            self.scheduler.on_take(rs, now)
+        rs.sched_active -= 1
+        self.scheduler.on_drop(rs, now)
+        self.answers[rs.name, via] += 1
+        if key is not None:
+            persistence.release(persistence.acquire(key, rs, now), now)  # type: ignore[union-attr]
 
     def locate(
         self,

@@ -98,6 +98,34 @@ def test_persistence_keeps_moves_and_forgets_clients_by_source_address(name_serv
     assert (counts["miss"], counts["entries"]) == (8, 1)
 
 
+def test_a_sticky_client_does_not_move_round_robin(name_servers, processes):
+    # Issue 21 item 6: each sticky connection used to advance its server's rr turn, so
+    # after one client's ten connections to a, three new clients got b, c, b.
+    servers = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    extra = f"{FAST_HEALTH}\npersistence: {{timeout: 30s}}"
+    processes(with_admin(vs_config(port, servers, "rr", extra), admin_port), "p", [port])
+    # (the harness's probe from 127.0.0.1 that waited for the port was the first pick)
+    held = []
+    for _ in range(10):
+        sock = socket.create_connection(("127.0.0.1", port), 5, source_address=("127.0.0.2", 0))
+        held.append(sock)
+        assert read_name(sock) == "b"
+    try:
+        samples = metrics(admin_port)
+        active = sample(
+            samples, "lbproxy_active_connections", virtual_server="web", real_server="b"
+        )
+        assert active == 10  # sticky connections count as any other
+        new_clients = [ask_from(port, f"127.0.0.{i}") for i in (3, 4, 5)]
+        assert new_clients == ["c", "a", "b"]
+    finally:
+        for sock in held:
+            sock.close()
+    counts = lookups(admin_port)
+    assert (counts["hit"], counts["miss"]) == (9, 5)
+
+
 MAGLEV_EXTRA = "accept_proxy: true\nhealth_check: {type: none}"
 
 

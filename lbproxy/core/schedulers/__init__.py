@@ -101,6 +101,14 @@ class Scheduler:
     def on_take(self, rs: RealServer, now: float) -> None:
         """A connection was sent to `rs` (after `pick` chose it)."""
 
+    def on_sticky_take(self, rs: RealServer, now: float) -> None:
+        """A connection was sent to `rs` by persistence, not by `pick` (a hit).
+
+        It counts as any connection (`sched_active` includes it, so least connections
+        and least-load see it: the default is `on_take`), but a scheduler whose state
+        is a position in a rotation (rr, wrr) must not move it: a hit is not a pick."""
+        self.on_take(rs, now)
+
     def on_drop(self, rs: RealServer, now: float) -> None:
         """A connection to `rs` that counts for scheduling ended."""
 

@@ -72,6 +72,9 @@ class WeightedRoundRobin(HeapScheduler):
         self.picks[rs] += 1
         self._rekey(rs)
 
+    def on_sticky_take(self, rs: RealServer, now: float) -> None:
+        pass  # a persistence hit is not a turn: the rotation stays where it is
+
     def on_drop(self, rs: RealServer, now: float) -> None:
         pass  # round robin does not look at connection counts
 

@@ -45,6 +45,59 @@ def test_a_client_keeps_its_server_where_rr_would_rotate():
     assert pool.persistence_entries(6) == 2
 
 
+def test_a_persistence_hit_is_not_a_pick_rr_keeps_its_turn():
+    # Issue 21 item 6: ten sticky connections to a used to advance a's turn each, so
+    # the next new clients got b, c, b. A hit bypasses the scheduler (LVS templates,
+    # HAProxy stick tables): the rotation goes on from where the last pick left it.
+    pool = sticky_pool()
+    assert [connect(pool, "10.0.0.1", t) for t in range(10)] == ["a"] * 10
+    assert [connect(pool, f"10.0.1.{i}", 11) for i in range(3)] == ["b", "c", "a"]
+    assert lookups(pool) == {"hit": 9, "miss": 4, "moved": 0}
+
+
+def test_wrr_keeps_its_shares_whatever_a_sticky_client_does():
+    pool = Pool(
+        virtual_server(
+            "wrr",
+            {"a": {"weight": 1}, "b": {"weight": 2}},
+            persistence=PersistenceConfig(timeout=10.0, max_entries=100),
+        ),
+        0,
+    )
+    sticky = connect(pool, "10.0.0.1", 0)
+    for t in range(20):
+        assert connect(pool, "10.0.0.1", t) == sticky
+    new_clients = [connect(pool, f"10.0.1.{i}", 21) for i in range(6)]
+    # Six picks after the first: weights 1:2 hold over the seven picks in all.
+    picked = [sticky, *new_clients]
+    assert sorted(picked[:6].count(name) for name in "ab") == [2, 4]
+
+
+def test_sticky_connections_still_count_for_least_connections():
+    pool = sticky_pool("lc")
+    held: list = []
+    assert [connect(pool, "10.0.0.1", t, held) for t in range(3)] == ["a"] * 3
+    assert pool.by_name["a"].active == 3 and pool.by_name["a"].sched_active == 3
+    # a holds 3 sticky connections: new clients go to b and c, not to a.
+    assert sorted(connect(pool, f"10.0.1.{i}", 4, held) for i in range(4)) == [
+        "b",
+        "b",
+        "c",
+        "c",
+    ]
+
+
+def test_a_locator_answer_from_persistence_does_not_move_rr():
+    pool = sticky_pool()
+    client = ("10.0.0.1", 5353)
+    assert [pool.locate(t, client=client).server.name for t in range(5)] == ["a"] * 5
+    assert [pool.locate(6, client=(f"10.0.1.{i}", 53)).server.name for i in range(3)] == [
+        "b",
+        "c",
+        "a",
+    ]
+
+
 def test_an_unavailable_server_moves_the_client_once_and_the_entry_follows():
     pool = sticky_pool()
     assert connect(pool, "10.0.0.1", 0) == "a"

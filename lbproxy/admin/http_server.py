@@ -45,6 +45,8 @@ from typing import Any
 import h11
 import trio
 
+from lbproxy.net.barrier import record
+
 log = logging.getLogger("lbproxy.http_server")
 
 MAX_BODY = 64 * 1024  # a request body, Content-Length or chunked (nginx: 413)
@@ -175,8 +177,8 @@ class Server:
         self.connections.add(connection)
         try:
             await connection.run()
-        except Exception:  # a bug here must end only this connection, never the endpoint
-            log.exception("admin: connection from %s failed", peer or "a local client")
+        except Exception as exc:  # a bug here must end only this connection, never the endpoint
+            record("request", exc, f"admin connection from {peer or 'a local client'}")
         finally:
             self.connections.discard(connection)
             sock.close()
@@ -267,8 +269,8 @@ class _Connection:
                 raise RuntimeError("the app returned without a complete answer")
         except _Gone:
             raise
-        except Exception:
-            log.exception("admin: %s %s failed", request.method.decode(), request.target.decode())
+        except Exception as exc:
+            record("request", exc, f"admin {request.method.decode()} {request.target.decode()}")
             if not self.started:
                 await self._refuse(500, "internal error")
             return False  # or half an answer: only closing can end it

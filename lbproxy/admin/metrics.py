@@ -25,6 +25,8 @@ from lbproxy.core.discovery_model import DiscoveryState
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.core.pool import REJECT_REASONS, Pool
 from lbproxy.core.throttle import MODE_VALUES
+from lbproxy.net.barrier import WHERE as INTERNAL_ERROR_PLACES
+from lbproxy.net.barrier import internal_errors
 from lbproxy.wire.cluster_messages import KINDS as CLUSTER_KINDS
 
 CONNECT_FAILURE_REASONS = ("refused", "timeout", "error")
@@ -181,6 +183,16 @@ class LbproxyCollector:
         )
         for result in RELOAD_RESULTS:
             reloads.add_metric([result], self.source.reloads.get(result, 0))
+        internal = CounterMetricFamily(
+            "lbproxy_internal_errors",
+            "Bugs caught by the exception barrier: each ended one unit (a connection, "
+            "check, poll, locate or request) and nothing else.",
+            labels=["where"],
+        )
+        counts = internal_errors().counts
+        for where in INTERNAL_ERROR_PLACES:
+            internal.add_metric([where], counts.get(where, 0))
+        yield internal
         yield from self._locator_families()
         yield from self._cluster()
         yield from (

@@ -53,6 +53,7 @@ import trio
 from lbproxy.config.model import Address, HealthCheckConfig
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.checks")
 
@@ -341,7 +342,7 @@ class HealthChecks:
                         log.warning("%s/%s: health check skipped: %s", pool.name, rs.name, exc)
                         out_of_capacity = True
                 except Exception as exc:  # a bug here must not stop the proxy
-                    log.exception("%s/%s: health check crashed", pool.name, rs.name)
+                    record("check", exc, f"{pool.name}/{rs.name}")
                     result, reason = FAIL, f"{check.type} check: {type(exc).__name__}"
                 if result is not None:
                     out_of_capacity = False

@@ -78,6 +78,7 @@ from pysnmp.proto import error as snmp_error
 from lbproxy.config.model import SnmpConfig
 from lbproxy.core.dynamic_weight import DynamicWeight, Report, SetWeight
 from lbproxy.core.pool import Pool, RealServer
+from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.snmp")
 
@@ -748,8 +749,8 @@ class SnmpPollers:
             while True:
                 try:
                     await poller.run()
-                except Exception:
-                    log.exception("%s: SNMP poller failed; restarting it", poller.where)
+                except Exception as exc:  # restarted after an interval
+                    record("poll", exc, poller.where)
                     await trio.sleep(poller.snmp.interval)
 
     @property

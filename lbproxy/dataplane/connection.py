@@ -41,6 +41,7 @@ from lbproxy.control.checks import LOCAL_CAPACITY_ERRNOS, LocalCapacityError, re
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.net.barrier import record
 from lbproxy.net.pump import Flow, Pump
 from lbproxy.wire import proxy_protocol
 
@@ -197,6 +198,7 @@ class Handler:
             return
         pool.clients += 1
         handed = False
+        connection: ClientConnection | None = None
         try:
             throttle = vs.throttle
             if throttle is not None and throttle.arrival():  # digg: close at once
@@ -245,6 +247,11 @@ class Handler:
             self._spawn = spawn
             handed = True  # the pump owns both descriptors now, whatever happens
             self._pump_now(client, sock.detach(), connection, config)
+        except Exception as exc:  # the barrier: a bug ends this connection only
+            if handed:  # not expected: _pump_now and the spawned task own their ends
+                record("connection", exc, pool.name)
+            else:
+                self._internal_error(connection, exc)
         finally:
             if not handed:
                 pool.clients -= 1
@@ -261,7 +268,7 @@ class Handler:
                 header = proxy_protocol.encode(
                     config.send_proxy, connection.source, _local_address(client)
                 )
-        except OSError as exc:  # as in _serve: the client reset before getsockname()
+        except Exception as exc:  # OSError, as in _serve: the client reset before getsockname()
             os.close(server)
             os.close(client)
             self._pump_failed(connection, exc)
@@ -269,7 +276,7 @@ class Handler:
         try:
             # close_sockets: it owns both descriptors from here on, even if this raises
             p = Pump(client, server, connection, preamble=header, close_sockets=True)
-        except OSError as exc:  # as in _serve
+        except Exception as exc:  # OSError: as in _serve
             self._pump_failed(connection, exc)
             return
         p.on_end = self._on_end
@@ -285,16 +292,36 @@ class Handler:
             connection.error = exc
             if p.outcome is None:
                 p.outcome = "error"
+        except Exception as exc:  # the barrier: a bug ends this connection only
+            record("connection", exc, self.pool.name)
+            if p.outcome is None:
+                p.outcome = "error"
         if p.outcome is not None and p.on_end is not None:  # ended before it began
             p.close()
             end = p.on_end
             p.on_end = None
             end(p)
 
-    def _pump_failed(self, connection: ClientConnection, exc: OSError) -> None:
-        log.debug("%s: %s", self.pool.name, exc)
-        connection.error = exc
+    def _pump_failed(self, connection: ClientConnection, exc: Exception) -> None:
+        if isinstance(exc, OSError):
+            log.debug("%s: %s", self.pool.name, exc)
+            connection.error = exc
+        else:
+            record("connection", exc, self.pool.name)
         self._finished(connection, "error")
+
+    def _internal_error(
+        self, connection: ClientConnection | None, exc: BaseException, where: str = "connection"
+    ) -> None:
+        """The barrier's clean-up: count and log the bug, and give back the lease the
+        connection still holds (its descriptors are closed by the caller). Never raises."""
+        record(where, exc, self.pool.name)
+        lease = None if connection is None else connection.lease
+        if lease is not None and lease in lease.server.leases:
+            try:
+                self.pool.drop(lease, self._clock())
+            except Exception as again:
+                record(where, again, f"{self.pool.name}: dropping the lease")
 
     def _pumped(self, p: Pump) -> None:
         """The reactor's report that a task-less connection is over (both descriptors
@@ -311,8 +338,8 @@ class Handler:
                 connection.source,
                 p.outcome or "error",
             )
-        except Exception:
-            log.exception("%s: ending a connection", self.pool.name)
+        except Exception as exc:
+            self._internal_error(connection, exc, "connection_end")
         finally:
             self.pool.clients -= 1
         if not self._live and self._empty is not None:
@@ -323,8 +350,8 @@ class Handler:
         try:
             assert connection.lease is not None
             self._ended(connection.lease, connection, connection.started, connection.source, end)
-        except Exception:
-            log.exception("%s: ending a connection", self.pool.name)
+        except Exception as exc:
+            self._internal_error(connection, exc, "connection_end")
         finally:
             self.pool.clients -= 1
 
@@ -359,6 +386,9 @@ class Handler:
         pool.clients += 1
         try:
             admitted = await self._admit(client, peer, config, preread)
+        except Exception as exc:  # the barrier: a bug ends this connection only
+            record("connection", exc, pool.name)
+            admitted = None
         except BaseException:
             pool.clients -= 1
             os.close(client)
@@ -411,15 +441,16 @@ class Handler:
                 return
             server, lease = connected
             outcome = "cancelled"  # the drain deadline cancelled us
+            p: Pump | None = None
             try:
                 header = b""
                 if config.send_proxy != "none":
                     try:
                         destination = _local_address(client)
+                        header = proxy_protocol.encode(config.send_proxy, source, destination)
                     except BaseException:
                         os.close(server)
                         raise
-                    header = proxy_protocol.encode(config.send_proxy, source, destination)
                 # close_sockets: the pump closes both the moment it ends (or fails to
                 # start), which saves two epoll_ctl and usually a shutdown per connection.
                 client_open = False
@@ -444,8 +475,17 @@ class Handler:
                 log.debug("%s: %s", pool.name, exc)
                 connection.error = exc
                 outcome = "error"
+            except Exception as exc:  # the barrier: a bug ends this connection only
+                if p is None or exc is not p.error:  # else the reactor counted it
+                    record("connection", exc, pool.name)
+                outcome = "error"
             finally:
-                self._ended(lease, connection, started, source, outcome)
+                try:
+                    self._ended(lease, connection, started, source, outcome)
+                except Exception as exc:
+                    self._internal_error(connection, exc, "connection_end")
+        except Exception as exc:  # the barrier: a bug ends this connection only
+            self._internal_error(connection, exc)
         finally:
             if client_open:
                 os.close(client)

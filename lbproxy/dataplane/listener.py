@@ -33,6 +33,7 @@ from lbproxy.config.model import Address
 from lbproxy.dataplane.connection import Handler, Spawn
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.net.barrier import record
 from lbproxy.wire.client_hello import LIMIT, ClientHelloReader, Hello
 from lbproxy.wire.proxy_protocol import ProxyProtocolError
 
@@ -197,7 +198,7 @@ class Listener:
             log.debug("%s: client gone before it was routed: %s", self.address, exc)
             return
         except Exception as exc:  # a bug in routing must end only this connection
-            log.warning("%s: routing failed: %r", self.address, exc)
+            record("route", exc, str(self.address))
             return
         finally:
             if handler is None:
@@ -268,7 +269,10 @@ class Listener:
                     log.warning("%s: accepted socket: %s", listener.address, exc)
                     os.close(client)
                     continue
-                listener.accept_client(client, peer, spawn)
+                try:
+                    listener.accept_client(client, peer, spawn)
+                except Exception as exc:  # the barrier: the handler closed what it owned
+                    record("accept", exc, str(listener.address))
                 batch += 1
                 if batch >= ACCEPT_BATCH:
                     batch = 0

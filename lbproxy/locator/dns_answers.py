@@ -68,6 +68,10 @@ _TCP_LABEL = b"_tcp"
 _MAX_RECORDS = 4096  # cached record sets, at most
 
 
+def _ignore(exc: Exception) -> None:
+    pass
+
+
 class QueryHandler:
     """Answers queries for the virtual servers `find` returns, in `zone`, with `ttl`.
 
@@ -81,6 +85,9 @@ class QueryHandler:
         self.ttl = ttl
         self.find = find
         self.rcodes: Counter[str] = Counter()
+        # Told of a bug that cost an answer (SERVFAIL): the barrier's count, set by the
+        # server (lbproxy/net/barrier.py; not imported here, this module is pure).
+        self.on_error: Callable[[Exception], None] = _ignore
         # The records of each (name as asked, type, server, address), built once by
         # dnspython and reused: an answer then costs a parse, a pick and a render.
         self._records: dict[tuple, tuple[dns.rrset.RRset | None, dns.rrset.RRset | None]] = {}
@@ -111,7 +118,8 @@ class QueryHandler:
                 pool, rs = self._located
                 pool.answer(rs, now, "dns", client)
             return wire
-        except Exception:  # a bug here must cost one answer, never the server
+        except Exception as exc:  # a bug here must cost one answer, never the server
+            self.on_error(exc)
             return self._error(query.id, dns.rcode.SERVFAIL)
 
     def refuse(self, wire: bytes, max_size: int = UDP_PAYLOAD) -> bytes | None:

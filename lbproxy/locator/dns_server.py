@@ -36,6 +36,7 @@ from lbproxy.config.model import Address, DnsLocatorConfig
 from lbproxy.core.pool import Pool
 from lbproxy.locator.dns_answers import UDP_PAYLOAD, QueryHandler
 from lbproxy.locator.dns_rate_limit import ANSWER, REFUSE, SLIP, SourcePolicy
+from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.locator")
 
@@ -57,6 +58,7 @@ class DnsLocator:
         self.policy = SourcePolicy(
             config.allow, config.rate_limit.responses_per_second, config.rate_limit.slip
         )
+        self.handler.on_error = _locate_failed
         self.tcp_clients = 0
         self.tcp_per_source: dict[str, int] = {}
         self._index: dict[str, str] = {}  # lower-case virtual-server name -> its name
@@ -249,3 +251,7 @@ async def _read_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
             return None
         data += chunk
     return bytes(data)
+
+
+def _locate_failed(exc: Exception) -> None:
+    record("locate", exc, "dns")

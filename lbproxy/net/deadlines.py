@@ -24,6 +24,8 @@ from typing import Protocol
 
 import trio
 
+from lbproxy.net.barrier import record
+
 __all__ = ["Deadline", "Deadlines", "deadlines"]
 
 
@@ -92,7 +94,10 @@ class Deadlines:
                     self._dead -= 1
                     continue
                 entry.target = None
-                target.ring()  # must not raise: a system task's error ends the run
+                try:
+                    target.ring()
+                except Exception as exc:  # a system task's error would end the run
+                    record("deadline", exc)
             self._sleeping_until = self._heap[0][0] if self._heap else math.inf
             with trio.CancelScope(deadline=self._sleeping_until) as self._sleep:
                 await trio.sleep_forever()

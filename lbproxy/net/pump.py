@@ -92,6 +92,7 @@ import outcome
 import trio
 from trio.lowlevel import wait_readable
 
+from lbproxy.net.barrier import record
 from lbproxy.net.deadlines import Deadline, deadlines
 
 if TYPE_CHECKING:
@@ -847,7 +848,10 @@ class Pump:
         elif self.on_end is not None:
             on_end = self.on_end
             self.on_end = None
-            on_end(self)
+            try:
+                on_end(self)
+            except Exception as exc:  # the barrier: the end of one connection only
+                record("connection_end", exc)
 
     # -- idle timeout and Flow.close() -------------------------------------------------
     #
@@ -1177,8 +1181,7 @@ class _Reactor:
                     try:
                         p.on_event(fd, events)
                     except Exception as exc:  # a bug: end that connection, not the reactor
-                        log.exception("pump: unexpected error; ending that connection")
-                        p.crashed(exc)
+                        self._crashed(p, exc)
                 if fins:
                     self._send_fins()
         finally:  # the run is over (system tasks are cancelled last)
@@ -1192,8 +1195,16 @@ class _Reactor:
             try:
                 p.send_fin(d)
             except Exception as exc:  # a bug: end that connection, not the reactor
-                log.exception("pump: unexpected error; ending that connection")
-                p.crashed(exc)
+                self._crashed(p, exc)
+
+    def _crashed(self, p: Pump, exc: Exception) -> None:
+        """The barrier: a bug met handling `p`'s events ends `p` (counted, logged)."""
+        record("pump", exc)
+        try:
+            p.crashed(exc)
+        except Exception as again:  # its clean-up failed too: forget it, keep serving
+            record("pump", again, "ending the connection")
+            self.remove(p)
 
 
 _reactors: trio.lowlevel.RunVar[_Reactor] = trio.lowlevel.RunVar("lbproxy_reactor")

@@ -15,12 +15,14 @@ per direction; one task per listening socket and one per session (waiting on its
 socket), never one per datagram. ECONNREFUSED on a session's socket (the real server's
 ICMP port unreachable) is a passive health failure, as a refused TCP connect is.
 
-Not yet wired into the server (issue 25): `UdpRelay` is run by its tests; the server
-refuses `protocol: udp` until it starts one per UDP listen address.
+The server runs one `UdpListener` (a `UdpRelay` behind the accept-loop interface of
+listener.py's `Listener`) per UDP listen address, keyed by `UdpAddress` so that a TCP
+and a UDP listener on one address and port are two entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -29,8 +31,11 @@ from dataclasses import dataclass, field
 
 import trio
 
+from lbproxy.config.model import Address
 from lbproxy.control.checks import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
+from lbproxy.dataplane.listener import BindError
+from lbproxy.dataplane.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.udp")
 access_log = logging.getLogger("lbproxy.access")
@@ -274,3 +279,68 @@ def _allowed(allow, deny, host: str) -> bool:
 def _peer(client: tuple) -> str:
     host, port = client[0], client[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class UdpAddress(Address):
+    """A UDP listen address: never equal to the TCP `Address` of the same host and port."""
+
+    def __str__(self) -> str:
+        return Address.__str__(self) + "/udp"
+
+
+def listen_keys(protocol: str, addresses: tuple[Address, ...]) -> tuple[Address, ...]:
+    """The keys of a virtual server's listeners in the server's table."""
+    if protocol != "udp":
+        return addresses
+    return tuple(UdpAddress(a.host, a.port) for a in addresses)
+
+
+def udp_socket(address: Address, reuse_port: bool = False) -> socket.socket:
+    """A bound, non-blocking UDP socket on `address` (BindError when it cannot be)."""
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    host = "127.0.0.1" if address.host == "localhost" else address.host
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, address.port))
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"cannot listen on {address}: {exc.strerror}") from None
+    return sock
+
+
+class UdpListener:
+    """One UDP socket and the one virtual server it feeds, as the server sees listeners."""
+
+    def __init__(self, address: Address, sock: socket.socket, virtual_servers) -> None:
+        self.address = address
+        self.sock = sock
+        self.cancel_scope = trio.CancelScope()
+        self.vs: VirtualServer = virtual_servers[0]
+        self.relay = UdpRelay(self.vs.pool, sock, access_log=self.vs.access_log)
+
+    @property
+    def virtual_servers(self) -> list[VirtualServer]:
+        return [self.vs]
+
+    def route(self, virtual_servers) -> None:
+        """After a reload: the sessions stay, new ones use the (reconfigured) pool."""
+        self.vs = virtual_servers[0]
+        self.relay.pool = self.vs.pool
+        self.relay.access_log = self.vs.access_log
+
+    async def accept_loop(self, handlers: trio.Nursery) -> None:
+        # Closed by a reload (its socket under the waiter) or cancelled at shutdown.
+        with self.cancel_scope, contextlib.suppress(trio.ClosedResourceError):
+            await self.relay.serve()
+
+    def close(self) -> None:
+        self.cancel_scope.cancel()
+        trio.lowlevel.notify_closing(self.sock)
+        self.sock.close()

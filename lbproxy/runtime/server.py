@@ -33,6 +33,7 @@ from lbproxy.control.throttle_monitor import Throttles
 from lbproxy.core.pool import DISABLED, Pool, RealServer, state_error
 from lbproxy.dataplane import queue as waiting
 from lbproxy.dataplane.listener import BindError, Listener, listen_socket
+from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_socket
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.runtime import logs
@@ -270,23 +271,21 @@ class Server:
         """
         routes: dict[Address, list[VirtualServer]] = {}
         for vs_config in configs:
-            if vs_config.protocol == "udp":
-                # The configuration is read and checked (SPEC §19); the datagram path is
-                # not there yet: refusing beats binding a TCP socket nobody asked for.
-                raise BindError(
-                    f"virtual server {vs_config.name}: protocol: udp is checked but not "
-                    "served yet by this version"
-                )
             vs = self.virtual_servers.get(vs_config.name)
             if vs is None:
                 vs = VirtualServer(Pool(vs_config, now))
                 vs.access_log = self.config.global_.access_log
-            for address in vs_config.listen:
+            for address in listen_keys(vs_config.protocol, vs_config.listen):
                 routes.setdefault(address, []).append(vs)
-        bound: list[Listener] = []
+        bound: list = []
         try:
             for address, virtual_servers in routes.items():
-                if address not in self.listeners:
+                if address in self.listeners:
+                    continue
+                if isinstance(address, UdpAddress):
+                    sock = udp_socket(address, self.reuse_port)
+                    bound.append(UdpListener(address, sock, virtual_servers))
+                else:
                     bound.append(Listener(address, self._bind(address), virtual_servers))
         except BindError:
             for listener in bound:
@@ -468,7 +467,9 @@ class Server:
         bound, routes = self._bind_virtual_servers(new.virtual_servers, now)
         changes: list[str] = []
         wanted = {vs.name: vs for vs in new.virtual_servers}
-        wanted_addresses = {a for vs in new.virtual_servers for a in vs.listen}
+        wanted_addresses = {
+            a for vs in new.virtual_servers for a in listen_keys(vs.protocol, vs.listen)
+        }
         for name in list(self.virtual_servers):
             if name not in wanted:
                 # Its connections keep their pool and finish on their own.

@@ -32,7 +32,6 @@ HTTP/1.0 is closed after its answer unless it asked for `Connection: keep-alive`
 from __future__ import annotations
 
 import email.utils
-import errno
 import json
 import logging
 import math
@@ -45,6 +44,7 @@ from typing import Any
 import h11
 import trio
 
+from lbproxy.net.accept import ACCEPT_BATCH, AcceptErrors
 from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.http_server")
@@ -66,9 +66,6 @@ LINGER_BYTES = 1024 * 1024
 # The accept loop's rules, as listener.py's (which this module must not import: the admin
 # side never reaches into the proxy's): capacity errors back off, never spin; at most
 # ACCEPT_BATCH accepts per wake-up before other tasks run.
-ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-ACCEPT_BACKOFF = 0.1
-ACCEPT_BATCH = 16
 # Requests answered on one connection without waiting for the socket (a pipelining
 # client) before it lets other tasks run.
 FAIR_BATCH = 16
@@ -139,7 +136,7 @@ class Server:
         assert self._handlers is not None
         spawn = self._handlers.start_soon
         batch = 0
-        failing = False
+        errors = AcceptErrors("admin", log)  # the back-off (net/accept.py)
         while True:
             try:
                 client, peer = sock.accept()
@@ -148,18 +145,11 @@ class Server:
                 await trio.lowlevel.wait_readable(fd)
                 continue
             except OSError as exc:
-                if exc.errno in ACCEPT_CAPACITY_ERRNOS:
-                    if not failing:
-                        log.error("admin: accept failed (%s); retrying", exc.strerror)
-                    failing = True
-                    await trio.sleep(ACCEPT_BACKOFF)
+                if await errors.failed(exc):
                     continue
-                if exc.errno in (errno.EBADF, errno.EINVAL):  # the socket was closed
-                    return
-                log.warning("admin: accept failed: %s", exc)
-                await trio.lowlevel.checkpoint()
-                continue
-            failing = False
+                return  # the socket was closed
+            if errors.burst:
+                errors.recovered()
             client.setblocking(False)
             spawn(self._connection, client, None if unix else peer[:2])
             batch += 1

@@ -38,7 +38,6 @@ server down (which would turn a busy moment into an outage).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
@@ -53,13 +52,14 @@ import trio
 from lbproxy.config.model import Address, HealthCheckConfig
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.net.accept import CAPACITY_ERRNOS
 from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.checks")
 
 READ_LIMIT = 4096  # send_expect: the answer searched is at most this long
 EXCERPT_LIMIT = 60  # characters of a received answer quoted in a failure reason
-LOCAL_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+LOCAL_CAPACITY_ERRNOS = CAPACITY_ERRNOS  # one table (net/accept.py)
 USER_AGENT = "lbproxy-health-check"
 
 OK, FAIL, TIMEOUT = "ok", "fail", "timeout"  # lbproxy_health_checks_total{result}

@@ -20,7 +20,6 @@ module imports the handler and the runtime virtual server; neither imports it.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
@@ -33,6 +32,7 @@ from lbproxy.config.model import Address
 from lbproxy.dataplane.connection import Handler, Spawn
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.net.accept import ACCEPT_BATCH, AcceptErrors
 from lbproxy.net.barrier import record
 from lbproxy.wire.client_hello import LIMIT, ClientHelloReader, Hello
 from lbproxy.wire.proxy_protocol import ProxyProtocolError
@@ -41,20 +41,6 @@ log = logging.getLogger("lbproxy.listener")
 
 LISTEN_BACKLOG = 4096
 
-# Accept errors that mean "out of descriptors or memory": back off and retry, never
-# crash or spin (trio's ACCEPT_CAPACITY_ERRNOS in _highlevel_serve_listeners.py). The
-# pending connection stays in the kernel's backlog and is served once a slot frees up.
-ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-ACCEPT_BACKOFF = 0.1
-# Connections accepted per wake-up, at most, before the accept loop lets other tasks run:
-# it accepts until the backlog is empty (EAGAIN) or this many, so a burst of arrivals
-# costs one trio wait and one scheduler round instead of one each (each round is an
-# epoll_wait), and a flood still cannot starve established connections.
-ACCEPT_BATCH = 16
-# A burst of capacity errors ends (and "accepting again" is logged, once) only when an
-# accept succeeds this long after the last error: at the limit, every freed descriptor
-# lets one accept through between errors, which is still the same burst.
-ACCEPT_BURST_QUIET = 1.0
 # A ClientHello is one read in practice (~300-600 bytes; more with post-quantum keys);
 # never more than the 16 KiB the reader looks at.
 HELLO_READ = LIMIT
@@ -226,8 +212,7 @@ class Listener:
         set_flags = fcntl.fcntl
         fd = sock.fileno()
         batch = 0
-        burst_errors = 0  # capacity errors in the current burst; 0: no burst
-        last_error = 0.0
+        errors = AcceptErrors(str(listener.address), log)  # the back-off (net/accept.py)
         with listener.cancel_scope:
             while True:
                 try:
@@ -240,29 +225,11 @@ class Listener:
                         return
                     continue
                 except OSError as exc:
-                    if exc.errno in ACCEPT_CAPACITY_ERRNOS:
-                        if not burst_errors:
-                            log.error(
-                                "%s: accept failed (%s); retrying every %ss",
-                                listener.address,
-                                exc.strerror,
-                                ACCEPT_BACKOFF,
-                            )
-                        burst_errors += 1
-                        last_error = trio.current_time()
-                        await trio.sleep(ACCEPT_BACKOFF)
+                    if await errors.failed(exc):
                         continue
-                    if exc.errno in (errno.EBADF, errno.EINVAL):  # closed by a reload
-                        return
-                    log.warning("%s: accept failed: %s", listener.address, exc)
-                    continue
-                if burst_errors and trio.current_time() - last_error >= ACCEPT_BURST_QUIET:
-                    log.info(
-                        "%s: accepting again (%d accept failure(s) in that burst)",
-                        listener.address,
-                        burst_errors,
-                    )
-                    burst_errors = 0
+                    return  # closed by a reload
+                if errors.burst:
+                    errors.recovered()
                 try:
                     set_flags(client, F_SETFL, O_NONBLOCK)
                 except OSError as exc:  # not expected from a fresh socket: drop it

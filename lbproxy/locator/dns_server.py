@@ -36,6 +36,7 @@ from lbproxy.config.model import Address, DnsLocatorConfig
 from lbproxy.core.pool import Pool
 from lbproxy.locator.dns_answers import UDP_PAYLOAD, QueryHandler
 from lbproxy.locator.dns_rate_limit import ANSWER, REFUSE, SLIP, SourcePolicy
+from lbproxy.net.accept import AcceptErrors
 from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.locator")
@@ -178,13 +179,16 @@ class DnsLocator:
                 await trio.lowlevel.checkpoint()
 
     async def _tcp(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        errors = AcceptErrors("DNS TCP", log)  # the back-off (net/accept.py)
         while True:
             try:
                 client, peer = await sock.accept()
             except OSError as exc:  # out of descriptors: back off, never spin
-                log.warning("DNS TCP accept: %s", exc)
-                await trio.sleep(0.1)
-                continue
+                if await errors.failed(exc):
+                    continue
+                return  # the socket was closed
+            if errors.burst:
+                errors.recovered()
             if not self._admit_tcp(peer[0]):
                 client.close()
                 continue

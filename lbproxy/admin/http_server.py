@@ -168,7 +168,7 @@ class Server:
         try:
             await connection.run()
         except Exception as exc:  # a bug here must end only this connection, never the endpoint
-            record("request", exc, f"admin connection from {peer or 'a local client'}")
+            record("request", exc, f"admin: connection from {peer or 'a local client'}", log)
         finally:
             self.connections.discard(connection)
             sock.close()
@@ -260,7 +260,8 @@ class _Connection:
         except _Gone:
             raise
         except Exception as exc:
-            record("request", exc, f"admin {request.method.decode()} {request.target.decode()}")
+            what = f"admin: {request.method.decode()} {request.target.decode()}"
+            record("request", exc, what, log)
             if not self.started:
                 await self._refuse(500, "internal error")
             return False  # or half an answer: only closing can end it

@@ -53,19 +53,20 @@ class InternalErrors:
         self.counts: dict[str, int] = dict.fromkeys(WHERE, 0)
         self._logged: dict[str, float] = {}
 
-    def record(self, where: str, exc: BaseException, what: str = "") -> None:
+    def record(
+        self, where: str, exc: BaseException, what: str = "", logger: logging.Logger | None = None
+    ) -> None:
         self.counts[where] = self.counts.get(where, 0) + 1
         now = time.monotonic()
         last = self._logged.get(where)
         if last is not None and now - last < LOG_INTERVAL:
             return
         self._logged[where] = now
-        log.error(
-            "internal error in %s%s (this unit ended, the rest goes on; "
-            "logged at most once a minute per kind, counted in "
-            "lbproxy_internal_errors_total{where=%r})",
+        (logger or log).error(
+            "%s failed: an internal error in one %s, which ended it only (logged at most "
+            "once a minute, counted in lbproxy_internal_errors_total{where=%r})",
+            what or where,
             where,
-            f" ({what})" if what else "",
             where,
             exc_info=(type(exc), exc, exc.__traceback__),
         )
@@ -87,7 +88,9 @@ def internal_errors() -> InternalErrors:
         return _outside_trio
 
 
-def record(where: str, exc: BaseException, what: str = "") -> None:
+def record(
+    where: str, exc: BaseException, what: str = "", logger: logging.Logger | None = None
+) -> None:
     """Count and (rate-limited) log a failure that ended one unit. Never raises."""
     with contextlib.suppress(Exception):  # the logging machinery itself failed
-        internal_errors().record(where, exc, what)
+        internal_errors().record(where, exc, what, logger)

@@ -220,6 +220,7 @@ class DnsDiscoveryConfig:
     interval: float = 10.0  # re-resolve period; the answers' TTL is not used
     hold: float = 30.0  # empty answers or NXDOMAIN this long before servers go
     timeout: float = 2.0  # bound of one round, so a silent resolver stalls nothing
+    max_servers: int = 1000  # beyond it: lowest priority, highest weight, then name
     line: int = field(default=0, compare=False)
 
 

@@ -356,6 +356,11 @@ _DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
         "one round (the query, retries, a second resolver, the address lookups of SRV "
         "targets) gives up after this; a silent resolver delays nothing else"
     ),
+    "max_servers": _integer(1).about(
+        "the most servers taken from one answer; beyond it those of the lowest SRV "
+        "priority, then the highest weight, then the name are kept (A/AAAA: the lowest "
+        "addresses), and a warning is logged once per change"
+    ),
 }
 
 _UDP_FIELDS: dict[str, Converter] = {

@@ -38,6 +38,7 @@ from lbproxy.core.discovery_model import (
     DiscoveryState,
     Resolution,
     SrvRecord,
+    best_records,
     resolution,
     servers_from_addresses,
     servers_from_srv,
@@ -47,6 +48,7 @@ from lbproxy.core.discovery_model import (
 log = logging.getLogger("lbproxy.discovery")
 
 LEAVING_POLL = 0.1  # seconds between looks at removed servers that still have connections
+LOOKUP_CONCURRENCY = 16  # SRV target lookups in flight at once, per round
 
 
 # -- one resolution -------------------------------------------------------------------
@@ -124,18 +126,22 @@ async def resolve(config: DnsDiscoveryConfig, last: LastAnswer | None = None) ->
         port = config.port
         addresses = tuple(sorted(r.address for r in answer))
         return last.convert(
-            addresses,
-            lambda: resolution(*servers_from_addresses(addresses, port, last.addresses)),
+            (addresses, config.max_servers),
+            lambda: resolution(
+                *servers_from_addresses(addresses, port, last.addresses), config.max_servers
+            ),
         )
-    records = srv_records(answer.rrset)
+    records, beyond = best_records(srv_records(answer.rrset), config.max_servers)
     addresses = glue(answer.response.additional)
     missing = {target_host(r.target) for r in records} - addresses.keys() - {""}
     if missing:
         # Within the same round: a target not found by then keeps its name.
         with trio.move_on_at(deadline):
             await _lookup(resolver, missing, addresses)
-    raw = (sorted(map(astuple, records)), sorted(addresses.items()))
-    return last.convert(raw, lambda: resolution(*servers_from_srv(records, addresses)))
+    raw = (sorted(map(astuple, records)), sorted(addresses.items()), beyond)
+    return last.convert(
+        raw, lambda: resolution(*servers_from_srv(records, addresses), beyond=beyond)
+    )
 
 
 def srv_records(rrset: Iterable[Any]) -> list[SrvRecord]:
@@ -160,24 +166,35 @@ def _ip_order(text: str) -> tuple[int, str]:
 async def _lookup(
     resolver: dns.asyncresolver.Resolver, hosts: set[str], addresses: dict[str, str]
 ) -> None:
-    """Find an address for each SRV target the answer had none for, A then AAAA, all
-    at once; a target that has none keeps its name (resolved when connecting)."""
+    """Find an address for each SRV target the answer had none for, A then AAAA, each
+    target once (`hosts` is a set), at most LOOKUP_CONCURRENCY at a time (an answer of
+    thousands of targets must not become thousands of queries at once); a target that
+    has none keeps its name (resolved when connecting)."""
+    limiter = trio.CapacityLimiter(LOOKUP_CONCURRENCY)
 
     async def one(host: str) -> None:
-        for rdtype in ("A", "AAAA"):
-            try:
-                answer = await resolver.resolve(
-                    dns.name.from_text(host), rdtype, search=False, raise_on_no_answer=False
-                )
-            except (dns.exception.DNSException, OSError, ValueError):
-                continue
-            if answer.rrset is not None and len(answer.rrset):
-                addresses[host] = min((r.address for r in answer), key=_ip_order)
-                return
+        async with limiter:
+            await _lookup_one(resolver, host, addresses)
 
     async with trio.open_nursery() as nursery:
         for host in sorted(hosts):
             nursery.start_soon(one, host)
+
+
+async def _lookup_one(
+    resolver: dns.asyncresolver.Resolver, host: str, addresses: dict[str, str]
+) -> None:
+    """One target's address, A then AAAA, into `addresses`; nothing when it has none."""
+    for rdtype in ("A", "AAAA"):
+        try:
+            answer = await resolver.resolve(
+                dns.name.from_text(host), rdtype, search=False, raise_on_no_answer=False
+            )
+        except (dns.exception.DNSException, OSError, ValueError):
+            continue
+        if answer.rrset is not None and len(answer.rrset):
+            addresses[host] = min((r.address for r in answer), key=_ip_order)
+            return
 
 
 # -- the task of one virtual server ---------------------------------------------------

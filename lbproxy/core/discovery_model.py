@@ -67,6 +67,7 @@ class Resolution:
     result: str  # ok | empty | nxdomain | error
     servers: tuple[RealServerConfig, ...] = ()
     detail: str = ""  # why: an error, or the records skipped
+    beyond: int = 0  # servers of the answer left out by `max_servers`
 
 
 def target_host(target: str) -> str:
@@ -121,6 +122,30 @@ def servers_from_srv(
         for name, (priority, negative_weight, address) in ordered
     )
     return servers, skipped
+
+
+def best_records(records: Iterable[SrvRecord], max_servers: int) -> tuple[list[SrvRecord], int]:
+    """At most `max_servers` of an SRV answer's records, and how many servers were left
+    out: one record per target:port (its lowest priority, then highest weight), those of
+    the lowest priority, then the highest weight, then the name (`host:port`) first.
+
+    Applied before the targets are looked up, so a huge answer costs no lookups for the
+    servers it will not keep. Unusable records pass through (servers_from_srv reports
+    them)."""
+    best: dict[str, tuple[tuple[int, int, str], SrvRecord]] = {}
+    unusable = []
+    for record in records:
+        if _unusable(record):
+            unusable.append(record)
+            continue
+        name = f"{target_host(record.target)}:{record.port}"
+        key = (record.priority, -record.weight, name)
+        if name not in best or key < best[name][0]:
+            best[name] = (key, record)
+    if len(best) <= max_servers:
+        return [*(record for _, record in best.values()), *unusable], 0
+    kept = sorted(best.values(), key=lambda item: item[0])[:max_servers]
+    return [*(record for _, record in kept), *unusable], len(best) - max_servers
 
 
 def _unusable(record: SrvRecord) -> str:
@@ -181,10 +206,20 @@ def servers_from_addresses(
     return tuple(rs for _, rs in sorted(unique.values(), key=lambda item: item[0])), skipped
 
 
-def resolution(servers: tuple[RealServerConfig, ...], skipped: list[str]) -> Resolution:
-    """An answer's Resolution: `empty` when no record in it was usable."""
+def resolution(
+    servers: tuple[RealServerConfig, ...],
+    skipped: list[str],
+    max_servers: int | None = None,
+    beyond: int = 0,
+) -> Resolution:
+    """An answer's Resolution: `empty` when no record in it was usable. With
+    `max_servers`, servers past it are left out (A/AAAA: the lowest addresses are kept,
+    `servers` being sorted by address) and counted in `beyond`."""
     detail = "skipped " + "; ".join(skipped) if skipped else ""
-    return Resolution("ok" if servers else "empty", servers, detail)
+    if max_servers is not None and len(servers) > max_servers:
+        beyond += len(servers) - max_servers
+        servers = servers[:max_servers]
+    return Resolution("ok" if servers else "empty", servers, detail, beyond)
 
 
 class DiscoveryState:
@@ -207,6 +242,7 @@ class DiscoveryState:
         self.empty_since: float | None = None
         self._shadowed: set[str] = set()  # discovered names a static server has: warned
         self._last_skipped = ""
+        self._last_beyond = 0  # servers left out by max_servers in the last ok answer
         self._applied: tuple[RealServerConfig, ...] | None = None  # the last set replaced
         # name -> (discovered config, snmp block of the VS, the config as merged)
         self._prepared: dict[str, tuple[RealServerConfig, SnmpConfig | None, RealServerConfig]] = {}
@@ -240,6 +276,19 @@ class DiscoveryState:
             log.warning("%s: %s", self.what, outcome.detail)
         self._last_skipped = outcome.detail
         if outcome.result == "ok":
+            if outcome.beyond != self._last_beyond:  # once per change, not every round
+                if outcome.beyond:
+                    log.warning(
+                        "%s: the answer has %d servers, beyond max_servers %d: keeping "
+                        "the %d of the lowest priority, highest weight, then name",
+                        self.what,
+                        len(outcome.servers) + outcome.beyond,
+                        self.config.max_servers,
+                        len(outcome.servers),
+                    )
+                else:
+                    log.info("%s: the answer fits max_servers again", self.what)
+                self._last_beyond = outcome.beyond
             if self.empty_since is not None and self.current:
                 log.info("%s: answering again; keeping its servers", self.what)
             self.empty_since = None

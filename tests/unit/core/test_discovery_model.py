@@ -372,3 +372,29 @@ def test_the_same_resolution_again_is_no_change_and_merges_to_equal_configs():
     again = state.merged(vs)
     assert again == first and again.real_servers[1] is first.real_servers[1]
     assert not state.record(ok("a:1", "b:2"), 2.0)  # an equal answer: no change either
+
+
+def test_best_records_keep_the_lowest_priority_then_highest_weight_then_name():
+    from lbproxy.core.discovery_model import SrvRecord, best_records
+
+    records = [
+        SrvRecord(1, 90, 80, "z.example."),
+        SrvRecord(0, 5, 80, "b.example."),
+        SrvRecord(0, 5, 80, "a.example."),
+        SrvRecord(0, 9, 80, "c.example."),
+        SrvRecord(2, 1, 80, "c.example."),  # c:80 again: its best record counts
+        SrvRecord(0, 1, 0, "bad.example."),  # unusable: passed on to be reported
+    ]
+    kept, beyond = best_records(records, 3)
+    assert [r.target for r in kept] == ["c.example.", "a.example.", "b.example.", "bad.example."]
+    assert beyond == 1
+    assert best_records(records, 4)[1] == 0
+
+
+def test_an_address_answer_beyond_max_servers_keeps_the_lowest_addresses():
+    from lbproxy.core.discovery_model import resolution, servers_from_addresses
+
+    servers = servers_from_addresses(["10.0.0.3", "10.0.0.1", "10.0.0.2"], 80)
+    outcome = resolution(*servers, max_servers=2)
+    assert [rs.name for rs in outcome.servers] == ["10.0.0.1:80", "10.0.0.2:80"]
+    assert outcome.beyond == 1

@@ -208,7 +208,8 @@ _REAL_SERVER_FIELDS: dict[str, Converter] = {
     ),
     "state": _choice("enabled", "drain", "disabled").about("at start-up (and after each reload)"),
     "backup": _boolean.about(
-        "a backup server: new connections only while no primary server is online"
+        "a backup server: new connections only while no primary server is available"
+        " (every primary down, drained, disabled or at its max_connections)"
     ),
 }
 

@@ -138,6 +138,7 @@ class RealServer:
         "max_connections",
         "name",
         "online",
+        "primary_available",
         "primary_online",
         "ramp_start",
         "removed",
@@ -160,6 +161,7 @@ class RealServer:
         self.dyn_positive = False
         self.online = False
         self.primary_online = False  # counted in Pool._primaries_online
+        self.primary_available = False  # counted in Pool._primaries_available
         self.available = False
         self.full = False  # would be available but for max_connections
         self.removed = False
@@ -267,9 +269,13 @@ class Pool:
         self.epoch = 0
         self.fallback = self.polls_snmp  # nothing answered yet
         self._dynamic_positive = 0
-        # Backup servers (SPEC §13) are offered to the scheduler only while this is 0:
-        # a count kept on every online change, so a pick never looks at the primaries.
+        # Backup servers (SPEC §13) are offered to the scheduler only while no primary is
+        # available (online and below its max_connections): counts kept on every change,
+        # so a pick never looks at the primaries. `_primaries_online` only decides what
+        # is logged; `_backups` (in configuration order) is what a tier change re-applies.
+        self._primaries_available = 0
         self._primaries_online = 0
+        self._backups: dict[RealServer, None] = {}
         self._ramping: set[RealServer] = set()
         self._retrying: set[RealServer] = set()  # passively down, waiting for a trial
         self._next_tick = float("-inf")  # when `pick` next runs `_tick`
@@ -822,18 +828,20 @@ class Pool:
             rs.ramp_start = None
             self._ramping.discard(rs)
             self.scheduler.on_offline(rs, now)
-        # A full primary (max_connections) still counts: its clients queue or are
-        # refused rather than spill over to the backups, as in HAProxy.
-        tier_flip = False
+        if rs.backup and not rs.removed:
+            self._backups[rs] = None
+        else:
+            self._backups.pop(rs, None)
         primary_online = online and not rs.backup
         if primary_online != rs.primary_online:
             rs.primary_online = primary_online
             self._primaries_online += 1 if primary_online else -1
-            tier_flip = self._primaries_online == (1 if primary_online else 0)
+            if self._primaries_online == (1 if primary_online else 0):
+                self._log_tier()
         old = rs.effective_weight
         rs.effective_weight = base * self._ramp_factor(rs, now)
         trial = rs.trial and not rs.removed and rs.state == ENABLED and base > 0
-        candidate = (online or trial) and not (rs.backup and self._primaries_online)
+        candidate = (online or trial) and not (rs.backup and self._primaries_available)
         has_room = not rs.max_connections or rs.active < rs.max_connections
         available = candidate and has_room
         full = candidate and not has_room
@@ -852,21 +860,31 @@ class Pool:
             self.scheduler.on_unavailable(rs, now)
         elif available and rs.effective_weight != old:
             self.scheduler.on_weight(rs, old, now)
-        if tier_flip:
-            # The first primary came online (backups leave the scheduler; their
-            # connections finish on their own) or the last went (backups join it).
-            # A scan, but only on this transition, never per connection.
-            backups = [other for other in self.servers if other.backup]
-            if backups and not self._starting:
-                log.info(
-                    "%s: %s",
-                    self.name,
-                    "a primary is online again; backup servers stand by"
-                    if self._primaries_online
-                    else "no primary server online; using the backup servers",
-                )
-            for other in backups:
-                self._apply(other, now)
+        # A full primary is not available (SPEC §3): backups serve while every primary
+        # is down, drained, disabled or at its max_connections (nginx `backup` with
+        # `max_conns`); the first slot a primary frees sends new connections back to
+        # the primaries (backups leave the scheduler, their connections finish on their
+        # own). A primary filling and freeing its last slot flips this at that edge:
+        # O(backups) then, never a scan of every server.
+        primary_available = available and online and not rs.backup
+        if primary_available != rs.primary_available:
+            rs.primary_available = primary_available
+            self._primaries_available += 1 if primary_available else -1
+            if self._primaries_available == (1 if primary_available else 0):
+                for other in list(self._backups):
+                    self._apply(other, now)
+
+    def _log_tier(self) -> None:
+        """On the first primary coming online, or the last going (not when one is
+        merely full: that may flip with every connection)."""
+        if self._backups and not self._starting:
+            log.info(
+                "%s: %s",
+                self.name,
+                "a primary is online again; backup servers stand by while one has room"
+                if self._primaries_online
+                else "no primary server online; using the backup servers",
+            )
 
     def _came_online(self, rs: RealServer, now: float) -> None:
         if self.config.slow_start > 0:

@@ -94,6 +94,84 @@ def test_a_primary_fails_over_to_the_backups_and_takes_over_again(name_servers, 
         back.stop()
 
 
+def full_primaries_proxy(name_servers, lbproxy, queue: str = ""):
+    """`web`: primaries p1, p2 and backups b1, b2, one slot each (max_connections: 1)."""
+    servers = name_servers("p1", "p2", "b1", "b2")
+    port, admin_port = free_port(), free_port()
+    one_slot = "max_connections: 1"
+    backup = f"backup: true, {one_slot}"
+    config = vs_config(
+        port,
+        servers,
+        "rr",
+        "health_check: {type: none}" + (f"\nqueue: {queue}" if queue else ""),
+        rs_extra={"p1": one_slot, "p2": one_slot, "b1": backup, "b2": backup},
+    )
+    proxy = lbproxy(with_admin(config, admin_port), wait_ports=[port])
+    # wait_port's probe connection took a slot for a moment: let it go
+    wait_for(lambda: gauge(admin_port, "lbproxy_active_connections", real_server="p1") == 0)
+    return proxy, port, admin_port
+
+
+def test_backups_serve_while_every_primary_is_full(name_servers, lbproxy):
+    # Issue 21 item 6, SPEC §3 and §13: a primary at max_connections is not available.
+    # Today's main refused the third client here and left the backups idle.
+    proxy, port, admin_port = full_primaries_proxy(name_servers, lbproxy)
+    held = []
+    try:
+        for _ in range(4):
+            held.append(open_and_read_name(port))
+        assert sorted(name for _, name in held[:2]) == ["p1", "p2"]
+        assert sorted(name for _, name in held[2:]) == ["b1", "b2"]  # rr among the backups
+        # Every server full and no queue: refused, counted, and the process lives.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            assert s.recv(100) == b""
+        wait_for(
+            lambda: gauge(admin_port, "lbproxy_rejected_connections_total", reason="no_server") == 1
+        )
+        # A freed primary slot takes the next new connection, not a freed backup's.
+        freed = next(i for i, (_, name) in enumerate(held) if name == "p2")
+        held.pop(freed)[0].close()
+        wait_for(lambda: gauge(admin_port, "lbproxy_active_connections", real_server="p2") == 0)
+        backup_sock, backup_name = held.pop()
+        backup_sock.close()
+        wait_for(
+            lambda: gauge(admin_port, "lbproxy_active_connections", real_server=backup_name) == 0
+        )
+        held.append(open_and_read_name(port))
+        assert held[-1][1] == "p2"
+        # The connections on the other backup went on all along.
+        (other,) = [sock for sock, name in held if name.startswith("b")]
+        other.sendall(b"still here\n")
+        assert other.recv(100) == b"still here\n"
+        assert proxy.proc.poll() is None
+    finally:
+        for sock, _ in held:
+            sock.close()
+
+
+def test_every_server_full_queues_and_a_freed_primary_slot_serves_the_waiting_client(
+    name_servers, lbproxy
+):
+    _, port, admin_port = full_primaries_proxy(name_servers, lbproxy, "{max: 5, timeout: 20s}")
+    held = []
+    try:
+        for _ in range(4):
+            held.append(open_and_read_name(port))
+        assert sorted(name for _, name in held) == ["b1", "b2", "p1", "p2"]
+        assert gauge(admin_port, "lbproxy_queued_connections") == 0  # nobody waited
+        waiting = socket.create_connection(("127.0.0.1", port), timeout=5)
+        held.append((waiting, ""))
+        wait_for(lambda: gauge(admin_port, "lbproxy_queued_connections") == 1, what="1 queued")
+        freed = next(i for i, (_, name) in enumerate(held) if name == "p1")
+        held.pop(freed)[0].close()
+        assert read_name(waiting) == "p1"
+        assert gauge(admin_port, "lbproxy_queued_connections") == 0
+    finally:
+        for sock, _ in held:
+            sock.close()
+
+
 # -- the queue --------------------------------------------------------------------------
 
 

@@ -226,8 +226,9 @@ def test_a_wide_terminal_shows_the_table_with_every_value_whole(status_setup):
 
 
 def front_door_proxy(name_servers, lbproxy, queued: int = 2):
-    """A real proxy whose virtual server `web` has a primary with one slot, a backup
-    server and a queue: one connection holds the slot and `queued` clients wait.
+    """A real proxy whose virtual server `web` has a primary and a backup server with
+    one slot each and a queue: one connection holds the primary's slot, the next the
+    backup's (every primary full: the backup serves), and `queued` clients wait.
     Returns (port, admin_port, the open sockets); the caller closes them."""
     primary, backup = name_servers("primary", "standby")
     port, admin_port = free_port(), free_port()
@@ -242,7 +243,8 @@ def front_door_proxy(name_servers, lbproxy, queued: int = 2):
         "    queue: {max: 10, timeout: 30s}\n"
         "    real_servers:\n"
         f"      - {{name: primary, address: 127.0.0.1:{primary.port}, max_connections: 1}}\n"
-        f"      - {{name: standby, address: 127.0.0.1:{backup.port}, backup: true}}\n",
+        f"      - {{name: standby, address: 127.0.0.1:{backup.port}, backup: true,"
+        " max_connections: 1}\n",
         admin_port,
     )
     lbproxy(config, [port])
@@ -257,7 +259,10 @@ def front_door_proxy(name_servers, lbproxy, queued: int = 2):
     _until(lambda: web()["real_servers"][0]["active_connections"] == 0, "the probe to end")
     holder, name = open_and_read_name(port)
     opened = [holder]
-    assert name == "primary"  # full, yet online: the next clients queue, not the backup
+    assert name == "primary"
+    holder, name = open_and_read_name(port)
+    opened.append(holder)
+    assert name == "standby"  # the primary is full: the backup serves (SPEC §3, §13)
     for n in range(1, queued + 1):
         opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         _until(lambda n=n: web()["queued"] == n, f"{n} queued")

@@ -1,5 +1,6 @@
 """Backup servers in the pure pool (SPEC §13): offered to the scheduler only while no
-primary is online; the scheduler applies among them; primaries take over again."""
+primary is available (online and below max_connections); the scheduler applies among
+them; primaries take over again."""
 
 from __future__ import annotations
 
@@ -57,7 +58,71 @@ def test_the_scheduler_applies_among_backups_and_primaries_take_over_again():
     assert not pool.by_name["b1"].available
 
 
-def test_a_full_primary_still_counts_and_backup_leases_finish_on_their_own():
+def test_full_primaries_send_new_connections_to_the_backups():
+    # Issue 21 item 6, SPEC §3 and §13: a primary at its max_connections is not
+    # available, so backups serve while every primary is full (nginx `backup` with
+    # `max_conns`); today's main refused the client instead.
+    pool = Pool(
+        virtual_server(
+            "rr",
+            {
+                "p1": {"max_connections": 1},
+                "p2": {"max_connections": 1},
+                "b1": {"backup": True, "max_connections": 2},
+                "b2": {"backup": True, "max_connections": 2},
+            },
+            health_check=CHECKS,
+        ),
+        0.0,
+    )
+    p1, p2, b1, b2 = (pool.by_name[name] for name in ("p1", "p2", "b1", "b2"))
+    held = [pool.take(pool.pick(0.0), 0.0) for _ in range(2)]
+    assert {lease.server for lease in held} == {p1, p2}
+    assert b1.available and b2.available  # every primary full: the backups serve
+    on_backups = [pool.take(pool.pick(1.0), 1.0) for _ in range(3)]
+    assert [lease.server.name for lease in on_backups] == ["b1", "b2", "b1"]  # rr among them
+
+    # A freed primary slot takes the next new connection; the backups' connections go on.
+    first = held.pop(0)
+    pool.drop(first, 2.0)
+    assert not b1.available and not b2.available
+    assert pool.pick(2.0) is first.server
+    held.append(pool.take(first.server, 2.0))
+    assert b1.active == 2 and b2.active == 1
+
+    # Everything full: nothing to pick, and the pool says why (the queue reads this).
+    held.append(pool.take(pool.pick(3.0), 3.0))
+    assert held[-1].server is b2
+    assert pool.pick(3.0) is None
+    assert (pool.available_servers, pool.full_servers) == (0, 4)
+    for lease in on_backups:
+        pool.drop(lease, 4.0)
+    assert pool.pick(4.0) in (b1, b2)  # primaries still full: a backup again
+
+
+def test_a_primary_freeing_its_slot_wakes_a_waiting_client_and_backups_stand_by():
+    pool = Pool(
+        virtual_server(
+            "rr",
+            {"p": {"max_connections": 1}, "b": {"backup": True, "max_connections": 1}},
+            health_check=CHECKS,
+        ),
+        0.0,
+    )
+    wakes = []
+    pool.on_available = lambda: wakes.append(pool.available_servers)
+    p, b = pool.by_name["p"], pool.by_name["b"]
+    on_p = pool.take(pool.pick(0.0), 0.0)
+    assert on_p.server is p and wakes == [1]  # b joined as p filled
+    on_b = pool.take(pool.pick(0.0), 0.0)
+    assert on_b.server is b and pool.pick(0.0) is None
+    pool.drop(on_p, 1.0)
+    assert wakes[-1] >= 1 and pool.pick(1.0) is p  # the freed primary slot, not b's
+    pool.drop(on_b, 1.0)
+    assert not b.available and pool.pick(1.0) is p
+
+
+def test_backup_leases_finish_on_their_own_when_a_primary_returns():
     pool = Pool(
         virtual_server(
             "rr",
@@ -67,9 +132,6 @@ def test_a_full_primary_still_counts_and_backup_leases_finish_on_their_own():
         0.0,
     )
     p, b = pool.by_name["p"], pool.by_name["b"]
-    lease = pool.take(p, 0.0)
-    assert pool.pick(0.0) is None  # full, yet online: no spill-over to the backup
-    pool.drop(lease, 0.0)
     down(pool, "p")
     backup_lease = pool.take(pool.pick(1.0), 1.0)
     assert backup_lease.server is b

@@ -7,15 +7,15 @@ import re
 import shutil
 import subprocess
 
-import pytest
 import yaml
 
+from tests import tools
 from tests.docs.test_site import ROOT, _metric_families
 
 RULES = ROOT / "contrib" / "prometheus" / "lbproxy-rules.yaml"
 TESTS = ROOT / "contrib" / "prometheus" / "tests" / "lbproxy-rules.test.yaml"
 PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian: prometheus)")
+needs_promtool = tools.requires("promtool", package="prometheus")
 
 ALERTS = {
     rule["alert"]: rule

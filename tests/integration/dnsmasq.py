@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import os
-import shutil
 import signal
 import subprocess
 import time
@@ -26,18 +24,13 @@ from pathlib import Path
 
 import dns.message
 import dns.query
-import pytest
 
+from tests import tools
 from tests.integration.harness import free_port
 
-DNSMASQ = shutil.which("dnsmasq") or (
-    "/usr/sbin/dnsmasq" if os.path.exists("/usr/sbin/dnsmasq") else None
-)
+DNSMASQ = tools.find("dnsmasq")
 
-requires_dnsmasq = pytest.mark.skipif(
-    DNSMASQ is None,
-    reason="dnsmasq is not installed (apt-get install dnsmasq-base; scripts/test does it)",
-)
+requires_dnsmasq = tools.requires("dnsmasq", package="dnsmasq-base")
 
 SrvRecords = dict[str, list[tuple[int, int, int, str]]]
 

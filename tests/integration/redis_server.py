@@ -11,24 +11,19 @@ without its data would, which is the harder case for a resync. Stopped by PID on
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
+from tests import tools
 from tests.integration.harness import free_port
 
-REDIS_SERVER = shutil.which("redis-server")
-REDIS_CLI = shutil.which("redis-cli")
+REDIS_SERVER = tools.find("redis-server")
+REDIS_CLI = tools.find("redis-cli")
 
-requires_redis = pytest.mark.skipif(
-    REDIS_SERVER is None or REDIS_CLI is None,
-    reason="redis-server is not installed (apt-get install redis-server; scripts/test does it)",
-)
+requires_redis = tools.requires("redis-server", "redis-cli", package="redis-server")
 
 
 class RedisServer:

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from tests import tools
 
 # NET-SNMP-MIB::netSnmpPlaypen, the subtree net-snmp reserves for experiments.
 BASE_OID = "1.3.6.1.4.1.8072.9999.1"
@@ -39,12 +39,9 @@ V3_USER_STRONG = "lbproxy256"  # SHA-256 / AES-256 (net-snmp's Blumenthal key ex
 V3_AUTH_KEY = "lbproxy-auth-secret"
 V3_PRIV_KEY = "lbproxy-priv-secret"
 
-SNMPD = shutil.which("snmpd") or ("/usr/sbin/snmpd" if os.path.exists("/usr/sbin/snmpd") else None)
+SNMPD = tools.find("snmpd")
 
-requires_snmpd = pytest.mark.skipif(
-    SNMPD is None,
-    reason="net-snmp's snmpd is not installed (apt-get install snmpd; scripts/test does it)",
-)
+requires_snmpd = tools.requires("snmpd", package="snmpd")
 
 _PASS_PERSIST = """\
 import sys
@@ -100,7 +97,7 @@ class SnmpAgent:
         port: int | None = None,
     ) -> None:
         if SNMPD is None:
-            pytest.skip("net-snmp's snmpd is not installed")
+            tools.missing("snmpd", "snmpd")
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.port = port or free_udp_port()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -14,6 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import tools
 from tests.integration.conftest import vs_config
 from tests.integration.harness import ask_name, free_port, open_and_read_name, run_cli
 
@@ -148,7 +148,7 @@ def test_real_server_up_follows_health(proxied):
     )
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian prometheus) missing")
+@tools.requires("promtool", package="prometheus")
 def test_promtool_accepts_the_metrics(proxied):
     _, _, port, admin_port = proxied
     ask_name(port)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import tools
 from tests.integration.conftest import vs_config
 from tests.integration.harness import ROOT, ask_name, free_port, open_and_read_name, wait_for
 from tests.integration.test_admin import http, with_admin
@@ -45,11 +46,10 @@ def _chromium() -> str | None:
 def browser(tmp_path):
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
     chromium = _chromium()
-    if chromium is None or not os.access(CHROMEDRIVER, os.X_OK):
-        pytest.skip(
-            "chromium and chromium-driver are not installed "
-            "(scripts/test installs them as root: apt-get install chromium chromium-driver)"
-        )
+    if chromium is None:
+        tools.missing("chromium", "chromium")
+    if not os.access(CHROMEDRIVER, os.X_OK):
+        tools.missing("chromedriver", "chromium-driver")
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()

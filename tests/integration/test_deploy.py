@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from lbproxy.config.reader import load
+from tests import tools
 from tests.integration.conftest import vs_config
 from tests.integration.harness import ROOT, free_port, open_and_read_name, run_cli, wait_for
 from tests.integration.test_admin import http, with_admin
@@ -78,7 +78,7 @@ def test_unit_file_has_what_the_readme_promises():
     assert seconds(one["TimeoutStopSec"]) > drain
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+@tools.requires("systemd-analyze", package="systemd")
 def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     # `verify` checks that every Exec*= binary exists: point them at this checkout's
     # own lbproxy (the unit names /usr/local/bin/lbproxy, where `pip install` puts it).
@@ -120,10 +120,8 @@ def _syscall_set(group: str, seen: set[str]) -> set[str]:
     return names
 
 
-@pytest.mark.skipif(
-    shutil.which("strace") is None or shutil.which("systemd-analyze") is None,
-    reason="needs strace and systemd-analyze",
-)
+@tools.requires("strace", package="strace")
+@tools.requires("systemd-analyze", package="systemd")
 def test_unit_sandbox_allows_every_system_call_and_socket_family_lbproxy_uses(
     name_servers, tmp_path
 ):
@@ -501,7 +499,7 @@ def test_the_cluster_example_runs_as_a_cluster(tmp_path):
     from tests.integration.redis_server import REDIS_SERVER, RedisServer
 
     if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed")
+        tools.missing("redis-server", "redis-server")
     config = load([str(COMPOSE.parent / "lbproxy")])
     redis_config = config.global_.cluster.redis
     secret = tmp_path / "redis.password"

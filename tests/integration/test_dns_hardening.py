@@ -5,7 +5,6 @@ loopback sources, and the per-source cap on TCP clients."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -17,8 +16,8 @@ import dns.flags
 import dns.message
 import dns.query
 import dns.rcode
-import pytest
 
+from tests import tools
 from tests.integration.harness import ask_name, free_port
 from tests.integration.test_admin import metrics, sample
 
@@ -26,11 +25,7 @@ DIG = shutil.which("dig")
 
 
 def need_dig() -> str:
-    if DIG is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("dig (bind9-dnsutils) is missing, and CI installs it")
-        pytest.skip("dig (bind9-dnsutils) not installed")
-    return DIG
+    return tools.need("dig", "bind9-dnsutils")
 
 
 def dig(port: int, *args: str) -> str:

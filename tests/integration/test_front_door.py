@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import select
-import shutil
 import socket
 import socketserver
 import ssl
@@ -23,6 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from tests import tools
 from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     NameServer,
@@ -463,7 +463,7 @@ def test_tls_handshakes_are_routed_by_server_name(sni_front):
         assert sample(samples, "lbproxy_connections_total", virtual_server=vs, real_server=rs) == n
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command")
+@tools.requires("openssl", package="openssl")
 def test_openssl_s_client_through_lbproxy(sni_front, tmp_path):
     _, port, _, pems, _, _ = sni_front
     ca_file = tmp_path / "trusted.pem"

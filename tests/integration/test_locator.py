@@ -20,11 +20,12 @@ import dns.rdatatype
 import dns.resolver
 import pytest
 
+from tests import tools
 from tests.integration.harness import Lbproxy, ask_name, free_port, run_cli
 from tests.integration.test_admin import http, metrics, sample
 
 DIG = shutil.which("dig")
-needs_dig = pytest.mark.skipif(DIG is None, reason="dig (bind9-dnsutils) not installed")
+needs_dig = tools.requires("dig", package="bind9-dnsutils")
 
 
 def locator_config(admin_port: int, dns_port: int, proxy_port: int, backends, extra="") -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import lbproxy
+from tests import tools
 from tests.integration.harness import ROOT
 
 pytestmark = pytest.mark.integration
@@ -170,7 +171,7 @@ def test_bash_completion_completes_commands_and_options():
     assert result.stdout.split() == ["drain", "--json"], result.stderr
 
 
-@pytest.mark.skipif(shutil.which("fish") is None, reason="fish (Debian: fish)")
+@tools.requires("fish", package="fish")
 def test_fish_completion_completes_commands():
     script = "_LBPROXY_COMPLETE=fish_source lbproxy | source; complete -C 'lbproxy dr'"
     result = subprocess.run(
@@ -185,7 +186,7 @@ def test_fish_completion_completes_commands():
     )
 
 
-@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh (Debian: zsh)")
+@tools.requires("zsh", package="zsh")
 def test_zsh_completion_registers_and_answers():
     # The completion widget needs an interactive line editor; what can be checked from a
     # script: the generated function loads under compinit and is registered for lbproxy,

@@ -4,17 +4,17 @@ real dnsmasq servers, and a TCP virtual server on the same address and port."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import socket
 import subprocess
 import threading
 
 import pytest
 
+from tests import tools
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 from tests.integration.harness import Lbproxy, NameServer, ask_name, free_port, wait_for
 
-requires_dig = pytest.mark.skipif(shutil.which("dig") is None, reason="dig is not installed")
+requires_dig = tools.requires("dig", package="bind9-dnsutils")
 
 
 def dig(port: int, name: str) -> str:

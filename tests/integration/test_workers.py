@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lbproxy.runtime.workers import MetricSums, merge_documents, parse_metrics
+from tests import tools
 from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ask_name,
@@ -97,7 +97,7 @@ def test_two_workers_serve_and_the_parent_adds_up(two_workers):
     assert sum(rs["connections_total"] for rs in vs["real_servers"]) == 60
     assert {rs["name"]: rs["connections_total"] for rs in vs["real_servers"]} == per_server
     assert http("GET", f"http://127.0.0.1:{admin_port}/healthz")[0] == 200
-    if shutil.which("promtool"):
+    if tools.need("promtool", "prometheus"):
         _, body = http("GET", f"http://127.0.0.1:{admin_port}/metrics")
         check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True)
         assert check.returncode == 0, check.stdout + check.stderr

@@ -17,4 +17,3 @@ def test_a_missing_program_fails_a_test_in_ci(monkeypatch):
     monkeypatch.setattr(tools, "IN_CI", True)
     with pytest.raises(pytest.fail.Exception, match="CI installs it"):
         tools.need(ABSENT, "some-package")
-

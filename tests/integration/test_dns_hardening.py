@@ -113,6 +113,9 @@ def test_an_answer_too_big_for_the_clients_size_is_truncated_and_dig_retries_ove
     assert answers_counted(admin) == 2
 
 
+# serial: it holds a rate per second, and beside other tests the kernel drops queries
+# before lbproxy reads them (10,687 counted of the 11,000 expected in a parallel CI run).
+@pytest.mark.serial
 def test_a_flood_from_many_sources_is_held_to_the_rate_per_prefix(name_servers, lbproxy):
     (a,) = name_servers("a")
     admin, dns_port, proxy = free_port(), free_port(), free_port()

@@ -16,6 +16,7 @@ import dns.flags
 import dns.message
 import dns.query
 import dns.rcode
+import pytest
 
 from tests import tools
 from tests.integration.harness import ask_name, free_port

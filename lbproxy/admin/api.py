@@ -30,6 +30,8 @@ from lbproxy.core.pool import Located, Pool, state_error, weight_error
 if TYPE_CHECKING:
     import socket
 
+    from lbproxy.config.model import Config
+
 log = logging.getLogger("lbproxy.admin")
 
 MAX_BODY = http_server.MAX_BODY  # larger bodies: 413, from the server before the app
@@ -57,6 +59,7 @@ class ProxyControl(Protocol):
     ready: bool
     draining: bool
     reloads: dict[str, int]
+    config: Config  # the configuration in force (global.admin.allowed_hosts is read per request)
 
     def pools(self) -> Iterable[Pool]: ...
 
@@ -212,6 +215,42 @@ def _header(headers: dict[bytes, bytes], name: bytes) -> str:
     return headers.get(name, b"").decode("latin-1")
 
 
+# Routes a request naming any Host may use: probes and scrapers often name the host, and
+# these change nothing and reveal nothing a rebound page could use (SPEC §16).
+ANY_HOST_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def host_refusal(headers: dict[bytes, bytes], allowed: tuple[str, ...]) -> str | None:
+    """Why a request whose `Host` names this endpoint by an unknown name is refused
+    (None: accepted).
+
+    DNS rebinding: a page on evil.example rebinds its name to 127.0.0.1 and its requests
+    then carry `Host: evil.example`, its own origin, so the cross-origin check passes.
+    An IP literal, `localhost` or a name the operator listed cannot be such a page's
+    origin. No `Host` at all (HTTP/1.0) is no browser's request."""
+    value = headers.get(b"host")
+    if value is None:
+        return None
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):  # [v6] or [v6]:port
+        host = text[1 : text.find("]")] if "]" in text else text
+    elif text.count(":") == 1:
+        host = text.partition(":")[0]
+    else:  # a name, v4 without a port, or a bare v6 address
+        host = text
+    host = host.removesuffix(".")
+    if host == "localhost" or host in allowed:
+        return None
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return (
+            f"this endpoint does not answer to Host {host!r}: use its IP address, "
+            "localhost, or list the name in global.admin.allowed_hosts"
+        )
+    return None
+
+
 def _cross_origin(headers: dict[bytes, bytes]) -> bool:
     """True when a browser sent this request from a page of another origin.
 
@@ -263,9 +302,19 @@ class AdminApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def _check_host(self, scope: dict[str, Any], path: str) -> None:
+        if path in ANY_HOST_PATHS or scope.get("client") is None:
+            return  # a probe's route, or a worker's private Unix socket (the supervisor checked)
+        refusal = host_refusal(
+            dict(scope.get("headers", [])), self.server.config.global_.admin.allowed_hosts
+        )
+        if refusal is not None:
+            raise _HTTPError(421, refusal)
+
     async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
         server = self.server
+        self._check_host(scope, path)
         if path == "/":  # the dashboard (lbproxy/admin/dashboard.py)
             self._allow(method, "GET")
             return 200, dashboard.page(), "html"

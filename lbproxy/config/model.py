@@ -48,6 +48,7 @@ class Address:
 class AdminConfig:
     listen: Address | None = Address("127.0.0.1", 9100)  # None: `listen: none`
     token_file: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # besides IP literals and localhost (SPEC §16)
 
 
 # Who may ask the DNS locator by default: loopback and the private ranges (SPEC §16).

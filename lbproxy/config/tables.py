@@ -40,6 +40,7 @@ from lbproxy.config.values import (
     _dns_zone,
     _duration,
     _host,
+    _host_names,
     _http_path,
     _integer,
     _listen_address,
@@ -96,6 +97,12 @@ _ADMIN_FIELDS: dict[str, Converter] = {
     "token_file": _string.about(
         "file holding the bearer token mutations need; must not be world-readable "
         "(lbproxy refuses to start)",
+        default="none",
+    ),
+    "allowed_hosts": _host_names.about(
+        "host names the endpoint answers to besides IP addresses and `localhost`: a "
+        "request naming another `Host` gets 421, except `/healthz`, `/readyz` and "
+        "`/metrics` (a page that rebinds its own name to this address reads nothing)",
         default="none",
     ),
 }

@@ -432,6 +432,21 @@ def _sni_name(node: yaml.Node, label: str) -> str:
 _sni_names = _one_or_list(_sni_name, "name")
 
 
+@_accepting("a host name like lb.example.com", {"type": "string", "pattern": r"^[A-Za-z0-9_.-]+$"})
+def _host_name(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    requirement = "a host name like lb.example.com"
+    if not isinstance(value, str):
+        raise _expected(label, requirement, node)
+    name = value.lower().removesuffix(".")
+    if not _HOST_NAME.fullmatch(name) or ".." in name or _DOTTED_NUMBERS.fullmatch(name):
+        raise _expected(label, requirement, node)
+    return name
+
+
+_host_names = _one_or_list(_host_name, "host name")
+
+
 @_accepting(
     "IP:PORT, [IPv6]:PORT, localhost:PORT or none",
     {"anyOf": [{"type": "null"}, {"const": "none"}, _ADDRESS_SCHEMA]},

@@ -757,6 +757,7 @@ class SupervisorApp(AdminApp):
     async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
         supervisor = self.supervisor
+        self._check_host(scope, path)  # DNS rebinding: 421, as a single process does
         if path == "/":  # the dashboard: the same page, fed by the merged document
             self._allow(method, "GET")
             return 200, dashboard.page(), "html"

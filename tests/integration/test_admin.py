@@ -421,7 +421,7 @@ def test_a_keep_alive_connection_is_not_recycled_after_1000_requests(proxied):
     answer's body is in, over one socket: every one answered, none with
     `Connection: close`, nothing logged."""
     proxy, _, _, admin_port = proxied
-    request = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+    request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     with socket.create_connection(("127.0.0.1", admin_port), timeout=10) as s:
         buffer = b""
         for _ in range(1200):

@@ -82,19 +82,19 @@ def closed(sock: socket.socket, buffer: bytearray | None = None) -> bool:
 
 def healthy(port: int) -> bool:
     with connect(port) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         return read_answer(s, bytearray())[:1] == (200,)
 
 
 def test_pipelined_requests_are_answered_in_order_on_one_connection(endpoint):
     _, port = endpoint
     requests = [
-        b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
-        b"GET /nope HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
         b"PUT "
         + LOAD.encode()
-        + b' HTTP/1.1\r\nHost: t\r\nContent-Length: 13\r\n\r\n{"load": 0.5}',
-        b"GET /readyz HTTP/1.1\r\nHost: t\r\n\r\n",
+        + b' HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 13\r\n\r\n{"load": 0.5}',
+        b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     ]
     with connect(port) as s:
         s.sendall(b"".join(requests) * 5)  # 20 requests in one write
@@ -135,7 +135,7 @@ def test_http_1_0_closes_unless_it_asks_for_keep_alive(endpoint):
 def test_connection_close_is_honoured(endpoint):
     _, port = endpoint
     with connect(port) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         buffer = bytearray()
         assert read_answer(s, buffer)[1]["connection"] == "close"
         assert closed(s, buffer)
@@ -146,7 +146,7 @@ def test_expect_100_continue_then_the_body(endpoint):
     body = b'{"load": 0.25}'
     with connect(port) as s:
         s.sendall(
-            f"PUT {LOAD} HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+            f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: 100-continue\r\n"
             f"Content-Length: {len(body)}\r\n\r\n".encode()
         )
         interim = b""
@@ -162,7 +162,7 @@ def test_a_chunked_body(endpoint):
     _, port = endpoint
     with connect(port) as s:
         s.sendall(
-            f"PUT {LOAD} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
             + b'5\r\n{"loa\r\n9\r\nd": 0.75}\r\n0\r\n\r\n'
         )
         status, _, answer = read_answer(s, bytearray())
@@ -184,14 +184,14 @@ def test_a_body_over_64_kib_is_413_for_patch_and_load_alike(endpoint, method, pa
         head += b"Expect: 100-continue\r\n\r\n" if "expect" in framing else b"\r\n"
         payload = b"" if "expect" in framing else big  # the client waits; it is refused
     with connect(port) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\n".encode() + head + payload)
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() + head + payload)
         buffer = bytearray()
         status, headers, answer = read_answer(s, buffer)
         assert status == 413 and headers["connection"] == "close"
         assert json.loads(answer) == {"error": f"body too large: more than {MAX_BODY} bytes"}
         assert closed(s, buffer)
     with connect(port) as s:  # nothing changed
-        s.sendall(b"GET /api/v1/virtual-servers/db HTTP/1.1\r\nHost: t\r\n\r\n")
+        s.sendall(b"GET /api/v1/virtual-servers/db HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         a = json.loads(read_answer(s, bytearray())[2])["real_servers"][0]
         assert a["weight"]["static"] == 1 and a["load"] != 9
 
@@ -199,7 +199,9 @@ def test_a_body_over_64_kib_is_413_for_patch_and_load_alike(endpoint, method, pa
 def test_a_head_over_16_kib_is_431_and_closed(endpoint):
     _, port = endpoint
     with connect(port) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * MAX_HEAD + b"\r\n\r\n")
+        s.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * MAX_HEAD + b"\r\n\r\n"
+        )
         buffer = bytearray()
         status, _, answer = read_answer(s, buffer)
         assert status == 431 and json.loads(answer) == {
@@ -213,7 +215,7 @@ def test_a_head_over_16_kib_is_431_and_closed(endpoint):
     "garbage",
     [
         b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(40) + b"\r\n\r\n",  # TLS
-        b"GET /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: x\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n",
         b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n",
         b"GET  HTTP/1.1\r\n\r\n",
     ],
@@ -234,13 +236,13 @@ def test_an_http_version_other_than_1_0_and_1_1_is_505(endpoint):
     _, port = endpoint
     for version in (b"2.0", b"1.2", b"0.9"):
         with connect(port) as s:
-            s.sendall(b"GET /healthz HTTP/" + version + b"\r\nHost: t\r\n\r\n")
+            s.sendall(b"GET /healthz HTTP/" + version + b"\r\nHost: 127.0.0.1\r\n\r\n")
             buffer = bytearray()
             status, _, answer = read_answer(s, buffer)
             assert status == 505 and version.decode() in json.loads(answer)["error"]
             assert closed(s, buffer)
     with connect(port) as s:  # a refusal of a HEAD request has the head only, too
-        s.sendall(b"HEAD /healthz HTTP/2.0\r\nHost: t\r\n\r\n")
+        s.sendall(b"HEAD /healthz HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n")
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -258,7 +260,7 @@ def test_a_slow_head_is_closed_while_another_client_is_served(endpoint):
         with connect(port) as s:
             buffer = bytearray()
             while not stop.is_set() and len(served) < 2000:
-                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 served.append(read_answer(s, buffer)[0])
                 time.sleep(0.005)
 
@@ -267,7 +269,7 @@ def test_a_slow_head_is_closed_while_another_client_is_served(endpoint):
     try:
         with connect(port) as slow:
             started = time.monotonic()
-            request = b"GET /healthz HTTP/1.1\r\nHost: t\r\n" + b"X: y\r\n" * 100
+            request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X: y\r\n" * 100
             for byte in request:
                 if time.monotonic() - started > REQUEST_TIMEOUT + 3:
                     break
@@ -299,9 +301,9 @@ def test_clients_vanishing_mid_request_and_mid_answer(endpoint):
     rst = struct.pack("ii", 1, 0)  # SO_LINGER 0: close() sends a reset
     for partial in (
         b"GET /metr",
-        f"PUT {LOAD} HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n{{".encode(),
-        b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n" * 50,  # answers it never reads
-        b"GET / HTTP/1.1\r\nHost: t\r\n\r\n" * 20,
+        f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{{".encode(),
+        b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 50,  # answers it never reads
+        b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 20,
     ):
         for reset in (True, False):
             s = connect(port)
@@ -321,7 +323,7 @@ def test_head_requests_get_the_head_only(endpoint):
     _, port = endpoint
     with connect(port) as s:
         s.sendall(
-            b"HEAD /healthz HTTP/1.1\r\nHost: t\r\n\r\nGET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"HEAD /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
         )
         data = b""
         while data.count(b"ok\n") < 1:
@@ -336,11 +338,11 @@ def test_an_ipv6_listen_address(tmp_path):
     with Lbproxy(tmp_path, config(f"[::1]:{port}")).start() as proxy:
         with connect(port, "::1") as s:
             buffer = bytearray()
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert read_answer(s, buffer)[:1] == (200,)
             # ::1 is loopback: a change without a token is accepted
             s.sendall(
-                f"PUT {LOAD} HTTP/1.1\r\nHost: t\r\nContent-Length: 13\r\n\r\n".encode()
+                f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 13\r\n\r\n".encode()
                 + b'{"load": 0.5}'
             )
             assert read_answer(s, buffer)[0] == 200

@@ -78,3 +78,69 @@ def test_a_change_from_another_origin_is_refused_and_changes_nothing(
     status, _ = request(admin_port, "POST", "/api/v1/reload", b"", {})
     assert status == 200
     assert sample(metrics(admin_port), "lbproxy_config_reloads_total", result="ok") == reloads + 1
+
+
+# DNS rebinding (issue 21 item 1): a page on evil.example rebinds its name to 127.0.0.1;
+# its requests then name evil.example in both Host and Origin, so the Origin check alone
+# passes them. A Host that is no IP literal, not localhost and not listed gets 421.
+def rebound(admin_port: int, name: str = "evil.example") -> dict:
+    return {"Host": f"{name}:{admin_port}", "Origin": f"http://{name}:{admin_port}"}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_rebound_host_name_is_answered_421_and_changes_nothing(name_servers, lbproxy, workers):
+    servers = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    if workers == 1:
+        config = with_admin(vs_config(port, servers, "rr"), admin_port)
+    else:
+        config = workers_config(port, servers, admin_port)
+    config = config.replace(
+        f"admin: {{listen: 127.0.0.1:{admin_port}",
+        f"admin: {{allowed_hosts: [LB.Example.com], listen: 127.0.0.1:{admin_port}",
+    )
+    lbproxy(config)
+    wait_for(lambda: ready(admin_port), what="/readyz")
+    patch = "/api/v1/virtual-servers/web/real-servers/b"
+    reloads = sample(metrics(admin_port), "lbproxy_config_reloads_total", result="ok")
+    evil = rebound(admin_port)
+
+    # The issue's two requests, as curl sent them: PATCH (JSON) and a text/plain reload.
+    status, answer = request(
+        admin_port,
+        "PATCH",
+        patch,
+        b'{"state":"drain"}',
+        {**evil, "Content-Type": "application/json"},
+    )
+    assert status == 421, answer
+    assert "global.admin.allowed_hosts" in answer["error"]
+    status, answer = request(
+        admin_port, "POST", "/api/v1/reload", b"", {**evil, "Content-Type": "text/plain"}
+    )
+    assert status == 421, answer
+    # Nor can the page read anything: the API, the dashboard.
+    for path in ("/api/v1/virtual-servers", patch, "/"):
+        connection = http.client.HTTPConnection("127.0.0.1", admin_port, timeout=10)
+        connection.request("GET", path, headers=evil)
+        assert connection.getresponse().status == 421, path
+        connection.close()
+    assert state_of_b(admin_port) == "enabled"
+    assert sample(metrics(admin_port), "lbproxy_config_reloads_total", result="ok") == reloads
+
+    # Probes and scrapers may name the host: these routes change nothing.
+    for path in ("/healthz", "/readyz", "/metrics"):
+        connection = http.client.HTTPConnection("127.0.0.1", admin_port, timeout=10)
+        connection.request("GET", path, headers={"Host": f"lb-0.internal:{admin_port}"})
+        assert connection.getresponse().status == 200, path
+        connection.close()
+
+    # By IP (v4, v6 literal), localhost, and a listed name (any case): served.
+    for host in (f"127.0.0.1:{admin_port}", "[::1]", f"localhost:{admin_port}", "127.0.0.1"):
+        status, _ = request(admin_port, "GET", patch, b"", {"Host": host})
+        assert status == 200, host
+    status, _ = request(
+        admin_port, "PATCH", patch, b'{"state": "drain"}', rebound(admin_port, "lb.example.COM")
+    )
+    assert status == 200
+    assert state_of_b(admin_port) == "drain"

@@ -32,7 +32,8 @@ TARGETS = [
 ]
 VERSIONS = [b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1x", b"http/1.1", b""]
 HEADERS = [
-    b"Host: t",
+    b"Host: 127.0.0.1",
+    b"Host: rebound.example",  # DNS rebinding: 421 (SPEC §16)
     b"Content-Length: 13",
     b"Content-Length: 0",
     b"Content-Length: -1",
@@ -85,7 +86,20 @@ def streams(draw) -> tuple[bytes, list[int]]:
 
 
 STATUS = re.compile(rb"HTTP/1\.1 (\d{3}) ")
-EXPECTED = {b"100", b"200", b"400", b"403", b"404", b"405", b"413", b"431", b"501", b"503", b"505"}
+EXPECTED = {
+    b"100",
+    b"200",
+    b"400",
+    b"403",
+    b"404",
+    b"405",
+    b"413",
+    b"421",
+    b"431",
+    b"501",
+    b"503",
+    b"505",
+}
 
 
 @pytest.fixture(scope="module")

@@ -1029,3 +1029,21 @@ def test_locator_and_conditioning_problems(tmp_path: Path) -> None:
     assert any("conditioning needs a scheduler with a load" in m and "rr" in m for m in found)
     assert any("load_source must be one of connections, snmp, report" in m for m in found)
     assert any("conditioning.threshold must be a number > 0" in m for m in found)
+
+
+def test_admin_allowed_hosts_are_host_names_lower_cased(tmp_path: Path) -> None:
+    text = "global:\n  admin:\n    allowed_hosts: [LB.Example.com., lb-0]\n" + MINIMAL
+    config = load([write(tmp_path, "g.yaml", text)])
+    assert config.global_.admin.allowed_hosts == ("lb.example.com", "lb-0")
+    assert load([write(tmp_path, "h.yaml", MINIMAL)]).global_.admin.allowed_hosts == ()
+
+
+@pytest.mark.parametrize("bad", ["'bad host'", "10.0.0.1", "3"])
+def test_a_bad_admin_allowed_host_is_named_at_its_line(tmp_path: Path, bad: str) -> None:
+    # An IP address needs no listing (every IP literal is answered); a number is no name.
+    text = f"global:\n  admin:\n    allowed_hosts:\n      - ok.example\n      - {bad}\n"
+    path = write(tmp_path, "g.yaml", text + MINIMAL)
+    (problem,) = problems([path])
+    assert problem.startswith(
+        f"{path}:5: admin.allowed_hosts must be a host name like lb.example.com, got "
+    )

@@ -323,7 +323,8 @@ def test_head_requests_get_the_head_only(endpoint):
     _, port = endpoint
     with connect(port) as s:
         s.sendall(
-            b"HEAD /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            b"HEAD /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
         )
         data = b""
         while data.count(b"ok\n") < 1:

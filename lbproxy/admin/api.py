@@ -586,4 +586,5 @@ async def serve_asgi(
     app: Any, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve an ASGI app (AdminApp or the supervisor's) until cancelled (http_server.py)."""
-    await http_server.serve(app, sock, task_status=task_status)
+    limit = app.server.config.global_.admin.max_connections  # read at start
+    await http_server.serve(app, sock, max_connections=limit, task_status=task_status)

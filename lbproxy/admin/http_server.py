@@ -56,7 +56,8 @@ IDLE_TIMEOUT = 5.0  # a keep-alive connection with no request for this long is c
 # Once a request's first bytes are in, its head and body must be complete within this
 # (slowloris: a client sending a byte a second is closed after REQUEST_TIMEOUT).
 REQUEST_TIMEOUT = 3.0
-SEND_TIMEOUT = 10.0  # a client that reads nothing of an answer for this long is closed
+SEND_TIMEOUT = 10.0  # a client that has not read the whole answer by then is closed
+MAX_CONNECTIONS = 256  # global.admin.max_connections' default
 GRACE = 1.0  # on stop, an answer in progress has this long; idle connections close at once
 # After a refusal (400, 413, 431, 500) the connection is closed "lingering", as nginx
 # does: our side shut, what the client still sends read and dropped for up to this long,
@@ -79,19 +80,25 @@ App = Callable[..., Awaitable[None]]
 
 
 async def serve(
-    app: App, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    app: App,
+    sock: socket.socket,
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve an ASGI app on a bound, listening socket (TCP or Unix) until cancelled.
 
     The app's lifespan startup runs before the first accept; on cancel, accepting stops,
     idle connections close, an answer in progress gets GRACE seconds, and the lifespan
-    shutdown runs."""
-    await Server(app).serve(sock, task_status=task_status)
+    shutdown runs. At `max_connections` the longest idle connection is closed to admit
+    a new one (its descriptors are the data plane's: idle clients must not take them)."""
+    await Server(app, max_connections).serve(sock, task_status=task_status)
 
 
 class Server:
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, max_connections: int = MAX_CONNECTIONS) -> None:
         self.app = app
+        self.max_connections = max_connections
         self.connections: set[_Connection] = set()
         self._handlers: trio.Nursery | None = None
         self._stopped = trio.Event()
@@ -164,6 +171,9 @@ class Server:
             sock.close()
             return
         connection = _Connection(self.app, sock, peer, local)
+        if len(self.connections) >= self.max_connections and not self._evict_idlest():
+            sock.close()  # every connection is answering: the newcomer waits its turn elsewhere
+            return
         self.connections.add(connection)
         try:
             await connection.run()
@@ -172,6 +182,19 @@ class Server:
         finally:
             self.connections.discard(connection)
             sock.close()
+
+    def _evict_idlest(self) -> bool:
+        """Close the connection idle the longest (none answering is touched); False when
+        every connection is busy. A scan, but only at the limit, of at most
+        max_connections: the admin endpoint, never the data plane."""
+        idle = [c for c in self.connections if not (c.busy or c.began or c.evicted)]
+        if not idle:
+            return False
+        idlest = min(idle, key=lambda c: c.idle_since)
+        idlest.evicted = True
+        idlest.scope.cancel()
+        self.connections.discard(idlest)
+        return True
 
 
 class _Gone(Exception):
@@ -190,6 +213,9 @@ class _Connection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         self.scope = trio.CancelScope()
         self.busy = False  # a request is being answered: a stop lets it finish (GRACE)
+        self.idle_since = trio.current_time()  # when its last answer ended (or it came)
+        self.evicted = False  # closed to admit another at max_connections
+        self.send_deadline = math.inf  # the whole answer must be read by then (SEND_TIMEOUT)
         self.closing = False
         self.began = False  # bytes of the next request have arrived
         self.timed = False  # ... and its REQUEST_TIMEOUT is set
@@ -219,7 +245,8 @@ class _Connection:
             self.scope.deadline = trio.current_time() + IDLE_TIMEOUT
             try:
                 while await self._serve_one():
-                    self.scope.deadline = trio.current_time() + IDLE_TIMEOUT
+                    self.idle_since = trio.current_time()
+                    self.scope.deadline = self.idle_since + IDLE_TIMEOUT
                     self.began = self.timed = False
                     self.unwaited += 1
                     if self.unwaited >= FAIR_BATCH:
@@ -251,6 +278,7 @@ class _Connection:
         self.scope.deadline = math.inf  # the app is never cut by a timeout of ours
         self.body = body
         self.delivered = self.started = self.finished = False
+        self.send_deadline = math.inf  # set by the answer's first write
         self.head = None
         self.answered_by = self.h11
         try:
@@ -375,14 +403,18 @@ class _Connection:
             sent = 0
         except OSError as exc:
             raise _Gone(exc) from None
+        if self.send_deadline == math.inf:  # the answer's first write: its one deadline
+            self.send_deadline = trio.current_time() + SEND_TIMEOUT
         if sent == len(data):
             return
         view = memoryview(data)[sent:]
         while view:
-            with trio.move_on_after(SEND_TIMEOUT) as waited:
+            # One deadline for the whole answer, not one per wait: a reader taking a
+            # byte now and then must not hold the connection for ever.
+            with trio.move_on_at(self.send_deadline) as waited:
                 await trio.lowlevel.wait_writable(self.fd)
             if waited.cancelled_caught:
-                raise _Gone(f"it read nothing for {SEND_TIMEOUT}s")
+                raise _Gone(f"it did not read the answer within {SEND_TIMEOUT}s")
             try:
                 view = view[sock.send(view) :]
             except BlockingIOError:

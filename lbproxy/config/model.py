@@ -49,6 +49,7 @@ class AdminConfig:
     listen: Address | None = Address("127.0.0.1", 9100)  # None: `listen: none`
     token_file: str | None = None
     allowed_hosts: tuple[str, ...] = ()  # besides IP literals and localhost (SPEC §16)
+    max_connections: int = 256  # at the limit the longest idle one is closed
 
 
 # Who may ask the DNS locator by default: loopback and the private ranges (SPEC §16).

@@ -105,6 +105,10 @@ _ADMIN_FIELDS: dict[str, Converter] = {
         "`/metrics` (a page that rebinds its own name to this address reads nothing)",
         default="none",
     ),
+    "max_connections": _integer(1).about(
+        "admin connections open at once (their descriptors are the data plane's); at "
+        "the limit the longest idle one is closed to admit a new one; read at start",
+    ),
 }
 
 _REDIS_FIELDS: dict[str, Converter] = {

@@ -7,6 +7,8 @@ asserts the bytes a client sees and that the endpoint goes on serving others."""
 from __future__ import annotations
 
 import json
+import os
+import resource
 import socket
 import struct
 import threading
@@ -15,7 +17,9 @@ import time
 import pytest
 
 from lbproxy.admin.http_server import MAX_BODY, MAX_HEAD, REQUEST_TIMEOUT
-from tests.integration.harness import Lbproxy, free_port
+from tests.integration.conftest import vs_config
+from tests.integration.harness import Lbproxy, ask_name, free_port, wait_for
+from tests.integration.test_admin import http, with_admin
 
 LOAD = "/api/v1/virtual-servers/db/real-servers/a/load"
 PATCH = "/api/v1/virtual-servers/db/real-servers/a"
@@ -348,3 +352,47 @@ def test_an_ipv6_listen_address(tmp_path):
             )
             assert read_answer(s, buffer)[0] == 200
         assert proxy.proc.poll() is None
+
+
+def test_three_thousand_idle_admin_connections_take_no_more_than_max_connections(
+    name_servers, lbproxy
+):
+    """Idle keep-alive clients that send nothing: the endpoint keeps at most
+    global.admin.max_connections (256) of them, closing the idlest to admit each new one,
+    so proxying, /healthz and a scrape go on and its descriptors stay bounded."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    (a,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    process = lbproxy(with_admin(vs_config(port, [a], "rr"), admin_port), [port, admin_port])
+    pid = process.proc.pid
+    before = len(os.listdir(f"/proc/{pid}/fd"))
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(3000):
+            idle.append(connect(admin_port))
+        # The newest are kept; the endpoint answers a probe, a scrape and proxies.
+        wait_for(
+            lambda: len(os.listdir(f"/proc/{pid}/fd")) <= before + 256 + 2,
+            what="at most 256 admin connections held",
+        )
+        status, _ = http("GET", f"http://127.0.0.1:{admin_port}/healthz")
+        assert status == 200
+        status, body = http("GET", f"http://127.0.0.1:{admin_port}/metrics")
+        assert status == 200 and b"lbproxy_connections_total" in body
+        assert ask_name(port) == "a"
+        closed = 0
+        for s in idle:
+            s.setblocking(False)
+            try:
+                closed += s.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                closed += 1
+        # All but the newest (at most 256, less the probe's and scrape's own) were closed.
+        assert 3000 - 256 <= closed <= 3000, closed
+        assert len(os.listdir(f"/proc/{pid}/fd")) <= before + 256 + 2
+    finally:
+        for s in idle:
+            s.close()

@@ -226,7 +226,7 @@ def host_refusal(headers: dict[bytes, bytes], allowed: tuple[str, ...]) -> str |
 
     DNS rebinding: a page on evil.example rebinds its name to 127.0.0.1 and its requests
     then carry `Host: evil.example`, its own origin, so the cross-origin check passes.
-    An IP literal, `localhost` or a name the operator listed cannot be such a page's
+    An IP literal, `localhost`, a `*.localhost` name or a name the operator listed cannot be such a page's
     origin. No `Host` at all (HTTP/1.0) is no browser's request."""
     value = headers.get(b"host")
     if value is None:
@@ -239,7 +239,8 @@ def host_refusal(headers: dict[bytes, bytes], allowed: tuple[str, ...]) -> str |
     else:  # a name, v4 without a port, or a bare v6 address
         host = text
     host = host.removesuffix(".")
-    if host == "localhost" or host in allowed:
+    # *.localhost names always resolve to loopback (RFC 6761 §6.3): no page can rebind them.
+    if host == "localhost" or host.endswith(".localhost") or host in allowed:
         return None
     try:
         ipaddress.ip_address(host.split("%", 1)[0])

@@ -136,7 +136,13 @@ def test_a_rebound_host_name_is_answered_421_and_changes_nothing(name_servers, l
         connection.close()
 
     # By IP (v4, v6 literal), localhost, and a listed name (any case): served.
-    for host in (f"127.0.0.1:{admin_port}", "[::1]", f"localhost:{admin_port}", "127.0.0.1"):
+    for host in (
+        f"127.0.0.1:{admin_port}",
+        "[::1]",
+        f"localhost:{admin_port}",
+        "127.0.0.1",
+        "lb.localhost",
+    ):
         status, _ = request(admin_port, "GET", patch, b"", {"Host": host})
         assert status == 200, host
     status, _ = request(

@@ -226,8 +226,8 @@ def host_refusal(headers: dict[bytes, bytes], allowed: tuple[str, ...]) -> str |
 
     DNS rebinding: a page on evil.example rebinds its name to 127.0.0.1 and its requests
     then carry `Host: evil.example`, its own origin, so the cross-origin check passes.
-    An IP literal, `localhost`, a `*.localhost` name or a name the operator listed cannot be such a page's
-    origin. No `Host` at all (HTTP/1.0) is no browser's request."""
+    An IP literal, `localhost`, a `*.localhost` name or a name the operator listed
+    cannot be such a page's origin. No `Host` at all (HTTP/1.0) is no browser's request."""
     value = headers.get(b"host")
     if value is None:
         return None

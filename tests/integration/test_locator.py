@@ -309,6 +309,9 @@ def test_a_stalled_tcp_client_is_dropped_and_blocks_nobody(locator):
         assert 1.0 < waited < 6.0
 
 
+# serial: it counts rate-limited queries, and beside other tests the kernel drops some
+# before lbproxy reads them (4,550 counted of the 5,000 expected in a parallel CI run).
+@pytest.mark.serial
 def test_a_flood_of_udp_queries_leaves_the_proxy_serving(locator):
     _, admin, dns_port, proxy_port, _ = locator
     wire = dns.message.make_query("_db._tcp.lb.internal.", "SRV").to_wire()

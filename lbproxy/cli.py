@@ -8,6 +8,7 @@ and never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def main() -> None:
 def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
     """Run the proxy. CONFIG: YAML files or folders of *.yaml files.
 
-    SIGHUP reloads the configuration; SIGTERM or SIGINT drain, then exit.
+    SIGHUP reloads the configuration; SIGTERM or SIGINT drain, then exit. Under
+    systemd socket activation (LISTEN_FDS) the passed sockets are served, not bound.
     """
     from lbproxy.runtime import server  # trio is imported only by the commands that need it
 
@@ -88,6 +90,10 @@ def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
     cfg = _load_or_exit(config)
     if cfg.global_.workers > 1:
         from lbproxy.runtime import workers
+
+        if os.environ.get("LISTEN_FDS"):  # each worker binds its own SO_REUSEPORT sockets
+            click.echo("lbproxy: socket activation (LISTEN_FDS) needs workers: 1", err=True)
+            sys.exit(EXIT_RUNTIME)
 
         sys.exit(workers.run(cfg, config_paths=list(config), log_level=log_level))
     sys.exit(server.run(cfg, config_paths=list(config), log_level=log_level))

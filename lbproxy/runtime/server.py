@@ -37,6 +37,7 @@ from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_sock
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.runtime import logs
+from lbproxy.runtime.inherit import Inherited
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.wire.cluster_messages import Change, EntryBatch
 
@@ -92,6 +93,9 @@ class Server:
         self.notifier = Notifier()
         self.conditioners = Conditioners()  # one per virtual server with `conditioning:`
         self.dns: DnsLocator | None = None  # global.locator.dns, once bound
+        # Listening sockets passed by systemd or by the lbproxy this one replaces
+        # (lbproxy/runtime/inherit.py): an address they cover is not bound again.
+        self.inherited = Inherited(())
         # global.cluster (SPEC §18): runtime changes and persistence shared through Redis.
         # Not changed by a reload (like global.locator): it is this process's identity.
         redis = config.global_.cluster.redis
@@ -106,16 +110,28 @@ class Server:
         handle_signals: bool = True,
     ) -> None:
         # Bind before any task starts, so a bad address fails plainly (exit code 1).
-        bound, _ = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
+        try:
+            bound, _ = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
+        except BindError:
+            self.inherited.close()
+            raise
         admin_address = self.config.global_.admin.listen
+        admin_sock = None
         try:
             admin_sock = self.admin_sock
             if admin_sock is None and admin_address:
-                admin_sock = listen_socket(admin_address)
+                key = f"admin {admin_address}"
+                admin_sock = self.inherited.take(key, admin_address, udp=False, names=["admin"])
+                if admin_sock is None:
+                    admin_sock = self._listen(admin_address, listen_socket)
             dns_socks = self._bind_dns()
+            self.inherited.check_all_used()  # a passed socket nothing took: an error
         except BindError:
             for listener in bound:
                 listener.sock.close()
+            if admin_sock is not None and admin_sock is not self.admin_sock:
+                admin_sock.close()
+            self.inherited.close()
             raise
         # The admin endpoint outlives the drain (so /readyz can answer 503 meanwhile)
         # and is cancelled once the last connection is done; the DNS locator with it.
@@ -148,12 +164,23 @@ class Server:
         config = self.config.global_.locator.dns
         if config is None:
             return None
-        try:
-            socks = DnsLocator.bind(config.listen, self.reuse_port)
-        except OSError as exc:
-            raise BindError(
-                f"cannot listen on {config.listen} (DNS locator): {exc.strerror}"
-            ) from None
+        udp = self.inherited.take(
+            f"dns {config.listen}/udp", config.listen, udp=True, names=["dns"]
+        )
+        tcp = self.inherited.take(f"dns {config.listen}", config.listen, udp=False, names=["dns"])
+        if udp is not None and tcp is not None:
+            socks = udp, tcp
+        else:
+            for sock in (udp, tcp):  # both passed, or both bound here
+                if sock is not None:
+                    sock.close()
+            try:
+                socks = DnsLocator.bind(config.listen, self.reuse_port)
+            except OSError as exc:
+                raise BindError(
+                    f"cannot listen on {config.listen} (DNS locator): {exc.strerror}"
+                    + self.inherited.missing(str(config.listen))
+                ) from None
         self.dns = DnsLocator(config, self.virtual_servers)
         return socks
 
@@ -282,11 +309,16 @@ class Server:
             for address, virtual_servers in routes.items():
                 if address in self.listeners:
                     continue
-                if isinstance(address, UdpAddress):
-                    sock = udp_socket(address, self.reuse_port)
+                udp = isinstance(address, UdpAddress)
+                # A virtual server with this one address may be named by a passed socket.
+                alone = [vs.name for vs in virtual_servers if len(vs.pool.config.listen) == 1]
+                sock = self.inherited.take(str(address), address, udp=udp, names=alone)
+                if udp:
+                    sock = sock or self._listen(address, udp_socket)
                     bound.append(UdpListener(address, sock, virtual_servers))
                 else:
-                    bound.append(Listener(address, self._bind(address), virtual_servers))
+                    sock = sock or self._bind(address)
+                    bound.append(Listener(address, sock, virtual_servers))
         except BindError:
             for listener in bound:
                 listener.sock.close()
@@ -294,9 +326,20 @@ class Server:
         return bound, routes
 
     def _bind(self, address: Address) -> socket.socket:
-        sock = listen_socket(address, self.reuse_port)
+        sock = self._listen(address, listen_socket)
         sock.setblocking(False)
         return sock
+
+    def _listen(
+        self, address: Address, bind: Callable[[Address, bool], socket.socket]
+    ) -> socket.socket:
+        """Bind `address`; a BindError also names the sockets passed, if any were."""
+        try:
+            return bind(address, self.reuse_port)
+        except BindError as exc:
+            if not self.inherited:
+                raise
+            raise BindError(f"{exc}{self.inherited.missing(str(address))}") from None
 
     def _start_listener(self, listener: Listener) -> None:
         self._register(listener)
@@ -610,6 +653,11 @@ def run(
             return 2
     server = Server(config, config_paths, admin_token=token)
     server.notifier = Notifier.from_environment()
+    try:
+        server.inherited = Inherited.from_systemd()
+    except BindError as exc:
+        log.error("%s", exc)
+        return 1
 
     failures: list[BindError] = []
     try:

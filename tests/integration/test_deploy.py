@@ -104,6 +104,42 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     assert float(exposure[1]) < 3.0, security.stdout  # systemd calls below 3 "OK"
 
 
+SOCKET_UNIT = CONTRIB / "lbproxy.socket"
+
+
+def test_socket_unit_passes_what_the_shipped_configuration_listens_on():
+    """Every ListenStream= of contrib/lbproxy.socket is an address the configuration the
+    unit's comment installs (configs/global.yaml and configs/wlc.yaml) listens on: else
+    `lbproxy run` would refuse to start ("matches no virtual server")."""
+    settings = unit_settings(SOCKET_UNIT.read_text())
+    config = load([str(ROOT / "configs" / "global.yaml"), str(ROOT / "configs" / "wlc.yaml")])
+    listened = {str(a) for vs in config.virtual_servers for a in vs.listen}
+    listened.add(str(config.global_.admin.listen))
+    assert settings["ListenStream"] and set(settings["ListenStream"]) <= listened
+    assert settings["Accept"] == ["no"]
+    assert settings["Service"] == ["lbproxy.service"]
+    assert "contrib/lbproxy.socket" in SOCKET_UNIT.read_text()  # how to install it
+
+
+@tools.requires("systemd-analyze", package="systemd")
+def test_socket_unit_passes_systemd_analyze_verify(tmp_path):
+    lbproxy = Path(sys.executable).parent / "lbproxy"
+    (tmp_path / "lbproxy.service").write_text(
+        UNIT.read_text().replace("/usr/local/bin/lbproxy", str(lbproxy))
+    )
+    (tmp_path / "lbproxy.socket").write_text(SOCKET_UNIT.read_text())
+    verify = subprocess.run(
+        ["systemd-analyze", "verify", str(tmp_path / "lbproxy.socket")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    output = verify.stdout + verify.stderr
+    assert verify.returncode == 0, output
+    assert "lbproxy.socket" not in output, output
+
+
 def _syscall_set(group: str, seen: set[str]) -> set[str]:
     """The system calls in a systemd-analyze syscall-filter group, groups expanded."""
     out = subprocess.run(

@@ -44,7 +44,7 @@ from typing import Any
 import h11
 import trio
 
-from lbproxy.net.accept import ACCEPT_BATCH, AcceptErrors
+from lbproxy.net.accept import AcceptErrors, Spawn, accept_loop
 from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.http_server")
@@ -64,9 +64,6 @@ GRACE = 1.0  # on stop, an answer in progress has this long; idle connections cl
 # so closing with unread bytes (an RST) does not destroy the answer before it is read.
 LINGER = 1.0
 LINGER_BYTES = 1024 * 1024
-# The accept loop's rules, as listener.py's (which this module must not import: the admin
-# side never reaches into the proxy's): capacity errors back off, never spin; at most
-# ACCEPT_BATCH accepts per wake-up before other tasks run.
 # Requests answered on one connection without waiting for the socket (a pipelining
 # client) before it lets other tasks run.
 FAIR_BATCH = 16
@@ -101,6 +98,7 @@ class Server:
         self.max_connections = max_connections
         self.connections: set[_Connection] = set()
         self._handlers: trio.Nursery | None = None
+        self._listening: socket.socket  # set when serving starts
         self._stopped = trio.Event()
 
     async def serve(
@@ -135,34 +133,19 @@ class Server:
             connection.stop(deadline)
 
     async def _accept(self, sock: socket.socket) -> None:
-        # As listener.py's accept loop: the plain socket, a wait only when the backlog is
-        # empty, a checkpoint every ACCEPT_BATCH, back-off on capacity errors.
-        sock.setblocking(False)
-        fd = sock.fileno()
-        unix = sock.family == socket.AF_UNIX
+        # The one accept loop (net/accept.py): the plain socket, a wait only when the
+        # backlog is empty, a checkpoint every ACCEPT_BATCH, back-off on capacity errors.
         assert self._handlers is not None
-        spawn = self._handlers.start_soon
-        batch = 0
-        errors = AcceptErrors("admin", log)  # the back-off (net/accept.py)
-        while True:
-            try:
-                client, peer = sock.accept()
-            except BlockingIOError:
-                batch = 0
-                await trio.lowlevel.wait_readable(fd)
-                continue
-            except OSError as exc:
-                if await errors.failed(exc):
-                    continue
-                return  # the socket was closed
-            if errors.burst:
-                errors.recovered()
-            client.setblocking(False)
-            spawn(self._connection, client, None if unix else peer[:2])
-            batch += 1
-            if batch >= ACCEPT_BATCH:
-                batch = 0
-                await trio.lowlevel.checkpoint()
+        self._listening = sock
+        errors = AcceptErrors("admin", log)
+        await accept_loop(sock, self, self._handlers.start_soon, errors)
+
+    def accept_client(self, fd: int, peer: Any, spawn: Spawn) -> None:
+        """Called by the accept loop for each client: its connection runs in a task."""
+        listening = self._listening
+        client = socket.socket(listening.family, listening.type, listening.proto, fd)
+        client.setblocking(False)  # the descriptor is; this sets the socket object's mode
+        spawn(self._connection, client, None if listening.family == socket.AF_UNIX else peer[:2])
 
     async def _connection(self, sock: socket.socket, peer: tuple | None) -> None:
         try:

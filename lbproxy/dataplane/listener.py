@@ -1,4 +1,4 @@
-"""Listening addresses: bind, accept, the accept-error back-off, and the SNI route.
+"""Listening addresses: bind, the accept loop (net/accept.py's), and the SNI route.
 
 A `Listener` is one bound socket and the virtual servers it feeds. Its accept loop hands
 every accepted client to its handler, which serves it at once and, only for what has to
@@ -20,9 +20,7 @@ module imports the handler and the runtime virtual server; neither imports it.
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import socket
 from collections.abc import Sequence
 
@@ -32,7 +30,7 @@ from lbproxy.config.model import Address
 from lbproxy.dataplane.connection import Handler, Spawn
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
-from lbproxy.net.accept import ACCEPT_BATCH, AcceptErrors
+from lbproxy.net.accept import AcceptErrors, accept_loop
 from lbproxy.net.barrier import record
 from lbproxy.wire.client_hello import LIMIT, ClientHelloReader, Hello
 from lbproxy.wire.proxy_protocol import ProxyProtocolError
@@ -44,7 +42,6 @@ LISTEN_BACKLOG = 4096
 # A ClientHello is one read in practice (~300-600 bytes; more with post-quantum keys);
 # never more than the 16 KiB the reader looks at.
 HELLO_READ = LIMIT
-F_SETFL, O_NONBLOCK = fcntl.F_SETFL, os.O_NONBLOCK
 
 
 class BindError(Exception):
@@ -197,53 +194,11 @@ class Listener:
 
     async def accept_loop(self, handlers: trio.Nursery) -> None:
         """Accept clients until closed, each served by a task in `handlers`."""
-        spawn = handlers.start_soon
-        listener = self
-        # Accept on the plain socket under trio's wrapper: trio's accept() costs two
-        # checkpoints (a scheduler round each) and a wrapper object per connection. We
-        # wait only when the backlog is empty, and let other tasks run every
-        # ACCEPT_BATCH connections so a flood cannot starve established ones.
-        # `_accept` is socket.accept() without the socket object (Python frames, and a
-        # getsockname call CPython makes to check the descriptor): the handler and the
-        # pump work on the descriptor. O_NONBLOCK with one fcntl, as HAProxy does
-        # (accept4's SOCK_NONBLOCK is not reachable from the standard library).
-        sock = listener.sock
-        accept = sock._accept
-        set_flags = fcntl.fcntl
-        fd = sock.fileno()
-        batch = 0
-        errors = AcceptErrors(str(listener.address), log)  # the back-off (net/accept.py)
-        with listener.cancel_scope:
-            while True:
-                try:
-                    client, peer = accept()
-                except BlockingIOError:
-                    batch = 0
-                    try:
-                        await trio.lowlevel.wait_readable(fd)
-                    except trio.ClosedResourceError:  # closed by a reload
-                        return
-                    continue
-                except OSError as exc:
-                    if await errors.failed(exc):
-                        continue
-                    return  # closed by a reload
-                if errors.burst:
-                    errors.recovered()
-                try:
-                    set_flags(client, F_SETFL, O_NONBLOCK)
-                except OSError as exc:  # not expected from a fresh socket: drop it
-                    log.warning("%s: accepted socket: %s", listener.address, exc)
-                    os.close(client)
-                    continue
-                try:
-                    listener.accept_client(client, peer, spawn)
-                except Exception as exc:  # the barrier: the handler closed what it owned
-                    record("accept", exc, str(listener.address))
-                batch += 1
-                if batch >= ACCEPT_BATCH:
-                    batch = 0
-                    await trio.lowlevel.checkpoint()
+        # The one accept loop (net/accept.py), which reads `accept_client` for every
+        # client: a reload re-routing this listener takes effect at the next one.
+        errors = AcceptErrors(str(self.address), log)  # the back-off
+        with self.cancel_scope:
+            await accept_loop(self.sock, self, handlers.start_soon, errors)
 
 
 def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:

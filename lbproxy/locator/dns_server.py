@@ -36,7 +36,7 @@ from lbproxy.config.model import Address, DnsLocatorConfig
 from lbproxy.core.pool import Pool
 from lbproxy.locator.dns_answers import UDP_PAYLOAD, QueryHandler
 from lbproxy.locator.dns_rate_limit import ANSWER, REFUSE, SLIP, SourcePolicy
-from lbproxy.net.accept import AcceptErrors
+from lbproxy.net.accept import AcceptErrors, Spawn, accept_loop
 from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.locator")
@@ -131,11 +131,10 @@ class DnsLocator:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve both sockets until cancelled; closes them."""
-        tcp_sock = trio.socket.from_stdlib_socket(tcp)
-        with udp, tcp_sock:
+        with udp, tcp:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._udp, udp)
-                nursery.start_soon(self._tcp, tcp_sock, nursery)
+                nursery.start_soon(self._tcp, tcp, nursery)
                 log.info(
                     "DNS locator on %s (UDP and TCP), zone %s", self.config.listen, self.config.zone
                 )
@@ -178,21 +177,18 @@ class DnsLocator:
                 batch = 0
                 await trio.lowlevel.checkpoint()
 
-    async def _tcp(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
-        errors = AcceptErrors("DNS TCP", log)  # the back-off (net/accept.py)
-        while True:
-            try:
-                client, peer = await sock.accept()
-            except OSError as exc:  # out of descriptors: back off, never spin
-                if await errors.failed(exc):
-                    continue
-                return  # the socket was closed
-            if errors.burst:
-                errors.recovered()
-            if not self._admit_tcp(peer[0]):
-                client.close()
-                continue
-            nursery.start_soon(self._tcp_client, client, peer)
+    async def _tcp(self, sock: socket.socket, nursery: trio.Nursery) -> None:
+        # The one accept loop (net/accept.py): out of descriptors, back off, never spin.
+        errors = AcceptErrors("DNS TCP", log)
+        await accept_loop(sock, self, nursery.start_soon, errors)
+
+    def accept_client(self, fd: int, peer: tuple, spawn: Spawn) -> None:
+        """Called by the accept loop for each TCP client: admitted, it gets a task."""
+        client = trio.socket.from_stdlib_socket(socket.socket(fileno=fd))
+        if not self._admit_tcp(peer[0]):
+            client.close()
+            return
+        spawn(self._tcp_client, client, peer)
 
     def _admit_tcp(self, host: str) -> bool:
         """Count a new TCP client of `host` in, or False when a limit is reached."""

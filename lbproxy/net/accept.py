@@ -1,21 +1,37 @@
-"""Accepting connections: the errnos that mean "out of capacity", and the back-off.
+"""Accepting connections: the one accept loop, the errnos that mean "out of capacity",
+and the back-off.
 
-One table and one back-off for every accept loop (the proxy's listeners, the admin
-endpoint, the DNS locator's TCP side) and for the connects that can run out the same
-way (health checks, connects to real servers). trio's serve_listeners is the model
-(ACCEPT_CAPACITY_ERRNOS in _highlevel_serve_listeners.py): out of descriptors or memory,
-an accept back off and retries -- never crash, never spin. The pending connection stays
+One loop (`accept_loop`), one table and one back-off for every listening socket (the
+proxy's listeners, the admin endpoint, the DNS locator's TCP side); the table also serves
+the connects that can run out the same way (health checks, connects to real servers).
+trio's serve_listeners is the model (ACCEPT_CAPACITY_ERRNOS in
+_highlevel_serve_listeners.py): out of descriptors or memory, an accept backs off and
+retries -- never crash, never spin. The pending connection stays
 in the kernel's backlog and is served once a slot frees up.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import trio
 
-__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BATCH", "CAPACITY_ERRNOS", "AcceptErrors"]
+from lbproxy.net.barrier import record
+
+__all__ = [
+    "ACCEPT_BACKOFF",
+    "ACCEPT_BATCH",
+    "CAPACITY_ERRNOS",
+    "AcceptErrors",
+    "Acceptor",
+    "accept_loop",
+]
 
 # Out of descriptors (this process's or the system's) or of kernel memory.
 CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
@@ -74,3 +90,74 @@ class AcceptErrors:
                 "%s: accepting again (%d accept failure(s) in that burst)", self.name, self.burst
             )
             self.burst = 0
+
+
+Spawn = Callable[..., object]  # a nursery's start_soon
+F_SETFL, O_NONBLOCK = fcntl.F_SETFL, os.O_NONBLOCK
+
+
+class Acceptor(Protocol):
+    """What an accept loop hands each client to.
+
+    `accept_client(fd, peer, spawn)` is called in the loop, once per accepted client,
+    with a non-blocking descriptor the callee now owns and the peer address as accept()
+    returns it; it serves the client at once or `spawn`s a task for it, and must not
+    block. It is read from the owner for every client, so an owner may replace it (a
+    listener re-routed by a reload) while the loop runs.
+    """
+
+    accept_client: Callable[[int, Any, Spawn], object]
+
+
+async def accept_loop(
+    sock: socket.socket, owner: Acceptor, spawn: Spawn, errors: AcceptErrors
+) -> None:
+    """Accept clients on the listening `sock` until it is closed, handing each to
+    `owner.accept_client` with `spawn` (the handlers' nursery's start_soon: the loop and
+    the handlers live in separate nurseries, as in trio's serve_listeners, so stopping
+    the loop cancels no connection). Returns when the socket is closed; cancel it to
+    stop it otherwise."""
+    # Accept on the plain socket, not trio's wrapper: trio's accept() costs two
+    # checkpoints (a scheduler round each) and a wrapper object per connection. We wait
+    # only when the backlog is empty, and let other tasks run every ACCEPT_BATCH
+    # connections so a flood cannot starve established ones. `_accept` is
+    # socket.accept() without the socket object (Python frames, and a getsockname call
+    # CPython makes to check the descriptor): the data plane works on descriptors, and
+    # an owner that wants a socket object makes one. O_NONBLOCK with one fcntl, as
+    # HAProxy does (accept4's SOCK_NONBLOCK is not reachable from the standard library).
+    # This is the data plane's hot path: every name is a local.
+    sock.setblocking(False)
+    accept = sock._accept  # type: ignore[attr-defined]  # CPython's accept4 wrapper
+    set_flags = fcntl.fcntl
+    fd = sock.fileno()
+    batch = 0
+    while True:
+        try:
+            client, peer = accept()
+        except BlockingIOError:
+            batch = 0
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            except trio.ClosedResourceError:  # closed meanwhile (a reload)
+                return
+            continue
+        except OSError as exc:
+            if await errors.failed(exc):
+                continue
+            return  # the socket was closed
+        if errors.burst:
+            errors.recovered()
+        try:
+            set_flags(client, F_SETFL, O_NONBLOCK)
+        except OSError as exc:  # not expected from a fresh socket: drop it
+            errors.log.warning("%s: accepted socket: %s", errors.name, exc)
+            os.close(client)
+            continue
+        try:
+            owner.accept_client(client, peer, spawn)
+        except Exception as exc:  # the barrier: the owner closed what it owned
+            record("accept", exc, errors.name)
+        batch += 1
+        if batch >= ACCEPT_BATCH:
+            batch = 0
+            await trio.lowlevel.checkpoint()

@@ -193,6 +193,9 @@ def virtual_server_document(pool: Pool) -> dict[str, Any]:
         "rejected": stats.rejected,
         "dynamic_weight_fallback": stats.dynamic_weight_fallback,
         "real_servers": [real_server_document(pool, rs.name) for rs in stats.real_servers],
+        "protocol": pool.config.protocol,
+        # SPEC §19: the session table's counts (active sessions: `active_connections`).
+        "udp": pool.udp.document() if pool.config.protocol == "udp" else None,
     }
 
 

@@ -25,6 +25,8 @@ from lbproxy.core.discovery_model import DiscoveryState
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.core.pool import REJECT_REASONS, Pool
 from lbproxy.core.throttle import MODE_VALUES
+from lbproxy.core.udp_stats import DIRECTIONS as UDP_DIRECTIONS
+from lbproxy.core.udp_stats import DROP_REASONS as UDP_DROP_REASONS
 from lbproxy.net.barrier import WHERE as INTERNAL_ERROR_PLACES
 from lbproxy.net.barrier import internal_errors
 from lbproxy.wire.cluster_messages import KINDS as CLUSTER_KINDS
@@ -195,6 +197,7 @@ class LbproxyCollector:
         yield internal
         yield from self._locator_families()
         yield from self._cluster()
+        yield from self._udp()
         yield from (
             connections,
             active,
@@ -275,6 +278,44 @@ class LbproxyCollector:
             "here; disconnected: how long Redis has been away.",
             value=cluster.sync_lag,
         )
+
+    def _udp(self) -> Iterator[Metric]:
+        """SPEC §19; only for virtual servers with `protocol: udp` (none: no families).
+        Sessions are the pool's leases; lbproxy_bytes_total counts their bytes too."""
+        pools = [pool for pool in self.source.pools() if pool.config.protocol == "udp"]
+        if not pools:
+            return
+        datagrams = CounterMetricFamily(
+            "lbproxy_udp_datagrams",
+            "UDP datagrams relayed; direction in is client to server, out is server to client.",
+            labels=[VS, RS, "direction"],
+        )
+        active = GaugeMetricFamily(
+            "lbproxy_udp_active_sessions", "UDP sessions open to each real server.", labels=[VS, RS]
+        )
+        sessions = CounterMetricFamily(
+            "lbproxy_udp_sessions", "UDP sessions opened to each real server.", labels=[VS, RS]
+        )
+        dropped = CounterMetricFamily(
+            "lbproxy_udp_dropped",
+            "UDP datagrams dropped, by reason: max_sessions, per_source, no_server, acl, "
+            "throttle (no session opened), unrequested (a reply beyond udp.responses), "
+            "send_error, reply_error.",
+            labels=[VS, "reason"],
+        )
+        for pool in pools:
+            counters = pool.udp
+            for rs in pool.servers:
+                labels = [pool.name, rs.name]
+                for direction in UDP_DIRECTIONS:
+                    datagrams.add_metric(
+                        [*labels, direction], counters.datagrams[rs.name, direction]
+                    )
+                active.add_metric(labels, rs.active)
+                sessions.add_metric(labels, counters.sessions_total[rs.name])
+            for reason in UDP_DROP_REASONS:
+                dropped.add_metric([pool.name, reason], counters.dropped[reason])
+        yield from (datagrams, active, sessions, dropped)
 
     def _locator_families(self) -> Iterator[Metric]:
         """SPEC §10 and §11: locator answers, DNS queries, load reports, conditioning."""

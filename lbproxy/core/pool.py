@@ -44,6 +44,7 @@ from lbproxy.core.balance import Balance, spread
 from lbproxy.core.health import Health
 from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, QUEUE_BUCKETS, Histogram
 from lbproxy.core.persistence import Entry, Persistence, client_key
+from lbproxy.core.udp_stats import UdpCounters
 
 log = logging.getLogger("lbproxy.pool")
 
@@ -293,6 +294,7 @@ class Pool:
         self.load_report_counts: Counter[str] = Counter()
         self.answers: Counter[tuple[str, str]] = Counter()  # (real server, via)
         self.conditioned: Counter[str] = Counter()  # connections closed by conditioning
+        self.udp = UdpCounters()  # protocol: udp (SPEC §19): datagrams, drops
         self.balance = Balance()
         # Servers present at start-up come online together: resetting the (empty)
         # connection table for each of them would only cost O(n²).

@@ -27,15 +27,17 @@ import ipaddress
 import logging
 import socket
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
 from lbproxy.config.model import Address
 from lbproxy.control.checks import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
+from lbproxy.core.udp_stats import UdpCounters
 from lbproxy.dataplane.listener import BindError
 from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.udp")
 access_log = logging.getLogger("lbproxy.access")
@@ -46,56 +48,95 @@ MAX_DATAGRAM = 65507
 _BATCH = 64
 
 
-@dataclass(eq=False)
 class Session:
-    """One client address and its connected socket to a real server."""
+    """One client address and its connected socket to a real server; the handle of its
+    lease, so the pool reads its live byte counts and `close_leases` can end it."""
 
-    client: tuple
-    server: RealServer
-    lease: Lease
-    sock: socket.socket
-    started: float
-    last: float  # the last datagram either way
-    requests: int = 0
-    replies: int = 0
-    bytes_in: int = 0  # client -> real server
-    bytes_out: int = 0  # real server -> client
-    ended: str = ""
+    __slots__ = (
+        "bytes_in",
+        "bytes_out",
+        "client",
+        "ended",
+        "idle_timeout",
+        "last",
+        "lease",
+        "relay",
+        "replies",
+        "requests",
+        "server",
+        "sock",
+        "started",
+    )
 
+    def __init__(self, relay, client, server, lease, sock, now, idle_timeout) -> None:
+        self.relay: UdpRelay = relay
+        self.client: tuple = client
+        self.server: RealServer = server
+        self.lease: Lease = lease
+        self.sock: socket.socket = sock
+        self.started = now
+        self.last = now  # the last datagram either way
+        self.idle_timeout: float = idle_timeout
+        self.requests = 0
+        self.replies = 0
+        self.bytes_in = 0  # client -> real server
+        self.bytes_out = 0  # real server -> client
+        self.ended = ""
 
-@dataclass
-class UdpCounters:
-    datagrams: Counter = field(default_factory=Counter)  # (real server, "in"/"out")
-    bytes: Counter = field(default_factory=Counter)
-    sessions_total: Counter = field(default_factory=Counter)  # by real server
-    dropped: Counter = field(default_factory=Counter)  # by reason
+    def close(self) -> None:
+        """End the session now (`state: disabled`, `on_down: close`)."""
+        self.ended = self.ended or "closed"
+        self.relay._close(self)
 
 
 class UdpRelay:
     """The sessions of one UDP virtual server on one bound, non-blocking socket."""
 
-    def __init__(self, pool: Pool, sock: socket.socket, *, access_log: bool = False) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        sock: socket.socket,
+        *,
+        access_log: bool = False,
+        vs: VirtualServer | None = None,
+    ) -> None:
         self.pool = pool
         self.sock = sock
         self.access_log = access_log
+        self.vs = vs  # its throttle, when it has one (None: a relay without a server)
         self.sessions: dict[tuple, Session] = {}
         self.per_source: Counter = Counter()
-        self.counters = UdpCounters()
+        self.stopping = False  # at stop: no new session; serve() ends with the last one
+        self._drained = trio.Event()  # stopping, and the last session ended
         self._in = bytearray(MAX_DATAGRAM + 1)  # +1: a datagram that big is not cut short
         self._out = bytearray(MAX_DATAGRAM + 1)
         self._nursery: trio.Nursery | None = None
 
+    @property
+    def counters(self) -> UdpCounters:
+        return self.pool.udp
+
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Read client datagrams until cancelled; session tasks live in the same nursery."""
+        """Read client datagrams until cancelled, or, once `stop()` was called, until
+        the last session ended; session tasks live in the same nursery."""
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started(self.sock.getsockname())
-                await self._receive()
+                nursery.start_soon(self._receive)
+                await self._drained.wait()
+                nursery.cancel_scope.cancel()
         finally:
             for session in list(self.sessions.values()):
                 session.ended = session.ended or "stopped"
                 self._close(session)
+
+    def stop(self) -> None:
+        """Open no more sessions; the running ones go on to their end (SPEC §6's drain,
+        which the server bounds with global.drain_timeout), then serve() returns."""
+        self.stopping = True
+        if not self.sessions:
+            self._drained.set()
 
     async def _receive(self) -> None:
         view = memoryview(self._in)
@@ -110,7 +151,10 @@ class UdpRelay:
                 except OSError as exc:  # e.g. a reply to a client that is gone
                     log.debug("udp receive: %s", exc)
                     continue
-                self._from_client(view[:n], client)
+                try:
+                    self._from_client(view[:n], client)
+                except Exception as exc:  # a bug: this datagram is lost, nothing else
+                    record("connection", exc, f"udp datagram from {_peer(client)}", log)
 
     # -- client -> real server ------------------------------------------------------
 
@@ -126,7 +170,7 @@ class UdpRelay:
         try:
             session.sock.send(data)
         except BlockingIOError:
-            self.counters.dropped["send_full"] += 1
+            self.counters.dropped["send_error"] += 1
             return
         except ConnectionRefusedError:  # an earlier datagram's ICMP port unreachable
             self._refused(session, now)
@@ -138,38 +182,57 @@ class UdpRelay:
         rs = session.server
         size = len(data)
         session.bytes_in += size
-        self.counters.datagrams[rs.name, "in"] += 1
-        self.counters.bytes[rs.name, "in"] += size
+        counters = self.counters
+        counters.datagrams[rs.name, "in"] += 1
+        counters.bytes[rs.name, "in"] += size
 
     def _open(self, client: tuple, now: float) -> Session | None:
-        config = self.pool.config
+        pool = self.pool
+        config = pool.config
         udp = config.udp
+        dropped = self.counters.dropped
+        if self.stopping:
+            return None  # stopping: as a closed TCP listener, nothing is counted
         if not _allowed(config.allow, config.deny, client[0]):
-            self.counters.dropped["acl"] += 1
+            dropped["acl"] += 1
             return None
         if len(self.sessions) >= udp.max_sessions:
-            self.counters.dropped["max_sessions"] += 1
+            dropped["max_sessions"] += 1
             return None
         if self.per_source[client[0]] >= udp.max_sessions_per_source:
-            self.counters.dropped["per_source"] += 1
+            dropped["per_source"] += 1
             return None
-        rs = self.pool.pick(now, (), client)
+        throttle = self.vs.throttle if self.vs is not None else None
+        idle = udp.idle_timeout
+        if throttle is not None:
+            # A new session is the throttle's arrival (its rate), counted among the
+            # clients it weighs (`pool.clients`: the open sessions) as TCP's accept is.
+            pool.clients += 1
+            refused = throttle.arrival()
+            pool.clients -= 1
+            if refused:
+                dropped["throttle"] += 1
+                return None
+            idle = throttle.idle_timeout_for(idle)
+        rs = pool.pick(now, (), client)
         if rs is None:
-            self.counters.dropped["no_server"] += 1
+            dropped["no_server"] += 1
             return None
-        lease = self.pool.take(rs, now, None, client)
+        lease = pool.take(rs, now, None, client)
         try:
             family = socket.AF_INET6 if ":" in rs.address.host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_DGRAM)
             sock.setblocking(False)
             sock.connect((rs.address.host, rs.address.port))
         except OSError as exc:
-            self.pool.drop(lease, now)
-            self.counters.dropped["no_socket"] += 1
+            pool.drop(lease, now)
+            dropped["send_error"] += 1
             log.warning("udp session to %s: %s", rs.name, exc)
             return None
-        self.pool.established(lease)
-        session = Session(client, rs, lease, sock, now, now)
+        pool.established(lease)
+        session = Session(self, client, rs, lease, sock, now, idle)
+        lease.handle = session
+        pool.clients += 1
         self.sessions[client] = session
         self.per_source[client[0]] += 1
         self.counters.sessions_total[rs.name] += 1
@@ -180,57 +243,65 @@ class UdpRelay:
     # -- real server -> client ------------------------------------------------------
 
     async def _replies(self, session: Session) -> None:
-        idle = self.pool.config.udp.idle_timeout
+        try:
+            await self._relay_replies(session)
+        except Exception as exc:  # a bug: this session ends, the others go on
+            session.ended = "error"
+            record("connection", exc, f"udp session of {_peer(session.client)}", log)
+        finally:
+            self._close(session)
+
+    async def _relay_replies(self, session: Session) -> None:
+        idle = session.idle_timeout
         responses = self.pool.config.udp.responses
         view = memoryview(self._out)
         sock = session.sock
-        try:
-            while not session.ended:
+        counters = self.counters
+        while not session.ended:
+            try:
+                with trio.move_on_at(session.last + idle):
+                    await trio.lowlevel.wait_readable(sock)
+            except trio.ClosedResourceError:  # closed by `_close` from the other side
+                break
+            now = trio.current_time()
+            if now >= session.last + idle:
+                session.ended = "idle_timeout"
+                break
+            for _ in range(_BATCH):
                 try:
-                    with trio.move_on_at(session.last + idle):
-                        await trio.lowlevel.wait_readable(sock)
-                except trio.ClosedResourceError:  # closed by `_refused` from the other side
+                    n = sock.recv_into(self._out)
+                except BlockingIOError:
                     break
-                now = trio.current_time()
-                if now >= session.last + idle:
-                    session.ended = "idle_timeout"
+                except ConnectionRefusedError:
+                    self._refused(session, now)
                     break
-                for _ in range(_BATCH):
-                    try:
-                        n = sock.recv_into(self._out)
-                    except BlockingIOError:
-                        break
-                    except ConnectionRefusedError:
-                        self._refused(session, now)
-                        break
-                    except OSError as exc:
-                        session.ended = "error"
-                        log.debug("udp receive from %s: %s", session.server.name, exc)
-                        break
-                    session.last = now
-                    if responses is not None and session.replies >= session.requests * responses:
-                        self.counters.dropped["unrequested"] += 1  # no amplification
-                        continue
-                    self._to_client(session, view[:n])
-                    if responses and session.replies >= session.requests * responses:
-                        session.ended = "responses"
-                        break
-        finally:
-            self._close(session)
+                except OSError as exc:
+                    session.ended = "error"
+                    log.debug("udp receive from %s: %s", session.server.name, exc)
+                    break
+                session.last = now
+                if responses is not None and session.replies >= session.requests * responses:
+                    counters.dropped["unrequested"] += 1  # no amplification
+                    continue
+                self._to_client(session, view[:n])
+                if responses and session.replies >= session.requests * responses:
+                    session.ended = "responses"
+                    break
 
     def _to_client(self, session: Session, data: memoryview) -> None:
         try:
             self.sock.sendto(data, session.client)
         except OSError as exc:  # a full buffer or a client gone: the datagram is lost
-            self.counters.dropped["reply_send"] += 1
+            self.counters.dropped["reply_error"] += 1
             log.debug("udp reply to %s: %s", session.client, exc)
             return
         size = len(data)
         session.replies += 1
         session.bytes_out += size
         rs = session.server.name
-        self.counters.datagrams[rs, "out"] += 1
-        self.counters.bytes[rs, "out"] += size
+        counters = self.counters
+        counters.datagrams[rs, "out"] += 1
+        counters.bytes[rs, "out"] += size
 
     def _refused(self, session: Session, now: float) -> None:
         """ICMP port unreachable: a passive failure; the session ends, the next datagram
@@ -249,7 +320,19 @@ class UdpRelay:
         if not self.per_source[source]:
             del self.per_source[source]
         now = trio.current_time()
-        self.pool.drop(session.lease, now)
+        pool = self.pool
+        rs = session.server
+        # The pool's byte counts (lbproxy_bytes_total) take the session's, as a TCP
+        # connection's at its end; until then the pool reads them off the lease.
+        rs_in, rs_out = session.bytes_in, session.bytes_out
+        rs.bytes_in += rs_in
+        rs.bytes_out += rs_out
+        session.bytes_in = session.bytes_out = 0
+        pool.drop(session.lease, now)
+        pool.clients -= 1
+        pool.durations.observe(now - session.started)
+        if self.stopping and not self.sessions:
+            self._drained.set()
         # A socket still waited on is closed through trio, which wakes the waiter.
         trio.lowlevel.notify_closing(session.sock)
         session.sock.close()
@@ -257,10 +340,10 @@ class UdpRelay:
             access_log.info(
                 "%s vs=%s rs=%s in=%d out=%d duration=%.3fs end=%s",
                 _peer(session.client),
-                self.pool.name,
-                session.server.name,
-                session.bytes_in,
-                session.bytes_out,
+                pool.name,
+                rs.name,
+                rs_in,
+                rs_out,
                 now - session.started,
                 session.ended or "closed",
             )
@@ -316,14 +399,20 @@ def udp_socket(address: Address, reuse_port: bool = False) -> socket.socket:
 
 
 class UdpListener:
-    """One UDP socket and the one virtual server it feeds, as the server sees listeners."""
+    """One UDP socket and the one virtual server it feeds, as the server sees listeners.
+
+    The relay runs in the server's handlers nursery (where TCP connections run), not
+    beside the accept loops: at stop the accept loop's cancellation only stops new
+    sessions (`drain`), and the sessions open go on to their end within
+    global.drain_timeout, reading their clients' datagrams on the same socket.
+    """
 
     def __init__(self, address: Address, sock: socket.socket, virtual_servers) -> None:
         self.address = address
         self.sock = sock
         self.cancel_scope = trio.CancelScope()
         self.vs: VirtualServer = virtual_servers[0]
-        self.relay = UdpRelay(self.vs.pool, sock, access_log=self.vs.access_log)
+        self.relay = UdpRelay(self.vs.pool, sock, access_log=self.vs.access_log, vs=self.vs)
 
     @property
     def virtual_servers(self) -> list[VirtualServer]:
@@ -333,14 +422,29 @@ class UdpListener:
         """After a reload: the sessions stay, new ones use the (reconfigured) pool."""
         self.vs = virtual_servers[0]
         self.relay.pool = self.vs.pool
+        self.relay.vs = self.vs
         self.relay.access_log = self.vs.access_log
 
     async def accept_loop(self, handlers: trio.Nursery) -> None:
+        handlers.start_soon(self._relay)
+        try:
+            await trio.sleep_forever()
+        finally:  # the server stops accepting: no new session, the open ones finish
+            self.drain()
+
+    async def _relay(self) -> None:
         # Closed by a reload (its socket under the waiter) or cancelled at shutdown.
-        with self.cancel_scope, contextlib.suppress(trio.ClosedResourceError):
-            await self.relay.serve()
+        try:
+            with self.cancel_scope, contextlib.suppress(trio.ClosedResourceError):
+                await self.relay.serve()
+        finally:
+            self.sock.close()  # drained, or cancelled at the drain_timeout
+
+    def drain(self) -> None:
+        self.relay.stop()
 
     def close(self) -> None:
+        """Closed by a reload that no longer listens here: its sessions end now."""
         self.cancel_scope.cancel()
         trio.lowlevel.notify_closing(self.sock)
         self.sock.close()

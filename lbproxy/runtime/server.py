@@ -256,7 +256,8 @@ class Server:
                 await self._stop.wait()
                 service.cancel_scope.cancel()
             for listener in self.listeners.values():
-                listener.sock.close()
+                if not isinstance(listener, UdpListener):  # its sessions drain on it
+                    listener.sock.close()
             open_now = sum(vs.pool.clients for vs in self.virtual_servers.values())
             log.info(
                 "stopped accepting; draining %d connection(s) for up to %ss",

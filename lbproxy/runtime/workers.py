@@ -214,6 +214,12 @@ def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
         vs["throttle_mode"] = other["throttle_mode"]
     if other.get("dynamic_weight_fallback"):
         vs["dynamic_weight_fallback"] = True
+    udp, other_udp = vs.get("udp"), other.get("udp")
+    if udp and other_udp:  # SPEC §19: each worker's own sessions and datagrams
+        for key in ("datagrams_in", "datagrams_out", "sessions_total"):
+            udp[key] = udp.get(key, 0) + other_udp.get(key, 0)
+        for reason, count in (other_udp.get("dropped") or {}).items():
+            udp.setdefault("dropped", {})[reason] = udp["dropped"].get(reason, 0) + count
     by_name = {rs["name"]: rs for rs in other.get("real_servers", [])}
     for rs in vs.get("real_servers", []):
         if rs["name"] in by_name:

@@ -256,7 +256,7 @@ def print_status(document: dict, console: Console | None = None) -> None:
     if console is None:
         console = Console(highlight=False, force_terminal=_isatty(sys.stdout))
     if not console.is_terminal:
-        lines = status_plain(document) + cluster_plain(document, time.time())
+        lines = status_plain(document) + udp_plain(document) + cluster_plain(document, time.time())
         console.file.write("".join(line + "\n" for line in lines))
         console.file.flush()
         return
@@ -267,6 +267,8 @@ def print_status(document: dict, console: Console | None = None) -> None:
     else:
         for line in status_blocks(document, console.width):
             console.print(line, overflow="fold")
+    for line in udp_lines(document):
+        console.print(line, overflow="fold")
     for line in cluster_lines(document, time.time()):
         console.print(line, overflow="fold")
 
@@ -300,6 +302,70 @@ def cluster_plain(document: dict, now: float) -> list[str]:
     for row in rows:
         cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
         lines.append(PLAIN_GAP.join(cells).rstrip())
+    return lines
+
+
+UDP_COLUMNS = ("UDP_VIRTUAL_SERVER", "SESSIONS", "SESSIONS_TOTAL", "DATAGRAMS_IN")
+UDP_COLUMNS += ("DATAGRAMS_OUT", "DROPPED")
+
+
+def _udp_rows(document: dict) -> list[list[str]]:
+    """Per UDP virtual server (SPEC §19): open sessions (the real servers' active
+    counts), sessions opened, datagrams each way, datagrams dropped (all reasons)."""
+    rows = []
+    for vs in document["virtual_servers"]:
+        udp = vs.get("udp")
+        if not udp:
+            continue
+        dropped = udp.get("dropped") or {}
+        rows.append(
+            [
+                vs["name"],
+                str(sum(rs["active_connections"] for rs in vs["real_servers"])),
+                str(udp.get("sessions_total", 0)),
+                str(udp.get("datagrams_in", 0)),
+                str(udp.get("datagrams_out", 0)),
+                str(sum(dropped.values())),
+            ]
+        )
+    return rows
+
+
+def udp_plain(document: dict) -> list[str]:
+    """The UDP virtual servers' session tables after the rows: a blank line, a header,
+    one row per UDP virtual server, one word per column as above (none: nothing)."""
+    rows = _udp_rows(document)
+    if not rows:
+        return []
+    rows.insert(0, list(UDP_COLUMNS))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(UDP_COLUMNS))]
+    lines = [""]
+    for row in rows:
+        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
+        lines.append(PLAIN_GAP.join(cells).rstrip())
+    return lines
+
+
+def udp_lines(document: dict) -> list[Text]:
+    """The terminal's view of the UDP session tables, one line per UDP virtual server;
+    the dropped datagrams by reason when there are any."""
+    lines = []
+    for vs in document["virtual_servers"]:
+        udp = vs.get("udp")
+        if not udp:
+            continue
+        active = sum(rs["active_connections"] for rs in vs["real_servers"])
+        line = Text(f"udp {vs['name']}: ", style="bold")
+        line.append(
+            f"{active} sessions open, {udp.get('sessions_total', 0)} opened, datagrams "
+            f"in {udp.get('datagrams_in', 0)} out {udp.get('datagrams_out', 0)}"
+        )
+        dropped = {r: n for r, n in (udp.get("dropped") or {}).items() if n}
+        if dropped:
+            line.append(
+                ", dropped " + ", ".join(f"{r} {n}" for r, n in dropped.items()), style="yellow"
+            )
+        lines.append(line)
     return lines
 
 

@@ -4,6 +4,7 @@ real dnsmasq servers, and a TCP virtual server on the same address and port."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import threading
@@ -12,7 +13,15 @@ import pytest
 
 from tests import tools
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
-from tests.integration.harness import Lbproxy, NameServer, ask_name, free_port, wait_for
+from tests.integration.harness import (
+    Lbproxy,
+    NameServer,
+    ask_name,
+    free_port,
+    run_cli,
+    wait_for,
+)
+from tests.integration.test_admin import metrics, sample
 
 requires_dig = tools.requires("dig", package="bind9-dnsutils")
 
@@ -66,6 +75,40 @@ def test_dig_through_udp_to_two_dnsmasq_rr_and_one_answer_per_session(tmp_path):
             assert lb.log().count("end=responses") == 6
             # The TCP virtual server on the same port still serves TCP.
             assert ask_name(port) == "tcp-a"
+            # What an operator reads: metrics, the JSON document, `lbproxy status`.
+            samples = metrics(admin)
+            for rs in ("one", "two"):
+                labels = {"virtual_server": "dns", "real_server": rs}
+                assert sample(samples, "lbproxy_udp_sessions_total", **labels) == 3
+                assert sample(samples, "lbproxy_udp_active_sessions", **labels) == 0
+                assert sample(samples, "lbproxy_connections_total", **labels) == 3
+                for direction in ("in", "out"):
+                    assert (
+                        sample(
+                            samples, "lbproxy_udp_datagrams_total", **labels, direction=direction
+                        )
+                        == 3
+                    )
+                    assert sample(samples, "lbproxy_bytes_total", **labels, direction=direction)
+            assert (
+                sample(samples, "lbproxy_udp_dropped_total", virtual_server="dns", reason="acl")
+                == 0
+            )
+            assert (
+                "lbproxy_udp_sessions_total",
+                (("real_server", "a"), ("virtual_server", "same-port-tcp")),
+            ) not in samples
+            url = f"http://127.0.0.1:{admin}"
+            document = json.loads(run_cli("status", "--admin", url, "--json").stdout)
+            dns_vs = next(vs for vs in document["virtual_servers"] if vs["name"] == "dns")
+            assert dns_vs["protocol"] == "udp"
+            assert dns_vs["udp"]["sessions_total"] == 6
+            assert dns_vs["udp"]["datagrams_in"] == dns_vs["udp"]["datagrams_out"] == 6
+            tcp_vs = next(vs for vs in document["virtual_servers"] if vs["name"] != "dns")
+            assert tcp_vs["protocol"] == "tcp" and tcp_vs["udp"] is None
+            lines = run_cli("status", "--admin", url).stdout.splitlines()
+            header = lines.index(next(line for line in lines if line.startswith("UDP_")))
+            assert lines[header + 1].split() == ["dns", "0", "6", "6", "6", "0"]
     finally:
         one.stop()
         two.stop()
@@ -94,6 +137,7 @@ def test_reload_keeps_sessions_and_acl_drops(tmp_path):
         global:
           admin: {{listen: 127.0.0.1:{admin}}}
           access_log: true
+          drain_timeout: 1s  # the stop waits for the open session at most this long
         virtual_servers:
           - name: echo
             protocol: udp

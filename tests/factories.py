@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lbproxy.config.model import Address, RealServerConfig, SnmpConfig, VirtualServerConfig
+from lbproxy.core import schedulers
 
 
 def real_server(name: str, port: int, **options: Any) -> RealServerConfig:
@@ -12,7 +13,12 @@ def real_server(name: str, port: int, **options: Any) -> RealServerConfig:
 
 
 def virtual_server(scheduler: str, servers: dict[str, dict[str, Any]], **options: Any):
-    """`servers`: name -> RealServerConfig options, in configuration order."""
+    """`servers`: name -> RealServerConfig options, in configuration order; the
+    scheduler's own options (maglev's `table_size=101`) are given as the other keys."""
+    algorithm = schedulers.get(scheduler)
+    own = {key: options.pop(key) for key in list(options) if key in algorithm.options}
+    if own:
+        options["options"] = algorithm.Options(**own)
     real = tuple(
         real_server(name, 20000 + i, **opts) for i, (name, opts) in enumerate(servers.items())
     )

@@ -132,8 +132,8 @@ def _snmp_document(pool: Pool, rs: Any) -> dict[str, Any] | None:
 
 
 def _load(pool: Pool, rs: Any) -> float | None:
-    """least-load's current load (estimates included), else None."""
-    if pool.config.scheduler != "least-load":
+    """The scheduler's current load (estimates included) where users read it, else None."""
+    if not pool.scheduler.shows_load:
         return None
     return _number(pool.load_of(rs))
 

@@ -339,13 +339,13 @@ class LbproxyCollector:
         )
         for pool in self.source.pools():
             vs = pool.name
-            least_load = pool.config.scheduler == "least-load"
+            shows_load = pool.scheduler.shows_load
             for rs in pool.servers:
                 labels = [vs, rs.name]
                 for via in LOCATOR_VIAS:
                     answers.add_metric([*labels, via], pool.answers[rs.name, via])
                 reports.add_metric(labels, pool.load_report_counts[rs.name])
-                if least_load:
+                if shows_load:
                     load.add_metric(labels, pool.load_of(rs) or 0.0)
                 if pool.config.conditioning is not None:
                     conditioned.add_metric(labels, pool.conditioned[rs.name])

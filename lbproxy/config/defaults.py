@@ -19,9 +19,10 @@ REQUIRED = object()  # a field without a default
 
 def default_value(section: Section, key: str) -> Any:
     """The model's default for `key`, or REQUIRED; None when the section has no model."""
-    if section.model is None:
+    model = section.option_models.get(key, section.model)
+    if model is None:
         return None
-    for model_field in dataclasses.fields(section.model):
+    for model_field in dataclasses.fields(model):
         if model_field.name != key:
             continue
         if model_field.default is not dataclasses.MISSING:
@@ -29,7 +30,7 @@ def default_value(section: Section, key: str) -> Any:
         if model_field.default_factory is not dataclasses.MISSING:
             return model_field.default_factory()
         return REQUIRED
-    raise KeyError(f"{section.model.__name__} has no field {key!r}")
+    raise KeyError(f"{model.__name__} has no field {key!r}")
 
 
 def _plain(value: Any) -> Any:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from typing import Any
+
+from lbproxy.core.schedulers import DEFAULT as DEFAULT_SCHEDULER
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -231,7 +234,7 @@ class VirtualServerConfig:
     name: str
     listen: tuple[Address, ...]
     real_servers: tuple[RealServerConfig, ...]
-    scheduler: str = "wlc"
+    scheduler: str = DEFAULT_SCHEDULER
     quiesce: bool = False
     load_source: str = "connections"  # connections | snmp | report
     load_poll_interval: float = 5.0
@@ -250,8 +253,9 @@ class VirtualServerConfig:
     health_check: HealthCheckConfig = HealthCheckConfig()
     snmp: SnmpConfig | None = None  # None: no `snmp:` block
     throttle: ThrottleConfig | None = None  # None: no admission control
-    table_size: int = 65537  # maglev: lookup table slots, a prime >= 101
-    hash_key: str = "source"  # maglev: source | source_port
+    # The scheduler's own options (its `Options` dataclass, lbproxy/core/schedulers), read
+    # from keys beside these; None: it has none, or its defaults.
+    options: Any = None
     persistence: PersistenceConfig | None = None  # None: no client persistence
     discovery: DnsDiscoveryConfig | None = None  # None: only the static real_servers
     queue: QueueConfig | None = None  # None: a full pool refuses (max_connections)

@@ -51,23 +51,22 @@ from lbproxy.config.tables import (
     _GLOBAL_SECTIONS,
     _HEALTH_CHECK_FIELDS,
     _LOCATOR_SECTIONS,
-    _MAGLEV_KEYS,
     _PERSISTENCE_FIELDS,
     _QUEUE_FIELDS,
     _REAL_SERVER_FIELDS,
     _REAL_SERVER_SECTIONS,
     _REDIS_FIELDS,
+    _SCHEDULER_OPTION_KEYS,
     _SNMP_FIELDS,
-    _SNMP_SCHEDULERS,
     _THROTTLE_FIELDS,
     _TOP_LEVEL_SECTIONS,
     _UDP_FIELDS,
-    _UNCONDITIONED_SCHEDULERS,
     _VIRTUAL_SERVER_FIELDS,
     _VIRTUAL_SERVER_SECTIONS,
     TCP_ONLY_KEYS,
 )
 from lbproxy.config.values import Converter, _did_you_mean, _Invalid, _shown
+from lbproxy.core import schedulers
 
 # --------------------------------------------------------------------------------------
 # Reading one file: mappings with lines, unknown and duplicate keys
@@ -361,8 +360,11 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
 
     config = None
     if "name" in vs.values and "listen" in vs.values and (real_servers or discovery):
+        values = dict(vs.values)
+        options = {key: values.pop(key) for key in _SCHEDULER_OPTION_KEYS if key in values}
         config = VirtualServerConfig(
-            **vs.values,
+            **values,
+            options=_scheduler_options(values.get("scheduler"), options),
             real_servers=tuple(real_servers),
             health_check=health_check,
             snmp=_snmp_config(snmp.values, default_host=None) if snmp else None,
@@ -504,13 +506,22 @@ def _read_conditioning(doc: _Document, vs: _Section, where: str) -> Conditioning
     return None if section is None else ConditioningConfig(**section.values)
 
 
+def _scheduler_options(name: str | None, values: dict[str, Any]) -> Any:
+    """The scheduler's `Options` from its keys (those of another are reported by
+    `_check_scheduler_needs`); None for a scheduler without options."""
+    algorithm = schedulers.get(name or schedulers.DEFAULT)
+    if algorithm.Options is None:
+        return None
+    return algorithm.Options(**{key: v for key, v in values.items() if key in algorithm.options})
+
+
 def _check_conditioning(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
     """Conditioning moves connections by load: a scheduler without one cannot have it."""
-    if config.conditioning is not None and config.scheduler in _UNCONDITIONED_SCHEDULERS:
+    if config.conditioning is not None and not schedulers.get(config.scheduler).has_load():
         doc.error(
             vs.line_of("conditioning"),
-            f"conditioning needs a scheduler with a load (lc, wlc, dwd, dwr, least-load, "
-            f"sap); scheduler {config.scheduler} has none",
+            f"conditioning needs a scheduler with a load ({', '.join(schedulers.with_load())}"
+            f"); scheduler {config.scheduler} has none",
         )
 
 
@@ -626,55 +637,16 @@ def _snmp_config(values: Mapping[str, Any], *, default_host: str | None) -> Snmp
 
 
 def _check_scheduler_needs(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
-    """Dynamic schedulers need their load source configured."""
-    scheduler, line = config.scheduler, vs.line_of("scheduler")
-    if scheduler in _SNMP_SCHEDULERS or (
-        scheduler == "least-load" and config.load_source == "snmp"
-    ):
-        missing = [rs.name for rs in config.real_servers if rs.snmp is None]
-        if config.snmp is None and missing:
-            what = "least-load with load_source snmp" if scheduler == "least-load" else scheduler
+    """What the scheduler needs (its registry entry says), and no option of another."""
+    algorithm = schedulers.get(config.scheduler)
+    for key in _SCHEDULER_OPTION_KEYS:
+        if key in vs.key_lines and key not in algorithm.options:
             doc.error(
-                line,
-                f"scheduler {what} needs an snmp block on the virtual server or on every "
-                f"real server (missing on {', '.join(missing)})",
+                vs.line_of(key), f"{key} applies to scheduler {schedulers.option_owner(key)} only"
             )
-    if scheduler != "maglev":
-        for key in _MAGLEV_KEYS:
-            if key in vs.key_lines:
-                doc.error(vs.line_of(key), f"{key} applies to scheduler maglev only")
-    if config.discovery is not None:
-        _check_discovery_needs(doc, vs, config)
-    if scheduler == "least-load" and config.load_source == "connections":
-        # Load is connections / max_connections: unlimited servers have no load to compare.
-        for rs in config.real_servers:
-            if rs.max_connections == 0:
-                doc.error(
-                    rs.line,
-                    f"real server {rs.name} needs max_connections > 0 "
-                    "(scheduler least-load with load_source connections)",
-                )
-
-
-def _check_discovery_needs(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
-    """Discovered servers have only a name, an address and a weight: what a scheduler
-    needs beyond that must come from the virtual server."""
-    scheduler, line = config.scheduler, vs.line_of("discovery")
-    if config.snmp is None and (
-        scheduler in _SNMP_SCHEDULERS
-        or (scheduler == "least-load" and config.load_source == "snmp")
-    ):
-        doc.error(
-            line,
-            f"scheduler {scheduler} with discovery needs an snmp block on the virtual "
-            "server (discovered real servers are polled with it)",
-        )
-    if scheduler == "least-load" and config.load_source == "connections":
-        doc.error(
-            line,
-            "scheduler least-load with load_source connections cannot use discovery "
-            "(discovered real servers have no max_connections)",
-        )
+    for where, message in algorithm.problems(config):
+        line = vs.line_of(where) if isinstance(where, str) else where.line
+        doc.error(line, message)
 
 
 # --------------------------------------------------------------------------------------

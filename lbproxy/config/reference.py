@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lbproxy.config.defaults import default_text
 from lbproxy.config.tables import Section, walk
-from lbproxy.config.values import _known_schedulers
+from lbproxy.core.schedulers import available
 
 PAGE = Path("docs/reference/configuration.md")
 
@@ -91,7 +91,7 @@ def _schedulers_table() -> list[str]:
     lines = [
         "## Schedulers and their options {#scheduler-options}",
         "",
-        f"Schedulers: {', '.join(f'`{name}`' for name in _known_schedulers())} "
+        f"Schedulers: {', '.join(f'`{name}`' for name in available())} "
         "([Schedulers](../concepts/schedulers.md)). Every other key applies to every "
         "scheduler.",
         "",

@@ -13,9 +13,8 @@ import json
 from typing import Any
 
 from lbproxy.config.defaults import json_default
+from lbproxy.config.model import DEFAULT_SCHEDULER
 from lbproxy.config.tables import SECTIONS, Section
-
-DEFAULT_SCHEDULER = "wlc"
 
 
 def json_schema() -> dict[str, Any]:

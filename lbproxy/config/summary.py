@@ -12,7 +12,7 @@ from lbproxy.config.model import (
     ThrottleConfig,
     VirtualServerConfig,
 )
-from lbproxy.config.tables import _SNMP_SCHEDULERS
+from lbproxy.core import schedulers
 
 # --------------------------------------------------------------------------------------
 # summary (for `lbproxy check`)
@@ -52,15 +52,14 @@ def _global_summary(global_: GlobalConfig) -> str:
 
 
 def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
+    algorithm = schedulers.get(vs.scheduler)
     scheduler = vs.scheduler
     if vs.quiesce:
         scheduler += ", quiesce"
-    if vs.scheduler == "least-load":
-        scheduler += f", load from {vs.load_source}"
+    scheduler += algorithm.describe_source(vs)
     if vs.slow_start:
         scheduler += f", slow start {vs.slow_start:g}s"
-    if vs.scheduler == "maglev":
-        scheduler += f", table {vs.table_size}, hash {vs.hash_key}"
+    scheduler += algorithm.describe_options(vs)
     lines = [
         f"virtual server {vs.name} ({vs.file}:{vs.line})",
         f"  listen      {_listen_summary(vs)}",
@@ -130,11 +129,11 @@ def _real_server_row(vs: VirtualServerConfig, rs: RealServerConfig) -> list[str]
     row = [rs.name, str(rs.address), f"weight {rs.weight}", rs.state]
     if rs.backup:
         row.append("backup")
-    if vs.scheduler == "sap":
+    if vs.scheduler in schedulers.reading("load_factor"):
         row.append(f"load factor {rs.load_factor:g}")
     if rs.max_connections:
         row.append(f"max {rs.max_connections} connections")
-    if rs.snmp is not None and vs.scheduler in (*_SNMP_SCHEDULERS, "least-load"):
+    if rs.snmp is not None and vs.scheduler in schedulers.reading(schedulers.SNMP):
         row.append(f"snmp {rs.snmp.host}:{rs.snmp.port}")
     return row
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import yaml
+
 from lbproxy.config.model import (
     MAX_WEIGHT,
     AdminConfig,
@@ -32,10 +34,12 @@ from lbproxy.config.model import (
 )
 from lbproxy.config.values import (
     Converter,
+    _accepting,
     _address,
     _admin_listen,
     _boolean,
     _choice,
+    _did_you_mean,
     _dns_name,
     _dns_zone,
     _duration,
@@ -43,6 +47,7 @@ from lbproxy.config.values import (
     _host_names,
     _http_path,
     _integer,
+    _Invalid,
     _listen_address,
     _member_name,
     _name,
@@ -55,23 +60,39 @@ from lbproxy.config.values import (
     _regex,
     _resolvers,
     _responses,
-    _scheduler,
+    _scalar,
+    _shown,
     _sni_names,
     _snmp_version,
     _status_codes,
     _string,
-    _table_size,
     _vs_listen,
     _workers,
 )
+from lbproxy.core import schedulers
 
 # --------------------------------------------------------------------------------------
 # The keys of each section and how to read them
 # --------------------------------------------------------------------------------------
 # Keys map to the dataclass field of the same name; nested sections are read separately.
 
+# The schedulers, what they read and their own keys come from their registry
+# (lbproxy/core/schedulers): no scheduler is named here.
+
+
+@_accepting("the name of a scheduler", lambda: {"enum": schedulers.available()})
+def _scheduler(node: yaml.Node, label: str) -> str:
+    value = _scalar(node, label)
+    known = schedulers.available()
+    if value not in known:
+        hint = _did_you_mean(value, known)
+        hint = f" ({hint})" if hint else ""
+        raise _Invalid(f"unknown scheduler {_shown(node)}{hint}; known: {', '.join(known)}", node)
+    return value
+
+
 # Schedulers whose weights come from the SNMP poller.
-_SNMP_SCHEDULERS = ("dwd", "dwr")
+_SNMP_SCHEDULERS = tuple(cls.name for cls in schedulers.catalogue() if cls.dynamic_weights)
 
 _GLOBAL_FIELDS: dict[str, Converter] = {
     "log_format": _choice("text", "json").about(
@@ -146,16 +167,16 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "scheduler": _scheduler.about("how a real server is picked (see Schedulers)"),
     "quiesce": _boolean.about(
         "reset the connection table when a real server comes online",
-        read_by=("wlc", "dwd", "dwr"),
+        read_by=schedulers.reading("quiesce"),
     ),
     "load_source": _choice("connections", "snmp", "report").about(
         "`connections` (connections / `max_connections`), `snmp` (value / "
         "`snmp.max_value`) or `report` (pushed by the servers, `PUT .../load`)",
-        read_by=("least-load",),
+        read_by=schedulers.reading("load_source"),
     ),
     "load_poll_interval": _duration(positive=True).about(
         "with `load_source: connections`: how often the load is sampled",
-        read_by=("least-load",),
+        read_by=schedulers.reading("load_poll_interval"),
     ),
     "slow_start": _duration(positive=False).about(
         "ramp a server coming online from 10 % to its full weight over this time"
@@ -182,15 +203,8 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
         "expect a PROXY v1/v2 header from an upstream balancer; its client address is the "
         "one the ACL checks and `send_proxy` passes on"
     ),
-    "table_size": _table_size.about(
-        "slots of the lookup table; more slots, finer shares (keep it above 100 × the "
-        "number of real servers)",
-        only=("maglev",),
-    ),
-    "hash_key": _choice("source", "source_port").about(
-        "hash the client address (`source`) or address and port (`source_port`)",
-        only=("maglev",),
-    ),
+    # Each scheduler's own keys (maglev's `table_size`, `hash_key`), accepted only with it.
+    **schedulers.option_fields(),
     "sni": _sni_names.about(
         "TLS server names routed here from a listen address it shares with other virtual "
         "servers: exact names or `*.example.com` (one label), case-insensitive",
@@ -198,8 +212,8 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     ),
 }
 
-# Keys that only the maglev scheduler reads: an error with any other (not silently unused).
-_MAGLEV_KEYS = tuple(key for key, c in _VIRTUAL_SERVER_FIELDS.items() if c.only == ("maglev",))
+# Keys of one scheduler's own: an error with any other (not silently unused).
+_SCHEDULER_OPTION_KEYS = tuple(schedulers.option_fields())
 
 _REAL_SERVER_FIELDS: dict[str, Converter] = {
     "name": _name.about("unique within the virtual server"),
@@ -215,7 +229,7 @@ _REAL_SERVER_FIELDS: dict[str, Converter] = {
     ),
     "load_factor": _number(above=0).about(
         "added to the accumulated load per connection; higher = weaker server",
-        read_by=("sap",),
+        read_by=schedulers.reading("load_factor"),
     ),
     "state": _choice("enabled", "drain", "disabled").about("at start-up (and after each reload)"),
     "backup": _boolean.about(
@@ -418,6 +432,8 @@ class Section:
     sections: Mapping[str, Section] = field(default_factory=dict)
     many: bool = False  # a list of mappings (virtual_servers, real_servers)
     required: tuple[str, ...] = ()
+    # Keys whose default is another dataclass's field (a scheduler's `Options`), not `model`'s.
+    option_models: Mapping[str, type] = field(default_factory=dict)
     page: str = ""  # the concept page that explains it, relative to docs/
     read_by: tuple[str, ...] = ()  # schedulers that use it; empty: every scheduler
     defaults_from: str = ""  # a section whose values are the defaults ("overrides of")
@@ -433,7 +449,7 @@ _SNMP = Section(
     SnmpConfig,
     "the SNMP poller that feeds `dwd`, `dwr` and `least-load` with `load_source: snmp`",
     page="concepts/dynamic-weights.md",
-    read_by=(*_SNMP_SCHEDULERS, "least-load"),
+    read_by=schedulers.reading(schedulers.SNMP),
 )
 
 SECTIONS = Section(
@@ -500,6 +516,7 @@ SECTIONS = Section(
             "what clients connect to: listen addresses, a scheduler and real servers",
             required=("name", "listen"),
             required_unless={"real_servers": "discovery"},
+            option_models=schedulers.option_models(),
             many=True,
             page="concepts/servers.md",
             sections={
@@ -546,7 +563,7 @@ SECTIONS = Section(
                     ConditioningConfig,
                     "move idle long-lived connections toward the least-loaded server",
                     page="concepts/conditioning.md",
-                    only=("lc", "wlc", "dwd", "dwr", "least-load", "sap"),
+                    only=schedulers.with_load(),
                 ),
                 "udp": Section(
                     _UDP_FIELDS,
@@ -605,7 +622,7 @@ SECTIONS = Section(
 
 _VIRTUAL_SERVER = SECTIONS.sections["virtual_servers"]
 # Schedulers without a load to balance (SPEC §11): they reject a `conditioning:` block.
-_UNCONDITIONED_SCHEDULERS = ("rr", "wrr", "first", "maglev")
+_UNCONDITIONED_SCHEDULERS = schedulers.without_load()
 
 _TOP_LEVEL_SECTIONS = tuple(SECTIONS.sections)
 _GLOBAL_SECTIONS = tuple(SECTIONS.sections["global"].sections)

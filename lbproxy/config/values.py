@@ -672,44 +672,6 @@ def _http_path(node: yaml.Node, label: str) -> str:
     return value
 
 
-def _scheduler_schema() -> Schema:
-    return {"enum": _known_schedulers()}
-
-
-@_accepting("the name of a scheduler", _scheduler_schema)
-def _scheduler(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
-    known = _known_schedulers()
-    if value not in known:
-        hint = _did_you_mean(value, known)
-        hint = f" ({hint})" if hint else ""
-        raise _Invalid(f"unknown scheduler {_shown(node)}{hint}; known: {', '.join(known)}", node)
-    return value
-
-
-_FALLBACK_SCHEDULERS = (
-    "rr",
-    "wrr",
-    "lc",
-    "wlc",
-    "dwd",
-    "dwr",
-    "least-load",
-    "sap",
-    "first",
-    "maglev",
-)
-
-
-def _known_schedulers() -> list[str]:
-    # Imported late: the scheduler package may import this module.
-    try:
-        from lbproxy.core.schedulers import available
-    except ImportError:
-        return sorted(_FALLBACK_SCHEDULERS)
-    return sorted(available())
-
-
 # -- global.cluster.redis (SPEC §18) ---------------------------------------------------
 
 _TLS_QUERY = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")

@@ -306,9 +306,7 @@ class Pool:
     @property
     def polls_snmp(self) -> bool:
         """True when this virtual server's scheduler reads SNMP values."""
-        return self.scheduler.dynamic_weights or (
-            self.config.scheduler == "least-load" and self.config.load_source == "snmp"
-        )
+        return self.scheduler.reads_snmp(self.config)
 
     # -- the hot path -------------------------------------------------------------
 
@@ -525,15 +523,12 @@ class Pool:
             self._retune_health(now)
         if config.persistence != old_config.persistence:
             changes.append("persistence changed")
-        if (config.scheduler, config.table_size, config.hash_key) != (
-            old_config.scheduler,
-            old_config.table_size,
-            old_config.hash_key,
-        ):
+        if (config.scheduler, config.options) != (old_config.scheduler, old_config.options):
             if config.scheduler != old_config.scheduler:
                 changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")
             else:
-                changes.append("maglev table_size or hash_key changed")
+                keys = " or ".join(self.scheduler.options)
+                changes.append(f"{config.scheduler} {keys} changed")
             self._swap_scheduler(config.scheduler, now)
         self._configure_affinity()
         wanted = {rs.name: (i, rs) for i, rs in enumerate(config.real_servers)}

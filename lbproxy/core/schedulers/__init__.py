@@ -12,19 +12,37 @@ a keyed heap (schedulers/heap.py) and re-keys one server on take/drop/weight cha
 O(log n) whatever the number of servers (no scan, as `lb_fwlc.c`).
 
 Registration rejects a duplicate name, as IPVS's `register_ip_vs_scheduler` does.
+
+The registry is also the one place that knows what each algorithm *reads*: every class
+declares it (`reads`: SNMP values, pushed load reports, the client address; `keys`: the
+configuration keys it reads beyond the common ones; `options`: keys of its own, with their
+converters), as nginx's upstream modules declare the flags they support. The
+configuration reader, its reference and schema, the pool, the API and the metrics ask
+these questions (`reading`, `with_load`, `option_fields`, `Scheduler.reads_snmp`, ...)
+and never name an algorithm, so adding one is adding one module here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lbproxy.core.schedulers.heap import KeyedHeap
 
 if TYPE_CHECKING:
+    from lbproxy.config.model import VirtualServerConfig
+    from lbproxy.config.values import Converter
     from lbproxy.core.pool import Pool, RealServer
 
 _REGISTRY: dict[str, type[Scheduler]] = {}
+
+# The scheduler of a virtual server without a `scheduler:` key.
+DEFAULT = "wlc"
+
+# What a scheduler may read besides the pool's own counts (`Scheduler.reads`).
+SNMP = "snmp"  # values polled from each server's SNMP agent (the `snmp:` block)
+REPORTS = "reports"  # load reports the servers push (`PUT .../load`)
+CLIENT = "client"  # the client's address: picks are keyed by it
 
 
 def register(cls: type[Scheduler]) -> type[Scheduler]:
@@ -46,6 +64,52 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def catalogue() -> list[type[Scheduler]]:
+    """Every registered scheduler class, in catalogue order (`Scheduler.rank`): the order
+    in which the reference lists the schedulers that read a key."""
+    _load_builtins()
+    return sorted(_REGISTRY.values(), key=lambda cls: (cls.rank, cls.name))
+
+
+def reading(what: str) -> tuple[str, ...]:
+    """The schedulers that may read `what`: an input (SNMP, REPORTS, CLIENT) or a
+    configuration key (`quiesce`, `load_factor`, ...), in catalogue order."""
+    return tuple(cls.name for cls in catalogue() if what in cls.reads or what in cls.keys)
+
+
+def with_load() -> tuple[str, ...]:
+    """The schedulers with a load to balance (SPEC §11): they alone take `conditioning`."""
+    return tuple(cls.name for cls in catalogue() if cls.has_load())
+
+
+def without_load() -> tuple[str, ...]:
+    return tuple(cls.name for cls in catalogue() if not cls.has_load())
+
+
+def option_fields() -> dict[str, Converter]:
+    """Every scheduler's own keys, read beside the virtual server's (YAML keys stay where
+    SPEC puts them), each marked as accepted by its owner only."""
+    fields: dict[str, Converter] = {}
+    for cls in catalogue():
+        for key, converter in cls.options.items():
+            if key in fields:
+                raise ValueError(f"scheduler option {key!r} is declared twice")
+            fields[key] = converter.about(
+                converter.description, default=converter.default, only=(cls.name,)
+            )
+    return fields
+
+
+def option_models() -> dict[str, type]:
+    """Option key -> the `Options` dataclass whose field default is that key's default."""
+    return {key: cls.Options for cls in catalogue() if cls.Options for key in cls.options}
+
+
+def option_owner(key: str) -> str | None:
+    """The scheduler that declares option `key`; None: not a scheduler option."""
+    return next((cls.name for cls in catalogue() if key in cls.options), None)
+
+
 def _load_builtins() -> None:
     # Imported for their @register side effect; late, so the modules can import this one.
     from lbproxy.core.schedulers import dynamic, first, lc, least_load, maglev, rr, sap  # noqa: F401
@@ -64,15 +128,97 @@ class Scheduler:
     """Base: every hook is a no-op; subclasses override what their algorithm needs."""
 
     name: ClassVar[str]
+    # Position in the catalogue (`catalogue()`): the order the reference lists them in.
+    rank: ClassVar[int] = 1000
+    # -- what it reads, declared (asked by config, pool, API, metrics; see the header) --
+    # Inputs it may read: SNMP, REPORTS, CLIENT (some only with a configuration, see
+    # `reads_snmp`, `reads_reports`).
+    reads: ClassVar[frozenset[str]] = frozenset()
+    # Configuration keys it reads that others ignore (`quiesce`, `load_factor`, ...).
+    keys: ClassVar[frozenset[str]] = frozenset()
+    # Keys of its own (key -> converter, lbproxy/config/values.py), accepted only with
+    # this scheduler; `Options(**values)` holds what was read (`VirtualServerConfig.options`).
+    options: ClassVar[Mapping[str, Converter]] = {}
+    Options: ClassVar[type | None] = None
+    # True: its load is a figure users read (the API's `load`, `lbproxy_real_server_load`).
+    shows_load: ClassVar[bool] = False
     # True: the pool feeds SNMP values into weights (dwd, dwr) and applies on_no_answer.
     dynamic_weights: ClassVar[bool] = False
     # True: with `quiesce: true`, a server coming online resets the connection table.
     quiesce_resets: ClassVar[bool] = False
-    # True: picks depend on the client (maglev); the pool calls `pick_for` with its address.
+    # True: picks depend on the client (CLIENT in `reads`); the pool calls `pick_for`
+    # with its address. Derived from `reads`, so the two cannot disagree.
     keyed: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.keyed = CLIENT in cls.reads
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
+
+    # -- declarations that depend on the configuration -------------------------------
+
+    @classmethod
+    def reads_snmp(cls, config: VirtualServerConfig) -> bool:
+        """True when this virtual server's servers must be polled over SNMP."""
+        return SNMP in cls.reads
+
+    @classmethod
+    def reads_reports(cls, config: VirtualServerConfig) -> bool:
+        """True when pushed load reports change this scheduler's picks."""
+        return REPORTS in cls.reads
+
+    @classmethod
+    def has_load(cls) -> bool:
+        """A load to balance (SPEC §11): it says `balance_load`, so conditioning and the
+        locator's `?current=` can compare servers."""
+        return cls.balance_load is not Scheduler.balance_load
+
+    @classmethod
+    def options_of(cls, config: VirtualServerConfig) -> Any:
+        """This scheduler's options for `config` (its `Options` defaults when none were read)."""
+        if config.options is not None:
+            return config.options
+        return cls.Options() if cls.Options is not None else None
+
+    @classmethod
+    def describe_source(cls, config: VirtualServerConfig) -> str:
+        """For `lbproxy check`'s summary: where its load comes from (", load from ...")."""
+        return ""
+
+    @classmethod
+    def describe_options(cls, config: VirtualServerConfig) -> str:
+        """For `lbproxy check`'s summary: its own options (", table ...")."""
+        return ""
+
+    @classmethod
+    def problems(cls, config: VirtualServerConfig) -> Iterator[tuple[Any, str]]:
+        """What this scheduler needs that `config` lacks, as (where, message): `where` is
+        "scheduler", "discovery" (the key whose line the problem is reported at) or a
+        RealServerConfig. Called by the configuration reader, once per virtual server."""
+        if cls.reads_snmp(config) and config.snmp is None:
+            what = cls._snmp_reader(config)
+            missing = [rs.name for rs in config.real_servers if rs.snmp is None]
+            if missing:
+                yield (
+                    "scheduler",
+                    f"scheduler {what} needs an snmp block on the virtual server or on every "
+                    f"real server (missing on {', '.join(missing)})",
+                )
+            if config.discovery is not None:
+                yield (
+                    "discovery",
+                    f"scheduler {cls.name} with discovery needs an snmp block on the virtual "
+                    "server (discovered real servers are polled with it)",
+                )
+
+    @classmethod
+    def _snmp_reader(cls, config: VirtualServerConfig) -> str:
+        """This scheduler as named where it needs SNMP."""
+        return cls.name
+
+    # -- the hot path and the hooks ----------------------------------------------------
 
     def pick(self, now: float, avoid: Collection[RealServer] = ()) -> RealServer | None:
         raise NotImplementedError

@@ -17,14 +17,16 @@ SNMP response"). The quiesce reset applies as for `wlc`.
 
 from __future__ import annotations
 
-from lbproxy.core.schedulers import register
+from lbproxy.core.schedulers import SNMP, register
 from lbproxy.core.schedulers.lc import WeightedLeastConnections
 
 
 @register
 class DynamicWeightedDirect(WeightedLeastConnections):
     name = "dwd"
+    rank = 50
     dynamic_weights = True
+    reads = frozenset({SNMP})
 
     @staticmethod
     def weight_from_value(value: float, max_value: float) -> float:
@@ -34,7 +36,9 @@ class DynamicWeightedDirect(WeightedLeastConnections):
 @register
 class DynamicWeightedReverse(WeightedLeastConnections):
     name = "dwr"
+    rank = 60
     dynamic_weights = True
+    reads = frozenset({SNMP})
 
     @staticmethod
     def weight_from_value(value: float, max_value: float) -> float:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 @register
 class First(HeapScheduler):
     name = "first"
+    rank = 90
 
     def key(self, rs: RealServer) -> tuple[int]:
         return (rs.index,)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 @register
 class LeastConnections(HeapScheduler):
     name = "lc"
+    rank = 30
 
     def key(self, rs: RealServer) -> tuple[float, int]:
         return (rs.sched_active, rs.seq)
@@ -38,7 +39,9 @@ class LeastConnections(HeapScheduler):
 @register
 class WeightedLeastConnections(HeapScheduler):
     name = "wlc"
+    rank = 40
     quiesce_resets = True
+    keys = frozenset({"quiesce"})
 
     def key(self, rs: RealServer) -> tuple[float, int]:
         return ((rs.sched_active + 1) / rs.effective_weight, rs.seq)

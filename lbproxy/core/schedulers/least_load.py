@@ -27,17 +27,60 @@ to the server picked longest ago, then configuration order.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
-from lbproxy.core.schedulers import HeapScheduler, register
+from lbproxy.core.schedulers import REPORTS, SNMP, HeapScheduler, register
 
 if TYPE_CHECKING:
+    from lbproxy.config.model import VirtualServerConfig
     from lbproxy.core.pool import Pool, RealServer
 
 
 @register
 class LeastLoad(HeapScheduler):
     name = "least-load"
+    rank = 70
+    # SNMP with `load_source: snmp`, reports with `load_source: report` (see below).
+    reads = frozenset({SNMP, REPORTS})
+    keys = frozenset({"load_source", "load_poll_interval"})
+    shows_load = True
+
+    @classmethod
+    def reads_snmp(cls, config: VirtualServerConfig) -> bool:
+        return config.load_source == "snmp"
+
+    @classmethod
+    def reads_reports(cls, config: VirtualServerConfig) -> bool:
+        return config.load_source == "report"
+
+    @classmethod
+    def _snmp_reader(cls, config: VirtualServerConfig) -> str:
+        return "least-load with load_source snmp"
+
+    @classmethod
+    def describe_source(cls, config: VirtualServerConfig) -> str:
+        return f", load from {config.load_source}"
+
+    @classmethod
+    def problems(cls, config: VirtualServerConfig) -> Iterator[tuple[Any, str]]:
+        yield from super().problems(config)
+        if config.load_source != "connections":
+            return
+        # Load is connections / max_connections: unlimited servers have no load to compare.
+        for rs in config.real_servers:
+            if rs.max_connections == 0:
+                yield (
+                    rs,
+                    f"real server {rs.name} needs max_connections > 0 "
+                    "(scheduler least-load with load_source connections)",
+                )
+        if config.discovery is not None:
+            yield (
+                "discovery",
+                "scheduler least-load with load_source connections cannot use discovery "
+                "(discovered real servers have no max_connections)",
+            )
 
     def __init__(self, pool: Pool) -> None:
         super().__init__(pool)

@@ -47,19 +47,31 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from hashlib import blake2b
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 from zlib import crc32
 
-from lbproxy.core.schedulers import Scheduler, register
+from lbproxy.config.values import _choice, _table_size
+from lbproxy.core.schedulers import CLIENT, Scheduler, register
 
 if TYPE_CHECKING:
+    from lbproxy.config.model import VirtualServerConfig
+    from lbproxy.config.values import Converter
     from lbproxy.core.pool import Pool, RealServer
 
 log = logging.getLogger("lbproxy.schedulers.maglev")
 
 DEFAULT_TABLE_SIZE = 65537
+
+
+@dataclass(frozen=True, slots=True)
+class MaglevOptions:
+    """maglev's own keys, written on the virtual server (`table_size:`, `hash_key:`)."""
+
+    table_size: int = DEFAULT_TABLE_SIZE  # lookup table slots, a prime >= 101
+    hash_key: str = "source"  # source | source_port
 
 
 def permutation(name: str, size: int) -> tuple[int, int]:
@@ -161,13 +173,29 @@ def _weighted(
 @register
 class Maglev(Scheduler):
     name = "maglev"
-    keyed = True
+    rank = 100
+    reads = frozenset({CLIENT})
+    Options = MaglevOptions
+    options: ClassVar[Mapping[str, Converter]] = {
+        "table_size": _table_size.about(
+            "slots of the lookup table; more slots, finer shares (keep it above 100 × the "
+            "number of real servers)"
+        ),
+        "hash_key": _choice("source", "source_port").about(
+            "hash the client address (`source`) or address and port (`source_port`)"
+        ),
+    }
+
+    @classmethod
+    def describe_options(cls, config: VirtualServerConfig) -> str:
+        options = cls.options_of(config)
+        return f", table {options.table_size}, hash {options.hash_key}"
 
     def __init__(self, pool: Pool) -> None:
         super().__init__(pool)
-        config = pool.config
-        self.size: int = getattr(config, "table_size", DEFAULT_TABLE_SIZE)
-        self.with_port = getattr(config, "hash_key", "source") == "source_port"
+        options = self.options_of(pool.config)
+        self.size: int = options.table_size
+        self.with_port = options.hash_key == "source_port"
         self.members: dict[RealServer, None] = {}  # an ordered set: online or available
         self.full: set[RealServer] = set()  # members that cannot take a connection now
         # The lookup table; None while stale (rebuilt by the next pick), [] when empty.

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 @register
 class WeightedRoundRobin(HeapScheduler):
     name = "wrr"
+    rank = 20
 
     def __init__(self, pool: Pool) -> None:
         super().__init__(pool)
@@ -85,6 +86,7 @@ class WeightedRoundRobin(HeapScheduler):
 @register
 class RoundRobin(WeightedRoundRobin):
     name = "rr"
+    rank = 10
 
     def weight(self, rs: RealServer) -> float:
         return 1.0

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 @register
 class LeastAccumulatedLoad(HeapScheduler):
     name = "sap"
+    rank = 80
+    keys = frozenset({"load_factor"})
 
     def __init__(self, pool: Pool) -> None:
         super().__init__(pool)

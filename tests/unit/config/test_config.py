@@ -901,9 +901,9 @@ def test_maglev_and_persistence_keys_and_defaults(tmp_path: Path) -> None:
         """,
     )
     m, d = load([path]).virtual_servers
-    assert (m.table_size, m.hash_key) == (131071, "source_port")
+    assert (m.options.table_size, m.options.hash_key) == (131071, "source_port")
     assert (m.persistence.timeout, m.persistence.max_entries) == (90.0, 10)
-    assert (d.table_size, d.hash_key) == (65537, "source")
+    assert (d.options.table_size, d.options.hash_key) == (65537, "source")
     assert (d.persistence.timeout, d.persistence.max_entries) == (300.0, 100000)
     assert load([write(tmp_path, "min.yaml", MINIMAL)]).virtual_servers[0].persistence is None
 

@@ -43,6 +43,10 @@ def test_the_schema_is_a_valid_draft_2020_12_schema():
 def test_every_key_is_a_field_of_the_model_and_every_field_a_key(path, section):
     fields = {f.name for f in dataclasses.fields(section.model)} - NOT_KEYS
     keys = set(section.fields) | set(section.sections)
+    if section.option_models:  # a scheduler's own keys are fields of its Options
+        fields -= {"options"}
+        for model in set(section.option_models.values()):
+            fields |= {f.name for f in dataclasses.fields(model)}
     if path.endswith("real_servers[].snmp"):
         keys = set(section.fields)  # overrides of the virtual server's block
         fields -= set(section.sections)

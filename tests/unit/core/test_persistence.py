@@ -9,7 +9,7 @@ import sys
 from lbproxy.config.model import PersistenceConfig
 from lbproxy.core.persistence import Persistence
 from lbproxy.core.pool import Pool
-from lbproxy.core.schedulers.maglev import client_hash, permutation, populate
+from lbproxy.core.schedulers.maglev import MaglevOptions, client_hash, permutation, populate
 from tests.factories import virtual_server
 
 
@@ -293,7 +293,8 @@ def test_a_reload_with_another_table_size_rebuilds_the_table():
     pool.pick(0)
     assert len(pool.scheduler.table) == 65537
     config = pool.config
-    changes = pool.reconfigure(config.__class__(**{**_fields(config), "table_size": 101}), 1)
+    options = MaglevOptions(table_size=101)
+    changes = pool.reconfigure(config.__class__(**{**_fields(config), "options": options}), 1)
     assert changes == ["maglev table_size or hash_key changed"]
     pool.pick(1)
     assert len(pool.scheduler.table) == 101

@@ -1,22 +1,31 @@
-"""One client connection: admit -> pick -> connect (retry elsewhere) -> pump both ways.
+"""One client connection, one lifecycle: a state machine from accept to close.
 
-Everything a connection needs from its virtual server is read from the pool at the
-moment it starts (`pool.config`), so a reload that changes timeouts or the scheduler
-applies to new connections while established ones keep going undisturbed.
+    admitted -> preread -> queued -> picked -> connecting -> established -> closing -> ended
 
-Errors a connection can expect (refused, timeouts, resets, bad PROXY headers) are
-handled here and end only that connection; nothing escapes to the accept loop.
+HAProxy's stream interface is the model (`enum si_state`: INI, REQ, QUE, TAR/ASS, CON,
+EST, DIS, CLO): waiting is a state, not a second implementation. Each state is a step
+that returns at once (`Handler._begin`, `_admit`, `_pick`, `_connect`, `_establish`);
+a step that has to wait returns the wait instead (`_preread`: a PROXY header;
+`_queued`: the queue; `_resolving`: a name; `_connecting`: a connect in progress), and
+only then is a task spawned (`_waiting`), which awaits it and goes on with the steps. A
+connection that waits for nothing -- no PROXY header, no queue, a cached address and a
+near server that completes the connect before connect() returns -- runs from admitted
+to established in the accept loop's call, with no task at all: a task costs more user
+time than all of HAProxy's work for a connection (issue 15, docs/benchmarks.md). Once
+established, the pump (the reactor, net/pump.py) moves the bytes and reports the end;
+the task-less connections of a handler are drained through one guardian task
+(`Handler._guard`).
 
-Two paths, one behaviour (issue 15, docs/benchmarks.md). The fast path
-(`Handler.accept`, called by the accept loop) has no task: whatever can be done at once
-is done there -- admission, pick and take, a connect a near server completes before
-connect() returns, the start of the pump -- and the reactor reports the end to
-`_pumped`. The task path (`handle`, `_serve`) is for what has to wait: a PROXY header or
-a queue from the start, and, handed over as it stands, a name to resolve, a connect in
-progress or failed, retries. Both share the steps (`_admitted`, `_connection`,
-`_attempt_failed`, `_connected`, `_ended`). A task costs more user time than all of
-HAProxy's work for a connection; a task-less connection is drained through one guardian
-task per handler (`_guard`).
+`ClientConnection.end()` is the one way out of every state: idempotent, it counts the
+connection, writes the access log, gives the lease back, adds the byte counts and
+uncounts `pool.clients` exactly once, and closes whatever descriptor the connection
+still owns, so the counts stay right on every path and under cancellation. One
+exception barrier covers every state: a bug in a step (`_go`, `_waiting`) or in the end
+is counted in `lbproxy_internal_errors_total{where}` and ends that connection only.
+
+Everything a connection needs from its virtual server is read from the pool when it is
+accepted (`pool.config`), so a reload that changes timeouts or the scheduler applies to
+new connections while established ones keep going undisturbed.
 
 A connection is carried as plain descriptors, the client's from accept to close and the
 real server's from its connect on: the pump splices descriptors, and a socket object per
@@ -32,7 +41,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -54,6 +63,43 @@ _ALLOW_ALL = VirtualServerConfig.__dataclass_fields__["allow"].default
 # (the pump needs only its descriptor, taken with detach() once connected).
 _new_socket = socket.SocketType
 _CONNECT_TYPE = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+
+# -- the states ----------------------------------------------------------------------
+#
+# Small ints (a state is stored and compared on every connection: no enum lookups).
+ADMITTED = 0  # accepted and counted in pool.clients; the throttle asked
+PREREAD = 1  # waiting for the PROXY header (accept_proxy); then the ACL, max_connections
+QUEUED = 2  # waiting in the virtual server's queue for a free server
+PICKED = 3  # a real server picked and its lease taken
+CONNECTING = 4  # resolving its address or connecting; a failure goes back to a pick
+ESTABLISHED = 5  # connected: the pump moves the bytes (no task) until it ends
+CLOSING = 6  # end() is running: counting, the access log, the lease, the descriptors
+ENDED = 7  # counted once; nothing left
+
+STATES = (
+    "admitted",
+    "preread",
+    "queued",
+    "picked",
+    "connecting",
+    "established",
+    "closing",
+    "ended",
+)
+
+# Every transition a connection may make, as data (h11's `_state.py` is the model); the
+# unit tests drive each one and check every step a connection takes against this table.
+# Any live state may end (-> closing): a rejection, no server, a drain, a bug.
+TRANSITIONS: dict[int, frozenset[int]] = {
+    ADMITTED: frozenset({PREREAD, QUEUED, PICKED, CLOSING}),
+    PREREAD: frozenset({QUEUED, PICKED, CLOSING}),
+    QUEUED: frozenset({PICKED, CLOSING}),
+    PICKED: frozenset({CONNECTING, CLOSING}),
+    CONNECTING: frozenset({PICKED, ESTABLISHED, CLOSING}),  # -> picked: a retry
+    ESTABLISHED: frozenset({CLOSING}),
+    CLOSING: frozenset({ENDED}),
+    ENDED: frozenset(),
+}
 
 
 class Connection:
@@ -86,53 +132,112 @@ class Connection:
 
 
 class ClientConnection(Flow):
-    """One client connection: the flow the pump moves (byte counts, idle timeout, close)
-    and the handle its pool lease carries (`Connection`'s interface), with what its end
-    needs (the lease, its source, when it started) -- one object per connection, not
-    two, and no property between the counters and their readers.
+    """One client connection from accept to close: its state, what it owns (the
+    client's descriptor until the pump has it, a connecting socket, the lease), the
+    flow the pump moves (byte counts, idle timeout, close) and the handle its pool lease
+    carries (`Connection`'s interface) -- one object per connection, not two.
     """
 
-    __slots__ = ("connecting", "lease", "own_idle_timeout", "source", "started")
+    __slots__ = (
+        "config",
+        "connecting",
+        "fd",
+        "handler",
+        "lease",
+        "leftover",
+        "own_idle_timeout",
+        "sock",
+        "source",
+        "started",
+        "state",
+        "tried",
+    )
 
-    def __init__(self, idle_timeout: float, source: tuple, started: float) -> None:
-        # Flow.__init__'s lines, here: one frame less and no property setter (the
-        # configuration's idle_timeout is a number of seconds or math.inf already).
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.error: OSError | None = None
-        self.last_activity = 0.0
-        self.closing = False
-        self._pump: Pump | None = None
-        self._idle_timeout = idle_timeout
+    def __init__(
+        self, handler: Handler, fd: int, source: tuple, config: VirtualServerConfig, now: float
+    ) -> None:
+        Flow.__init__(self, config.idle_timeout)
+        self.handler = handler
+        self.state = ADMITTED
+        handler.pool.clients += 1  # uncounted by end(), the one place
+        self.fd = fd  # the client's descriptor while the connection owns it, else -1
+        self.source = source  # the client's address (the PROXY header's, if any)
+        self.config = config  # as it was at accept: a reload changes the next ones
+        self.started = now
+        # Bytes read before the pick (behind a PROXY header, the SNI pre-read), for the
+        # real server first; None: nothing pre-read (and a PROXY header still to read).
+        self.leftover: bytes | None = None
+        self.lease: Lease | None = None  # while a server is taken
+        self.tried: list[RealServer] | None = None  # servers whose connect failed
+        self.sock: socket.SocketType | None = None  # a connect in progress
         # The scope of a connect that is waiting for the real server's answer, if any.
         self.connecting: trio.CancelScope | None = None
         # The virtual server's idle_timeout when the connection started: the throttle
         # imposes min(own, imposed) under load and gives this back in low mode.
-        self.own_idle_timeout = idle_timeout
-        self.source = source  # the client's address (the PROXY header's, if any)
-        self.started = started
-        self.lease: Lease | None = None  # once a server is taken
+        self.own_idle_timeout = config.idle_timeout
 
     @property
     def flow(self) -> Flow:
         """The connection's flow: itself (for the control plane's readers)."""
         return self
 
+    @property
+    def state_name(self) -> str:
+        return STATES[self.state]
+
     def close(self) -> None:
         # No cancel scope of its own (a scope costs ~0.7 kB for the connection's whole
-        # life): while connecting, the connect wait's scope is cancelled and the retry
-        # loop stops; from then on the pump ends ("cancelled").
+        # life): while connecting, the connect wait's scope is cancelled and the
+        # connection ends ("cancelled"); once established the pump ends ("cancelled").
         Flow.close(self)
         if self.connecting is not None:
             self.connecting.cancel()
 
+    def reject(self, reason: str) -> None:
+        """End a connection refused before a server was picked (counted by reason)."""
+        self.end("rejected:" + reason, reason)
+
+    def end(self, how: str | None = None, rejected: str | None = None) -> None:
+        """The end, from any state: count the connection (its bytes, duration and
+        `rejected` reason, if any), write the access log (`how` is its `end=`; None:
+        no line, as for a bad PROXY header or the drain's cancellation), give the lease
+        back, uncount it from pool.clients and close what it still owns. Idempotent;
+        never raises (a bug in the counting is the barrier's `connection_end`)."""
+        was = self.state
+        if was >= CLOSING:
+            return
+        self.state = CLOSING
+        handler = self.handler
+        try:
+            handler._ended(self, was, how, rejected)
+        except Exception as exc:  # the barrier: the lease goes back all the same
+            record("connection_end", exc, handler.pool.name)
+            lease = self.lease
+            if lease is not None and lease in lease.server.leases:
+                try:
+                    handler.pool.drop(lease, handler._clock())
+                except Exception as again:
+                    record("connection_end", again, f"{handler.pool.name}: dropping the lease")
+        finally:
+            self.lease = None
+            handler.pool.clients -= 1
+            self.state = ENDED
+            sock, self.sock = self.sock, None
+            fd, self.fd = self.fd, -1
+            try:
+                if sock is not None:
+                    sock.close()
+                if fd >= 0:
+                    os.close(fd)
+            except OSError:  # cannot happen to a descriptor we own; end() never raises
+                pass
+
 
 # What the accept loop hands connections to: its handlers nursery's start_soon.
 Spawn = Callable[..., object]
-# A connect attempt begun by the fast path, for the task to go on with: the server, its
-# lease, when it was picked, and the connecting socket (None: not begun, the address is
-# still to be resolved).
-Pending = tuple[RealServer, Lease, float, "socket.SocketType | None"]
+# What a step returns when the next state has to wait: the wait, to be awaited in a
+# task, which returns what the step after it returns (None: established or ended).
+Wait = Callable[[ClientConnection], Awaitable["Wait | None"]]
 
 
 class ConnectError(Exception):
@@ -143,23 +248,24 @@ class ConnectError(Exception):
 
 
 class Handler:
-    """The connection handler of one virtual server: serves the clients routed to it.
+    """The connection handler of one virtual server: runs the lifecycle of the clients
+    routed to it.
 
     Made by the listener for each virtual server it feeds; everything that outlives a
-    connection (pool, throttle, access-log flag) is read from the `VirtualServer`.
+    connection (pool, throttle, queue, access-log flag) is read from the `VirtualServer`.
     """
 
     def __init__(self, vs: VirtualServer) -> None:
         self.vs = vs
         self.pool = vs.pool
         self._resolved: dict[Address, tuple[int, tuple]] = {}
-        # Connections served with no task (accept): the pumps, and the guardian task
+        # Connections established with no task: the pumps, and the guardian task
         # standing for them in the handlers nursery while there are any.
         self._live: set[Pump] = set()
         self._guarded = False
         self._empty: trio.Event | None = None
         self._spawn: Spawn | None = None
-        # Made once: the reactor's callback for every task-less connection's end.
+        # Made once: the reactor's callback for every connection's end.
         self._on_end: Callable[[Pump], None] = self._pumped
         # The run's clock, read directly (trio.current_time() is three Python frames).
         self._clock: Callable[[], float] = trio.lowlevel.current_clock().current_time
@@ -168,117 +274,229 @@ class Handler:
     def name(self) -> str:
         return self.pool.name
 
-    # -- the fast path: no task -------------------------------------------------------
+    # -- entry points ------------------------------------------------------------------
 
     def accept(self, client: int, peer: tuple, spawn: Spawn) -> None:
-        """Serve a client the accept loop just accepted (its non-blocking descriptor);
-        closes it in the end.
-
-        Whatever can be done at once is done here, in the accept loop, with no task:
-        admission, the pick, a non-blocking connect that a near server completes before
-        connect() returns, and the start of the pump, whose end the reactor reports to
-        `_pumped`. The first thing that has to wait -- a PROXY header to read, a name
-        to resolve, a connect in progress or failed (retries) -- hands the connection,
-        as it stands, to a task in `spawn`'s nursery (`_serve`, today's path), so every
-        wait keeps its trio code. Measured (docs/benchmarks.md): a task per connection
-        costs more user time than all of HAProxy's work for it.
-        """
-        pool = self.pool
-        config = pool.config
-        vs = self.vs
-        queue = vs.queue
-        if config.accept_proxy or (queue is not None and queue.must_wait()):
-            # A header to read, or a queue to wait in: a task from the start. An idle
-            # queue (no one waiting, a server free) keeps the fast path.
-            try:
-                spawn(self.handle, client, peer)
-            except BaseException:
-                os.close(client)
-                raise
-            return
-        pool.clients += 1
-        handed = False
-        connection: ClientConnection | None = None
+        """Serve a client the accept loop just accepted (its non-blocking descriptor):
+        its lifecycle runs here, with no task, as far as it goes without waiting; a wait
+        (PROXY header, queue, a name, a connect in progress) goes on in a task in
+        `spawn`'s nursery. The connection closes the descriptor in the end."""
+        self._spawn = spawn
         try:
-            throttle = vs.throttle
-            if throttle is not None and throttle.arrival():  # digg: close at once
-                self._reject("throttle", peer)
-                return
-            if not self._admitted(config, peer):
-                return
-            started = self._clock()
-            connection = self._connection(config, peer, started)
-            rs = pool.pick(started, (), peer)
-            if rs is None:  # no server: the task path counts and logs it
-                spawn(self._serve, client, b"", connection, config, [], None)
-                handed = True
-                return
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s", explain_pick(pool, rs, []))
-            lease = connection.lease = pool.take(rs, started, connection, peer)
-            cached = self._resolved.get(rs.address)
-            if cached is None:  # resolve, then connect, in the task
-                spawn(
-                    self._serve, client, b"", connection, config, [rs], (rs, lease, started, None)
-                )
-                handed = True
-                return
-            try:
-                sock, err = self._start_connect(*cached)
-            except (LocalCapacityError, ConnectError) as exc:
-                if not self._attempt_failed(rs, lease, exc):  # no retry
-                    pool.rejected["connect_failed"] += 1
-                    if vs.access_log:
-                        self._log_access(peer, None, connection, started, "no_server")
-                    return
-                # retry another server in the task
-                spawn(self._serve, client, b"", connection, config, [rs], None)
-                handed = True
-                return
-            if err:  # in progress: the task waits for it
-                spawn(
-                    self._serve, client, b"", connection, config, [rs], (rs, lease, started, sock)
-                )
-                handed = True
-                return
-            self._connected(rs, lease, started)
-            if queue is not None and queue.waiting:
-                queue.kick()  # the slot is taken: the next waiter, if room is left
-            self._spawn = spawn
-            handed = True  # the pump owns both descriptors now, whatever happens
-            self._pump_now(client, sock.detach(), connection, config)
-        except Exception as exc:  # the barrier: a bug ends this connection only
-            if handed:  # not expected: _pump_now and the spawned task own their ends
-                record("connection", exc, pool.name)
-            else:
-                self._internal_error(connection, exc)
-        finally:
-            if not handed:
-                pool.clients -= 1
-                os.close(client)
+            c = ClientConnection(self, client, peer, self.pool.config, self._clock())
+        except BaseException:
+            os.close(client)
+            raise
+        self._go(c)
 
-    def _pump_now(
-        self, client: int, server: int, connection: ClientConnection, config: VirtualServerConfig
-    ) -> None:
-        """Start the pump with no task: it owns (and closes) both descriptors, and the
-        reactor reports its end to `_pumped`."""
+    async def handle(self, client: int, peer: tuple, preread: bytes | None = None) -> None:
+        """Serve a client in the calling task (a shared address's route): the same
+        lifecycle, waiting here; returns once established (the pump has it) or ended.
+
+        `preread`: the listener has already read the PROXY header (if any; `peer` is
+        then the source it names) and these bytes (a TLS ClientHello, for the route),
+        which go to the real server first, unchanged.
+        """
+        if self._spawn is None:  # the guardian's nursery: the one this task runs in
+            nursery = trio.lowlevel.current_task().parent_nursery
+            assert nursery is not None
+            self._spawn = nursery.start_soon
+        try:
+            c = ClientConnection(self, client, peer, self.pool.config, self._clock())
+        except BaseException:
+            os.close(client)
+            raise
+        c.leftover = preread
+        await self._waiting(c, None)
+
+    def reject(self, reason: str, source: tuple) -> None:
+        """Count (and access-log) a client closed before it reached this handler: the
+        listener's `no_route`."""
+        self.pool.rejected[reason] += 1
+        if self.vs.access_log:
+            self._log_access(source, None, 0, 0, 0.0, "rejected:" + reason)
+
+    # -- the barrier: every step runs under one of these two ----------------------------
+
+    def _go(self, c: ClientConnection) -> None:
+        """Run `c` through every state that needs no waiting, now; spawn a task for the
+        first wait. The barrier: a bug ends this connection only."""
+        try:
+            wait = self._begin(c)
+            if wait is not None:
+                assert self._spawn is not None
+                self._spawn(self._waiting, c, wait)
+        except Exception as exc:
+            record("connection", exc, self.pool.name)
+            c.end()
+
+    async def _waiting(self, c: ClientConnection, wait: Wait | None) -> None:
+        """The task of a connection that has to wait: each wait, then the steps after
+        it, until established or ended. The barrier: a bug ends this connection only;
+        a cancellation (the drain deadline) ends it unlogged and goes on up."""
+        try:
+            if wait is None:
+                wait = self._begin(c)
+            while wait is not None:
+                wait = await wait(c)
+        except Exception as exc:
+            record("connection", exc, self.pool.name)
+            c.end()
+        except BaseException:
+            c.end()
+            raise
+
+    # -- the steps: each returns at once, with the next wait or None -------------------
+
+    def _begin(self, c: ClientConnection) -> Wait | None:
+        """admitted: the throttle; a PROXY header to read (-> preread), or admission."""
+        throttle = self.vs.throttle
+        if throttle is not None and throttle.arrival():  # digg: close at once
+            c.reject("throttle")
+            return None
+        if c.leftover is None and c.config.accept_proxy:
+            c.state = PREREAD
+            return self._preread
+        return self._admit(c)
+
+    def _admit(self, c: ClientConnection) -> Wait | None:
+        """The client's source is known: the ACL and max_connections, the throttle's
+        idle timeout, then the queue (-> queued) or a pick."""
+        config = c.config
+        if not self._allowed(config, c.source[0]):
+            c.reject("acl")
+            return None
+        if config.max_connections and self.pool.clients > config.max_connections:
+            c.reject("max_connections")
+            return None
+        throttle = self.vs.throttle
+        if throttle is not None:  # start with the imposed idle timeout, if any
+            c.idle_timeout = throttle.idle_timeout_for(config.idle_timeout)
+        queue = self.vs.queue
+        if queue is not None and queue.must_wait():
+            # A busy queue (someone waiting, or no server free): wait in it. An idle one
+            # costs nothing.
+            c.state = QUEUED
+            return self._queued
+        return self._pick(c)
+
+    def _pick(self, c: ClientConnection) -> Wait | None:
+        """-> picked: a server picked and taken, never one whose connect failed."""
+        pool = self.pool
+        tried = c.tried
+        if tried is not None:  # a retry
+            if len(tried) > c.config.retries:
+                self._no_server(c, "connect_failed")
+                return None
+            if c.closing:  # closed while the failed attempt was waiting
+                c.end("cancelled")
+                return None
+        now = self._clock()
+        rs = pool.pick(now, tried or (), c.source)
+        if rs is None:
+            self._no_server(c, "connect_failed" if tried else "no_server")
+            return None
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", explain_pick(pool, rs, tried or []))
+        # Taken before the connect completes, as IPVS counts a connection from its SYN:
+        # concurrent arrivals then see this one and spread out. `source` (the PROXY
+        # header's with accept_proxy) is for persistence and maglev.
+        c.lease = pool.take(rs, now, c, c.source)
+        c.state = PICKED
+        return self._connect(c)
+
+    def _connect(self, c: ClientConnection) -> Wait | None:
+        """-> connecting: a non-blocking connect to the picked server; established at
+        once if it completes before connect() returns, else a wait (a name to resolve,
+        the connect in progress); a failure gives the lease back and picks again."""
+        c.state = CONNECTING
+        assert c.lease is not None
+        cached = self._resolved.get(c.lease.server.address)
+        if cached is None:
+            return self._resolving
+        try:
+            sock, err = self._start_connect(*cached)
+        except (LocalCapacityError, ConnectError) as exc:
+            return self._attempt_failed(c, exc)
+        if err:  # in progress
+            c.sock = sock
+            return self._connecting
+        self._establish(c, sock.detach())
+        return None
+
+    def _attempt_failed(
+        self, c: ClientConnection, exc: LocalCapacityError | ConnectError
+    ) -> Wait | None:
+        """A connect attempt failed: give the lease back, then try another server
+        (-> picked), unless it was for want of descriptors here: not the real server's
+        fault, and no other would do better; the client is closed (the accept loop
+        backs off)."""
+        pool = self.pool
+        lease = c.lease
+        assert lease is not None
+        rs = lease.server
+        now = self._clock()
+        pool.drop(lease, now)
+        c.lease = None
+        if c.tried is None:
+            c.tried = [rs]
+        else:
+            c.tried.append(rs)
+        if isinstance(exc, LocalCapacityError):
+            self._no_server(c, "connect_failed")
+            return None
+        rs.connect_failures[exc.reason] += 1
+        record_health(pool, rs, False, now, f"connect {exc.reason}")
+        return self._pick(c)
+
+    def _no_server(self, c: ClientConnection, rejected: str) -> None:
+        """No server to connect to (none available, or every attempt failed)."""
+        queue = self.vs.queue
+        if queue is not None and queue.waiting:
+            queue.kick()
+        c.end("no_server", rejected)
+
+    def _establish(self, c: ClientConnection, server: int) -> None:
+        """-> established: the connect succeeded; the pump (no task) owns and closes
+        both descriptors from here on, and the reactor reports the end to `_pumped`."""
+        lease = c.lease
+        assert lease is not None
+        rs = lease.server
+        self.pool.established(lease)
+        if not rs.health.clean:
+            # a good connect ends a failure streak (or is a down server's trial)
+            record_health(self.pool, rs, True, self._clock(), "connect succeeded")
+        queue = self.vs.queue
+        if queue is not None and queue.waiting:
+            queue.kick()  # the slot is taken: the next waiter, if room is left
+        c.state = ESTABLISHED
+        client = c.fd
+        c.fd = -1
+        config = c.config
         header = b""
         try:
             if config.send_proxy != "none":
-                header = proxy_protocol.encode(
-                    config.send_proxy, connection.source, _local_address(client)
-                )
-        except Exception as exc:  # OSError, as in _serve: the client reset before getsockname()
+                header = proxy_protocol.encode(config.send_proxy, c.source, _local_address(client))
+        except Exception as exc:  # OSError: the client reset before getsockname()
             os.close(server)
             os.close(client)
-            self._pump_failed(connection, exc)
-            return
+            self._start_failed(c, exc)
+            return None
         try:
-            # close_sockets: it owns both descriptors from here on, even if this raises
-            p = Pump(client, server, connection, preamble=header, close_sockets=True)
-        except Exception as exc:  # OSError: as in _serve
-            self._pump_failed(connection, exc)
-            return
+            # close_sockets: the pump closes both the moment it ends (or fails to start),
+            # which saves two epoll_ctl and usually a shutdown per connection; it owns
+            # them from here on, even if this raises.
+            p = Pump(
+                client,
+                server,
+                c,
+                preamble=header,
+                initial_client_bytes=c.leftover or b"",
+                close_sockets=True,
+            )
+        except Exception as exc:  # OSError: out of descriptors for a pipe (EMFILE)
+            self._start_failed(c, exc)
+            return None
         p.on_end = self._on_end
         self._live.add(p)
         if not self._guarded:
@@ -287,9 +505,9 @@ class Handler:
             self._spawn(self._guard)
         try:
             p.start()
-        except OSError as exc:  # as in _serve: only this connection ends
+        except OSError as exc:  # only this connection ends
             log.debug("%s: %s", self.pool.name, exc)
-            connection.error = exc
+            c.error = exc
             if p.outcome is None:
                 p.outcome = "error"
         except Exception as exc:  # the barrier: a bug ends this connection only
@@ -301,59 +519,130 @@ class Handler:
             end = p.on_end
             p.on_end = None
             end(p)
+        return None
 
-    def _pump_failed(self, connection: ClientConnection, exc: Exception) -> None:
+    def _start_failed(self, c: ClientConnection, exc: Exception) -> None:
+        """The pump could not start (its descriptors are closed): the end, as an error."""
         if isinstance(exc, OSError):
+            # Out of descriptors for a pipe (EMFILE), or the client reset before
+            # getsockname(). The accept loop backs off by itself when descriptors run out.
             log.debug("%s: %s", self.pool.name, exc)
-            connection.error = exc
+            c.error = exc
         else:
             record("connection", exc, self.pool.name)
-        self._finished(connection, "error")
+        c.end("error")
 
-    def _internal_error(
-        self, connection: ClientConnection | None, exc: BaseException, where: str = "connection"
-    ) -> None:
-        """The barrier's clean-up: count and log the bug, and give back the lease the
-        connection still holds (its descriptors are closed by the caller). Never raises."""
-        record(where, exc, self.pool.name)
-        lease = None if connection is None else connection.lease
-        if lease is not None and lease in lease.server.leases:
+    # -- the waits: each awaits, then returns what the next step returns ---------------
+
+    async def _preread(self, c: ClientConnection) -> Wait | None:
+        """preread: the PROXY header, within connect_timeout; a bad or late one closes
+        the connection (uncounted, unlogged)."""
+        # A trio socket over the descriptor for the read; detached after, not closed.
+        sock = trio.socket.from_stdlib_socket(socket.socket(-1, socket.SOCK_STREAM, 0, c.fd))
+        try:
+            header = await self._read_proxy_header(sock, c.config.connect_timeout)
+        finally:
+            sock.detach()
+        if header is None:
+            c.end()
+            return None
+        c.source, c.leftover = header
+        c.started = self._clock()
+        return self._admit(c)
+
+    async def _queued(self, c: ClientConnection) -> Wait | None:
+        """queued: until a server is free (then picked before the next checkpoint, as
+        the queue asks), or refused (queue_full, queue_timeout)."""
+        queue = self.vs.queue
+        assert queue is not None
+        reason = await queue.wait()
+        if reason is not None:
+            c.reject(reason)
+            return None
+        return self._pick(c)
+
+    async def _resolving(self, c: ClientConnection) -> Wait | None:
+        """connecting: the server's address, resolved once per handler."""
+        assert c.lease is not None
+        try:
+            await self._resolve(c.lease.server.address)
+        except ConnectError as exc:
+            return self._attempt_failed(c, exc)
+        return self._connect(c)
+
+    async def _connecting(self, c: ClientConnection) -> Wait | None:
+        """connecting: the connect in progress, within connect_timeout; close() cancels
+        the wait (the connection ends, "cancelled")."""
+        sock = c.sock
+        assert sock is not None
+        with trio.move_on_after(c.config.connect_timeout) as deadline:
+            c.connecting = deadline  # ClientConnection.close() cancels it
             try:
-                self.pool.drop(lease, self._clock())
-            except Exception as again:
-                record(where, again, f"{self.pool.name}: dropping the lease")
+                await trio.lowlevel.wait_writable(sock.fileno())
+            finally:
+                c.connecting = None
+        if c.closing:
+            c.end("cancelled")  # closes the socket, gives the lease back
+            return None
+        failure = None
+        if deadline.cancelled_caught:
+            failure = ConnectError("timeout")
+        else:
+            try:
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err:
+                    raise OSError(err, os.strerror(err))
+            except OSError as exc:
+                failure = _connect_error(exc)
+        c.sock = None
+        if failure is not None:
+            sock.close()
+            return self._attempt_failed(c, failure)
+        self._establish(c, sock.detach())
+        return None
+
+    # -- the end -------------------------------------------------------------------------
 
     def _pumped(self, p: Pump) -> None:
-        """The reactor's report that a task-less connection is over (both descriptors
-        are closed by then). Called from the reactor, a deadline or Flow.close(): it
-        must not raise."""
+        """The reactor's report that an established connection is over (both
+        descriptors are closed by then). Called from the reactor, a deadline or
+        Flow.close(): it must not raise (end() does not)."""
         self._live.discard(p)
-        connection: ClientConnection = p.flow  # type: ignore[assignment]
-        try:  # _finished(), inline: once per connection
-            assert connection.lease is not None
-            self._ended(
-                connection.lease,
-                connection,
-                connection.started,
-                connection.source,
-                p.outcome or "error",
-            )
-        except Exception as exc:
-            self._internal_error(connection, exc, "connection_end")
-        finally:
-            self.pool.clients -= 1
+        p.flow.end(p.outcome or "error")  # type: ignore[attr-defined]
         if not self._live and self._empty is not None:
             self._empty.set()
 
-    def _finished(self, connection: ClientConnection, end: str) -> None:
-        """A task-less connection is over: its end, counted (must not raise)."""
-        try:
-            assert connection.lease is not None
-            self._ended(connection.lease, connection, connection.started, connection.source, end)
-        except Exception as exc:
-            self._internal_error(connection, exc, "connection_end")
-        finally:
-            self.pool.clients -= 1
+    def _ended(self, c: ClientConnection, was: int, how: str | None, rejected: str | None) -> None:
+        """end()'s counting (`was`: the state it ended in): the reason it was refused,
+        an established connection's bytes and duration, the lease, the access log."""
+        pool = self.pool
+        if rejected is not None:
+            pool.rejected[rejected] += 1
+        lease = c.lease
+        rs = None
+        now = self._clock()
+        if lease is not None:
+            if was == ESTABLISHED:
+                rs = lease.server
+                rs.bytes_in += c.bytes_in
+                rs.bytes_out += c.bytes_out
+                pool.drop(lease, now)
+                pool.durations.observe(now - c.started)
+            else:
+                pool.drop(lease, now)
+            c.lease = None
+        if how is not None and self.vs.access_log:
+            if how.startswith("rejected:"):  # refused before anything moved
+                self._log_access(c.source, None, 0, 0, 0.0, how)
+            else:
+                self._log_access(
+                    c.source,
+                    None if rs is None else rs.name,
+                    c.bytes_in,
+                    c.bytes_out,
+                    now - c.started,
+                    how,
+                )
 
     async def _guard(self) -> None:
         """Stands, in the handlers nursery, for the connections that have no task, so
@@ -370,204 +659,16 @@ class Handler:
             self._guarded = False
             self._empty = None
 
-    # -- the task path ----------------------------------------------------------------
-
-    async def handle(self, client: int, peer: tuple, preread: bytes | None = None) -> None:
-        """Serve one accepted client (its descriptor) in a task until both sides are
-        done; closes it. For what may wait from the start (a PROXY header to read, a
-        queue) and for the clients a shared (SNI) address routes here.
-
-        `preread`: the listener has already read the PROXY header (if any; `peer` is
-        then the source it names) and these bytes (a TLS ClientHello, for the route),
-        which go to the real server first, unchanged.
-        """
-        pool = self.pool
-        config = pool.config
-        pool.clients += 1
-        try:
-            admitted = await self._admit(client, peer, config, preread)
-        except Exception as exc:  # the barrier: a bug ends this connection only
-            record("connection", exc, pool.name)
-            admitted = None
-        except BaseException:
-            pool.clients -= 1
-            os.close(client)
-            raise
-        if admitted is None:
-            pool.clients -= 1
-            os.close(client)
-            return
-        source, leftover = admitted
-        connection = self._connection(config, source, trio.current_time())
-        await self._serve(client, leftover, connection, config, [], None)
-
-    async def _serve(
-        self,
-        client: int,
-        leftover: bytes,
-        connection: ClientConnection,
-        config: VirtualServerConfig,
-        tried: list[RealServer],
-        pending: Pending | None,
-    ) -> None:
-        """The rest of a connection's life, in a task: connect (the attempt `pending`
-        first, then retries), pump, end. Counted in pool.clients already; closes the
-        client's descriptor.
-
-        One coroutine from here to the end: its frame and trio's wait are what an idle
-        connection keeps alive, so the steps before the pump are helpers that return,
-        not frames that stay on the stack, and the pump is driven by the reactor while
-        this task waits in ``finished()``.
-        """
-        pool = self.pool
-        source, started = connection.source, connection.started
-        client_open = True  # until the pump owns it
-        try:
-            queue = self.vs.queue
-            # A connection the fast path hands over has picked already (`tried`): it
-            # holds a lease, and must not wait behind the slot it holds itself.
-            if queue is not None and not tried and queue.must_wait():
-                reason = await queue.wait()
-                if reason is not None:  # queue_full | queue_timeout
-                    self._reject(reason, source)
-                    return
-            connected = await self._connect(connection, config, source, tried, pending)
-            if queue is not None and queue.waiting:
-                queue.kick()  # the slot is taken: the next waiter, if room is left
-            if connected is None:
-                if self.vs.access_log:
-                    end = "cancelled" if connection.closing else "no_server"
-                    self._log_access(source, None, connection, started, end)
-                return
-            server, lease = connected
-            outcome = "cancelled"  # the drain deadline cancelled us
-            p: Pump | None = None
-            try:
-                header = b""
-                if config.send_proxy != "none":
-                    try:
-                        destination = _local_address(client)
-                        header = proxy_protocol.encode(config.send_proxy, source, destination)
-                    except BaseException:
-                        os.close(server)
-                        raise
-                # close_sockets: the pump closes both the moment it ends (or fails to
-                # start), which saves two epoll_ctl and usually a shutdown per connection.
-                client_open = False
-                p = Pump(
-                    client,
-                    server,
-                    connection,
-                    preamble=header,
-                    initial_client_bytes=leftover,
-                    close_sockets=True,
-                )
-                try:  # pump()'s body, here: one coroutine frame less per connection
-                    p.start()
-                    await p.finished()
-                finally:
-                    p.close()
-                outcome = p.outcome
-            except OSError as exc:
-                # Out of descriptors for a pipe (EMFILE), or the client reset before
-                # getsockname(). Only this connection ends; the accept loop backs off
-                # by itself when descriptors run out.
-                log.debug("%s: %s", pool.name, exc)
-                connection.error = exc
-                outcome = "error"
-            except Exception as exc:  # the barrier: a bug ends this connection only
-                if p is None or exc is not p.error:  # else the reactor counted it
-                    record("connection", exc, pool.name)
-                outcome = "error"
-            finally:
-                try:
-                    self._ended(lease, connection, started, source, outcome)
-                except Exception as exc:
-                    self._internal_error(connection, exc, "connection_end")
-        except Exception as exc:  # the barrier: a bug ends this connection only
-            self._internal_error(connection, exc)
-        finally:
-            if client_open:
-                os.close(client)
-            pool.clients -= 1
-
-    # -- shared by both paths ------------------------------------------------------------
-
-    def _connection(
-        self, config: VirtualServerConfig, source: tuple, started: float
-    ) -> ClientConnection:
-        connection = ClientConnection(config.idle_timeout, source, started)
-        if self.vs.throttle is not None:  # start with the imposed idle timeout, if any
-            connection.idle_timeout = self.vs.throttle.idle_timeout_for(config.idle_timeout)
-        return connection
-
-    def _ended(self, lease: Lease, flow: Flow, started: float, source: tuple, end: str) -> None:
-        pool = self.pool
-        rs = lease.server
-        rs.bytes_in += flow.bytes_in
-        rs.bytes_out += flow.bytes_out
-        now = self._clock()
-        pool.drop(lease, now)
-        pool.durations.observe(now - started)
-        if self.vs.access_log:
-            self._log_access(source, rs.name, flow, started, end)
-
-    async def _admit(
-        self,
-        client: int,
-        peer: tuple,
-        config: VirtualServerConfig,
-        preread: bytes | None = None,
-    ) -> tuple[tuple, bytes] | None:
-        """(source address, bytes read behind a PROXY header), or None: rejected."""
-        source, leftover = peer, b""
-        throttle = self.vs.throttle
-        if throttle is not None and throttle.arrival():  # digg: close at once
-            self._reject("throttle", source)
-            return None
-        if preread is not None:
-            leftover = preread
-        elif config.accept_proxy:
-            # A trio socket over the descriptor for the read; detached after, not closed.
-            sock = trio.socket.from_stdlib_socket(socket.socket(-1, socket.SOCK_STREAM, 0, client))
-            try:
-                header = await self._read_proxy_header(sock, config.connect_timeout)
-            finally:
-                sock.detach()
-            if header is None:
-                return None
-            source, leftover = header
-        if not self._admitted(config, source):
-            return None
-        return source, leftover
-
-    def _admitted(self, config: VirtualServerConfig, source: tuple) -> bool:
-        """The ACL and max_connections (counted and logged when they refuse)."""
-        if not self._allowed(config, source[0]):
-            self._reject("acl", source)
-            return False
-        if config.max_connections and self.pool.clients > config.max_connections:
-            self._reject("max_connections", source)
-            return False
-        return True
-
-    def reject(self, reason: str, source: tuple) -> None:
-        """Count (and access-log) a client closed before it reached this handler: the
-        listener's `no_route`."""
-        self._reject(reason, source)
-
-    def _reject(self, reason: str, source: tuple) -> None:
-        self.pool.rejected[reason] += 1
-        if self.vs.access_log:
-            access_log.info(
-                "%s vs=%s rs=- in=0 out=0 duration=0.000s end=rejected:%s",
-                _format_peer(source),
-                self.pool.name,
-                reason,
-            )
+    # -- helpers ---------------------------------------------------------------------------
 
     def _log_access(
-        self, source: tuple, rs: str | None, flow: Flow, started: float, end: str
+        self,
+        source: tuple,
+        rs: str | None,
+        bytes_in: int,
+        bytes_out: int,
+        duration: float,
+        end: str,
     ) -> None:
         # HAProxy `option tcplog` in spirit: who, where to, how much, how long, how it ended.
         access_log.info(
@@ -575,85 +676,11 @@ class Handler:
             _format_peer(source),
             self.pool.name,
             rs or "-",
-            flow.bytes_in,
-            flow.bytes_out,
-            trio.current_time() - started,
+            bytes_in,
+            bytes_out,
+            duration,
             end,
         )
-
-    async def _connect(
-        self,
-        handle: ClientConnection,
-        config: VirtualServerConfig,
-        source: tuple,
-        tried: list[RealServer],
-        pending: Pending | None = None,
-    ) -> tuple[int, Lease] | None:
-        """Connect to a picked real server, retrying others (never the same one twice):
-        (its connected descriptor, the lease), or None.
-
-        `source` is the client's address (the PROXY header's with accept_proxy), for
-        persistence and maglev; the pool ignores it when neither is configured.
-        `tried` holds the servers already tried (by the fast path), and `pending` the
-        attempt it began: (server, lease, when, socket connecting or None: not begun).
-        """
-        pool = self.pool
-        while True:
-            if pending is not None:
-                rs, lease, now, started_sock = pending
-                pending = None
-            else:
-                if len(tried) > config.retries:
-                    break
-                if handle.closing:  # closed while an earlier attempt was waiting
-                    return None
-                now = trio.current_time()
-                rs = pool.pick(now, tried, source)
-                if rs is None:
-                    break
-                tried.append(rs)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("%s", explain_pick(pool, rs, tried[:-1]))
-                # Taken before the connect completes, as IPVS counts a connection from
-                # its SYN: concurrent arrivals then see this one and spread out.
-                lease = handle.lease = pool.take(rs, now, handle, source)
-                started_sock = None
-            try:
-                sock = await self._open(rs.address, config.connect_timeout, handle, started_sock)
-            except (LocalCapacityError, ConnectError) as exc:
-                if isinstance(exc, ConnectError) and exc.reason == "cancelled":
-                    pool.drop(lease, trio.current_time())
-                    return None
-                if self._attempt_failed(rs, lease, exc):
-                    continue
-                break
-            except BaseException:  # the drain deadline: give the lease back all the same
-                pool.drop(lease, trio.current_time())
-                raise
-            self._connected(rs, lease, now)
-            return sock.detach(), lease
-        pool.rejected["connect_failed" if tried else "no_server"] += 1
-        return None
-
-    def _attempt_failed(
-        self, rs: RealServer, lease: Lease, exc: LocalCapacityError | ConnectError
-    ) -> bool:
-        """A connect attempt failed: give the lease back; True: try another server."""
-        pool = self.pool
-        pool.drop(lease, trio.current_time())
-        if isinstance(exc, LocalCapacityError):
-            # Out of descriptors here: not the real server's fault, and no other
-            # would do better; the client is closed (the accept loop backs off).
-            return False
-        rs.connect_failures[exc.reason] += 1
-        record_health(pool, rs, False, trio.current_time(), f"connect {exc.reason}")
-        return True
-
-    def _connected(self, rs: RealServer, lease: Lease, now: float) -> None:
-        self.pool.established(lease)
-        if not rs.health.clean:
-            # a good connect ends a failure streak (or is a down server's trial)
-            record_health(self.pool, rs, True, now, "connect succeeded")
 
     def _start_connect(self, family: int, sockaddr: tuple) -> tuple[socket.SocketType, int]:
         """socket() and a non-blocking connect: (socket, 0) connected already, or
@@ -689,42 +716,6 @@ class Handler:
             sock.close()
             raise
         return sock, err
-
-    async def _open(
-        self,
-        address: Address,
-        timeout: float,
-        handle: ClientConnection,
-        sock: socket.SocketType | None = None,
-    ) -> socket.SocketType:
-        """A connected socket to `address`; `sock`: a connect already in progress."""
-        if sock is None:
-            cached = self._resolved.get(address)  # no coroutine on the usual cache hit
-            family, sockaddr = cached if cached is not None else await self._resolve(address)
-            sock, err = self._start_connect(family, sockaddr)
-            if not err:
-                return sock
-        try:
-            with trio.move_on_after(timeout) as deadline:
-                handle.connecting = deadline  # ClientConnection.close() cancels it
-                try:
-                    await trio.lowlevel.wait_writable(sock.fileno())
-                finally:
-                    handle.connecting = None
-            if handle.closing:
-                raise ConnectError("cancelled")
-            if deadline.cancelled_caught:
-                raise ConnectError("timeout")
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, os.strerror(err))
-        except OSError as exc:
-            sock.close()
-            raise _connect_error(exc) from None
-        except BaseException:
-            sock.close()
-            raise
-        return sock
 
     async def _resolve(self, address: Address) -> tuple[int, tuple]:
         cached = self._resolved.get(address)

@@ -111,6 +111,7 @@ class GlobalConfig:
     drain_timeout: float = 30.0
     access_log: bool = False  # one INFO line per connection on logger lbproxy.access
     workers: int = 1  # `auto` is resolved to os.cpu_count() by the loader
+    state_file: str | None = None  # runtime state kept across restarts (SPEC §17)
 
 
 @dataclass(frozen=True, slots=True)

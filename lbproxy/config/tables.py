@@ -108,6 +108,13 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
         "one line per connection on logger `lbproxy.access`: client, virtual and real "
         "server, bytes each way, duration, how it ended"
     ),
+    "state_file": _string.about(
+        "runtime state kept across restarts: states and weights set at run time, the "
+        "last load report per server, persistence entries; written atomically at most "
+        "once a second after a change, read at start (a missing or spoilt file is a "
+        "warning, never a failed start)",
+        default="none",
+    ),
 }
 
 _ADMIN_FIELDS: dict[str, Converter] = {

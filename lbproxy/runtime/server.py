@@ -37,6 +37,7 @@ from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_sock
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.runtime import logs
+from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import Inherited
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.wire.cluster_messages import Change, EntryBatch
@@ -100,6 +101,10 @@ class Server:
         # Not changed by a reload (like global.locator): it is this process's identity.
         redis = config.global_.cluster.redis
         self.cluster = Cluster(redis, self, cluster_name) if redis is not None else None
+        # global.state_file (SPEC §17, lbproxy/runtime/state.py): `initial_state`, when
+        # set before serve(), is restored instead of the file (`lbproxy upgrade`).
+        self.initial_state: bytes | None = None
+        self.state_writer = runtime_state.StateWriter(self)
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -146,6 +151,7 @@ class Server:
                 self.notifier.ready(self.status_line())
                 admin.start_soon(self._report_status)
             await self._finished.wait()
+            await self.state_writer.write_if_changed()  # after the drain: the final state
             admin.cancel_scope.cancel()
         log.info("stopped")
 
@@ -230,6 +236,9 @@ class Server:
                 for listener in bound:
                     self._register(listener)
                 self._add_locator_only(self.config.virtual_servers, trio.current_time())
+                # The files, then the saved runtime state, then the cluster's changes.
+                runtime_state.read_at_start(self)
+                service.start_soon(self.state_writer.run)
                 if self.cluster is not None:
                     # The file first, then the cluster's changes (as a reload would),
                     # before the first connection is accepted; at once without Redis.

@@ -925,6 +925,9 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     server = Server(
         config, config_paths, reuse_port=True, admin_sock=admin_sock, cluster_name=cluster_name
     )
+    # global.state_file: every worker reads it at start, worker 1 writes it (PATCHes and
+    # load reports reach every worker alike; lbproxy/runtime/state.py).
+    server.state_writer.enabled = init["index"] == 1
     failures: list[BindError] = []
     orphaned = False
     try:

@@ -1,0 +1,307 @@
+"""Runtime state that survives a restart: `global.state_file` (SPEC §17, issue 23 item 4).
+
+What is kept is what the configuration files cannot say (HAProxy's `server-state-file`
+is the model): a real server's state and static weight where they differ from its
+configuration (set with PATCH, `lbproxy drain`/`set-weight`, or by the cluster), the last
+load report of each real server, and the persistence entries with the wall-clock time
+they expire at. Health, counters, SNMP values and throttle modes are not: they are
+measured again within seconds.
+
+The API (lbproxy/runtime/server.py calls it; `lbproxy upgrade` passes the same bytes over
+its Unix socket instead of through the file):
+
+    snapshot(server) -> bytes      the state of a running Server, encoded
+                                   (lbproxy/wire/state_file.py owns the format)
+    restore(server, data, source) -> bool
+                                   apply those bytes to a Server whose pools are built
+                                   and that accepts nothing yet; never raises: a file
+                                   that cannot be read is one warning, False, and the
+                                   server runs on its file configuration
+    Server.initial_state = data    set before `serve()`: restored instead of the file
+
+Restoring, per virtual server of the snapshot: a virtual or real server that is no longer
+configured is skipped and logged; a real server whose address changed is reset (its
+state, weight, load report and persistence entries are dropped: it is another server
+now); an entry that expired while lbproxy was down is dropped. States and weights are
+applied through the Server's own paths (logged as `(state file)`), entries through the
+persistence table's `learn`, in their table order, so its LRU order survives too.
+
+Writing (`StateWriter.run`, a service task): once a second a cheap fingerprint of the
+state (the runtime changes, and per persistence table its size and its most recently
+touched entry — every acquire, release and learn moves an entry to the end) is compared
+with the one last written; only when it differs is a snapshot taken (in the event loop,
+where the tables are consistent) and written from a thread: temp file in the same folder,
+fsync, os.replace, fsync of the folder, so a crash leaves the old file or the new one,
+never half of one. A write error is logged once (and its end once). The final write is
+made after the drain, when SIGTERM has stopped the process. With `workers: N` worker 1
+writes the file (PATCHes reach every worker alike) and every worker reads it at start;
+the other workers' persistence entries are not kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from lbproxy.wire.state_file import (
+    ServerState,
+    State,
+    StateFileError,
+    StickyEntry,
+    VirtualServerState,
+    decode,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from lbproxy.core.pool import Pool
+    from lbproxy.runtime.server import Server
+
+log = logging.getLogger("lbproxy.state")
+
+INTERVAL = 1.0  # seconds between two looks at the state: at most one write per second
+VIA = " (state file)"
+
+
+# -- snapshot ---------------------------------------------------------------------------
+
+
+def snapshot(server: Server, wall: float | None = None, now: float | None = None) -> bytes:
+    """The runtime state of `server`, encoded (see the module header for what is kept)."""
+    return encode(_state(server, time.time() if wall is None else wall, now))
+
+
+def _state(server: Server, wall: float, now: float | None = None) -> State:
+    now = trio.current_time() if now is None else now
+    return State(wall, tuple(_virtual_server(pool, wall, now) for pool in server.pools()))
+
+
+def _virtual_server(pool: Pool, wall: float, now: float) -> VirtualServerState:
+    servers = []
+    for rs in pool.servers:
+        config = rs.config
+        state = rs.state if rs.state != config.state else None
+        weight = int(rs.static_weight) if rs.static_weight != float(config.weight) else None
+        load = pool.load_reports.get(rs)
+        if state is not None or weight is not None or load is not None:
+            servers.append(ServerState(rs.name, str(rs.address), state, weight, load))
+    entries: list[StickyEntry] = []
+    persistence = pool.persistence
+    if persistence is not None:
+        timeout = persistence.timeout
+        for key, entry in persistence.entries.items():
+            if entry.active:  # in use: it has its whole timeout once the last one ends
+                expires = wall + timeout
+            elif entry.expires > now:
+                expires = wall + (entry.expires - now)
+            else:
+                continue  # expired, not swept yet
+            entries.append(StickyEntry(key, entry.server.name, expires))
+    return VirtualServerState(pool.name, tuple(servers), tuple(entries))
+
+
+def fingerprint(server: Server) -> tuple[Any, ...]:
+    """Changes whenever the snapshot would (but for time passing): O(servers), no entry scan."""
+    parts: list[Any] = []
+    for pool in server.pools():
+        for rs in pool.servers:
+            if rs.state != rs.config.state or rs.static_weight != float(rs.config.weight):
+                parts.append((pool.name, rs.name, rs.state, rs.static_weight))
+        parts.extend((pool.name, rs.name, load) for rs, load in pool.load_reports.items())
+        persistence = pool.persistence
+        if persistence is not None and persistence.entries:
+            last = next(reversed(persistence.entries.values()))
+            parts.append((pool.name, len(persistence.entries), last.key, id(last.server)))
+            parts.append((last.active, last.expires))
+    return tuple(parts)
+
+
+# -- restore ----------------------------------------------------------------------------
+
+
+def restore(server: Server, data: bytes, source: str = "the state file") -> bool:
+    """Apply a snapshot to `server` before it accepts; False (one warning) when unusable."""
+    try:
+        state = decode(data)
+    except StateFileError as exc:
+        log.warning("%s is unusable (%s); starting from the configuration files", source, exc)
+        return False
+    wall, now = time.time(), trio.current_time()
+    counts = {"changes": 0, "loads": 0, "entries": 0, "expired": 0}
+    for vs_state in state.virtual_servers:
+        vs = server.virtual_servers.get(vs_state.name)
+        if vs is None:
+            log.info(
+                "%s: virtual server %s is no longer configured; skipped", source, vs_state.name
+            )
+            continue
+        _restore_pool(server, vs.pool, vs_state, wall, now, counts, source)
+    log.info(
+        "restored from %s (written %.0fs ago): %d state/weight change(s), %d load report(s), "
+        "%d persistence entries%s",
+        source,
+        max(0.0, wall - state.written),
+        counts["changes"],
+        counts["loads"],
+        counts["entries"],
+        f" ({counts['expired']} expired meanwhile)" if counts["expired"] else "",
+    )
+    return True
+
+
+def _restore_pool(
+    server: Server,
+    pool: Pool,
+    vs_state: VirtualServerState,
+    wall: float,
+    now: float,
+    counts: dict[str, int],
+    source: str,
+) -> None:
+    reset: set[str] = set()
+    for saved in vs_state.real_servers:
+        rs = pool.by_name.get(saved.name)
+        if rs is None:
+            log.info("%s: %s/%s is no longer configured; skipped", source, pool.name, saved.name)
+            continue
+        if str(rs.address) != saved.address:
+            log.info(
+                "%s: %s/%s is now %s (was %s); its runtime state is reset",
+                *(source, pool.name, rs.name, rs.address, saved.address),
+            )
+            reset.add(rs.name)
+            continue
+        if saved.state is not None:
+            server._apply_state(pool, rs, saved.state, VIA)
+            counts["changes"] += 1
+        if saved.weight is not None and server._apply_weight(pool, rs, saved.weight, VIA) is None:
+            counts["changes"] += 1
+        if saved.load is not None and pool.report_load(rs, *saved.load) is None:
+            pool.load_report_counts[rs.name] -= 1  # restored, not received
+            counts["loads"] += 1
+    persistence = pool.persistence
+    if persistence is None:
+        if vs_state.persistence:
+            log.info(
+                "%s: %s has no persistence now; %d entries skipped",
+                *(source, pool.name, len(vs_state.persistence)),
+            )
+        return
+    skipped = 0
+    for entry in vs_state.persistence:
+        rs = pool.by_name.get(entry.real_server)
+        if rs is None or rs.name in reset:
+            skipped += 1
+        elif entry.expires <= wall:
+            counts["expired"] += 1
+        else:
+            persistence.learn(entry.client, rs, entry.expires - wall, now)
+            counts["entries"] += 1
+    if skipped:
+        log.info(
+            "%s: %s: %d persistence entries of servers gone or reset skipped",
+            *(source, pool.name, skipped),
+        )
+
+
+def read_at_start(server: Server) -> None:
+    """At start, before the first accept: `initial_state`, else the state file, if any."""
+    if server.initial_state is not None:
+        restore(server, server.initial_state, "the state passed by the old process")
+        return
+    path = server.config.global_.state_file
+    if path is None:
+        return
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_READ)
+    except FileNotFoundError:
+        log.warning("state file %s does not exist yet; starting from the configuration", path)
+        return
+    except OSError as exc:
+        log.warning("state file %s: %s; starting from the configuration files", path, exc)
+        return
+    restore(server, data, f"state file {path}")
+
+
+MAX_READ = 256 * 1024 * 1024 + 1  # one byte beyond the format's limit: too large is an error
+
+
+# -- writing ----------------------------------------------------------------------------
+
+
+class StateWriter:
+    """Writes `server`'s snapshot to `global.state_file` when it changes, at most once a
+    second. The path is read from the running configuration at every look, so a reload
+    that sets, moves or removes `state_file` takes effect at once."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.enabled = True  # False in workers 2..N: worker 1 writes (module header)
+        self.writes = 0
+        self._written: tuple[str, tuple[Any, ...]] | None = None  # (path, fingerprint)
+        self._error: str | None = None
+
+    @property
+    def path(self) -> str | None:
+        return self.server.config.global_.state_file if self.enabled else None
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await self.write_if_changed()
+            await trio.sleep(INTERVAL)
+
+    async def write_if_changed(self) -> None:
+        path = self.path
+        if path is None:
+            return
+        mark = (path, fingerprint(self.server))
+        if mark == self._written:
+            return
+        data = snapshot(self.server)
+        if await trio.to_thread.run_sync(self._write, path, data):
+            self._written = mark
+            self.writes += 1
+
+    def _write(self, path: str, data: bytes) -> bool:
+        """Atomically replace `path` with `data` (in a thread); False after an error."""
+        try:
+            write_atomically(path, data)
+        except OSError as exc:
+            error = f"{exc.strerror or exc} ({exc.filename or path})"
+            if error != self._error:
+                log.error("cannot write state file %s: %s; will retry", path, error)
+                self._error = error
+            return False
+        if self._error is not None:
+            log.info("state file %s written again", path)
+            self._error = None
+        return True
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """A crash leaves the old file or the new one: temp file, fsync, rename, fsync dir."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:  # mode 0600: the entries are client addresses
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)

@@ -1,0 +1,168 @@
+"""`global.state_file` (SPEC §17): runtime state kept across a stop and a start of a real
+`lbproxy run`; a corrupt or truncated file is one warning and a start from the files."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.integration.harness import Lbproxy, free_port, read_name, wait_for
+from tests.integration.test_admin import http, metrics, sample
+
+pytestmark = pytest.mark.integration
+
+CLIENTS = 100
+
+
+def config(port: int, admin_port: int, servers, state_file) -> str:
+    rs = "\n".join(f"      - {{name: {s.name}, address: 127.0.0.1:{s.port}}}" for s in servers)
+    return f"""
+global:
+  admin: {{listen: 127.0.0.1:{admin_port}}}
+  drain_timeout: 2s
+  state_file: {state_file}
+virtual_servers:
+  - name: web
+    listen: 127.0.0.1:{port}
+    scheduler: rr
+    health_check: {{type: none}}
+    persistence: {{timeout: 10m}}
+    real_servers:
+{rs}
+  - name: grid
+    listen: none
+    scheduler: least-load
+    load_source: report
+    health_check: {{type: none}}
+    real_servers:
+{rs}
+"""
+
+
+def name_from(port: int, source: str) -> str:
+    """Connect through the proxy from `source` (a loopback address) and read the name."""
+    with socket.socket() as s:
+        s.settimeout(5)
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", port))
+        return read_name(s)
+
+
+def clients() -> list[str]:
+    return [f"127.0.1.{i}" for i in range(1, CLIENTS + 1)]
+
+
+def servers_of(admin_port: int, vs: str) -> dict[str, dict]:
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/{vs}")
+    assert status == 200, body
+    return {rs["name"]: rs for rs in json.loads(body)["real_servers"]}
+
+
+def api(admin_port: int, method: str, path: str, body) -> None:
+    status, answer = http(method, f"http://127.0.0.1:{admin_port}/api/v1/{path}", body)
+    assert status == 200, answer
+
+
+@pytest.fixture
+def setup(tmp_path, name_servers):
+    servers = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    state_file = tmp_path / "state.json"
+    text = config(port, admin_port, servers, state_file)
+
+    def start() -> Lbproxy:
+        proxy = Lbproxy(tmp_path, text)
+        started.append(proxy)
+        return proxy.start([port, admin_port])
+
+    started: list[Lbproxy] = []
+    yield start, port, admin_port, state_file
+    for proxy in started:
+        proxy.stop()
+
+
+def test_drain_weight_load_and_entries_survive_a_restart(setup):
+    start, port, admin_port, state_file = setup
+    proxy = start()
+    placed = {client: name_from(port, client) for client in clients()}
+    assert set(placed.values()) == {"a", "b", "c"}  # rr spread them over all three
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/a", {"weight": 7})
+    api(admin_port, "PUT", "virtual-servers/grid/real-servers/c/load", {"load": 0.25})
+    assert proxy.stop() == 0
+    saved = json.loads(state_file.read_bytes())
+    assert saved["lbproxy_state"] == 1
+    assert state_file.stat().st_mode & 0o777 == 0o600  # client addresses: not for everyone
+
+    proxy = start()
+    assert "restored from state file" in proxy.log(), proxy.log()
+    web, grid = servers_of(admin_port, "web"), servers_of(admin_port, "grid")
+    assert web["b"]["state"] == "drain"
+    assert web["a"]["weight"]["static"] == 7
+    assert web["c"]["weight"]["static"] == 1 and web["c"]["state"] == "enabled"
+    assert grid["c"]["load"] == 0.25 and grid["a"]["load"] == 0
+    samples = metrics(admin_port)
+    # ... and 127.0.0.1, the harness's probe of the listener before the first start
+    assert sample(samples, "lbproxy_persistence_entries", virtual_server="web") == CLIENTS + 1
+    # Every client of a and c goes back to its server (with a at weight 7, c would get
+    # few of them by the scheduler); b is drained, so its clients move.
+    for client, name in placed.items():
+        now = name_from(port, client)
+        assert now == name if name != "b" else now in ("a", "c"), client
+    assert "Traceback" not in proxy.log()
+
+
+@pytest.mark.parametrize("spoil", ["corrupt", "truncated"])
+def test_a_spoilt_state_file_is_one_warning_and_a_start_from_the_files(setup, spoil):
+    start, port, admin_port, state_file = setup
+    proxy = start()
+    for client in clients()[:10]:
+        name_from(port, client)
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
+    assert proxy.stop() == 0
+    data = state_file.read_bytes()
+    if spoil == "truncated":
+        state_file.write_bytes(data[: len(data) // 2])
+    else:
+        state_file.write_bytes(data.replace(b'"drain"', b'"drained"'))
+
+    proxy = start()
+    log = proxy.log()
+    warnings = [line for line in log.splitlines() if "state file" in line and "WARN" in line]
+    assert len(warnings) == 1, log
+    assert "unusable" in warnings[0] and "starting from the configuration files" in warnings[0]
+    assert servers_of(admin_port, "web")["b"]["state"] == "enabled"
+    samples = metrics(admin_port)
+    # only 127.0.0.1, the harness's probe of the listener: none of the ten came back
+    assert sample(samples, "lbproxy_persistence_entries", virtual_server="web") == 1
+    assert name_from(port, "127.0.1.1") in ("a", "b", "c")
+    # The spoilt file is replaced by a good one within a second or so.
+    wait_for(lambda: json.loads(state_file.read_bytes())["lbproxy_state"] == 1, 5, "a good file")
+    assert "Traceback" not in log
+
+
+def test_gone_and_moved_servers_are_skipped_and_logged(setup, tmp_path, name_servers):
+    start, port, admin_port, state_file = setup
+    proxy = start()
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/c", {"state": "drain"})
+    assert proxy.stop() == 0
+    # The next configuration: b is gone, c has another address.
+    (other,) = name_servers("c")
+    text = proxy.config_path.read_text()
+    saved = json.loads(state_file.read_bytes())
+    old_c = next(
+        rs["address"] for rs in saved["virtual_servers"][0]["real_servers"] if rs["name"] == "c"
+    )
+    text = text.replace(f"address: {old_c}", f"address: 127.0.0.1:{other.port}")
+    lines = [line for line in text.splitlines() if "name: b," not in line]
+    proxy = Lbproxy(tmp_path, "\n".join(lines) + "\n").start([port, admin_port])
+    try:
+        log = proxy.log()
+        assert "web/b is no longer configured; skipped" in log, log
+        assert "web/c is now" in log and "its runtime state is reset" in log, log
+        assert servers_of(admin_port, "web")["c"]["state"] == "enabled"
+    finally:
+        proxy.stop()

@@ -114,9 +114,13 @@ class GlobalConfig:
     state_file: str | None = None  # runtime state kept across restarts (SPEC §17)
 
 
+# The record types a `dns` health check may ask for (SPEC §19).
+DNS_QUERY_TYPES = ("A", "AAAA", "CNAME", "MX", "NS", "PTR", "SOA", "SRV", "TXT")
+
+
 @dataclass(frozen=True, slots=True)
 class HealthCheckConfig:
-    type: str = "tcp"  # tcp | send_expect | http | none
+    type: str = "tcp"  # tcp | send_expect | http | udp | dns | none
     interval: float = 2.0
     timeout: float = 1.0
     rise: int = 2
@@ -126,6 +130,8 @@ class HealthCheckConfig:
     path: str = "/"  # http
     expect_status: tuple[int, ...] = (200,)  # http
     on_down: str = "keep"  # keep | close: what happens to established connections
+    query: str | None = None  # dns: the name asked for
+    query_type: str = "A"  # dns: one of DNS_QUERY_TYPES
 
 
 @dataclass(frozen=True, slots=True)

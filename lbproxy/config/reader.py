@@ -413,6 +413,8 @@ def _health_keys(vs: _Section) -> set[str]:
 
 # Health check types that speak TCP: meaningless against a UDP service.
 _TCP_CHECKS = ("tcp", "send_expect", "http")
+# And those that speak UDP (lbproxy/control/checks.py sends them as datagrams).
+_UDP_CHECKS = ("udp", "dns")
 
 
 def _read_udp(doc: _Document, vs: _Section, where: str) -> UdpConfig | None:
@@ -432,7 +434,7 @@ def _read_udp(doc: _Document, vs: _Section, where: str) -> UdpConfig | None:
                 doc.error(
                     _line(value),
                     f"health_check type {value.value} is for TCP; a UDP virtual server "
-                    "takes none (passive: ICMP port unreachable)",
+                    "takes udp, dns or none (passive: ICMP port unreachable)",
                 )
     return UdpConfig(**udp.values) if udp is not None else UdpConfig()
 
@@ -460,6 +462,13 @@ def _read_health_check(doc: _Document, vs: _Section, where: str) -> HealthCheckC
     check = HealthCheckConfig(**section.values)
     if check.type == "send_expect" and "expect" not in section.nodes:
         doc.error(section.line_of("type"), "health_check type send_expect needs 'expect'")
+    if check.type == "dns" and "query" not in section.nodes:
+        doc.error(section.line_of("type"), "health_check type dns needs 'query' (a name)")
+    if check.type in _UDP_CHECKS and vs.values.get("protocol", "tcp") != "udp":
+        doc.error(
+            section.line_of("type"),
+            f"health_check type {check.type} is for UDP; it needs protocol: udp",
+        )
     return check
 
 

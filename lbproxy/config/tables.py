@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from lbproxy.config.model import (
+    DNS_QUERY_TYPES,
     MAX_WEIGHT,
     AdminConfig,
     ConditioningConfig,
@@ -246,8 +247,9 @@ _REAL_SERVER_FIELDS: dict[str, Converter] = {
 }
 
 _HEALTH_CHECK_FIELDS: dict[str, Converter] = {
-    "type": _choice("tcp", "send_expect", "http", "none").about(
-        "`tcp` (connect), `send_expect`, `http`, or `none` (passive health only)"
+    "type": _choice("tcp", "send_expect", "http", "udp", "dns", "none").about(
+        "`tcp` (connect), `send_expect`, `http`, or `none` (passive health only); on a "
+        "UDP virtual server `udp` (a datagram, a reply) or `dns` (a query, NOERROR)"
     ),
     "interval": _duration(positive=True).about(
         "time between checks (each server starts at a random offset)"
@@ -255,11 +257,19 @@ _HEALTH_CHECK_FIELDS: dict[str, Converter] = {
     "timeout": _duration(positive=True).about("per check"),
     "rise": _integer(1).about("good checks in a row to come back up"),
     "fall": _integer(1).about("failures in a row to go down"),
-    "send": _string.about("`send_expect`: bytes to send (`\\r\\n` escapes work)", default="none"),
+    "send": _string.about(
+        "`send_expect`: bytes to send (`\\r\\n` escapes work); `udp`: the datagram "
+        "(none: an empty one)",
+        default="none",
+    ),
     "expect": _regex.about(
         "`send_expect` (required there): a regular expression searched in the first 4 KiB "
-        "of the answer",
+        "of the answer; `udp`: searched in the reply (none: any reply)",
         default="none",
+    ),
+    "query": _dns_name.about("`dns` (required there): the name asked for", default="none"),
+    "query_type": _choice(*DNS_QUERY_TYPES).about(
+        "`dns`: the record type asked for; healthy when the answer is NOERROR"
     ),
     "path": _http_path.about("`http`: the path to GET"),
     "expect_status": _status_codes.about("`http`: the accepted status codes"),
@@ -539,6 +549,13 @@ SECTIONS = Section(
                                 "required": ["type"],
                             },
                             "then": {"required": ["expect"]},
+                        },
+                        {
+                            "if": {
+                                "properties": {"type": {"const": "dns"}},
+                                "required": ["type"],
+                            },
+                            "then": {"required": ["query"]},
                         },
                     ),
                 ),

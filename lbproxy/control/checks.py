@@ -17,6 +17,9 @@ What this module owns:
     http         `GET path` with Host and `Connection: close`; the status line is
                  parsed by h11 (strictly, as any HTTP/1.1 client does): its status code
                  must be one of `expect_status`
+    udp, dns     (UDP virtual servers, SPEC §19) a datagram (`send`) whose reply must
+                 contain `expect`, or a DNS query (`query`, `query_type`) whose answer
+                 must be NOERROR; ICMP port unreachable fails at once
 - `HealthChecks`: one task per real server of every virtual server whose check type is
   not `none`, kept in step with the configuration (`sync()` after start-up and after
   each reload, as the throttle monitors and the SNMP pollers are). A task starts after a
@@ -46,6 +49,8 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import dns.message
+import dns.rcode
 import h11
 import trio
 
@@ -171,6 +176,8 @@ async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
 
     Raises LocalCapacityError when this process is out of descriptors or memory.
     """
+    if check.type in DATAGRAM_CHECKS:
+        return await _datagram_probe(address, check)
     connected = False
     answer = bytearray()  # send_expect: what the server has sent so far
     try:
@@ -272,6 +279,77 @@ async def _http(stream: trio.SocketStream, address: Address, check: HealthCheckC
             # InformationalResponse (1xx): the final status follows
     except h11.RemoteProtocolError as exc:
         raise _Failed(f"GET {check.path}: not an HTTP answer ({exc})") from None
+
+
+# -- UDP checks (SPEC §19) ----------------------------------------------------------
+
+DATAGRAM_CHECKS = ("udp", "dns")
+DATAGRAM_LIMIT = 65535  # a reply is read whole
+
+
+async def _datagram_probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
+    """`udp`: send `send` (an empty datagram without it) and wait for a reply in which
+    `expect` is found (any reply without `expect`); `dns`: a query for `query` and
+    `query_type` (dnspython) answered NOERROR. Both within `timeout`; the first reply
+    decides, except a DNS reply with another id (not ours: read on). ICMP port
+    unreachable is a `fail` at once, as a refused TCP connect is."""
+    query = None
+    if check.type == "dns":
+        query = dns.message.make_query(check.query or ".", check.query_type)
+        payload = query.to_wire()
+    else:
+        payload = decode_send(check.send or "")
+    try:
+        infos = await trio.socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        return FAIL, f"{check.type} check: cannot resolve {address.host}: {_describe(exc)}"
+    family, _, _, _, sockaddr = infos[0]
+    try:
+        sock = trio.socket.socket(family, socket.SOCK_DGRAM)
+    except OSError as exc:
+        if exc.errno in LOCAL_CAPACITY_ERRNOS:
+            raise LocalCapacityError(_describe(exc)) from None
+        raise
+    received = b""
+    try:
+        with sock, trio.fail_after(check.timeout):
+            await sock.connect(sockaddr)  # connected: ICMP errors come back on it
+            await sock.send(payload)
+            while True:
+                received = await sock.recv(DATAGRAM_LIMIT)
+                if query is None:
+                    return _udp_result(check, received)
+                result = _dns_result(query, received)
+                if result is not None:
+                    return result
+    except trio.TooSlowError:
+        if received:  # a DNS reply that was not ours
+            return FAIL, f"dns check: no answer to our query within {check.timeout:g}s"
+        return TIMEOUT, f"{check.type} check: no reply within {check.timeout:g}s"
+    except ConnectionRefusedError:
+        return FAIL, f"{check.type} check: port unreachable (ICMP)"
+    except OSError as exc:
+        return FAIL, f"{check.type} check: {_describe(exc)}"
+
+
+def _udp_result(check: HealthCheckConfig, reply: bytes) -> tuple[str, str]:
+    if check.expect is None or re.search(check.expect, reply.decode("utf-8", errors="replace")):
+        return OK, ""
+    return FAIL, f"udp check: {check.expect!r} not found in {describe_received(reply)}"
+
+
+def _dns_result(query: dns.message.Message, reply: bytes) -> tuple[str, str] | None:
+    """OK on NOERROR, FAIL on another rcode or garbage; None: a reply to another query."""
+    try:
+        answer = dns.message.from_wire(reply)
+    except Exception:  # dnspython raises many kinds on garbage: all mean "not DNS"
+        return FAIL, f"dns check: not a DNS answer ({describe_received(reply)})"
+    if answer.id != query.id or not query.is_response(answer):
+        return None
+    rcode = answer.rcode()
+    if rcode != dns.rcode.NOERROR:
+        return FAIL, f"dns check: answered {dns.rcode.to_text(rcode)}"
+    return OK, ""
 
 
 def _describe(exc: BaseException) -> str:

@@ -63,8 +63,8 @@ def test_tcp_only_keys_refused_with_file_and_line(tmp_path):
         f"{path}:7: send_proxy is for TCP; a UDP virtual server refuses it",
         f"{path}:8: queue is for TCP; a UDP virtual server refuses it",
         f"{path}:9: udp.responses must be an integer >= 0 or none, got -1",
-        f"{path}:10: health_check type http is for TCP; a UDP virtual server takes none "
-        "(passive: ICMP port unreachable)",
+        f"{path}:10: health_check type http is for TCP; a UDP virtual server takes udp, "
+        "dns or none (passive: ICMP port unreachable)",
     ]
 
 
@@ -98,4 +98,37 @@ def test_tcp_and_udp_share_a_port_two_udp_clash(tmp_path):
     assert problems([clash]) == [
         f"{clash}:8: listen address 0.0.0.0:5300 clashes with 127.0.0.1:5300 of virtual "
         "server a (udp) at line 4"
+    ]
+
+
+def test_udp_and_dns_checks_read_and_refused_where_they_do_not_apply(tmp_path):
+    path = write(
+        tmp_path,
+        "lb.yaml",
+        "virtual_servers:\n"
+        "  - name: dns\n    protocol: udp\n    listen: 127.0.0.1:5300\n"
+        "    health_check: {type: dns, query: health.example, query_type: SOA}\n"
+        + RS
+        + "  - name: game\n    protocol: udp\n    listen: 127.0.0.1:5301\n"
+        "    health_check: {type: udp, send: 'ping\\n', expect: ^pong}\n" + RS,
+    )
+    dns, game = load([path]).virtual_servers
+    assert (dns.health_check.type, dns.health_check.query) == ("dns", "health.example")
+    assert dns.health_check.query_type == "SOA"
+    assert (game.health_check.type, game.health_check.expect) == ("udp", "^pong")
+    bad = write(
+        tmp_path,
+        "bad.yaml",
+        "virtual_servers:\n"
+        "  - name: dns\n    protocol: udp\n    listen: 127.0.0.1:5300\n"
+        "    health_check: {type: dns, query_type: AXFR}\n"
+        + RS  # 5
+        + "  - name: web\n    listen: 127.0.0.1:8080\n"
+        "    health_check: {type: udp}\n" + RS,  # 9
+    )
+    found = problems([bad])
+    assert found[0].startswith(f"{bad}:5: health_check.query_type must be one of A, AAAA")
+    assert found[1:] == [
+        f"{bad}:5: health_check type dns needs 'query' (a name)",
+        f"{bad}:9: health_check type udp is for UDP; it needs protocol: udp",
     ]

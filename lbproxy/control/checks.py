@@ -21,14 +21,15 @@ What this module owns:
                  contain `expect`, or a DNS query (`query`, `query_type`) whose answer
                  must be NOERROR; ICMP port unreachable fails at once
 - `HealthChecks`: one task per real server of every virtual server whose check type is
-  not `none`, kept in step with the configuration (`sync()` after start-up and after
-  each reload, as the throttle monitors and the SNMP pollers are). A task starts after a
-  random offset within its first interval, so the checks of many servers spread out,
-  then checks every `interval` (measured from the start of one check to the next).
-- `record_health()`: the one path that feeds a result to the pure hysteresis
-  (pool.record_health -> health.py) and, when the server goes down and the virtual
-  server says `on_down: close`, closes its established connections. The connection
-  handler (passive health) calls it too.
+  not `none`, kept in step with the configuration by the one reconciler (reconcile.py,
+  `sync()` after start-up and after each reload, as every control-plane subsystem). A
+  task starts after a random offset within its first interval, so the checks of many
+  servers spread out, then checks every `interval` (measured from the start of one check
+  to the next).
+- Each result goes to `record_health()` (core/health.py, below this module because the
+  connection handler's passive health feeds it too): the pure hysteresis and, when the
+  server goes down and the virtual server says `on_down: close`, the close of its
+  established connections.
 
 Up/down transitions are logged once at INFO by the pool, with the reason of the last
 result; individual check failures are logged at DEBUG only.
@@ -41,13 +42,13 @@ server down (which would turn a busy moment into an outage).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
 import re
 import socket
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable
 
 import dns.message
 import dns.rcode
@@ -55,9 +56,10 @@ import h11
 import trio
 
 from lbproxy.config.model import Address, HealthCheckConfig
-from lbproxy.core.pool import Lease, Pool, RealServer
-from lbproxy.dataplane.virtual_server import VirtualServer
-from lbproxy.net.accept import CAPACITY_ERRNOS
+from lbproxy.control.reconcile import Configured, Reconciler
+from lbproxy.core.health import close_leases, record_health
+from lbproxy.core.pool import Pool, RealServer
+from lbproxy.net.accept import CAPACITY_ERRNOS, LocalCapacityError
 from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.checks")
@@ -65,51 +67,15 @@ log = logging.getLogger("lbproxy.checks")
 READ_LIMIT = 4096  # send_expect: the answer searched is at most this long
 EXCERPT_LIMIT = 60  # characters of a received answer quoted in a failure reason
 LOCAL_CAPACITY_ERRNOS = CAPACITY_ERRNOS  # one table (net/accept.py)
+# Where they live now (the data plane feeds passive health without importing control):
+__all__ = ["HealthChecks", "LocalCapacityError", "close_leases", "probe", "record_health"]
 USER_AGENT = "lbproxy-health-check"
 
 OK, FAIL, TIMEOUT = "ok", "fail", "timeout"  # lbproxy_health_checks_total{result}
 
 
-class LocalCapacityError(Exception):
-    """This process could not create a socket: no result for the real server."""
-
-
 class _Failed(Exception):
     """The check failed for a reason worth a log line."""
-
-
-# -- feeding results ----------------------------------------------------------------
-
-
-def record_health(
-    pool: Pool, rs: RealServer, ok: bool, now: float, reason: str = ""
-) -> bool | None:
-    """Count one health result (active check or passive connect) for `rs`.
-
-    Returns the new up/down state on a transition, else None. With
-    `health_check.on_down: close`, a transition to down closes `rs`'s connections.
-    """
-    changed = pool.record_health(rs, ok, now, reason)
-    if changed is False and pool.config.health_check.on_down == "close":
-        closed = close_leases(rs.leases)
-        if closed:
-            log.info("%s/%s: closed %d connection(s) (on_down: close)", pool.name, rs.name, closed)
-    return changed
-
-
-def close_leases(leases: Iterable[Lease]) -> int:
-    """Close the connections behind `leases` (their handle's `close()`); returns how many.
-
-    Closing cancels the connection's task; its lease is dropped from the pool as that
-    task unwinds, so the caller may pass `rs.leases` itself.
-    """
-    closed = 0
-    for lease in list(leases):
-        handle = lease.handle
-        if handle is not None:
-            handle.close()
-            closed += 1
-    return closed
 
 
 # -- one check ----------------------------------------------------------------------
@@ -361,72 +327,55 @@ def _describe(exc: BaseException) -> str:
 # -- the tasks ----------------------------------------------------------------------
 
 
-@dataclass
-class _Task:
-    key: tuple[HealthCheckConfig, Address]  # what the task was started with
-    cancel_scope: trio.CancelScope
+class HealthChecks(Reconciler[RealServer, tuple[HealthCheckConfig, Address, Pool]]):
+    """One check task per real server, in step with the configuration (reconcile.py).
 
+    A real server that is gone (removed, or its virtual server removed, or checks turned
+    off with `type: none`) has its task cancelled; one whose check settings or address
+    changed gets a new task (and a new random offset).
+    """
 
-class HealthChecks:
-    """One check task per real server, in step with the configuration."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[RealServer, _Task] = {}
-
-    def sync(self, virtual_servers: Iterable[VirtualServer], nursery: trio.Nursery) -> None:
-        """Start, restart or stop check tasks to match the running configuration.
-
-        Called with the running virtual servers after start-up and after each reload.
-        A real server that is gone (removed, or its virtual server removed, or checks
-        turned off with `type: none`) has its task cancelled; one whose check settings or
-        address changed gets a new task (and a new random offset).
-        """
-        wanted: dict[RealServer, tuple[Pool, HealthCheckConfig]] = {}
+    def wanted(
+        self, virtual_servers: Iterable[Configured]
+    ) -> dict[RealServer, tuple[HealthCheckConfig, Address, Pool]]:
+        wanted = {}
         for vs in virtual_servers:
-            check = vs.pool.config.health_check
+            pool = vs.pool
+            check = pool.config.health_check
             if check.type == "none":
                 continue
-            for rs in vs.pool.servers:
-                wanted[rs] = (vs.pool, check)
-        for rs, task in list(self._tasks.items()):
-            want = wanted.get(rs)
-            if want is None or task.key != (want[1], rs.address):
-                task.cancel_scope.cancel()
-                del self._tasks[rs]
-        for rs, (pool, check) in wanted.items():
-            if rs not in self._tasks:
-                task = _Task((check, rs.address), trio.CancelScope())
-                self._tasks[rs] = task
-                nursery.start_soon(self._run, pool, rs, check, task.cancel_scope)
+            for rs in pool.servers:
+                wanted[rs] = (check, rs.address, pool)  # a real server's pool never changes
+        return wanted
 
-    def __len__(self) -> int:
-        return len(self._tasks)
+    def start(
+        self, key: RealServer, spec: tuple[HealthCheckConfig, Address, Pool]
+    ) -> Callable[[], Awaitable[None]]:
+        check, _, pool = spec
+        return functools.partial(self._run, pool, key, check)
 
     @staticmethod
-    async def _run(
-        pool: Pool, rs: RealServer, check: HealthCheckConfig, cancel_scope: trio.CancelScope
-    ) -> None:
+    async def _run(pool: Pool, rs: RealServer, check: HealthCheckConfig) -> None:
         address = rs.address
         out_of_capacity = False
-        with cancel_scope:
-            await trio.sleep(random.uniform(0, check.interval))
-            next_at = trio.current_time()
-            while True:
-                result: str | None = None  # None: no result (out of descriptors here)
-                try:
-                    result, reason = await probe(address, check)
-                except LocalCapacityError as exc:
-                    if not out_of_capacity:  # once per burst
-                        log.warning("%s/%s: health check skipped: %s", pool.name, rs.name, exc)
-                        out_of_capacity = True
-                except Exception as exc:  # a bug here must not stop the proxy
-                    record("check", exc, f"{pool.name}/{rs.name}")
-                    result, reason = FAIL, f"{check.type} check: {type(exc).__name__}"
-                if result is not None:
-                    out_of_capacity = False
-                    rs.health_checks[result] += 1
-                    if result != OK:
-                        log.debug("%s/%s: %s", pool.name, rs.name, reason)
-                    record_health(pool, rs, result == OK, trio.current_time(), reason)
-                next_at = max(next_at + check.interval, trio.current_time())
-                await trio.sleep_until(next_at)
+        await trio.sleep(random.uniform(0, check.interval))
+        next_at = trio.current_time()
+        while True:
+            result: str | None = None  # None: no result (out of descriptors here)
+            try:
+                result, reason = await probe(address, check)
+            except LocalCapacityError as exc:
+                if not out_of_capacity:  # once per burst
+                    log.warning("%s/%s: health check skipped: %s", pool.name, rs.name, exc)
+                    out_of_capacity = True
+            except Exception as exc:  # a bug here must not stop the proxy
+                record("check", exc, f"{pool.name}/{rs.name}")
+                result, reason = FAIL, f"{check.type} check: {type(exc).__name__}"
+            if result is not None:
+                out_of_capacity = False
+                rs.health_checks[result] += 1
+                if result != OK:
+                    log.debug("%s/%s: %s", pool.name, rs.name, reason)
+                record_health(pool, rs, result == OK, trio.current_time(), reason)
+            next_at = max(next_at + check.interval, trio.current_time())
+            await trio.sleep_until(next_at)

@@ -18,24 +18,22 @@ logs it.
 - Counted in `pool.conditioned` (lbproxy_conditioned_connections_total) and logged at
   INFO once per round that closes something.
 
-`Conditioners` keeps one monitor per virtual server in step with the configuration, as
-throttle_monitor.Throttles does.
+`Conditioners` keeps one monitor per virtual server in step with the configuration, with
+the one reconciler (reconcile.py), as every control-plane subsystem.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import trio
 
+from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.balance import Member, Round, plan_round
 from lbproxy.core.pool import Lease, RealServer
-
-if TYPE_CHECKING:
-    from lbproxy.dataplane.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.conditioning")
 
@@ -54,7 +52,7 @@ def idle_leases(rs: RealServer, now: float, idle_for: float) -> list[Lease]:
 
 
 class ConditioningMonitor:
-    def __init__(self, vs: VirtualServer) -> None:
+    def __init__(self, vs: Configured) -> None:
         self.vs = vs
         self.cancel_scope = trio.CancelScope()
 
@@ -108,27 +106,29 @@ class ConditioningMonitor:
         self.cancel_scope.cancel()
 
 
-class Conditioners:
-    """One monitor per virtual server with a `conditioning:` block, kept in step with reloads."""
+class Conditioners(Reconciler["Configured", bool]):
+    """One monitor per virtual server with a `conditioning:` block, kept in step with
+    reloads by the one reconciler (reconcile.py). The monitor reads its block afresh
+    every round, so a changed block needs no restart: the spec is only "has one"."""
 
     def __init__(self) -> None:
-        self._monitors: dict[VirtualServer, ConditioningMonitor] = {}
+        super().__init__()
+        self._monitors: dict[Configured, ConditioningMonitor] = {}
+        self._running: set[Configured] = set()
 
-    def sync(self, virtual_servers: Iterable[VirtualServer], nursery: trio.Nursery) -> list[str]:
-        changes: list[str] = []
-        running = set()
-        for vs in virtual_servers:
-            running.add(vs)
-            monitor = self._monitors.get(vs)
-            if vs.pool.config.conditioning is None:
-                if monitor is not None:
-                    self._monitors.pop(vs).stop()
-                    changes.append(f"{vs.name}: conditioning removed")
-            elif monitor is None:
-                monitor = self._monitors[vs] = ConditioningMonitor(vs)
-                nursery.start_soon(monitor.run)
-                changes.append(f"{vs.name}: conditioning added")
-        for vs in list(self._monitors):
-            if vs not in running:
-                self._monitors.pop(vs).stop()
-        return changes
+    def wanted(self, virtual_servers: Iterable[Configured]) -> dict[Configured, bool]:
+        running = list(virtual_servers)
+        self._running = set(running)
+        return {vs: True for vs in running if vs.pool.config.conditioning is not None}
+
+    def start(self, key: Configured, spec: bool) -> Callable[[], Awaitable[None]]:
+        monitor = self._monitors[key] = ConditioningMonitor(key)
+        return monitor.run
+
+    def stopped(self, key: Configured) -> None:
+        self._monitors.pop(key).stop()
+
+    def describe(self, key: Configured, event: str) -> str | None:
+        if event == "removed" and key not in self._running:
+            return None  # the virtual server itself went: the reload says so
+        return f"{key.name}: conditioning {event}"

@@ -19,8 +19,9 @@ seconds, so that it disappears from the list shortly after its last connection c
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import astuple
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ import dns.rrset
 import trio
 
 from lbproxy.config.model import DnsDiscoveryConfig, VirtualServerConfig
+from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.discovery_model import (
     DiscoveryState,
     Resolution,
@@ -208,17 +210,18 @@ class DiscoveryTarget(Protocol):
     def discovered_active(self, vs_name: str, rs_name: str) -> int: ...
 
 
-class Discoveries:
+class Discoveries(Reconciler[str, DnsDiscoveryConfig]):
     """The discovery state and task of every virtual server that has `discovery.dns`.
 
     A state outlives reloads (a reload re-merges the servers found so far); a task is
     restarted when the block changes, with the state it had (the last set stays until
-    the new name answers).
+    the new name answers). Kept in step by the one reconciler (reconcile.py).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, target: DiscoveryTarget) -> None:
+        super().__init__()
+        self.target = target
         self.states: dict[str, DiscoveryState] = {}
-        self._tasks: dict[str, tuple[DnsDiscoveryConfig, trio.CancelScope]] = {}
 
     def merged(
         self, vs: VirtualServerConfig, target: DiscoveryTarget | None = None
@@ -231,23 +234,17 @@ class Discoveries:
             return state.merged(vs)
         return state.merged(vs, lambda rs: target.discovered_active(vs.name, rs))
 
-    def sync(
-        self,
-        virtual_servers: Iterable[VirtualServerConfig],
-        nursery: trio.Nursery,
-        target: DiscoveryTarget,
-    ) -> None:
-        """Start, restart or stop tasks to match the configuration (start-up, reload)."""
-        wanted = {vs.name: vs.discovery for vs in virtual_servers if vs.discovery is not None}
+    def wanted(self, virtual_servers: Iterable[Configured]) -> dict[str, DnsDiscoveryConfig]:
+        """The blocks configured; a state for each (made here, kept while configured)."""
+        wanted = {}
+        for vs in virtual_servers:
+            config = vs.pool.config.discovery
+            if config is not None:
+                wanted[vs.name] = config
         for name in list(self.states):
             if name not in wanted:
                 del self.states[name]
-        for name, (config, scope) in list(self._tasks.items()):
-            if wanted.get(name) != config:
-                scope.cancel()
-                del self._tasks[name]
         for name, config in wanted.items():
-            assert config is not None
             state = self.states.get(name)
             if state is None:
                 state = self.states[name] = DiscoveryState(name, config)
@@ -259,13 +256,13 @@ class Discoveries:
                     config.name,
                 )
             state.config = config
-            if name not in self._tasks:
-                scope = trio.CancelScope()
-                self._tasks[name] = (config, scope)
-                nursery.start_soon(self._run, state, target, scope)
+        return wanted
+
+    def start(self, key: str, spec: DnsDiscoveryConfig) -> Callable[[], Awaitable[None]]:
+        return functools.partial(self._run, self.states[key], self.target)
 
     @staticmethod
-    async def _run(state: DiscoveryState, target: DiscoveryTarget, scope: trio.CancelScope) -> None:
+    async def _run(state: DiscoveryState, target: DiscoveryTarget) -> None:
         config = state.config
         vs_name = state.vs_name
 
@@ -273,24 +270,23 @@ class Discoveries:
             return target.discovered_active(vs_name, rs_name)
 
         last = LastAnswer()
-        with scope:
-            while True:
-                started = trio.current_time()
-                next_round = started + config.interval
-                try:
-                    outcome = await resolve(config, last)
-                    if state.record(outcome, trio.current_time()):
+        while True:
+            started = trio.current_time()
+            next_round = started + config.interval
+            try:
+                outcome = await resolve(config, last)
+                if state.record(outcome, trio.current_time()):
+                    target.apply_discovered(vs_name)
+                # Removed servers with connections: drop each once its last one closed.
+                while state.leaving and trio.current_time() < next_round:
+                    await trio.sleep(min(LEAVING_POLL, next_round - trio.current_time()))
+                    if any(active(name) == 0 for name in state.leaving):
                         target.apply_discovered(vs_name)
-                    # Removed servers with connections: drop each once its last one closed.
-                    while state.leaving and trio.current_time() < next_round:
-                        await trio.sleep(min(LEAVING_POLL, next_round - trio.current_time()))
-                        if any(active(name) == 0 for name in state.leaving):
-                            target.apply_discovered(vs_name)
-                except Exception:
-                    # A bug here must not take the proxy down with it (its exception
-                    # would cancel the service nursery): log it, try again next round.
-                    log.exception("%s: discovery round failed; trying again", vs_name)
-                await trio.sleep_until(next_round)
+            except Exception:
+                # A bug here must not take the proxy down with it (its exception
+                # would cancel the service nursery): log it, try again next round.
+                log.exception("%s: discovery round failed; trying again", vs_name)
+            await trio.sleep_until(next_round)
 
 
 # -- lbproxy check --resolve ----------------------------------------------------------

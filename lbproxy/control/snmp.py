@@ -45,15 +45,16 @@ priv_key_file.
 The pollers
 -----------
 `SnmpPollers` runs one task per real server of every virtual server whose scheduler is
-`dwd`, `dwr`, or `least-load` with `load_source: snmp`, in its own nursery inside the
-Server's service nursery. `sync()` is called after start-up and after every reload: it
-starts pollers for new real servers, stops those of removed ones, and restarts one whose
-`snmp` block changed. The first poll comes within a second of the start, later ones at a
-random phase within the interval, so many servers' polls spread out instead of arriving
-together. Each poll's result goes through dynamic_weight.py (on_no_answer, stale_after,
-smoothing) into the pool's two validated entry points, `report_value` and
-`set_dynamic_weight`; counts go to `RealServer.snmp_polls` and `Pool.poll_durations`,
-which the metrics module reads at scrape time.
+`dwd`, `dwr`, or `least-load` with `load_source: snmp`, in the Server's service
+nursery, kept in step by the one reconciler (reconcile.py): `sync()` is called after
+start-up and after every reload; it starts pollers for new real servers, stops those of
+removed ones, and restarts one whose `snmp` block changed. The first poll comes within
+a second of the start, later ones at a random phase within the interval, so many
+servers' polls spread out instead of arriving together. Each poll's result goes
+through dynamic_weight.py (on_no_answer, stale_after, smoothing) into the pool's two
+validated entry points, `report_value` and `set_dynamic_weight`; counts go to
+`RealServer.snmp_polls` and `Pool.poll_durations`, which the metrics module reads at
+scrape time.
 
 `serve_v2c_agent` is a tiny SNMPv2c agent on the same messages, for `lbproxy demo` and
 the unit tests.
@@ -61,11 +62,12 @@ the unit tests.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
 import socket
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -76,6 +78,7 @@ from pysnmp.proto import api
 from pysnmp.proto import error as snmp_error
 
 from lbproxy.config.model import SnmpConfig
+from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.dynamic_weight import DynamicWeight, Report, SetWeight
 from lbproxy.core.pool import Pool, RealServer
 from lbproxy.net.barrier import record
@@ -685,74 +688,42 @@ def _fmt(weight: float | None) -> str:
 # All pollers of the running Server
 
 
-class _Running:
-    __slots__ = ("cancel_scope", "poller")
-
-    def __init__(self, poller: Poller, cancel_scope: trio.CancelScope) -> None:
-        self.poller = poller
-        self.cancel_scope = cancel_scope
-
-
-class SnmpPollers:
+class SnmpPollers(Reconciler[tuple[str, str], tuple[Pool, RealServer, SnmpConfig]]):
     """The SNMP pollers of a Server, kept in step with its virtual servers.
 
     Poll counts go where the metrics module reads them: `RealServer.snmp_polls[result]`
     and the per-virtual-server histogram `Pool.poll_durations`.
     """
 
-    def __init__(self) -> None:
-        self._running: dict[tuple[str, str], _Running] = {}
-        self._nursery: trio.Nursery | None = None
-        self._pending: Mapping[str, Any] | None = None
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
-        """The pollers' home: run in the Server's service nursery until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            if self._pending is not None:
-                self.sync(self._pending)
-            task_status.started()
-            await trio.sleep_forever()
-
-    def sync(self, virtual_servers: Mapping[str, Any]) -> None:
-        """Start, stop or restart pollers so they match `virtual_servers` (name -> object
-        with a `.pool`). Called after start-up and after every reload; synchronous."""
-        if self._nursery is None:
-            self._pending = virtual_servers
-            return
-        wanted: dict[tuple[str, str], tuple[Pool, RealServer, SnmpConfig]] = {}
-        for vs in virtual_servers.values():
-            pool: Pool = vs.pool
+    def wanted(
+        self, virtual_servers: Iterable[Configured]
+    ) -> dict[tuple[str, str], tuple[Pool, RealServer, SnmpConfig]]:
+        wanted = {}
+        for vs in virtual_servers:
+            pool = vs.pool
             if not pool.polls_snmp:
                 continue
             for rs in pool.servers:
                 if rs.config.snmp is not None:
                     wanted[(pool.name, rs.name)] = (pool, rs, rs.config.snmp)
-        for key, running in list(self._running.items()):
-            poller = running.poller
-            if wanted.get(key) != (poller.pool, poller.rs, poller.snmp):
-                running.cancel_scope.cancel()
-                del self._running[key]
-        for key, (pool, rs, snmp) in wanted.items():
-            if key in self._running:
-                continue
-            poller = Poller(pool, rs, snmp)
-            scope = trio.CancelScope()
-            self._running[key] = _Running(poller, scope)
-            self._nursery.start_soon(self._run_one, poller, scope)
+        return wanted
+
+    def start(
+        self, key: tuple[str, str], spec: tuple[Pool, RealServer, SnmpConfig]
+    ) -> Callable[[], Awaitable[None]]:
+        return functools.partial(self._run_one, Poller(*spec))
 
     @staticmethod
-    async def _run_one(poller: Poller, scope: trio.CancelScope) -> None:
+    async def _run_one(poller: Poller) -> None:
         # A poller that fails unexpectedly must not take the proxy down with it (its
         # exception would cancel the service nursery): log it and start it again.
-        with scope:
-            while True:
-                try:
-                    await poller.run()
-                except Exception as exc:  # restarted after an interval
-                    record("poll", exc, poller.where)
-                    await trio.sleep(poller.snmp.interval)
+        while True:
+            try:
+                await poller.run()
+            except Exception as exc:  # restarted after an interval
+                record("poll", exc, poller.where)
+                await trio.sleep(poller.snmp.interval)
 
     @property
     def polled(self) -> list[tuple[str, str]]:
-        return sorted(self._running)
+        return sorted(self._tasks)

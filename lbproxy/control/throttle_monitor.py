@@ -29,28 +29,37 @@ monitor will simply shutdown and sleep until a new connection is requested"):
 - Mode changes are logged at INFO and published as `pool.throttle_mode` ("low", "high",
   "digg") for the metrics and the admin API.
 
-`Throttles` keeps one monitor per virtual server in step with the configuration: it
-starts, reconfigures and stops monitors after start-up and after each reload.
+`Throttles` keeps one monitor per virtual server in step with the configuration (the one
+reconciler, reconcile.py): it starts, reconfigures and stops monitors after start-up and
+after each reload.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
 
 import trio
 
 from lbproxy.config.model import ThrottleConfig
+from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.throttle import DIGG, LOW, Change, Throttle
-from lbproxy.dataplane.virtual_server import VirtualServer
 
 log = logging.getLogger("lbproxy.throttle_monitor")
+
+
+class Throttled(Configured, Protocol):
+    """A virtual server with a seat for its admission monitor (`throttle`), which the
+    connection handler asks (dataplane/virtual_server.py's `Admission`)."""
+
+    throttle: Any
 
 
 class ThrottleMonitor:
     """The throttle of one virtual server: its model, its task, and its effects."""
 
-    def __init__(self, vs: VirtualServer, config: ThrottleConfig) -> None:
+    def __init__(self, vs: Throttled, config: ThrottleConfig) -> None:
         self.vs = vs
         self.model = Throttle(config)
         self.cancel_scope = trio.CancelScope()
@@ -153,46 +162,40 @@ class ThrottleMonitor:
                     flow.idle_timeout = target  # takes effect at once (Flow.poke)
 
 
-class Throttles:
-    """One monitor per virtual server with a `throttle:` block, kept in step with reloads."""
+class Throttles(Reconciler["Throttled", ThrottleConfig]):
+    """One monitor per virtual server with a `throttle:` block, kept in step with reloads
+    by the one reconciler (reconcile.py): new limits retune the running monitor."""
 
     def __init__(self) -> None:
-        self._monitors: dict[VirtualServer, ThrottleMonitor] = {}
+        super().__init__()
+        self._monitors: dict[Throttled, ThrottleMonitor] = {}
+        self._running: set[Throttled] = set()
 
-    def sync(self, virtual_servers: Iterable[VirtualServer], nursery: trio.Nursery) -> list[str]:
-        """Start, reconfigure or stop monitors to match each virtual server's config.
+    def wanted(self, virtual_servers: Iterable[Any]) -> dict[Throttled, ThrottleConfig]:
+        # Any: the runtime's virtual servers, which have the `throttle` seat (Throttled)
+        running: list[Throttled] = list(virtual_servers)
+        self._running = set(running)
+        return {
+            vs: vs.pool.config.throttle for vs in running if vs.pool.config.throttle is not None
+        }
 
-        Called with the running virtual servers after start-up and after each reload;
-        a virtual server that is no longer among them has its monitor stopped. Returns
-        what changed, for the reload summary.
-        """
-        changes: list[str] = []
-        running = set()
-        for vs in virtual_servers:
-            running.add(vs)
-            config = vs.pool.config.throttle
-            monitor = self._monitors.get(vs)
-            if config is None:
-                if monitor is not None:
-                    self._stop(vs, monitor)
-                    changes.append(f"{vs.name}: throttle removed")
-            elif monitor is None:
-                monitor = ThrottleMonitor(vs, config)
-                self._monitors[vs] = monitor
-                vs.throttle = monitor
-                nursery.start_soon(monitor.run)
-                changes.append(f"{vs.name}: throttle added")
-            elif config != monitor.model.config:
-                monitor.reconfigure(config)
-                changes.append(f"{vs.name}: throttle changed")
-        for vs, monitor in list(self._monitors.items()):
-            if vs not in running:
-                self._stop(vs, monitor)
-        return changes
+    def start(self, key: Throttled, spec: ThrottleConfig) -> Callable[[], Awaitable[None]]:
+        monitor = self._monitors[key] = ThrottleMonitor(key, spec)
+        key.throttle = monitor
+        return monitor.run
 
-    def _stop(self, vs: VirtualServer, monitor: ThrottleMonitor) -> None:
-        del self._monitors[vs]
-        if vs.throttle is monitor:
-            vs.throttle = None
+    def retune(self, key: Throttled, spec: ThrottleConfig) -> bool:
+        self._monitors[key].reconfigure(spec)
+        return True
+
+    def stopped(self, key: Throttled) -> None:
+        monitor = self._monitors.pop(key)
+        if key.throttle is monitor:
+            key.throttle = None
         monitor.stop()
-        vs.pool.throttle_mode = LOW
+        key.pool.throttle_mode = LOW
+
+    def describe(self, key: Throttled, event: str) -> str | None:
+        if event == "removed" and key not in self._running:
+            return None  # the virtual server itself went: the reload says so
+        return f"{key.name}: throttle {event}"

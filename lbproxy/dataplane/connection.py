@@ -46,10 +46,12 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from lbproxy.config.model import Address, VirtualServerConfig
-from lbproxy.control.checks import LOCAL_CAPACITY_ERRNOS, LocalCapacityError, record_health
+from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.net.accept import CAPACITY_ERRNOS as LOCAL_CAPACITY_ERRNOS
+from lbproxy.net.accept import LocalCapacityError
 from lbproxy.net.barrier import record
 from lbproxy.net.pump import Flow, Pump
 from lbproxy.wire import proxy_protocol

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import trio
 
 from lbproxy.config.model import Address
-from lbproxy.control.checks import record_health
+from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.core.udp_stats import UdpCounters
 from lbproxy.dataplane.listener import BindError

@@ -30,6 +30,7 @@ __all__ = [
     "CAPACITY_ERRNOS",
     "AcceptErrors",
     "Acceptor",
+    "LocalCapacityError",
     "accept_loop",
 ]
 
@@ -37,6 +38,13 @@ __all__ = [
 CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 # The listening socket was closed (a reload, a stop): the loop ends.
 CLOSED_ERRNOS = frozenset({errno.EBADF, errno.EINVAL})
+
+
+class LocalCapacityError(Exception):
+    """This process could not create a socket (CAPACITY_ERRNOS): no result for the real
+    server it was for (a health check, a connect); raised by those connects."""
+
+
 ACCEPT_BACKOFF = 0.1  # seconds between two accepts while out of capacity
 # Connections accepted per wake-up, at most, before the accept loop lets other tasks run:
 # it accepts until the backlog is empty (EAGAIN) or this many, so a burst of arrivals

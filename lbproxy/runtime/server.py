@@ -88,7 +88,7 @@ class Server:
         self.throttles = Throttles()  # one admission-control monitor per throttled VS
         self.checks = HealthChecks()  # one health-check task per real server
         self.snmp = SnmpPollers()  # one SNMP poller per real server of dwd/dwr/least-load
-        self.discovery = Discoveries()  # one DNS discovery task per VS with discovery.dns
+        self.discovery = Discoveries(self)  # one DNS discovery task per VS with discovery.dns
         # systemd's notify protocol: a no-op unless run() finds $NOTIFY_SOCKET (never in
         # a worker of `workers: N`, where the supervisor notifies)
         self.notifier = Notifier()
@@ -250,9 +250,8 @@ class Server:
                 self.throttles.sync(self.virtual_servers.values(), service)
                 self._sync_queues()
                 self.checks.sync(self.virtual_servers.values(), service)
-                self.snmp.sync(self.virtual_servers)
-                await service.start(self.snmp.run)
-                self.discovery.sync(self.config.virtual_servers, service, self)
+                self.snmp.sync(self.virtual_servers.values(), service)
+                self.discovery.sync(self.virtual_servers.values(), service)
                 if handle_signals:
                     await service.start(self._signals)
                 self.ready = True
@@ -566,8 +565,8 @@ class Server:
         if self._service is not None and not self.draining:  # start/stop/retune throttles
             changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))
             self.checks.sync(self.virtual_servers.values(), self._service)
-            self.snmp.sync(self.virtual_servers)  # start/stop/restart SNMP pollers
-            self.discovery.sync(new.virtual_servers, self._service, self)
+            self.snmp.sync(self.virtual_servers.values(), self._service)
+            self.discovery.sync(self.virtual_servers.values(), self._service)
             changes.extend(self.conditioners.sync(self.virtual_servers.values(), self._service))
         changes.extend(self._sync_queues())
         for vs in self.virtual_servers.values():
@@ -604,7 +603,7 @@ class Server:
         changes = self._reconfigure(vs, merged, trio.current_time(), keep_runtime=True)
         if self._service is not None:
             self.checks.sync(self.virtual_servers.values(), self._service)
-            self.snmp.sync(self.virtual_servers)
+            self.snmp.sync(self.virtual_servers.values(), self._service)
         if changes:
             log.info("discovery: %s", "; ".join(changes))
             if self.cluster is not None:  # a server that came may have cluster changes

@@ -373,9 +373,8 @@ def test_sync_starts_stops_and_restarts_pollers(monkeypatch):
         pollers = snmp.SnmpPollers()
         pool = dwd_pool()
         wlc = Pool(virtual_server("wlc", {"x": {}}), 0)
-        pollers.sync({"vs": VS(pool), "other": VS(wlc)})  # before run: kept for later
         async with trio.open_nursery() as nursery:
-            await nursery.start(pollers.run)
+            pollers.sync([VS(pool), VS(wlc)], nursery)
             await trio.sleep(0.01)
             assert pollers.polled == [("vs", "a"), ("vs", "b")]
             new = dwd_pool().config
@@ -386,7 +385,7 @@ def test_sync_starts_stops_and_restarts_pollers(monkeypatch):
                 }
             )
             pool.reconfigure(new.__class__(**{**_fields(new), "real_servers": (changed,)}), 1)
-            pollers.sync({"vs": VS(pool)})
+            pollers.sync([VS(pool)], nursery)
             await trio.sleep(0.01)
             assert pollers.polled == [("vs", "b")]
             nursery.cancel_scope.cancel()

@@ -25,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lbproxy.admin import dashboard, http_server
 from lbproxy.admin.metrics import make_registry
-from lbproxy.core.pool import Located, Pool, state_error, weight_error
+from lbproxy.core.locate import Located
+from lbproxy.core.pool import Pool, state_error, weight_error
 
 if TYPE_CHECKING:
     import socket

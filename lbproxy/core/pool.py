@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lbproxy.config.model import (
-    DEFAULT_IMBALANCE_THRESHOLD,
     MAX_WEIGHT,
     RealServerConfig,
     VirtualServerConfig,
 )
 from lbproxy.core import schedulers
-from lbproxy.core.balance import Balance, spread
+from lbproxy.core.balance import Balance
 from lbproxy.core.health import Health
 from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, QUEUE_BUCKETS, Histogram
+from lbproxy.core.locate import Located, Locator
 from lbproxy.core.persistence import Entry, Persistence, client_key
 from lbproxy.core.udp_stats import UdpCounters
 
@@ -208,16 +208,6 @@ class RealServer:
         return f"<RealServer {self.name} {self.address} {self.state}>"
 
 
-@dataclass(frozen=True, slots=True)
-class Located:
-    """A locator answer (SPEC §10): the server, its load after the answer (None for a
-    scheduler without one) and, for `?current=`, whether the client should move."""
-
-    server: RealServer
-    load: float | None
-    replace: bool | None = None
-
-
 @dataclass(frozen=True)
 class RealServerStats:
     name: str
@@ -250,6 +240,8 @@ class Pool:
     def __init__(self, config: VirtualServerConfig, now: float) -> None:
         self.name = config.name
         self.config = config
+        # First: least-load reads the reports kept there when it is made.
+        self.locator = Locator(self)
         self.scheduler: schedulers.Scheduler = schedulers.get(config.scheduler)(self)
         self.servers: list[RealServer] = []
         self.by_name: dict[str, RealServer] = {}
@@ -288,14 +280,8 @@ class Pool:
         self._by_client = False  # persistence or a keyed scheduler: pick needs the client
         self._client_pick = self._pick_for  # with _by_client: what pick calls
         self._configure_affinity()
-        # The locator (SPEC §10, §11): pushed load reports (kept across reloads and
-        # scheduler swaps), Geode's balance state, and counts for the metrics.
-        self.load_reports: dict[RealServer, tuple[float, float]] = {}
-        self.load_report_counts: Counter[str] = Counter()
-        self.answers: Counter[tuple[str, str]] = Counter()  # (real server, via)
         self.conditioned: Counter[str] = Counter()  # connections closed by conditioning
         self.udp = UdpCounters()  # protocol: udp (SPEC §19): datagrams, drops
-        self.balance = Balance()
         # Servers present at start-up come online together: resetting the (empty)
         # connection table for each of them would only cost O(n²).
         self._starting = True
@@ -535,7 +521,7 @@ class Pool:
         for rs in list(self.servers):
             if rs.name not in wanted:
                 rs.removed = True
-                self.load_reports.pop(rs, None)
+                self.locator.forget(rs)
                 self._cancel_trial(rs)
                 self._update(rs, now)
                 self.servers.remove(rs)
@@ -598,63 +584,22 @@ class Pool:
             for rs in self.servers
         }
 
-    # -- the locator: load reports, answers, balance (SPEC §10, §11) ------------------
+    # -- what the locator (locate.py) needs, and its state for its callers ------------
 
-    def report_load(
-        self, rs: RealServer, load: object, per_connection: object = None
-    ) -> str | None:
-        """A server's pushed load report; returns an error message (nothing changed) or None.
-
-        `per_connection` defaults to 1 / max_connections, else 0 (Geode's default probe:
-        "the load estimate for each additional pool connection is 1/max-connections").
-        It replaces the load of `least-load` with `load_source: report` and clears the
-        estimates added since the last report; on any other virtual server it is kept
-        for when a reload makes it one.
-        """
-        error = _non_negative("load", load)
-        if error:
-            return error
-        if per_connection is None:
-            per_connection = 1.0 / rs.max_connections if rs.max_connections else 0.0
-        error = _non_negative("per_connection", per_connection)
-        if error:
-            return error
-        value, step = float(load), float(per_connection)  # type: ignore[arg-type]
-        self.load_reports[rs] = (value, step)
-        self.load_report_counts[rs.name] += 1
-        report = getattr(self.scheduler, "report", None)
-        if report is not None and self.config.load_source == "report":
-            report(rs, value, step)
-        return None
-
-    def answer(
-        self, rs: RealServer, now: float, via: str = "http", client: tuple | None = None
-    ) -> None:
-        """Count a locator answer for `rs` as a pick: a connection sent that closes at
-        once (least-load adds its estimate, sap its load factor, rr/wrr advance).
-
-        With persistence and the asking `client`'s address, its entry is made or moved
-        to `rs` and, the "connection" being over at once, lives `timeout` from now: a
-        client that asks again within `timeout` of its last answer gets `rs` again."""
-        persistence = self.persistence
-        key = None
-        if persistence is not None and client is not None:
-            key = client[0]
-            if ":" in key:
-                key = client_key(client)
+    def count_answer(self, rs: RealServer, now: float, hit: bool) -> None:
+        """A locator answer, as the scheduler sees it: a connection sent to `rs` that
+        closes at once (`hit`: persistence chose `rs`, not a pick; see `take`)."""
         rs.sched_active += 1
-        if key is not None and persistence.holds(key, rs, now):  # type: ignore[union-attr]
-            self.scheduler.on_sticky_take(rs, now)  # a hit, not a pick (see take)
+        if hit:
+            self.scheduler.on_sticky_take(rs, now)
         else:
             rs.seq = self._next_seq
             self._next_seq += 1
             self.scheduler.on_take(rs, now)
         rs.sched_active -= 1
         self.scheduler.on_drop(rs, now)
-        self.answers[rs.name, via] += 1
-        if key is not None:
-            persistence.release(persistence.acquire(key, rs, now), now)  # type: ignore[union-attr]
 
+    # The locator's methods and counts, under the names its callers have always used.
     def locate(
         self,
         now: float,
@@ -662,36 +607,37 @@ class Pool:
         via: str = "http",
         client: tuple | None = None,
     ) -> Located | None:
-        """The locator's answer, counted; None when no server is available.
+        return self.locator.locate(now, current, via, client)
 
-        `client` is the asking address (the HTTP peer, the DNS query's source), given
-        to the pick as a proxied connection's is: `maglev` hashes it, `persistence`
-        looks it up and remembers the answer (see `answer`).
+    def answer(
+        self, rs: RealServer, now: float, via: str = "http", client: tuple | None = None
+    ) -> None:
+        self.locator.answer(rs, now, via, client)
 
-        With `current` (Geode's `getReplacementServerForConnection`): replace when that
-        server is unknown or unavailable, or when it is the most loaded and the pool is
-        out of balance by §11's rule (threshold and hysteresis); then the answer is the
-        scheduler's pick and `current` loses one connection's estimate. Otherwise the
-        answer is `current` itself and nothing is counted.
-        """
-        if current is None:
-            rs = self.pick(now, (), client)
-            if rs is None:
-                return None
-            self.answer(rs, now, via, client)
-            return Located(rs, self.load_of(rs))
-        old = self.by_name.get(current)
-        if old is not None and old.available and not self._should_move(old):
-            return Located(old, self.load_of(old), False)
-        rs = self.pick(now, () if old is None else (old,), client)
-        if rs is None:
-            if old is not None and old.available:
-                return Located(old, self.load_of(old), False)
-            return None
-        if old is not None:
-            self.scheduler.on_moved_away(old, now)
-        self.answer(rs, now, via, client)
-        return Located(rs, self.load_of(rs), True)
+    def report_load(
+        self, rs: RealServer, load: object, per_connection: object = None
+    ) -> str | None:
+        return self.locator.report_load(rs, load, per_connection)
+
+    @property
+    def answers(self) -> Counter[tuple[str, str]]:
+        return self.locator.answers
+
+    @property
+    def load_reports(self) -> dict[RealServer, tuple[float, float]]:
+        return self.locator.reports
+
+    @property
+    def load_report_counts(self) -> Counter[str]:
+        return self.locator.report_counts
+
+    @property
+    def balance(self) -> Balance:
+        return self.locator.balance
+
+    @property
+    def imbalance_threshold(self) -> float:
+        return self.locator.imbalance_threshold
 
     def load_of(self, rs: RealServer) -> float | None:
         """`rs`'s load as the balance rule sees it (None: the scheduler has none)."""
@@ -709,23 +655,6 @@ class Pool:
                     return []
                 members.append((rs, *pair))
         return members
-
-    @property
-    def imbalance_threshold(self) -> float:
-        conditioning = self.config.conditioning
-        return conditioning.threshold if conditioning else DEFAULT_IMBALANCE_THRESHOLD
-
-    def _should_move(self, rs: RealServer) -> bool:
-        # O(n), for `?current=` only (a plain locate is one pick): Geode scans too.
-        members = self.balance_members()
-        numbers = spread((load, step) for _, load, step in members)
-        if numbers is None:
-            return False
-        if self.balance.check(*numbers, self.imbalance_threshold):
-            return False
-        mine = next((load for server, load, _ in members if server is rs), None)
-        # Geode's isCurrentServerMostLoaded: no other server is loaded more.
-        return mine is not None and not any(load > mine for _, load, _ in members)
 
     # -- statistics ---------------------------------------------------------------
 
@@ -957,16 +886,3 @@ class Pool:
             if self._ramping:
                 next_tick = min(next_tick, now + self.config.slow_start / SLOW_START_STEPS)
         self._next_tick = next_tick
-
-
-def _non_negative(name: str, value: object) -> str | None:
-    """The one check of a reported number: finite, >= 0, not a boolean."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return f"{name} must be a number >= 0, got {value!r}"
-    try:
-        number = float(value)
-    except OverflowError:  # an integer too large for a float
-        number = float("inf")
-    if not number >= 0 or number == float("inf"):
-        return f"{name} must be a finite number >= 0, got {value!r}"
-    return None

@@ -9,10 +9,10 @@ load(server) = last reported load + estimate x connections sent there since that
   every SNMP answer; the estimate is 1 / max_connections, or 1 / max_value (one unit of
   the reported value) when the server has no max_connections.
 - `load_source: report`: the servers push their own load and per-connection estimate
-  (`PUT .../load`, Geode's `ServerLoadProbe`; `Pool.report_load`). The estimate is the
-  reported `per_connection`, by default 1 / max_connections (0 without one); a server
-  that has never reported has load 0. Reports live in the pool (`pool.load_reports`), so
-  a reload that swaps this scheduler keeps them.
+  (`PUT .../load`, Geode's `ServerLoadProbe`; `Locator.report_load`). The estimate is
+  the reported `per_connection`, by default 1 / max_connections (0 without one); a
+  server that has never reported has load 0. Reports live in the pool's locator
+  (core/locate.py, `pool.load_reports`), so a reload that swaps this scheduler keeps them.
 
 Locator answers (`Pool.answer`, HTTP and DNS locate) count exactly as connections sent:
 the estimate is added for each. A `?current=` replacement takes one estimate step off

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import Lbproxy, NameServer, free_port
+from tests.integration.harness import Lbproxy, NameServer, free_port, stop_all
 
 
 @pytest.fixture
@@ -23,7 +23,9 @@ def name_servers():
 
 @pytest.fixture
 def lbproxy(tmp_path):
-    """lbproxy(yaml_text) -> a started `lbproxy run` process; stopped after the test."""
+    """lbproxy(yaml_text) -> a started `lbproxy run` process; stopped after the test, which
+    then fails if the process ended by itself, exited non-zero or logged a traceback
+    (see harness.Lbproxy for how a test declares one it expects)."""
     started: list[Lbproxy] = []
 
     def make(config: str, wait_ports=(), start=True) -> Lbproxy:
@@ -32,8 +34,7 @@ def lbproxy(tmp_path):
         return proxy.start(list(wait_ports)) if start else proxy
 
     yield make
-    for proxy in started:
-        proxy.stop()
+    stop_all(started)  # fails the test on an unexpected exit, status or traceback
 
 
 def vs_config(port: int, servers, scheduler: str = "rr", extra: str = "", rs_extra=None) -> str:

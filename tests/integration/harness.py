@@ -157,28 +157,80 @@ def ask_name(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> str:
     return name
 
 
-def refused_or_closed(port: int, timeout: float = 5.0) -> bool:
-    """True when the proxy closes the connection without any byte."""
+def closed_without_a_byte(port: int, timeout: float = 5.0, host: str = "127.0.0.1") -> bool:
+    """True when the proxy accepts the connection and closes it (FIN or RST) without
+    sending a byte: how lbproxy turns a client away. A refused connect is False — nothing
+    listens, so the process is gone; a rejection test also shows the process alive and
+    the rejection counted (see `assert_rejected`)."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        with socket.create_connection((host, port), timeout=timeout) as s:
             return s.recv(100) == b""
-    except (ConnectionRefusedError, ConnectionResetError):
+    except ConnectionResetError:
         return True
+    except ConnectionRefusedError:
+        return False
+
+
+def assert_rejected(port: int, counted, expected: float, what: str = "rejection") -> None:
+    """One client turned away on `port` by a live process, and counted: the connection is
+    accepted and closed without a byte, then `counted()` (a metric or JSON counter read
+    from the admin endpoint) reaches `expected`."""
+    assert closed_without_a_byte(port), f"the {what} was not a close without a byte"
+    wait_for(lambda: counted() == expected, timeout=5, what=f"the {what} counted {expected:g}")
+
+
+TRACEBACK = "Traceback (most recent call last):"
+
+
+class Process(subprocess.Popen):
+    """A Popen that remembers whether the test signalled it: a process that ends after
+    the test sent it SIGTERM, SIGINT, SIGKILL, ... ended on purpose; one that ends on its
+    own ended unexpectedly. SIGHUP (reload) is not a stop."""
+
+    signalled = False
+
+    def send_signal(self, sig: int) -> None:
+        if sig != signal.SIGHUP:
+            self.signalled = True
+        super().send_signal(sig)
 
 
 class Lbproxy:
-    """A real `lbproxy run` process on a configuration written to a temporary folder."""
+    """A real `lbproxy run` process on a configuration written to a temporary folder.
 
-    def __init__(self, tmp_path: Path, config: str, *args: str, name: str = "lbproxy.yaml"):
+    `stop()` (and so every fixture's teardown) fails the test when the process exited
+    before the test stopped it, when its exit status is not `expected_exit` (0: SIGTERM
+    is a clean stop), or when its log holds a traceback. A test that means one of these
+    says so on the object:
+
+        proxy.expected_exit = None            # any status (the test checks it itself)
+        proxy.expected_tracebacks = ("RuntimeError: injected",)  # a traceback is fine
+                                              # when it contains one of these texts
+        proxy.may_exit = True                 # it may end before stop() (e.g. handed over)
+    """
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        config: str,
+        *args: str,
+        name: str = "lbproxy.yaml",
+        expected_exit: int | None = 0,
+        expected_tracebacks: tuple[str, ...] = (),
+        may_exit: bool = False,
+    ):
         self.config_path = tmp_path / name
         self.config_path.write_text(textwrap.dedent(config))
         self.log_path = tmp_path / "lbproxy.log"
         self.args = args
         self.proc: subprocess.Popen | None = None
+        self.expected_exit = expected_exit
+        self.expected_tracebacks = expected_tracebacks
+        self.may_exit = may_exit
 
     def start(self, wait_ports: list[int] = (), timeout: float = 15.0) -> Lbproxy:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = Process(
             [sys.executable, "-m", "lbproxy", "run", str(self.config_path), *self.args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -216,9 +268,12 @@ class Lbproxy:
                 raise RuntimeError(f"no reload in the log:\n{self.log()}")
             time.sleep(0.02)
 
-    def stop(self, timeout: float = 15.0) -> int:
+    def stop(self, timeout: float = 15.0, check: bool = True) -> int:
+        """SIGTERM, wait, and (with `check`) fail on what the class docstring lists."""
         if self.proc is None:
             return 0
+        ended_alone = self.proc.poll() is not None and not getattr(self.proc, "signalled", True)
+        killed = False
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -226,14 +281,68 @@ class Lbproxy:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                killed = True
         self._log.close()
+        if check:
+            self.check(ended_alone, killed, timeout)
         return self.proc.returncode
+
+    def check(self, ended_alone: bool = False, killed: bool = False, timeout: float = 0) -> None:
+        assert self.proc is not None
+        code = self.proc.returncode
+        problems = []
+        if ended_alone and not self.may_exit:
+            problems.append(f"lbproxy exited by itself (status {code}) before the test stopped it")
+        if killed:
+            problems.append(f"lbproxy did not stop within {timeout:g}s of SIGTERM (killed)")
+        elif self.expected_exit is not None and code != self.expected_exit:
+            problems.append(f"lbproxy exited {code}, expected {self.expected_exit}")
+        unexpected = [
+            block
+            for block in tracebacks(self.log())
+            if not any(text in block for text in self.expected_tracebacks)
+        ]
+        if unexpected:
+            problems.append(f"lbproxy logged {len(unexpected)} unexpected traceback(s)")
+        if problems:
+            tail = "\n".join(self.log().splitlines()[-80:])
+            raise AssertionError("; ".join(problems) + f"\n--- {self.log_path} (tail) ---\n{tail}")
 
     def __enter__(self) -> Lbproxy:
         return self.start() if self.proc is None else self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        # After a failure inside the block, stop without checking: the test's own
+        # error is the one to report.
+        self.stop(check=exc_type is None)
+
+
+def stop_all(proxies) -> None:
+    """Stop every process (a fixture's teardown), then fail with the first one's problem:
+    one failing check must not leave the others running."""
+    errors = []
+    for proxy in proxies:
+        try:
+            proxy.stop()
+        except AssertionError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def tracebacks(log: str) -> list[str]:
+    """Each traceback in a log: from its first line through the first line after it that
+    is not indented (the exception's own line, for a plain traceback)."""
+    lines = log.splitlines()
+    blocks = []
+    for i, line in enumerate(lines):
+        if TRACEBACK not in line:
+            continue
+        end = i + 1
+        while end < len(lines) and (lines[end][:1].isspace() or TRACEBACK in lines[end]):
+            end += 1
+        blocks.append("\n".join(lines[i : end + 1]))
+    return blocks
 
 
 def wait_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from lbproxy.wire.proxy_protocol import encode_v1
 from tests.integration.conftest import vs_config
-from tests.integration.harness import Lbproxy, NameServer, free_port, read_name, wait_for
+from tests.integration.harness import Lbproxy, NameServer, free_port, read_name, stop_all, wait_for
 from tests.integration.test_admin import http, metrics, sample, with_admin
 from tests.integration.test_workers import ready, worker_servers
 
@@ -61,8 +61,7 @@ def processes(tmp_path):
         return proxy.start(list(wait_ports))
 
     yield start
-    for proxy in started:
-        proxy.stop()
+    stop_all(started)
 
 
 def test_persistence_keeps_moves_and_forgets_clients_by_source_address(name_servers, processes):

@@ -33,6 +33,7 @@ from tests.integration.harness import (
     ROOT,
     Lbproxy,
     NameServer,
+    Process,
     ask_name,
     free_port,
     open_and_read_name,
@@ -530,7 +531,7 @@ class LimitedLbproxy(Lbproxy):
             resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = Process(  # harness.Process: the teardown knows who stopped it
             [sys.executable, "-m", "lbproxy", "run", str(self.config_path)],
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -16,10 +16,18 @@ from lbproxy.wire import proxy_protocol
 from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ask_name,
+    assert_rejected,
     free_port,
     open_and_read_name,
-    refused_or_closed,
+    wait_for,
 )
+from tests.integration.test_admin import metrics, sample, with_admin
+
+
+def rejected(admin_port: int, reason: str, vs: str = "web") -> float:
+    """lbproxy_rejected_connections_total{virtual_server=vs, reason} as /metrics says."""
+    name = "lbproxy_rejected_connections_total"
+    return sample(metrics(admin_port), name, virtual_server=vs, reason=reason)
 
 
 def test_rr_exact_order(name_servers, lbproxy):
@@ -186,13 +194,26 @@ def test_connect_retry_past_a_dead_server(name_servers, lbproxy):
 
 
 def test_acl_deny_wins_over_allow(name_servers, lbproxy):
-    servers = name_servers("a")
-    port = free_port()
-    lbproxy(vs_config(port, servers, extra="allow: [127.0.0.0/8]\ndeny: [127.0.0.1/32]"))
-    assert refused_or_closed(port)
-    port2 = free_port()
-    lbproxy(vs_config(port2, servers, extra="allow: [10.0.0.0/8]").replace("web", "web2"))
-    assert refused_or_closed(port2)
+    # Each refusal is a close by a live process, counted as reason acl; a client of a
+    # virtual server without an ACL is served after them (nothing crashed to refuse).
+    (a,) = name_servers("a")
+    deny, allow, open_port, admin_port = free_port(), free_port(), free_port(), free_port()
+    server = f"real_servers: [{{name: a, address: 127.0.0.1:{a.port}}}]"
+    lbproxy(
+        f"""
+        global: {{admin: {{listen: 127.0.0.1:{admin_port}}}}}
+        virtual_servers:
+          - {{name: web, listen: 127.0.0.1:{deny}, {server},
+              allow: [127.0.0.0/8], deny: [127.0.0.1/32]}}
+          - {{name: web2, listen: 127.0.0.1:{allow}, {server}, allow: [10.0.0.0/8]}}
+          - {{name: open, listen: 127.0.0.1:{open_port}, {server}}}
+        """,
+        [admin_port],
+    )
+    assert_rejected(deny, lambda: rejected(admin_port, "acl"), 1, "deny 127.0.0.1")
+    assert_rejected(allow, lambda: rejected(admin_port, "acl", "web2"), 1, "allow 10/8 only")
+    assert ask_name(open_port) == "a"
+    assert rejected(admin_port, "acl", "open") == 0
 
 
 def test_acl_allows_listed_clients(name_servers, lbproxy):
@@ -204,16 +225,20 @@ def test_acl_allows_listed_clients(name_servers, lbproxy):
 
 def test_max_connections_per_virtual_and_real_server(name_servers, lbproxy):
     servers = name_servers("a", "b")
-    port = free_port()
-    lbproxy(
-        vs_config(
-            port, servers, "lc", extra="max_connections: 3", rs_extra={"a": "max_connections: 1"}
-        )
+    port, admin_port = free_port(), free_port()
+    config = vs_config(
+        port, servers, "lc", extra="max_connections: 3", rs_extra={"a": "max_connections: 1"}
     )
+    lbproxy(with_admin(config, admin_port), [admin_port])
     held = [open_and_read_name(port) for _ in range(3)]
     try:
         assert Counter(name for _, name in held) == {"a": 1, "b": 2}
-        assert refused_or_closed(port)  # the fourth is over the virtual server's limit
+        # the fourth is over the virtual server's limit: closed, counted, and the held
+        # three still answer
+        assert_rejected(port, lambda: rejected(admin_port, "max_connections"), 1)
+        for sock, _ in held:
+            sock.sendall(b"ping")
+            assert sock.recv(100) == b"ping"
     finally:
         for sock, _ in held:
             sock.close()
@@ -223,14 +248,17 @@ def test_max_connections_per_virtual_and_real_server(name_servers, lbproxy):
 
 def test_real_server_max_connections_then_no_server(name_servers, lbproxy):
     servers = name_servers("a")
-    port = free_port()
-    lbproxy(vs_config(port, servers, rs_extra={"a": "max_connections: 2"}))
+    port, admin_port = free_port(), free_port()
+    config = vs_config(port, servers, rs_extra={"a": "max_connections: 2"})
+    lbproxy(with_admin(config, admin_port), [admin_port])
     held = [open_and_read_name(port) for _ in range(2)]
     try:
-        assert refused_or_closed(port)
+        assert_rejected(port, lambda: rejected(admin_port, "no_server"), 1)
     finally:
         for sock, _ in held:
             sock.close()
+    # a freed slot serves the next client: the process lives
+    assert wait_for(lambda: ask_name(port) == "a", what="a served after a slot freed")
 
 
 def test_idle_timeout_closes_a_silent_connection(name_servers, lbproxy):

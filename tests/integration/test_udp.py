@@ -167,6 +167,9 @@ def test_reload_keeps_sessions_and_acl_drops(tmp_path):
             with pytest.raises(TimeoutError):  # a new client from a denied network
                 other.recvfrom(100)
             other.close()
+            # dropped by a live process: the established session still answers
+            client.sendto(b"4", ("127.0.0.1", port))
+            assert client.recvfrom(100)[0] == first[:1] + b"4"
     finally:
         client.close()
         a.close()

@@ -1,8 +1,13 @@
 """lbproxy.net.pump over real loopback TCP connections, splice and fallback paths.
 
 Each test builds two real connections, (client, proxy_client) and (proxy_server,
-server), runs pump() between the two proxy-side sockets and plays client and server
+server), runs the pump between the two proxy-side sockets and plays client and server
 itself. Real clock under trio.fail_after; no mocks.
+
+The pump is used two ways, and the reset, half-close and descriptor tests run both
+(OWNERS): ``pump()`` (the caller closes the sockets after it returns), and the
+connection handler's ``Pump(fd, fd, close_sockets=True)`` with ``on_end`` (the pump
+closes both descriptors itself the moment it ends, and says so by callback).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from trio.socket import SocketType
 
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.net import pump as pump_mod
-from lbproxy.net.pump import Flow, close_idle_pipes, pump
+from lbproxy.net.pump import Flow, Pump, close_idle_pipes, pump
 from lbproxy.wire.proxy_protocol import ProxyProtocolError, encode_v1, encode_v2
 
 pytestmark = pytest.mark.integration
@@ -36,6 +41,10 @@ MODES = [
         marks=pytest.mark.skipif(not hasattr(os, "splice"), reason="no os.splice"),
     ),
     pytest.param(False, id="fallback"),
+]
+OWNERS = [
+    pytest.param(False, id="pump"),  # pump(): the caller closes both sockets
+    pytest.param(True, id="owned"),  # Pump(close_sockets=True) + on_end: as in production
 ]
 
 
@@ -82,25 +91,79 @@ async def rig() -> AsyncIterator[Rig]:
 
 
 class PumpTask:
-    """pump() running in a nursery, its outcome and when it returned."""
+    """The pump running in a nursery, its outcome and when it ended.
 
-    def __init__(self, r: Rig, flow: Flow, use_splice: bool, **kw: object) -> None:
-        self.args = (r.proxy_client, r.proxy_server, flow)
+    close_sockets=False: ``await pump(...)``. True: what the connection handler does --
+    both proxy-side sockets are detached to plain descriptors and handed to
+    ``Pump(close_sockets=True)``, whose ``on_end`` callback reports the end; the
+    callback also records whether both descriptors were closed by then."""
+
+    def __init__(
+        self, r: Rig, flow: Flow, use_splice: bool, close_sockets: bool = False, **kw: object
+    ) -> None:
+        self.rig = r
+        self.flow = flow
+        self.close_sockets = close_sockets
         self.kw = {"use_splice": use_splice, **kw}
         self.outcome: str | None = None
         self.started = trio.current_time()
         self.ended: float | None = None
         self.done = trio.Event()
+        self.fds: tuple[int, int] | None = None
+        self.closed_at_end: bool | None = None  # owned mode: both fds closed at on_end
 
     async def run(self) -> None:
-        self.outcome = await pump(*self.args, **self.kw)  # type: ignore[arg-type]
+        if not self.close_sockets:
+            r = self.rig
+            self.outcome = await pump(r.proxy_client, r.proxy_server, self.flow, **self.kw)
+            self._done()
+            return
+        # The connection handler's way (dataplane/connection.py): plain descriptors,
+        # owned by the pump from the constructor on.
+        self.fds = (self.rig.proxy_client.detach(), self.rig.proxy_server.detach())
+        p = Pump(*self.fds, self.flow, close_sockets=True, **self.kw)  # type: ignore[arg-type]
+        p.on_end = self._on_end
+        try:
+            p.start()
+            if p.outcome is not None and p.on_end is not None:  # ended before it began
+                p.close()
+                p.on_end = None
+                self._on_end(p)
+            await self.done.wait()
+        finally:
+            p.close()  # cancelled: what the handler's guard does; a no-op once ended
+        assert self.closed_at_end, "on_end was called before both descriptors were closed"
+
+    def _on_end(self, p: Pump) -> None:
+        assert self.fds is not None
+        self.closed_at_end = all(_closed(fd) for fd in self.fds)
+        self.outcome = p.outcome  # type: ignore[assignment]
+        self._done()
+
+    def _done(self) -> None:
         self.ended = trio.current_time()
         self.done.set()
+
+    def close_proxy_side(self) -> None:
+        """What the connection handler does once the pump has ended: close both
+        proxy-side sockets -- already closed by the pump in owned mode."""
+        if not self.close_sockets:
+            self.rig.close_proxy_side()
+        else:
+            assert self.closed_at_end, "the pump did not close both descriptors"
 
     @property
     def elapsed(self) -> float:
         assert self.ended is not None
         return self.ended - self.started
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
 
 
 async def send_all(sock: SocketType, data: bytes, *, shut: bool = True) -> None:
@@ -177,15 +240,16 @@ def test_20mb_both_ways_byte_exact(use_splice: bool) -> None:
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_half_close_then_reply(use_splice: bool) -> None:
+def test_half_close_then_reply(use_splice: bool, close_sockets: bool) -> None:
     request = b"GET /big\r\n\r\n"
     reply = os.urandom(3 << 20)
 
     async def main() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice)
+            p = PumpTask(r, flow, use_splice, close_sockets)
             with trio.fail_after(10):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -203,13 +267,14 @@ def test_half_close_then_reply(use_splice: bool) -> None:
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_half_close_server_first(use_splice: bool) -> None:
+def test_half_close_server_first(use_splice: bool, close_sockets: bool) -> None:
     """The mirror case: the server finishes first, the client keeps sending."""
 
     async def main() -> None:
         async with rig() as r:
-            p = PumpTask(r, Flow(idle_timeout=10), use_splice)
+            p = PumpTask(r, Flow(idle_timeout=10), use_splice, close_sockets)
             with trio.fail_after(10):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -223,8 +288,11 @@ def test_half_close_server_first(use_splice: bool) -> None:
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_upload_after_both_fins_reaches_a_slow_server(use_splice: bool) -> None:
+def test_upload_after_both_fins_reaches_a_slow_server(
+    use_splice: bool, close_sockets: bool
+) -> None:
     """The server half-closes first; the client then uploads a lot and sends its FIN
     while the server reads slowly. When the client's FIN arrives the client socket has
     both halves shut (a hang-up) with upload bytes still unread behind a blocked write:
@@ -234,7 +302,7 @@ def test_upload_after_both_fins_reaches_a_slow_server(use_splice: bool) -> None:
     async def main() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice)
+            p = PumpTask(r, flow, use_splice, close_sockets)
             with trio.fail_after(20):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -254,12 +322,13 @@ def test_upload_after_both_fins_reaches_a_slow_server(use_splice: bool) -> None:
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_server_reset_closes_client_promptly(use_splice: bool) -> None:
+def test_server_reset_closes_client_promptly(use_splice: bool, close_sockets: bool) -> None:
     async def main() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice)
+            p = PumpTask(r, flow, use_splice, close_sockets)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -273,7 +342,7 @@ def test_server_reset_closes_client_promptly(use_splice: bool) -> None:
                     assert trio.current_time() - t0 < 1.0
             assert p.outcome == "server_reset"
             assert isinstance(flow.error, ConnectionResetError)
-            r.close_proxy_side()
+            p.close_proxy_side()
             with trio.fail_after(1):
                 # An orderly close, at once: what the client already has stays valid.
                 assert await r.client.recv(100) == b""
@@ -281,12 +350,13 @@ def test_server_reset_closes_client_promptly(use_splice: bool) -> None:
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_client_reset_while_server_streams(use_splice: bool) -> None:
+def test_client_reset_while_server_streams(use_splice: bool, close_sockets: bool) -> None:
     async def main() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice)
+            p = PumpTask(r, flow, use_splice, close_sockets)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -304,21 +374,22 @@ def test_client_reset_while_server_streams(use_splice: bool) -> None:
                     linger0_close(r.client)
                     await p.done.wait()
                     assert p.outcome == "client_reset"
-                    r.close_proxy_side()
+                    p.close_proxy_side()
         assert flow.bytes_out >= 100_000
 
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_reset_after_half_close_is_noticed_at_once(use_splice: bool) -> None:
+def test_reset_after_half_close_is_noticed_at_once(use_splice: bool, close_sockets: bool) -> None:
     """The client sends its request and FIN, the server thinks; then the client resets.
     Nothing is read from the client any more, yet the pump ends at once, well before
     the idle timeout, and the server's socket is closed."""
 
     async def main() -> None:
         async with rig() as r:
-            p = PumpTask(r, Flow(idle_timeout=10), use_splice)
+            p = PumpTask(r, Flow(idle_timeout=10), use_splice, close_sockets)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -333,11 +404,12 @@ def test_reset_after_half_close_is_noticed_at_once(use_splice: bool) -> None:
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_idle_timeout(use_splice: bool) -> None:
+def test_idle_timeout(use_splice: bool, close_sockets: bool) -> None:
     async def main() -> None:
         async with rig() as r:
-            p = PumpTask(r, Flow(idle_timeout=0.3), use_splice)
+            p = PumpTask(r, Flow(idle_timeout=0.3), use_splice, close_sockets)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -394,11 +466,12 @@ def test_long_idle_timeout_armed_by_the_sweep_is_exact(use_splice: bool, tick_at
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_idle_timeout_bounds_half_closed(use_splice: bool) -> None:
+def test_idle_timeout_bounds_half_closed(use_splice: bool, close_sockets: bool) -> None:
     async def main() -> None:
         async with rig() as r:
-            p = PumpTask(r, Flow(idle_timeout=0.3), use_splice)
+            p = PumpTask(r, Flow(idle_timeout=0.3), use_splice, close_sockets)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -454,8 +527,11 @@ def test_cancellation_exits_promptly(use_splice: bool) -> None:
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(use_splice: bool) -> None:
+def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(
+    use_splice: bool, close_sockets: bool
+) -> None:
     """The server stops reading; the client keeps sending until everything is full and
     pump holds a chunk it cannot write. Cancelling then must close that pipe (it holds
     bytes), never pool it, and leak nothing."""
@@ -468,7 +544,7 @@ def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(use_splice: bool) ->
             flow = Flow()
             with trio.fail_after(10):
                 async with trio.open_nursery() as n:
-                    p = PumpTask(r, flow, use_splice)
+                    p = PumpTask(r, flow, use_splice, close_sockets)
                     n.start_soon(p.run)
 
                     async def flood() -> None:
@@ -490,6 +566,8 @@ def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(use_splice: bool) ->
             assert p.outcome is None  # cancelled, never returned
             for rfd, _ in pump_mod._idle_pipes:
                 assert pipe_bytes(rfd) == 0
+            # owned: cancelling closed both proxy-side descriptors too
+            baseline -= 2 if close_sockets else 0
             assert fd_count() == baseline + 2 * len(pump_mod._idle_pipes)
             close_idle_pipes()
             assert fd_count() == baseline
@@ -497,14 +575,15 @@ def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(use_splice: bool) ->
     trio.run(main)
 
 
+@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_no_fd_leak_over_many_connections(use_splice: bool) -> None:
+def test_no_fd_leak_over_many_connections(use_splice: bool, close_sockets: bool) -> None:
     payload = os.urandom(300_000)
 
     async def one() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice)
+            p = PumpTask(r, flow, use_splice, close_sockets)
             async with trio.open_nursery() as n:
                 n.start_soon(p.run)
                 n.start_soon(send_all, r.client, payload)

@@ -204,6 +204,7 @@ def test_sigterm_drains_every_worker_and_exits_0(two_workers):
 def test_workers_stop_when_the_supervisor_is_killed(two_workers):
     proxy, _, port, admin_port = two_workers
     pids = [w["pid"] for w in workers(admin_port)]
+    proxy.expected_exit = -signal.SIGKILL  # the harness's teardown: killed on purpose
     proxy.signal(signal.SIGKILL)
     proxy.proc.wait(5)
     wait_for(lambda: not any(alive(pid) for pid in pids), what="the orphaned workers to stop")

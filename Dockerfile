@@ -5,14 +5,25 @@
 # both on 0.0.0.0 so they are reachable from outside the container. Mount your own
 # folder to replace it: -v $PWD/my-lbproxy:/etc/lbproxy:ro. Every *.yaml in /etc/lbproxy
 # is a virtual-server file (one may hold `global:`). Kubernetes: contrib/kubernetes/.
+#
+# Two stages: the first has gcc and builds the wheel with the compiled connection path
+# (lbproxy/net/_cpump.c, issue 26; the slim image has the Python headers already); the
+# image itself gets only the wheel, no compiler. `lbproxy --version` in the container
+# says "connection path: compiled".
+FROM python:3.11-slim AS build
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY lbproxy ./lbproxy
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
 FROM python:3.11-slim
 
 RUN useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin lbproxy
 
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY lbproxy ./lbproxy
-RUN pip install --no-cache-dir . && rm -rf /src
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/lbproxy-*.whl && rm -rf /wheels
 COPY configs/container/ /etc/lbproxy/
 
 USER lbproxy

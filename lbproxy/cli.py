@@ -18,6 +18,7 @@ from lbproxy import __version__
 from lbproxy.config.model import MAX_WEIGHT, Config, ConfigError
 from lbproxy.config.reader import load
 from lbproxy.config.summary import summary
+from lbproxy.net.compiled import describe as describe_implementation
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -54,7 +55,12 @@ def _load_or_exit(paths: tuple[str, ...]) -> Config:
     + '\n\nShell completion: eval "$(_LBPROXY_COMPLETE=bash_source lbproxy)" (zsh_source,'
     " fish_source); see docs/reference/cli.md.",
 )
-@click.version_option(__version__, prog_name="lbproxy")
+@click.version_option(
+    __version__,
+    prog_name="lbproxy",
+    # the second line: compiled or pure-Python connection path (lbproxy/net/compiled.py)
+    message=f"%(prog)s, version %(version)s\n{describe_implementation()}",
+)
 def main() -> None:
     """lbproxy: a Layer-4 TCP reverse proxy and load balancer."""
 

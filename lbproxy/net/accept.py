@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import trio
 
 from lbproxy.net.barrier import record
+from lbproxy.net.compiled import cpump
 
 __all__ = [
     "ACCEPT_BACKOFF",
@@ -132,12 +134,16 @@ async def accept_loop(
     # socket.accept() without the socket object (Python frames, and a getsockname call
     # CPython makes to check the descriptor): the data plane works on descriptors, and
     # an owner that wants a socket object makes one. O_NONBLOCK with one fcntl, as
-    # HAProxy does (accept4's SOCK_NONBLOCK is not reachable from the standard library).
+    # HAProxy does (accept4's SOCK_NONBLOCK is not reachable from the standard library);
+    # on the compiled path (issue 26) accept4 with SOCK_NONBLOCK, and no fcntl.
     # This is the data plane's hot path: every name is a local.
     sock.setblocking(False)
     accept = sock._accept  # type: ignore[attr-defined]  # CPython's accept4 wrapper
     set_flags = fcntl.fcntl
     fd = sock.fileno()
+    nonblocking = cpump is not None
+    if cpump is not None:
+        accept = functools.partial(cpump.accept, fd)
     batch = 0
     while True:
         try:
@@ -155,12 +161,13 @@ async def accept_loop(
             return  # the socket was closed
         if errors.burst:
             errors.recovered()
-        try:
-            set_flags(client, F_SETFL, O_NONBLOCK)
-        except OSError as exc:  # not expected from a fresh socket: drop it
-            errors.log.warning("%s: accepted socket: %s", errors.name, exc)
-            os.close(client)
-            continue
+        if not nonblocking:
+            try:
+                set_flags(client, F_SETFL, O_NONBLOCK)
+            except OSError as exc:  # not expected from a fresh socket: drop it
+                errors.log.warning("%s: accepted socket: %s", errors.name, exc)
+                os.close(client)
+                continue
         try:
             owner.accept_client(client, peer, spawn)
         except Exception as exc:  # the barrier: the owner closed what it owned

@@ -93,6 +93,7 @@ import trio
 from trio.lowlevel import wait_readable
 
 from lbproxy.net.barrier import record
+from lbproxy.net.compiled import cpump
 from lbproxy.net.deadlines import Deadline, deadlines
 
 if TYPE_CHECKING:
@@ -1172,6 +1173,13 @@ class _Reactor:
         pumps = self.pumps
         fins = self.fins
         try:
+            if cpump is not None:  # the same batch in C (lbproxy/net/_cpump.c)
+                dispatch, crashed, most = cpump.dispatch, self._crashed, self.MAX_EVENTS
+                while True:
+                    await wait_readable(epfd)
+                    dispatch(epfd, pumps, most, crashed)
+                    if fins:
+                        self._send_fins()
             while True:
                 await wait_readable(epfd)
                 for fd, events in poll(0, self.MAX_EVENTS):
@@ -1208,6 +1216,24 @@ class _Reactor:
 
 
 _reactors: trio.lowlevel.RunVar[_Reactor] = trio.lowlevel.RunVar("lbproxy_reactor")
+
+if cpump is not None:
+    # The C batch moves a _SpliceDirection's chunks itself and reads the pool (and its
+    # bound, and the helpers) from this module's globals; the constants must agree.
+    assert (cpump.READING, cpump.WRITING, cpump.HELD) == (_READING, _WRITING, _HELD)
+    assert (cpump.BLOCKED, cpump.EOF, cpump.SOURCE_FAILED, cpump.DESTINATION_FAILED) == (
+        _BLOCKED,
+        _EOF,
+        _SOURCE_FAILED,
+        _DESTINATION_FAILED,
+    )
+    assert (cpump.BURST, cpump.BIG_CHUNK, cpump.SPLICE_CHUNK) == (
+        _BURST,
+        _BIG_CHUNK,
+        _SPLICE_CHUNK,
+    )
+    assert _SPLICE_FLAGS == os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+    cpump.setup(globals(), _SpliceDirection)
 
 
 def _reactor() -> _Reactor:

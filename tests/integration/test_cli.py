@@ -7,8 +7,15 @@ import signal
 import socket
 import time
 
+import lbproxy
 from tests.integration.conftest import vs_config
-from tests.integration.harness import ROOT, free_port, open_and_read_name, run_cli
+from tests.integration.harness import (
+    ROOT,
+    compiled_path_expected,
+    free_port,
+    open_and_read_name,
+    run_cli,
+)
 
 SAP = """\
 virtual_servers:
@@ -177,6 +184,22 @@ def test_python_dash_m_and_version():
     out = run_cli("--version")
     assert out.returncode == 0 and "lbproxy" in out.stdout
     assert (ROOT / "lbproxy" / "__main__.py").exists()
+
+
+def test_version_says_which_connection_path_runs(monkeypatch):
+    # `pip install -e .` builds the C extension in place: the compiled path runs unless
+    # LBPROXY_PURE=1 forces the pure one (issue 26).
+    monkeypatch.delenv("LBPROXY_PURE", raising=False)
+    built = compiled_path_expected()
+    compiled = run_cli("--version").stdout.splitlines()
+    monkeypatch.setenv("LBPROXY_PURE", "1")
+    pure = run_cli("--version").stdout.splitlines()
+    if built:
+        assert compiled[1] == "connection path: compiled (lbproxy.net._cpump)"
+    else:
+        assert compiled[1].startswith("connection path: pure Python (no compiled extension")
+    assert pure[1] == "connection path: pure Python (LBPROXY_PURE=1)"
+    assert compiled[0] == pure[0] == f"lbproxy, version {lbproxy.__version__}"
 
 
 MAGLEV = """\

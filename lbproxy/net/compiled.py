@@ -1,0 +1,40 @@
+"""Which implementation of the connection path runs: compiled (C) or pure Python.
+
+The reactor's inner loop (one epoll batch, a splice direction's move) and the accept
+loop's accept4 have a C version, ``lbproxy.net._cpump`` (lbproxy/net/_cpump.c), built by
+``pip install`` when a C compiler and the Python headers are there (an optional
+extension: a failed build still installs lbproxy). It works on the pure path's own
+objects and hands every decision back to them, so both behave the same; the C one only
+costs less per connection and per chunk (docs/benchmarks.md, issue 26).
+
+It is used when it imports; ``LBPROXY_PURE=1`` in the environment forces pure Python.
+``lbproxy --version`` says which one runs.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+__all__ = ["IMPLEMENTATION", "PURE_ENV", "cpump", "describe"]
+
+PURE_ENV = "LBPROXY_PURE"
+
+cpump: ModuleType | None = None
+_why_pure = ""
+if os.environ.get(PURE_ENV, "") not in ("", "0"):
+    _why_pure = f"{PURE_ENV}={os.environ[PURE_ENV]}"
+else:
+    try:
+        from lbproxy.net import _cpump as cpump  # type: ignore[attr-defined,no-redef]
+    except ImportError as exc:  # not built (no compiler at install time), or broken
+        _why_pure = f"no compiled extension: {exc}"
+
+IMPLEMENTATION = "compiled" if cpump is not None else "pure"
+
+
+def describe() -> str:
+    """One line for ``lbproxy --version``: which path runs, and why if pure."""
+    if cpump is not None:
+        return "connection path: compiled (lbproxy.net._cpump)"
+    return f"connection path: pure Python ({_why_pure})"

@@ -1,0 +1,114 @@
+"""User-space instructions per new connection, under callgrind (issue 26; not a test).
+
+    .venv/bin/python scripts/bench_instructions.py [--connections 1000] [--modes compiled,pure]
+
+CPU time per connection is what the benchmark reports (scripts/bench --syscalls), but
+on a shared 2-core virtual machine it moves with the other jobs (steal and cache time
+are charged to whoever runs). An instruction count does not: lbproxy runs under
+valgrind's callgrind, which counts every user-space instruction it executes (the kernel's
+are not counted). The same configuration as scripts/bench (one virtual server, rr, one
+nginx real server), one client connection at a time (GET /small, Connection: close),
+WARM connections then WARM + N; the difference divided by N is the instructions of one
+connection, start-up and shut-down cancelled out. For each mode: compiled (the C
+extension) and pure (LBPROXY_PURE=1). callgrind's own slowdown (~50x) does not change
+the count. Needs valgrind and nginx (Debian: apt-get install valgrind nginx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench_proxies as bp
+
+ROOT = Path(__file__).resolve().parent.parent
+WARM = 200
+REQUEST = b"GET /small HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"nothing listens on {port}")
+
+
+def connections(port: int, n: int) -> None:
+    for _ in range(n):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(REQUEST)
+            while s.recv(65536):
+                pass
+
+
+def instructions(work: Path, port: int, server_port: int, n: int, pure: bool) -> int:
+    """Ir of one lbproxy run under callgrind that serves `n` connections."""
+    conf = work / "lbproxy.yaml"
+    conf.write_text(bp.lbproxy_conf([(port, server_port)]))
+    out = work / f"callgrind.{'pure' if pure else 'compiled'}.{n}"
+    env = dict(os.environ)
+    env.pop("LBPROXY_PURE", None)
+    if pure:
+        env["LBPROXY_PURE"] = "1"
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--cache-sim=no"]
+    argv += [sys.executable, "-m", "lbproxy", "run", str(conf)]
+    proc = subprocess.Popen(
+        argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_port(port, time.monotonic() + 300)
+        connections(port, n)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    match = re.search(r"Collected : (\d+)", err)
+    if not match:
+        raise SystemExit(f"no callgrind summary:\n{err[-2000:]}")
+    return int(match.group(1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--connections", type=int, default=1000)
+    p.add_argument("--modes", default="compiled,pure")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lbproxy-ir-") as tmp:
+        work = Path(tmp)
+        server_port = free_port()
+        nginx_conf = work / "nginx.conf"
+        nginx_conf.write_text(bp.nginx_http_conf(work, server_port))
+        nginx = subprocess.Popen(["nginx", "-c", str(nginx_conf)], stderr=subprocess.DEVNULL)
+        try:
+            wait_port(server_port, time.monotonic() + 30)
+            for mode in a.modes.split(","):
+                pure = mode == "pure"
+                port = free_port()
+                base = instructions(work, port, server_port, WARM, pure)
+                port = free_port()
+                full = instructions(work, port, server_port, WARM + a.connections, pure)
+                per = (full - base) / a.connections
+                print(f"{mode:9s} {per:12,.0f} instructions per connection (user space)")
+        finally:
+            nginx.send_signal(signal.SIGTERM)
+            nginx.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -80,7 +80,10 @@ def main() -> None:
     show_default=True,
 )
 @click.option("--worker-fd", type=int, hidden=True)  # a worker of `workers: N` (workers.py)
-def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
+@click.option("--upgrade-fd", type=int, hidden=True)  # started by an upgrade (upgrade.py)
+def run(
+    config: tuple[str, ...], log_level: str, worker_fd: int | None, upgrade_fd: int | None
+) -> None:
     """Run the proxy. CONFIG: YAML files or folders of *.yaml files.
 
     SIGHUP reloads the configuration; SIGTERM or SIGINT drain, then exit. Under
@@ -93,6 +96,10 @@ def run(config: tuple[str, ...], log_level: str, worker_fd: int | None) -> None:
         from lbproxy.runtime import workers
 
         sys.exit(workers.run_worker(worker_fd, list(config), log_level))
+    if upgrade_fd is not None:  # started by `lbproxy upgrade`: takes over the sockets
+        from lbproxy.runtime import upgrade
+
+        sys.exit(upgrade.run_new(upgrade_fd, list(config), log_level))
     cfg = _load_or_exit(config)
     if cfg.global_.workers > 1:
         from lbproxy.runtime import workers
@@ -431,3 +438,43 @@ def reload(admin: str | None, token_file: str | None) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+@main.command(
+    epilog=_examples(
+        "pip install --upgrade lbproxy && lbproxy upgrade",
+        "lbproxy upgrade /etc/lbproxy          # with these files instead of the running ones",
+        "kill -USR2 $(pidof -s lbproxy)        # the same, without the admin endpoint",
+    )
+)
+@click.argument("config", nargs=-1)
+@admin_option
+@token_option
+def upgrade(config: tuple[str, ...], admin: str | None, token_file: str | None) -> None:
+    """Replace the running lbproxy by the one installed now, refusing no client.
+
+    A new process starts, takes over the listening sockets and the runtime changes,
+    and once it is ready the old one stops accepting and drains its connections for
+    global.drain_timeout. If the new one fails (exit 2: invalid CONFIG, with every
+    FILE:LINE; 1: any other failure), the old one keeps serving.
+    """
+    from lbproxy.admin.client import AdminError
+
+    client = _client(admin, token_file)
+    client.timeout = 90.0  # the new process's start (the server gives it 60 s)
+    paths = [str(Path(path).resolve()) for path in config]
+    try:
+        result = client.upgrade(paths)
+    except AdminError as exc:
+        document = exc.document
+        if "exit" not in document:  # not the upgrade's own answer: unreachable, 401, ...
+            click.echo(f"lbproxy: {exc}", err=True)
+            sys.exit(EXIT_RUNTIME)
+        for line in document.get("errors") or []:
+            click.echo(line, err=True)
+        click.echo(f"lbproxy: upgrade failed: {document.get('error')}; still serving", err=True)
+        sys.exit(EXIT_USAGE if document["exit"] == EXIT_USAGE else EXIT_RUNTIME)
+    click.echo(
+        f"upgraded: pid {result['pid']} serves now; pid {result['old_pid']} drains its"
+        " connections and exits"
+    )

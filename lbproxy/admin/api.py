@@ -361,6 +361,10 @@ class AdminApp:
             if ok:
                 return 200, _json({"result": "ok", "changes": messages}), "json"
             return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
+        if path == "/api/v1/upgrade":
+            self._allow(method, "POST")
+            self._authorize(scope)
+            return await self._upgrade(receive)
         if match := LOCATE_PATH.match(path):
             self._allow(method, "GET")
             return self._locate(match[1], scope)
@@ -432,6 +436,28 @@ class AdminApp:
             if error:
                 raise _HTTPError(400, error)
         return 200, _json(real_server_document(pool, rs_name)), "json"
+
+    async def _upgrade(self, receive: Receive) -> tuple[int, bytes, str]:
+        """POST /api/v1/upgrade `{"config": [PATH...]}` (optional; absolute paths, else the
+        running ones): hand over to a new process (lbproxy/runtime/upgrade.py), answered
+        once it is ready (200) or has failed (400 invalid configuration, 500 otherwise),
+        with `exit`, the code `lbproxy upgrade` exits with."""
+        upgrade = getattr(self.server, "upgrade", None)
+        if upgrade is None:
+            raise _HTTPError(501, "upgrade is not supported with workers > 1")
+        body = await _read_body(receive)
+        try:
+            document = json.loads(body) if body.strip() else {}
+        except ValueError:
+            raise _HTTPError(400, "body is not JSON") from None
+        paths = document.get("config", []) if isinstance(document, dict) else None
+        if not isinstance(paths, list) or not all(
+            isinstance(p, str) and p.startswith("/") for p in paths
+        ):
+            raise _HTTPError(400, '"config" must be a list of absolute paths')
+        outcome = await upgrade(paths)
+        status = 200 if outcome.ok else 400 if outcome.exit == 2 else 500
+        return status, _json(outcome.document()), "json"
 
     def _pool(self, name: str) -> Pool:
         for pool in self.server.pools():

@@ -17,7 +17,14 @@ DEFAULT_ADMIN = "http://127.0.0.1:9100"
 
 
 class AdminError(Exception):
-    pass
+    """A message a user can act on; `status` and `document`: the API's answer, if any."""
+
+    def __init__(
+        self, message: str, status: int | None = None, document: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.document = document or {}
 
 
 def admin_url(given: str | None) -> str:
@@ -55,7 +62,8 @@ class AdminClient:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
-            raise AdminError(self._explain(exc)) from None
+            document = self._document(exc)
+            raise AdminError(self._explain(exc, document), exc.code, document) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise AdminError(
@@ -64,11 +72,15 @@ class AdminClient:
             ) from None
 
     @staticmethod
-    def _explain(exc: urllib.error.HTTPError) -> str:
+    def _document(exc: urllib.error.HTTPError) -> dict[str, Any]:
         try:
             document = json.loads(exc.read())
         except ValueError:
-            document = {}
+            return {}
+        return document if isinstance(document, dict) else {}
+
+    @staticmethod
+    def _explain(exc: urllib.error.HTTPError, document: dict[str, Any]) -> str:
         message = document.get("error", exc.reason)
         errors = document.get("errors") or []
         hint = {
@@ -89,3 +101,7 @@ class AdminClient:
 
     def reload(self) -> dict[str, Any]:
         return self.request("POST", "/api/v1/reload", {})
+
+    def upgrade(self, config: list[str]) -> dict[str, Any]:
+        """POST /api/v1/upgrade: answered once the new process is ready or has failed."""
+        return self.request("POST", "/api/v1/upgrade", {"config": config} if config else {})

@@ -11,6 +11,8 @@ of an AF_UNIX datagram socket. Each message is one datagram of `KEY=VALUE` lines
     READY=1                          ... and is over, applied or refused
     STOPPING=1                       SIGTERM/SIGINT: draining
     STATUS=...                       one line for `systemctl status`
+    MAINPID=N + READY=1              the new process of `lbproxy upgrade` is ready: it
+                                     is the service's main process from now on
 
 The protocol is a single sendto(), so no library is needed (python-systemd wraps
 libsystemd's sd_notify, which does just this). Without `$NOTIFY_SOCKET` every method
@@ -19,7 +21,9 @@ the proxy: notifications are advice to the service manager, not part of serving.
 
 `from_environment()` removes the variable from the environment (sd_notify's
 `unset_environment`), so the processes lbproxy starts — the workers of `workers: N` —
-never notify: with `NotifyAccess=main` systemd would refuse their messages anyway.
+never notify. The one exception is the new process of `lbproxy upgrade`
+(runtime/upgrade.py), given the variable back: it sends `MAINPID=` with its first
+`READY=1`, which is why the unit says `NotifyAccess=all`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class Notifier:
         self._target: str | bytes | None = None
         self._sock: socket.socket | None = None
         self._failed = False  # a send failed; logged once
+        # `lbproxy upgrade` (runtime/upgrade.py): the new process says MAINPID= with its
+        # first READY=1, so systemd follows it (NotifyAccess=all in the unit)
+        self.main_pid = False
         if self.address is not None:
             if self.address.startswith("@"):  # abstract namespace: a leading NUL byte
                 self._target = b"\0" + self.address[1:].encode()
@@ -83,6 +90,9 @@ class Notifier:
         return True
 
     def ready(self, status: str | None = None) -> bool:
+        if self.main_pid:  # the first READY=1 of a process that replaces the main one
+            self.main_pid = False
+            return self.send(f"MAINPID={os.getpid()}", "READY=1", *_status(status))
         return self.send("READY=1", *_status(status))
 
     def reloading(self) -> bool:

@@ -38,8 +38,9 @@ from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.runtime import logs
 from lbproxy.runtime import state as runtime_state
-from lbproxy.runtime.inherit import Inherited
+from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
+from lbproxy.runtime.upgrade import Outcome, Upgrade
 from lbproxy.wire.cluster_messages import Change, EntryBatch
 
 log = logging.getLogger("lbproxy.server")
@@ -97,6 +98,11 @@ class Server:
         # Listening sockets passed by systemd or by the lbproxy this one replaces
         # (lbproxy/runtime/inherit.py): an address they cover is not bound again.
         self.inherited = Inherited(())
+        self.log_level = "info"  # what `lbproxy upgrade` starts the next process with
+        self._admin_listener: socket.socket | None = None  # to hand over on an upgrade
+        self._dns_socks: tuple[socket.socket, socket.socket] | None = None
+        self._endpoints = trio.CancelScope()  # the admin endpoint and the DNS locator
+        self._upgrading = False
         # global.cluster (SPEC §18): runtime changes and persistence shared through Redis.
         # Not changed by a reload (like global.locator): it is this process's identity.
         redis = config.global_.cluster.redis
@@ -140,11 +146,11 @@ class Server:
             raise
         # The admin endpoint outlives the drain (so /readyz can answer 503 meanwhile)
         # and is cancelled once the last connection is done; the DNS locator with it.
+        if self.admin_sock is None:
+            self._admin_listener = admin_sock
+        self._dns_socks = dns_socks
         async with trio.open_nursery() as admin:
-            if admin_sock is not None:
-                await admin.start(serve_admin, self, admin_sock, self.admin_token)
-            if dns_socks is not None and self.dns is not None:
-                await admin.start(self.dns.serve, *dns_socks)
+            await admin.start(self._serve_endpoints, admin_sock, dns_socks)
             await admin.start(self._serve, bound, handle_signals)
             task_status.started(self)
             if self.notifier.enabled:
@@ -154,6 +160,63 @@ class Server:
             await self.state_writer.write_if_changed()  # after the drain: the final state
             admin.cancel_scope.cancel()
         log.info("stopped")
+
+    async def _serve_endpoints(
+        self,
+        admin_sock: socket.socket | None,
+        dns_socks: tuple[socket.socket, socket.socket] | None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The admin endpoint and the DNS locator, in a scope of their own: an upgrade
+        stops them at once (the new process answers there), the drain does not."""
+        with self._endpoints:
+            async with trio.open_nursery() as nursery:
+                if admin_sock is not None:
+                    await nursery.start(serve_admin, self, admin_sock, self.admin_token)
+                if dns_socks is not None and self.dns is not None:
+                    await nursery.start(self.dns.serve, *dns_socks)
+                task_status.started()
+
+    def endpoint_sockets(self) -> list[tuple[str, socket.socket]]:
+        """The admin endpoint's and the DNS locator's listening sockets, named for the
+        hand-over (lbproxy/runtime/inherit.py looks them up by these names)."""
+        named = []
+        admin = self.config.global_.admin.listen
+        if self._admin_listener is not None and admin is not None:
+            named.append((f"admin {admin}", self._admin_listener))
+        dns = self.config.global_.locator.dns
+        if self._dns_socks is not None and dns is not None:
+            named.append((f"dns {dns.listen}/udp", self._dns_socks[0]))
+            named.append((f"dns {dns.listen}", self._dns_socks[1]))
+        return named
+
+    async def upgrade(self, config_paths: Sequence[str] = ()) -> Outcome:
+        """`lbproxy upgrade`, SIGUSR2: start the lbproxy on disk now with this process's
+        listening sockets and runtime state (lbproxy/runtime/upgrade.py); once it is ready,
+        stop accepting and drain. A new process that fails leaves this one serving."""
+        if self.draining or self._upgrading:
+            busy = "draining" if self.draining else "an upgrade is already running"
+            return Outcome(False, error=f"cannot upgrade: {busy}", exit=1)
+        self._upgrading = True
+        try:
+            outcome = await Upgrade(self, config_paths or self.config_paths, self.log_level).run()
+        finally:
+            self._upgrading = False
+        if not outcome.ok:  # the new process's stderr, in this log above, says more
+            log.error("upgrade failed, still serving: %s", outcome.error)
+            return outcome
+        log.info("upgraded: pid %s serves now; this process stops accepting", outcome.pid)
+        # The new process is the service's main process now: STOPPING=1 from this one
+        # would tell systemd the service stops.
+        self.notifier.close()
+        self.notifier = Notifier()
+        self.state_writer.enabled = False  # the new process owns global.state_file now
+        self._endpoints.cancel()
+        self.stop()
+        return outcome
+
+    async def _upgrade_on_signal(self) -> None:
+        await self.upgrade()  # logged either way
 
     def status_line(self) -> str:
         """systemd's STATUS= text: virtual servers and active connections."""
@@ -283,11 +346,15 @@ class Server:
         self._stop.set()
 
     async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
-        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:
+        signals = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+        with trio.open_signal_receiver(*signals) as sigs:
             task_status.started()
             async for signum in sigs:
                 if signum == signal.SIGHUP:
                     self.reload()
+                elif signum == signal.SIGUSR2:  # as nginx: start the new binary
+                    if self._service is not None and self.admin_sock is None:
+                        self._service.start_soon(self._upgrade_on_signal)
                 else:
                     log.info("received %s", signal.Signals(signum).name)
                     self.stop()
@@ -650,8 +717,14 @@ def run(
     config_paths: Sequence[str] = (),
     log_level: str = "info",
     on_started: Callable[[Server], Any] | None = None,
+    passed: list[Passed] | None = None,
+    main_pid: bool = False,
+    initial_state: bytes | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    """Run until SIGTERM/SIGINT; returns the process exit code. `passed`: the sockets
+    of the process this one replaces (an upgrade, which also sets `main_pid`: tell
+    systemd this is the main process now, and passes its `initial_state`); else
+    systemd's, if it passed any."""
     logs.configure(config.global_.log_format, log_level)
     token = None
     if config.global_.admin.listen and config.global_.admin.token_file:
@@ -661,9 +734,12 @@ def run(
             log.error("%s", exc)
             return 2
     server = Server(config, config_paths, admin_token=token)
+    server.log_level = log_level
+    server.initial_state = initial_state
     server.notifier = Notifier.from_environment()
+    server.notifier.main_pid = main_pid
     try:
-        server.inherited = Inherited.from_systemd()
+        server.inherited = Inherited(passed) if passed is not None else Inherited.from_systemd()
     except BindError as exc:
         log.error("%s", exc)
         return 1

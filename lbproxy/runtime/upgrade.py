@@ -1,0 +1,311 @@
+"""`lbproxy upgrade` and SIGUSR2: hand the listening sockets to a new process (SPEC §17).
+
+The running lbproxy (the old process) starts the lbproxy installed on disk now as its
+child, `python -m lbproxy run --upgrade-fd FD CONFIG...`, and talks to it over a Unix
+socketpair (nginx's binary upgrade on USR2 and HAProxy's `-x` socket transfer are the
+models; Envoy's hot restart does the same with a drain time):
+
+    old                                       new
+    spawn, stderr into a pipe   ------->      load CONFIG (bad: {"error", "exit": 2} and exit)
+    hand-over: JSON + SCM_RIGHTS ------->     every listening socket (named after the
+      (listeners, admin, DNS, the old        address it served), its own stderr, the
+      stderr, the runtime state)             runtime state; binds only what is new
+                                <-------     {"ready": PID} once every listener serves
+    stop accepting (close its copies),        (MAINPID= and READY=1 to systemd first)
+    answer `lbproxy upgrade`, drain
+    established connections for
+    global.drain_timeout, exit 0
+
+The kernel keeps a listening socket while any process holds it, so the accept queue is
+never closed: a connection arriving during the hand-over is accepted by one process or
+the other, none is refused. A new process that does not become ready (a bad
+configuration, an import error, a crash, START_TIMEOUT) leaves the old one serving as
+if nothing happened; its last stderr lines are the reason given.
+
+The new process's stderr is a pipe to the old one until it is ready: the old copies each
+line to its own log (nothing is lost) and keeps the last lines, which is how an import
+error, printed before any lbproxy code runs, still reaches `lbproxy upgrade`. Once
+ready, the new process moves its stderr back to the one the old process had (received
+with the sockets), and the pipe ends.
+
+Runtime state: lbproxy/runtime/state.py's snapshot of the old process (states and
+weights set at run time, the last load reports, the persistence entries) goes with the
+sockets, taken when the upgrade starts, and the new process restores it after its
+configuration and before its first accept, exactly as it would read `global.state_file`.
+From the hand-over on, only the new process writes the state file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from lbproxy.config.model import ConfigError
+from lbproxy.config.reader import load
+from lbproxy.runtime import state as runtime_state
+from lbproxy.runtime.inherit import PREVIOUS, Passed
+
+if TYPE_CHECKING:
+    from lbproxy.runtime.server import Server
+
+log = logging.getLogger("lbproxy.upgrade")
+
+START_TIMEOUT = 60.0  # seconds for the new process to become ready
+MAX_FDS = 1024  # descriptors in one hand-over (Linux's SCM_MAX_FD is 253 per message)
+FDS_PER_MESSAGE = 250
+STDERR = "stderr"  # the name of the old process's stderr among the descriptors
+TAIL_LINES = 20  # the new process's last stderr lines kept for the reason of a failure
+
+
+@dataclass
+class Outcome:
+    """What an upgrade did, for the log, the API answer and `lbproxy upgrade`'s exit."""
+
+    ok: bool
+    pid: int | None = None  # the new process
+    error: str = ""
+    errors: list[str] = field(default_factory=list)  # FILE:LINE: message of a bad config
+    exit: int = 0  # for `lbproxy upgrade`: 0, 1 (failed) or 2 (invalid configuration)
+
+    def document(self) -> dict[str, Any]:
+        if self.ok:
+            return {"result": "ok", "pid": self.pid, "old_pid": os.getpid()}
+        return {"error": self.error, "errors": self.errors, "exit": self.exit}
+
+
+# -- the wire: length-prefixed JSON, descriptors alongside ------------------------------
+
+
+def _frame(document: dict[str, Any]) -> bytes:
+    body = json.dumps(document).encode()
+    return len(body).to_bytes(4, "big") + body
+
+
+def send_message(sock: socket.socket, document: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """One message on a blocking socket. The descriptors ride on its first bytes, at most
+    FDS_PER_MESSAGE per sendmsg (the kernel takes 253 at most): one byte per batch, the
+    rest of the frame with the last."""
+    data = _frame(document)
+    batches = [list(fds[i : i + FDS_PER_MESSAGE]) for i in range(0, len(fds), FDS_PER_MESSAGE)]
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        chunk, data = (data, b"") if last else (data[:1], data[1:])
+        sent = socket.send_fds(sock, [chunk], batch)
+        sock.sendall(chunk[sent:])
+    if data:
+        sock.sendall(data)
+
+
+def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors that came with it; (None, fds) at end of file."""
+    received = bytearray()
+    fds: list[int] = []
+    while len(received) < 4 or len(received) < 4 + int.from_bytes(received[:4], "big"):
+        data, more, _, _ = socket.recv_fds(sock, 1 << 16, MAX_FDS)
+        fds.extend(more)
+        if not data:
+            return None, fds
+        received += data
+    size = int.from_bytes(received[:4], "big")
+    return json.loads(received[4 : 4 + size]), fds
+
+
+# -- the old process --------------------------------------------------------------------
+
+
+def handed_sockets(server: Server) -> list[tuple[str, socket.socket]]:
+    """The listening sockets to hand over, each named as `Inherited.take` looks it up."""
+    named = [(str(address), listener.sock) for address, listener in server.listeners.items()]
+    named.extend(server.endpoint_sockets())
+    return [(name, sock) for name, sock in named if sock.fileno() != -1]
+
+
+class Upgrade:
+    """One upgrade, run by the old process (`Server.upgrade`)."""
+
+    def __init__(self, server: Server, config_paths: Sequence[str], log_level: str) -> None:
+        self.server = server
+        self.config_paths = list(config_paths)
+        self.log_level = log_level
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+    def _command(self, fd: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "lbproxy",
+            "run",
+            "--upgrade-fd",
+            str(fd),
+            "--log-level",
+            self.log_level,
+            "--",
+            *self.config_paths,
+        ]
+
+    async def run(self) -> Outcome:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        read_end, write_end = os.pipe()
+        env = dict(os.environ)
+        if self.server.notifier.address:  # taken out of the environment at start
+            env["NOTIFY_SOCKET"] = self.server.notifier.address
+        try:
+            process = subprocess.Popen(
+                self._command(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stderr=write_end,
+                env=env,
+            )
+        except OSError as exc:
+            os.close(read_end)
+            ours.close()
+            return Outcome(False, error=f"cannot start {sys.executable}: {exc}", exit=1)
+        finally:  # the child's copies
+            os.close(write_end)
+            theirs.close()
+        log.info("upgrade: started the new lbproxy, pid %d", process.pid)
+        outcome = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._copy_stderr, read_end)
+            with trio.move_on_after(START_TIMEOUT):
+                outcome = await self._talk(ours, process)
+            if outcome is None:
+                process.kill()
+                outcome = Outcome(
+                    False, error=f"the new lbproxy was not ready within {START_TIMEOUT:g}s", exit=1
+                )
+            if not outcome.ok:
+                # Its stderr ends with it: wait for the last lines, which say why.
+                with trio.move_on_after(5):
+                    await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+            else:
+                nursery.cancel_scope.deadline = trio.current_time() + 5
+        ours.close()
+        if not outcome.ok and not outcome.errors and self.tail:
+            outcome.errors = list(self.tail)
+        _keep.append(process)  # never waited for on success: it outlives this process
+        return outcome
+
+    async def _talk(self, ours: socket.socket, process: subprocess.Popen) -> Outcome:
+        named = handed_sockets(self.server)
+        names = [STDERR, *(name for name, _ in named)]
+        fds = [2, *(sock.fileno() for _, sock in named)]
+        # lbproxy/runtime/state.py's snapshot, as the state file holds it (JSON text)
+        state = runtime_state.snapshot(self.server).decode()
+        document = {"sockets": names, "state": state, "pid": os.getpid()}
+        try:
+            await trio.to_thread.run_sync(send_message, ours, document, fds)
+            answer, stray = await trio.to_thread.run_sync(
+                receive_message, ours, abandon_on_cancel=True
+            )
+        except OSError as exc:
+            answer, stray = None, []
+            log.debug("upgrade channel: %s", exc)
+        for fd in stray:
+            os.close(fd)
+        if answer is not None and answer.get("ready"):
+            return Outcome(True, pid=process.pid)
+        if answer is not None and answer.get("errors"):
+            return Outcome(
+                False, error=answer.get("error", "failed"), errors=answer["errors"], exit=2
+            )
+        code = await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        return Outcome(False, error=f"the new lbproxy {_exited(code)} before it was ready", exit=1)
+
+    async def _copy_stderr(self, fd: int) -> None:
+        """The new process's stderr until it is ready: into this process's stderr, and the
+        last lines kept."""
+        pending = b""
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(fd)
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    break
+                with contextlib.suppress(OSError):
+                    os.write(2, data)
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()
+                self.tail.extend(line.decode(errors="replace") for line in lines if line)
+        finally:
+            if pending:
+                self.tail.append(pending.decode(errors="replace"))
+            os.close(fd)
+
+
+_keep: list[subprocess.Popen] = []
+
+
+def _exited(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            import signal
+
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+# -- the new process --------------------------------------------------------------------
+
+
+def run_new(fd: int, config_paths: list[str], log_level: str) -> int:
+    """`lbproxy run --upgrade-fd FD`: take over from the process that started this one."""
+    from lbproxy.runtime import server as runtime
+
+    channel = socket.socket(fileno=fd)
+    try:
+        config = load(config_paths)
+    except ConfigError as exc:
+        messages = [str(problem) for problem in exc.problems]
+        for message in messages:
+            print(message, file=sys.stderr)
+        with contextlib.suppress(OSError):
+            send_message(channel, {"error": "invalid configuration", "errors": messages})
+        return 2
+    try:
+        hello, fds = receive_message(channel)
+    except (OSError, ValueError) as exc:
+        print(f"lbproxy: no hand-over from the running lbproxy: {exc}", file=sys.stderr)
+        return 1
+    if hello is None or len(fds) != len(hello.get("sockets", ())):
+        print("lbproxy: the hand-over ended early", file=sys.stderr)
+        return 1
+    named = dict(zip(hello["sockets"], fds, strict=True))
+    old_stderr = named.pop(STDERR, None)
+    state = hello.get("state")  # restored before the first accept (runtime/state.py)
+    passed = []
+    for name, number in named.items():
+        sock = socket.socket(fileno=number)
+        sock.setblocking(False)
+        passed.append(Passed(sock, name, PREVIOUS))
+
+    def ready(server: Server) -> None:
+        with contextlib.suppress(OSError):
+            send_message(channel, {"ready": True, "pid": os.getpid()})
+        channel.close()
+        log.info("took over from pid %s (upgrade)", hello.get("pid"))
+        if old_stderr is not None:  # the pipe to the old process ends here
+            os.dup2(old_stderr, 2)
+            os.close(old_stderr)
+
+    return runtime.run(
+        config,
+        config_paths=config_paths,
+        log_level=log_level,
+        on_started=ready,
+        passed=passed,
+        main_pid=True,
+        initial_state=state.encode() if isinstance(state, str) else None,
+    )

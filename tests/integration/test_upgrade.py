@@ -1,0 +1,266 @@
+"""`lbproxy upgrade` and SIGUSR2 (SPEC §17) with real processes on loopback.
+
+Each upgrade starts a new `lbproxy run` that takes over the listening sockets; the old
+one drains. The new process is not this test's child (the old one started it), so it
+is found by the PID the upgrade answers with and stopped by that PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.client_loop import ClientLoop
+from tests.integration.harness import ROOT, NameServer, free_port, run_cli, wait_for
+from tests.integration.test_notify import NotifySocket
+
+pytestmark = pytest.mark.integration
+
+MIB = 1 << 20
+
+
+def config(port: int, admin: int, backend: int, drain: str = "10s", spare: bool = False) -> str:
+    return textwrap.dedent(
+        f"""\
+        global:
+          admin: {{listen: 127.0.0.1:{admin}}}
+          drain_timeout: {drain}
+        virtual_servers:
+          - name: web
+            listen: 127.0.0.1:{port}
+            scheduler: rr
+            real_servers:
+              - {{name: echo, address: 127.0.0.1:{backend}}}
+        """
+    ) + (f"      - {{name: spare, address: 127.0.0.1:{backend}}}\n" if spare else "")
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie that nobody reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class Proxy:
+    """The first `lbproxy run` and whichever process serves after each upgrade."""
+
+    def __init__(self, tmp_path: Path, yaml: str, admin: int, env=None, cwd=ROOT) -> None:
+        self.path = tmp_path / "lbproxy.yaml"
+        self.path.write_text(yaml)
+        self.admin = admin
+        self.log_path = tmp_path / "lbproxy.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.first = subprocess.Popen(
+            [sys.executable, "-m", "lbproxy", "run", str(self.path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
+        )
+        self.pids = [self.first.pid]
+        wait_for(lambda: "listening on" in self.log() or self.first.poll() is not None, 20)
+        assert self.first.poll() is None, self.log()
+
+    @property
+    def pid(self) -> int:
+        return self.pids[-1]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def upgrade(self) -> dict:
+        """POST /api/v1/upgrade (what `lbproxy upgrade` sends), the answer."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.admin}/api/v1/upgrade", data=b"{}", method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=90) as response:
+            answer = json.loads(response.read())
+        assert answer["old_pid"] == self.pid
+        self.pids.append(answer["pid"])
+        return answer
+
+    def stop(self) -> None:
+        for pid in self.pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGTERM)
+        for pid in self.pids:
+            deadline = time.monotonic() + 15
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.first.wait(5)
+        self._log.close()
+
+
+def transfer(sock: socket.socket, size: int) -> bytes | None:
+    """Send `size` random bytes and read the echo back (sending in a thread of its own,
+    so neither side's buffers fill): the bytes, or None when the echo was not exact."""
+    payload = os.urandom(size)
+    sender = threading.Thread(target=sock.sendall, args=(payload,), daemon=True)
+    sender.start()
+    received = bytearray()
+    while len(received) < size:
+        chunk = sock.recv(1 << 18)
+        if not chunk:
+            break
+        received += chunk
+    sender.join(10)
+    return payload if received == payload else None
+
+
+def transfer_all(sockets: list[socket.socket], size: int) -> list[int]:
+    """`transfer` on every socket at once; for each, `size` when the echo was exact."""
+    results = [0] * len(sockets)
+
+    def move(i: int) -> None:
+        echoed = transfer(sockets[i], size)
+        results[i] = len(echoed) if echoed is not None else -1
+
+    threads = [threading.Thread(target=move, args=(i,)) for i in range(len(sockets))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_upgrades_under_a_client_loop_drop_nothing(tmp_path):
+    """50 clients connect -> echo -> close throughout 10 upgrades: none refused, none
+    reset, every echo byte-exact. Before each upgrade 20 connections are established;
+    each then moves 4 MiB through the old process, which drains them and exits."""
+    port, admin = free_port(), free_port()
+    upgrades, held, size = 10, 20, 4 * MIB
+    with NameServer("echo", greeting=False) as backend:
+        proxy = Proxy(tmp_path, config(port, admin, backend.port), admin)
+        try:
+            with ClientLoop(port, clients=50, limit=120) as loop:
+                loop.wait_for(100)
+                for _ in range(upgrades):
+                    old = proxy.pid
+                    established = []
+                    for _ in range(held):
+                        s = socket.create_connection(("127.0.0.1", port), timeout=20)
+                        s.sendall(b"hello")
+                        assert s.recv(5) == b"hello"  # accepted and served by `old`
+                        established.append(s)
+                    proxy.upgrade()
+                    assert alive(old)  # draining the held connections
+                    sizes = transfer_all(established, size)
+                    assert sizes == [size] * held, sizes  # every byte back, in order
+                    for s in established:
+                        s.close()
+                    wait_for(lambda old=old: not alive(old), 15, f"pid {old} to exit")
+                    loop.wait_for(50)  # the new process serves the loop
+            counts = loop.counts
+        finally:
+            proxy.stop()
+    assert proxy.log().count("upgraded: pid") == upgrades
+    assert counts["ok"] > 500, counts
+    assert counts["refused"] == counts["reset"] == counts["error"] == 0, (counts, loop.errors)
+    assert counts["mismatch"] == 0, (counts, loop.errors)
+
+
+def test_an_upgrade_to_a_broken_configuration_keeps_the_old_process(tmp_path):
+    port, admin = free_port(), free_port()
+    with NameServer("echo") as backend:
+        proxy = Proxy(tmp_path, config(port, admin, backend.port, spare=True), admin)
+        try:
+            broken = tmp_path / "broken.yaml"
+            broken.write_text(config(port, admin, backend.port).replace("drain_timeout", "dran"))
+            result = run_cli("upgrade", "--admin", f"http://127.0.0.1:{admin}", str(broken))
+            assert result.returncode == 2, result
+            assert f"{broken}:3: unknown key 'dran' in global" in result.stderr
+            assert "lbproxy: upgrade failed: invalid configuration; still serving" in result.stderr
+            assert "Traceback" not in result.stderr
+            # The old process serves on, the admin endpoint included.
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                assert s.recv(100) == b"echo\n"
+            status = run_cli("status", "--admin", f"http://127.0.0.1:{admin}", "--json")
+            assert status.returncode == 0, status
+            assert alive(proxy.pid)
+            # ... and upgrades fine once the files are right, runtime changes kept.
+            url = f"http://127.0.0.1:{admin}"
+            assert run_cli("drain", "web", "spare", "--admin", url).returncode == 0
+            assert run_cli("set-weight", "web", "echo", "7", "--admin", url).returncode == 0
+            result = run_cli("upgrade", "--admin", url)
+            assert result.returncode == 0, result
+            new = int(result.stdout.split("pid ")[1].split()[0])
+            proxy.pids.append(new)
+            assert f"upgraded: pid {new} serves now; pid {proxy.pids[0]} drains" in result.stdout
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                assert s.recv(100) == b"echo\n"
+            status = json.loads(run_cli("status", "--admin", url, "--json").stdout)
+            servers = {rs["name"]: rs for rs in status["virtual_servers"][0]["real_servers"]}
+            assert servers["spare"]["state"] == "drain"
+            assert servers["echo"]["weight"]["static"] == 7
+            assert f"upgraded: pid {new} serves now" in proxy.log()  # the old one said so
+        finally:
+            proxy.stop()
+
+
+def test_a_new_version_that_cannot_start_keeps_the_old_process(tmp_path):
+    """The lbproxy on disk is broken (an import error, as a half-installed upgrade would
+    be): the old process serves on and `lbproxy upgrade` exits 1 with the error."""
+    port, admin = free_port(), free_port()
+    with NameServer("echo") as backend:
+        # Started in tmp_path: `python -m lbproxy` looks there first, so the package
+        # written there after the start is what "the lbproxy on disk now" is.
+        proxy = Proxy(tmp_path, config(port, admin, backend.port), admin, cwd=tmp_path)
+        try:
+            (tmp_path / "lbproxy").mkdir()
+            (tmp_path / "lbproxy" / "__init__.py").write_text(
+                "raise ImportError('a half-installed lbproxy')\n"
+            )
+            result = run_cli("upgrade", "--admin", f"http://127.0.0.1:{admin}")
+            assert result.returncode == 1, result
+            assert "ImportError: a half-installed lbproxy" in result.stderr
+            assert "before it was ready; still serving" in result.stderr
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                assert s.recv(100) == b"echo\n"
+            assert "upgrade failed, still serving" in proxy.log()
+        finally:
+            proxy.stop()
+
+
+def test_sigusr2_upgrades_and_the_new_process_tells_systemd_its_pid(tmp_path):
+    port, admin = free_port(), free_port()
+    notify = NotifySocket(str(tmp_path / "notify"))
+    with NameServer("echo") as backend:
+        proxy = Proxy(
+            tmp_path,
+            config(port, admin, backend.port, drain="1s"),
+            admin,
+            env={"NOTIFY_SOCKET": notify.address},
+        )
+        try:
+            notify.wait_for("READY")
+            old = proxy.pid
+            os.kill(old, signal.SIGUSR2)
+            message = notify.wait_for("MAINPID", timeout=30)
+            new = int(message["MAINPID"])
+            proxy.pids.append(new)
+            assert new != old and message["READY"] == "1"
+            assert [pid for pid, m in notify.messages if "MAINPID" in m] == [new]  # its own
+            wait_for(lambda: not alive(old), 15, "the old process to exit")
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                assert s.recv(100) == b"echo\n"
+            # The old process never said STOPPING=1: systemd would stop the service.
+            assert not any("STOPPING" in m for pid, m in notify.messages if pid == old)
+        finally:
+            proxy.stop()
+            notify.sock.close()

@@ -53,16 +53,18 @@ class Session:
     lease, so the pool reads its live byte counts and `close_leases` can end it."""
 
     __slots__ = (
+        "_idle_timeout",
         "bytes_in",
         "bytes_out",
         "client",
         "ended",
-        "idle_timeout",
         "last",
         "lease",
+        "own_idle_timeout",
         "relay",
         "replies",
         "requests",
+        "scope",
         "server",
         "sock",
         "started",
@@ -76,12 +78,31 @@ class Session:
         self.sock: socket.socket = sock
         self.started = now
         self.last = now  # the last datagram either way
-        self.idle_timeout: float = idle_timeout
+        # The throttle monitor shortens a session's idle timeout in high and digg, and
+        # gives it back in low, through `flow.idle_timeout` as for a TCP connection.
+        self.own_idle_timeout: float = relay.pool.config.udp.idle_timeout
+        self._idle_timeout: float = idle_timeout
+        self.scope: trio.CancelScope | None = None  # the wait for a reply, while it waits
         self.requests = 0
         self.replies = 0
         self.bytes_in = 0  # client -> real server
         self.bytes_out = 0  # real server -> client
         self.ended = ""
+
+    @property
+    def flow(self) -> Session:
+        return self
+
+    @property
+    def idle_timeout(self) -> float:
+        return self._idle_timeout
+
+    @idle_timeout.setter
+    def idle_timeout(self, value: float) -> None:
+        """A new timeout applies at once: a session idle longer than it ends now."""
+        self._idle_timeout = value
+        if self.scope is not None:
+            self.scope.deadline = self.last + value
 
     def close(self) -> None:
         """End the session now (`state: disabled`, `on_down: close`)."""
@@ -252,19 +273,21 @@ class UdpRelay:
             self._close(session)
 
     async def _relay_replies(self, session: Session) -> None:
-        idle = session.idle_timeout
         responses = self.pool.config.udp.responses
         view = memoryview(self._out)
         sock = session.sock
         counters = self.counters
         while not session.ended:
             try:
-                with trio.move_on_at(session.last + idle):
+                with trio.move_on_at(session.last + session.idle_timeout) as scope:
+                    session.scope = scope
                     await trio.lowlevel.wait_readable(sock)
             except trio.ClosedResourceError:  # closed by `_close` from the other side
                 break
+            finally:
+                session.scope = None
             now = trio.current_time()
-            if now >= session.last + idle:
+            if now >= session.last + session.idle_timeout:
                 session.ended = "idle_timeout"
                 break
             for _ in range(_BATCH):

@@ -12,9 +12,28 @@
                       documents, a PATCH or a reload goes to every worker
 
     worker (`run_worker`)
-      the ordinary Server, every listener bound with SO_REUSEPORT (the kernel spreads
-      new connections across the workers' sockets), its admin endpoint on a private
-      Unix socket in a folder only this user can enter (mode 0700)
+      the ordinary Server on the supervisor's TCP listening sockets (below); UDP
+      listeners and the DNS locator bound with SO_REUSEPORT (the kernel spreads
+      datagrams across the workers' sockets by source, so a client's session stays in
+      one worker); its admin endpoint on a private Unix socket in a folder only this
+      user can enter (mode 0700)
+
+The supervisor owns the TCP listening sockets (issue 23 item 3; nginx's master and
+HAProxy's master-worker do the same): it binds every TCP `listen` address of the
+configuration once, before any worker starts, and every worker inherits the same
+sockets (pass_fds) and accepts from them. So there is one accept queue per address,
+which outlives any worker: a worker that dies, even by SIGKILL, takes only the
+connections it had accepted (they are reset; docs/concepts/workers.md counts them); the
+connections still queued are accepted by the other workers, and by its replacement.
+With SO_REUSEPORT each worker had a queue of its own, and the kernel resets every
+connection waiting in the queue of a socket that is closed (net.ipv4.tcp_migrate_req
+would move them instead, but it is a host-wide sysctl that needs root, and off by
+default). The cost: every worker waiting in epoll is woken by each new connection and
+one wins the accept (the others see EAGAIN), so the spread across workers follows who
+is idle rather than a hash. The supervisor closes its copy of a socket when a reload
+drops its address, and all of them when it stops, so a stop refuses at once as before.
+An address a reload adds is bound by each worker with SO_REUSEPORT (the workers
+already run), until the next restart.
 
 Supervisor and worker talk over a socketpair the worker inherits: the supervisor sends
 the running configuration (pickled: a restarted worker runs what the others run, even
@@ -78,6 +97,7 @@ from lbproxy.config.model import Config
 from lbproxy.control.cluster import member_name
 from lbproxy.core.persistence import client_key
 from lbproxy.runtime import logs
+from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.runtime.server import BindError, Server, listen_socket, load_for_reload
 
@@ -289,9 +309,16 @@ def describe_exit(code: int) -> str:
 
 class Supervisor:
     def __init__(
-        self, config: Config, config_paths: list[str], token: str | None, log_level: str
+        self,
+        config: Config,
+        config_paths: list[str],
+        token: str | None,
+        log_level: str,
+        listeners: dict[str, socket.socket] | None = None,
     ) -> None:
         self.config = config
+        # The TCP listening sockets every worker accepts from (module header), by address.
+        self.listeners = listeners if listeners is not None else {}
         self.config_paths = config_paths
         self.token = token
         self.log_level = log_level
@@ -343,6 +370,7 @@ class Supervisor:
         self.notifier.stopping(self._status_line(None))
         for worker in self.workers:
             self._terminate(worker)
+        self._close_listeners(set(self.listeners))  # the workers close theirs on SIGTERM
         if self._nursery is not None:
             self._nursery.start_soon(self._kill_stragglers)
 
@@ -350,6 +378,14 @@ class Supervisor:
         log.error("%s; stopping", message)
         self.exit_code = 1
         self.stop()
+
+    def _close_listeners(self, keys: set[str]) -> None:
+        """Close the supervisor's copies: once the workers' are closed too, the kernel
+        refuses connections to the address instead of queueing them for nobody."""
+        for key in keys:
+            sock = self.listeners.pop(key, None)
+            if sock is not None:
+                sock.close()
 
     @staticmethod
     def _terminate(worker: Worker) -> None:
@@ -415,6 +451,7 @@ class Supervisor:
     async def _run_once(self, worker: Worker) -> int:
         """Start one process for the slot and wait for its exit; returns its exit code."""
         ours, theirs = socket.socketpair()
+        listeners = {key: sock.fileno() for key, sock in self.listeners.items()}
         command = [
             sys.executable, "-m", "lbproxy", "run", "--worker-fd", str(theirs.fileno()),
             "--log-level", self.log_level, "--", *self.config_paths,
@@ -424,7 +461,7 @@ class Supervisor:
         try:
             process = await trio.lowlevel.open_process(
                 command,
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), *listeners.values()),
                 env={**os.environ, "PYTHONPATH": pythonpath},
                 process_group=0,  # Ctrl-C reaches the supervisor, which passes SIGTERM on
             )
@@ -458,7 +495,13 @@ class Supervisor:
         """Send the configuration, wait for "ready", bring the worker up to date."""
         generation = self.generation
         payload = pickle.dumps(
-            {"config": self.config, "index": worker.index, "admin": worker.admin_path}
+            {
+                "config": self.config,
+                "index": worker.index,
+                "admin": worker.admin_path,
+                # the same descriptor numbers in the worker (pass_fds keeps them)
+                "listeners": {key: sock.fileno() for key, sock in self.listeners.items()},
+            }
         )
         try:
             await stream.send_all(len(payload).to_bytes(4, "big") + payload)
@@ -730,6 +773,7 @@ class Supervisor:
                 self.reloads["error"] += 1
                 return False, errors
             # Workers still starting (none answered) reload once they are ready (_catch_up).
+            self._close_listeners(set(self.listeners) - tcp_addresses(new))
             self.config = new
             self.generation += 1
             self.overrides.clear()
@@ -855,12 +899,20 @@ def run(config: Config, *, config_paths: list[str], log_level: str = "info") -> 
         except TokenError as exc:
             log.error("%s", exc)
             return 2
+    listeners: dict[str, socket.socket] = {}
     try:
         admin_sock = listen_socket(admin.listen) if admin.listen else None
+        for vs in config.virtual_servers:  # the workers' TCP sockets (module header)
+            if vs.protocol == "tcp":
+                for address in vs.listen:
+                    if str(address) not in listeners:
+                        listeners[str(address)] = listen_socket(address)
     except BindError as exc:
         log.error("%s", exc)
+        for sock in listeners.values():
+            sock.close()
         return 1
-    supervisor = Supervisor(config, config_paths, token, log_level)
+    supervisor = Supervisor(config, config_paths, token, log_level, listeners)
     # Taken out of the environment before any worker starts: workers never notify.
     supervisor.notifier = Notifier.from_environment()
     log.info("starting %d workers", len(supervisor.workers))
@@ -869,6 +921,16 @@ def run(config: Config, *, config_paths: list[str], log_level: str = "info") -> 
     finally:
         shutil.rmtree(supervisor.folder, ignore_errors=True)
     return supervisor.exit_code
+
+
+def tcp_addresses(config: Config) -> set[str]:
+    """The TCP listen addresses of `config`, as the supervisor's listeners are keyed."""
+    return {
+        str(address)
+        for vs in config.virtual_servers
+        if vs.protocol == "tcp"
+        for address in vs.listen
+    }
 
 
 # -- the worker ------------------------------------------------------------------------
@@ -928,6 +990,14 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     # global.state_file: every worker reads it at start, worker 1 writes it (PATCHes and
     # load reports reach every worker alike; lbproxy/runtime/state.py).
     server.state_writer.enabled = init["index"] == 1
+    # The supervisor's TCP sockets, matched by address as an upgrade's are; one that the
+    # configuration no longer names is closed (check_all_used).
+    passed = []
+    for key, fd in init.get("listeners", {}).items():
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        passed.append(Passed(sock, key, PREVIOUS))
+    server.inherited = Inherited(passed)
     failures: list[BindError] = []
     orphaned = False
     try:

@@ -222,7 +222,9 @@ def test_an_address_in_use_stops_everything_with_exit_1(name_servers, tmp_path):
         taken.listen()
         out = run_cli("run", str(config), timeout=30)
     assert out.returncode == 1
-    assert f"before it was ready: cannot listen on 127.0.0.1:{port}" in out.stderr
+    # the supervisor binds the TCP addresses (it owns them): it says so before any worker
+    assert f"lbproxy.workers: cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "worker 1 started" not in out.stderr
     assert "Traceback" not in out.stderr
     with socket.socket() as s:  # the admin endpoint is closed too
         s.bind(("127.0.0.1", admin_port))

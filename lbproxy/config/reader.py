@@ -168,7 +168,7 @@ class _Document:
         line = _line(key_node)
         # Only plain strings: YAML would read `yes:` as True and `1:` as an int.
         is_string = isinstance(key_node, yaml.ScalarNode) and key_node.tag == _STRING_TAG
-        key = key_node.value if is_string else None
+        key: str | None = key_node.value if is_string else None
         if key is None:
             self.error(line, f"keys must be strings, got {_shown(key_node)} in {where}")
             return None
@@ -734,7 +734,7 @@ def _check_port_clashes(
                     # a clash). The rest is `_check_shared_addresses`' job.
                     and not (
                         claim.vs not in (None, vs)
-                        and (vs.sni or claim.vs.sni)  # type: ignore[union-attr]
+                        and (vs.sni or claim.vs.sni)
                         and _same(address, claim.address)
                     )
                 ),
@@ -799,7 +799,7 @@ def _check_shared_addresses(servers: list[_VirtualServerRead], problems: list[Pr
     """Virtual servers on one address (SPEC §13): no name routed to two of them, and
     one way of reading the PROXY header (it is read before the ClientHello, so before
     the virtual server is known). Two defaults are a clash (`_check_port_clashes`)."""
-    groups: dict[tuple, list[tuple[_VirtualServerRead, Address, int]]] = {}
+    groups: dict[tuple[Any, ...], list[tuple[_VirtualServerRead, Address, int]]] = {}
     for vs in servers:
         for address, line in vs.listen:
             key = (_listen_ip(address.host), address.port, vs.protocol)

@@ -13,8 +13,8 @@ import json
 from typing import Any
 
 from lbproxy.config.defaults import json_default
-from lbproxy.config.model import DEFAULT_SCHEDULER
 from lbproxy.config.tables import SECTIONS, Section
+from lbproxy.core.schedulers import DEFAULT as DEFAULT_SCHEDULER
 
 
 def json_schema() -> dict[str, Any]:

@@ -9,8 +9,9 @@ schema.py), so the three cannot disagree: a key is added here, with `.about(...)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import yaml
 
@@ -89,7 +90,7 @@ def _scheduler(node: yaml.Node, label: str) -> str:
         hint = _did_you_mean(value, known)
         hint = f" ({hint})" if hint else ""
         raise _Invalid(f"unknown scheduler {_shown(node)}{hint}; known: {', '.join(known)}", node)
-    return value
+    return cast(str, value)  # one of `known`
 
 
 # Schedulers whose weights come from the SNMP poller.
@@ -458,7 +459,7 @@ class Section:
     required_unless: Mapping[str, str] = field(default_factory=dict)  # key -> other key
     # What the reader checks across keys, as JSON Schema (`if`/`then`, `anyOf`): the
     # schema's share of the rules that no one key's converter can say.
-    rules: tuple[dict, ...] = ()
+    rules: tuple[dict[str, Any], ...] = ()
 
 
 _SNMP = Section(
@@ -662,7 +663,7 @@ _REAL_SERVER_SECTIONS = tuple(
 _DISCOVERY_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["discovery"].sections)
 
 
-def walk(section: Section = SECTIONS, path: str = ""):
+def walk(section: Section = SECTIONS, path: str = "") -> Iterator[tuple[str, Section]]:
     """Every section with its dotted path ("virtual_servers[].health_check"), top first."""
     yield path, section
     for name, child in section.sections.items():

@@ -21,7 +21,7 @@ import os
 import re
 import urllib.parse
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import yaml
 
@@ -199,7 +199,9 @@ class Converter:
         )
 
 
-def _accepting(accepts: str, schema: Schema | Callable[[], Schema]):
+def _accepting(
+    accepts: str, schema: Schema | Callable[[], Schema]
+) -> Callable[[Reader], Converter]:
     """Decorator: a reader function becomes a Converter that accepts `accepts`."""
 
     def wrap(read: Reader) -> Converter:
@@ -270,7 +272,7 @@ def _did_you_mean(word: object, options: Iterable[str]) -> str:
     return f"did you mean {close[0]!r}?" if close else ""
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -341,7 +343,7 @@ def _choice(*options: str) -> Converter:
         value = _scalar(node, label)
         if value not in options:
             raise _expected(label, requirement, node, _did_you_mean(value, options))
-        return value
+        return cast(str, value)  # one of `options`
 
     return Converter(convert, requirement, {"enum": list(options)})
 
@@ -394,7 +396,7 @@ _listen_address = _address(listen=True)
 def _one_or_list(convert: Converter, what: str) -> Converter:
     """A converter for one value, or a non-empty list of them, into a tuple."""
 
-    def read(node: yaml.Node, label: str) -> tuple:
+    def read(node: yaml.Node, label: str) -> tuple[Any, ...]:
         if not isinstance(node, yaml.SequenceNode):
             return (convert(node, label),)
         if not node.value:
@@ -455,7 +457,8 @@ def _admin_listen(node: yaml.Node, label: str) -> Address | None:
     # `listen: none` (or an empty value) turns the admin endpoint off.
     if _scalar(node, label) in (None, "none"):
         return None
-    return _listen_address(node, label)
+    address: Address = _listen_address(node, label)
+    return address
 
 
 @_accepting(
@@ -466,7 +469,8 @@ def _vs_listen(node: yaml.Node, label: str) -> tuple[Address, ...]:
     # `listen: none`: a locator-only virtual server (SPEC §10) binds nothing.
     if _scalar(node, label) == "none":
         return ()
-    return _listen_addresses(node, label)
+    addresses: tuple[Address, ...] = _listen_addresses(node, label)
+    return addresses
 
 
 @_accepting("a DNS zone like lb.internal.", {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"})
@@ -501,7 +505,7 @@ def _networks(node: yaml.Node, label: str) -> tuple[IPNetwork, ...]:
 
 @_accepting("a regular expression", {"type": "string", "minLength": 1, "format": "regex"})
 def _regex(node: yaml.Node, label: str) -> str:
-    pattern = _string(node, label)
+    pattern: str = _string(node, label)
     try:
         re.compile(pattern)
     except re.error as exc:
@@ -609,7 +613,7 @@ def _workers(node: yaml.Node, label: str) -> int:
     if _scalar(node, label) == "auto":
         return os.cpu_count() or 1
     try:
-        return _integer(1)(node, label)
+        return cast(int, _integer(1)(node, label))
     except _Invalid:
         raise _expected(label, "an integer >= 1 or auto", node) from None
 
@@ -623,7 +627,7 @@ def _responses(node: yaml.Node, label: str) -> int | None:
     if _scalar(node, label) in (None, "none"):
         return None
     try:
-        return _integer(0)(node, label)
+        return cast(int, _integer(0)(node, label))
     except _Invalid:
         raise _expected(label, "an integer >= 0 or none", node) from None
 

@@ -177,7 +177,7 @@ def parse_hello_body(body: bytes) -> Hello | _NotTLS:
             parsed = _server_name(body, pos, pos + length)
             if parsed is NOT_TLS:
                 return NOT_TLS
-            name = parsed  # type: ignore[assignment]
+            name = parsed  # type: ignore[assignment]  # not NOT_TLS (above): mypy narrows no sentinel
         pos += length
     return Hello(name)
 

@@ -169,7 +169,7 @@ def batches(origin: str, vs: str, entries: list[RemoteEntry]) -> list[EntryBatch
 # -- decoding -----------------------------------------------------------------------------
 
 
-def _load(data: object, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+def _load(data: object, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(data, bytes | bytearray | memoryview | str):
         raise MessageError("garbage", f"not bytes: {type(data).__name__}")
     if len(data) > MAX_MESSAGE:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import ipaddress
 import struct
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "V1_MAX_LENGTH",
@@ -69,6 +69,8 @@ _V2_FALLBACK_FAMILIES = frozenset({0x00, 0x01, 0x02, 0x10, 0x12, 0x20, 0x22, 0x3
 
 Address = tuple[str, int]
 _IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+# A socket address as Python gives it: (host, port), or (host, port, flow, scope) for IPv6.
+SockAddr = tuple[Any, ...]
 
 
 class ProxyProtocolError(ValueError):
@@ -93,7 +95,7 @@ class ParseResult:
 # ---------------------------------------------------------------------------- encode
 
 
-def _ip(addr: tuple) -> _IP:
+def _ip(addr: SockAddr) -> _IP:
     host = str(addr[0]).split("%", 1)[0]  # drop an IPv6 scope id: no field carries it
     try:
         return ipaddress.ip_address(host)
@@ -101,14 +103,14 @@ def _ip(addr: tuple) -> _IP:
         raise ValueError(f"not an IP address: {addr[0]!r}") from None
 
 
-def _port(addr: tuple) -> int:
+def _port(addr: SockAddr) -> int:
     port = addr[1]
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"not a TCP port: {port!r}")
     return port
 
 
-def _pair(src: tuple, dst: tuple) -> tuple[_IP, _IP] | None:
+def _pair(src: SockAddr, dst: SockAddr) -> tuple[_IP, _IP] | None:
     """Both addresses in one family, or None when they cannot share one.
 
     A dual-stack listener reports IPv4 clients as IPv4-mapped IPv6 (``::ffff:a.b.c.d``);
@@ -126,7 +128,7 @@ def _pair(src: tuple, dst: tuple) -> tuple[_IP, _IP] | None:
     return a, b
 
 
-def encode_v1(src: tuple, dst: tuple) -> bytes:
+def encode_v1(src: SockAddr, dst: SockAddr) -> bytes:
     """The v1 line for a connection from ``src`` to ``dst``; ``PROXY UNKNOWN`` when the
     two addresses are of different families (the spec's short form)."""
     sport, dport = _port(src), _port(dst)
@@ -140,7 +142,7 @@ def encode_v1(src: tuple, dst: tuple) -> bytes:
     return f"PROXY {proto} {a} {b} {sport} {dport}\r\n".encode("ascii")
 
 
-def encode_v2(src: tuple, dst: tuple) -> bytes:
+def encode_v2(src: SockAddr, dst: SockAddr) -> bytes:
     """The v2 header (command PROXY, TCP4 or TCP6, no TLVs); LOCAL/UNSPEC with an empty
     address block when the two addresses are of different families."""
     sport, dport = _port(src), _port(dst)
@@ -155,7 +157,7 @@ def encode_v2(src: tuple, dst: tuple) -> bytes:
     return V2_HEADER.pack(V2_SIGNATURE, _V2_VERSION | _V2_CMD_PROXY, fam, len(block)) + block
 
 
-def encode(version: Literal["v1", "v2"], src: tuple, dst: tuple) -> bytes:
+def encode(version: Literal["v1", "v2"], src: SockAddr, dst: SockAddr) -> bytes:
     """``encode_v1`` or ``encode_v2`` by the configuration's ``send_proxy`` value."""
     if version == "v1":
         return encode_v1(src, dst)

@@ -7,6 +7,7 @@ is found by the PID the upgrade answers with and stopped by that PID.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -264,3 +265,57 @@ def test_sigusr2_upgrades_and_the_new_process_tells_systemd_its_pid(tmp_path):
         finally:
             proxy.stop()
             notify.sock.close()
+
+
+def test_a_udp_virtual_server_is_handed_over_and_loses_no_new_datagram(tmp_path):
+    """The UDP socket goes over too. A session is open in the old process (which would
+    keep a draining relay reading the shared socket), yet every datagram of a client
+    that comes after the upgrade is answered: the old process reads it no more."""
+    port, admin = free_port(), free_port()
+    echo = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    echo.bind(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data, peer = echo.recvfrom(65536)
+                echo.sendto(data, peer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yaml = textwrap.dedent(
+        f"""\
+        global:
+          admin: {{listen: 127.0.0.1:{admin}}}
+          drain_timeout: 2s
+        virtual_servers:
+          - name: echo
+            protocol: udp
+            listen: 127.0.0.1:{port}
+            udp: {{idle_timeout: 30s, responses: 1000}}
+            real_servers:
+              - {{name: a, address: 127.0.0.1:{echo.getsockname()[1]}}}
+        """
+    )
+    proxy = Proxy(tmp_path, yaml, admin)
+    before = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    after = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        before.settimeout(5)
+        before.sendto(b"before", ("127.0.0.1", port))
+        assert before.recvfrom(100)[0] == b"before"  # a session in the old process
+        old = proxy.pid
+        proxy.upgrade()
+        after.settimeout(2)
+        answered = 0
+        for i in range(50):
+            after.sendto(b"%d" % i, ("127.0.0.1", port))
+            with contextlib.suppress(TimeoutError):
+                if after.recvfrom(100)[0] == b"%d" % i:
+                    answered += 1
+        assert answered == 50
+        wait_for(lambda: not alive(old), 15, "the old process to exit")
+    finally:
+        before.close()
+        after.close()
+        echo.close()
+        proxy.stop()

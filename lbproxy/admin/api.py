@@ -128,7 +128,7 @@ def _snmp_document(pool: Pool, rs: Any) -> dict[str, Any] | None:
     """The last SNMP poll of a polled real server: {"value", "result"}; else None."""
     if not pool.polls_snmp or rs.config.snmp is None:
         return None
-    result, value = rs.snmp_last or (None, None)
+    result, value = rs.counters.snmp_last or (None, None)
     return {"value": value, "result": result}
 
 

@@ -173,12 +173,14 @@ class LbproxyCollector:
                 weight.add_metric([*labels, "static"], stats.weight_static)
                 weight.add_metric([*labels, "effective"], stats.weight_effective)
                 for reason in CONNECT_FAILURE_REASONS:
-                    connect_failures.add_metric([*labels, reason], rs.connect_failures[reason])
+                    connect_failures.add_metric(
+                        [*labels, reason], rs.counters.connect_failures[reason]
+                    )
                 for result in HEALTH_RESULTS:
-                    checks.add_metric([*labels, result], rs.health_checks[result])
+                    checks.add_metric([*labels, result], rs.counters.health_checks[result])
                 if rs.config.snmp is not None and pool.polls_snmp:
                     for result in SNMP_RESULTS:
-                        polls.add_metric([*labels, result], rs.snmp_polls[result])
+                        polls.add_metric([*labels, result], rs.counters.snmp_polls[result])
         yield from self._discovery()
         reloads = CounterMetricFamily(
             "lbproxy_config_reloads", "Configuration reloads, by result.", labels=["result"]

@@ -373,7 +373,7 @@ class HealthChecks(Reconciler[RealServer, tuple[HealthCheckConfig, Address, Pool
                 result, reason = FAIL, f"{check.type} check: {type(exc).__name__}"
             if result is not None:
                 out_of_capacity = False
-                rs.health_checks[result] += 1
+                rs.counters.health_checks[result] += 1
                 if result != OK:
                     log.debug("%s/%s: %s", pool.name, rs.name, reason)
                 record_health(pool, rs, result == OK, trio.current_time(), reason)

@@ -53,7 +53,7 @@ a second of the start, later ones at a random phase within the interval, so many
 servers' polls spread out instead of arriving together. Each poll's result goes
 through dynamic_weight.py (on_no_answer, stale_after, smoothing) into the pool's two
 validated entry points, `report_value` and `set_dynamic_weight`; counts go to
-`RealServer.snmp_polls` and `Pool.poll_durations`, which the metrics module reads at
+`RealServer.counters.snmp_polls` and `Pool.poll_durations`, which the metrics module reads at
 scrape time.
 
 `serve_v2c_agent` is a tiny SNMPv2c agent on the same messages, for `lbproxy demo` and
@@ -620,8 +620,8 @@ class Poller:
 
     def record(self, result: PollResult, duration: float) -> None:
         """Count the poll where the metrics module reads it at scrape time."""
-        self.rs.snmp_polls[result.result] += 1
-        self.rs.snmp_last = (result.result, result.value)  # for the admin API's document
+        self.rs.counters.snmp_polls[result.result] += 1
+        self.rs.counters.snmp_last = (result.result, result.value)  # for the admin API's document
         self.pool.poll_durations.observe(duration)
         self.last = result
 
@@ -691,7 +691,7 @@ def _fmt(weight: float | None) -> str:
 class SnmpPollers(Reconciler[tuple[str, str], tuple[Pool, RealServer, SnmpConfig]]):
     """The SNMP pollers of a Server, kept in step with its virtual servers.
 
-    Poll counts go where the metrics module reads them: `RealServer.snmp_polls[result]`
+    Poll counts go where the metrics module reads them: `RealServer.counters.snmp_polls[result]`
     and the per-virtual-server histogram `Pool.poll_durations`.
     """
 

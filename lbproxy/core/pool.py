@@ -44,6 +44,9 @@ from lbproxy.core.health import Health
 from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, QUEUE_BUCKETS, Histogram
 from lbproxy.core.locate import Located, Locator
 from lbproxy.core.persistence import Entry, Persistence, client_key
+from lbproxy.core.real_server import RealServer, ServerCounters
+
+__all__ = ["Lease", "Pool", "RealServer", "ServerCounters"]  # RealServer: its own module
 from lbproxy.core.udp_stats import UdpCounters
 
 log = logging.getLogger("lbproxy.pool")
@@ -114,98 +117,6 @@ class Lease:
         self.epoch = epoch
         self.handle = handle  # the proxy's per-connection object (byte counters, close)
         self.sticky: Entry | None = None  # its client's persistence entry, if any
-
-
-class RealServer:
-    __slots__ = (
-        "active",
-        "address",
-        "available",
-        "backup",
-        "bytes_in",
-        "bytes_out",
-        "config",
-        "connect_failures",
-        "connections_total",
-        "dyn_positive",
-        "dynamic_weight",
-        "effective_weight",
-        "full",
-        "health",
-        "health_checks",
-        "index",
-        "leases",
-        "load_factor",
-        "max_connections",
-        "name",
-        "online",
-        "primary_available",
-        "primary_online",
-        "ramp_start",
-        "removed",
-        "retry_at",
-        "sched_active",
-        "seq",
-        "snmp_last",
-        "snmp_polls",
-        "state",
-        "static_weight",
-        "trial",
-    )
-
-    def __init__(self, config: RealServerConfig, index: int, health: Health) -> None:
-        self.name = config.name
-        self.index = index  # configuration order: the last tie-break everywhere
-        self.seq = index  # when it was last picked: round-robin order among ties
-        self.health = health
-        self.dynamic_weight: float | None = None
-        self.dyn_positive = False
-        self.online = False
-        self.primary_online = False  # counted in Pool._primaries_online
-        self.primary_available = False  # counted in Pool._primaries_available
-        self.available = False
-        self.full = False  # would be available but for max_connections
-        self.removed = False
-        # Passive health only (`health_check.type: none`): a down server is offered one
-        # trial connection at `retry_at` (see Pool.record_health).
-        self.trial = False
-        self.retry_at: float | None = None
-        self.effective_weight = 0.0
-        self.ramp_start: float | None = None
-        self.active = 0
-        self.sched_active = 0
-        self.connections_total = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.connect_failures: Counter[str] = Counter()  # refused | timeout | error
-        self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
-        self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
-        self.snmp_last: tuple[str, int | None] | None = None  # last poll: (result, value)
-        self.leases: set[Lease] = set()
-        self.apply_config(config)
-
-    def apply_config(self, config: RealServerConfig) -> None:
-        self.config = config
-        self.address = config.address
-        self.static_weight = float(config.weight)
-        self.max_connections = config.max_connections
-        self.load_factor = config.load_factor
-        self.state = config.state
-        self.backup = config.backup
-
-    def apply_changes(self, config: RealServerConfig) -> None:
-        """Apply `config` but keep a runtime change (a PATCHed state or weight) of every
-        field `config` leaves as it was: a discovery round, or a reload, re-applying a
-        discovered server's unchanged configuration must not undo what an operator set."""
-        old, state, weight = self.config, self.state, self.static_weight
-        self.apply_config(config)
-        if config.state == old.state:
-            self.state = state
-        if config.weight == old.weight:
-            self.static_weight = weight
-
-    def __repr__(self) -> str:
-        return f"<RealServer {self.name} {self.address} {self.state}>"
 
 
 @dataclass(frozen=True)
@@ -399,7 +310,7 @@ class Pool:
         `connections_total` (metric, JSON document, status) counts connections
         established to a server; a failed attempt is only a connect failure.
         """
-        lease.server.connections_total += 1
+        lease.server.counters.connections_total += 1
 
     def drop(self, lease: Lease, now: float) -> None:
         rs = lease.server
@@ -680,6 +591,7 @@ class Pool:
         # Bytes of connections still open are read from their live counters.
         live_in = sum(getattr(lease.handle, "bytes_in", 0) for lease in rs.leases)
         live_out = sum(getattr(lease.handle, "bytes_out", 0) for lease in rs.leases)
+        counters = rs.counters
         return RealServerStats(
             name=rs.name,
             address=str(rs.address),
@@ -691,10 +603,10 @@ class Pool:
             weight_dynamic=rs.dynamic_weight,
             weight_effective=rs.effective_weight,
             active_connections=rs.active,
-            connections_total=rs.connections_total,
-            bytes_in=rs.bytes_in + live_in,
-            bytes_out=rs.bytes_out + live_out,
-            connect_failures=dict(rs.connect_failures),
+            connections_total=counters.connections_total,
+            bytes_in=counters.bytes_in + live_in,
+            bytes_out=counters.bytes_out + live_out,
+            connect_failures=dict(counters.connect_failures),
         )
 
     # -- internals ----------------------------------------------------------------

@@ -447,7 +447,7 @@ class Handler:
         if isinstance(exc, LocalCapacityError):
             self._no_server(c, "connect_failed")
             return None
-        rs.connect_failures[exc.reason] += 1
+        rs.counters.connect_failures[exc.reason] += 1
         record_health(pool, rs, False, now, f"connect {exc.reason}")
         return self._pick(c)
 
@@ -626,8 +626,9 @@ class Handler:
         if lease is not None:
             if was == ESTABLISHED:
                 rs = lease.server
-                rs.bytes_in += c.bytes_in
-                rs.bytes_out += c.bytes_out
+                counters = rs.counters
+                counters.bytes_in += c.bytes_in
+                counters.bytes_out += c.bytes_out
                 pool.drop(lease, now)
                 pool.durations.observe(now - c.started)
             else:

@@ -348,8 +348,9 @@ class UdpRelay:
         # The pool's byte counts (lbproxy_bytes_total) take the session's, as a TCP
         # connection's at its end; until then the pool reads them off the lease.
         rs_in, rs_out = session.bytes_in, session.bytes_out
-        rs.bytes_in += rs_in
-        rs.bytes_out += rs_out
+        counters = rs.counters
+        counters.bytes_in += rs_in
+        counters.bytes_out += rs_out
         session.bytes_in = session.bytes_out = 0
         pool.drop(session.lease, now)
         pool.clients -= 1

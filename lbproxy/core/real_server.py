@@ -1,0 +1,151 @@
+"""One real server of a pool: its configuration, its state, and its counters apart.
+
+PURE: no trio, no sockets, no clock.
+
+A `RealServer` holds three kinds of things, kept apart so that each has one owner:
+
+- configuration, re-applied on every reload (`apply_config`): address, static weight,
+  max_connections, load factor, state, backup;
+- state, owned by the pool (pool.py) and read by the schedulers: online, available,
+  full, effective and dynamic weight, the slow-start ramp, the passive-health trial,
+  `active` / `sched_active`, its leases;
+- counters (`ServerCounters`), only ever added to, by whoever sees the event (the
+  connection, the health checker, the SNMP poller) and read at scrape time by the
+  metrics, the API and `lbproxy status`; nothing decides on them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from lbproxy.config.model import RealServerConfig
+from lbproxy.core.health import Health
+
+if TYPE_CHECKING:
+    from lbproxy.core.pool import Lease
+
+
+class ServerCounters:
+    """What happened to one real server, for the metrics and the API: counts only."""
+
+    __slots__ = (
+        "bytes_in",
+        "bytes_out",
+        "connect_failures",
+        "connections_total",
+        "health_checks",
+        "snmp_last",
+        "snmp_polls",
+    )
+
+    def __init__(self) -> None:
+        self.connections_total = 0  # connections established (Pool.established)
+        self.bytes_in = 0  # of ended connections; open ones are read from their leases
+        self.bytes_out = 0
+        self.connect_failures: Counter[str] = Counter()  # refused | timeout | error
+        self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
+        self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
+        self.snmp_last: tuple[str, int | None] | None = None  # last poll: (result, value)
+
+
+def _forward(name: str) -> property:
+    """A RealServer attribute that is its `counters`' attribute `name`."""
+
+    def get(rs: RealServer) -> Any:
+        return getattr(rs.counters, name)
+
+    def set_(rs: RealServer, value: Any) -> None:
+        setattr(rs.counters, name, value)
+
+    return property(get, set_, doc=f"`counters.{name}`")
+
+
+class RealServer:
+    __slots__ = (
+        "active",
+        "address",
+        "available",
+        "backup",
+        "config",
+        "counters",
+        "dyn_positive",
+        "dynamic_weight",
+        "effective_weight",
+        "full",
+        "health",
+        "index",
+        "leases",
+        "load_factor",
+        "max_connections",
+        "name",
+        "online",
+        "primary_available",
+        "primary_online",
+        "ramp_start",
+        "removed",
+        "retry_at",
+        "sched_active",
+        "seq",
+        "state",
+        "static_weight",
+        "trial",
+    )
+
+    def __init__(self, config: RealServerConfig, index: int, health: Health) -> None:
+        self.name = config.name
+        self.index = index  # configuration order: the last tie-break everywhere
+        self.seq = index  # when it was last picked: round-robin order among ties
+        self.health = health
+        self.dynamic_weight: float | None = None
+        self.dyn_positive = False
+        self.online = False
+        self.primary_online = False  # counted in Pool._primaries_online
+        self.primary_available = False  # counted in Pool._primaries_available
+        self.available = False
+        self.full = False  # would be available but for max_connections
+        self.removed = False
+        # Passive health only (`health_check.type: none`): a down server is offered one
+        # trial connection at `retry_at` (see Pool.record_health).
+        self.trial = False
+        self.retry_at: float | None = None
+        self.effective_weight = 0.0
+        self.ramp_start: float | None = None
+        self.active = 0
+        self.sched_active = 0
+        self.counters = ServerCounters()
+        self.leases: set[Lease] = set()
+        self.apply_config(config)
+
+    def apply_config(self, config: RealServerConfig) -> None:
+        self.config = config
+        self.address = config.address
+        self.static_weight = float(config.weight)
+        self.max_connections = config.max_connections
+        self.load_factor = config.load_factor
+        self.state = config.state
+        self.backup = config.backup
+
+    def apply_changes(self, config: RealServerConfig) -> None:
+        """Apply `config` but keep a runtime change (a PATCHed state or weight) of every
+        field `config` leaves as it was: a discovery round, or a reload, re-applying a
+        discovered server's unchanged configuration must not undo what an operator set."""
+        old, state, weight = self.config, self.state, self.static_weight
+        self.apply_config(config)
+        if config.state == old.state:
+            self.state = state
+        if config.weight == old.weight:
+            self.static_weight = weight
+
+    # The counters under the names their readers have always used; new code reads and
+    # writes `counters` (one attribute less on the way).
+    connections_total = _forward("connections_total")
+    bytes_in = _forward("bytes_in")
+    bytes_out = _forward("bytes_out")
+    connect_failures = _forward("connect_failures")
+    health_checks = _forward("health_checks")
+    snmp_polls = _forward("snmp_polls")
+    snmp_last = _forward("snmp_last")
+
+    def __repr__(self) -> str:
+        return f"<RealServer {self.name} {self.address} {self.state}>"

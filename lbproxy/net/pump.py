@@ -1233,7 +1233,7 @@ if cpump is not None:
         _SPLICE_CHUNK,
     )
     assert _SPLICE_FLAGS == os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-    cpump.setup(globals(), _SpliceDirection)
+    cpump.setup(globals(), _SpliceDirection, Pump)
 
 
 def _reactor() -> _Reactor:

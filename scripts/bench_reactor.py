@@ -1,0 +1,141 @@
+"""The reactor's cost per event, compiled against pure (issue 26; not a test).
+
+    .venv/bin/python scripts/bench_reactor.py [--pumps 64] [--rounds 2000] [--repeat 3]
+    .venv/bin/python scripts/bench_reactor.py --callgrind    # instructions, exact
+
+P pumps between real loopback TCP connections in one trio run; each round writes a
+100-byte chunk into every client socket, then reads it at every server socket, then
+the same the other way (a request and a response per connection and round). All P
+chunks are in the kernel before the reactor runs, so every round is exactly two batches
+of P events, whichever path runs: the work per event is the same, only its cost differs.
+The endpoints' sends and receives run in this process too and are the same on both
+paths. Each measurement is a child process (the path is chosen at import), compiled and
+pure alternating; CPU time from getrusage, or, with --callgrind, the user-space
+instructions valgrind counts (exact, whatever the machine's load), the run with
+--rounds 0 subtracted (start-up, the connections' set-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+PAYLOAD = b"x" * 100
+
+
+def child(pumps: int, rounds: int) -> None:
+    import trio
+
+    from lbproxy.net import compiled
+    from lbproxy.net.pump import Flow, Pump
+
+    def pair() -> tuple[socket.socket, socket.socket]:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            a = socket.create_connection(listener.getsockname())
+            b, _ = listener.accept()
+        for s in (a, b):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.setblocking(False)
+        return a, b
+
+    async def main() -> None:
+        ends = []
+        for _ in range(pumps):
+            client, proxy_client = pair()
+            proxy_server, server = pair()
+            p = Pump(proxy_client.fileno(), proxy_server.fileno(), Flow())
+            p.start()
+            ends.append((client, server, proxy_client, proxy_server))
+        await trio.sleep(0.01)
+        u0, s0 = cpu()
+        for _ in range(rounds):
+            for a, b in ((0, 1), (1, 0)):
+                for e in ends:
+                    e[a].send(PAYLOAD)
+                for e in ends:
+                    got = 0
+                    while got < len(PAYLOAD):
+                        try:
+                            got += len(e[b].recv(65536))
+                        except BlockingIOError:
+                            await trio.lowlevel.wait_readable(e[b])
+        u1, s1 = cpu()
+        events = max(1, rounds * 2 * pumps)
+        print(
+            f"{compiled.IMPLEMENTATION} {(u1 - u0) / events * 1e6:.3f} "
+            f"{(s1 - s0) / events * 1e6:.3f}"
+        )
+
+    trio.run(main)
+
+
+def cpu() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
+def run(mode: str, pumps: int, rounds: int, callgrind: bool) -> tuple[float, ...]:
+    env = dict(os.environ)
+    env.pop("LBPROXY_PURE", None)
+    if mode == "pure":
+        env["LBPROXY_PURE"] = "1"
+    argv = [sys.executable, __file__, "--child", "--pumps", str(pumps), "--rounds", str(rounds)]
+    if not callgrind:
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+        name, user, system = out.stdout.split()
+        assert name == mode, (name, mode)
+        return float(user), float(system)
+    with tempfile.TemporaryDirectory() as tmp:
+        vg = ["valgrind", "--tool=callgrind", "--cache-sim=no", f"--callgrind-out-file={tmp}/o"]
+        out = subprocess.run(vg + argv, env=env, capture_output=True, text=True, check=True)
+    match = re.search(r"Collected : (\d+)", out.stderr)
+    assert match, out.stderr[-2000:]
+    return (float(match.group(1)),)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pumps", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2000)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--callgrind", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        child(a.pumps, a.rounds)
+        return
+    modes = ("compiled", "pure")
+    print(f"load average {os.getloadavg()[0]:.1f}; {a.pumps} pumps, {a.rounds} rounds")
+    if a.callgrind:
+        rounds = min(a.rounds, 200)
+        for mode in modes:
+            base = run(mode, a.pumps, 0, True)[0]
+            full = run(mode, a.pumps, rounds, True)[0]
+            per = (full - base) / (rounds * 2 * a.pumps)
+            print(f"{mode:9s} {per:10,.0f} instructions per event (reactor + both endpoints)")
+        return
+    results: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
+    for _ in range(a.repeat):
+        for mode in modes:
+            results[mode].append(run(mode, a.pumps, a.rounds, False))
+    for mode in modes:
+        user = statistics.median(r[0] for r in results[mode])
+        system = statistics.median(r[1] for r in results[mode])
+        spread = ", ".join(f"{r[0]:.2f}" for r in results[mode])
+        print(
+            f"{mode:9s} user {user:6.2f} us + system {system:6.2f} us per event "
+            f"(user per run: {spread})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,7 @@ FROM python:3.11-slim AS build
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY lbproxy ./lbproxy
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

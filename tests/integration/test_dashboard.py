@@ -267,7 +267,10 @@ def test_dashboard_one_process(browser, name_servers, lbproxy, tmp_path):
             ),
             what="the SNMP columns",
         )
-        assert browser.find_element("css selector", "#total-active").text == "8"
+        wait_until(  # the refresh re-renders the element: read it until it shows
+            lambda: browser.find_element("css selector", "#total-active").text == "8",
+            what="8 active connections",
+        )
 
         # The chart gains a point at every refresh (every 2 s).
         points = chart_points(browser, "web", "alpha")
@@ -365,7 +368,10 @@ def test_dashboard_with_two_workers(browser, name_servers, lbproxy, tmp_path):
         browser.get(f"http://127.0.0.1:{admin_port}/")
         wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
         # The supervisor's merged document: all six held connections, from both workers.
-        assert browser.find_element("css selector", "#total-active").text == "6"
+        wait_until(  # the refresh re-renders the element: read it until it shows
+            lambda: browser.find_element("css selector", "#total-active").text == "6",
+            what="6 active connections",
+        )
         wait_until(
             lambda: browser.find_element("css selector", "#workers-summary").text == "2/2",
             what="the workers line",

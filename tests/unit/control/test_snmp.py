@@ -212,14 +212,20 @@ def test_a_cancelled_poll_sends_nothing_more():
     async def main():
         agent = Agent(lambda n, req: [])
         port = await agent.bind()
-        config = SnmpConfig(oid=OID, host="127.0.0.1", port=port, timeout=0.05, retries=5)
+        config = SnmpConfig(oid=OID, host="127.0.0.1", port=port, timeout=0.2, retries=5)
         with agent.sock:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(agent.serve)
-                with trio.move_on_after(0.02):
-                    await snmp.SnmpClient(config).get()
+                # Cancelled once the agent has the first request (not after a fixed time,
+                # which a loaded machine may not reach the first send in).
+                with trio.fail_after(10):
+                    async with trio.open_nursery() as poll:
+                        poll.start_soon(snmp.SnmpClient(config).get)
+                        while not agent.requests:
+                            await trio.sleep(0.001)
+                        poll.cancel_scope.cancel()
                 sent = len(agent.requests)
-                await trio.sleep(0.3)  # five retransmissions would have gone by now
+                await trio.sleep(1.2)  # five retransmissions would have gone by now
                 nursery.cancel_scope.cancel()
         return sent, len(agent.requests)
 

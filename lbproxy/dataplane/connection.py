@@ -20,7 +20,7 @@ the task-less connections of a handler are drained through one guardian task
 connection, writes the access log, gives the lease back, adds the byte counts and
 uncounts `pool.clients` exactly once, and closes whatever descriptor the connection
 still owns, so the counts stay right on every path and under cancellation. One
-exception barrier covers every state: a bug in a step (`_go`, `_waiting`) or in the end
+exception barrier covers every state: a bug in a step (`accept`, `_waiting`) or in the end
 is counted in `lbproxy_internal_errors_total{where}` and ends that connection only.
 
 Everything a connection needs from its virtual server is read from the pool when it is
@@ -158,7 +158,18 @@ class ClientConnection(Flow):
     def __init__(
         self, handler: Handler, fd: int, source: tuple, config: VirtualServerConfig, now: float
     ) -> None:
-        Flow.__init__(self, config.idle_timeout)
+        # Flow.__init__'s fields, set here: its call and its idle_timeout property setter
+        # cost 0.45 us, about 1 % of a connection's user CPU (docs/benchmarks.md, issue
+        # 22); tests/unit/dataplane/test_connection.py checks that every Flow field is
+        # set, so the two cannot drift apart. The configuration's idle_timeout is a
+        # number of seconds or math.inf already (the setter's check).
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.error: OSError | None = None
+        self.last_activity = 0.0
+        self.closing = False
+        self._pump: Pump | None = None
+        self._idle_timeout = config.idle_timeout
         self.handler = handler
         self.state = ADMITTED
         handler.pool.clients += 1  # uncounted by end(), the one place
@@ -224,15 +235,20 @@ class ClientConnection(Flow):
             self.lease = None
             handler.pool.clients -= 1
             self.state = ENDED
-            sock, self.sock = self.sock, None
-            fd, self.fd = self.fd, -1
-            try:
-                if sock is not None:
-                    sock.close()
-                if fd >= 0:
-                    os.close(fd)
-            except OSError:  # cannot happen to a descriptor we own; end() never raises
-                pass
+            if self.fd >= 0 or self.sock is not None:  # not once established: the pump's
+                self._release()
+
+    def _release(self) -> None:
+        """Close the descriptors the connection still owns (not the pump's)."""
+        sock, self.sock = self.sock, None
+        fd, self.fd = self.fd, -1
+        try:
+            if sock is not None:
+                sock.close()
+            if fd >= 0:
+                os.close(fd)
+        except OSError:  # cannot happen to a descriptor we own; end() never raises
+            pass
 
 
 # What the accept loop hands connections to: its handlers nursery's start_soon.
@@ -289,7 +305,13 @@ class Handler:
         except BaseException:
             os.close(client)
             raise
-        self._go(c)
+        try:
+            wait = self._begin(c)
+            if wait is not None:
+                spawn(self._waiting, c, wait)
+        except Exception as exc:  # the barrier: a bug ends this connection only
+            record("connection", exc, self.pool.name)
+            c.end()
 
     async def handle(self, client: int, peer: tuple, preread: bytes | None = None) -> None:
         """Serve a client in the calling task (a shared address's route): the same
@@ -318,19 +340,7 @@ class Handler:
         if self.vs.access_log:
             self._log_access(source, None, 0, 0, 0.0, "rejected:" + reason)
 
-    # -- the barrier: every step runs under one of these two ----------------------------
-
-    def _go(self, c: ClientConnection) -> None:
-        """Run `c` through every state that needs no waiting, now; spawn a task for the
-        first wait. The barrier: a bug ends this connection only."""
-        try:
-            wait = self._begin(c)
-            if wait is not None:
-                assert self._spawn is not None
-                self._spawn(self._waiting, c, wait)
-        except Exception as exc:
-            record("connection", exc, self.pool.name)
-            c.end()
+    # -- the barrier: every step runs under accept()'s or this one ---------------------
 
     async def _waiting(self, c: ClientConnection, wait: Wait | None) -> None:
         """The task of a connection that has to wait: each wait, then the steps after

@@ -41,6 +41,7 @@ from lbproxy.dataplane.connection import (
 from lbproxy.dataplane.queue import Queue
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.barrier import internal_errors
+from lbproxy.net.pump import Flow
 from tests.factories import real_server, virtual_server
 
 A, PR, Q, P, C, E, CL, EN = (
@@ -619,3 +620,22 @@ def test_a_bug_while_waiting_ends_that_connection_only(recorded, monkeypatch):
         assert internal_errors().counts["connection"] == before + 1
 
     run(body)
+
+
+def test_a_client_connection_starts_as_a_flow_does():
+    """ClientConnection sets Flow's fields itself (a call less per connection): all of
+    them, as Flow.__init__ would."""
+
+    async def main():
+        config = virtual_server("rr", {"a": {}}, health_check=HealthCheckConfig(type="none"))
+        handler = Handler(VirtualServer(Pool(config, trio.current_time())))
+        c = connection.ClientConnection(handler, -1, ("192.0.2.1", 5), config, 0.0)
+        flow = Flow(config.idle_timeout)
+        assert {name: getattr(c, name) for name in Flow.__slots__} == {
+            name: getattr(flow, name) for name in Flow.__slots__
+        }
+        assert handler.pool.clients == 1 and c.state == ADMITTED
+        c.end()
+        assert handler.pool.clients == 0 and c.state == ENDED
+
+    trio.run(main)

@@ -40,11 +40,11 @@ def spread(loads: Iterable[tuple[float, float]]) -> tuple[float, float, float] |
             best, worst, step = load, load, per
             continue
         best = min(best, load)
-        worst = max(worst, load)  # type: ignore[type-var]
-        step = max(step, per)  # type: ignore[type-var]
+        worst = max(worst, load)  # type: ignore[type-var]  # set with best
+        step = max(step, per)  # type: ignore[type-var]  # set with best
     if best is None:
         return None
-    return best, worst, step  # type: ignore[return-value]
+    return best, worst, step  # type: ignore[return-value]  # all set with best
 
 
 def is_balanced(best: float, worst: float, step: float) -> bool:

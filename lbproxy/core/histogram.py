@@ -37,7 +37,8 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[str, float]]:
         """[(le, count of observations <= le), ..., ("+Inf", count)] for exposition."""
-        out, running = [], 0
+        out: list[tuple[str, float]] = []
+        running = 0
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lbproxy.config.model import DEFAULT_IMBALANCE_THRESHOLD
 from lbproxy.core.balance import Balance, spread
@@ -71,12 +71,12 @@ class Locator:
         error = _non_negative("per_connection", per_connection)
         if error:
             return error
-        value, step = float(load), float(per_connection)  # type: ignore[arg-type]
+        value, step = float(load), float(per_connection)  # type: ignore[arg-type]  # _non_negative() checked both
         self.reports[rs] = (value, step)
         self.report_counts[rs.name] += 1
         pool = self.pool
         if pool.scheduler.reads_reports(pool.config):
-            pool.scheduler.report(rs, value, step)  # type: ignore[attr-defined]
+            pool.scheduler.report(rs, value, step)  # type: ignore[attr-defined]  # reads_reports: a least-load scheduler
         return None
 
     def forget(self, rs: RealServer) -> None:
@@ -84,7 +84,7 @@ class Locator:
         self.reports.pop(rs, None)
 
     def answer(
-        self, rs: RealServer, now: float, via: str = "http", client: tuple | None = None
+        self, rs: RealServer, now: float, via: str = "http", client: tuple[Any, ...] | None = None
     ) -> None:
         """Count a locator answer for `rs` as a pick: a connection sent that closes at
         once.
@@ -98,18 +98,18 @@ class Locator:
             key = client[0]
             if ":" in key:
                 key = client_key(client)
-        hit = key is not None and persistence.holds(key, rs, now)  # type: ignore[union-attr]
+        hit = key is not None and persistence.holds(key, rs, now)  # type: ignore[union-attr]  # a key implies persistence
         self.pool.count_answer(rs, now, hit)
         self.answers[rs.name, via] += 1
         if key is not None:
-            persistence.release(persistence.acquire(key, rs, now), now)  # type: ignore[union-attr]
+            persistence.release(persistence.acquire(key, rs, now), now)  # type: ignore[union-attr]  # a key implies persistence
 
     def locate(
         self,
         now: float,
         current: str | None = None,
         via: str = "http",
-        client: tuple | None = None,
+        client: tuple[Any, ...] | None = None,
     ) -> Located | None:
         """The locator's answer, counted; None when no server is available.
 

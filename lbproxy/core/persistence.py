@@ -60,9 +60,9 @@ class Entry:
         self.shared = 0.0  # when it was last shared with (or learned from) the cluster
 
 
-def client_key(client: tuple) -> str:
+def client_key(client: tuple[Any, ...]) -> str:
     """The table key of a client address `(host, port, ...)`: its host."""
-    host = client[0]
+    host: str = client[0]
     if host.startswith("::ffff:") and "." in host:
         return host[7:]  # an IPv4 client seen through a dual-stack listener
     return host
@@ -129,7 +129,7 @@ class Persistence:
 
     def _share(self, entry: Entry, now: float) -> None:
         entry.shared = now
-        self.outbox[entry.key] = entry  # type: ignore[index]
+        self.outbox[entry.key] = entry  # type: ignore[index]  # outbox is set while shared
 
     def learn(self, key: str, server: Any, ttl: float, now: float) -> Entry:
         """Another instance sent client `key` to `server`; the entry has `ttl` left.

@@ -208,7 +208,7 @@ class Pool:
     # -- the hot path -------------------------------------------------------------
 
     def pick(
-        self, now: float, avoid: Collection[RealServer] = (), client: tuple | None = None
+        self, now: float, avoid: Collection[RealServer] = (), client: tuple[Any, ...] | None = None
     ) -> RealServer | None:
         """The real server for a new connection, or None when none is available.
 
@@ -236,7 +236,7 @@ class Pool:
             self._tick(now)
 
     def _pick_for(
-        self, client: tuple | None, now: float, avoid: Collection[RealServer]
+        self, client: tuple[Any, ...] | None, now: float, avoid: Collection[RealServer]
     ) -> RealServer | None:
         persistence = self.persistence
         if persistence is not None and client is not None and not avoid:
@@ -248,7 +248,7 @@ class Pool:
                 persistence.lookups["miss"] += 1
             elif entry.server.available:
                 persistence.lookups["hit"] += 1
-                return entry.server
+                return entry.server  # type: ignore[no-any-return]  # persistence holds servers as Any (it imports no pool)
             else:
                 persistence.lookups["moved"] += 1  # take() replaces the entry
         return self.scheduler.pick_for(client, now, avoid)
@@ -266,7 +266,7 @@ class Pool:
         return len(self.persistence)
 
     def take(
-        self, rs: RealServer, now: float, handle: Any = None, client: tuple | None = None
+        self, rs: RealServer, now: float, handle: Any = None, client: tuple[Any, ...] | None = None
     ) -> Lease:
         """Count a connection sent to `rs`; pass the lease to `drop` when it ends.
 
@@ -318,7 +318,7 @@ class Pool:
         rs.active -= 1
         self.active -= 1
         if lease.sticky is not None:
-            self.persistence.release(lease.sticky, now)  # type: ignore[union-attr]
+            self.persistence.release(lease.sticky, now)  # type: ignore[union-attr]  # a sticky lease implies persistence
             lease.sticky = None
         if lease.epoch == self.epoch:
             rs.sched_active -= 1
@@ -377,7 +377,7 @@ class Pool:
         error = weight_error(weight)
         if error:
             return error
-        rs.static_weight = float(weight)  # type: ignore[arg-type]
+        rs.static_weight = float(weight)  # type: ignore[arg-type]  # weight_error() checked it is a number
         self._update(rs, now)
         return None
 
@@ -391,7 +391,7 @@ class Pool:
         if self.scheduler.dynamic_weights:
             snmp = rs.config.snmp
             max_value = snmp.max_value if snmp else 100
-            weight = self.scheduler.weight_from_value(value, max_value)  # type: ignore[attr-defined]
+            weight = self.scheduler.weight_from_value(value, max_value)  # type: ignore[attr-defined]  # on dynamic_weights schedulers only
             self.set_dynamic_weight(rs, weight, now)
         else:
             self.scheduler.on_report(rs, value, now)
@@ -440,7 +440,7 @@ class Pool:
                 changes.append(f"removed {rs.name}")
         reorder = False
         for index, rs_config in wanted.values():
-            rs = self.by_name.get(rs_config.name)
+            rs = self.by_name.get(rs_config.name)  # type: ignore[assignment]  # None: handled next
             if rs is None:
                 self._add(rs_config, now)
                 changes.append(f"added {rs_config.name}")
@@ -516,12 +516,12 @@ class Pool:
         now: float,
         current: str | None = None,
         via: str = "http",
-        client: tuple | None = None,
+        client: tuple[Any, ...] | None = None,
     ) -> Located | None:
         return self.locator.locate(now, current, via, client)
 
     def answer(
-        self, rs: RealServer, now: float, via: str = "http", client: tuple | None = None
+        self, rs: RealServer, now: float, via: str = "http", client: tuple[Any, ...] | None = None
     ) -> None:
         self.locator.answer(rs, now, via, client)
 
@@ -782,16 +782,16 @@ class Pool:
         for rs in list(self._retrying):
             if rs.removed or rs.health.up:
                 self._cancel_trial(rs)
-            elif now >= rs.retry_at:  # type: ignore[operator]
+            elif now >= rs.retry_at:  # type: ignore[operator]  # set while in _retrying
                 self._retrying.discard(rs)
                 rs.retry_at = None
                 rs.trial = True
                 self._apply(rs, now)
             else:
-                next_tick = min(next_tick, rs.retry_at)  # type: ignore[type-var]
+                next_tick = min(next_tick, rs.retry_at)  # type: ignore[type-var, assignment]  # set while in _retrying
         if self._ramping:
             for rs in list(self._ramping):
-                if now - rs.ramp_start >= self.config.slow_start:  # type: ignore[operator]
+                if now - rs.ramp_start >= self.config.slow_start:  # type: ignore[operator]  # set while in _ramping
                     rs.ramp_start = None
                     self._ramping.discard(rs)
                 self._apply(rs, now)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 # Why a datagram was dropped. The first five are SPEC §19's: a client datagram that could
 # not open a session. Then: a reply beyond `udp.responses` per request (no amplification;
@@ -31,12 +32,12 @@ DIRECTIONS = ("in", "out")  # in: client to real server; out: real server to cli
 
 @dataclass
 class UdpCounters:
-    datagrams: Counter = field(default_factory=Counter)  # (real server, direction)
-    bytes: Counter = field(default_factory=Counter)  # (real server, direction)
-    sessions_total: Counter = field(default_factory=Counter)  # by real server
-    dropped: Counter = field(default_factory=Counter)  # by reason (DROP_REASONS)
+    datagrams: Counter[Any] = field(default_factory=Counter)  # (real server, direction)
+    bytes: Counter[Any] = field(default_factory=Counter)  # (real server, direction)
+    sessions_total: Counter[Any] = field(default_factory=Counter)  # by real server
+    dropped: Counter[Any] = field(default_factory=Counter)  # by reason (DROP_REASONS)
 
-    def document(self) -> dict:
+    def document(self) -> dict[str, Any]:
         """The `udp` part of a UDP virtual server's JSON document, totals only."""
         return {
             "datagrams_in": sum(n for (_, d), n in self.datagrams.items() if d == "in"),

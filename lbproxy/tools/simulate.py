@@ -328,7 +328,7 @@ def simulate(
     *,
     hold: bool = False,
     locate: bool = False,
-    events: list[Event] = (),  # type: ignore[assignment]
+    events: list[Event] = (),  # type: ignore[assignment]  # an immutable default, never changed
     rate: float = 10.0,
     explain: bool = False,
     clients: int | None = None,
@@ -384,6 +384,7 @@ def simulate(
         else:
             rs = pool.pick(now, (), client)
         if per_client is not None:
+            assert client is not None  # made above whenever per_client is
             name = rs.name if rs is not None else None
             per_client.setdefault(client[0], []).append(name)
             last[client[0]] = name

@@ -224,7 +224,7 @@ class Scheduler:
         raise NotImplementedError
 
     def pick_for(
-        self, client: tuple | None, now: float, avoid: Collection[RealServer] = ()
+        self, client: tuple[Any, ...] | None, now: float, avoid: Collection[RealServer] = ()
     ) -> RealServer | None:
         """`pick` for a client address `(host, port)`; only `keyed` schedulers use it."""
         return self.pick(now, avoid)
@@ -290,12 +290,12 @@ class HeapScheduler(Scheduler):
         super().__init__(pool)
         self.heap = KeyedHeap()
 
-    def key(self, rs: RealServer) -> tuple:
+    def key(self, rs: RealServer) -> tuple[Any, ...]:
         """What this algorithm minimises, as a tuple compared element by element."""
         raise NotImplementedError
 
     def pick(self, now: float, avoid: Collection[RealServer] = ()) -> RealServer | None:
-        return self.heap.min(avoid)  # type: ignore[return-value]
+        return self.heap.min(avoid)  # type: ignore[return-value]  # the heap holds RealServers only
 
     def _rekey(self, rs: RealServer) -> None:
         if rs in self.heap:
@@ -318,7 +318,7 @@ class HeapScheduler(Scheduler):
 
     def on_reset(self, now: float) -> None:
         for rs in self.heap.items():
-            self._rekey(rs)  # type: ignore[arg-type]
+            self._rekey(rs)  # type: ignore[arg-type]  # the heap holds RealServers only
 
     def explain(self, rs: RealServer) -> Any:
         return self.key(rs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable
 from heapq import heapify, heappop, heappush
 from itertools import count
+from typing import Any
 
 # Rebuild the heap when it holds more than this many entries per live item (+ slack):
 # bounds the memory and the depth that stale entries add.
@@ -32,8 +33,8 @@ class KeyedHeap:
     __slots__ = ("_entries", "_heap", "_ticks")
 
     def __init__(self) -> None:
-        self._heap: list[tuple] = []
-        self._entries: dict[Hashable, tuple] = {}  # the live entry of each item
+        self._heap: list[tuple[Any, ...]] = []
+        self._entries: dict[Hashable, tuple[Any, ...]] = {}  # the live entry of each item
         self._ticks = count()
 
     def __len__(self) -> int:
@@ -42,10 +43,10 @@ class KeyedHeap:
     def __contains__(self, item: Hashable) -> bool:
         return item in self._entries
 
-    def key(self, item: Hashable) -> tuple:
+    def key(self, item: Hashable) -> tuple[Any, ...]:
         return self._entries[item][:-2]
 
-    def set(self, item: Hashable, key: tuple) -> None:
+    def set(self, item: Hashable, key: tuple[Any, ...]) -> None:
         """Insert `item` with `key` (a tuple), or move it to `key` if it is already here."""
         entry = (*key, next(self._ticks), item)
         self._entries[item] = entry
@@ -82,7 +83,7 @@ class KeyedHeap:
     def items(self) -> list[Hashable]:
         return list(self._entries)
 
-    def _top(self) -> tuple | None:
+    def _top(self) -> tuple[Any, ...] | None:
         heap, entries = self._heap, self._entries
         while heap:
             entry = heap[0]

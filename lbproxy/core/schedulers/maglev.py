@@ -82,7 +82,7 @@ def permutation(name: str, size: int) -> tuple[int, int]:
     return h1 % size, h2 % (size - 1) + 1
 
 
-def client_hash(client: tuple | None, with_port: bool = False) -> int:
+def client_hash(client: tuple[Any, ...] | None, with_port: bool = False) -> int:
     """The fixed hash of a client address `(host, port, ...)`; 0 for no client."""
     if client is None:
         return 0
@@ -97,7 +97,13 @@ def client_hash(client: tuple | None, with_port: bool = False) -> int:
     return value
 
 
-def populate(servers: list[Any], names: list[str], weights: list[float], size: int, cache=None):
+def populate(
+    servers: list[Any],
+    names: list[str],
+    weights: list[float],
+    size: int,
+    cache: dict[str, tuple[int, int]] | None = None,
+) -> list[Any]:
     """The Maglev table: `size` slots, each one of `servers` (given in name order).
 
     `cache` maps name -> (offset, skip) for this size and is filled as needed.
@@ -117,7 +123,7 @@ def populate(servers: list[Any], names: list[str], weights: list[float], size: i
     return _weighted(servers, weights, position, skips, size)
 
 
-def _round_robin(servers: list[Any], position: list[int], skips: list[int], size: int):
+def _round_robin(servers: list[Any], position: list[int], skips: list[int], size: int) -> list[Any]:
     """The paper's population loop: servers take one turn each, in order, until full.
 
     (The weighted order below gives the same table when the weights are equal; this
@@ -143,7 +149,7 @@ def _round_robin(servers: list[Any], position: list[int], skips: list[int], size
 
 def _weighted(
     servers: list[Any], weights: list[float], position: list[int], skips: list[int], size: int
-):
+) -> list[Any]:
     """The population loop with turns in proportion to weight (earliest deadline first).
 
     The k-th turn of server i is at virtual time k / w_i, ties in name order; computed
@@ -204,7 +210,7 @@ class Maglev(Scheduler):
         self._weights: dict[RealServer, float] = {}  # the weights the table was built with
         self._permutations: dict[str, tuple[int, int]] = {}  # name -> (offset, skip)
         if self.with_port:
-            self.pick_for = self._pick_with_port  # type: ignore[method-assign]
+            self.pick_for = self._pick_with_port  # type: ignore[method-assign]  # chosen once, per instance
 
     # -- picks ---------------------------------------------------------------------
 
@@ -212,7 +218,7 @@ class Maglev(Scheduler):
         return self.pick_for(None, now, avoid)
 
     def pick_for(
-        self, client: tuple | None, now: float, avoid: Collection[RealServer] = ()
+        self, client: tuple[Any, ...] | None, now: float, avoid: Collection[RealServer] = ()
     ) -> RealServer | None:
         """The server for `client` (its address tuple; None: the empty key)."""
         table = self.table
@@ -234,7 +240,7 @@ class Maglev(Scheduler):
         return self._walk(table, slot, avoid)
 
     def _pick_with_port(
-        self, client: tuple | None, now: float, avoid: Collection[RealServer] = ()
+        self, client: tuple[Any, ...] | None, now: float, avoid: Collection[RealServer] = ()
     ) -> RealServer | None:
         """pick_for with `hash_key: source_port` (bound in its place by __init__)."""
         table = self.table if self.table is not None else self._build()

@@ -3,7 +3,8 @@
 Nothing here runs on the connection path: the pools, the pump's flows and the pollers
 keep plain counters, and this collector turns them into metric families when
 `/metrics` is scraped (the prometheus-pve-exporter pattern). Each Server gets its own
-registry, so tests never share state.
+registry, so tests never share state. Every family's name, type, help and labels are in
+the one table, metric_families.py, which the workers' supervisor reads as well.
 """
 
 from __future__ import annotations
@@ -13,13 +14,9 @@ from typing import Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.metrics_core import Metric
 
+from lbproxy.admin.metric_families import family
 from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
@@ -47,7 +44,6 @@ DNS_RCODES = (
     "dropped",
     "ratelimited",
 )
-VS, RS = "virtual_server", "real_server"
 
 
 class MetricsSource(Protocol):
@@ -63,84 +59,23 @@ class LbproxyCollector:
         self.source = source
 
     def collect(self) -> Iterator[Metric]:
-        connections = CounterMetricFamily(
-            "lbproxy_connections",
-            "Connections established to each real server (failed connects not included).",
-            labels=[VS, RS],
-        )
-        active = GaugeMetricFamily(
-            "lbproxy_active_connections", "Connections open to each real server.", labels=[VS, RS]
-        )
-        bytes_total = CounterMetricFamily(
-            "lbproxy_bytes",
-            "Bytes moved; direction in is client to server, out is server to client.",
-            labels=[VS, RS, "direction"],
-        )
-        rejected = CounterMetricFamily(
-            "lbproxy_rejected_connections",
-            "Client connections closed without being served, by reason.",
-            labels=[VS, "reason"],
-        )
-        connect_failures = CounterMetricFamily(
-            "lbproxy_connect_failures",
-            "Failed connects to a real server, by reason.",
-            labels=[VS, RS, "reason"],
-        )
-        up = GaugeMetricFamily(
-            "lbproxy_real_server_up", "1 when the real server's health is up.", labels=[VS, RS]
-        )
-        weight = GaugeMetricFamily(
-            "lbproxy_real_server_weight",
-            "Static (configured or set at run time) and effective weight.",
-            labels=[VS, RS, "kind"],
-        )
-        checks = CounterMetricFamily(
-            "lbproxy_health_checks", "Active health check results.", labels=[VS, RS, "result"]
-        )
-        polls = CounterMetricFamily(
-            "lbproxy_snmp_polls", "SNMP poll results.", labels=[VS, RS, "result"]
-        )
-        poll_duration = HistogramMetricFamily(
-            "lbproxy_snmp_poll_duration_seconds",
-            "Time from an SNMP request to its answer or the poll's failure.",
-            labels=[VS],
-        )
-        fallback = GaugeMetricFamily(
-            "lbproxy_dynamic_weight_fallback",
-            "1 while every dynamic weight is 0 and static weights are used.",
-            labels=[VS],
-        )
-        throttle = GaugeMetricFamily(
-            "lbproxy_throttle_mode",
-            "Admission control mode: 0 low, 1 high, 2 digg.",
-            labels=[VS],
-        )
-        duration = HistogramMetricFamily(
-            "lbproxy_connection_duration_seconds",
-            "Lifetime of proxied connections.",
-            labels=[VS],
-        )
-        persistence_entries = GaugeMetricFamily(
-            "lbproxy_persistence_entries",
-            "Clients remembered by persistence (expired entries are not counted).",
-            labels=[VS],
-        )
-        persistence_lookups = CounterMetricFamily(
-            "lbproxy_persistence_lookups",
-            "Persistence lookups, one per connection: hit, miss, or moved (the remembered "
-            "server was unavailable).",
-            labels=[VS, "result"],
-        )
-        queued = GaugeMetricFamily(
-            "lbproxy_queued_connections",
-            "Clients waiting in the virtual server's queue for a free real server.",
-            labels=[VS],
-        )
-        queue_wait = HistogramMetricFamily(
-            "lbproxy_queue_wait_seconds",
-            "Time clients waited in the queue, timed-out waits included.",
-            labels=[VS],
-        )
+        connections = family("lbproxy_connections")
+        active = family("lbproxy_active_connections")
+        bytes_total = family("lbproxy_bytes")
+        rejected = family("lbproxy_rejected_connections")
+        connect_failures = family("lbproxy_connect_failures")
+        up = family("lbproxy_real_server_up")
+        weight = family("lbproxy_real_server_weight")
+        checks = family("lbproxy_health_checks")
+        polls = family("lbproxy_snmp_polls")
+        poll_duration = family("lbproxy_snmp_poll_duration_seconds")
+        fallback = family("lbproxy_dynamic_weight_fallback")
+        throttle = family("lbproxy_throttle_mode")
+        duration = family("lbproxy_connection_duration_seconds")
+        persistence_entries = family("lbproxy_persistence_entries")
+        persistence_lookups = family("lbproxy_persistence_lookups")
+        queued = family("lbproxy_queued_connections")
+        queue_wait = family("lbproxy_queue_wait_seconds")
         now = trio.current_time()
         for pool in self.source.pools():
             vs = pool.name
@@ -182,17 +117,10 @@ class LbproxyCollector:
                     for result in SNMP_RESULTS:
                         polls.add_metric([*labels, result], rs.counters.snmp_polls[result])
         yield from self._discovery()
-        reloads = CounterMetricFamily(
-            "lbproxy_config_reloads", "Configuration reloads, by result.", labels=["result"]
-        )
+        reloads = family("lbproxy_config_reloads")
         for result in RELOAD_RESULTS:
             reloads.add_metric([result], self.source.reloads.get(result, 0))
-        internal = CounterMetricFamily(
-            "lbproxy_internal_errors",
-            "Bugs caught by the exception barrier: each ended one unit (a connection, "
-            "check, poll, locate or request) and nothing else.",
-            labels=["where"],
-        )
+        internal = family("lbproxy_internal_errors")
         counts = internal_errors().counts
         for where in INTERNAL_ERROR_PLACES:
             internal.add_metric([where], counts.get(where, 0))
@@ -227,16 +155,8 @@ class LbproxyCollector:
         states: dict[str, DiscoveryState] = getattr(discovery, "states", {})
         if not states:
             return
-        resolutions = CounterMetricFamily(
-            "lbproxy_discovery_resolutions",
-            "DNS discovery rounds, by result (ok, empty, nxdomain, error).",
-            labels=[VS, "result"],
-        )
-        discovered = GaugeMetricFamily(
-            "lbproxy_discovered_servers",
-            "Real servers in the last DNS answer that counted (leaving ones not included).",
-            labels=[VS],
-        )
+        resolutions = family("lbproxy_discovery_resolutions")
+        discovered = family("lbproxy_discovered_servers")
         for name, state in states.items():
             for result in DISCOVERY_RESULTS:
                 resolutions.add_metric([name, result], state.results[result])
@@ -249,37 +169,18 @@ class LbproxyCollector:
         cluster = getattr(self.source, "cluster", None)
         if cluster is None:
             return
-        yield GaugeMetricFamily(
-            "lbproxy_cluster_connected",
-            "1 while this instance is connected to the cluster's Redis.",
-            value=1 if cluster.connected else 0,
-        )
-        messages = CounterMetricFamily(
-            "lbproxy_cluster_messages",
-            "Cluster messages, by kind (state, weight, load, entries, invalid) and "
-            "direction (in: read from Redis, out: written).",
-            labels=["kind", "direction"],
-        )
+        yield family("lbproxy_cluster_connected", value=1 if cluster.connected else 0)
+        messages = family("lbproxy_cluster_messages")
         for kind in (*CLUSTER_KINDS, "entries", "invalid"):
             for direction in ("in", "out"):
                 if kind != "invalid" or direction == "in":
                     messages.add_metric([kind, direction], cluster.messages[kind, direction])
         yield messages
-        ignored = CounterMetricFamily(
-            "lbproxy_cluster_ignored_messages",
-            "Messages from Redis not applied, by reason (oversized, garbage, invalid, "
-            "unknown: a virtual or real server this instance does not have).",
-            labels=["reason"],
-        )
+        ignored = family("lbproxy_cluster_ignored_messages")
         for reason in CLUSTER_IGNORED:
             ignored.add_metric([reason], cluster.ignored[reason])
         yield ignored
-        yield GaugeMetricFamily(
-            "lbproxy_cluster_sync_lag_seconds",
-            "Connected: how long the last change from another instance took to apply "
-            "here; disconnected: how long Redis has been away.",
-            value=cluster.sync_lag,
-        )
+        yield family("lbproxy_cluster_sync_lag_seconds", value=cluster.sync_lag)
 
     def _udp(self) -> Iterator[Metric]:
         """SPEC §19; only for virtual servers with `protocol: udp` (none: no families).
@@ -287,24 +188,10 @@ class LbproxyCollector:
         pools = [pool for pool in self.source.pools() if pool.config.protocol == "udp"]
         if not pools:
             return
-        datagrams = CounterMetricFamily(
-            "lbproxy_udp_datagrams",
-            "UDP datagrams relayed; direction in is client to server, out is server to client.",
-            labels=[VS, RS, "direction"],
-        )
-        active = GaugeMetricFamily(
-            "lbproxy_udp_active_sessions", "UDP sessions open to each real server.", labels=[VS, RS]
-        )
-        sessions = CounterMetricFamily(
-            "lbproxy_udp_sessions", "UDP sessions opened to each real server.", labels=[VS, RS]
-        )
-        dropped = CounterMetricFamily(
-            "lbproxy_udp_dropped",
-            "UDP datagrams dropped, by reason: max_sessions, per_source, no_server, acl, "
-            "throttle (no session opened), unrequested (a reply beyond udp.responses), "
-            "send_error, reply_error.",
-            labels=[VS, "reason"],
-        )
+        datagrams = family("lbproxy_udp_datagrams")
+        active = family("lbproxy_udp_active_sessions")
+        sessions = family("lbproxy_udp_sessions")
+        dropped = family("lbproxy_udp_dropped")
         for pool in pools:
             counters = pool.udp
             for rs in pool.servers:
@@ -321,24 +208,10 @@ class LbproxyCollector:
 
     def _locator_families(self) -> Iterator[Metric]:
         """SPEC §10 and §11: locator answers, DNS queries, load reports, conditioning."""
-        answers = CounterMetricFamily(
-            "lbproxy_locator_answers",
-            "Locator answers (HTTP or DNS locate), by real server answered.",
-            labels=[VS, RS, "via"],
-        )
-        reports = CounterMetricFamily(
-            "lbproxy_load_reports", "Load reports pushed by real servers.", labels=[VS, RS]
-        )
-        load = GaugeMetricFamily(
-            "lbproxy_real_server_load",
-            "least-load: the load the scheduler uses now, estimates included.",
-            labels=[VS, RS],
-        )
-        conditioned = CounterMetricFamily(
-            "lbproxy_conditioned_connections",
-            "Connections closed by conditioning to rebalance the pool.",
-            labels=[VS, RS],
-        )
+        answers = family("lbproxy_locator_answers")
+        reports = family("lbproxy_load_reports")
+        load = family("lbproxy_real_server_load")
+        conditioned = family("lbproxy_conditioned_connections")
         for pool in self.source.pools():
             vs = pool.name
             shows_load = pool.scheduler.shows_load
@@ -351,9 +224,7 @@ class LbproxyCollector:
                     load.add_metric(labels, pool.load_of(rs) or 0.0)
                 if pool.config.conditioning is not None:
                     conditioned.add_metric(labels, pool.conditioned[rs.name])
-        queries = CounterMetricFamily(
-            "lbproxy_dns_queries", "DNS locator queries, by rcode answered.", labels=["rcode"]
-        )
+        queries = family("lbproxy_dns_queries")
         counted = getattr(self.source, "dns_queries", None) or {}
         for rcode in DNS_RCODES:
             queries.add_metric([rcode], counted.get(rcode, 0))

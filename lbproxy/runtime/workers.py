@@ -41,11 +41,12 @@ when the files were edited since), the worker answers "ready\\n" once every list
 bound, and reads on until end of file, which means the supervisor is gone (killed, even
 with SIGKILL): it then stops accepting and drains, so no orphan keeps the ports.
 
-Merging rules (docs/concepts/workers.md): counters and histograms are added up, and so is
-`lbproxy_active_connections`; the state-like gauges in MAX_FAMILIES take the highest
-value (a real server is up when any worker sees it up; weights are the same in every
-worker); `lbproxy_config_reloads_total` counts the supervisor's reloads. A worker that
-exits keeps its last scraped counters in the sums, so they do not go backwards.
+Merging rules (docs/concepts/workers.md; each family's in admin/metric_families.py):
+counters and histograms are added up, and so is `lbproxy_active_connections`; the
+state-like gauges (MAX) take the highest value (a real server is up when any worker
+sees it up; weights are the same in every worker); `lbproxy_config_reloads_total` counts
+the supervisor's reloads (OWN). A worker that exits keeps its last scraped counters in
+the sums, so they do not go backwards.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from zlib import crc32
 
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from lbproxy.admin import dashboard
@@ -92,6 +93,7 @@ from lbproxy.admin.api import (
     read_token,
     serve_asgi,
 )
+from lbproxy.admin.metric_families import MAX, OWN, merged_by
 from lbproxy.admin.metrics import RELOAD_RESULTS
 from lbproxy.config.model import Config
 from lbproxy.control.cluster import member_name
@@ -103,20 +105,11 @@ from lbproxy.runtime.server import BindError, Server, listen_socket, load_for_re
 
 log = logging.getLogger("lbproxy.workers")
 
-# Gauges that say what a state is rather than how much there is: the highest value wins.
-MAX_FAMILIES = frozenset(
-    {
-        "lbproxy_real_server_up",
-        "lbproxy_real_server_weight",
-        "lbproxy_dynamic_weight_fallback",
-        "lbproxy_throttle_mode",
-        "lbproxy_discovered_servers",  # every worker resolves the same name
-        "lbproxy_real_server_load",  # each worker is its own locator: the highest estimate
-        "lbproxy_cluster_connected",  # each worker is a member: 1 when any is connected
-        "lbproxy_cluster_sync_lag_seconds",  # the worst worker's
-    }
-)
-OWN_FAMILIES = frozenset({"lbproxy_config_reloads"})  # the supervisor's, not the workers'
+# How each family merges: the one table (admin/metric_families.py). Gauges that say what
+# a state is rather than how much there is take the highest value; the supervisor's own
+# families replace the workers'.
+MAX_FAMILIES = merged_by(MAX)
+OWN_FAMILIES = merged_by(OWN)
 COUNTER_TYPES = ("counter", "histogram")
 
 WORKER_TIMEOUT = 10.0  # seconds for one admin request to a worker
@@ -632,16 +625,12 @@ class Supervisor:
             sums.add(families)
         for family in self.retired.metrics():
             sums.add([family], existing_only=True)
-        reloads = CounterMetricFamily(
-            "lbproxy_config_reloads", "Configuration reloads, by result.", labels=["result"]
-        )
+        reloads = family("lbproxy_config_reloads")
         for result in RELOAD_RESULTS:
             reloads.add_metric([result], self.reloads[result])
-        ready = GaugeMetricFamily("lbproxy_workers_ready", "Worker processes ready to serve.")
+        ready = family("lbproxy_workers_ready")
         ready.add_metric([], sum(worker.ready for worker in self.workers))
-        restarts = CounterMetricFamily(
-            "lbproxy_worker_restarts", "Worker processes restarted after an exit."
-        )
+        restarts = family("lbproxy_worker_restarts")
         restarts.add_metric([], sum(worker.restarts for worker in self.workers))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Families([*sums.metrics(), reloads, ready, restarts]))  # type: ignore[arg-type]

@@ -94,6 +94,7 @@ from lbproxy.admin.api import (
     serve_asgi,
 )
 from lbproxy.admin.metric_families import MAX, OWN, merged_by
+from lbproxy.admin.metric_families import family as metric_family
 from lbproxy.admin.metrics import RELOAD_RESULTS
 from lbproxy.config.model import Config
 from lbproxy.control.cluster import member_name
@@ -625,12 +626,12 @@ class Supervisor:
             sums.add(families)
         for family in self.retired.metrics():
             sums.add([family], existing_only=True)
-        reloads = family("lbproxy_config_reloads")
+        reloads = metric_family("lbproxy_config_reloads")
         for result in RELOAD_RESULTS:
             reloads.add_metric([result], self.reloads[result])
-        ready = family("lbproxy_workers_ready")
+        ready = metric_family("lbproxy_workers_ready")
         ready.add_metric([], sum(worker.ready for worker in self.workers))
-        restarts = family("lbproxy_worker_restarts")
+        restarts = metric_family("lbproxy_worker_restarts")
         restarts.add_metric([], sum(worker.restarts for worker in self.workers))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Families([*sums.metrics(), reloads, ready, restarts]))  # type: ignore[arg-type]

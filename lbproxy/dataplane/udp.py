@@ -44,6 +44,8 @@ access_log = logging.getLogger("lbproxy.access")
 
 # The largest UDP payload over IPv4 (65,535 - 8 - 20), one buffer of it per direction.
 MAX_DATAGRAM = 65507
+# The listening socket's receive buffer asked for (the kernel caps it at rmem_max).
+RECEIVE_BUFFER = 4 << 20
 # Datagrams read per wake-up before other tasks run: fairness under a flood.
 _BATCH = 64
 
@@ -410,6 +412,11 @@ def udp_socket(address: Address, reuse_port: bool = False) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # UDP has no flow control: a datagram arriving while the buffer is full is lost
+        # (RcvbufErrors). A larger buffer rides out a burst or a pause of the relay;
+        # the kernel caps it at net.core.rmem_max (nginx: `listen ... rcvbuf=`).
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:

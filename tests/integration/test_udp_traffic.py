@@ -1,0 +1,190 @@
+"""UDP traffic through a real `lbproxy` (SPEC §19): syslog-style fire and forget from
+many clients, a thousand concurrent sessions byte-exact both ways, and two processes
+with `maglev` agreeing on every client with no shared state."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import threading
+from collections import Counter
+
+from tests.integration.harness import Lbproxy, free_port, wait_for
+from tests.integration.test_admin import metrics, sample
+from tests.integration.test_udp_health import Echo
+
+
+class Collector:
+    """A syslog collector: counts every datagram it receives (none answered)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self.sources: set[tuple] = set()  # lbproxy's session sockets: one per session
+        thread = threading.Thread(target=self._serve, daemon=True)
+        thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data, peer = self.sock.recvfrom(70000)
+                self.received.append(data)
+                self.sources.add(peer)
+                if data.startswith(b"<13>"):
+                    self.sock.sendto(b"unwanted reply", peer)  # responses: 0 drops it
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def udp_config(admin: int, port: int, scheduler: str, ports: dict[str, int], udp: str) -> str:
+    real = "".join(
+        f"      - {{name: {name}, address: 127.0.0.1:{p}}}\n" for name, p in ports.items()
+    )
+    return (
+        f"global:\n  admin: {{listen: 127.0.0.1:{admin}}}\n  drain_timeout: 1s\n"
+        "virtual_servers:\n  - name: vs\n    protocol: udp\n"
+        f"    listen: 127.0.0.1:{port}\n    scheduler: {scheduler}\n    udp: {udp}\n"
+        f"    real_servers:\n{real}"
+    )
+
+
+def test_syslog_10000_datagrams_from_100_clients_all_arrive_spread_then_expire(tmp_path):
+    collectors = {name: Collector() for name in ("c1", "c2", "c3")}
+    port, admin = free_port(), free_port()
+    ports = {name: c.port for name, c in collectors.items()}
+    config = udp_config(admin, port, "rr", ports, "{responses: 0, idle_timeout: 1s}")
+    clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(100)]
+    total = lambda: sum(len(c.received) for c in collectors.values())  # noqa: E731
+    try:
+        with Lbproxy(tmp_path, config).start():
+            sent = []
+            for seq in range(100):
+                for i, client in enumerate(clients):
+                    message = b"<13>client %d seq %d" % (i, seq)
+                    client.sendto(message, ("127.0.0.1", port))
+                    sent.append(message)
+                # At most ~200 in flight: UDP has no flow control, a socket buffer would.
+                sent_now = len(sent)
+                wait_for(lambda: total() >= sent_now - 200, what="the collectors")  # noqa: B023
+            wait_for(lambda: total() == 10000, what="all 10,000 datagrams")
+            received = [m for c in collectors.values() for m in c.received]
+            assert Counter(received) == Counter(sent)  # each once, none lost, none extra
+            # rr over 100 sessions: 34, 33, 33; each client's datagrams on one collector.
+            by_client = {}
+            for name, collector in collectors.items():
+                for message in collector.received:
+                    by_client.setdefault(message.split(b" seq")[0], set()).add(name)
+            assert all(len(names) == 1 for names in by_client.values())
+            spread = sorted(len(c.received) // 100 for c in collectors.values())
+            assert spread == [33, 33, 34]
+            samples = metrics(admin)
+            for name in collectors:
+                labels = {"virtual_server": "vs", "real_server": name}
+                assert (
+                    sample(samples, "lbproxy_udp_datagrams_total", **labels, direction="out") == 0
+                )
+            unrequested = sample(
+                samples, "lbproxy_udp_dropped_total", virtual_server="vs", reason="unrequested"
+            )
+            assert unrequested > 0  # the collectors' replies, none passed on
+
+            def open_sessions() -> float:
+                now = metrics(admin)
+                return sum(
+                    sample(now, "lbproxy_udp_active_sessions", virtual_server="vs", real_server=n)
+                    for n in collectors
+                )
+
+            assert open_sessions() > 0
+            wait_for(lambda: open_sessions() == 0, what="sessions idle 1 s expire")
+            now = metrics(admin)
+            assert (
+                sum(
+                    sample(now, "lbproxy_udp_sessions_total", virtual_server="vs", real_server=n)
+                    for n in collectors
+                )
+                == 100
+            )
+    finally:
+        for client in clients:
+            client.close()
+        for collector in collectors.values():
+            collector.close()
+
+
+def test_1000_concurrent_sessions_byte_exact_both_ways(tmp_path):
+    servers = {"a": Echo(b""), "b": Echo(b"")}
+    port, admin = free_port(), free_port()
+    ports = {name: e.port for name, e in servers.items()}
+    udp = "{idle_timeout: 30s, max_sessions_per_source: 1000}"  # one source address
+    config = udp_config(admin, port, "lc", ports, udp)
+    rng = random.Random(25)
+    clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(1000)]
+    for c in clients:
+        c.settimeout(5)
+    try:
+        with Lbproxy(tmp_path, config).start():
+            for _round in range(2):
+                # 50 at a time in flight; every session stays open between the rounds.
+                for start in range(0, 1000, 50):
+                    batch = clients[start : start + 50]
+                    payloads = [rng.randbytes(rng.choice((0, 1, 512, 1472, 9000))) for _ in batch]
+                    for client, payload in zip(batch, payloads, strict=True):
+                        client.sendto(payload, ("127.0.0.1", port))
+                    for client, payload in zip(batch, payloads, strict=True):
+                        assert client.recvfrom(70000)[0] == payload
+                samples = metrics(admin)
+                active = [
+                    sample(
+                        samples, "lbproxy_udp_active_sessions", virtual_server="vs", real_server=n
+                    )
+                    for n in servers
+                ]
+                assert active == [500, 500]  # lc: the open sessions shared evenly
+            opened = sum(
+                sample(samples, "lbproxy_udp_sessions_total", virtual_server="vs", real_server=n)
+                for n in servers
+            )
+            assert opened == 1000  # the second round reused every session
+    finally:
+        for client in clients:
+            client.close()
+        for echo in servers.values():
+            echo.close()
+
+
+def test_maglev_two_processes_agree_on_every_client(tmp_path):
+    servers = {name: Echo(name.encode() + b":") for name in ("a", "b", "c", "d")}
+    ports = {name: e.port for name, e in servers.items()}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    port1, port2 = free_port(), free_port()
+    config1 = udp_config(free_port(), port1, "maglev", ports, "{responses: 1}")
+    config2 = udp_config(free_port(), port2, "maglev", ports, "{responses: 1}")
+    clients = []
+    for i in range(1, 61):  # 60 client addresses: 127.0.0.1 .. 127.0.0.60
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((f"127.0.0.{i}", 0))
+        sock.settimeout(3)
+        clients.append(sock)
+    try:
+        with Lbproxy(tmp_path / "one", config1).start(), Lbproxy(tmp_path / "two", config2).start():
+            picks = []
+            for sock in clients:
+                answers = []
+                for port in (port1, port2):
+                    sock.sendto(b"?", ("127.0.0.1", port))
+                    answers.append(sock.recvfrom(100)[0])
+                picks.append(answers)
+            assert all(one == two for one, two in picks)  # no shared state, same server
+            assert len({one for one, _ in picks}) == 4  # and every server has clients
+    finally:
+        for sock in clients:
+            sock.close()
+        for echo in servers.values():
+            echo.close()

@@ -8,7 +8,6 @@ and never a traceback.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -103,10 +102,6 @@ def run(
     cfg = _load_or_exit(config)
     if cfg.global_.workers > 1:
         from lbproxy.runtime import workers
-
-        if os.environ.get("LISTEN_FDS"):  # each worker binds its own SO_REUSEPORT sockets
-            click.echo("lbproxy: socket activation (LISTEN_FDS) needs workers: 1", err=True)
-            sys.exit(EXIT_RUNTIME)
 
         sys.exit(workers.run(cfg, config_paths=list(config), log_level=log_level))
     sys.exit(server.run(cfg, config_paths=list(config), log_level=log_level))

@@ -444,7 +444,7 @@ class AdminApp:
         with `exit`, the code `lbproxy upgrade` exits with."""
         upgrade = getattr(self.server, "upgrade", None)
         if upgrade is None:
-            raise _HTTPError(501, "upgrade is not supported with workers > 1")
+            raise _HTTPError(501, "this endpoint cannot upgrade")
         body = await _read_body(receive)
         try:
             document = json.loads(body) if body.strip() else {}

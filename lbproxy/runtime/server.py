@@ -40,7 +40,7 @@ from lbproxy.runtime import logs
 from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
-from lbproxy.runtime.upgrade import Outcome, Upgrade
+from lbproxy.runtime.upgrade import Outcome, Upgrade, server_sockets, server_state
 from lbproxy.wire.cluster_messages import Change, EntryBatch
 
 log = logging.getLogger("lbproxy.server")
@@ -189,6 +189,12 @@ class Server:
             named.append((f"dns {dns.listen}/udp", self._dns_socks[0]))
             named.append((f"dns {dns.listen}", self._dns_socks[1]))
         return named
+
+    def handover_sockets(self) -> list[tuple[str, socket.socket]]:
+        return server_sockets(self)
+
+    def handover_state(self) -> dict[str, Any]:
+        return server_state(self)
 
     async def upgrade(self, config_paths: Sequence[str] = ()) -> Outcome:
         """`lbproxy upgrade`, SIGUSR2: start the lbproxy on disk now with this process's

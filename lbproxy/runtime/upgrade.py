@@ -47,7 +47,7 @@ import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -55,6 +55,7 @@ from lbproxy.config.model import ConfigError
 from lbproxy.config.reader import load
 from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import PREVIOUS, Passed
+from lbproxy.runtime.notify import Notifier
 
 if TYPE_CHECKING:
     from lbproxy.runtime.server import Server
@@ -124,17 +125,37 @@ def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[in
 # -- the old process --------------------------------------------------------------------
 
 
-def handed_sockets(server: Server) -> list[tuple[str, socket.socket]]:
-    """The listening sockets to hand over, each named as `Inherited.take` looks it up."""
+class HandsOver(Protocol):
+    """What an upgrade needs of the old process: the Server (`workers: 1`) or the
+    Supervisor of lbproxy/runtime/workers.py."""
+
+    notifier: Notifier
+
+    def handover_sockets(self) -> list[tuple[str, socket.socket]]:
+        """The listening sockets, each named as `Inherited.take` looks it up."""
+        ...
+
+    def handover_state(self) -> dict[str, Any]:
+        """The runtime state for the new process, JSON (added to the hand-over)."""
+        ...
+
+
+def server_sockets(server: Server) -> list[tuple[str, socket.socket]]:
+    """A Server's listening sockets to hand over: its listeners, admin endpoint, DNS."""
     named = [(str(address), listener.sock) for address, listener in server.listeners.items()]
     named.extend(server.endpoint_sockets())
-    return [(name, sock) for name, sock in named if sock.fileno() != -1]
+    return named
+
+
+def server_state(server: Server) -> dict[str, Any]:
+    """lbproxy/runtime/state.py's snapshot, as the state file holds it (JSON text)."""
+    return {"state": runtime_state.snapshot(server).decode()}
 
 
 class Upgrade:
     """One upgrade, run by the old process (`Server.upgrade`)."""
 
-    def __init__(self, server: Server, config_paths: Sequence[str], log_level: str) -> None:
+    def __init__(self, server: HandsOver, config_paths: Sequence[str], log_level: str) -> None:
         self.server = server
         self.config_paths = list(config_paths)
         self.log_level = log_level
@@ -199,12 +220,10 @@ class Upgrade:
         return outcome
 
     async def _talk(self, ours: socket.socket, process: subprocess.Popen) -> Outcome:
-        named = handed_sockets(self.server)
+        named = [(n, sock) for n, sock in self.server.handover_sockets() if sock.fileno() != -1]
         names = [STDERR, *(name for name, _ in named)]
         fds = [2, *(sock.fileno() for _, sock in named)]
-        # lbproxy/runtime/state.py's snapshot, as the state file holds it (JSON text)
-        state = runtime_state.snapshot(self.server).decode()
-        document = {"sockets": names, "state": state, "pid": os.getpid()}
+        document = {"sockets": names, "pid": os.getpid(), **self.server.handover_state()}
         try:
             await trio.to_thread.run_sync(send_message, ours, document, fds)
             answer, stray = await trio.to_thread.run_sync(
@@ -291,15 +310,36 @@ def run_new(fd: int, config_paths: list[str], log_level: str) -> int:
         sock.setblocking(False)
         passed.append(Passed(sock, name, PREVIOUS))
 
-    def ready(server: Server) -> None:
+    stderr = [old_stderr]
+
+    def restore_stderr() -> None:
+        """The pipe to the old process ends here (idempotent)."""
+        fd = stderr.pop() if stderr else None
+        if fd is not None:
+            os.dup2(fd, 2)
+            os.close(fd)
+
+    def ready(*_: object) -> None:
         with contextlib.suppress(OSError):
             send_message(channel, {"ready": True, "pid": os.getpid()})
         channel.close()
         log.info("took over from pid %s (upgrade)", hello.get("pid"))
-        if old_stderr is not None:  # the pipe to the old process ends here
-            os.dup2(old_stderr, 2)
-            os.close(old_stderr)
+        restore_stderr()
 
+    if config.global_.workers > 1:  # a supervisor: its workers accept on these sockets
+        from lbproxy.runtime import workers
+
+        return workers.run(
+            config,
+            config_paths=config_paths,
+            log_level=log_level,
+            passed=passed,
+            on_ready=ready,
+            handed=hello,
+            # before the workers start, who would inherit the pipe as their stderr and
+            # keep it open (and lose their lines once the old process is gone)
+            on_bound=restore_stderr,
+        )
     return runtime.run(
         config,
         config_paths=config_paths,

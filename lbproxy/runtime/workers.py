@@ -64,7 +64,7 @@ import socket
 import sys
 import tempfile
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -96,13 +96,14 @@ from lbproxy.admin.api import (
 from lbproxy.admin.metric_families import MAX, OWN, merged_by
 from lbproxy.admin.metric_families import family as metric_family
 from lbproxy.admin.metrics import RELOAD_RESULTS
-from lbproxy.config.model import Config
+from lbproxy.config.model import Address, Config
 from lbproxy.control.cluster import member_name
 from lbproxy.core.persistence import client_key
 from lbproxy.runtime import logs
 from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.runtime.server import BindError, Server, listen_socket, load_for_reload
+from lbproxy.runtime.upgrade import Outcome, Upgrade
 
 log = logging.getLogger("lbproxy.workers")
 
@@ -336,6 +337,13 @@ class Supervisor:
         # as a worker keeps them, and sent to a worker that starts later.
         self.load_reports: dict[str, bytes] = {}
         self._next_locator = 0  # round-robin over the workers for GET .../locate
+        # `lbproxy upgrade` (lbproxy/runtime/upgrade.py): the admin socket to hand over,
+        # its serving in a scope of its own (stopped at once by an upgrade), and what an
+        # upgrade's new process calls once every worker is ready
+        self.admin_listener: socket.socket | None = None
+        self._endpoints = trio.CancelScope()
+        self._upgrading = False
+        self.on_ready: Callable[[], Any] | None = None
 
     # -- life cycle -------------------------------------------------------------
 
@@ -344,9 +352,7 @@ class Supervisor:
             self._nursery = nursery
             await nursery.start(self._signals)
             if admin_sock is not None:
-                await nursery.start(
-                    partial(serve_asgi, SupervisorApp(self, self.token), admin_sock)
-                )
+                await nursery.start(self._serve_admin, admin_sock)
             if self.notifier.enabled:
                 nursery.start_soon(self._report_status)
             async with trio.open_nursery() as slots:
@@ -354,6 +360,52 @@ class Supervisor:
                     slots.start_soon(self._supervise, worker)
             nursery.cancel_scope.cancel()  # every worker has exited: admin and signals end
         log.info("stopped")
+
+    async def _serve_admin(
+        self, sock: socket.socket, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with self._endpoints:
+            await serve_asgi(SupervisorApp(self, self.token), sock, task_status=task_status)
+
+    # -- upgrade (lbproxy/runtime/upgrade.py) ---------------------------------------------
+
+    def handover_sockets(self) -> list[tuple[str, socket.socket]]:
+        named = list(self.listeners.items())
+        admin = self.config.global_.admin.listen
+        if self.admin_listener is not None and admin is not None:
+            named.append((f"admin {admin}", self.admin_listener))
+        return named
+
+    def handover_state(self) -> dict[str, Any]:
+        """The runtime changes a new worker catches up with: they go to the new
+        supervisor's workers the same way (global.state_file, if set, has the rest)."""
+        return {
+            "overrides": [(path, body.decode()) for path, body in self.overrides],
+            "load_reports": {path: body.decode() for path, body in self.load_reports.items()},
+        }
+
+    async def upgrade(self, config_paths: list[str] | tuple[str, ...] = ()) -> Outcome:
+        """As Server.upgrade: a new supervisor takes the TCP listening sockets and the
+        admin endpoint, starts its workers on them; once all are ready this one stops
+        accepting and its workers drain."""
+        if self.draining or self._upgrading:
+            busy = "draining" if self.draining else "an upgrade is already running"
+            return Outcome(False, error=f"cannot upgrade: {busy}", exit=1)
+        self._upgrading = True
+        try:
+            paths = list(config_paths) or self.config_paths
+            outcome = await Upgrade(self, paths, self.log_level).run()
+        finally:
+            self._upgrading = False
+        if not outcome.ok:
+            log.error("upgrade failed, still serving: %s", outcome.error)
+            return outcome
+        log.info("upgraded: pid %s serves now; these workers stop accepting", outcome.pid)
+        self.notifier.close()
+        self.notifier = Notifier()  # the new supervisor is systemd's main process now
+        self._endpoints.cancel()
+        self.stop()
+        return outcome
 
     def stop(self) -> None:
         """Pass SIGTERM on to every worker; main() returns once all have exited."""
@@ -396,12 +448,16 @@ class Supervisor:
                     worker.process.kill()
 
     async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
-        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:
+        signals = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+        with trio.open_signal_receiver(*signals) as sigs:
             task_status.started()
             async for signum in sigs:
                 if signum == signal.SIGHUP:
                     assert self._nursery is not None
                     self._nursery.start_soon(self.reload)
+                elif signum == signal.SIGUSR2:  # as nginx: start the new binary
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self.upgrade)
                 else:
                     log.info(
                         "received %s; stopping %d workers",
@@ -528,6 +584,8 @@ class Supervisor:
                 "all %d workers ready; listening on %s", len(self.workers), ", ".join(addresses)
             )
             self.notifier.ready(self._status_line(None))  # connections: in the next STATUS=
+            if self.on_ready is not None:  # an upgrade's new supervisor: tell the old one
+                self.on_ready()
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             while await stream.receive_some(4096):  # our end stays open: closing it stops
                 pass  # the worker; the end of file here means the worker has exited
@@ -848,6 +906,10 @@ class SupervisorApp(AdminApp):
             if ok:
                 return 200, _json({"result": "ok", "changes": messages}), "json"
             return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
+        if path == "/api/v1/upgrade":  # AdminApp's answer, through Supervisor.upgrade
+            self._allow(method, "POST")
+            self._authorize(scope)
+            return await self._upgrade(receive)
         if match := LOCATE_PATH.match(path):
             self._allow(method, "GET")
             query = scope.get("query_string", b"").decode("latin-1")
@@ -878,8 +940,22 @@ def _find(document: dict[str, Any], name: str) -> dict[str, Any]:
     raise _HTTPError(404, f"no virtual server {name!r}")
 
 
-def run(config: Config, *, config_paths: list[str], log_level: str = "info") -> int:
-    """The supervisor: run until SIGTERM/SIGINT; returns the process exit code."""
+def run(
+    config: Config,
+    *,
+    config_paths: list[str],
+    log_level: str = "info",
+    passed: list[Passed] | None = None,
+    on_ready: Callable[[], Any] | None = None,
+    handed: dict[str, Any] | None = None,
+    on_bound: Callable[[], Any] | None = None,
+) -> int:
+    """The supervisor: run until SIGTERM/SIGINT; returns the process exit code.
+
+    `passed`, `on_ready`, `handed`: started by `lbproxy upgrade` (runtime/upgrade.py), the
+    old process's sockets, what to call once every worker is ready, and the hand-over
+    (the old supervisor's runtime changes); `on_bound` is called once every socket is
+    bound, before a worker starts. Else systemd's sockets, if it passed any."""
     logs.configure(config.global_.log_format, log_level)
     token = None
     admin = config.global_.admin
@@ -890,27 +966,56 @@ def run(config: Config, *, config_paths: list[str], log_level: str = "info") -> 
             log.error("%s", exc)
             return 2
     listeners: dict[str, socket.socket] = {}
+    admin_sock = None
     try:
-        admin_sock = listen_socket(admin.listen) if admin.listen else None
+        # Sockets from an upgrade or systemd (TCP and the admin endpoint: a worker binds
+        # its UDP and DNS sockets itself), else bound here (lbproxy/runtime/inherit.py).
+        inherited = Inherited(passed) if passed is not None else Inherited.from_systemd()
+        if admin.listen:
+            key = f"admin {admin.listen}"
+            admin_sock = inherited.take(key, admin.listen, udp=False, names=["admin"])
+            admin_sock = admin_sock or _bind(inherited, admin.listen)
         for vs in config.virtual_servers:  # the workers' TCP sockets (module header)
             if vs.protocol == "tcp":
                 for address in vs.listen:
-                    if str(address) not in listeners:
-                        listeners[str(address)] = listen_socket(address)
+                    key = str(address)
+                    if key not in listeners:
+                        alone = [vs.name] if len(vs.listen) == 1 else []
+                        sock = inherited.take(key, address, udp=False, names=alone)
+                        listeners[key] = sock or _bind(inherited, address)
+        inherited.check_all_used()
     except BindError as exc:
         log.error("%s", exc)
-        for sock in listeners.values():
+        for sock in [*listeners.values(), *([admin_sock] if admin_sock else [])]:
             sock.close()
         return 1
+    if on_bound is not None:
+        on_bound()
     supervisor = Supervisor(config, config_paths, token, log_level, listeners)
+    supervisor.admin_listener = admin_sock
+    supervisor.on_ready = on_ready
+    if handed is not None:  # the old supervisor's PATCHes and load reports, replayed
+        supervisor.overrides = [(p, b.encode()) for p, b in handed.get("overrides", ())]
+        supervisor.load_reports = {p: b.encode() for p, b in handed.get("load_reports", {}).items()}
     # Taken out of the environment before any worker starts: workers never notify.
     supervisor.notifier = Notifier.from_environment()
+    supervisor.notifier.main_pid = passed is not None  # an upgrade: MAINPID= with READY=1
     log.info("starting %d workers", len(supervisor.workers))
     try:
         trio.run(supervisor.main, admin_sock)
     finally:
         shutil.rmtree(supervisor.folder, ignore_errors=True)
     return supervisor.exit_code
+
+
+def _bind(inherited: Inherited, address: Address) -> socket.socket:
+    """listen_socket(), its BindError naming the sockets passed, if any were."""
+    try:
+        return listen_socket(address)
+    except BindError as exc:
+        if not inherited:
+            raise
+        raise BindError(f"{exc}{inherited.missing(str(address))}") from None
 
 
 def tcp_addresses(config: Config) -> set[str]:

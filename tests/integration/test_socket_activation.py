@@ -216,3 +216,24 @@ def test_an_address_needed_but_not_passed_says_which_were(tmp_path):
         f"cannot listen on 127.0.0.1:{taken}: Address already in use (not among the sockets"
         f" passed: web 127.0.0.1:{port}; add it to lbproxy.socket)"
     ) in log, log
+
+
+def test_with_workers_the_supervisor_takes_the_passed_socket(tmp_path):
+    """workers: 2: the supervisor takes systemd's socket and both workers accept on it."""
+    port = free_port()
+    with NameServer("echo") as backend:
+        yaml = config(port, backend.port).replace(
+            "  drain_timeout: 5s\n", "  drain_timeout: 5s\n  workers: 2\n"
+        )
+        run = Activated(tmp_path, yaml, [f"127.0.0.1:{port}"], "web")
+        try:
+            first_connection(port)
+            wait_for(lambda: "all 2 workers ready" in run.log(), 20, "the workers")
+            for _ in range(10):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    assert s.recv(100) == b"echo\n"
+        finally:
+            run.stop()
+    log = run.log()
+    assert "socket activation: web 127.0.0.1:" in log and "cannot listen" not in log
+    assert "exit 0" in log, log

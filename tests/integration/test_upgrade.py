@@ -319,3 +319,36 @@ def test_a_udp_virtual_server_is_handed_over_and_loses_no_new_datagram(tmp_path)
         after.close()
         echo.close()
         proxy.stop()
+
+
+def test_with_workers_the_supervisor_hands_over_its_sockets(tmp_path):
+    """workers: 2. The new supervisor takes the TCP listening sockets and the admin
+    endpoint, starts its own two workers on them; the old workers drain. A loop of
+    20 clients through two upgrades: none refused or reset; a connection held through
+    an old worker finishes its transfer."""
+    port, admin = free_port(), free_port()
+    with NameServer("echo", greeting=False) as backend:
+        yaml = config(port, admin, backend.port).replace(
+            "  drain_timeout: 10s\n", "  drain_timeout: 10s\n  workers: 2\n"
+        )
+        proxy = Proxy(tmp_path, yaml, admin)
+        try:
+            wait_for(lambda: "all 2 workers ready" in proxy.log(), 20, "the workers")
+            with ClientLoop(port, clients=20, limit=90) as loop:
+                loop.wait_for(50)
+                for _ in range(2):
+                    held = socket.create_connection(("127.0.0.1", port), timeout=20)
+                    held.sendall(b"x")
+                    assert held.recv(1) == b"x"
+                    old = proxy.pid
+                    proxy.upgrade()
+                    assert transfer_all([held], MIB) == [MIB]  # through an old worker
+                    held.close()
+                    wait_for(lambda old=old: not alive(old), 20, f"supervisor {old} to exit")
+                    loop.wait_for(50)
+            counts = loop.counts
+        finally:
+            proxy.stop()
+    assert proxy.log().count("upgraded: pid") == 2
+    assert counts["refused"] == counts["reset"] == counts["error"] == 0, (counts, loop.errors)
+    assert counts["mismatch"] == 0 and counts["ok"] > 100, counts

@@ -18,6 +18,11 @@ Connections are counted twice: `active` is the truth (metrics, max_connections),
 `sched_active` is what schedulers see — the quiesce reset zeroes it, and a connection
 opened before a reset (its lease carries the old epoch) does not decrement it.
 
+What is not the pool's lives beside it: a real server's configuration, state and
+counters (real_server.py, `ServerCounters`), the locator's answers, load reports and
+balance state (locate.py, `Locator`, made by the pool and reached as `pool.locator`; the
+pool exposes `count_answer`, `load_of` and `balance_members` for it).
+
 Affinity (SPEC §12): `pick` and `take` are given the client's address. Only two things
 read it — the persistence table (persistence.py), consulted before the scheduler, and a
 `keyed` scheduler (maglev) — and a pool with neither never looks at it.

@@ -10,6 +10,7 @@ import pytest
 
 from tests.integration.harness import Lbproxy, free_port, read_name, wait_for
 from tests.integration.test_admin import http, metrics, sample
+from tests.integration.test_workers import ready, worker_servers, workers_config
 
 pytestmark = pytest.mark.integration
 
@@ -164,5 +165,29 @@ def test_gone_and_moved_servers_are_skipped_and_logged(setup, tmp_path, name_ser
         assert "web/b is no longer configured; skipped" in log, log
         assert "web/c is now" in log and "its runtime state is reset" in log, log
         assert servers_of(admin_port, "web")["c"]["state"] == "enabled"
+    finally:
+        proxy.stop()
+
+
+def test_with_workers_every_worker_restores_what_worker_1_wrote(tmp_path, name_servers):
+    servers = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    state_file = tmp_path / "state.json"
+    text = workers_config(port, servers, admin_port).replace(
+        "global:\n", f"global:\n  state_file: {state_file}\n", 1
+    )
+    proxy = Lbproxy(tmp_path, text).start([port, admin_port])
+    try:
+        wait_for(lambda: ready(admin_port), 20, "both workers ready")
+        api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
+        api(admin_port, "PATCH", "virtual-servers/web/real-servers/a", {"weight": 7})
+        assert proxy.stop() == 0
+        proxy = Lbproxy(tmp_path, text).start([port, admin_port])
+        wait_for(lambda: ready(admin_port), 20, "both workers ready again")
+        for index in (1, 2):
+            restored = worker_servers(admin_port, index)
+            assert restored["b"]["state"] == "drain", index
+            assert restored["a"]["weight"]["static"] == 7, index
+        assert proxy.log().count("restored from state file") == 2, proxy.log()
     finally:
         proxy.stop()

@@ -66,6 +66,8 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
     ]
     if vs.sni:
         lines.append(f"  sni         {', '.join(vs.sni)}")
+    if vs.protocol == "udp":
+        lines.append(f"  udp         {_udp_summary(vs)}")
     lines += [
         f"  scheduler   {scheduler}",
         f"  health      {_health_summary(vs.health_check)}",
@@ -95,6 +97,19 @@ def discovery_summary(dns: DnsDiscoveryConfig) -> str:
     what = f"{dns.type} {dns.name}" + (f" port {dns.port}" if dns.port is not None else "")
     via = ", ".join(str(a) for a in dns.resolvers) if dns.resolvers else "the system's resolvers"
     return f"{what} via {via}, every {dns.interval:g}s, hold {dns.hold:g}s"
+
+
+def _udp_summary(vs: VirtualServerConfig) -> str:
+    """Datagrams in sessions (SPEC §19): how a session ends and how many may be open."""
+    udp = vs.udp
+    if udp.responses is None:
+        ends = f"sessions end {udp.idle_timeout:g}s idle"
+    elif udp.responses == 0:
+        ends = f"no replies, sessions end {udp.idle_timeout:g}s idle"
+    else:
+        replies = "1 reply" if udp.responses == 1 else f"{udp.responses} replies"
+        ends = f"{replies} per request, else {udp.idle_timeout:g}s idle"
+    return f"{ends}; at most {udp.max_sessions} sessions, {udp.max_sessions_per_source} per source"
 
 
 def _listen_summary(vs: VirtualServerConfig) -> str:

@@ -132,3 +132,23 @@ def test_udp_and_dns_checks_read_and_refused_where_they_do_not_apply(tmp_path):
         f"{bad}:5: health_check type dns needs 'query' (a name)",
         f"{bad}:9: health_check type udp is for UDP; it needs protocol: udp",
     ]
+
+
+def test_check_summary_says_how_sessions_end(tmp_path):
+    from lbproxy.config.summary import summary
+
+    path = write(
+        tmp_path,
+        "lb.yaml",
+        "virtual_servers:\n"
+        "  - name: dns\n    protocol: udp\n    listen: 127.0.0.1:5300\n"
+        "    udp: {responses: 1, idle_timeout: 5s}\n"
+        + RS
+        + "  - name: syslog\n    protocol: udp\n    listen: 127.0.0.1:5514\n"
+        "    udp: {responses: 0, max_sessions: 50, max_sessions_per_source: 3}\n" + RS,
+    )
+    lines = summary(load([path])).splitlines()
+    assert [line for line in lines if line.startswith("  udp ")] == [
+        "  udp         1 reply per request, else 5s idle; at most 10000 sessions, 100 per source",
+        "  udp         no replies, sessions end 30s idle; at most 50 sessions, 3 per source",
+    ]

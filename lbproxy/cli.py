@@ -377,7 +377,7 @@ class _SetWeightCommand(click.Command):
                 break
             if arg[:1] == "-" and arg[1:2].isdigit():
                 weight = next(p for p in self.params if p.name == "weight")
-                weight.type.fail(  # type: ignore[union-attr]
+                weight.type.fail(
                     f"weight must be an integer from 0 to {MAX_WEIGHT}, got {arg!r}",
                     weight,
                     ctx,

@@ -233,5 +233,5 @@ class LbproxyCollector:
 
 def make_registry(source: MetricsSource) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LbproxyCollector(source))  # type: ignore[arg-type]
+    registry.register(LbproxyCollector(source))
     return registry

@@ -26,7 +26,7 @@ if os.environ.get(PURE_ENV, "") not in ("", "0"):
     _why_pure = f"{PURE_ENV}={os.environ[PURE_ENV]}"
 else:
     try:
-        from lbproxy.net import _cpump as cpump  # type: ignore[attr-defined,no-redef]
+        from lbproxy.net import _cpump as cpump  # type: ignore[attr-defined,no-redef]  # built C, no stub
     except ImportError as exc:  # not built (no compiler at install time), or broken
         _why_pure = f"no compiled extension: {exc}"
 

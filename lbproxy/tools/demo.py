@@ -137,13 +137,13 @@ def run(port: int = 8080, duration: float | None = None, admin_port: int | None 
     try:
         trio.run(_main, port, dwd_port, reserved, duration, tty, keyboard, admin)
     except* BindError as group:
-        failures.extend(group.exceptions)  # type: ignore[arg-type]
+        failures.extend(group.exceptions)  # type: ignore[arg-type]  # except* BindError: all are
     except* KeyboardInterrupt:
         pass  # Ctrl-C before the signal receiver was installed: still a clean stop
     finally:
         _release(reserved)
-    for exc in failures:
-        print(f"lbproxy demo: {exc} (try --port 0 for free ports)", file=sys.stderr)
+    for failure in failures:
+        print(f"lbproxy demo: {failure} (try --port 0 for free ports)", file=sys.stderr)
     return 1 if failures else 0
 
 
@@ -354,7 +354,7 @@ async def _main(
     print("lbproxy demo: stopped", flush=True)
 
 
-async def _serve(server: Server, served: trio.Event, task_status: trio.TaskStatus[None]) -> None:
+async def _serve(server: Server, served: trio.Event, task_status: trio.TaskStatus[Server]) -> None:
     try:
         await server.serve(task_status=task_status, handle_signals=False)
     finally:

@@ -150,7 +150,7 @@ def status_table(document: dict) -> Table:
         ("bytes out", "right"),
     ):
         # fold, never an ellipsis: print_status only prints the table when it fits.
-        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]  # rich wants a Literal
     loads = _has_load(document)
     if loads:
         table.add_column("load", justify="right", overflow="fold")
@@ -305,7 +305,7 @@ def cluster_plain(document: dict, now: float) -> list[str]:
     return lines
 
 
-UDP_COLUMNS = ("UDP_VIRTUAL_SERVER", "SESSIONS", "SESSIONS_TOTAL", "DATAGRAMS_IN")
+UDP_COLUMNS: tuple[str, ...] = ("UDP_VIRTUAL_SERVER", "SESSIONS", "SESSIONS_TOTAL", "DATAGRAMS_IN")
 UDP_COLUMNS += ("DATAGRAMS_OUT", "DROPPED")
 
 
@@ -422,7 +422,7 @@ def _health(health: str) -> Text:
     return Text("up", style="green") if health == "up" else Text("down", style="red")
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -14,7 +14,6 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import stat
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
@@ -25,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lbproxy.admin import dashboard, http_server
 from lbproxy.admin.metrics import make_registry
+from lbproxy.admin.routes import ANY_HOST_PATHS, HTTPError, Request, allowed, match
 from lbproxy.core.locate import Located
 from lbproxy.core.pool import Pool, state_error, weight_error
 
@@ -38,16 +38,13 @@ log = logging.getLogger("lbproxy.admin")
 MAX_BODY = http_server.MAX_BODY  # larger bodies: 413, from the server before the app
 PATCH_KEYS = ("weight", "state")
 PATCH_EXAMPLE = '{"weight": 3} or {"state": "enabled" | "drain" | "disabled"}'
-REAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)$")
-VIRTUAL_SERVER_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)$")
-LOAD_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/real-servers/([^/]+)/load$")
-LOCATE_PATH = re.compile(r"^/api/v1/virtual-servers/([^/]+)/locate$")
 # The asking client's "HOST PORT", from the supervisor of `workers: N` to a worker over
 # its private Unix socket (a locate's affinity); heeded from nowhere else.
 CLIENT_HEADER = b"x-lbproxy-client"
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Answer = tuple[int, bytes, str]  # status, body, content type ("json", "text", ...)
 
 
 class ProxyControl(Protocol):
@@ -160,14 +157,14 @@ def parse_load_report(body: bytes) -> tuple[object, object]:
     try:
         request = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError):
-        raise _HTTPError(400, f"body must be JSON, like {example}") from None
+        raise HTTPError(400, f"body must be JSON, like {example}") from None
     if not isinstance(request, dict):
-        raise _HTTPError(400, f"body must be a JSON object like {example}")
+        raise HTTPError(400, f"body must be a JSON object like {example}")
     unknown = sorted(set(request) - {"load", "per_connection"})
     if unknown:
-        raise _HTTPError(400, f"unknown key(s) {', '.join(map(repr, unknown))}; like {example}")
+        raise HTTPError(400, f"unknown key(s) {', '.join(map(repr, unknown))}; like {example}")
     if "load" not in request:
-        raise _HTTPError(400, f"body needs 'load', like {example}")
+        raise HTTPError(400, f"body needs 'load', like {example}")
     return request["load"], request.get("per_connection")
 
 
@@ -217,11 +214,6 @@ def _is_loopback(host: str | None) -> bool:
 
 def _header(headers: dict[bytes, bytes], name: bytes) -> str:
     return headers.get(name, b"").decode("latin-1")
-
-
-# Routes a request naming any Host may use: probes and scrapers often name the host, and
-# these change nothing and reveal nothing a rebound page could use (SPEC §16).
-ANY_HOST_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 def host_refusal(headers: dict[bytes, bytes], allowed: tuple[str, ...]) -> str | None:
@@ -286,8 +278,8 @@ class AdminApp:
             return
         try:
             status, body, content_type = await self._route(scope, receive)
-        except _HTTPError as exc:
-            status, body, content_type = exc.status, _json({"error": exc.message}), "json"
+        except HTTPError as exc:
+            status, body, content_type = exc.status, json_body({"error": exc.message}), "json"
         headers = [
             (b"content-type", _CONTENT_TYPES.get(content_type, content_type).encode()),
             (b"content-length", str(len(body)).encode()),
@@ -314,65 +306,74 @@ class AdminApp:
             dict(scope.get("headers", [])), self.server.config.global_.admin.allowed_hosts
         )
         if refusal is not None:
-            raise _HTTPError(421, refusal)
+            raise HTTPError(421, refusal)
 
     async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
+        """Match the route (routes.py), check the host, the method and, for a change,
+        the authorization, then call the route's handler."""
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
-        server = self.server
         self._check_host(scope, path)
-        if path == "/":  # the dashboard (lbproxy/admin/dashboard.py)
-            self._allow(method, "GET")
-            return 200, dashboard.page(), "html"
-        if path == "/metrics":
-            self._allow(method, "GET")
-            return 200, generate_latest(self.registry), "metrics"
-        if path == "/healthz":
-            self._allow(method, "GET")
-            return 200, b"ok\n", "text"
-        if path == "/readyz":
-            self._allow(method, "GET")
-            if server.ready and not server.draining:
-                return 200, b"ready\n", "text"
-            return 503, b"draining\n" if server.draining else b"starting\n", "text"
-        if path == "/api/v1/virtual-servers":
-            self._allow(method, "GET")
-            pools = list(server.pools())
-            document: dict[str, Any] = {
-                "virtual_servers": [virtual_server_document(p) for p in pools]
-            }
-            cluster = getattr(server, "cluster_document", None)  # SPEC §18; None: unclustered
-            document["cluster"] = cluster() if cluster is not None else None
-            return 200, _json(document), "json"
-        if match := VIRTUAL_SERVER_PATH.match(path):
-            self._allow(method, "GET")
-            return 200, _json(virtual_server_document(self._pool(match[1]))), "json"
-        if match := REAL_SERVER_PATH.match(path):
-            if method == "GET":
-                pool = self._pool(match[1])
-                self._real_server(pool, match[2])
-                return 200, _json(real_server_document(pool, match[2])), "json"
-            self._allow(method, "PATCH")
+        found = match(path)
+        handler = None if found is None else getattr(self, "on_" + found[0].name, None)
+        if found is None or handler is None:
+            raise HTTPError(404, f"no such path: {path}")
+        route, params = found
+        method = allowed(route, method)
+        if method != "GET":
             self._authorize(scope)
-            return await self._patch(match[1], match[2], receive)
-        if path == "/api/v1/reload":
-            self._allow(method, "POST")
-            self._authorize(scope)
-            ok, messages = server.reload()
-            if ok:
-                return 200, _json({"result": "ok", "changes": messages}), "json"
-            return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
-        if path == "/api/v1/upgrade":
-            self._allow(method, "POST")
-            self._authorize(scope)
-            return await self._upgrade(receive)
-        if match := LOCATE_PATH.match(path):
-            self._allow(method, "GET")
-            return self._locate(match[1], scope)
-        if match := LOAD_PATH.match(path):
-            self._allow(method, "PUT")
-            self._authorize(scope)
-            return await self._report_load(match[1], match[2], receive)
-        raise _HTTPError(404, f"no such path: {path}")
+        return await handler(Request(method, path, params, scope, receive))
+
+    # -- the routes (one handler each) ---------------------------------------------
+
+    async def on_dashboard(self, request: Request) -> Answer:
+        return 200, dashboard.page(), "html"  # lbproxy/admin/dashboard.py
+
+    async def on_metrics(self, request: Request) -> Answer:
+        return 200, generate_latest(self.registry), "metrics"
+
+    async def on_healthz(self, request: Request) -> Answer:
+        return 200, b"ok\n", "text"
+
+    async def on_readyz(self, request: Request) -> Answer:
+        server = self.server
+        if server.ready and not server.draining:
+            return 200, b"ready\n", "text"
+        return 503, b"draining\n" if server.draining else b"starting\n", "text"
+
+    async def on_virtual_servers(self, request: Request) -> Answer:
+        server = self.server
+        pools = list(server.pools())
+        document: dict[str, Any] = {"virtual_servers": [virtual_server_document(p) for p in pools]}
+        cluster = getattr(server, "cluster_document", None)  # SPEC §18; None: unclustered
+        document["cluster"] = cluster() if cluster is not None else None
+        return 200, json_body(document), "json"
+
+    async def on_virtual_server(self, request: Request) -> Answer:
+        return 200, json_body(virtual_server_document(self._pool(request.params[0]))), "json"
+
+    async def on_real_server(self, request: Request) -> Answer:
+        vs_name, rs_name = request.params
+        if request.method == "GET":
+            pool = self._pool(vs_name)
+            self._real_server(pool, rs_name)
+            return 200, json_body(real_server_document(pool, rs_name)), "json"
+        return await self._patch(vs_name, rs_name, request.receive)
+
+    async def on_reload(self, request: Request) -> Answer:
+        ok, messages = self.server.reload()
+        if ok:
+            return 200, json_body({"result": "ok", "changes": messages}), "json"
+        return 400, json_body({"error": "invalid configuration", "errors": messages}), "json"
+
+    async def on_upgrade(self, request: Request) -> Answer:
+        return await self._upgrade(request.receive)
+
+    async def on_locate(self, request: Request) -> Answer:
+        return self._locate(request.params[0], request.scope)
+
+    async def on_load(self, request: Request) -> Answer:
+        vs_name, rs_name = request.params
+        return await self._report_load(vs_name, rs_name, request.receive)
 
     # -- the locator (SPEC §10) ------------------------------------------------------
 
@@ -386,7 +387,7 @@ class AdminApp:
             trio.current_time(), current or None, "http", self._asking_client(scope)
         )
         if located is None:
-            raise _HTTPError(503, "no real server available")
+            raise HTTPError(503, "no real server available")
         # Compact: the one hot route (a client pool asks before each connection), and
         # json's C encoder runs only without `indent`.
         return 200, (json.dumps(locate_document(located)) + "\n").encode(), "json"
@@ -407,10 +408,10 @@ class AdminApp:
     ) -> tuple[int, bytes, str]:
         pool = self._pool(vs_name)
         self._real_server(pool, rs_name)
-        load, per_connection = parse_load_report(await _read_body(receive))
+        load, per_connection = parse_load_report(await read_body(receive))
         error = self.server.report_load(vs_name, rs_name, load, per_connection)
         if error:
-            raise _HTTPError(400, error)
+            raise HTTPError(400, error)
         rs = pool.by_name[rs_name]
         reported, step = pool.load_reports[rs]
         document = {
@@ -420,22 +421,22 @@ class AdminApp:
             "per_connection": _number(step),
             "load": _load(pool, rs),
         }
-        return 200, _json(document), "json"
+        return 200, json_body(document), "json"
 
     async def _patch(self, vs_name: str, rs_name: str, receive: Receive) -> tuple[int, bytes, str]:
         pool = self._pool(vs_name)
         self._real_server(pool, rs_name)
-        change = parse_patch(await _read_body(receive), f"{vs_name}/{rs_name}")
+        change = parse_patch(await read_body(receive), f"{vs_name}/{rs_name}")
         # The whole body is valid: both keys apply, or (a 400 above) neither.
         if "weight" in change:
             error = self.server.set_weight(vs_name, rs_name, change["weight"])
             if error:
-                raise _HTTPError(400, error)
+                raise HTTPError(400, error)
         if "state" in change:
             error = self.server.set_state(vs_name, rs_name, change["state"])
             if error:
-                raise _HTTPError(400, error)
-        return 200, _json(real_server_document(pool, rs_name)), "json"
+                raise HTTPError(400, error)
+        return 200, json_body(real_server_document(pool, rs_name)), "json"
 
     async def _upgrade(self, receive: Receive) -> tuple[int, bytes, str]:
         """POST /api/v1/upgrade `{"config": [PATH...]}` (optional; absolute paths, else the
@@ -444,36 +445,31 @@ class AdminApp:
         with `exit`, the code `lbproxy upgrade` exits with."""
         upgrade = getattr(self.server, "upgrade", None)
         if upgrade is None:
-            raise _HTTPError(501, "this endpoint cannot upgrade")
-        body = await _read_body(receive)
+            raise HTTPError(501, "this endpoint cannot upgrade")
+        body = await read_body(receive)
         try:
             document = json.loads(body) if body.strip() else {}
         except ValueError:
-            raise _HTTPError(400, "body is not JSON") from None
+            raise HTTPError(400, "body is not JSON") from None
         paths = document.get("config", []) if isinstance(document, dict) else None
         if not isinstance(paths, list) or not all(
             isinstance(p, str) and p.startswith("/") for p in paths
         ):
-            raise _HTTPError(400, '"config" must be a list of absolute paths')
+            raise HTTPError(400, '"config" must be a list of absolute paths')
         outcome = await upgrade(paths)
         status = 200 if outcome.ok else 400 if outcome.exit == 2 else 500
-        return status, _json(outcome.document()), "json"
+        return status, json_body(outcome.document()), "json"
 
     def _pool(self, name: str) -> Pool:
         for pool in self.server.pools():
             if pool.name == name:
                 return pool
-        raise _HTTPError(404, f"no virtual server {name!r}")
+        raise HTTPError(404, f"no virtual server {name!r}")
 
     @staticmethod
     def _real_server(pool: Pool, name: str) -> None:
         if name not in pool.by_name:
-            raise _HTTPError(404, f"no real server {name!r} in virtual server {pool.name!r}")
-
-    @staticmethod
-    def _allow(method: str, allowed: str) -> None:
-        if method != allowed and not (allowed == "GET" and method == "HEAD"):
-            raise _HTTPError(405, f"method {method} not allowed; use {allowed}")
+            raise HTTPError(404, f"no real server {name!r} in virtual server {pool.name!r}")
 
     def _authorize(self, scope: dict[str, Any]) -> None:
         client = scope.get("client")
@@ -489,28 +485,21 @@ class AdminApp:
             # request needs no CORS pre-check). Browsers name the page's origin on every
             # cross-origin POST, PUT and PATCH; curl, the CLI and the workers' supervisor
             # send none, and the dashboard's own requests name this endpoint itself.
-            raise _HTTPError(
+            raise HTTPError(
                 403,
                 f"cross-origin change refused: Origin {_header(headers, b'origin')!r} "
                 f"is not this endpoint ({_header(headers, b'host')!r})",
             )
         if self.token is None:
             if not _is_loopback(client[0] if client else None):
-                raise _HTTPError(403, "changes are only accepted from loopback without a token")
+                raise HTTPError(403, "changes are only accepted from loopback without a token")
             return
         header = headers.get(b"authorization", b"")
         scheme, _, given = header.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not given:
-            raise _HTTPError(401, "missing bearer token")
+            raise HTTPError(401, "missing bearer token")
         if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
-            raise _HTTPError(403, "wrong token")
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+            raise HTTPError(403, "wrong token")
 
 
 _CONTENT_TYPES = {
@@ -521,17 +510,17 @@ _CONTENT_TYPES = {
 }
 
 
-def _json(document: Any) -> bytes:
+def json_body(document: Any) -> bytes:
     return (json.dumps(document, indent=2) + "\n").encode()
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def read_body(receive: Receive) -> bytes:
     body = b""
     while True:
         message = await receive()
         body += message.get("body", b"")
         if len(body) > MAX_BODY:
-            raise _HTTPError(413, f"body too large: more than {MAX_BODY} bytes")
+            raise HTTPError(413, f"body too large: more than {MAX_BODY} bytes")
         if not message.get("more_body"):
             return body
 
@@ -599,7 +588,7 @@ def _not_json(constant: str) -> Any:
 def _refuse(where: str, message: str) -> Any:
     # INFO: a rejected change is rare and an operator wants to see why it did not happen.
     log.info("%s: change refused: %s", where, message)
-    raise _HTTPError(400, message)
+    raise HTTPError(400, message)
 
 
 async def serve_admin(

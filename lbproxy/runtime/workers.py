@@ -79,23 +79,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from lbproxy.admin import dashboard
 from lbproxy.admin.api import (
     CLIENT_HEADER,
-    LOAD_PATH,
-    LOCATE_PATH,
-    REAL_SERVER_PATH,
-    VIRTUAL_SERVER_PATH,
     AdminApp,
-    Receive,
+    Answer,
     TokenError,
-    _HTTPError,
-    _json,
-    _read_body,
+    json_body,
     parse_patch,
+    read_body,
     read_token,
     serve_asgi,
 )
 from lbproxy.admin.metric_families import MAX, OWN, merged_by
 from lbproxy.admin.metric_families import family as metric_family
 from lbproxy.admin.metrics import RELOAD_RESULTS
+from lbproxy.admin.routes import HTTPError, Request
 from lbproxy.config.model import Address, Config
 from lbproxy.control.cluster import member_name
 from lbproxy.core.persistence import client_key
@@ -647,7 +643,7 @@ class Supervisor:
     async def merged_document(self) -> dict[str, Any]:
         documents = [document for _, document in await self.documents()]
         if not documents:
-            raise _HTTPError(503, "no worker is ready")
+            raise HTTPError(503, "no worker is ready")
         return merge_documents(documents)
 
     async def workers_document(self) -> dict[str, Any]:
@@ -672,7 +668,7 @@ class Supervisor:
         for worker, document in await self.documents():
             if worker.index == index:
                 return document
-        raise _HTTPError(404, f"no ready worker {index}")
+        raise HTTPError(404, f"no ready worker {index}")
 
     async def metrics(self) -> bytes:
         sums = MetricSums()
@@ -706,9 +702,9 @@ class Supervisor:
         async with self._changes:  # a reload in progress may add or remove the names
             vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
             if vs is None:
-                raise _HTTPError(404, f"no virtual server {vs_name!r}")
+                raise HTTPError(404, f"no virtual server {vs_name!r}")
             if all(rs.name != rs_name for rs in vs.real_servers):
-                raise _HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
+                raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
             change = parse_patch(body, f"{vs_name}/{rs_name}")
             body = json.dumps(change).encode()
             path = "/api/v1/virtual-servers/{}/real-servers/{}".format(
@@ -716,12 +712,12 @@ class Supervisor:
             )
             answers = await self._each("PATCH", path, body)
             if not answers:
-                raise _HTTPError(503, "no worker is ready")
+                raise HTTPError(503, "no worker is ready")
             for _, status, answer in answers:
                 if status != 200:
                     return status, answer  # the worker's own error document
             self.overrides.append((path, body))  # for a worker that starts later
-            return 200, _json(merge_real_servers([json.loads(a) for _, _, a in answers]))
+            return 200, json_body(merge_real_servers([json.loads(a) for _, _, a in answers]))
 
     def _status_line(self, active: int | None) -> str:
         """systemd's STATUS= text: virtual servers, active connections, workers."""
@@ -743,7 +739,7 @@ class Supervisor:
         async with self._changes:
             answers = await self._each("PUT", path, body)
             if not answers:
-                raise _HTTPError(503, "no worker is ready")
+                raise HTTPError(503, "no worker is ready")
             for _, status, answer in answers:
                 if status != 200:
                     return status, answer
@@ -764,7 +760,7 @@ class Supervisor:
         """
         ready = [worker for worker in self.workers if worker.ready]
         if not ready:
-            raise _HTTPError(503, "no worker is ready")
+            raise HTTPError(503, "no worker is ready")
         headers = None
         if client is not None:
             headers = {CLIENT_HEADER.decode(): f"{client[0]} {client[1]}"}
@@ -777,7 +773,7 @@ class Supervisor:
         try:
             return await self._ask(worker, "GET", path, headers=headers)
         except (OSError, http.client.HTTPException) as exc:
-            raise _HTTPError(503, f"worker {worker.index} did not answer: {exc}") from None
+            raise HTTPError(503, f"worker {worker.index} did not answer: {exc}") from None
 
     async def reload(self) -> tuple[bool, list[str]]:
         """Validate the files, then reload every worker; (ok, changes or errors)."""
@@ -841,103 +837,94 @@ def _who(worker: Worker) -> tuple[int, int]:
 
 # -- the supervisor's admin endpoint ---------------------------------------------------
 
-WORKER_PATH = "/api/v1/workers"
-
 
 class SupervisorApp(AdminApp):
-    """AdminApp's routes, answered from the workers (and `/api/v1/workers` besides)."""
+    """AdminApp's routes (admin/routes.py), answered from the workers, and the workers'
+    own routes besides. The matching, the method check and the authorization are
+    AdminApp's; each handler here replaces the single process's."""
 
     def __init__(self, supervisor: Supervisor, token: str | None) -> None:
         self.server = supervisor  # type: ignore[assignment]
         self.supervisor = supervisor
         self.token = token
 
-    async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
-        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+    # /api/v1/upgrade: AdminApp's handler, through Supervisor.upgrade.
+
+    async def on_dashboard(self, request: Request) -> Answer:
+        return 200, dashboard.page(), "html"  # the same page, fed by the merged document
+
+    async def on_metrics(self, request: Request) -> Answer:
+        return 200, await self.supervisor.metrics(), "metrics"
+
+    async def on_readyz(self, request: Request) -> Answer:
         supervisor = self.supervisor
-        self._check_host(scope, path)  # DNS rebinding: 421, as a single process does
-        if path == "/":  # the dashboard: the same page, fed by the merged document
-            self._allow(method, "GET")
-            return 200, dashboard.page(), "html"
-        if path == "/metrics":
-            self._allow(method, "GET")
-            return 200, await supervisor.metrics(), "metrics"
-        if path == "/healthz":
-            self._allow(method, "GET")
-            return 200, b"ok\n", "text"
-        if path == "/readyz":
-            self._allow(method, "GET")
-            workers = supervisor.workers
-            if supervisor.draining:
-                return 503, b"draining\n", "text"
-            if all(w.ever_ready for w in workers) and any(w.ready for w in workers):
-                return 200, b"ready\n", "text"
-            return 503, b"starting\n", "text"
-        if path == WORKER_PATH:
-            self._allow(method, "GET")
-            return 200, _json(await supervisor.workers_document()), "json"
-        if path.startswith(WORKER_PATH + "/") and path.endswith("/virtual-servers"):
-            self._allow(method, "GET")
-            index = path[len(WORKER_PATH) + 1 : -len("/virtual-servers")]
-            if not index.isdigit():
-                raise _HTTPError(404, f"no such path: {path}")
-            return 200, _json(await supervisor.worker_document(int(index))), "json"
-        if path == "/api/v1/virtual-servers":
-            self._allow(method, "GET")
-            return 200, _json(await supervisor.merged_document()), "json"
-        if match := VIRTUAL_SERVER_PATH.match(path):
-            self._allow(method, "GET")
-            return 200, _json(_find(await supervisor.merged_document(), match[1])), "json"
-        if match := REAL_SERVER_PATH.match(path):
-            if method == "GET":
-                vs = _find(await supervisor.merged_document(), match[1])
-                for rs in vs["real_servers"]:
-                    if rs["name"] == match[2]:
-                        return 200, _json(rs), "json"
-                raise _HTTPError(404, f"no real server {match[2]!r} in virtual server {match[1]!r}")
-            self._allow(method, "PATCH")
-            self._authorize(scope)
-            status, answer = await supervisor.patch(match[1], match[2], await _read_body(receive))
-            return status, answer, "json"
-        if path == "/api/v1/reload":
-            self._allow(method, "POST")
-            self._authorize(scope)
-            ok, messages = await supervisor.reload()
-            if ok:
-                return 200, _json({"result": "ok", "changes": messages}), "json"
-            return 400, _json({"error": "invalid configuration", "errors": messages}), "json"
-        if path == "/api/v1/upgrade":  # AdminApp's answer, through Supervisor.upgrade
-            self._allow(method, "POST")
-            self._authorize(scope)
-            return await self._upgrade(receive)
-        if match := LOCATE_PATH.match(path):
-            self._allow(method, "GET")
-            query = scope.get("query_string", b"").decode("latin-1")
-            target = f"/api/v1/virtual-servers/{urllib.parse.quote(match[1], safe='')}/locate"
-            client = scope.get("client")
-            status, answer = await supervisor.locate(
-                target + (f"?{query}" if query else ""),
-                match[1],
-                None if client is None else tuple(client),
-            )
-            return status, answer, "json"
-        if match := LOAD_PATH.match(path):
-            self._allow(method, "PUT")
-            self._authorize(scope)
-            body = await _read_body(receive)  # over 64 KiB: 413, as a PATCH
-            quoted = [urllib.parse.quote(name, safe="") for name in (match[1], match[2])]
-            status, answer = await supervisor.report_load(
-                f"/api/v1/virtual-servers/{quoted[0]}/real-servers/{quoted[1]}/load", body
-            )
-            return status, answer, "json"
-        raise _HTTPError(404, f"no such path: {path}")
+        workers = supervisor.workers
+        if supervisor.draining:
+            return 503, b"draining\n", "text"
+        if all(w.ever_ready for w in workers) and any(w.ready for w in workers):
+            return 200, b"ready\n", "text"
+        return 503, b"starting\n", "text"
+
+    async def on_workers(self, request: Request) -> Answer:
+        return 200, json_body(await self.supervisor.workers_document()), "json"
+
+    async def on_worker(self, request: Request) -> Answer:
+        index = request.params[0]
+        if not index.isdigit():
+            raise HTTPError(404, f"no such path: {request.path}")
+        return 200, json_body(await self.supervisor.worker_document(int(index))), "json"
+
+    async def on_virtual_servers(self, request: Request) -> Answer:
+        return 200, json_body(await self.supervisor.merged_document()), "json"
+
+    async def on_virtual_server(self, request: Request) -> Answer:
+        document = await self.supervisor.merged_document()
+        return 200, json_body(_find(document, request.params[0])), "json"
+
+    async def on_real_server(self, request: Request) -> Answer:
+        vs_name, rs_name = request.params
+        supervisor = self.supervisor
+        if request.method == "GET":
+            vs = _find(await supervisor.merged_document(), vs_name)
+            for rs in vs["real_servers"]:
+                if rs["name"] == rs_name:
+                    return 200, json_body(rs), "json"
+            raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
+        status, answer = await supervisor.patch(vs_name, rs_name, await read_body(request.receive))
+        return status, answer, "json"
+
+    async def on_reload(self, request: Request) -> Answer:
+        ok, messages = await self.supervisor.reload()
+        if ok:
+            return 200, json_body({"result": "ok", "changes": messages}), "json"
+        return 400, json_body({"error": "invalid configuration", "errors": messages}), "json"
+
+    async def on_locate(self, request: Request) -> Answer:
+        (vs_name,) = request.params
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        target = f"/api/v1/virtual-servers/{urllib.parse.quote(vs_name, safe='')}/locate"
+        client = request.scope.get("client")
+        status, answer = await self.supervisor.locate(
+            target + (f"?{query}" if query else ""),
+            vs_name,
+            None if client is None else tuple(client),
+        )
+        return status, answer, "json"
+
+    async def on_load(self, request: Request) -> Answer:
+        body = await read_body(request.receive)  # over 64 KiB: 413, as a PATCH
+        quoted = [urllib.parse.quote(name, safe="") for name in request.params]
+        status, answer = await self.supervisor.report_load(
+            f"/api/v1/virtual-servers/{quoted[0]}/real-servers/{quoted[1]}/load", body
+        )
+        return status, answer, "json"
 
 
 def _find(document: dict[str, Any], name: str) -> dict[str, Any]:
     for vs in document.get("virtual_servers", []):
         if vs["name"] == name:
             return vs
-    raise _HTTPError(404, f"no virtual server {name!r}")
+    raise HTTPError(404, f"no virtual server {name!r}")
 
 
 def run(

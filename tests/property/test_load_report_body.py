@@ -13,7 +13,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.admin.api import _HTTPError, parse_load_report
+from lbproxy.admin.api import parse_load_report
+from lbproxy.admin.routes import HTTPError as _HTTPError
 from lbproxy.core.pool import Pool
 from tests.factories import virtual_server
 

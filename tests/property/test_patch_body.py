@@ -11,7 +11,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.admin.api import _HTTPError, parse_patch
+from lbproxy.admin.api import parse_patch
+from lbproxy.admin.routes import HTTPError as _HTTPError
 from lbproxy.core.pool import STATES, state_error, weight_error
 
 json_values = st.recursive(

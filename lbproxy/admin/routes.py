@@ -1,0 +1,102 @@
+"""The admin endpoint's routes: one table for both apps that answer them.
+
+A single process answers them from its live pools (api.py's `AdminApp`); the supervisor
+of `workers: N` answers the same routes from its workers (runtime/workers.py's
+`SupervisorApp`, a subclass). Each app has one handler per route it answers, named
+`on_<route>`; the matching, the method check and the authorization rule are written
+once, here and in `AdminApp._route`:
+
+- A path matches one route or none (404 "no such path"); a route an app has no handler
+  for is a 404 too (the workers' routes on a single process).
+- A route lists its methods; any other is a 405 naming the route's last one. HEAD is
+  answered as GET on a read-only route (GET alone).
+- Every method but GET changes something and needs authorization (api.py
+  `_authorize`: the token, or loopback without one), checked before the body is read.
+
+docs/reference/admin-api.md describes the same routes for a user.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ANY_HOST_PATHS", "ROUTES", "HTTPError", "Request", "Route", "allowed", "match"]
+
+# Routes a request naming any Host may use: probes and scrapers often name the host, and
+# these change nothing and reveal nothing a rebound page could use (SPEC §16).
+ANY_HOST_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+class HTTPError(Exception):
+    """An answer other than 200, raised anywhere in a handler: status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str  # the handler: on_<name>
+    template: str  # the path; {} stands for one name (no "/")
+    methods: tuple[str, ...]
+    pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        regex = "^" + re.escape(self.template).replace(r"\{\}", "([^/]+)") + "$"
+        object.__setattr__(self, "pattern", re.compile(regex))
+
+
+ROUTES = (
+    Route("dashboard", "/", ("GET",)),
+    Route("metrics", "/metrics", ("GET",)),
+    Route("healthz", "/healthz", ("GET",)),
+    Route("readyz", "/readyz", ("GET",)),
+    Route("workers", "/api/v1/workers", ("GET",)),  # the supervisor's only
+    Route("worker", "/api/v1/workers/{}/virtual-servers", ("GET",)),  # the supervisor's only
+    Route("virtual_servers", "/api/v1/virtual-servers", ("GET",)),
+    Route("virtual_server", "/api/v1/virtual-servers/{}", ("GET",)),
+    Route("real_server", "/api/v1/virtual-servers/{}/real-servers/{}", ("GET", "PATCH")),
+    Route("reload", "/api/v1/reload", ("POST",)),
+    Route("upgrade", "/api/v1/upgrade", ("POST",)),
+    Route("locate", "/api/v1/virtual-servers/{}/locate", ("GET",)),
+    Route("load", "/api/v1/virtual-servers/{}/real-servers/{}/load", ("PUT",)),
+)
+_FIXED = {route.template: route for route in ROUTES if "{}" not in route.template}
+_PATTERNS = [route for route in ROUTES if "{}" in route.template]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request as a handler sees it: the method it is answered as (HEAD: GET), the
+    path (no trailing slash), the path's names in order, and the ASGI scope and receive."""
+
+    method: str
+    path: str
+    params: tuple[str, ...]
+    scope: dict[str, Any]
+    receive: Any
+
+
+def match(path: str) -> tuple[Route, tuple[str, ...]] | None:
+    """The route `path` names and the names in it, or None."""
+    route = _FIXED.get(path)
+    if route is not None:
+        return route, ()
+    for route in _PATTERNS:
+        found = route.pattern.match(path)
+        if found is not None:
+            return route, found.groups()
+    return None
+
+
+def allowed(route: Route, method: str) -> str:
+    """The method `method` is answered as on `route`; a 405 when it has none."""
+    if method in route.methods:
+        return method
+    if method == "HEAD" and route.methods == ("GET",):
+        return "GET"
+    raise HTTPError(405, f"method {method} not allowed; use {route.methods[-1]}")

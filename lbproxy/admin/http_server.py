@@ -331,7 +331,7 @@ class _Connection:
         return {
             "type": "http",
             "asgi": ASGI,
-            "http_version": self.h11.their_http_version.decode(),  # type: ignore[union-attr]
+            "http_version": self.h11.their_http_version.decode(),  # type: ignore[union-attr]  # set once a request line was read
             "method": self.method.decode("ascii"),
             "scheme": "http",
             "path": path,
@@ -524,7 +524,7 @@ def _date() -> bytes:
     if now != _date_cache[0]:
         _date_cache[0] = now
         _date_cache[1] = email.utils.formatdate(now, usegmt=True).encode()
-    return _date_cache[1]  # type: ignore[return-value]
+    return _date_cache[1]  # type: ignore[return-value]  # [int, bytes]
 
 
 class _Lifespan:

@@ -194,7 +194,7 @@ class QueryHandler:
                     return self._rcode(response, dns.rcode.SERVFAIL)
                 self._located = (pool, rs)
                 srv, additional = self._records_of(name, rdtype, pool, rs)
-                response.answer.append(srv)
+                response.answer.append(srv)  # type: ignore[arg-type]  # SRV: always set (_srv)
                 if additional is not None:
                     response.additional.append(additional)
             return self._rcode(response, dns.rcode.NOERROR)
@@ -204,7 +204,7 @@ class QueryHandler:
             if rs is None:
                 return self._rcode(response, dns.rcode.NXDOMAIN)
             if rdtype in _ADDRESS_TYPES:
-                record = self._records_of(name, rdtype, pool, rs)[0]
+                record = self._records_of(name, rdtype, pool, rs)[0]  # type: ignore[arg-type]  # rs: pool too
                 if record is not None:
                     response.answer.append(record)
             return self._rcode(response, dns.rcode.NOERROR)

@@ -74,7 +74,7 @@ class DnsLocator:
         vs = self._pools.get(label)
         if vs is None:  # DNS names have no case; ours do: look the lower case up
             vs = self._pools.get(self._lower_name(label.lower()))
-        return None if vs is None else vs.pool  # type: ignore[attr-defined]
+        return None if vs is None else vs.pool  # type: ignore[attr-defined]  # a VirtualServer (not imported here)
 
     def _lower_name(self, lower: str) -> str:
         """The virtual server's name for a lower-case label, through an index of names.

@@ -116,7 +116,8 @@ class Acceptor(Protocol):
     listener re-routed by a reload) while the loop runs.
     """
 
-    accept_client: Callable[[int, Any, Spawn], object]
+    @property  # read-only here: a method or an attribute of the owner both do
+    def accept_client(self) -> Callable[[int, Any, Spawn], object]: ...
 
 
 async def accept_loop(

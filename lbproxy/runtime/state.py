@@ -33,7 +33,11 @@ with the one last written; only when it differs is a snapshot taken (in the even
 where the tables are consistent) and written from a thread: temp file in the same folder,
 fsync, os.replace, fsync of the folder, so a crash leaves the old file or the new one,
 never half of one. A write error is logged once (and its end once). The final write is
-made after the drain, when SIGTERM has stopped the process. With `workers: N` worker 1
+made after the drain, when SIGTERM has stopped the process. One writer per file: before
+each write the file is compared (inode and mtime: os.replace makes a new inode) with the
+one this process wrote last, and a file someone else wrote since — the new process of
+`lbproxy upgrade`, which writes at once — ends this process's writing (logged), so an
+old process draining after a hand-over never puts its stale state back. With `workers: N` worker 1
 writes the file (PATCHes reach every worker alike) and every worker reads it at start;
 the other workers' persistence entries are not kept.
 """
@@ -246,6 +250,7 @@ class StateWriter:
         self.enabled = True  # False in workers 2..N: worker 1 writes (module header)
         self.writes = 0
         self._written: tuple[str, tuple[Any, ...]] | None = None  # (path, fingerprint)
+        self._mine: tuple[str, tuple[int, int]] | None = None  # (path, (inode, mtime)) last
         self._error: str | None = None
 
     @property
@@ -271,9 +276,26 @@ class StateWriter:
             self.writes += 1
 
     def _write(self, path: str, data: bytes) -> bool:
-        """Atomically replace `path` with `data` (in a thread); False after an error."""
+        """Atomically replace `path` with `data` (in a thread); False after an error or
+        when another process has written the file since this one did (module header)."""
         try:
+            if self._mine is not None and self._mine[0] == path:
+                try:
+                    found = os.stat(path)
+                    identity = (found.st_ino, found.st_mtime_ns)
+                except FileNotFoundError:
+                    identity = None
+                if identity is not None and identity != self._mine[1]:
+                    log.info(
+                        "state file %s was written by another process (a new lbproxy after "
+                        "an upgrade?); this one writes it no more",
+                        path,
+                    )
+                    self.enabled = False
+                    return False
             write_atomically(path, data)
+            written = os.stat(path)
+            self._mine = (path, (written.st_ino, written.st_mtime_ns))
         except OSError as exc:
             error = f"{exc.strerror or exc} ({exc.filename or path})"
             if error != self._error:

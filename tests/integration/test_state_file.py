@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +195,49 @@ def test_with_workers_every_worker_restores_what_worker_1_wrote(tmp_path, name_s
         assert proxy.log().count("restored from state file") == 2, proxy.log()
     finally:
         proxy.stop()
+
+
+def test_the_state_crosses_an_upgrade_and_the_old_process_stops_writing(setup):
+    start, port, admin_port, state_file = setup
+    proxy = start()
+    proxy.may_exit = True  # the upgrade ends it
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/a", {"weight": 7})
+    held = socket.socket()
+    held.settimeout(5)
+    held.bind(("127.0.1.50", 0))
+    held.connect(("127.0.0.1", port))
+    assert read_name(held) in ("a", "c")  # through the old process; ends in its drain
+    status, body = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/upgrade", {})
+    assert status == 200, body
+    new = json.loads(body)["pid"]
+    try:
+        web = servers_of(admin_port, "web")  # the new process answers now
+        assert web["b"]["state"] == "drain" and web["a"]["weight"]["static"] == 7
+        api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "enabled"})
+
+        def b_enabled() -> bool:
+            saved = json.loads(state_file.read_bytes())
+            web = next(vs for vs in saved["virtual_servers"] if vs["name"] == "web")
+            return not any(rs["name"] == "b" for rs in web["real_servers"])
+
+        wait_for(b_enabled, 5, "the new process to write b enabled")
+        held.close()  # the old process's persistence entry changes: it would write now
+        assert proxy.proc.wait(20) == 0
+        assert b_enabled()  # not the old process's stale drain
+        saved = json.loads(state_file.read_bytes())
+        web_saved = next(vs for vs in saved["virtual_servers"] if vs["name"] == "web")
+        assert {rs["name"]: rs.get("weight") for rs in web_saved["real_servers"]}["a"] == 7
+    finally:
+        held.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(new, signal.SIGTERM)
+        wait_for(lambda: _zombie(new), 20, "the new process to exit")
+
+
+def _zombie(pid: int) -> bool:
+    """Gone, or exited and not reaped (it is not our child: nobody here reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

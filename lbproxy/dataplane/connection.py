@@ -487,8 +487,12 @@ class Handler:
         config = c.config
         header = b""
         try:
-            if config.send_proxy != "none":
-                header = proxy_protocol.encode(config.send_proxy, c.source, _local_address(client))
+            send_proxy = config.send_proxy  # none | v1 | v2 (the configuration checked)
+            if send_proxy != "none":
+                encode = (
+                    proxy_protocol.encode_v1 if send_proxy == "v1" else proxy_protocol.encode_v2
+                )
+                header = encode(c.source, _local_address(client))
         except Exception as exc:  # OSError: the client reset before getsockname()
             os.close(server)
             os.close(client)

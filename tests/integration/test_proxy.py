@@ -340,7 +340,9 @@ def test_accept_proxy_uses_the_header_address_for_acl_and_send_proxy(lbproxy):
         vs_config(
             port,
             [Backend],
-            extra="accept_proxy: true\nsend_proxy: v1\nallow: [192.0.2.0/24]",
+            # no health check: the backend serves one connection, the proxied one
+            extra="accept_proxy: true\nsend_proxy: v1\nallow: [192.0.2.0/24]\n"
+            "health_check: {type: none}",
         )
     )
     header = proxy_protocol.encode_v2(("192.0.2.7", 4000), ("198.51.100.1", 443))

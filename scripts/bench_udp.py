@@ -1,0 +1,222 @@
+"""lbproxy's UDP virtual server against nginx stream UDP, in one run (issue 25).
+
+    .venv/bin/python scripts/bench_udp.py [--duration 5] [--window 32] [--idle 5000]
+
+Python standard library only; every party is its own process. The real server is a UDP
+echo (a process of this script); the load is an equivalent of dnsperf's closed loop:
+`--window` datagrams of 64 bytes in flight over 32 client sockets, each answered one
+for one (lbproxy `udp: {responses: 1}`, nginx `proxy_responses 1`), for `--duration`
+seconds. Measured per proxy, with one worker each:
+
+datagrams/s   answered requests per wall second, and per CPU-second of the proxy
+              (utime + stime from /proc/PID/stat): "per proxy core"
+p50/p99       request-to-answer latency seen by the generator, ms
+idle          `--idle` client addresses each open one session and stay silent
+              (`responses: none`, nginx without proxy_responses); the proxy's VmRSS
+              after minus before, / sessions (user-space memory: socket buffers are
+              kernel memory and not in RSS)
+
+The machine's other load moves every figure; run both proxies in the same run and
+compare the ratio, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import Process
+from pathlib import Path
+
+NGINX_STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def echo(port: int) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    sock.bind(("127.0.0.1", port))
+    buf = bytearray(65536)
+    while True:
+        n, peer = sock.recvfrom_into(buf)
+        sock.sendto(memoryview(buf)[:n], peer)
+
+
+def cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def wait_answering(port: int) -> None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(0.2)
+    for _ in range(100):
+        s.sendto(b"ping", ("127.0.0.1", port))
+        try:
+            s.recvfrom(100)
+            return
+        except TimeoutError:
+            continue
+    raise RuntimeError(f"nothing answers on {port}")
+
+
+def load(port: int, duration: float, window: int) -> tuple[int, float, float]:
+    """Closed loop: `window` requests in flight, one reply each; (answered, p50, p99)."""
+    import selectors
+
+    socks = []
+    for _ in range(32):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setblocking(False)
+        s.connect(("127.0.0.1", port))
+        socks.append(s)
+    sel = selectors.DefaultSelector()
+    for s in socks:
+        sel.register(s, selectors.EVENT_READ)
+    sent_at: dict[socket.socket, list[float]] = {s: [] for s in socks}
+    payload = b"q" * 64
+    latencies = []
+    for i in range(window):
+        s = socks[i % len(socks)]
+        s.send(payload)
+        sent_at[s].append(time.perf_counter())
+    end = time.perf_counter() + duration
+    while True:
+        now = time.perf_counter()
+        if now >= end:
+            break
+        events = sel.select(0.5)
+        if not events:  # a lost datagram: send a new one in its place
+            s = socks[0]
+            s.send(payload)
+            sent_at[s].append(time.perf_counter())
+            continue
+        for key, _ in events:
+            s = key.fileobj
+            while True:
+                try:
+                    s.recv(65536)
+                except BlockingIOError:
+                    break
+                now = time.perf_counter()
+                if sent_at[s]:
+                    latencies.append(now - sent_at[s].pop(0))
+                s.send(payload)
+                sent_at[s].append(now)
+    latencies.sort()
+    n = len(latencies)
+    for s in socks:
+        s.close()
+    return n, latencies[n // 2] * 1000, latencies[int(n * 0.99)] * 1000
+
+
+def idle_sessions(pid: int, port: int, count: int) -> float:
+    before = rss_kib(pid)
+    socks = []
+    for _ in range(count):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.sendto(b"hello", ("127.0.0.1", port))
+        socks.append(s)
+    time.sleep(1.0)
+    answered = 0
+    for s in socks:  # answered once: its session is open
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.recv(100)
+            answered += 1
+    print(f"  {answered}/{count} idle sessions answered", file=sys.stderr)
+    after = rss_kib(pid)
+    for s in socks:
+        s.close()
+    return (after - before) * 1024 / count
+
+
+def lbproxy(work: Path, port: int, upstream: int, responses: str) -> subprocess.Popen:
+    conf = work / f"lbproxy-{port}.yaml"
+    conf.write_text(
+        "global: {admin: {listen: none}, drain_timeout: 1s}\n"
+        "virtual_servers:\n  - name: bench\n    protocol: udp\n"
+        f"    listen: 127.0.0.1:{port}\n    scheduler: rr\n"
+        f"    udp: {{responses: {responses}, max_sessions: 100000,"
+        " max_sessions_per_source: 100000}\n"
+        f"    real_servers:\n      - {{name: a, address: 127.0.0.1:{upstream}}}\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "lbproxy", "run", str(conf), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def nginx(work: Path, port: int, upstream: int, responses: str) -> subprocess.Popen:
+    t = work / f"nginx-{port}"
+    t.mkdir()
+    answers = f"proxy_responses {responses};" if responses != "none" else ""
+    (t / "nginx.conf").write_text(
+        f"load_module {NGINX_STREAM_MODULE};\ndaemon off;\nmaster_process off;\n"
+        f"worker_processes 1;\nworker_rlimit_nofile 30000;\npid {t}/nginx.pid;\n"
+        f"error_log {t}/error.log warn;\nevents {{ worker_connections 20000; }}\n"
+        f"stream {{ server {{ listen 127.0.0.1:{port} udp; proxy_pass 127.0.0.1:{upstream};"
+        f" {answers} proxy_timeout 30s; }} }}\n"
+    )
+    return subprocess.Popen(["nginx", "-c", str(t / "nginx.conf"), "-p", str(t)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--idle", type=int, default=5000)
+    args = parser.parse_args()
+    upstream = free_port()
+    server = Process(target=echo, args=(upstream,), daemon=True)
+    server.start()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name, start in (("lbproxy", lbproxy), ("nginx", nginx)):
+            port, idle_port = free_port(), free_port()
+            busy = start(work, port, upstream, "1")
+            idle = start(work, idle_port, upstream, "none")
+            try:
+                wait_answering(port)
+                wait_answering(idle_port)
+                cpu0, t0 = cpu(busy.pid), time.perf_counter()
+                answered, p50, p99 = load(port, args.duration, args.window)
+                cpu_s, wall = cpu(busy.pid) - cpu0, time.perf_counter() - t0
+                per_session = idle_sessions(idle.pid, idle_port, args.idle)
+                rows.append(
+                    (name, answered / wall, answered / cpu_s, cpu_s / wall, p50, p99, per_session)
+                )
+            finally:
+                for proc in (busy, idle):
+                    proc.terminate()
+                    proc.wait(10)
+    server.terminate()
+    print("proxy     dgram/s  per CPU-s  util  p50 ms  p99 ms  B/idle session")
+    for name, rate, per_cpu, util, p50, p99, per_session in rows:
+        print(
+            f"{name:8} {rate:8.0f} {per_cpu:10.0f} {util:5.2f} {p50:7.2f} {p99:7.2f}"
+            f" {per_session:15.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

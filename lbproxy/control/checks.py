@@ -49,6 +49,7 @@ import random
 import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import dns.message
 import dns.rcode
@@ -172,18 +173,25 @@ async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
         return FAIL, f"{check.type} check: {_describe(exc)}"
 
 
-async def _connect(address: Address) -> trio.SocketStream:
+async def _socket_for(address: Address, kind: int) -> tuple[trio.socket.SocketType, Any]:
+    """A new socket of `kind` for `address` and the address to connect it to; raises
+    _Failed when the name does not resolve, LocalCapacityError when this process is out
+    of descriptors (lbproxy's problem, not the server's)."""
     try:
-        infos = await trio.socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+        infos = await trio.socket.getaddrinfo(address.host, address.port, type=kind)
     except OSError as exc:
         raise _Failed(f"cannot resolve {address.host}: {_describe(exc)}") from None
     family, _, _, _, sockaddr = infos[0]
     try:
-        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        return trio.socket.socket(family, kind), sockaddr
     except OSError as exc:
         if exc.errno in LOCAL_CAPACITY_ERRNOS:
             raise LocalCapacityError(_describe(exc)) from None
         raise
+
+
+async def _connect(address: Address) -> trio.SocketStream:
+    sock, sockaddr = await _socket_for(address, socket.SOCK_STREAM)
     try:
         await sock.connect(sockaddr)
     except BaseException:
@@ -266,16 +274,9 @@ async def _datagram_probe(address: Address, check: HealthCheckConfig) -> tuple[s
     else:
         payload = decode_send(check.send or "")
     try:
-        infos = await trio.socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
-    except OSError as exc:
-        return FAIL, f"{check.type} check: cannot resolve {address.host}: {_describe(exc)}"
-    family, _, _, _, sockaddr = infos[0]
-    try:
-        sock = trio.socket.socket(family, socket.SOCK_DGRAM)
-    except OSError as exc:
-        if exc.errno in LOCAL_CAPACITY_ERRNOS:
-            raise LocalCapacityError(_describe(exc)) from None
-        raise
+        sock, sockaddr = await _socket_for(address, socket.SOCK_DGRAM)
+    except _Failed as exc:
+        return FAIL, f"{check.type} check: {exc}"
     received = b""
     try:
         with sock, trio.fail_after(check.timeout):

@@ -6,14 +6,23 @@ client), takes a lease (so `max_connections` counts sessions) and opens one conn
 socket to that server. Later datagrams from the client go out on it; datagrams coming
 back on it go to the client from the virtual server's own socket. A session ends after
 `udp.idle_timeout` without a datagram either way, or once `udp.responses` replies per
-request came back; `responses: 0` expects none and drops any. Beyond the counted replies
-nothing is sent (no amplification), and a reply is the real server's datagram, never
-more bytes.
+request came back (counted as nginx's `proxy_responses` does: the replies passed on
+never exceed `responses` times the requests sent, and the session ends when they reach
+it); `responses: 0` expects none and drops any. Beyond the counted replies nothing is
+sent (no amplification), and a reply is the real server's datagram, never more bytes.
 
-Cost per datagram: one receive and one send on each side, into one preallocated buffer
-per direction; one task per listening socket and one per session (waiting on its
-socket), never one per datagram. ECONNREFUSED on a session's socket (the real server's
-ICMP port unreachable) is a passive health failure, as a refused TCP connect is.
+No task per session and none per datagram. Each relay has its own level-triggered epoll
+set holding the listening socket and every session's socket, served by one trio task:
+a wake-up handles every socket ready since the last one. The listening socket is read
+until EAGAIN (at most _BATCH datagrams per wake-up, then other tasks run); a session's
+socket gives one datagram per event (level-triggered: one still queued is the next
+batch's event), so a reply costs no failing `recv`. A datagram costs one receive and
+one send on each side, into one preallocated buffer per direction. The idle timeout is
+an entry in the run's deadline heap (net/deadlines.py) per session, armed at the
+session's start and moved on only when it rings early (activity since): no timer work
+per datagram. ECONNREFUSED on a session's socket (the real server's ICMP port
+unreachable, reported by epoll as an error) is a passive health failure, as a refused
+TCP connect is.
 
 The server runs one `UdpListener` (a `UdpRelay` behind the accept-loop interface of
 listener.py's `Listener`) per UDP listen address, keyed by `UdpAddress` so that a TCP
@@ -25,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import select
 import socket
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -38,6 +49,7 @@ from lbproxy.core.udp_stats import UdpCounters
 from lbproxy.dataplane.listener import BindError
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.barrier import record
+from lbproxy.net.deadlines import Deadline, Deadlines, deadlines
 
 log = logging.getLogger("lbproxy.udp")
 access_log = logging.getLogger("lbproxy.access")
@@ -46,8 +58,12 @@ access_log = logging.getLogger("lbproxy.access")
 MAX_DATAGRAM = 65507
 # The listening socket's receive buffer asked for (the kernel caps it at rmem_max).
 RECEIVE_BUFFER = 4 << 20
-# Datagrams read per wake-up before other tasks run: fairness under a flood.
+# Client datagrams read per wake-up before other tasks run: fairness under a flood.
 _BATCH = 64
+# Ready sockets handled per wake-up of the relay's task.
+_MAX_EVENTS = 256
+# A session's socket: non-blocking from socket(2) on (no fcntl/ioctl after it).
+_SESSION_TYPE = socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
 
 
 class Session:
@@ -56,35 +72,39 @@ class Session:
 
     __slots__ = (
         "_idle_timeout",
+        "alarm",
         "bytes_in",
         "bytes_out",
         "client",
         "ended",
+        "fd",
+        "keys",
         "last",
         "lease",
         "own_idle_timeout",
         "relay",
         "replies",
         "requests",
-        "scope",
         "server",
         "sock",
         "started",
     )
 
-    def __init__(self, relay, client, server, lease, sock, now, idle_timeout) -> None:
+    def __init__(self, relay, client, server, lease, sock, now, idle_timeout, keys) -> None:
         self.relay: UdpRelay = relay
         self.client: tuple = client
         self.server: RealServer = server
         self.lease: Lease = lease
         self.sock: socket.socket = sock
+        self.fd: int = sock.fileno()
+        self.keys: tuple[tuple[str, str], tuple[str, str]] = keys  # counters' (rs, in/out)
         self.started = now
         self.last = now  # the last datagram either way
         # The throttle monitor shortens a session's idle timeout in high and digg, and
         # gives it back in low, through `flow.idle_timeout` as for a TCP connection.
         self.own_idle_timeout: float = relay.pool.config.udp.idle_timeout
         self._idle_timeout: float = idle_timeout
-        self.scope: trio.CancelScope | None = None  # the wait for a reply, while it waits
+        self.alarm: Deadline | None = None  # its idle deadline in the heap
         self.requests = 0
         self.replies = 0
         self.bytes_in = 0  # client -> real server
@@ -103,8 +123,25 @@ class Session:
     def idle_timeout(self, value: float) -> None:
         """A new timeout applies at once: a session idle longer than it ends now."""
         self._idle_timeout = value
-        if self.scope is not None:
-            self.scope.deadline = self.last + value
+        alarm = self.alarm
+        due = self.last + value
+        if alarm is not None and due < alarm.when:
+            alarm.cancel()
+            self.alarm = self.relay.deadlines.at(due, self)
+
+    def ring(self) -> None:
+        """Its idle deadline passed (the deadline heap calls it): the session ends if it
+        really was idle that long, else the deadline moves to its last datagram's."""
+        self.alarm = None
+        relay = self.relay
+        if relay.sessions.get(self.client) is not self:
+            return  # ended already
+        due = self.last + self._idle_timeout
+        if relay.clock() >= due:
+            self.ended = "idle_timeout"
+            relay._close(self)
+        else:
+            self.alarm = relay.deadlines.at(due, self)
 
     def close(self) -> None:
         """End the session now (`state: disabled`, `on_down: close`)."""
@@ -128,31 +165,44 @@ class UdpRelay:
         self.access_log = access_log
         self.vs = vs  # its throttle, when it has one (None: a relay without a server)
         self.sessions: dict[tuple, Session] = {}
+        self.by_fd: dict[int, Session] = {}  # the sessions' sockets in the epoll set
         self.per_source: Counter = Counter()
         self.stopping = False  # at stop: no new session; serve() ends with the last one
         self._drained = trio.Event()  # stopping, and the last session ended
         self._in = bytearray(MAX_DATAGRAM + 1)  # +1: a datagram that big is not cut short
         self._out = bytearray(MAX_DATAGRAM + 1)
-        self._nursery: trio.Nursery | None = None
+        self._in_view = memoryview(self._in)
+        self._out_view = memoryview(self._out)
+        self._keys: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {}
+        self._epoll: select.epoll | None = None  # while serve() runs
+        # Set by serve(): the run's clock (read directly, as the pump does) and deadlines.
+        self.clock: Callable[[], float] = trio.current_time
+        self.deadlines: Deadlines  # no session exists before serve() sets it
 
     @property
     def counters(self) -> UdpCounters:
         return self.pool.udp
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Read client datagrams until cancelled, or, once `stop()` was called, until
-        the last session ended; session tasks live in the same nursery."""
+        """Relay datagrams until cancelled, or, once `stop()` was called, until the last
+        session ended."""
+        self.clock = trio.lowlevel.current_clock().current_time
+        self.deadlines = deadlines()
+        self._epoll = epoll = select.epoll()
         try:
+            epoll.register(self.sock.fileno(), select.EPOLLIN)
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
                 task_status.started(self.sock.getsockname())
-                nursery.start_soon(self._receive)
+                nursery.start_soon(self._run, epoll)
                 await self._drained.wait()
                 nursery.cancel_scope.cancel()
         finally:
             for session in list(self.sessions.values()):
                 session.ended = session.ended or "stopped"
                 self._close(session)
+            self._epoll = None
+            trio.lowlevel.notify_closing(epoll.fileno())
+            epoll.close()
 
     def stop(self) -> None:
         """Open no more sessions; the running ones go on to their end (SPEC §6's drain,
@@ -161,33 +211,57 @@ class UdpRelay:
         if not self.sessions:
             self._drained.set()
 
-    async def _receive(self) -> None:
-        view = memoryview(self._in)
-        sock = self.sock
+    async def _run(self, epoll: select.epoll) -> None:
+        epfd = epoll.fileno()
+        poll = epoll.poll
+        listen_fd = self.sock.fileno()
+        by_fd = self.by_fd
+        clock = self.clock
+        wait_readable = trio.lowlevel.wait_readable
         while True:
-            await trio.lowlevel.wait_readable(sock)
-            for _ in range(_BATCH):
-                try:
-                    n, client = sock.recvfrom_into(self._in)
-                except BlockingIOError:
-                    break
-                except OSError as exc:  # e.g. a reply to a client that is gone
-                    log.debug("udp receive: %s", exc)
+            await wait_readable(epfd)
+            now = clock()
+            for fd, _ in poll(0, _MAX_EVENTS):
+                if fd == listen_fd:
+                    self._from_clients(now)
+                    continue
+                session = by_fd.get(fd)
+                if session is None:  # ended earlier in this batch
                     continue
                 try:
-                    self._from_client(view[:n], client)
-                except Exception as exc:  # a bug: this datagram is lost, nothing else
-                    record("connection", exc, f"udp datagram from {_peer(client)}", log)
+                    self._from_server(session, now)
+                except Exception as exc:  # a bug: this session ends, the others go on
+                    session.ended = "error"
+                    record("connection", exc, f"udp session of {_peer(session.client)}", log)
+                    self._close(session)
 
     # -- client -> real server ------------------------------------------------------
 
-    def _from_client(self, data: memoryview, client: tuple) -> None:
-        session = self.sessions.get(client)
-        now = trio.current_time()
-        if session is None:
-            session = self._open(client, now)
-            if session is None:
+    def _from_clients(self, now: float) -> None:
+        """Up to _BATCH datagrams from the listening socket, until EAGAIN."""
+        receive = self.sock.recvfrom_into
+        buffer = self._in
+        view = self._in_view
+        sessions = self.sessions
+        for _ in range(_BATCH):
+            try:
+                n, client = receive(buffer)
+            except BlockingIOError:
                 return
+            except OSError as exc:  # e.g. a reply to a client that is gone
+                log.debug("udp receive: %s", exc)
+                continue
+            try:
+                session = sessions.get(client)
+                if session is None:
+                    session = self._open(client, now)
+                    if session is None:
+                        continue
+                self._to_server(session, view[:n], now)
+            except Exception as exc:  # a bug: this datagram is lost, nothing else
+                record("connection", exc, f"udp datagram from {_peer(client)}", log)
+
+    def _to_server(self, session: Session, data: memoryview, now: float) -> None:
         session.requests += 1
         session.last = now
         try:
@@ -202,12 +276,12 @@ class UdpRelay:
             self.counters.dropped["send_error"] += 1
             log.debug("udp send to %s: %s", session.server.name, exc)
             return
-        rs = session.server
         size = len(data)
         session.bytes_in += size
         counters = self.counters
-        counters.datagrams[rs.name, "in"] += 1
-        counters.bytes[rs.name, "in"] += size
+        key = session.keys[0]
+        counters.datagrams[key] += 1
+        counters.bytes[key] += size
 
     def _open(self, client: tuple, now: float) -> Session | None:
         pool = self.pool
@@ -242,76 +316,59 @@ class UdpRelay:
             dropped["no_server"] += 1
             return None
         lease = pool.take(rs, now, None, client)
+        sock = None
         try:
             family = socket.AF_INET6 if ":" in rs.address.host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_DGRAM)
-            sock.setblocking(False)
+            sock = socket.socket(family, _SESSION_TYPE)
             sock.connect((rs.address.host, rs.address.port))
+            assert self._epoll is not None
+            self._epoll.register(sock.fileno(), select.EPOLLIN)
         except OSError as exc:
+            if sock is not None:
+                sock.close()
             pool.drop(lease, now)
             dropped["send_error"] += 1
             log.warning("udp session to %s: %s", rs.name, exc)
             return None
         pool.established(lease)
-        session = Session(self, client, rs, lease, sock, now, idle)
+        keys = self._keys.get(rs.name)
+        if keys is None:
+            keys = self._keys[rs.name] = ((rs.name, "in"), (rs.name, "out"))
+        session = Session(self, client, rs, lease, sock, now, idle, keys)
         lease.handle = session
         pool.clients += 1
         self.sessions[client] = session
+        self.by_fd[session.fd] = session
         self.per_source[client[0]] += 1
         self.counters.sessions_total[rs.name] += 1
-        assert self._nursery is not None
-        self._nursery.start_soon(self._replies, session)
+        session.alarm = self.deadlines.at(now + idle, session)
         return session
 
     # -- real server -> client ------------------------------------------------------
 
-    async def _replies(self, session: Session) -> None:
+    def _from_server(self, session: Session, now: float) -> None:
+        """One datagram from a session's socket (its epoll event: readable or an error)."""
         try:
-            await self._relay_replies(session)
-        except Exception as exc:  # a bug: this session ends, the others go on
+            n = session.sock.recv_into(self._out)
+        except BlockingIOError:
+            return
+        except ConnectionRefusedError:
+            self._refused(session, now)
+            return
+        except OSError as exc:
             session.ended = "error"
-            record("connection", exc, f"udp session of {_peer(session.client)}", log)
-        finally:
+            log.debug("udp receive from %s: %s", session.server.name, exc)
             self._close(session)
-
-    async def _relay_replies(self, session: Session) -> None:
+            return
+        session.last = now
         responses = self.pool.config.udp.responses
-        view = memoryview(self._out)
-        sock = session.sock
-        counters = self.counters
-        while not session.ended:
-            try:
-                with trio.move_on_at(session.last + session.idle_timeout) as scope:
-                    session.scope = scope
-                    await trio.lowlevel.wait_readable(sock)
-            except trio.ClosedResourceError:  # closed by `_close` from the other side
-                break
-            finally:
-                session.scope = None
-            now = trio.current_time()
-            if now >= session.last + session.idle_timeout:
-                session.ended = "idle_timeout"
-                break
-            for _ in range(_BATCH):
-                try:
-                    n = sock.recv_into(self._out)
-                except BlockingIOError:
-                    break
-                except ConnectionRefusedError:
-                    self._refused(session, now)
-                    break
-                except OSError as exc:
-                    session.ended = "error"
-                    log.debug("udp receive from %s: %s", session.server.name, exc)
-                    break
-                session.last = now
-                if responses is not None and session.replies >= session.requests * responses:
-                    counters.dropped["unrequested"] += 1  # no amplification
-                    continue
-                self._to_client(session, view[:n])
-                if responses and session.replies >= session.requests * responses:
-                    session.ended = "responses"
-                    break
+        if responses is not None and session.replies >= session.requests * responses:
+            self.counters.dropped["unrequested"] += 1  # no amplification
+            return
+        self._to_client(session, self._out_view[:n])
+        if responses and session.replies >= session.requests * responses:
+            session.ended = "responses"
+            self._close(session)
 
     def _to_client(self, session: Session, data: memoryview) -> None:
         try:
@@ -323,28 +380,32 @@ class UdpRelay:
         size = len(data)
         session.replies += 1
         session.bytes_out += size
-        rs = session.server.name
         counters = self.counters
-        counters.datagrams[rs, "out"] += 1
-        counters.bytes[rs, "out"] += size
+        key = session.keys[1]
+        counters.datagrams[key] += 1
+        counters.bytes[key] += size
 
     def _refused(self, session: Session, now: float) -> None:
         """ICMP port unreachable: a passive failure; the session ends, the next datagram
         from this client picks again."""
         session.ended = "refused"
         record_health(self.pool, session.server, False, now, "udp port unreachable")
-        # Its task wakes (the socket is closed under it) and finishes the clean-up.
         self._close(session)
 
     def _close(self, session: Session) -> None:
         if self.sessions.get(session.client) is not session:
             return  # closed already
         del self.sessions[session.client]
+        if self.by_fd.get(session.fd) is session:
+            del self.by_fd[session.fd]
+        if session.alarm is not None:
+            session.alarm.cancel()
+            session.alarm = None
         source = session.client[0]
         self.per_source[source] -= 1
         if not self.per_source[source]:
             del self.per_source[source]
-        now = trio.current_time()
+        now = self.clock()
         pool = self.pool
         rs = session.server
         # The pool's byte counts (lbproxy_bytes_total) take the session's, as a TCP
@@ -359,9 +420,7 @@ class UdpRelay:
         pool.durations.observe(now - session.started)
         if self.stopping and not self.sessions:
             self._drained.set()
-        # A socket still waited on is closed through trio, which wakes the waiter.
-        trio.lowlevel.notify_closing(session.sock)
-        session.sock.close()
+        session.sock.close()  # which takes it out of the epoll set
         if self.access_log:
             access_log.info(
                 "%s vs=%s rs=%s in=%d out=%d duration=%.3fs end=%s",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,6 +89,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--connections", type=int, default=1000)
     p.add_argument("--modes", default="compiled,pure")
+    p.add_argument(
+        "--keep", type=Path, help="copy the callgrind files here (for callgrind_annotate)"
+    )
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="lbproxy-ir-") as tmp:
         work = Path(tmp)
@@ -104,6 +108,10 @@ def main() -> None:
                 port = free_port()
                 full = instructions(work, port, server_port, WARM + a.connections, pure)
                 per = (full - base) / a.connections
+                if a.keep is not None:
+                    a.keep.mkdir(parents=True, exist_ok=True)
+                    for f in work.glob(f"callgrind.{mode}.*"):
+                        shutil.copy(f, a.keep / f.name)
                 print(f"{mode:9s} {per:12,.0f} instructions per connection (user space)")
         finally:
             nginx.send_signal(signal.SIGTERM)

@@ -53,7 +53,7 @@ from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.accept import CAPACITY_ERRNOS as LOCAL_CAPACITY_ERRNOS
 from lbproxy.net.accept import LocalCapacityError
 from lbproxy.net.barrier import record
-from lbproxy.net.pump import Flow, Pump
+from lbproxy.net.pump import Flow, Pump, new_pump
 from lbproxy.wire import proxy_protocol
 
 log = logging.getLogger("lbproxy.proxy")
@@ -502,7 +502,7 @@ class Handler:
             # close_sockets: the pump closes both the moment it ends (or fails to start),
             # which saves two epoll_ctl and usually a shutdown per connection; it owns
             # them from here on, even if this raises.
-            p = Pump(
+            p = new_pump(
                 client,
                 server,
                 c,

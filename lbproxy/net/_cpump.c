@@ -578,6 +578,1175 @@ out:
     return result;
 }
 
+/* -- the Pump type: one connection's pump in C (issue 26, step 2) ---------------------
+ *
+ * pump.py's Pump with two _SpliceDirection, as one C object: the same states, the same
+ * transitions, method for method (the Python names are in the comments), so the pure
+ * path (LBPROXY_PURE=1, or a pump on the recv/send fallback) and this one behave alike.
+ * What it saves per connection: the three Python objects and their __init__ frames, the
+ * start, the FINs (passed on at the batch's end inside dispatch()), the close and the
+ * end -- Python is called back once, with on_end(pump). The reactor (epoll set, the
+ * descriptor -> pump dict, the deadline heap and its sweep, the pipe pool) stays
+ * pump.py's: this object registers in it as a Python Pump does. */
+
+typedef struct {
+    int state;       /* READING, WRITING, DONE, HELD */
+    int fin_pending; /* its FIN waits for the end of the batch */
+    int spliced;     /* a splice succeeded: EINVAL is no longer "cannot splice" */
+    int err;         /* the errno behind SOURCE_FAILED / DESTINATION_FAILED */
+    ssize_t pending; /* bytes in `pipe` not yet written to dst */
+    ssize_t last_read;
+    PyObject *pipe;  /* the borrowed (r, w) tuple while a chunk waits, else NULL */
+} cdir;
+
+typedef struct {
+    PyObject_HEAD
+    int client_fd, server_fd;
+    int client_mask, server_mask; /* -1: not in the epoll set */
+    int epfd;
+    int open_directions;
+    int registered;
+    int in_batch_fins; /* queued in the current batch's FIN list */
+    cdir up, down;
+    Py_ssize_t initial_uncounted;
+    PyObject *flow, *reactor, *outcome, *error, *on_end, *alarm, *initial, *sockets;
+} CPump;
+
+static PyTypeObject CPump_Type;
+
+static PyObject *s_closed, *s_cancelled, *s_idle_timeout_o, *s_client_reset, *s_server_reset,
+    *s_error_o, *s_closing, *s_pump_slot, *s_idle_timeout_attr, *s_pumps, *s_young,
+    *s_sweeping, *s_defer, *s_deadlines, *s_at, *s_cancel, *s_deferred, *s_reactor_fn,
+    *s_epfd, *s_record, *s_connection_end, *s_fileno, *s_close, *s_stop_splicing_c;
+
+/* The FINs read in the current dispatch() batch, passed on at its end (Pump._pass_fin). */
+static struct {
+    CPump *p;
+    int up;
+} batch_fins[MAX_BATCH];
+static int n_batch_fins = 0;
+static int in_batch = 0;
+
+#define DIR_SRC(p, d) ((d) == &(p)->up ? (p)->client_fd : (p)->server_fd)
+#define DIR_DST(p, d) ((d) == &(p)->up ? (p)->server_fd : (p)->client_fd)
+#define DIR_TO_SERVER(p, d) ((d) == &(p)->up)
+
+static int
+cp_clock_into_flow(CPump *p)
+{
+    PyObject *clock = PyObject_GetAttr(p->reactor, s_clock);
+    if (clock == NULL)
+        return -1;
+    PyObject *now = PyObject_CallNoArgs(clock);
+    Py_DECREF(clock);
+    if (now == NULL)
+        return -1;
+    int r = PyObject_SetAttr(p->flow, s_last_activity, now);
+    Py_DECREF(now);
+    return r;
+}
+
+static double
+cp_now(CPump *p)
+{
+    PyObject *clock = PyObject_GetAttr(p->reactor, s_clock);
+    if (clock == NULL)
+        return -1.0;
+    PyObject *now = PyObject_CallNoArgs(clock);
+    Py_DECREF(clock);
+    if (now == NULL)
+        return -1.0;
+    double r = PyFloat_AsDouble(now);
+    Py_DECREF(now);
+    return r;
+}
+
+/* _Direction._wrote(n): the counter, and last_activity */
+static int
+cp_count(CPump *p, cdir *d, ssize_t n)
+{
+    PyObject *name = DIR_TO_SERVER(p, d) ? s_bytes_in : s_bytes_out;
+    PyObject *old = PyObject_GetAttr(p->flow, name);
+    if (old == NULL)
+        return -1;
+    PyObject *add = PyLong_FromSsize_t(n);
+    if (add == NULL) {
+        Py_DECREF(old);
+        return -1;
+    }
+    PyObject *sum = PyNumber_Add(old, add);
+    Py_DECREF(old);
+    Py_DECREF(add);
+    if (sum == NULL)
+        return -1;
+    int r = PyObject_SetAttr(p->flow, name, sum);
+    Py_DECREF(sum);
+    if (r < 0)
+        return -1;
+    return cp_clock_into_flow(p);
+}
+
+/* _SpliceDirection.write_out() */
+static int
+cp_write_out(CPump *p, cdir *d)
+{
+    int pr, pw;
+    if (pipe_fds(d->pipe, &pr, &pw) < 0)
+        return -1;
+    int dst = DIR_DST(p, d);
+    while (d->pending) {
+        ssize_t n = do_splice(pr, dst, (size_t)d->pending);
+        if (n == -2)
+            return -1;
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return BLOCKED;
+            d->err = errno;
+            return DESTINATION_FAILED;
+        }
+        d->pending -= n;
+        if (cp_count(p, d, n) < 0)
+            return -1;
+    }
+    PyObject *pipe = d->pipe;
+    d->pipe = NULL;
+    int r = put_pipe(pipe);
+    Py_DECREF(pipe);
+    return r < 0 ? -1 : MOVED;
+}
+
+/* _SpliceDirection.move() */
+static int
+cp_move(CPump *p, cdir *d)
+{
+    int src = DIR_SRC(p, d), dst = DIR_DST(p, d);
+    int left = BURST;
+    for (;;) {
+        d->last_read = 0;
+        PyObject *pipe = take_pipe();
+        if (pipe == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_OSError))
+                return -1;
+            /* EMFILE, ENFILE: no descriptor left for a pipe -- ends this connection */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            int code = EMFILE;
+            if (value != NULL) {
+                PyObject *e = PyObject_GetAttrString(value, "errno");
+                if (e != NULL && PyLong_Check(e))
+                    code = (int)PyLong_AsLong(e);
+                Py_XDECREF(e);
+                PyErr_Clear();
+            }
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            d->err = code;
+            d->spliced = 1; /* not a "cannot splice" */
+            return SOURCE_FAILED;
+        }
+        int pr, pw;
+        if (pipe_fds(pipe, &pr, &pw) < 0) {
+            Py_DECREF(pipe);
+            return -1;
+        }
+        ssize_t n = do_splice(src, pw, SPLICE_CHUNK);
+        if (n == -2) {
+            int r = put_pipe(pipe);
+            Py_DECREF(pipe);
+            (void)r;
+            return -1;
+        }
+        if (n < 0) {
+            int code = errno;
+            int r = put_pipe(pipe);
+            Py_DECREF(pipe);
+            if (r < 0)
+                return -1;
+            if (code == EAGAIN || code == EWOULDBLOCK)
+                return MOVED;
+            d->err = code;
+            return SOURCE_FAILED;
+        }
+        d->spliced = 1;
+        if (n == 0) {
+            int r = put_pipe(pipe);
+            Py_DECREF(pipe);
+            return r < 0 ? -1 : EOF_;
+        }
+        d->last_read = n;
+        ssize_t m = do_splice(pr, dst, (size_t)n);
+        if (m < 0) {
+            d->pipe = pipe; /* still holding the chunk: release() discards it */
+            d->pending = n;
+            if (m == -2)
+                return -1;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return BLOCKED;
+            d->err = errno;
+            return DESTINATION_FAILED;
+        }
+        int status;
+        if (m == n) {
+            int r = put_pipe(pipe);
+            Py_DECREF(pipe);
+            if (r < 0)
+                return -1;
+            if (cp_count(p, d, m) < 0)
+                return -1;
+            status = MOVED;
+        }
+        else {
+            d->pipe = pipe;
+            d->pending = n - m;
+            if (cp_count(p, d, m) < 0)
+                return -1;
+            status = cp_write_out(p, d);
+            if (status < 0)
+                return -1;
+        }
+        left -= 1;
+        if (status || !left || n < BIG_CHUNK)
+            return status;
+    }
+}
+
+/* _Direction.release() */
+static void
+cp_release(cdir *d)
+{
+    PyObject *pipe = d->pipe;
+    d->pipe = NULL;
+    if (pipe == NULL)
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (d->pending) {
+        int r, w;
+        if (pipe_fds(pipe, &r, &w) == 0) {
+            close(r);
+            close(w);
+        }
+    }
+    else if (put_pipe(pipe) < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    Py_DECREF(pipe);
+}
+
+static int
+cp_set_outcome(CPump *p, PyObject *o)
+{
+    Py_INCREF(o);
+    Py_SETREF(p->outcome, o);
+    return 0;
+}
+
+/* Pump._failed(client_side, exc) */
+static int
+cp_failed(CPump *p, int client_side, int code)
+{
+    int reset = code == ECONNRESET || code == EPIPE || code == ENOTCONN || code == ECONNABORTED;
+    cp_set_outcome(p, reset ? (client_side ? s_client_reset : s_server_reset) : s_error_o);
+    PyObject *exc = os_error(code);
+    if (exc == NULL)
+        return -1;
+    int r = PyObject_SetAttr(p->flow, s_error, exc);
+    Py_DECREF(exc);
+    return r;
+}
+
+static int
+cp_epoll(CPump *p, int op, int fd, int mask)
+{
+    struct epoll_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.events = (uint32_t)mask;
+    ev.data.fd = fd;
+    if (epoll_ctl(p->epfd, op, fd, &ev) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+/* Pump._watch(fd, mask, current) -> the new mask, or -2 with an exception */
+static int
+cp_watch(CPump *p, int fd, int mask, int current)
+{
+    if (current != -1) {
+        if (cp_epoll(p, EPOLL_CTL_MOD, fd, mask) < 0)
+            return -2;
+    }
+    else if (mask) {
+        if (cp_epoll(p, EPOLL_CTL_ADD, fd, mask) < 0)
+            return -2;
+    }
+    else
+        return -1;
+    return mask;
+}
+
+/* Pump._update_interest() */
+static int
+cp_update_interest(CPump *p)
+{
+    int client = (p->up.state == READING ? EPOLLIN : 0) | (p->down.state == WRITING ? EPOLLOUT : 0);
+    int server = (p->down.state == READING ? EPOLLIN : 0) |
+                 (p->up.state == WRITING || p->up.state == HELD ? EPOLLOUT : 0);
+    if (client != p->client_mask) {
+        int m = cp_watch(p, p->client_fd, client, p->client_mask);
+        if (m == -2)
+            return -1;
+        p->client_mask = m;
+    }
+    if (server != p->server_mask) {
+        int m = cp_watch(p, p->server_fd, server, p->server_mask);
+        if (m == -2)
+            return -1;
+        p->server_mask = m;
+    }
+    return 0;
+}
+
+/* Pump._write_initial() */
+static int
+cp_write_initial(CPump *p)
+{
+    while (p->initial != NULL && PyBytes_GET_SIZE(p->initial) > 0) {
+        Py_ssize_t len = PyBytes_GET_SIZE(p->initial);
+        ssize_t n;
+        for (;;) {
+            n = write(p->server_fd, PyBytes_AS_STRING(p->initial), (size_t)len);
+            if (n >= 0 || errno != EINTR)
+                break;
+            if (PyErr_CheckSignals() < 0)
+                return -1;
+        }
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (p->up.state != HELD) {
+                    p->up.state = HELD;
+                    return cp_update_interest(p);
+                }
+                return 0;
+            }
+            return cp_failed(p, 0, errno);
+        }
+        PyObject *rest = PyBytes_FromStringAndSize(PyBytes_AS_STRING(p->initial) + n, len - n);
+        if (rest == NULL)
+            return -1;
+        Py_SETREF(p->initial, rest);
+        Py_ssize_t counted = n - p->initial_uncounted;
+        p->initial_uncounted = counted < 0 ? -counted : 0;
+        if (counted > 0) {
+            PyObject *old = PyObject_GetAttr(p->flow, s_bytes_in);
+            if (old == NULL)
+                return -1;
+            PyObject *add = PyLong_FromSsize_t(counted);
+            PyObject *sum = add ? PyNumber_Add(old, add) : NULL;
+            Py_DECREF(old);
+            Py_XDECREF(add);
+            if (sum == NULL)
+                return -1;
+            int r = PyObject_SetAttr(p->flow, s_bytes_in, sum);
+            Py_DECREF(sum);
+            if (r < 0)
+                return -1;
+        }
+        if (cp_clock_into_flow(p) < 0)
+            return -1;
+    }
+    if (p->up.state == HELD) {
+        p->up.state = READING;
+        return cp_update_interest(p);
+    }
+    return 0;
+}
+
+/* Pump._disarm() */
+static int
+cp_disarm(CPump *p)
+{
+    PyObject *alarm = p->alarm;
+    p->alarm = Py_None;
+    Py_INCREF(Py_None);
+    int r = 0;
+    PyObject *deferred = module_global(s_deferred);
+    if (deferred == NULL) {
+        Py_DECREF(alarm);
+        return -1;
+    }
+    if (alarm == deferred) {
+        PyObject *young = PyObject_GetAttr(p->reactor, s_young);
+        if (young == NULL)
+            r = -1;
+        else {
+            r = PyObject_DelItem(young, (PyObject *)p);
+            Py_DECREF(young);
+        }
+    }
+    else if (alarm != Py_None) {
+        PyObject *x = PyObject_CallMethodNoArgs(alarm, s_cancel);
+        if (x == NULL)
+            r = -1;
+        Py_XDECREF(x);
+    }
+    Py_DECREF(alarm);
+    return r;
+}
+
+/* Pump.close(): stop watching, give pipes back; close the descriptors if owned. */
+static int
+cp_close(CPump *p)
+{
+    int result = 0;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (p->flow != NULL) {
+        PyObject *cur = PyObject_GetAttr(p->flow, s_pump_slot);
+        if (cur == NULL)
+            PyErr_Clear();
+        else {
+            if (cur == (PyObject *)p && PyObject_SetAttr(p->flow, s_pump_slot, Py_None) < 0)
+                result = -1;
+            Py_DECREF(cur);
+        }
+    }
+    if (result == 0 && p->alarm != Py_None && cp_disarm(p) < 0)
+        result = -1;
+    int owned = p->sockets != Py_None;
+    if (p->registered) {
+        p->registered = 0;
+        PyObject *pumps = PyObject_GetAttr(p->reactor, s_pumps);
+        if (pumps == NULL)
+            result = -1;
+        else {
+            int fds[2] = {p->client_fd, p->server_fd};
+            int masks[2] = {p->client_mask, p->server_mask};
+            for (int i = 0; i < 2; i++) {
+                PyObject *key = PyLong_FromLong(fds[i]);
+                if (key == NULL) {
+                    result = -1;
+                    continue;
+                }
+                PyObject *cur = PyDict_GetItemWithError(pumps, key);
+                if (cur == (PyObject *)p) { /* the caller may have closed and reused it */
+                    if (PyDict_DelItem(pumps, key) < 0)
+                        result = -1;
+                    if (!owned && masks[i] != -1) {
+                        struct epoll_event ev;
+                        epoll_ctl(p->epfd, EPOLL_CTL_DEL, fds[i], &ev); /* closed: gone */
+                    }
+                }
+                Py_DECREF(key);
+            }
+            Py_DECREF(pumps);
+        }
+    }
+    cdir *ds[2] = {&p->up, &p->down};
+    for (int i = 0; i < 2; i++) {
+        cdir *d = ds[i];
+        if (d->fin_pending) { /* ended within the batch that read this EOF */
+            d->fin_pending = 0;
+            if (!owned) /* else close() below sends it */
+                shutdown(DIR_DST(p, d), SHUT_WR);
+        }
+        cp_release(d);
+    }
+    if (owned) {
+        PyObject *sockets = p->sockets;
+        p->sockets = Py_None;
+        Py_INCREF(Py_None);
+        for (int i = 0; i < 2; i++) {
+            PyObject *s = PyTuple_GET_ITEM(sockets, i);
+            if (PyLong_CheckExact(s)) {
+                close(i == 0 ? p->client_fd : p->server_fd);
+            }
+            else {
+                PyObject *r = PyObject_CallMethodNoArgs(s, s_close);
+                if (r == NULL)
+                    result = -1;
+                Py_XDECREF(r);
+            }
+        }
+        Py_DECREF(sockets);
+    }
+    if (result < 0) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    }
+    else
+        PyErr_Restore(type, value, tb);
+    return result;
+}
+
+static void
+cp_record(PyObject *where, PyObject *exc)
+{
+    PyObject *record = module_global(s_record);
+    if (record == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    PyObject *r = PyObject_CallFunctionObjArgs(record, where, exc, NULL);
+    Py_XDECREF(r);
+    PyErr_Clear();
+}
+
+/* Pump._finish(): clean up, then on_end(pump), once; its exceptions are recorded. */
+static int
+cp_finish(CPump *p)
+{
+    if (cp_close(p) < 0)
+        return -1;
+    if (p->on_end != Py_None) {
+        PyObject *on_end = p->on_end;
+        p->on_end = Py_None;
+        Py_INCREF(Py_None);
+        PyObject *r = PyObject_CallOneArg(on_end, (PyObject *)p);
+        Py_DECREF(on_end);
+        if (r == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return -1;
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb != NULL && value != NULL)
+                PyException_SetTraceback(value, tb);
+            cp_record(s_connection_end, value ? value : Py_None);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        }
+        Py_XDECREF(r);
+    }
+    return 0;
+}
+
+/* Pump._arm() */
+static int
+cp_arm(CPump *p)
+{
+    if (p->alarm != Py_None && cp_disarm(p) < 0)
+        return -1;
+    PyObject *last = PyObject_GetAttr(p->flow, s_last_activity);
+    if (last == NULL)
+        return -1;
+    PyObject *timeout = PyObject_GetAttr(p->flow, s_idle_timeout_attr);
+    if (timeout == NULL) {
+        Py_DECREF(last);
+        return -1;
+    }
+    double when = PyFloat_AsDouble(last) + PyFloat_AsDouble(timeout);
+    Py_DECREF(last);
+    Py_DECREF(timeout);
+    if (PyErr_Occurred())
+        return -1;
+    if (when == Py_HUGE_VAL)
+        return 0;
+    PyObject *heap = PyObject_GetAttr(p->reactor, s_deadlines);
+    if (heap == NULL)
+        return -1;
+    PyObject *w = PyFloat_FromDouble(when);
+    PyObject *alarm = w ? PyObject_CallMethodObjArgs(heap, s_at, w, (PyObject *)p, NULL) : NULL;
+    Py_XDECREF(w);
+    Py_DECREF(heap);
+    if (alarm == NULL)
+        return -1;
+    Py_SETREF(p->alarm, alarm);
+    return 0;
+}
+
+/* Pump._end(result) */
+static int
+cp_end(CPump *p, PyObject *result)
+{
+    cp_set_outcome(p, result);
+    return cp_finish(p);
+}
+
+/* Pump.rearm() */
+static int
+cp_rearm(CPump *p)
+{
+    if (p->outcome != Py_None)
+        return 0;
+    double now = cp_now(p);
+    if (now == -1.0 && PyErr_Occurred())
+        return -1;
+    PyObject *last = PyObject_GetAttr(p->flow, s_last_activity);
+    if (last == NULL)
+        return -1;
+    PyObject *timeout = PyObject_GetAttr(p->flow, s_idle_timeout_attr);
+    if (timeout == NULL) {
+        Py_DECREF(last);
+        return -1;
+    }
+    double due = PyFloat_AsDouble(last) + PyFloat_AsDouble(timeout);
+    Py_DECREF(last);
+    Py_DECREF(timeout);
+    if (PyErr_Occurred())
+        return -1;
+    if (now >= due)
+        return cp_end(p, s_idle_timeout_o);
+    return cp_arm(p);
+}
+
+/* Pump.send_fin(d), at the end of the batch */
+static int
+cp_send_fin(CPump *p, cdir *d)
+{
+    if (!d->fin_pending)
+        return 0;
+    d->fin_pending = 0;
+    if (shutdown(DIR_DST(p, d), SHUT_WR) < 0) {
+        if (cp_failed(p, !DIR_TO_SERVER(p, d), errno) < 0)
+            return -1;
+        return cp_finish(p);
+    }
+    return cp_update_interest(p);
+}
+
+/* Pump._pass_fin(d) */
+static int
+cp_pass_fin(CPump *p, cdir *d)
+{
+    d->state = DONE;
+    p->open_directions -= 1;
+    if (p->open_directions == 0) {
+        if (p->sockets == Py_None) { /* else close() sends it, when the pump ends now */
+            if (shutdown(DIR_DST(p, d), SHUT_WR) < 0)
+                return cp_failed(p, !DIR_TO_SERVER(p, d), errno);
+        }
+        return cp_set_outcome(p, s_closed);
+    }
+    if (cp_clock_into_flow(p) < 0)
+        return -1;
+    d->fin_pending = 1;
+    if (in_batch && n_batch_fins < MAX_BATCH) {
+        Py_INCREF(p);
+        batch_fins[n_batch_fins].p = p;
+        batch_fins[n_batch_fins].up = d == &p->up;
+        n_batch_fins++;
+        return 0;
+    }
+    return cp_send_fin(p, d); /* outside a batch: at once */
+}
+
+/* Pump._unwatched_event(fd, client_side) */
+static int
+cp_unwatched_event(CPump *p, int fd, int client_side)
+{
+    int code = 0;
+    socklen_t len = sizeof code;
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &code, &len) < 0)
+        code = errno;
+    if (code)
+        return cp_failed(p, client_side, code);
+    struct epoll_event ev;
+    epoll_ctl(p->epfd, EPOLL_CTL_DEL, fd, &ev);
+    if (client_side)
+        p->client_mask = -1;
+    else
+        p->server_mask = -1;
+    return 0;
+}
+
+static int
+cp_stop_splicing(CPump *p, cdir *d)
+{
+    /* The kernel cannot splice this socket (EINVAL, ENOSYS on the first splice): the
+     * pure path switches the direction to recv/send; here the connection ends with
+     * "error" and pump.py's _stop_splicing_c() makes later pumps use the fallback. */
+    PyObject *f = module_global(s_stop_splicing_c);
+    if (f == NULL)
+        return -1;
+    PyObject *exc = os_error(d->err);
+    if (exc == NULL)
+        return -1;
+    PyObject *r = PyObject_CallOneArg(f, exc);
+    Py_DECREF(exc);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return cp_failed(p, DIR_TO_SERVER(p, d), d->err) < 0 ? -1 : 0;
+}
+
+/* Pump._after(d, status) */
+static int
+cp_after(CPump *p, cdir *d, int status)
+{
+    switch (status) {
+    case MOVED:
+        if (d->state == WRITING) {
+            d->state = READING;
+            return cp_update_interest(p);
+        }
+        return 0;
+    case BLOCKED:
+        if (d->state == READING) {
+            d->state = WRITING;
+            return cp_update_interest(p);
+        }
+        return 0;
+    case EOF_:
+        return cp_pass_fin(p, d);
+    case SOURCE_FAILED:
+        if (!d->spliced && (d->err == EINVAL || d->err == ENOSYS))
+            return cp_stop_splicing(p, d);
+        return cp_failed(p, DIR_TO_SERVER(p, d), d->err);
+    default:
+        return cp_failed(p, !DIR_TO_SERVER(p, d), d->err);
+    }
+}
+
+/* Pump.on_event(fd, events) */
+static int
+cp_on_event(CPump *p, int fd, uint32_t events)
+{
+    int client_side = fd == p->client_fd;
+    cdir *reader = client_side ? &p->up : &p->down;
+    cdir *writer = client_side ? &p->down : &p->up;
+    int watched = 0;
+    if (reader->state == READING && (events & IN_OR_FAILED)) {
+        watched = 1;
+        int status = cp_move(p, reader);
+        if (status < 0)
+            return -1;
+        if (status && cp_after(p, reader, status) < 0)
+            return -1;
+    }
+    if (writer->state == WRITING && (events & OUT_OR_FAILED)) {
+        watched = 1;
+        if (p->outcome == Py_None) {
+            int status = cp_write_out(p, writer);
+            if (status < 0 || cp_after(p, writer, status) < 0)
+                return -1;
+        }
+    }
+    else if (writer->state == HELD && (events & OUT_OR_FAILED)) {
+        watched = 1;
+        if (cp_write_initial(p) < 0)
+            return -1;
+    }
+    if (!watched && (events & FAILED) && cp_unwatched_event(p, fd, client_side) < 0)
+        return -1;
+    if (p->outcome != Py_None)
+        return cp_finish(p);
+    return 0;
+}
+
+/* -- the type's Python face ------------------------------------------------------------ */
+
+static int
+cp_fd_of(PyObject *s)
+{
+    if (PyLong_CheckExact(s))
+        return as_int(s);
+    return PyObject_AsFileDescriptor(s);
+}
+
+static PyObject *
+CPump_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"client", "server", "flow", "initial", "uncounted", "close_sockets",
+                            NULL};
+    PyObject *client, *server, *flow, *initial = NULL;
+    Py_ssize_t uncounted = 0;
+    int close_sockets = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|Snp:Pump", names, &client, &server, &flow,
+                                     &initial, &uncounted, &close_sockets))
+        return NULL;
+    if (module_dict == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
+        return NULL;
+    }
+    CPump *p = (CPump *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        goto fail_owned;
+    p->client_fd = p->server_fd = -1;
+    p->client_mask = p->server_mask = -1;
+    p->epfd = -1;
+    p->open_directions = 2;
+    p->up.state = p->down.state = READING;
+    Py_INCREF(flow);
+    p->flow = flow;
+    p->outcome = Py_None;
+    p->error = Py_None;
+    p->on_end = Py_None;
+    p->alarm = Py_None;
+    p->reactor = Py_None;
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    if (close_sockets) {
+        p->sockets = PyTuple_Pack(2, client, server);
+        if (p->sockets == NULL) {
+            Py_DECREF(p);
+            goto fail_owned;
+        }
+    }
+    else {
+        p->sockets = Py_None;
+        Py_INCREF(Py_None);
+    }
+    if (initial == NULL)
+        initial = PyBytes_FromStringAndSize(NULL, 0);
+    else
+        Py_INCREF(initial);
+    p->initial = initial;
+    p->initial_uncounted = uncounted;
+    if (p->initial == NULL)
+        goto fail;
+    p->client_fd = cp_fd_of(client);
+    if (p->client_fd < 0)
+        goto fail;
+    p->server_fd = cp_fd_of(server);
+    if (p->server_fd < 0)
+        goto fail;
+    PyObject *reactor_fn = module_global(s_reactor_fn);
+    if (reactor_fn == NULL)
+        goto fail;
+    PyObject *reactor = PyObject_CallNoArgs(reactor_fn);
+    if (reactor == NULL)
+        goto fail;
+    Py_SETREF(p->reactor, reactor);
+    long epfd = get_long(reactor, s_epfd);
+    if (epfd == -1 && PyErr_Occurred())
+        goto fail;
+    p->epfd = (int)epfd;
+    return (PyObject *)p;
+fail:
+    if (p->sockets != Py_None) { /* it owns them from the call on */
+        PyObject *type_, *value, *tb;
+        PyErr_Fetch(&type_, &value, &tb);
+        p->registered = 0;
+        cp_close(p);
+        PyErr_Restore(type_, value, tb);
+    }
+    Py_DECREF(p);
+    return NULL;
+fail_owned:
+    if (close_sockets) {
+        PyObject *type_, *value, *tb;
+        PyErr_Fetch(&type_, &value, &tb);
+        PyObject *both[2] = {client, server};
+        for (int i = 0; i < 2; i++) {
+            if (PyLong_CheckExact(both[i])) {
+                int fd = (int)PyLong_AsLong(both[i]);
+                if (fd >= 0)
+                    close(fd);
+            }
+            else {
+                PyObject *r = PyObject_CallMethodNoArgs(both[i], s_close);
+                Py_XDECREF(r);
+            }
+        }
+        PyErr_Clear();
+        PyErr_Restore(type_, value, tb);
+    }
+    return NULL;
+}
+
+static int
+CPump_traverse(CPump *p, visitproc visit, void *arg)
+{
+    Py_VISIT(p->flow);
+    Py_VISIT(p->reactor);
+    Py_VISIT(p->outcome);
+    Py_VISIT(p->error);
+    Py_VISIT(p->on_end);
+    Py_VISIT(p->alarm);
+    Py_VISIT(p->initial);
+    Py_VISIT(p->sockets);
+    Py_VISIT(p->up.pipe);
+    Py_VISIT(p->down.pipe);
+    return 0;
+}
+
+static int
+CPump_clear(CPump *p)
+{
+    Py_CLEAR(p->flow);
+    Py_CLEAR(p->reactor);
+    Py_CLEAR(p->outcome);
+    Py_CLEAR(p->error);
+    Py_CLEAR(p->on_end);
+    Py_CLEAR(p->alarm);
+    Py_CLEAR(p->initial);
+    Py_CLEAR(p->sockets);
+    return 0;
+}
+
+static void
+CPump_dealloc(CPump *p)
+{
+    PyObject_GC_UnTrack(p);
+    /* a pipe still held here is never reused: it may hold a chunk */
+    cdir *ds[2] = {&p->up, &p->down};
+    for (int i = 0; i < 2; i++) {
+        if (ds[i]->pipe != NULL) {
+            int r, w;
+            if (pipe_fds(ds[i]->pipe, &r, &w) == 0) {
+                close(r);
+                close(w);
+            }
+            else
+                PyErr_Clear();
+            Py_CLEAR(ds[i]->pipe);
+        }
+    }
+    CPump_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* A method's body ran into an exception: NULL; else None. */
+#define RETURN_NONE_OR_NULL(r)                                                               \
+    do {                                                                                     \
+        if ((r) < 0)                                                                         \
+            return NULL;                                                                     \
+        Py_RETURN_NONE;                                                                      \
+    } while (0)
+
+static PyObject *
+CPump_start(CPump *p, PyObject *unused)
+{
+    PyObject *closing = PyObject_GetAttr(p->flow, s_closing);
+    if (closing == NULL)
+        return NULL;
+    int is_closing = PyObject_IsTrue(closing);
+    Py_DECREF(closing);
+    if (is_closing < 0)
+        return NULL;
+    if (is_closing) {
+        cp_set_outcome(p, s_cancelled);
+        Py_RETURN_NONE;
+    }
+    PyObject *pumps = PyObject_GetAttr(p->reactor, s_pumps);
+    if (pumps == NULL)
+        return NULL;
+    PyObject *k1 = PyLong_FromLong(p->client_fd), *k2 = PyLong_FromLong(p->server_fd);
+    int r = (k1 && k2) ? PyDict_SetItem(pumps, k1, (PyObject *)p) : -1;
+    if (r == 0)
+        r = PyDict_SetItem(pumps, k2, (PyObject *)p);
+    Py_XDECREF(k1);
+    Py_XDECREF(k2);
+    Py_DECREF(pumps);
+    if (r < 0)
+        return NULL;
+    p->registered = 1;
+    if (PyObject_SetAttr(p->flow, s_pump_slot, (PyObject *)p) < 0)
+        return NULL;
+    if (cp_clock_into_flow(p) < 0)
+        return NULL;
+    if (cp_epoll(p, EPOLL_CTL_ADD, p->client_fd, EPOLLIN) < 0)
+        return NULL;
+    p->client_mask = EPOLLIN;
+    if (cp_epoll(p, EPOLL_CTL_ADD, p->server_fd, EPOLLIN) < 0)
+        return NULL;
+    p->server_mask = EPOLLIN;
+    if (PyBytes_GET_SIZE(p->initial) > 0 && cp_write_initial(p) < 0)
+        return NULL;
+    if (p->outcome != Py_None)
+        Py_RETURN_NONE;
+    PyObject *timeout = PyObject_GetAttr(p->flow, s_idle_timeout_attr);
+    if (timeout == NULL)
+        return NULL;
+    double t = PyFloat_AsDouble(timeout);
+    Py_DECREF(timeout);
+    if (t == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (t < 1.0) /* _DEFER_IDLE */
+        RETURN_NONE_OR_NULL(cp_arm(p));
+    /* _Reactor.defer(p), inline while the sweep is armed */
+    PyObject *sweeping = PyObject_GetAttr(p->reactor, s_sweeping);
+    if (sweeping == NULL)
+        return NULL;
+    int armed = sweeping == Py_True;
+    Py_DECREF(sweeping);
+    if (!armed) {
+        PyObject *x = PyObject_CallMethodOneArg(p->reactor, s_defer, (PyObject *)p);
+        if (x == NULL)
+            return NULL;
+        Py_DECREF(x);
+        Py_RETURN_NONE;
+    }
+    PyObject *deferred = module_global(s_deferred);
+    if (deferred == NULL)
+        return NULL;
+    Py_INCREF(deferred);
+    Py_SETREF(p->alarm, deferred);
+    PyObject *young = PyObject_GetAttr(p->reactor, s_young);
+    if (young == NULL)
+        return NULL;
+    r = PyObject_SetItem(young, (PyObject *)p, Py_None);
+    Py_DECREF(young);
+    RETURN_NONE_OR_NULL(r);
+}
+
+static PyObject *
+CPump_close(CPump *p, PyObject *unused)
+{
+    RETURN_NONE_OR_NULL(cp_close(p));
+}
+
+static PyObject *
+CPump_ring(CPump *p, PyObject *unused)
+{
+    Py_INCREF(Py_None);
+    Py_SETREF(p->alarm, Py_None); /* it has rung: nothing left to cancel */
+    RETURN_NONE_OR_NULL(cp_rearm(p));
+}
+
+static PyObject *
+CPump_rearm(CPump *p, PyObject *unused)
+{
+    RETURN_NONE_OR_NULL(cp_rearm(p));
+}
+
+static PyObject *
+CPump_arm(CPump *p, PyObject *unused)
+{
+    RETURN_NONE_OR_NULL(cp_arm(p));
+}
+
+static PyObject *
+CPump_cancel(CPump *p, PyObject *unused)
+{
+    if (p->outcome == Py_None)
+        RETURN_NONE_OR_NULL(cp_end(p, s_cancelled));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+CPump_crashed(CPump *p, PyObject *exc)
+{
+    if (p->outcome == Py_None) {
+        cp_set_outcome(p, s_error_o);
+        Py_INCREF(exc);
+        Py_SETREF(p->error, exc);
+        RETURN_NONE_OR_NULL(cp_finish(p));
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+CPump_on_event(CPump *p, PyObject *args)
+{
+    int fd;
+    unsigned int events;
+    if (!PyArg_ParseTuple(args, "iI:on_event", &fd, &events))
+        return NULL;
+    RETURN_NONE_OR_NULL(cp_on_event(p, fd, events));
+}
+
+static PyObject *
+CPump_get_pending(CPump *p, void *closure)
+{
+    return Py_BuildValue("(nn)", p->up.pending, p->down.pending);
+}
+
+static PyObject *
+CPump_get_pipes_held(CPump *p, void *closure)
+{
+    return PyLong_FromLong((p->up.pipe != NULL) + (p->down.pipe != NULL));
+}
+
+static PyObject *
+CPump_get_states(CPump *p, void *closure)
+{
+    return Py_BuildValue("(ii)", p->up.state, p->down.state);
+}
+
+static PyMethodDef CPump_methods[] = {
+    {"start", (PyCFunction)CPump_start, METH_NOARGS, "Pump.start()"},
+    {"close", (PyCFunction)CPump_close, METH_NOARGS, "Pump.close()"},
+    {"ring", (PyCFunction)CPump_ring, METH_NOARGS, "Pump.ring(): the idle deadline passed"},
+    {"rearm", (PyCFunction)CPump_rearm, METH_NOARGS, "Pump.rearm()"},
+    {"_arm", (PyCFunction)CPump_arm, METH_NOARGS, "Pump._arm() (the reactor's sweep)"},
+    {"cancel", (PyCFunction)CPump_cancel, METH_NOARGS, "Pump.cancel(): Flow.close()"},
+    {"crashed", (PyCFunction)CPump_crashed, METH_O, "Pump.crashed(exc): the barrier"},
+    {"on_event", (PyCFunction)CPump_on_event, METH_VARARGS, "Pump.on_event(fd, events)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef CPump_members[] = {
+    {"client_fd", T_INT, offsetof(CPump, client_fd), READONLY, NULL},
+    {"server_fd", T_INT, offsetof(CPump, server_fd), READONLY, NULL},
+    {"client_mask", T_INT, offsetof(CPump, client_mask), READONLY, NULL},
+    {"server_mask", T_INT, offsetof(CPump, server_mask), READONLY, NULL},
+    {"open_directions", T_INT, offsetof(CPump, open_directions), READONLY, NULL},
+    {"flow", T_OBJECT, offsetof(CPump, flow), READONLY, NULL},
+    {"reactor", T_OBJECT, offsetof(CPump, reactor), READONLY, NULL},
+    {"outcome", T_OBJECT, offsetof(CPump, outcome), 0, NULL},
+    {"error", T_OBJECT, offsetof(CPump, error), 0, NULL},
+    {"on_end", T_OBJECT, offsetof(CPump, on_end), 0, NULL},
+    {"alarm", T_OBJECT, offsetof(CPump, alarm), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef CPump_getset[] = {
+    {"pending", (getter)CPump_get_pending, NULL, "bytes held (up, down)", NULL},
+    {"pipes_held", (getter)CPump_get_pipes_held, NULL, "pipes borrowed now", NULL},
+    {"states", (getter)CPump_get_states, NULL, "the directions' states (up, down)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CPump_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lbproxy.net._cpump.Pump",
+    .tp_basicsize = sizeof(CPump),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Pump(client, server, flow, initial=b'', uncounted=0, close_sockets=False):\n"
+              "pump.py's Pump with two splice directions, in C (see pump.new_pump).",
+    .tp_new = CPump_new,
+    .tp_dealloc = (destructor)CPump_dealloc,
+    .tp_traverse = (traverseproc)CPump_traverse,
+    .tp_clear = (inquiry)CPump_clear,
+    .tp_methods = CPump_methods,
+    .tp_members = CPump_members,
+    .tp_getset = CPump_getset,
+};
+
+/* The FINs of this batch, passed on at its end (the reactor's _send_fins). */
+static int
+cp_batch_fins(PyObject *crashed)
+{
+    int result = 0;
+    for (int i = 0; i < n_batch_fins; i++) {
+        CPump *p = batch_fins[i].p;
+        batch_fins[i].p = NULL;
+        if (result == 0 && cp_send_fin(p, batch_fins[i].up ? &p->up : &p->down) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                result = -1;
+            else {
+                PyObject *type, *value, *tb;
+                PyErr_Fetch(&type, &value, &tb);
+                PyErr_NormalizeException(&type, &value, &tb);
+                if (tb != NULL && value != NULL)
+                    PyException_SetTraceback(value, tb);
+                PyObject *r = PyObject_CallFunctionObjArgs(crashed, (PyObject *)p,
+                                                           value ? value : Py_None, NULL);
+                Py_XDECREF(type);
+                Py_XDECREF(value);
+                Py_XDECREF(tb);
+                if (r == NULL)
+                    result = -1;
+                Py_XDECREF(r);
+            }
+        }
+        Py_DECREF(p);
+    }
+    n_batch_fins = 0;
+    return result;
+}
+
 /* -- the module's functions ------------------------------------------------------------ */
 
 PyDoc_STRVAR(dispatch_doc,
@@ -612,23 +1781,27 @@ dispatch(PyObject *self, PyObject *args)
         if (PyErr_CheckSignals() < 0)
             return NULL;
     }
+    in_batch = 1;
+    n_batch_fins = 0;
     for (int i = 0; i < n; i++) {
         int fd = evs[i].data.fd;
         PyObject *key = PyLong_FromLong(fd);
         if (key == NULL)
-            return NULL;
+            goto fail;
         PyObject *p = PyDict_GetItemWithError(pumps, key); /* borrowed */
         Py_DECREF(key);
         if (p == NULL) {
             if (PyErr_Occurred())
-                return NULL;
+                goto fail;
             continue; /* ended earlier in this batch */
         }
         Py_INCREF(p);
-        if (on_event(p, fd, evs[i].events) < 0) {
+        int r = Py_IS_TYPE(p, &CPump_Type) ? cp_on_event((CPump *)p, fd, evs[i].events)
+                                           : on_event(p, fd, evs[i].events);
+        if (r < 0) {
             if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* Cancelled, KeyboardInterrupt */
                 Py_DECREF(p);
-                return NULL;
+                goto fail;
             }
             /* the barrier: a bug ends that connection, not the reactor */
             PyObject *type, *value, *tb;
@@ -636,19 +1809,32 @@ dispatch(PyObject *self, PyObject *args)
             PyErr_NormalizeException(&type, &value, &tb);
             if (tb != NULL && value != NULL)
                 PyException_SetTraceback(value, tb);
-            PyObject *r = PyObject_CallFunctionObjArgs(crashed, p, value ? value : Py_None, NULL);
+            PyObject *rc = PyObject_CallFunctionObjArgs(crashed, p, value ? value : Py_None, NULL);
             Py_XDECREF(type);
             Py_XDECREF(value);
             Py_XDECREF(tb);
-            if (r == NULL) {
+            if (rc == NULL) {
                 Py_DECREF(p);
-                return NULL;
+                goto fail;
             }
-            Py_DECREF(r);
+            Py_DECREF(rc);
         }
         Py_DECREF(p);
     }
+    in_batch = 0;
+    if (cp_batch_fins(crashed) < 0)
+        return NULL;
     return PyLong_FromLong(n);
+fail:
+    in_batch = 0;
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (cp_batch_fins(crashed) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    return NULL;
 }
 
 PyDoc_STRVAR(accept_doc,
@@ -793,9 +1979,41 @@ PyInit__cpump(void)
     INTERN(s_max_idle_pipes, "MAX_IDLE_PIPES");
     INTERN(s_new_pipe, "_new_pipe");
     INTERN(s_discard_pipe, "_discard_pipe");
+    INTERN(s_closed, "closed");
+    INTERN(s_cancelled, "cancelled");
+    INTERN(s_idle_timeout_o, "idle_timeout");
+    INTERN(s_client_reset, "client_reset");
+    INTERN(s_server_reset, "server_reset");
+    INTERN(s_error_o, "error");
+    INTERN(s_closing, "closing");
+    INTERN(s_pump_slot, "_pump");
+    INTERN(s_idle_timeout_attr, "_idle_timeout");
+    INTERN(s_pumps, "pumps");
+    INTERN(s_young, "young");
+    INTERN(s_sweeping, "sweeping");
+    INTERN(s_defer, "defer");
+    INTERN(s_deadlines, "deadlines");
+    INTERN(s_at, "at");
+    INTERN(s_cancel, "cancel");
+    INTERN(s_deferred, "_DEFERRED");
+    INTERN(s_reactor_fn, "_reactor");
+    INTERN(s_epfd, "epfd");
+    INTERN(s_record, "record");
+    INTERN(s_connection_end, "connection_end");
+    INTERN(s_fileno, "fileno");
+    INTERN(s_close, "close");
+    INTERN(s_stop_splicing_c, "_stop_splicing_c");
+    if (PyType_Ready(&CPump_Type) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    Py_INCREF(&CPump_Type);
+    if (PyModule_AddObject(m, "Pump", (PyObject *)&CPump_Type) < 0) {
+        Py_DECREF(&CPump_Type);
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "READING", READING) < 0 ||
         PyModule_AddIntConstant(m, "WRITING", WRITING) < 0 ||
         PyModule_AddIntConstant(m, "HELD", HELD) < 0 ||

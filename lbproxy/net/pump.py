@@ -110,6 +110,7 @@ __all__ = [
     "Outcome",
     "Pump",
     "close_idle_pipes",
+    "new_pump",
     "pump",
     "splice_available",
 ]
@@ -1107,6 +1108,7 @@ class _Reactor:
 
     def __init__(self) -> None:
         self.epoll = select.epoll()
+        self.epfd = self.epoll.fileno()  # for the C pumps (_cpump.Pump)
         # The run's clock, read directly: trio.current_time() is three Python frames, and
         # the byte path reads the time once per chunk (Flow.last_activity).
         self.clock: Callable[[], float] = trio.lowlevel.current_clock().current_time
@@ -1217,6 +1219,49 @@ class _Reactor:
 
 _reactors: trio.lowlevel.RunVar[_Reactor] = trio.lowlevel.RunVar("lbproxy_reactor")
 
+
+def _stop_splicing_c(exc: OSError) -> None:
+    """A C pump met a socket the kernel cannot splice (EINVAL or ENOSYS on its first
+    splice): that connection ends with "error" (the pure path switches it to recv/send
+    instead), and every later pump uses the recv/send fallback (a Python Pump)."""
+    global splice_enabled
+    if splice_enabled:
+        log.warning("splice(2) refused (%s); using recv/send", exc)
+        splice_enabled = False
+
+
+def new_pump(
+    client: SocketType | socket.socket | int,
+    server: SocketType | socket.socket | int,
+    flow: Flow,
+    *,
+    preamble: bytes = b"",
+    initial_client_bytes: bytes = b"",
+    use_splice: bool | None = None,
+    close_sockets: bool = False,
+) -> Pump:
+    """A pump for one connection: the C one (``_cpump.Pump``: the same state machine,
+    attributes and methods as :class:`Pump` with two splice directions, one object, no
+    Python frame until ``on_end``) when the compiled path runs and splice is used, else
+    a :class:`Pump`. Same arguments as :class:`Pump`."""
+    if use_splice is None:
+        use_splice = splice_enabled
+    if cpump is not None and use_splice and hasattr(os, "splice"):
+        c: Pump = cpump.Pump(
+            client, server, flow, preamble + initial_client_bytes, len(preamble), close_sockets
+        )
+        return c
+    return Pump(
+        client,
+        server,
+        flow,
+        preamble=preamble,
+        initial_client_bytes=initial_client_bytes,
+        use_splice=use_splice,
+        close_sockets=close_sockets,
+    )
+
+
 if cpump is not None:
     # The C batch moves a _SpliceDirection's chunks itself and reads the pool (and its
     # bound, and the helpers) from this module's globals; the constants must agree.
@@ -1266,7 +1311,7 @@ async def pump(
     Returns the outcome (see the module docstring). The caller closes both sockets
     afterwards. Raises ``trio.Cancelled`` if the caller's scope is cancelled.
     """
-    p = Pump(
+    p = new_pump(
         client,
         server,
         flow,
@@ -1274,10 +1319,41 @@ async def pump(
         initial_client_bytes=initial_client_bytes,
         use_splice=use_splice,
     )
+    if type(p) is not Pump:  # the C pump: woken by its on_end
+        return await _pump_c(p)
     try:
         p.start()
         await p.finished()
     finally:
+        p.close()
+    assert p.outcome is not None
+    return p.outcome
+
+
+async def _pump_c(p: Pump) -> Outcome:
+    """pump() with a C pump: ``finished()`` is its ``on_end``, which wakes this task."""
+    task = trio.lowlevel.current_task()
+
+    def ended(_: Pump) -> None:
+        error = p.error
+        trio.lowlevel.reschedule(
+            task, outcome.Value(None) if error is None else outcome.Error(error)
+        )
+
+    def abort(_: object) -> trio.lowlevel.Abort:
+        p.on_end = None
+        p.close()
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    p.on_end = ended
+    try:
+        p.start()
+        if p.outcome is None:
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        else:
+            await trio.lowlevel.checkpoint()
+    finally:
+        p.on_end = None
         p.close()
     assert p.outcome is not None
     return p.outcome

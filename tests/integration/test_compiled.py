@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from lbproxy.net import compiled
+from lbproxy.net import pump as pump_module
 from lbproxy.net.barrier import internal_errors
 from lbproxy.net.pump import Flow, pump
 from tests.integration.harness import compiled_path_expected
@@ -145,3 +146,167 @@ def test_the_path_in_use_is_the_one_the_environment_asks_for():
     expected = "compiled" if compiled_path_expected() else "pure"
     assert expected == compiled.IMPLEMENTATION
     assert (compiled.cpump is not None) == (expected == "compiled")
+
+
+# ------------------------------------------- one pump object per connection (issue 26)
+
+IMPLEMENTATIONS = [
+    pytest.param("compiled", marks=needs_c),
+    pytest.param("pure"),
+]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which pump new_pump() makes: "pure" hides the C extension from pump.py."""
+    if request.param == "pure":
+        monkeypatch.setattr(pump_module, "cpump", None)
+    return str(request.param)
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def test_new_pump_is_one_c_object_on_the_compiled_path(implementation):
+    async def main():
+        client, proxy_client = tcp_pair()
+        proxy_server, server = tcp_pair()
+        try:
+            p = pump_module.new_pump(
+                proxy_client.detach(), proxy_server.detach(), Flow(), close_sockets=True
+            )
+            if implementation == "compiled":
+                assert type(p) is compiled.cpump.Pump
+            else:
+                assert type(p) is pump_module.Pump
+            p.close()
+            assert _closed(p.client_fd) and _closed(p.server_fd)
+        finally:
+            for s in (client, server):
+                s.close()
+
+    trio.run(main)
+
+
+def test_start_preamble_fins_and_end_call_on_end_once_with_both_descriptors_closed(
+    implementation,
+):
+    """What moved into C: the start (both descriptors watched, the preamble written
+    first and not counted), the two FINs, the close and one on_end -- the same on both."""
+
+    async def main():
+        client, proxy_client = tcp_pair()
+        proxy_server, server = tcp_pair()
+        fds = (proxy_client.detach(), proxy_server.detach())
+        ended = []
+        try:
+            flow = Flow(30.0)
+            p = pump_module.new_pump(
+                *fds,
+                flow,
+                preamble=b"PROXY UNKNOWN\r\n",
+                initial_client_bytes=b"early ",
+                close_sockets=True,
+            )
+            p.on_end = lambda q: ended.append((q.outcome, _closed(fds[0]), _closed(fds[1])))
+            p.start()
+            assert p.outcome is None and flow.pumping
+            client.sendall(b"request")
+            client.shutdown(socket.SHUT_WR)
+            got = b""
+            with trio.fail_after(5):
+                while not got.endswith(b"request"):
+                    await trio.lowlevel.wait_readable(server)
+                    got += server.recv(100)
+            assert got == b"PROXY UNKNOWN\r\nearly request"
+            server.sendall(b"response")
+            server.shutdown(socket.SHUT_WR)
+            with trio.fail_after(5):
+                while not ended:
+                    await trio.sleep(0.01)
+            assert ended == [("closed", True, True)]
+            assert client.recv(100) == b"response"
+            assert client.recv(100) == b""  # the FIN passed on
+            assert (flow.bytes_in, flow.bytes_out) == (len(b"early request"), len(b"response"))
+            assert not flow.pumping
+        finally:
+            for s in (client, server):
+                s.close()
+
+    trio.run(main)
+
+
+def test_an_exception_in_on_end_is_recorded_and_the_reactor_goes_on(implementation):
+    """The barrier around the one callback: on_end raising is counted
+    (connection_end), the process and the other connections go on."""
+
+    async def main():
+        before = internal_errors().counts.get("connection_end", 0)
+        pairs = []
+        for _ in range(2):
+            client, proxy_client = tcp_pair()
+            proxy_server, server = tcp_pair()
+            pairs.append((client, server, proxy_client.detach(), proxy_server.detach()))
+        ended = []
+
+        def bad(_):
+            raise Injected("on_end")
+
+        try:
+            pumps = []
+            for i, (_, _, a, b) in enumerate(pairs):
+                p = pump_module.new_pump(a, b, Flow(), close_sockets=True)
+                p.on_end = bad if i == 0 else ended.append
+                p.start()
+                pumps.append(p)
+            for client, server, _, _ in pairs:
+                client.shutdown(socket.SHUT_WR)
+                server.shutdown(socket.SHUT_WR)
+            with trio.fail_after(5):
+                while not ended or pumps[0].outcome is None:
+                    await trio.sleep(0.01)
+            assert ended == [pumps[1]]
+            assert pumps[0].outcome == pumps[1].outcome == "closed"
+            assert internal_errors().counts["connection_end"] == before + 1
+            assert all(_closed(fd) for _, _, a, b in pairs for fd in (a, b))
+        finally:
+            for client, server, _, _ in pairs:
+                client.close()
+                server.close()
+
+    trio.run(main)
+
+
+def test_flow_close_and_idle_timeout_end_the_pump(implementation):
+    """Flow.close() (the drain, on_down: close) and the idle deadline reach the pump."""
+
+    async def main():
+        outcomes = []
+        keep = []
+        for how in ("close", "idle"):
+            client, proxy_client = tcp_pair()
+            proxy_server, server = tcp_pair()
+            keep += [client, server]
+            flow = Flow(0.2 if how == "idle" else 30.0)
+            p = pump_module.new_pump(
+                proxy_client.detach(), proxy_server.detach(), flow, close_sockets=True
+            )
+            p.on_end = lambda q: outcomes.append(q.outcome)
+            p.start()
+            if how == "close":
+                flow.close()
+        try:
+            with trio.fail_after(5):
+                while len(outcomes) < 2:
+                    await trio.sleep(0.01)
+            assert outcomes == ["cancelled", "idle_timeout"]
+        finally:
+            for s in keep:
+                s.close()
+
+    trio.run(main)

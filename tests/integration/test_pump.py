@@ -8,6 +8,11 @@ The pump is used two ways, and the reset, half-close and descriptor tests run bo
 (OWNERS): ``pump()`` (the caller closes the sockets after it returns), and the
 connection handler's ``Pump(fd, fd, close_sockets=True)`` with ``on_end`` (the pump
 closes both descriptors itself the moment it ends, and says so by callback).
+
+Every test runs on both implementations (IMPLEMENTATIONS): the C pump
+(``_cpump.Pump``, what ``new_pump`` gives on the compiled path with splice) and the
+pure-Python one, in the same process (the pure one by hiding the extension from
+pump.py); under LBPROXY_PURE=1 only the pure one.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import trio.testing
 from trio.socket import SocketType
 
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
+from lbproxy.net import compiled
 from lbproxy.net import pump as pump_mod
 from lbproxy.net.pump import Flow, Pump, close_idle_pipes, pump
 from lbproxy.wire.proxy_protocol import ProxyProtocolError, encode_v1, encode_v2
@@ -46,6 +52,23 @@ OWNERS = [
     pytest.param(False, id="pump"),  # pump(): the caller closes both sockets
     pytest.param(True, id="owned"),  # Pump(close_sockets=True) + on_end: as in production
 ]
+
+
+IMPLEMENTATIONS = [
+    pytest.param(
+        "compiled",
+        marks=pytest.mark.skipif(compiled.cpump is None, reason="the C extension is not in use"),
+    ),
+    pytest.param("pure"),
+]
+
+
+@pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which pump runs: "pure" hides the C extension from pump.py for the test."""
+    if request.param == "pure":
+        monkeypatch.setattr(pump_mod, "cpump", None)
+    return str(request.param)
 
 
 # -------------------------------------------------------------------------- helpers
@@ -121,7 +144,7 @@ class PumpTask:
         # The connection handler's way (dataplane/connection.py): plain descriptors,
         # owned by the pump from the constructor on.
         self.fds = (self.rig.proxy_client.detach(), self.rig.proxy_server.detach())
-        p = Pump(*self.fds, self.flow, close_sockets=True, **self.kw)  # type: ignore[arg-type]
+        p = pump_mod.new_pump(*self.fds, self.flow, close_sockets=True, **self.kw)  # type: ignore[arg-type]
         p.on_end = self._on_end
         try:
             p.start()

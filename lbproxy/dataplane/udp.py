@@ -31,6 +31,7 @@ and a UDP listener on one address and port are two entries.
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import ipaddress
 import logging
@@ -39,6 +40,7 @@ import socket
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 import trio
 
@@ -64,6 +66,13 @@ _BATCH = 64
 _MAX_EVENTS = 256
 # A session's socket: non-blocking from socket(2) on (no fcntl/ioctl after it).
 _SESSION_TYPE = socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+# Idle timeouts of at least _DEFER_IDLE seconds are armed by a sweep of the sessions
+# opened in the last _SWEEP seconds, not when each opens: most sessions of a DNS-like
+# service (`responses: 1`) end within a millisecond and never touch the deadline heap.
+_DEFER_IDLE: Final = 1.0
+_SWEEP: Final = 0.1
+# Sources whose ACL decision is remembered (the table is emptied when it is full).
+_ACL_CACHE: Final = 4096
 
 
 class Session:
@@ -95,7 +104,7 @@ class Session:
         self.client: tuple = client
         self.server: RealServer = server
         self.lease: Lease = lease
-        self.sock: socket.socket = sock
+        self.sock: _socket.socket = sock  # the C socket: no Python-level wrapper
         self.fd: int = sock.fileno()
         self.keys: tuple[tuple[str, str], tuple[str, str]] = keys  # counters' (rs, in/out)
         self.started = now
@@ -104,7 +113,7 @@ class Session:
         # gives it back in low, through `flow.idle_timeout` as for a TCP connection.
         self.own_idle_timeout: float = relay.pool.config.udp.idle_timeout
         self._idle_timeout: float = idle_timeout
-        self.alarm: Deadline | None = None  # its idle deadline in the heap
+        self.alarm: Deadline | None = None  # its idle deadline in the heap, once armed
         self.requests = 0
         self.replies = 0
         self.bytes_in = 0  # client -> real server
@@ -123,11 +132,13 @@ class Session:
     def idle_timeout(self, value: float) -> None:
         """A new timeout applies at once: a session idle longer than it ends now."""
         self._idle_timeout = value
-        alarm = self.alarm
-        due = self.last + value
-        if alarm is not None and due < alarm.when:
-            alarm.cancel()
-            self.alarm = self.relay.deadlines.at(due, self)
+        relay = self.relay
+        if relay.sessions.get(self.client) is not self:
+            return  # ended already
+        if self.alarm is not None:
+            self.alarm.cancel()
+        relay.young.pop(self, None)
+        self.alarm = relay.deadlines.at(self.last + value, self)
 
     def ring(self) -> None:
         """Its idle deadline passed (the deadline heap calls it): the session ends if it
@@ -174,6 +185,12 @@ class UdpRelay:
         self._in_view = memoryview(self._in)
         self._out_view = memoryview(self._out)
         self._keys: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {}
+        # Sessions opened since the last sweep whose idle deadline is not armed yet.
+        self.young: dict[Session, None] = {}
+        self._sweeping = False  # the sweep's deadline is armed
+        # The ACL's decision per source address, for the configuration it was made with.
+        self._acl: dict[str, bool] = {}
+        self._acl_config: object = None
         self._epoll: select.epoll | None = None  # while serve() runs
         # Set by serve(): the run's clock (read directly, as the pump does) and deadlines.
         self.clock: Callable[[], float] = trio.current_time
@@ -290,7 +307,7 @@ class UdpRelay:
         dropped = self.counters.dropped
         if self.stopping:
             return None  # stopping: as a closed TCP listener, nothing is counted
-        if not _allowed(config.allow, config.deny, client[0]):
+        if not self._admits(config, client[0]):
             dropped["acl"] += 1
             return None
         if len(self.sessions) >= udp.max_sessions:
@@ -319,7 +336,7 @@ class UdpRelay:
         sock = None
         try:
             family = socket.AF_INET6 if ":" in rs.address.host else socket.AF_INET
-            sock = socket.socket(family, _SESSION_TYPE)
+            sock = _socket.socket(family, _SESSION_TYPE)
             sock.connect((rs.address.host, rs.address.port))
             assert self._epoll is not None
             self._epoll.register(sock.fileno(), select.EPOLLIN)
@@ -341,8 +358,35 @@ class UdpRelay:
         self.by_fd[session.fd] = session
         self.per_source[client[0]] += 1
         self.counters.sessions_total[rs.name] += 1
-        session.alarm = self.deadlines.at(now + idle, session)
+        if idle >= _DEFER_IDLE:
+            self.young[session] = None
+            if not self._sweeping:
+                self._sweeping = True
+                self.deadlines.at(now + _SWEEP, self)
+        else:
+            session.alarm = self.deadlines.at(now + idle, session)
         return session
+
+    def ring(self) -> None:
+        """The sweep (the deadline heap calls it): arm the young sessions' deadlines,
+        from their last datagram as always, so none rings early or late."""
+        young, self.young = self.young, {}
+        self._sweeping = False
+        at = self.deadlines.at
+        for session in young:  # all still open: _close takes an ended one out
+            session.alarm = at(session.last + session._idle_timeout, session)
+
+    def _admits(self, config, host: str) -> bool:
+        """The ACL (allow, then deny) for a new session's source, remembered."""
+        if self._acl_config is not config:  # a reload: decide anew
+            self._acl_config = config
+            self._acl = {}
+        decided = self._acl.get(host)
+        if decided is None:
+            if len(self._acl) >= _ACL_CACHE:
+                self._acl.clear()
+            decided = self._acl[host] = _allowed(config.allow, config.deny, host)
+        return decided
 
     # -- real server -> client ------------------------------------------------------
 
@@ -401,6 +445,8 @@ class UdpRelay:
         if session.alarm is not None:
             session.alarm.cancel()
             session.alarm = None
+        else:
+            self.young.pop(session, None)
         source = session.client[0]
         self.per_source[source] -= 1
         if not self.per_source[source]:

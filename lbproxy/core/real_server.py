@@ -17,7 +17,7 @@ A `RealServer` holds three kinds of things, kept apart so that each has one owne
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lbproxy.config.model import RealServerConfig
 from lbproxy.core.health import Health
@@ -47,18 +47,6 @@ class ServerCounters:
         self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
         self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
         self.snmp_last: tuple[str, int | None] | None = None  # last poll: (result, value)
-
-
-def _forward(name: str) -> property:
-    """A RealServer attribute that is its `counters`' attribute `name`."""
-
-    def get(rs: RealServer) -> Any:
-        return getattr(rs.counters, name)
-
-    def set_(rs: RealServer, value: Any) -> None:
-        setattr(rs.counters, name, value)
-
-    return property(get, set_, doc=f"`counters.{name}`")
 
 
 class RealServer:
@@ -136,16 +124,6 @@ class RealServer:
             self.state = state
         if config.weight == old.weight:
             self.static_weight = weight
-
-    # The counters under the names their readers have always used; new code reads and
-    # writes `counters` (one attribute less on the way).
-    connections_total = _forward("connections_total")
-    bytes_in = _forward("bytes_in")
-    bytes_out = _forward("bytes_out")
-    connect_failures = _forward("connect_failures")
-    health_checks = _forward("health_checks")
-    snmp_polls = _forward("snmp_polls")
-    snmp_last = _forward("snmp_last")
 
     def __repr__(self) -> str:
         return f"<RealServer {self.name} {self.address} {self.state}>"

@@ -121,7 +121,7 @@ def test_a_check_raising_counts_and_checking_goes_on(tmp_path, monkeypatch):
     async def body(server, port):
         rs = server.pools()[0].servers[0]
         with trio.fail_after(10):
-            while rs.health_checks["ok"] < 3:
+            while rs.counters.health_checks["ok"] < 3:
                 await trio.sleep(0.05)
         assert internal_errors_metric(server, "check") == 1
         assert await greeting(port) == b"a\n"

@@ -339,10 +339,10 @@ def test_polls_are_counted_for_the_metrics():
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     a = pool.by_name["a"]
-    assert a.snmp_polls["ok"] == 1
-    assert a.snmp_polls["bad_value"] == 1
-    assert a.snmp_polls["timeout"] >= 1
-    assert pool.poll_durations.count == sum(a.snmp_polls.values())
+    assert a.counters.snmp_polls["ok"] == 1
+    assert a.counters.snmp_polls["bad_value"] == 1
+    assert a.counters.snmp_polls["timeout"] >= 1
+    assert pool.poll_durations.count == sum(a.counters.snmp_polls.values())
 
 
 def test_least_load_with_snmp_zero_gates_the_server():

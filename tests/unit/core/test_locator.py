@@ -107,7 +107,7 @@ def test_locate_counts_a_pick_per_scheduler():
     # lc counts a connection that closes at once: ties go round robin, nothing stays open
     pool = Pool(virtual_server("lc", {"a": {}, "b": {}}), 0)
     assert [pool.locate(0.0).server.name for _ in range(4)] == ["a", "b", "a", "b"]
-    assert pool.active == 0 and pool.by_name["a"].connections_total == 0
+    assert pool.active == 0 and pool.by_name["a"].counters.connections_total == 0
 
 
 def test_locate_none_when_nothing_available():

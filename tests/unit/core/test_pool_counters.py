@@ -17,7 +17,7 @@ def test_a_taken_lease_counts_as_a_connection_only_once_established():
     # while it connects, a concurrent arrival already sees it and goes elsewhere
     assert pool.pick(0) is b
     pool.drop(attempt, 0.1)  # the connect failed
-    assert (a.connections_total, a.active) == (0, 0)
+    assert (a.counters.connections_total, a.active) == (0, 0)
     lease = pool.take(pool.pick(0.2), 0.2)
     pool.established(lease)
     pool.drop(lease, 0.3)

@@ -21,11 +21,3 @@ def test_counters_are_apart_from_configuration_and_state():
     rs.apply_config(replace(rs.config, weight=3))
     assert (rs.counters.connections_total, rs.static_weight) == (1, 3.0)
     assert pool.statistics().real_servers[0].connections_total == 1
-
-
-def test_the_old_names_read_and_write_the_counters():
-    rs = Pool(virtual_server("rr", {"a": {}}), 0).by_name["a"]
-    rs.counters.bytes_in = 5
-    rs.bytes_out = 7
-    rs.health_checks["ok"] += 1
-    assert (rs.bytes_in, rs.counters.bytes_out, rs.counters.health_checks["ok"]) == (5, 7, 1)

@@ -248,7 +248,7 @@ async def warm_up(r: Rig, recorded: list) -> None:
     assert recorded == [JOURNEYS["resolving"]] and "_waiting" in r.spawned
     recorded.clear()
     r.spawned.clear()
-    r.pool.servers[0].bytes_in = r.pool.servers[0].bytes_out = 0
+    r.pool.servers[0].counters.bytes_in = r.pool.servers[0].counters.bytes_out = 0
 
 
 # -- the fast path: no task ---------------------------------------------------------------
@@ -267,7 +267,7 @@ def test_fast_path_runs_to_established_with_no_task_and_ends_once(recorded, capl
         await settled(r)
         assert recorded == [JOURNEYS["fast"]]
         (rs,) = r.pool.servers
-        assert (rs.bytes_in, rs.bytes_out) == (4, 4)
+        assert (rs.counters.bytes_in, rs.counters.bytes_out) == (4, 4)
         assert r.pool.durations.count == 2  # with the warm-up's
         (line,) = access_lines(caplog)
         assert " vs=vs rs=a in=4 out=4 " in line and line.endswith("end=closed")
@@ -537,7 +537,7 @@ def test_a_refused_connect_is_retried_on_another_server(recorded):
         client.close()
         await settled(r)
         assert recorded == [JOURNEYS["retry"]]
-        assert r.pool.by_name["down"].connect_failures["refused"] == 1
+        assert r.pool.by_name["down"].counters.connect_failures["refused"] == 1
 
     run(body)
 

@@ -14,6 +14,7 @@ user's description of the same names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -22,7 +23,18 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-__all__ = ["FAMILIES", "MAX", "OWN", "SUM", "Family", "family", "merged_by"]
+__all__ = [
+    "FAMILIES",
+    "MAX",
+    "OWN",
+    "SUM",
+    "Family",
+    "counter",
+    "family",
+    "gauge",
+    "histogram",
+    "merged_by",
+]
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 SUM, MAX, OWN = "sum", "max", "own"  # how the supervisor merges its workers' samples
@@ -287,6 +299,32 @@ def family(name: str, value: float | None = None) -> Metric:
     if value is not None:
         return GaugeMetricFamily(f.name, f.help, value=value)
     return _KINDS[f.kind](f.name, f.help, labels=list(f.labels) or None)
+
+
+_Kind = TypeVar("_Kind", CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)
+
+
+def _of_kind(name: str, kind: type[_Kind], value: float | None = None) -> _Kind:
+    metric = family(name, value)
+    if not isinstance(metric, kind):  # a bug (the table says another kind), caught by tests
+        raise TypeError(f"{name} is a {FAMILIES[name].kind}, not a {kind.__name__}")
+    return metric
+
+
+def counter(name: str) -> CounterMetricFamily:
+    """family(name), typed: the table's counter `name` (add_metric(labels, value))."""
+    return _of_kind(name, CounterMetricFamily)
+
+
+def gauge(name: str, value: float | None = None) -> GaugeMetricFamily:
+    """family(name, value), typed: the table's gauge `name` (add_metric(labels, value))."""
+    return _of_kind(name, GaugeMetricFamily, value)
+
+
+def histogram(name: str) -> HistogramMetricFamily:
+    """family(name), typed: the table's histogram `name` (add_metric(labels, buckets,
+    sum))."""
+    return _of_kind(name, HistogramMetricFamily)
 
 
 def merged_by(merge: str) -> frozenset[str]:

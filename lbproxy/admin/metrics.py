@@ -16,7 +16,7 @@ import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from lbproxy.admin.metric_families import family
+from lbproxy.admin.metric_families import counter, gauge, histogram
 from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
@@ -59,23 +59,23 @@ class LbproxyCollector:
         self.source = source
 
     def collect(self) -> Iterator[Metric]:
-        connections = family("lbproxy_connections")
-        active = family("lbproxy_active_connections")
-        bytes_total = family("lbproxy_bytes")
-        rejected = family("lbproxy_rejected_connections")
-        connect_failures = family("lbproxy_connect_failures")
-        up = family("lbproxy_real_server_up")
-        weight = family("lbproxy_real_server_weight")
-        checks = family("lbproxy_health_checks")
-        polls = family("lbproxy_snmp_polls")
-        poll_duration = family("lbproxy_snmp_poll_duration_seconds")
-        fallback = family("lbproxy_dynamic_weight_fallback")
-        throttle = family("lbproxy_throttle_mode")
-        duration = family("lbproxy_connection_duration_seconds")
-        persistence_entries = family("lbproxy_persistence_entries")
-        persistence_lookups = family("lbproxy_persistence_lookups")
-        queued = family("lbproxy_queued_connections")
-        queue_wait = family("lbproxy_queue_wait_seconds")
+        connections = counter("lbproxy_connections")
+        active = gauge("lbproxy_active_connections")
+        bytes_total = counter("lbproxy_bytes")
+        rejected = counter("lbproxy_rejected_connections")
+        connect_failures = counter("lbproxy_connect_failures")
+        up = gauge("lbproxy_real_server_up")
+        weight = gauge("lbproxy_real_server_weight")
+        checks = counter("lbproxy_health_checks")
+        polls = counter("lbproxy_snmp_polls")
+        poll_duration = histogram("lbproxy_snmp_poll_duration_seconds")
+        fallback = gauge("lbproxy_dynamic_weight_fallback")
+        throttle = gauge("lbproxy_throttle_mode")
+        duration = histogram("lbproxy_connection_duration_seconds")
+        persistence_entries = gauge("lbproxy_persistence_entries")
+        persistence_lookups = counter("lbproxy_persistence_lookups")
+        queued = gauge("lbproxy_queued_connections")
+        queue_wait = histogram("lbproxy_queue_wait_seconds")
         now = trio.current_time()
         for pool in self.source.pools():
             vs = pool.name
@@ -117,10 +117,10 @@ class LbproxyCollector:
                     for result in SNMP_RESULTS:
                         polls.add_metric([*labels, result], rs.counters.snmp_polls[result])
         yield from self._discovery()
-        reloads = family("lbproxy_config_reloads")
+        reloads = counter("lbproxy_config_reloads")
         for result in RELOAD_RESULTS:
             reloads.add_metric([result], self.source.reloads.get(result, 0))
-        internal = family("lbproxy_internal_errors")
+        internal = counter("lbproxy_internal_errors")
         counts = internal_errors().counts
         for where in INTERNAL_ERROR_PLACES:
             internal.add_metric([where], counts.get(where, 0))
@@ -155,8 +155,8 @@ class LbproxyCollector:
         states: dict[str, DiscoveryState] = getattr(discovery, "states", {})
         if not states:
             return
-        resolutions = family("lbproxy_discovery_resolutions")
-        discovered = family("lbproxy_discovered_servers")
+        resolutions = counter("lbproxy_discovery_resolutions")
+        discovered = gauge("lbproxy_discovered_servers")
         for name, state in states.items():
             for result in DISCOVERY_RESULTS:
                 resolutions.add_metric([name, result], state.results[result])
@@ -169,18 +169,18 @@ class LbproxyCollector:
         cluster = getattr(self.source, "cluster", None)
         if cluster is None:
             return
-        yield family("lbproxy_cluster_connected", value=1 if cluster.connected else 0)
-        messages = family("lbproxy_cluster_messages")
+        yield gauge("lbproxy_cluster_connected", value=1 if cluster.connected else 0)
+        messages = counter("lbproxy_cluster_messages")
         for kind in (*CLUSTER_KINDS, "entries", "invalid"):
             for direction in ("in", "out"):
                 if kind != "invalid" or direction == "in":
                     messages.add_metric([kind, direction], cluster.messages[kind, direction])
         yield messages
-        ignored = family("lbproxy_cluster_ignored_messages")
+        ignored = counter("lbproxy_cluster_ignored_messages")
         for reason in CLUSTER_IGNORED:
             ignored.add_metric([reason], cluster.ignored[reason])
         yield ignored
-        yield family("lbproxy_cluster_sync_lag_seconds", value=cluster.sync_lag)
+        yield gauge("lbproxy_cluster_sync_lag_seconds", value=cluster.sync_lag)
 
     def _udp(self) -> Iterator[Metric]:
         """SPEC §19; only for virtual servers with `protocol: udp` (none: no families).
@@ -188,10 +188,10 @@ class LbproxyCollector:
         pools = [pool for pool in self.source.pools() if pool.config.protocol == "udp"]
         if not pools:
             return
-        datagrams = family("lbproxy_udp_datagrams")
-        active = family("lbproxy_udp_active_sessions")
-        sessions = family("lbproxy_udp_sessions")
-        dropped = family("lbproxy_udp_dropped")
+        datagrams = counter("lbproxy_udp_datagrams")
+        active = gauge("lbproxy_udp_active_sessions")
+        sessions = counter("lbproxy_udp_sessions")
+        dropped = counter("lbproxy_udp_dropped")
         for pool in pools:
             counters = pool.udp
             for rs in pool.servers:
@@ -208,10 +208,10 @@ class LbproxyCollector:
 
     def _locator_families(self) -> Iterator[Metric]:
         """SPEC §10 and §11: locator answers, DNS queries, load reports, conditioning."""
-        answers = family("lbproxy_locator_answers")
-        reports = family("lbproxy_load_reports")
-        load = family("lbproxy_real_server_load")
-        conditioned = family("lbproxy_conditioned_connections")
+        answers = counter("lbproxy_locator_answers")
+        reports = counter("lbproxy_load_reports")
+        load = gauge("lbproxy_real_server_load")
+        conditioned = counter("lbproxy_conditioned_connections")
         for pool in self.source.pools():
             vs = pool.name
             shows_load = pool.scheduler.shows_load
@@ -224,7 +224,7 @@ class LbproxyCollector:
                     load.add_metric(labels, pool.load_of(rs) or 0.0)
                 if pool.config.conditioning is not None:
                     conditioned.add_metric(labels, pool.conditioned[rs.name])
-        queries = family("lbproxy_dns_queries")
+        queries = counter("lbproxy_dns_queries")
         counted = getattr(self.source, "dns_queries", None) or {}
         for rcode in DNS_RCODES:
             queries.add_metric([rcode], counted.get(rcode, 0))

@@ -89,7 +89,8 @@ from lbproxy.admin.api import (
     serve_asgi,
 )
 from lbproxy.admin.metric_families import MAX, OWN, merged_by
-from lbproxy.admin.metric_families import family as metric_family
+from lbproxy.admin.metric_families import counter as counter_family
+from lbproxy.admin.metric_families import gauge as gauge_family
 from lbproxy.admin.metrics import RELOAD_RESULTS
 from lbproxy.admin.routes import HTTPError, Request
 from lbproxy.config.model import Address, Config
@@ -219,8 +220,8 @@ def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
             vs[key] += other.get(key, 0)
     for reason, count in (other.get("rejected") or {}).items():
         vs.setdefault("rejected", {})[reason] = vs["rejected"].get(reason, 0) + count
-    if THROTTLE_ORDER.get(other.get("throttle_mode"), 0) > THROTTLE_ORDER.get(
-        vs.get("throttle_mode"), 0
+    if THROTTLE_ORDER.get(other.get("throttle_mode", ""), 0) > THROTTLE_ORDER.get(
+        vs.get("throttle_mode", ""), 0
     ):
         vs["throttle_mode"] = other["throttle_mode"]
     if other.get("dynamic_weight_fallback"):
@@ -680,15 +681,15 @@ class Supervisor:
             sums.add(families)
         for family in self.retired.metrics():
             sums.add([family], existing_only=True)
-        reloads = metric_family("lbproxy_config_reloads")
+        reloads = counter_family("lbproxy_config_reloads")
         for result in RELOAD_RESULTS:
             reloads.add_metric([result], self.reloads[result])
-        ready = metric_family("lbproxy_workers_ready")
+        ready = gauge_family("lbproxy_workers_ready")
         ready.add_metric([], sum(worker.ready for worker in self.workers))
-        restarts = metric_family("lbproxy_worker_restarts")
+        restarts = counter_family("lbproxy_worker_restarts")
         restarts.add_metric([], sum(worker.restarts for worker in self.workers))
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families([*sums.metrics(), reloads, ready, restarts]))  # type: ignore[arg-type]
+        registry.register(_Families([*sums.metrics(), reloads, ready, restarts]))
         return generate_latest(registry)
 
     # -- runtime changes: every worker ------------------------------------------
@@ -844,7 +845,10 @@ class SupervisorApp(AdminApp):
     AdminApp's; each handler here replaces the single process's."""
 
     def __init__(self, supervisor: Supervisor, token: str | None) -> None:
-        self.server = supervisor  # type: ignore[assignment]
+        # Not a ProxyControl: its changes are async, sent to every worker. Each handler
+        # that would call a ProxyControl method is replaced below; what AdminApp's own
+        # code still reads (config; upgrade and admin_sock through getattr) it has.
+        self.server = supervisor  # type: ignore[assignment]  # see above
         self.supervisor = supervisor
         self.token = token
 
@@ -1080,20 +1084,20 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
         sock.setblocking(False)
         passed.append(Passed(sock, key, PREVIOUS))
     server.inherited = Inherited(passed)
-    failures: list[BindError] = []
+    failures: list[BindError | ExceptionGroup[BindError]] = []
     orphaned = False
     try:
         orphaned = trio.run(_worker_main, server, channel)
     except* BindError as group:
-        failures.extend(group.exceptions)  # type: ignore[arg-type]
+        failures.extend(group.exceptions)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(init["admin"])
     if orphaned:  # the supervisor could not remove its folder: the last worker out does
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(init["admin"]))
-    for exc in failures:
-        log.error("%s", exc)
+    for failure in failures:
+        log.error("%s", failure)
     if failures:
         with contextlib.suppress(OSError):  # the supervisor repeats it when it stops
             channel.sendall(f"error {failures[0]}\n".encode())
@@ -1105,7 +1109,9 @@ async def _worker_main(server: Server, channel: socket.socket) -> bool:
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(channel))
     async with trio.open_nursery() as nursery:
 
-        async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async def serve(
+            task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
             try:
                 await server.serve(task_status=task_status)
             finally:

@@ -152,7 +152,7 @@ def locate_document(located: Located) -> dict[str, Any]:
 def parse_load_report(body: bytes) -> tuple[object, object]:
     """(load, per_connection) of a PUT .../load body; raises a 400 naming the problem.
 
-    The numbers themselves are checked by `Pool.report_load`."""
+    The numbers themselves are checked by `Locator.report_load`."""
     example = '{"load": 0.4, "per_connection": 0.1}'
     try:
         request = json.loads(body or b"null")
@@ -383,7 +383,7 @@ class AdminApp:
         current = query.get("current", [None])[-1]
         # The asking address, for maglev and persistence (None over a worker's Unix
         # socket: the supervisor passes it on in a header, see _asking_client).
-        located = pool.locate(
+        located = pool.locator.locate(
             trio.current_time(), current or None, "http", self._asking_client(scope)
         )
         if located is None:
@@ -413,7 +413,7 @@ class AdminApp:
         if error:
             raise HTTPError(400, error)
         rs = pool.by_name[rs_name]
-        reported, step = pool.load_reports[rs]
+        reported, step = pool.locator.reports[rs]
         document = {
             "virtual_server": pool.name,
             "real_server": rs_name,

@@ -218,8 +218,8 @@ class LbproxyCollector:
             for rs in pool.servers:
                 labels = [vs, rs.name]
                 for via in LOCATOR_VIAS:
-                    answers.add_metric([*labels, via], pool.answers[rs.name, via])
-                reports.add_metric(labels, pool.load_report_counts[rs.name])
+                    answers.add_metric([*labels, via], pool.locator.answers[rs.name, via])
+                reports.add_metric(labels, pool.locator.report_counts[rs.name])
                 if shows_load:
                     load.add_metric(labels, pool.load_of(rs) or 0.0)
                 if pool.config.conditioning is not None:

@@ -77,7 +77,7 @@ class ConditioningMonitor:
             return idle_leases(rs, now, config.idle_for)
 
         plan = plan_round(
-            members, pool.balance, config.threshold, config.max_per_interval, candidates
+            members, pool.locator.balance, config.threshold, config.max_per_interval, candidates
         )
         if plan is None:
             return None

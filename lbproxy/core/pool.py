@@ -44,10 +44,9 @@ from lbproxy.config.model import (
     VirtualServerConfig,
 )
 from lbproxy.core import schedulers
-from lbproxy.core.balance import Balance
 from lbproxy.core.health import Health
 from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, QUEUE_BUCKETS, Histogram
-from lbproxy.core.locate import Located, Locator
+from lbproxy.core.locate import Locator
 from lbproxy.core.persistence import Entry, Persistence, client_key
 from lbproxy.core.real_server import RealServer, ServerCounters
 
@@ -500,7 +499,7 @@ class Pool:
             for rs in self.servers
         }
 
-    # -- what the locator (locate.py) needs, and its state for its callers ------------
+    # -- what the locator (locate.py) needs ------------------------------------------
 
     def count_answer(self, rs: RealServer, now: float, hit: bool) -> None:
         """A locator answer, as the scheduler sees it: a connection sent to `rs` that
@@ -514,46 +513,6 @@ class Pool:
             self.scheduler.on_take(rs, now)
         rs.sched_active -= 1
         self.scheduler.on_drop(rs, now)
-
-    # The locator's methods and counts, under the names its callers have always used.
-    def locate(
-        self,
-        now: float,
-        current: str | None = None,
-        via: str = "http",
-        client: tuple[Any, ...] | None = None,
-    ) -> Located | None:
-        return self.locator.locate(now, current, via, client)
-
-    def answer(
-        self, rs: RealServer, now: float, via: str = "http", client: tuple[Any, ...] | None = None
-    ) -> None:
-        self.locator.answer(rs, now, via, client)
-
-    def report_load(
-        self, rs: RealServer, load: object, per_connection: object = None
-    ) -> str | None:
-        return self.locator.report_load(rs, load, per_connection)
-
-    @property
-    def answers(self) -> Counter[tuple[str, str]]:
-        return self.locator.answers
-
-    @property
-    def load_reports(self) -> dict[RealServer, tuple[float, float]]:
-        return self.locator.reports
-
-    @property
-    def load_report_counts(self) -> Counter[str]:
-        return self.locator.report_counts
-
-    @property
-    def balance(self) -> Balance:
-        return self.locator.balance
-
-    @property
-    def imbalance_threshold(self) -> float:
-        return self.locator.imbalance_threshold
 
     def load_of(self, rs: RealServer) -> float | None:
         """`rs`'s load as the balance rule sees it (None: the scheduler has none)."""

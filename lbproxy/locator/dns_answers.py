@@ -116,7 +116,7 @@ class QueryHandler:
                 # Counted only once it is sent whole: a client given TC=1 asks again
                 # over TCP, and that answer is the locate.
                 pool, rs = self._located
-                pool.answer(rs, now, "dns", client)
+                pool.locator.answer(rs, now, "dns", client)
             return wire
         except Exception as exc:  # a bug here must cost one answer, never the server
             self.on_error(exc)

@@ -508,9 +508,9 @@ class Server:
         if isinstance(found, str):
             return found
         pool, rs = found
-        error = pool.report_load(rs, load, per_connection)
+        error = pool.locator.report_load(rs, load, per_connection)
         if error is None:
-            log.debug("%s/%s: load report %r", pool.name, rs.name, pool.load_reports[rs])
+            log.debug("%s/%s: load report %r", pool.name, rs.name, pool.locator.reports[rs])
             if self.cluster is not None:
                 step = None if per_connection is None else float(per_connection)  # type: ignore[arg-type]
                 self.cluster.publish("load", pool.name, rs.name, float(load), step)  # type: ignore[arg-type]
@@ -531,7 +531,7 @@ class Server:
         elif change.kind == "weight":
             self._apply_weight(pool, rs, change.value, via)
         else:
-            pool.report_load(rs, change.value, change.per_connection)
+            pool.locator.report_load(rs, change.value, change.per_connection)
         return True
 
     def apply_entries(self, batch: EntryBatch, now: float) -> tuple[int, int]:

@@ -92,7 +92,7 @@ def _virtual_server(pool: Pool, wall: float, now: float) -> VirtualServerState:
         config = rs.config
         state = rs.state if rs.state != config.state else None
         weight = int(rs.static_weight) if rs.static_weight != float(config.weight) else None
-        load = pool.load_reports.get(rs)
+        load = pool.locator.reports.get(rs)
         if state is not None or weight is not None or load is not None:
             servers.append(ServerState(rs.name, str(rs.address), state, weight, load))
     entries: list[StickyEntry] = []
@@ -117,7 +117,7 @@ def fingerprint(server: Server) -> tuple[Any, ...]:
         for rs in pool.servers:
             if rs.state != rs.config.state or rs.static_weight != float(rs.config.weight):
                 parts.append((pool.name, rs.name, rs.state, rs.static_weight))
-        parts.extend((pool.name, rs.name, load) for rs, load in pool.load_reports.items())
+        parts.extend((pool.name, rs.name, load) for rs, load in pool.locator.reports.items())
         persistence = pool.persistence
         if persistence is not None and persistence.entries:
             last = next(reversed(persistence.entries.values()))
@@ -186,8 +186,8 @@ def _restore_pool(
             counts["changes"] += 1
         if saved.weight is not None and server._apply_weight(pool, rs, saved.weight, VIA) is None:
             counts["changes"] += 1
-        if saved.load is not None and pool.report_load(rs, *saved.load) is None:
-            pool.load_report_counts[rs.name] -= 1  # restored, not received
+        if saved.load is not None and pool.locator.report_load(rs, *saved.load) is None:
+            pool.locator.report_counts[rs.name] -= 1  # restored, not received
             counts["loads"] += 1
     persistence = pool.persistence
     if persistence is None:

@@ -16,7 +16,7 @@ number `before`, in file order, each key of one event in the order written:
                                             a pushed load report (least-load, load_source
                                             report; per_connection optional)
 
-With `locate`, every arrival is a locator answer (`Pool.locate`, SPEC §10): counted as a
+With `locate`, every arrival is a locator answer (`Locator.locate`, SPEC §10): counted as a
 pick exactly as `GET .../locate` counts it, and nothing is held -- so a report of 0.4
 with 0.1 per connection reads 0.6 after two answers, Geode's own arithmetic.
 
@@ -379,7 +379,7 @@ def simulate(
             continue
         scores = pool.scores() if explain else {}
         if locate:  # a locator answer: counted as a pick, no connection held
-            located = pool.locate(now, via="simulate", client=client)
+            located = pool.locator.locate(now, via="simulate", client=client)
             rs = None if located is None else located.server
         else:
             rs = pool.pick(now, (), client)
@@ -517,7 +517,7 @@ def _apply(pool: Pool, key: str, value: Any, held: dict[str, deque[Lease]], now:
         if key == "snmp":
             pool.report_value(rs, number, now)
         elif key == "report":
-            pool.report_load(rs, number["load"], number.get("per_connection"))
+            pool.locator.report_load(rs, number["load"], number.get("per_connection"))
         elif key == "weight":
             pool.set_weight(rs, number, now)
         elif key == "load_factor":

@@ -1,6 +1,6 @@
 """The load-report body (`PUT .../load`, network input) under any bytes and any JSON.
 
-`parse_load_report` either gives (load, per_connection) for `Pool.report_load`, which
+`parse_load_report` either gives (load, per_connection) for `Locator.report_load`, which
 applies it or answers an error with nothing changed, or raises the 400 that names the
 problem; never another exception, and a report only ever holds finite numbers >= 0.
 """
@@ -33,14 +33,14 @@ bodies = st.dictionaries(
 def check(body: bytes) -> None:
     pool = Pool(virtual_server("least-load", {"a": {}}, load_source="report"), 0)
     rs = pool.by_name["a"]
-    pool.report_load(rs, 0.5, 0.1)
+    pool.locator.report_load(rs, 0.5, 0.1)
     try:
         load, per_connection = parse_load_report(body)
     except _HTTPError as exc:
         assert exc.status == 400 and exc.message
         return
-    error = pool.report_load(rs, load, per_connection)
-    reported, step = pool.load_reports[rs]
+    error = pool.locator.report_load(rs, load, per_connection)
+    reported, step = pool.locator.reports[rs]
     if error:
         assert (reported, step) == (0.5, 0.1)  # nothing changed
     else:

@@ -181,7 +181,7 @@ def test_locate_answers_only_available_servers_and_holds_nothing(scheduler, opti
     pool = build(scheduler, options)
     for ask in asks:
         current = None if ask is None else f"s{ask}"
-        located = pool.locate(1.0, current)
+        located = pool.locator.locate(1.0, current)
         if located is None:
             assert not any(must_be_available(pool, s) for s in pool.servers)
             continue

@@ -12,9 +12,9 @@ load(server) = last reported load + estimate x connections sent there since that
   (`PUT .../load`, Geode's `ServerLoadProbe`; `Locator.report_load`). The estimate is
   the reported `per_connection`, by default 1 / max_connections (0 without one); a
   server that has never reported has load 0. Reports live in the pool's locator
-  (core/locate.py, `pool.load_reports`), so a reload that swaps this scheduler keeps them.
+  (core/locate.py, `pool.locator.reports`), so a reload that swaps this scheduler keeps them.
 
-Locator answers (`Pool.answer`, HTTP and DNS locate) count exactly as connections sent:
+Locator answers (`Locator.answer`, HTTP and DNS locate) count exactly as connections sent:
 the estimate is added for each. A `?current=` replacement takes one estimate step off
 the client's old server (`on_moved_away`), as Geode's `decConnections`.
 

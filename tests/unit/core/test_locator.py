@@ -25,35 +25,35 @@ def test_geode_arithmetic_two_answers_take_0_4_to_0_6():
     # the server's pool connection load to 0.6."
     pool = report_pool(a={})
     a = pool.by_name["a"]
-    assert pool.report_load(a, 0.4, 0.1) is None
-    loads = [pool.locate(0.0).load for _ in range(2)]
+    assert pool.locator.report_load(a, 0.4, 0.1) is None
+    loads = [pool.locator.locate(0.0).load for _ in range(2)]
     assert loads == pytest.approx([0.5, 0.6])
 
 
 def test_two_servers_reporting_answer_in_geode_order():
     pool = report_pool()
-    pool.report_load(pool.by_name["a"], 0.4, 0.1)
-    pool.report_load(pool.by_name["b"], 0.2, 0.1)
-    answers = [pool.locate(0.0) for _ in range(6)]
+    pool.locator.report_load(pool.by_name["a"], 0.4, 0.1)
+    pool.locator.report_load(pool.by_name["b"], 0.2, 0.1)
+    answers = [pool.locator.locate(0.0) for _ in range(6)]
     assert [x.server.name for x in answers] == ["b", "b", "a", "b", "a", "b"]
     assert [x.load for x in answers] == pytest.approx([0.3, 0.4, 0.5, 0.5, 0.6, 0.6])
-    assert pool.answers["a", "http"] == 2 and pool.answers["b", "http"] == 4
+    assert pool.locator.answers["a", "http"] == 2 and pool.locator.answers["b", "http"] == 4
     # a new report replaces the load and clears the estimates added since the last one
-    pool.report_load(pool.by_name["b"], 0.0, 0.1)
+    pool.locator.report_load(pool.by_name["b"], 0.0, 0.1)
     assert pool.load_of(pool.by_name["b"]) == 0.0
-    assert pool.locate(0.0).server.name == "b"
+    assert pool.locator.locate(0.0).server.name == "b"
 
 
 def test_never_reported_is_zero_and_default_step_is_one_over_max_connections():
     pool = report_pool(a={"max_connections": 4}, b={})
     a, b = pool.by_name["a"], pool.by_name["b"]
     assert pool.load_of(a) == 0.0 and pool.load_of(b) == 0.0
-    pool.report_load(a, 0.5)
-    pool.report_load(b, 0.5)
-    assert pool.load_reports[a] == (0.5, 0.25)
-    assert pool.load_reports[b] == (0.5, 0.0)  # no max_connections: 0 per connection
-    pool.locate(0.0)
-    pool.locate(0.0)
+    pool.locator.report_load(a, 0.5)
+    pool.locator.report_load(b, 0.5)
+    assert pool.locator.reports[a] == (0.5, 0.25)
+    assert pool.locator.reports[b] == (0.5, 0.0)  # no max_connections: 0 per connection
+    pool.locator.locate(0.0)
+    pool.locator.locate(0.0)
     assert pool.load_of(a) == pytest.approx(0.75)
     assert pool.load_of(b) == pytest.approx(0.5)
 
@@ -77,70 +77,70 @@ def test_never_reported_is_zero_and_default_step_is_one_over_max_connections():
 def test_bad_report_changes_nothing(load, per_connection):
     pool = report_pool()
     a = pool.by_name["a"]
-    pool.report_load(a, 0.3, 0.1)
-    assert pool.report_load(a, load, per_connection)
-    assert pool.load_reports[a] == (0.3, 0.1)
-    assert pool.load_report_counts["a"] == 1
+    pool.locator.report_load(a, 0.3, 0.1)
+    assert pool.locator.report_load(a, load, per_connection)
+    assert pool.locator.reports[a] == (0.3, 0.1)
+    assert pool.locator.report_counts["a"] == 1
 
 
 def test_reload_keeps_reports_of_remaining_servers():
     pool = report_pool(a={}, b={})
-    pool.report_load(pool.by_name["a"], 0.7, 0.1)
-    pool.report_load(pool.by_name["b"], 0.1, 0.1)
+    pool.locator.report_load(pool.by_name["a"], 0.7, 0.1)
+    pool.locator.report_load(pool.by_name["b"], 0.1, 0.1)
     # reorder (the scheduler is rebuilt) and remove b, add c
     new = virtual_server("least-load", {"c": {}, "a": {}}, load_source="report")
     pool.reconfigure(new, 1.0)
     a, c = pool.by_name["a"], pool.by_name["c"]
     assert pool.load_of(a) == pytest.approx(0.7)
     assert pool.load_of(c) == 0.0
-    assert [rs.name for rs in pool.load_reports] == ["a"]
+    assert [rs.name for rs in pool.locator.reports] == ["a"]
 
 
 def test_locate_counts_a_pick_per_scheduler():
     # rr advances
     pool = Pool(virtual_server("rr", {"a": {}, "b": {}}), 0)
-    assert [pool.locate(0.0).server.name for _ in range(4)] == ["a", "b", "a", "b"]
-    assert pool.locate(0.0).load is None
+    assert [pool.locator.locate(0.0).server.name for _ in range(4)] == ["a", "b", "a", "b"]
+    assert pool.locator.locate(0.0).load is None
     # sap adds its load factor
     pool = Pool(virtual_server("sap", {"a": {"load_factor": 2}, "b": {"load_factor": 3}}), 0)
-    assert [pool.locate(0.0).server.name for _ in range(5)] == ["a", "b", "a", "b", "a"]
+    assert [pool.locator.locate(0.0).server.name for _ in range(5)] == ["a", "b", "a", "b", "a"]
     # lc counts a connection that closes at once: ties go round robin, nothing stays open
     pool = Pool(virtual_server("lc", {"a": {}, "b": {}}), 0)
-    assert [pool.locate(0.0).server.name for _ in range(4)] == ["a", "b", "a", "b"]
+    assert [pool.locator.locate(0.0).server.name for _ in range(4)] == ["a", "b", "a", "b"]
     assert pool.active == 0 and pool.by_name["a"].counters.connections_total == 0
 
 
 def test_locate_none_when_nothing_available():
     pool = Pool(virtual_server("wlc", {"a": {"state": "disabled"}}), 0)
-    assert pool.locate(0.0) is None
-    assert pool.locate(0.0, current="a") is None
+    assert pool.locator.locate(0.0) is None
+    assert pool.locator.locate(0.0, current="a") is None
 
 
 def test_replace_when_current_is_unavailable_or_unknown():
     pool = report_pool()
     pool.set_state(pool.by_name["a"], DRAIN, 0.0)
-    answer = pool.locate(0.0, current="a")
+    answer = pool.locator.locate(0.0, current="a")
     assert (answer.server.name, answer.replace) == ("b", True)
-    answer = pool.locate(0.0, current="gone")
+    answer = pool.locator.locate(0.0, current="gone")
     assert (answer.server.name, answer.replace) == ("b", True)
 
 
 def test_replace_follows_threshold_and_hysteresis():
     pool = report_pool()
     a, b = pool.by_name["a"], pool.by_name["b"]
-    pool.report_load(a, 0.5, 0.1)
-    pool.report_load(b, 0.0, 0.1)
+    pool.locator.report_load(a, 0.5, 0.1)
+    pool.locator.report_load(b, 0.0, 0.1)
     # imbalance 0.5 < 10 x 0.1: tolerated, stay, nothing counted
-    answer = pool.locate(0.0, current="a")
+    answer = pool.locator.locate(0.0, current="a")
     assert (answer.server.name, answer.replace) == ("a", False)
     assert pool.load_of(a) == pytest.approx(0.5) and pool.load_of(b) == 0.0
-    pool.report_load(a, 1.0, 0.1)  # imbalance 1.0 = 10 steps: rebalancing starts
-    answer = pool.locate(0.0, current="b")  # b is not the most loaded: stays
+    pool.locator.report_load(a, 1.0, 0.1)  # imbalance 1.0 = 10 steps: rebalancing starts
+    answer = pool.locator.locate(0.0, current="b")  # b is not the most loaded: stays
     assert (answer.server.name, answer.replace) == ("b", False)
-    assert pool.balance.rebalancing
+    assert pool.locator.balance.rebalancing
     moves = []
     for _ in range(10):
-        answer = pool.locate(0.0, current="a")
+        answer = pool.locator.locate(0.0, current="a")
         moves.append(answer.replace)
         if not answer.replace:
             break
@@ -148,7 +148,7 @@ def test_replace_follows_threshold_and_hysteresis():
     # (gap 0.2 > 0.1 after 4 moves, 0.0 after 5)
     assert moves == [True] * 5 + [False]
     assert pool.load_of(a) == pytest.approx(0.5) and pool.load_of(b) == pytest.approx(0.5)
-    assert not pool.balance.rebalancing
+    assert not pool.locator.balance.rebalancing
 
 
 def test_balance_rule_is_geodes():
@@ -210,9 +210,9 @@ def test_pool_balance_members_skip_draining_and_down():
 
 def test_threshold_comes_from_conditioning():
     config = virtual_server("lc", {"a": {}, "b": {}})
-    assert Pool(config, 0).imbalance_threshold == 10
+    assert Pool(config, 0).locator.imbalance_threshold == 10
     config = dataclasses.replace(config, conditioning=ConditioningConfig(threshold=3))
-    assert Pool(config, 0).imbalance_threshold == 3
+    assert Pool(config, 0).locator.imbalance_threshold == 3
 
 
 def test_simulate_locate_reproduces_geode():

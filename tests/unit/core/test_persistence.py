@@ -90,8 +90,8 @@ def test_sticky_connections_still_count_for_least_connections():
 def test_a_locator_answer_from_persistence_does_not_move_rr():
     pool = sticky_pool()
     client = ("10.0.0.1", 5353)
-    assert [pool.locate(t, client=client).server.name for t in range(5)] == ["a"] * 5
-    assert [pool.locate(6, client=(f"10.0.1.{i}", 53)).server.name for i in range(3)] == [
+    assert [pool.locator.locate(t, client=client).server.name for t in range(5)] == ["a"] * 5
+    assert [pool.locator.locate(6, client=(f"10.0.1.{i}", 53)).server.name for i in range(3)] == [
         "b",
         "c",
         "a",
@@ -309,7 +309,7 @@ def test_a_locate_makes_an_entry_that_lives_timeout_from_the_answer():
     asker = ("10.0.0.1", 40000)
 
     def locate(now: float, client=asker) -> str:
-        return pool.locate(now, client=client).server.name
+        return pool.locator.locate(now, client=client).server.name
 
     assert locate(0.0) == "a"  # a miss: rr picks, the entry is made
     assert locate(0.0, ("10.0.0.2", 1)) == "b"  # another asker: rr goes on
@@ -320,7 +320,7 @@ def test_a_locate_makes_an_entry_that_lives_timeout_from_the_answer():
     assert lookups(pool) == {"hit": 2, "miss": 3, "moved": 0}
     # no asking address (a worker's endpoint without the supervisor's header): the
     # scheduler alone, nothing looked up or remembered
-    assert pool.locate(25.0) is not None
+    assert pool.locator.locate(25.0) is not None
     assert lookups(pool) == {"hit": 2, "miss": 3, "moved": 0}
     assert pool.persistence_entries(25.0) == 1
 
@@ -328,11 +328,11 @@ def test_a_locate_makes_an_entry_that_lives_timeout_from_the_answer():
 def test_a_locate_for_an_unavailable_server_moves_the_entry():
     pool = sticky_pool(timeout=10.0)
     asker = ("10.0.0.1", 40000)
-    assert pool.locate(0.0, client=asker).server.name == "a"
+    assert pool.locator.locate(0.0, client=asker).server.name == "a"
     pool.set_state(pool.by_name["a"], "drain", 0.0)
-    assert pool.locate(1.0, client=asker).server.name == "b"
+    assert pool.locator.locate(1.0, client=asker).server.name == "b"
     pool.set_state(pool.by_name["a"], "enabled", 1.0)
-    assert pool.locate(2.0, client=asker).server.name == "b"  # stays where it moved
+    assert pool.locator.locate(2.0, client=asker).server.name == "b"  # stays where it moved
     assert lookups(pool) == {"hit": 1, "miss": 1, "moved": 1}
 
 
@@ -342,4 +342,4 @@ def test_maglev_locate_answers_an_asker_as_its_connections_are_picked():
     for n in range(1, 20):
         client = (f"10.0.0.{n}", 1000 + n)
         picked = pool.pick(0.0, (), client).name
-        assert {pool.locate(0.0, client=client).server.name for _ in range(3)} == {picked}
+        assert {pool.locator.locate(0.0, client=client).server.name for _ in range(3)} == {picked}

@@ -35,11 +35,11 @@ def test_a_aaaa_and_srv_answers():
     assert answer.answer[0].to_text() == "VS.lb.internal. 30 IN A 10.0.0.1"
     # rr's next pick is b: an IPv6 server answers no A record, and is not counted
     assert ask(handler, "vs.lb.internal.", "A").answer == []
-    assert pool.answers["b", "dns"] == 0
+    assert pool.locator.answers["b", "dns"] == 0
     srv = ask(handler, "_vs._tcp.lb.internal.", "SRV")
     assert srv.answer[0].to_text() == "_vs._tcp.lb.internal. 30 IN SRV 0 0 8001 b.vs.lb.internal."
     assert srv.additional[0].to_text() == "b.vs.lb.internal. 30 IN AAAA 2001:db8::2"
-    assert pool.answers["b", "dns"] == 1
+    assert pool.locator.answers["b", "dns"] == 1
     target = ask(handler, "B.vs.lb.internal.", "AAAA")
     assert target.answer[0][0].address == "2001:db8::2"
 

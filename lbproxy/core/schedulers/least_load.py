@@ -87,7 +87,9 @@ class LeastLoad(HeapScheduler):
         self.reported: dict[RealServer, float] = {}
         self.since: dict[RealServer, int] = {}
         self.per_connection: dict[RealServer, float] = {}  # load_source report only
-        for rs, (load, step) in getattr(pool, "load_reports", {}).items():
+        # The reports the pool's locator kept (core/locate.py); a stand-in pool may have none.
+        locator = getattr(pool, "locator", None)
+        for rs, (load, step) in getattr(locator, "reports", {}).items():
             self.reported[rs] = load
             self.per_connection[rs] = step
 

@@ -36,6 +36,7 @@ needs one: a PROXY header to read, SO_ERROR after a connect that had to wait.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -53,6 +54,7 @@ from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.accept import CAPACITY_ERRNOS as LOCAL_CAPACITY_ERRNOS
 from lbproxy.net.accept import LocalCapacityError
 from lbproxy.net.barrier import record
+from lbproxy.net.compiled import cpump
 from lbproxy.net.pump import Flow, Pump, new_pump
 from lbproxy.wire import proxy_protocol
 
@@ -65,6 +67,10 @@ _ALLOW_ALL = VirtualServerConfig.__dataclass_fields__["allow"].default
 # (the pump needs only its descriptor, taken with detach() once connected).
 _new_socket = socket.SocketType
 _CONNECT_TYPE = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+# On the compiled path (issue 26) the connect is one C call: socket, TCP_NODELAY, connect
+# and the getpeername that sees a completed handshake (_cpump.connect), to the struct
+# sockaddr made once per address (_cpump.sockaddr).
+_c_connect = cpump.connect if cpump is not None else None
 
 # -- the states ----------------------------------------------------------------------
 #
@@ -276,7 +282,8 @@ class Handler:
     def __init__(self, vs: VirtualServer) -> None:
         self.vs = vs
         self.pool = vs.pool
-        self._resolved: dict[Address, tuple[int, tuple]] = {}
+        # Address -> (family, sockaddr, the C struct sockaddr or None: see _start_connect)
+        self._resolved: dict[Address, tuple[int, tuple, bytes | None]] = {}
         # Connections established with no task: the pumps, and the guardian task
         # standing for them in the handlers nursery while there are any.
         self._live: set[Pump] = set()
@@ -427,13 +434,13 @@ class Handler:
         if cached is None:
             return self._resolving
         try:
-            sock, err = self._start_connect(*cached)
+            fd, err = self._start_connect(*cached)
         except (LocalCapacityError, ConnectError) as exc:
             return self._attempt_failed(c, exc)
-        if err:  # in progress
-            c.sock = sock
+        if err:  # in progress: a socket object for the wait and SO_ERROR (no system call)
+            c.sock = _new_socket(cached[0], _CONNECT_TYPE, 0, fd)
             return self._connecting
-        self._establish(c, sock.detach())
+        self._establish(c, fd)
         return None
 
     def _attempt_failed(
@@ -699,9 +706,17 @@ class Handler:
             end,
         )
 
-    def _start_connect(self, family: int, sockaddr: tuple) -> tuple[socket.SocketType, int]:
-        """socket() and a non-blocking connect: (socket, 0) connected already, or
-        (socket, EINPROGRESS). Raises LocalCapacityError or ConnectError (closed)."""
+    def _start_connect(self, family: int, sockaddr: tuple, packed: bytes | None) -> tuple[int, int]:
+        """socket() and a non-blocking connect: (descriptor, 0) connected already, or
+        (descriptor, EINPROGRESS). Raises LocalCapacityError or ConnectError (closed).
+        `packed`: the C struct sockaddr, for the compiled path's one call."""
+        if packed is not None and _c_connect is not None:
+            fd, err = _c_connect(packed)
+            if fd >= 0:
+                return fd, err
+            if fd == -1 and err in LOCAL_CAPACITY_ERRNOS:  # socket() failed
+                raise LocalCapacityError(os.strerror(err))
+            raise ConnectError("refused" if err == errno.ECONNREFUSED else "error")
         try:
             # A plain non-blocking socket: trio's wrapper costs a checkpoint, an address
             # re-resolution and an ioctl per connect, and socket.socket's Python layer
@@ -732,9 +747,9 @@ class Handler:
         except BaseException:
             sock.close()
             raise
-        return sock, err
+        return sock.detach(), err
 
-    async def _resolve(self, address: Address) -> tuple[int, tuple]:
+    async def _resolve(self, address: Address) -> tuple[int, tuple, bytes | None]:
         cached = self._resolved.get(address)
         if cached is not None:
             return cached
@@ -745,8 +760,13 @@ class Handler:
         except OSError as exc:
             raise ConnectError("error") from exc
         family, _, _, _, sockaddr = infos[0]
-        self._resolved[address] = (family, sockaddr)
-        return family, sockaddr
+        packed = None
+        if cpump is not None:
+            # not AF_INET/AF_INET6 (ValueError): the Python connect serves it
+            with contextlib.suppress(ValueError):
+                packed = cpump.sockaddr(family, sockaddr)
+        resolved = self._resolved[address] = (family, sockaddr, packed)
+        return resolved
 
     def _allowed(self, config: VirtualServerConfig, host: str) -> bool:
         # deny wins over allow

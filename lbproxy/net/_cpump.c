@@ -1,15 +1,13 @@
 /* lbproxy.net._cpump: the reactor's inner loop in C (issue 26), optional.
  *
  * What every connection and every chunk goes through, and nothing else: one batch of
- * the reactor (epoll_wait, the pump of each ready descriptor, its event), a splice
- * direction's move (socket -> pipe -> socket, the pipe borrowed from the pool), and
- * accept4 with SOCK_NONBLOCK for the accept loop. It works on the very Python objects
- * pump.py defines (Pump, _SpliceDirection, Flow, the module's pipe pool): the state is
- * theirs, so the pure-Python path and this one can never disagree about it. Whatever is
- * not the common case -- a FIN, an error, a blocked chunk written out, the preamble, a
- * hang-up nobody watches, the end -- is handed to the Pump's own Python methods, which
- * take the decisions exactly as on the pure path (LBPROXY_PURE=1; lbproxy/net/compiled.py
- * chooses).
+ * the reactor (epoll_wait, the pump of each ready descriptor, its event), the pump of a
+ * connection (the Pump type below: pump.py's Pump, state machine for state machine,
+ * with the same splice-auto policy -- small chunks copied with recv/send, bulk ones
+ * spliced socket -> pipe -> socket through a pipe from pump.py's pool), and accept4 with
+ * SOCK_NONBLOCK for the accept loop. The decisions stay Python (the reactor's dict and
+ * deadline heap, the pool, the Flow, on_end): the pure-Python path (LBPROXY_PURE=1;
+ * lbproxy/net/compiled.py chooses) and this one behave alike.
  *
  * No error here may take the process down: every Python exception met while handling
  * one pump's event goes to the reactor's `_crashed(pump, exc)` (the exception barrier,
@@ -26,6 +24,7 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <arpa/inet.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -45,6 +44,10 @@
 #define BURST 2
 #define BIG_CHUNK (1 << 16)
 #define SPLICE_CHUNK (1 << 24)
+/* splice-auto, as HAProxy's: a direction copies its chunks (one recv, one send: no pipe)
+ * until a read fills this buffer (HAProxy's bufsize), the sign of a bulk transfer; from
+ * then on it splices (socket -> pipe -> socket, zero copy). */
+#define COPY_CHUNK (1 << 14)
 #define MAX_BATCH 1024
 
 #define IN_OR_FAILED (EPOLLIN | EPOLLERR | EPOLLHUP)
@@ -65,7 +68,7 @@ static PyObject *s_client_fd, *s_up, *s_down, *s_outcome, *s_state, *s_src_fd, *
 
 /* -- attributes ----------------------------------------------------------------------
  *
- * Pump and _SpliceDirection keep their state in __slots__: a slot is a pointer at a
+ * Pump and _Direction keep their state in __slots__: a slot is a pointer at a
  * fixed offset in the object, which PyObject_GetAttr finds through the type's
  * descriptor (~175 instructions, measured with callgrind; most of what a batch cost
  * here). For exactly those two types (not a subclass, which could override a name) the
@@ -172,17 +175,6 @@ get_long(PyObject *obj, PyObject *name)
     return r;
 }
 
-static int
-set_long(PyObject *obj, PyObject *name, long value)
-{
-    PyObject *v = PyLong_FromLong(value);
-    if (v == NULL)
-        return -1;
-    int r = set_attr(obj, name, v);
-    Py_DECREF(v);
-    return r;
-}
-
 /* An OSError for errno `code` (the subclass os.splice would raise: OSError's own
  * constructor picks it). */
 static PyObject *
@@ -278,200 +270,11 @@ do_splice(int in, int out, size_t len)
     }
 }
 
-/* flow.bytes_in/out += n; flow.last_activity = d.clock() */
-static int
-count(PyObject *d, PyObject *flow, int to_server, ssize_t n)
-{
-    PyObject *name = to_server ? s_bytes_in : s_bytes_out;
-    PyObject *old = get_attr(flow, name);
-    if (old == NULL)
-        return -1;
-    PyObject *add = PyLong_FromSsize_t(n);
-    if (add == NULL) {
-        Py_DECREF(old);
-        return -1;
-    }
-    PyObject *sum = PyNumber_Add(old, add);
-    Py_DECREF(old);
-    Py_DECREF(add);
-    if (sum == NULL)
-        return -1;
-    int r = set_attr(flow, name, sum);
-    Py_DECREF(sum);
-    if (r < 0)
-        return -1;
-    PyObject *clock = get_attr(d, s_clock);
-    if (clock == NULL)
-        return -1;
-    PyObject *now = PyObject_CallNoArgs(clock);
-    Py_DECREF(clock);
-    if (now == NULL)
-        return -1;
-    r = set_attr(flow, s_last_activity, now);
-    Py_DECREF(now);
-    return r;
-}
-
-/* d.error = OSError(code); then `status` */
-static int
-failed(PyObject *d, int code, int status)
-{
-    PyObject *exc = os_error(code);
-    if (exc == NULL)
-        return -1;
-    int r = set_attr(d, s_error, exc);
-    Py_DECREF(exc);
-    return r < 0 ? -1 : status;
-}
-
-/* -- _SpliceDirection.move(), line for line ------------------------------------------- */
-
-static int
-splice_move(PyObject *d)
-{
-    int src = (int)get_long(d, s_src_fd);
-    if (src == -1 && PyErr_Occurred())
-        return -1;
-    int dst = (int)get_long(d, s_dst_fd);
-    if (dst == -1 && PyErr_Occurred())
-        return -1;
-    int to_server = (int)get_long(d, s_to_server);
-    if (to_server == -1 && PyErr_Occurred())
-        return -1;
-    PyObject *flow = get_attr(d, s_flow);
-    if (flow == NULL)
-        return -1;
-    int left = BURST, status = -1;
-    PyObject *pipe = NULL;
-    for (;;) {
-        if (set_long(d, s_last_read, 0) < 0)
-            goto error;
-        pipe = take_pipe();
-        if (pipe == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_OSError))
-                goto error;
-            /* EMFILE, ENFILE: no descriptor left for a pipe -- ends this connection */
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            int r = value ? set_attr(d, s_error, value) : -1;
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            status = r < 0 ? -1 : SOURCE_FAILED;
-            goto done;
-        }
-        int pr, pw;
-        if (pipe_fds(pipe, &pr, &pw) < 0)
-            goto error;
-        ssize_t n = do_splice(src, pw, SPLICE_CHUNK);
-        if (n == -2)
-            goto error; /* nothing moved: the pipe is still empty */
-        if (n < 0) {
-            int code = errno;
-            if (put_pipe(pipe) < 0)
-                goto error;
-            Py_CLEAR(pipe);
-            if (code == EAGAIN || code == EWOULDBLOCK) {
-                status = MOVED; /* readiness can be stale by the time we read */
-                goto done;
-            }
-            status = failed(d, code, SOURCE_FAILED);
-            goto done;
-        }
-        if (set_attr(d, s_spliced, Py_True) < 0)
-            goto error;
-        if (n == 0) { /* EOF: the pipe goes back as it came */
-            if (put_pipe(pipe) < 0)
-                goto error;
-            Py_CLEAR(pipe);
-            status = EOF_;
-            goto done;
-        }
-        if (set_long(d, s_last_read, (long)n) < 0)
-            goto error;
-        ssize_t m = do_splice(pr, dst, (size_t)n);
-        if (m < 0) {
-            int code = errno;
-            /* still holding the chunk: write_out() goes on, or release() discards it */
-            if (set_attr(d, s_pipe, pipe) < 0 || set_long(d, s_pending, (long)n) < 0)
-                goto error;
-            Py_CLEAR(pipe);
-            if (m == -2)
-                goto error_kept;
-            if (code == EAGAIN || code == EWOULDBLOCK) {
-                status = BLOCKED;
-                goto done;
-            }
-            status = failed(d, code, DESTINATION_FAILED);
-            goto done;
-        }
-        if (count(d, flow, to_server, m) < 0) {
-            /* the chunk is out; only the counting failed: give the pipe back first */
-            if (m == n) {
-                PyObject *type, *value, *tb;
-                PyErr_Fetch(&type, &value, &tb);
-                put_pipe(pipe);
-                PyErr_Restore(type, value, tb);
-            }
-            else {
-                PyObject *type, *value, *tb;
-                PyErr_Fetch(&type, &value, &tb);
-                set_attr(d, s_pipe, pipe);
-                set_long(d, s_pending, (long)(n - m));
-                PyErr_Restore(type, value, tb);
-            }
-            Py_CLEAR(pipe);
-            goto error;
-        }
-        if (m == n) {
-            if (put_pipe(pipe) < 0)
-                goto error;
-            Py_CLEAR(pipe);
-            status = MOVED;
-        }
-        else { /* a partial write: write_out() goes on (and waits if it has to) */
-            if (set_attr(d, s_pipe, pipe) < 0 || set_long(d, s_pending, (long)(n - m)) < 0)
-                goto error;
-            Py_CLEAR(pipe);
-            PyObject *r = PyObject_CallMethodNoArgs(d, s_write_out);
-            if (r == NULL)
-                goto error;
-            status = (int)PyLong_AsLong(r);
-            Py_DECREF(r);
-            if (status == -1 && PyErr_Occurred())
-                goto error;
-        }
-        left -= 1;
-        if (status || !left || n < BIG_CHUNK)
-            goto done;
-    }
-error:
-    if (pipe != NULL) {
-        /* held, maybe with bytes in it: never reused (_discard_pipe, as release() does) */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *discard = module_global(s_discard_pipe);
-        PyObject *r = discard ? PyObject_CallOneArg(discard, pipe) : NULL;
-        Py_XDECREF(r);
-        PyErr_Clear();
-        PyErr_Restore(type, value, tb);
-        Py_CLEAR(pipe);
-    }
-error_kept:
-    status = -1;
-done:
-    Py_XDECREF(pipe);
-    Py_DECREF(flow);
-    return status;
-}
-
-/* reader.move(): here for a splice direction, its own method otherwise. */
+/* reader.move(), the direction's own Python method: a Python Pump's chunks are moved
+ * by its Python code (the C Pump moves its own, below). */
 static int
 move(PyObject *d)
 {
-    if (Py_TYPE(d) == splice_type)
-        return splice_move(d);
     PyObject *r = PyObject_CallMethodNoArgs(d, s_move);
     if (r == NULL)
         return -1;
@@ -580,9 +383,9 @@ out:
 
 /* -- the Pump type: one connection's pump in C (issue 26, step 2) ---------------------
  *
- * pump.py's Pump with two _SpliceDirection, as one C object: the same states, the same
+ * pump.py's Pump and its two _Direction, as one C object: the same states, the same
  * transitions, method for method (the Python names are in the comments), so the pure
- * path (LBPROXY_PURE=1, or a pump on the recv/send fallback) and this one behave alike.
+ * path (LBPROXY_PURE=1) and this one behave alike.
  * What it saves per connection: the three Python objects and their __init__ frames, the
  * start, the FINs (passed on at the batch's end inside dispatch()), the close and the
  * end -- Python is called back once, with on_end(pump). The reactor (epoll set, the
@@ -593,10 +396,14 @@ typedef struct {
     int state;       /* READING, WRITING, DONE, HELD */
     int fin_pending; /* its FIN waits for the end of the batch */
     int spliced;     /* a splice succeeded: EINVAL is no longer "cannot splice" */
+    int bulk;        /* a read filled COPY_CHUNK: the next reads splice */
+    int copy_only;   /* never splice (use_splice=False, or the kernel refused it) */
     int err;         /* the errno behind SOURCE_FAILED / DESTINATION_FAILED */
-    ssize_t pending; /* bytes in `pipe` not yet written to dst */
+    ssize_t pending; /* bytes in `pipe` (or `buf`) not yet written to dst */
     ssize_t last_read;
-    PyObject *pipe;  /* the borrowed (r, w) tuple while a chunk waits, else NULL */
+    PyObject *pipe;  /* the borrowed (r, w) tuple while a spliced chunk waits, else NULL */
+    char *buf;       /* the rest of a copied chunk dst did not take at once, else NULL */
+    ssize_t buf_off; /* where in `buf` the `pending` bytes start */
 } cdir;
 
 typedef struct {
@@ -617,7 +424,7 @@ static PyTypeObject CPump_Type;
 static PyObject *s_closed, *s_cancelled, *s_idle_timeout_o, *s_client_reset, *s_server_reset,
     *s_error_o, *s_closing, *s_pump_slot, *s_idle_timeout_attr, *s_pumps, *s_young,
     *s_sweeping, *s_defer, *s_deadlines, *s_at, *s_cancel, *s_deferred, *s_reactor_fn,
-    *s_epfd, *s_record, *s_connection_end, *s_fileno, *s_close, *s_stop_splicing_c;
+    *s_epfd, *s_record, *s_connection_end, *s_fileno, *s_close, *s_splice_refused;
 
 /* The FINs read in the current dispatch() batch, passed on at its end (Pump._pass_fin). */
 static struct {
@@ -686,14 +493,81 @@ cp_count(CPump *p, cdir *d, ssize_t n)
     return cp_clock_into_flow(p);
 }
 
-/* _SpliceDirection.write_out() */
+/* recv(2) / send(2), retried on EINTR; -1 with errno set, or -2 with a Python exception
+ * from a signal handler. Non-blocking sockets: the GIL is kept. */
+static ssize_t
+do_recv(int fd, char *buf, size_t len)
+{
+    for (;;) {
+        ssize_t n = recv(fd, buf, len, 0);
+        if (n >= 0 || errno != EINTR)
+            return n;
+        if (PyErr_CheckSignals() < 0)
+            return -2;
+    }
+}
+
+static ssize_t
+do_send(int fd, const char *buf, size_t len)
+{
+    for (;;) {
+        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
+        if (n >= 0 || errno != EINTR)
+            return n;
+        if (PyErr_CheckSignals() < 0)
+            return -2;
+    }
+}
+
+/* Where a copied chunk is read: one buffer for every pump (the chunk is written out
+ * before anything else runs, and what dst does not take is copied into the direction). */
+static char copy_buf[COPY_CHUNK];
+
+/* Keep the `len` bytes at `data` that dst did not take, for write_out(). */
+static int
+cp_hold(cdir *d, const char *data, ssize_t len)
+{
+    char *b = PyMem_Malloc((size_t)len);
+    if (b == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(b, data, (size_t)len);
+    d->buf = b;
+    d->buf_off = 0;
+    d->pending = len;
+    return 0;
+}
+
+/* _Direction.write_out(): the rest of the chunk, from the pipe or the buffer */
 static int
 cp_write_out(CPump *p, cdir *d)
 {
+    int dst = DIR_DST(p, d);
+    if (d->pipe == NULL) {
+        while (d->pending) {
+            ssize_t n = do_send(dst, d->buf + d->buf_off, (size_t)d->pending);
+            if (n == -2)
+                return -1;
+            if (n < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK)
+                    return BLOCKED;
+                d->err = errno;
+                return DESTINATION_FAILED;
+            }
+            d->pending -= n;
+            d->buf_off += n;
+            if (cp_count(p, d, n) < 0)
+                return -1;
+        }
+        PyMem_Free(d->buf);
+        d->buf = NULL;
+        d->buf_off = 0;
+        return MOVED;
+    }
     int pr, pw;
     if (pipe_fds(d->pipe, &pr, &pw) < 0)
         return -1;
-    int dst = DIR_DST(p, d);
     while (d->pending) {
         ssize_t n = do_splice(pr, dst, (size_t)d->pending);
         if (n == -2)
@@ -715,7 +589,69 @@ cp_write_out(CPump *p, cdir *d)
     return r < 0 ? -1 : MOVED;
 }
 
-/* _SpliceDirection.move() */
+/* The kernel refused to splice this socket (EINVAL, ENOSYS before any splice worked):
+ * nothing was read, so the direction copies from now on, and pump.py's
+ * _splice_refused() makes later pumps copy only. */
+static int
+cp_splice_refused(cdir *d, int code)
+{
+    d->copy_only = 1;
+    d->bulk = 0;
+    PyObject *f = module_global(s_splice_refused);
+    if (f == NULL)
+        return -1;
+    PyObject *exc = os_error(code);
+    if (exc == NULL)
+        return -1;
+    PyObject *r = PyObject_CallOneArg(f, exc);
+    Py_DECREF(exc);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* One chunk copied: recv into copy_buf, send it on. Sets *big when the read filled the
+ * buffer (then the direction splices from the next read on, unless copy_only). */
+static int
+cp_copy_one(CPump *p, cdir *d, int *big)
+{
+    int src = DIR_SRC(p, d), dst = DIR_DST(p, d);
+    ssize_t n = do_recv(src, copy_buf, COPY_CHUNK);
+    if (n == -2)
+        return -1;
+    if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return MOVED; /* readiness can be stale by the time we read */
+        d->err = errno;
+        return SOURCE_FAILED;
+    }
+    if (n == 0)
+        return EOF_;
+    d->last_read = n;
+    if (n == COPY_CHUNK) {
+        *big = 1;
+        if (!d->copy_only)
+            d->bulk = 1;
+    }
+    ssize_t m = do_send(dst, copy_buf, (size_t)n);
+    if (m == -2)
+        return -1;
+    if (m < 0) {
+        int code = errno;
+        if (code == EAGAIN || code == EWOULDBLOCK)
+            return cp_hold(d, copy_buf, n) < 0 ? -1 : BLOCKED;
+        d->err = code;
+        return DESTINATION_FAILED;
+    }
+    if (m < n && cp_hold(d, copy_buf + m, n - m) < 0)
+        return -1;
+    if (cp_count(p, d, m) < 0)
+        return -1;
+    return m < n ? cp_write_out(p, d) : MOVED;
+}
+
+/* _Direction.move(): up to BURST chunks while they are big, each copied or spliced */
 static int
 cp_move(CPump *p, cdir *d)
 {
@@ -723,6 +659,16 @@ cp_move(CPump *p, cdir *d)
     int left = BURST;
     for (;;) {
         d->last_read = 0;
+        if (!d->bulk) {
+            int big = 0;
+            int status = cp_copy_one(p, d, &big);
+            if (status < 0)
+                return -1;
+            left -= 1;
+            if (status || !left || !big)
+                return status;
+            continue;
+        }
         PyObject *pipe = take_pipe();
         if (pipe == NULL) {
             if (!PyErr_ExceptionMatches(PyExc_OSError))
@@ -743,7 +689,6 @@ cp_move(CPump *p, cdir *d)
             Py_XDECREF(value);
             Py_XDECREF(tb);
             d->err = code;
-            d->spliced = 1; /* not a "cannot splice" */
             return SOURCE_FAILED;
         }
         int pr, pw;
@@ -766,6 +711,11 @@ cp_move(CPump *p, cdir *d)
                 return -1;
             if (code == EAGAIN || code == EWOULDBLOCK)
                 return MOVED;
+            if (!d->spliced && (code == EINVAL || code == ENOSYS)) {
+                if (cp_splice_refused(d, code) < 0)
+                    return -1;
+                continue; /* the same read, copied */
+            }
             d->err = code;
             return SOURCE_FAILED;
         }
@@ -816,6 +766,11 @@ cp_move(CPump *p, cdir *d)
 static void
 cp_release(cdir *d)
 {
+    if (d->buf != NULL) {
+        PyMem_Free(d->buf);
+        d->buf = NULL;
+        d->buf_off = 0;
+    }
     PyObject *pipe = d->pipe;
     d->pipe = NULL;
     if (pipe == NULL)
@@ -1257,26 +1212,6 @@ cp_unwatched_event(CPump *p, int fd, int client_side)
     return 0;
 }
 
-static int
-cp_stop_splicing(CPump *p, cdir *d)
-{
-    /* The kernel cannot splice this socket (EINVAL, ENOSYS on the first splice): the
-     * pure path switches the direction to recv/send; here the connection ends with
-     * "error" and pump.py's _stop_splicing_c() makes later pumps use the fallback. */
-    PyObject *f = module_global(s_stop_splicing_c);
-    if (f == NULL)
-        return -1;
-    PyObject *exc = os_error(d->err);
-    if (exc == NULL)
-        return -1;
-    PyObject *r = PyObject_CallOneArg(f, exc);
-    Py_DECREF(exc);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    return cp_failed(p, DIR_TO_SERVER(p, d), d->err) < 0 ? -1 : 0;
-}
-
 /* Pump._after(d, status) */
 static int
 cp_after(CPump *p, cdir *d, int status)
@@ -1297,8 +1232,6 @@ cp_after(CPump *p, cdir *d, int status)
     case EOF_:
         return cp_pass_fin(p, d);
     case SOURCE_FAILED:
-        if (!d->spliced && (d->err == EINVAL || d->err == ENOSYS))
-            return cp_stop_splicing(p, d);
         return cp_failed(p, DIR_TO_SERVER(p, d), d->err);
     default:
         return cp_failed(p, !DIR_TO_SERVER(p, d), d->err);
@@ -1355,12 +1288,12 @@ static PyObject *
 CPump_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"client", "server", "flow", "initial", "uncounted", "close_sockets",
-                            NULL};
+                            "use_splice", NULL};
     PyObject *client, *server, *flow, *initial = NULL;
     Py_ssize_t uncounted = 0;
-    int close_sockets = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|Snp:Pump", names, &client, &server, &flow,
-                                     &initial, &uncounted, &close_sockets))
+    int close_sockets = 0, use_splice = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|Snpp:Pump", names, &client, &server, &flow,
+                                     &initial, &uncounted, &close_sockets, &use_splice))
         return NULL;
     if (module_dict == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
@@ -1374,6 +1307,7 @@ CPump_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     p->epfd = -1;
     p->open_directions = 2;
     p->up.state = p->down.state = READING;
+    p->up.copy_only = p->down.copy_only = !use_splice;
     Py_INCREF(flow);
     p->flow = flow;
     p->outcome = Py_None;
@@ -1502,6 +1436,8 @@ CPump_dealloc(CPump *p)
                 PyErr_Clear();
             Py_CLEAR(ds[i]->pipe);
         }
+        PyMem_Free(ds[i]->buf);
+        ds[i]->buf = NULL;
     }
     CPump_clear(p);
     Py_TYPE(p)->tp_free((PyObject *)p);
@@ -1703,8 +1639,8 @@ static PyTypeObject CPump_Type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lbproxy.net._cpump.Pump",
     .tp_basicsize = sizeof(CPump),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Pump(client, server, flow, initial=b'', uncounted=0, close_sockets=False):\n"
-              "pump.py's Pump with two splice directions, in C (see pump.new_pump).",
+    .tp_doc = "Pump(client, server, flow, initial=b'', uncounted=0, close_sockets=False,\n"
+              "use_splice=True): pump.py's Pump in C (see pump.new_pump).",
     .tp_new = CPump_new,
     .tp_dealloc = (destructor)CPump_dealloc,
     .tp_traverse = (traverseproc)CPump_traverse,
@@ -1898,6 +1834,121 @@ accept_(PyObject *self, PyObject *arg)
     return r;
 }
 
+PyDoc_STRVAR(sockaddr_doc,
+    "sockaddr(family, address) -> bytes\n\n"
+    "The struct sockaddr_in / sockaddr_in6 of a numeric address as getaddrinfo gives it:\n"
+    "(host, port) for AF_INET, (host, port[, flowinfo, scope_id]) for AF_INET6 (a\n"
+    "'%zone' suffix is dropped: scope_id says it). Made once per real-server address, for\n"
+    "connect(). ValueError for anything else.");
+
+static PyObject *
+sockaddr_(PyObject *self, PyObject *args)
+{
+    int family;
+    PyObject *address;
+    if (!PyArg_ParseTuple(args, "iO!:sockaddr", &family, &PyTuple_Type, &address))
+        return NULL;
+    const char *host;
+    int port;
+    unsigned int flowinfo = 0, scope_id = 0;
+    if (family == AF_INET) {
+        if (!PyArg_ParseTuple(address, "si:sockaddr", &host, &port))
+            return NULL;
+    }
+    else if (family == AF_INET6) {
+        if (!PyArg_ParseTuple(address, "si|II:sockaddr", &host, &port, &flowinfo, &scope_id))
+            return NULL;
+    }
+    else {
+        PyErr_SetString(PyExc_ValueError, "not an AF_INET or AF_INET6 address");
+        return NULL;
+    }
+    if (port < 0 || port > 65535) {
+        PyErr_SetString(PyExc_ValueError, "port out of range");
+        return NULL;
+    }
+    if (family == AF_INET) {
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof a);
+        a.sin_family = AF_INET;
+        a.sin_port = htons((uint16_t)port);
+        if (inet_pton(AF_INET, host, &a.sin_addr) != 1) {
+            PyErr_SetString(PyExc_ValueError, "not a numeric IPv4 address");
+            return NULL;
+        }
+        return PyBytes_FromStringAndSize((const char *)&a, sizeof a);
+    }
+    char text[INET6_ADDRSTRLEN];
+    size_t len = strcspn(host, "%");
+    if (len >= sizeof text) {
+        PyErr_SetString(PyExc_ValueError, "not a numeric IPv6 address");
+        return NULL;
+    }
+    memcpy(text, host, len);
+    text[len] = 0;
+    struct sockaddr_in6 a;
+    memset(&a, 0, sizeof a);
+    a.sin6_family = AF_INET6;
+    a.sin6_port = htons((uint16_t)port);
+    a.sin6_flowinfo = htonl(flowinfo);
+    a.sin6_scope_id = scope_id;
+    if (inet_pton(AF_INET6, text, &a.sin6_addr) != 1) {
+        PyErr_SetString(PyExc_ValueError, "not a numeric IPv6 address");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)&a, sizeof a);
+}
+
+PyDoc_STRVAR(connect_doc,
+    "connect(sockaddr) -> (fd, err)\n\n"
+    "The connect to a real server, in one call: socket(SOCK_STREAM | SOCK_NONBLOCK |\n"
+    "SOCK_CLOEXEC) of the address's family, TCP_NODELAY, a non-blocking connect to\n"
+    "`sockaddr` (bytes from sockaddr()) and, when it is in progress, one getpeername: a\n"
+    "near server has often completed the handshake before connect() returns. Returns\n"
+    "(fd, 0) connected, (fd, EINPROGRESS) still connecting, (-1, errno) when socket()\n"
+    "failed, (-2, errno) when setsockopt or the connect failed (the socket is closed).\n"
+    "A system call's failure is never raised.");
+
+static PyObject *
+connect_(PyObject *self, PyObject *arg)
+{
+    if (!PyBytes_Check(arg) || PyBytes_GET_SIZE(arg) < (Py_ssize_t)sizeof(sa_family_t) ||
+        PyBytes_GET_SIZE(arg) > (Py_ssize_t)sizeof(struct sockaddr_storage)) {
+        PyErr_SetString(PyExc_TypeError, "connect() takes the bytes sockaddr() made");
+        return NULL;
+    }
+    struct sockaddr_storage ss;
+    socklen_t len = (socklen_t)PyBytes_GET_SIZE(arg);
+    memcpy(&ss, PyBytes_AS_STRING(arg), len);
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return Py_BuildValue("(ii)", -1, errno);
+    int one = 1, err = 0;
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0)
+        err = errno;
+    else if (connect(fd, (struct sockaddr *)&ss, len) < 0) {
+        err = errno;
+        if (err == EINTR) /* a non-blocking connect goes on in the background */
+            err = EINPROGRESS;
+        if (err == EINPROGRESS) {
+            /* One system call: a peer name means connected; ENOTCONN means still
+             * connecting or failed, and SO_ERROR after the wait tells which. */
+            struct sockaddr_storage peer;
+            socklen_t peer_len = sizeof peer;
+            if (getpeername(fd, (struct sockaddr *)&peer, &peer_len) == 0)
+                err = 0;
+        }
+    }
+    if (err && err != EINPROGRESS) {
+        close(fd);
+        return Py_BuildValue("(ii)", -2, err);
+    }
+    PyObject *r = Py_BuildValue("(ii)", fd, err);
+    if (r == NULL)
+        close(fd);
+    return r;
+}
+
 PyDoc_STRVAR(setup_doc,
     "setup(pump_module_globals, splice_direction_type, pump_type) -> slots learnt\n\n"
     "Called once by pump.py: its globals (the pipe pool and its helpers), the type\n"
@@ -1919,9 +1970,7 @@ setup(PyObject *self, PyObject *args)
     Py_XSETREF(pump_type, (PyTypeObject *)pt);
     n_slots = 0;
     PyObject *pump_names[] = {s_client_fd, s_up, s_down, s_outcome};
-    PyObject *direction_names[] = {s_state,   s_src_fd,  s_dst_fd,    s_last_read,
-                                   s_error,   s_pipe,    s_pending,   s_spliced,
-                                   s_flow,    s_to_server, s_clock};
+    PyObject *direction_names[] = {s_state};
     for (size_t i = 0; i < sizeof pump_names / sizeof *pump_names; i++)
         learn_slot(pump_type, pump_names[i]);
     for (size_t i = 0; i < sizeof direction_names / sizeof *direction_names; i++)
@@ -1932,6 +1981,8 @@ setup(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"dispatch", dispatch, METH_VARARGS, dispatch_doc},
     {"accept", accept_, METH_O, accept_doc},
+    {"connect", connect_, METH_O, connect_doc},
+    {"sockaddr", sockaddr_, METH_VARARGS, sockaddr_doc},
     {"setup", setup, METH_VARARGS, setup_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -2002,7 +2053,7 @@ PyInit__cpump(void)
     INTERN(s_connection_end, "connection_end");
     INTERN(s_fileno, "fileno");
     INTERN(s_close, "close");
-    INTERN(s_stop_splicing_c, "_stop_splicing_c");
+    INTERN(s_splice_refused, "_splice_refused");
     if (PyType_Ready(&CPump_Type) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -2023,7 +2074,8 @@ PyInit__cpump(void)
         PyModule_AddIntConstant(m, "DESTINATION_FAILED", DESTINATION_FAILED) < 0 ||
         PyModule_AddIntConstant(m, "BURST", BURST) < 0 ||
         PyModule_AddIntConstant(m, "BIG_CHUNK", BIG_CHUNK) < 0 ||
-        PyModule_AddIntConstant(m, "SPLICE_CHUNK", SPLICE_CHUNK) < 0) {
+        PyModule_AddIntConstant(m, "SPLICE_CHUNK", SPLICE_CHUNK) < 0 ||
+        PyModule_AddIntConstant(m, "COPY_CHUNK", COPY_CHUNK) < 0) {
         Py_DECREF(m);
         return NULL;
     }

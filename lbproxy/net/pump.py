@@ -32,21 +32,24 @@ most _Reactor.MAX_EVENTS events, each at most _BURST chunks, then trio runs othe
 
 A direction is a small state machine: reading (its source is watched for input), or
 writing (a chunk it could not write out yet; its destination is watched for output and
-its source is not: back-pressure). A chunk goes source -> intermediate (a pipe for
-splice, a buffer for the fallback) -> destination, and is written out completely
-before the next read, so a direction borrows its pipe or buffer from a module pool per
-chunk and gives it back at once. An idle connection -- most of them, on a busy proxy --
-holds no pipe and no buffer, and the number of pipes in use is the number of
-directions actually blocked on a slow reader, not twice the number of connections
+its source is not: back-pressure). A chunk is written out completely before the next
+read, so a direction holds nothing between chunks. An idle connection -- most of them,
+on a busy proxy -- holds no pipe and no buffer, and the number of pipes in use is the
+number of bulk directions actually blocked on a slow reader, not twice the number of
+connections
 (HAProxy's pipe pool makes the same choice: a pipe is taken when splicing starts and
 released as soon as it is empty). This matters for file descriptors (a pipe is two) and
 for the kernel's per-user pipe budget (``/proc/sys/fs/pipe-user-pages-soft``: beyond it
 new pipes shrink to a page or two).
 
-Splice moves socket -> pipe -> socket inside the kernel (zero copy). The fallback, used
-where ``os.splice`` is missing, where the kernel refuses the first splice with EINVAL or
-ENOSYS, or when the caller forces it, does ``recv_into``/``send`` with the same state
-machine. Linux only: the reactor needs ``select.epoll`` (trio supports more systems).
+How a chunk moves is HAProxy's splice-auto: copied (one read into memory, one write; no
+pipe) while chunks are small, spliced (socket -> pipe -> socket inside the kernel, zero
+copy, a pipe borrowed from the pool per chunk) once a read has filled COPY_CHUNK, the
+sign of a bulk transfer. A request and its response (most connections) are two
+system calls each, like two splices, but cheaper in the kernel, and never touch a pipe.
+Where ``os.splice`` is missing, where the kernel refuses the first splice with EINVAL or
+ENOSYS, or when the caller forces it (``use_splice=False``), every chunk is copied. Linux
+only: the reactor needs ``select.epoll`` (trio supports more systems).
 
 Outcomes
 --------
@@ -133,8 +136,8 @@ _RESET_ERRNOS: Final = frozenset(
 
 # ---------------------------------------------------------------------------- tuning
 
-#: Splice is used when this is true (and the kernel agrees). Set it to False to force the
-#: receive/send fallback for every later pump; it is also cleared, once, when the kernel
+#: Bulk chunks are spliced when this is true (and the kernel agrees). Set it to False to
+#: copy every chunk in every later pump; it is also cleared, once, when the kernel
 #: refuses splice on a TCP socket.
 splice_enabled: bool = hasattr(os, "splice")
 
@@ -150,9 +153,11 @@ PIPE_SIZE: int = 1 << 17
 #: Idle pipes kept for reuse; more are closed. An idle pipe costs two fds and its share of
 #: the pipe budget above (128 x 32 pages = a quarter of the default), no memory.
 MAX_IDLE_PIPES: int = 128
-#: Fallback buffer size, and how many idle buffers to keep (256 KiB each).
-BUFFER_SIZE: int = 1 << 18
-MAX_IDLE_BUFFERS: int = 64
+#: splice-auto, as HAProxy's (16 KiB, HAProxy's bufsize): chunks are copied with one read
+#: and one write until a read fills this many bytes, the sign of a bulk transfer; that
+#: direction splices from then on. A small chunk copied costs less than two splices
+#: through a pipe (system CPU per new connection: docs/benchmarks.md, issue 26).
+COPY_CHUNK: Final = 1 << 14
 
 # Ask splice for more than any pipe holds: it stops at what the pipe can take.
 _SPLICE_CHUNK: Final = 1 << 24
@@ -172,7 +177,6 @@ def splice_available() -> bool:
 # pipe in this list is always safe to reuse. Plain list pop/append: trio runs all pumps
 # on one thread, and the GIL makes each operation atomic even if it did not.
 _idle_pipes: list[tuple[int, int]] = []
-_idle_buffers: list[memoryview] = []
 
 
 def _new_pipe() -> tuple[int, int]:
@@ -362,17 +366,30 @@ _BIG_CHUNK: Final = 1 << 16
 
 
 class _Direction:
-    """One way of a connection: src -> intermediate (pipe or buffer) -> dst.
+    """One way of a connection: src -> dst, a chunk at a time, copied or spliced.
+
+    splice-auto, as HAProxy's: a chunk is copied (one read into a bytes object, one
+    write: two system calls, no pipe) until a read fills COPY_CHUNK -- the sign of a bulk
+    transfer -- and from the next read on the direction splices, src -> pipe -> dst
+    inside the kernel (zero copy, through a pipe borrowed from the pool per chunk and
+    given back as soon as it is empty, so an idle connection holds no pipe). A request,
+    a keep-alive response, an HTTP exchange that fits in 16 KiB never touches a pipe.
+    ``can_splice`` False (``use_splice=False``, or the kernel refused splice on this
+    socket) copies every chunk.
 
     ``move()`` reads one chunk and writes out as much of it as dst takes;
     ``write_out()`` goes on writing a chunk that dst refused before. Both return one of
     the statuses above and keep the flow's counter and ``last_activity`` up to date.
     The pump owns the state machine; a direction only moves bytes. It works on the two
-    descriptors: no socket object is needed to splice, and none is built per connection
-    (CPython makes a ``getsockname`` call and a few Python frames for each).
+    descriptors: no socket object is needed to read, write or splice, and none is built
+    per connection (CPython makes a ``getsockname`` call and a few Python frames for
+    each). lbproxy/net/_cpump.c does the same, chunk for chunk, in C.
     """
 
     __slots__ = (
+        "bulk",
+        "can_splice",
+        "chunk",
         "clock",
         "dst_fd",
         "error",
@@ -380,13 +397,21 @@ class _Direction:
         "flow",
         "last_read",
         "pending",
+        "pipe",
+        "spliced",
         "src_fd",
         "state",
         "to_server",
     )
 
     def __init__(
-        self, src_fd: int, dst_fd: int, flow: Flow, to_server: bool, clock: Callable[[], float]
+        self,
+        src_fd: int,
+        dst_fd: int,
+        flow: Flow,
+        to_server: bool,
+        clock: Callable[[], float],
+        can_splice: bool,
     ) -> None:
         self.src_fd = src_fd
         self.dst_fd = dst_fd
@@ -400,73 +425,64 @@ class _Direction:
         # Its source sent FIN and the shutdown that passes it on waits for the end of
         # the reactor's batch (Pump._pass_fin says why).
         self.fin_pending = False
+        self.can_splice = can_splice
+        self.bulk = False  # a read filled COPY_CHUNK: the next ones splice
+        self.pipe: tuple[int, int] | None = None  # a spliced chunk dst has not taken
+        self.chunk: memoryview | None = None  # the rest of a copied chunk, likewise
+        self.spliced = False  # until a splice succeeds, EINVAL means "cannot splice"
 
     def move(self) -> int:
         """Move one chunk; after a big one, move another, up to _BURST chunks in all.
 
-        A big chunk says more is probably waiting (a bulk transfer): reading it now saves
-        a trip through trio's wait (~7 us) per chunk. A small one (a request, a
-        keep-alive response) ends the turn without trying a read that would only find
-        nothing. The bound keeps one busy connection from holding the loop.
+        A big chunk (a copied read that filled COPY_CHUNK, a splice of _BIG_CHUNK) says
+        more is probably waiting (a bulk transfer): reading it now saves a trip through
+        trio's wait (~7 us) per chunk. A small one (a request, a keep-alive response)
+        ends the turn without trying a read that would only find nothing. The bound
+        keeps one busy connection from holding the loop.
         """
         left = _BURST
         while True:
-            status = self._move_one()
-            left -= 1
-            if status or not left or self.last_read < _BIG_CHUNK:
-                return status
-
-    def _move_one(self) -> int:
-        raise NotImplementedError
-
-    def write_out(self) -> int:
-        raise NotImplementedError
-
-    def release(self) -> None:
-        """The pump is over: give back (or discard) whatever is still held."""
-
-    def _wrote(self, n: int) -> None:
-        """``n`` pending bytes reached dst: count them, and note it for the idle timeout."""
-        self.pending -= n
-        flow = self.flow
-        if self.to_server:
-            flow.bytes_in += n
-        else:
-            flow.bytes_out += n
-        flow.last_activity = self.clock()
-
-
-class _SpliceDirection(_Direction):
-    """src -> pipe -> dst inside the kernel (zero copy), through a pooled pipe.
-
-    The pipe is borrowed per chunk and given back as soon as it is empty, so an idle
-    connection holds no pipe (see the module docstring).
-    """
-
-    __slots__ = ("pipe", "spliced")
-
-    def __init__(
-        self, src_fd: int, dst_fd: int, flow: Flow, to_server: bool, clock: Callable[[], float]
-    ) -> None:
-        # _Direction.__init__'s lines, here: one frame less per direction
-        self.src_fd = src_fd
-        self.dst_fd = dst_fd
-        self.flow = flow
-        self.clock = clock
-        self.to_server = to_server
-        self.state = _READING
-        self.pending = 0
-        self.last_read = 0
-        self.error: OSError | None = None
-        self.fin_pending = False
-        self.pipe: tuple[int, int] | None = None
-        self.spliced = False  # until a splice succeeds, EINVAL means "cannot splice"
-
-    def move(self) -> int:
-        # _Direction.move() with _move_one()'s body inline: one frame less per chunk.
-        left = _BURST
-        while True:
             self.last_read = 0
+            if not self.bulk:
+                # Copied: one read, one write, no pipe.
+                try:
+                    data = os.read(self.src_fd, COPY_CHUNK)
+                except BlockingIOError:  # readiness can be stale by the time we read
+                    return _MOVED
+                except OSError as exc:
+                    self.error = exc
+                    return _SOURCE_FAILED
+                n = len(data)
+                if not n:
+                    return _EOF
+                self.last_read = n
+                if n == COPY_CHUNK and self.can_splice:
+                    self.bulk = True  # bulk: splice from the next read on
+                try:
+                    m = os.write(self.dst_fd, data)
+                except BlockingIOError:
+                    self.chunk = memoryview(data)
+                    self.pending = n
+                    return _BLOCKED
+                except OSError as exc:
+                    self.error = exc
+                    return _DESTINATION_FAILED
+                flow = self.flow
+                if self.to_server:
+                    flow.bytes_in += m
+                else:
+                    flow.bytes_out += m
+                flow.last_activity = self.clock()
+                if m == n:
+                    status = _MOVED
+                else:  # a partial write: write_out() goes on (and waits if it has to)
+                    self.chunk = memoryview(data)[m:]
+                    self.pending = n - m
+                    status = self.write_out()
+                left -= 1
+                if status or not left or n < COPY_CHUNK:
+                    return status
+                continue
             try:
                 pipe = _idle_pipes.pop() if _idle_pipes else _new_pipe()
             except OSError as exc:  # EMFILE, ENFILE: no descriptor left for a pipe
@@ -479,6 +495,12 @@ class _SpliceDirection(_Direction):
                 return _MOVED
             except OSError as exc:
                 _put_pipe(pipe)  # nothing was moved into it
+                if not self.spliced and exc.errno in _NO_SPLICE:
+                    # This socket cannot be spliced: copy it (nothing was read), and
+                    # let later pumps copy only.
+                    self.can_splice = self.bulk = False
+                    _splice_refused(exc)
+                    continue
                 self.error = exc
                 return _SOURCE_FAILED
             self.spliced = True
@@ -523,10 +545,24 @@ class _SpliceDirection(_Direction):
                 return status
 
     def write_out(self) -> int:
-        pipe = self.pipe
-        assert pipe is not None
         dst_fd = self.dst_fd
         flow = self.flow
+        pipe = self.pipe
+        if pipe is None:  # the rest of a copied chunk
+            chunk = self.chunk
+            assert chunk is not None
+            while self.pending:
+                try:
+                    n = os.write(dst_fd, chunk)
+                except BlockingIOError:
+                    return _BLOCKED
+                except OSError as exc:
+                    self.error = exc
+                    return _DESTINATION_FAILED
+                chunk = self.chunk = chunk[n:]  # a view of the rest, never a copy
+                self._wrote(n)
+            self.chunk = None
+            return _MOVED
         while self.pending:
             try:
                 n = os.splice(pipe[0], dst_fd, self.pending, flags=_SPLICE_FLAGS)
@@ -551,7 +587,19 @@ class _SpliceDirection(_Direction):
             _discard_pipe(pipe)
         return _MOVED
 
+    def _wrote(self, n: int) -> None:
+        """``n`` pending bytes reached dst: count them, and note it for the idle timeout."""
+        self.pending -= n
+        flow = self.flow
+        if self.to_server:
+            flow.bytes_in += n
+        else:
+            flow.bytes_out += n
+        flow.last_activity = self.clock()
+
     def release(self) -> None:
+        """The pump is over: give back (or discard) whatever is still held."""
+        self.chunk = None
         pipe = self.pipe
         self.pipe = None
         if pipe is not None:
@@ -562,87 +610,10 @@ class _SpliceDirection(_Direction):
                 _put_pipe(pipe)
 
 
-class _BufferDirection(_Direction):
-    """src -> buffer -> dst with recv_into/send: the fallback where splice is missing.
-
-    It calls the stdlib socket methods on non-blocking views of the two descriptors (a
-    trio socket has no synchronous recv/send), so a chunk costs one recv and one send.
-    The buffer, like the pipe, is borrowed per chunk from a pool.
-    """
-
-    __slots__ = ("buf", "recv_into", "rsock", "send", "sent", "wsock")
-
-    def __init__(
-        self, src_fd: int, dst_fd: int, flow: Flow, to_server: bool, clock: Callable[[], float]
-    ) -> None:
-        super().__init__(src_fd, dst_fd, flow, to_server, clock)
-        # Views over the caller's descriptors; release() detaches them without closing.
-        self.rsock = _view(src_fd)
-        try:
-            self.wsock = _view(dst_fd)
-        except BaseException:
-            self.rsock.detach()
-            raise
-        self.rsock.setblocking(False)  # already O_NONBLOCK; this makes Python treat it so
-        self.wsock.setblocking(False)
-        self.recv_into = self.rsock.recv_into
-        self.send = self.wsock.send
-        self.buf: memoryview | None = None
-        self.sent = 0
-
-    def _move_one(self) -> int:
-        self.last_read = 0
-        buf = _idle_buffers.pop() if _idle_buffers else memoryview(bytearray(BUFFER_SIZE))
-        try:
-            n = self.recv_into(buf)
-        except BlockingIOError:
-            _idle_buffers.append(buf)
-            return _MOVED
-        except OSError as exc:
-            _idle_buffers.append(buf)
-            self.error = exc
-            return _SOURCE_FAILED
-        if not n:
-            _idle_buffers.append(buf)
-            return _EOF
-        self.buf = buf
-        self.sent = 0
-        self.pending = self.last_read = n
-        return self.write_out()
-
-    def write_out(self) -> int:
-        buf, send = self.buf, self.send
-        assert buf is not None
-        while self.pending:
-            try:
-                # Slicing a memoryview makes a small view object, never a copy.
-                n = send(buf[self.sent : self.sent + self.pending])
-            except BlockingIOError:
-                return _BLOCKED
-            except OSError as exc:
-                self.error = exc
-                return _DESTINATION_FAILED
-            self.sent += n
-            self._wrote(n)
-        self.buf = None
-        if len(_idle_buffers) < MAX_IDLE_BUFFERS:
-            _idle_buffers.append(buf)
-        return _MOVED
-
-    def release(self) -> None:
-        # A buffer's stale contents are harmless (always overwritten before use), so
-        # unlike a pipe it can go back to the pool whatever state it is in.
-        if self.buf is not None and len(_idle_buffers) < MAX_IDLE_BUFFERS:
-            _idle_buffers.append(self.buf)
-        self.buf = None
-        self.rsock.detach()
-        self.wsock.detach()
-
-
 def _view(fd: int) -> socket.socket:
     """A socket object over a connected TCP descriptor it does not own (``detach()`` it
-    afterwards): for the few calls that need one -- shutdown, SO_ERROR, the fallback's
-    recv/send. Not on the splice path: CPython checks the descriptor with getsockname."""
+    afterwards): for the two calls that need one -- shutdown and SO_ERROR. Not on the
+    byte path: CPython checks the descriptor with getsockname."""
     return socket.socket(-1, socket.SOCK_STREAM, 0, fd)
 
 
@@ -736,8 +707,7 @@ class Pump:
         # The idle deadline in the process-wide heap (or _DEFERRED: not armed yet).
         self.alarm: Deadline | _Deferred | None = None
         self.flow = flow
-        splicing = use_splice and hasattr(os, "splice")
-        direction = _SpliceDirection if splicing else _BufferDirection
+        splicing = bool(use_splice) and hasattr(os, "splice")
         self.outcome: Outcome | None = None
         self.error: BaseException | None = None  # a bug met while moving bytes
         self.open_directions = 2
@@ -755,8 +725,8 @@ class Pump:
         server_fd = self.server_fd = server if type(server) is int else server.fileno()
         try:
             reactor = self.reactor = _reactor()
-            self.up = direction(client_fd, server_fd, flow, True, reactor.clock)
-            self.down = direction(server_fd, client_fd, flow, False, reactor.clock)
+            self.up = _Direction(client_fd, server_fd, flow, True, reactor.clock, splicing)
+            self.down = _Direction(server_fd, client_fd, flow, False, reactor.clock, splicing)
         except BaseException:
             self.close()
             raise
@@ -957,10 +927,7 @@ class Pump:
         elif status == _SOURCE_FAILED:
             exc = d.error
             assert exc is not None
-            if isinstance(d, _SpliceDirection) and not d.spliced and exc.errno in _NO_SPLICE:
-                self._stop_splicing(d, exc)  # the source is still readable: next loop
-            else:
-                self._failed(d.to_server, exc)
+            self._failed(d.to_server, exc)
         else:
             assert d.error is not None
             self._failed(not d.to_server, d.error)
@@ -1051,20 +1018,6 @@ class Pump:
         else:
             self.outcome = ERROR
         self.flow.error = exc
-
-    def _stop_splicing(self, d: _SpliceDirection, exc: OSError) -> None:
-        # The kernel cannot splice this socket. Nothing was consumed, so the fallback can
-        # take over this direction, and later pumps skip splice.
-        global splice_enabled
-        if splice_enabled:
-            log.warning("splice(2) refused (%s); using recv/send", exc)
-            splice_enabled = False
-        d.release()
-        replacement = _BufferDirection(d.src_fd, d.dst_fd, d.flow, d.to_server, d.clock)
-        if d is self.up:
-            self.up = replacement
-        else:
-            self.down = replacement
 
     def _write_initial(self) -> None:
         """Write ``initial`` to the server before any client byte goes that way. Not a
@@ -1220,13 +1173,12 @@ class _Reactor:
 _reactors: trio.lowlevel.RunVar[_Reactor] = trio.lowlevel.RunVar("lbproxy_reactor")
 
 
-def _stop_splicing_c(exc: OSError) -> None:
-    """A C pump met a socket the kernel cannot splice (EINVAL or ENOSYS on its first
-    splice): that connection ends with "error" (the pure path switches it to recv/send
-    instead), and every later pump uses the recv/send fallback (a Python Pump)."""
+def _splice_refused(exc: OSError) -> None:
+    """A direction met a socket the kernel cannot splice (EINVAL or ENOSYS on its first
+    splice; nothing was read): it copies from now on, and so does every later pump."""
     global splice_enabled
     if splice_enabled:
-        log.warning("splice(2) refused (%s); using recv/send", exc)
+        log.warning("splice(2) refused (%s); copying with read/write", exc)
         splice_enabled = False
 
 
@@ -1241,14 +1193,20 @@ def new_pump(
     close_sockets: bool = False,
 ) -> Pump:
     """A pump for one connection: the C one (``_cpump.Pump``: the same state machine,
-    attributes and methods as :class:`Pump` with two splice directions, one object, no
-    Python frame until ``on_end``) when the compiled path runs and splice is used, else
-    a :class:`Pump`. Same arguments as :class:`Pump`."""
+    attributes and methods as :class:`Pump`, the same splice-auto policy, one object, no
+    Python frame until ``on_end``) when the compiled path runs, else a :class:`Pump`.
+    Same arguments as :class:`Pump`."""
     if use_splice is None:
         use_splice = splice_enabled
-    if cpump is not None and use_splice and hasattr(os, "splice"):
+    if cpump is not None:
         c: Pump = cpump.Pump(
-            client, server, flow, preamble + initial_client_bytes, len(preamble), close_sockets
+            client,
+            server,
+            flow,
+            preamble + initial_client_bytes,
+            len(preamble),
+            close_sockets,
+            bool(use_splice) and hasattr(os, "splice"),
         )
         return c
     return Pump(
@@ -1263,8 +1221,8 @@ def new_pump(
 
 
 if cpump is not None:
-    # The C batch moves a _SpliceDirection's chunks itself and reads the pool (and its
-    # bound, and the helpers) from this module's globals; the constants must agree.
+    # The C pump moves its chunks itself and reads the pool (and its bound, and the
+    # helpers) from this module's globals; the constants must agree.
     assert (cpump.READING, cpump.WRITING, cpump.HELD) == (_READING, _WRITING, _HELD)
     assert (cpump.BLOCKED, cpump.EOF, cpump.SOURCE_FAILED, cpump.DESTINATION_FAILED) == (
         _BLOCKED,
@@ -1272,13 +1230,14 @@ if cpump is not None:
         _SOURCE_FAILED,
         _DESTINATION_FAILED,
     )
-    assert (cpump.BURST, cpump.BIG_CHUNK, cpump.SPLICE_CHUNK) == (
+    assert (cpump.BURST, cpump.BIG_CHUNK, cpump.SPLICE_CHUNK, cpump.COPY_CHUNK) == (
         _BURST,
         _BIG_CHUNK,
         _SPLICE_CHUNK,
+        COPY_CHUNK,
     )
     assert _SPLICE_FLAGS == os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-    cpump.setup(globals(), _SpliceDirection, Pump)
+    cpump.setup(globals(), _Direction, Pump)
 
 
 def _reactor() -> _Reactor:
@@ -1305,8 +1264,8 @@ async def pump(
     (bytes that arrived behind the client's own PROXY header) are written to the server
     before anything else goes that way; only the latter count in ``flow.bytes_in``.
 
-    ``use_splice``: None follows the module (:func:`splice_available`), False forces the
-    receive/send fallback, True asks for splice (still falling back if it is missing).
+    ``use_splice``: None follows the module (:func:`splice_available`), False copies
+    every chunk, True splices bulk chunks (copying all if splice is missing).
 
     Returns the outcome (see the module docstring). The caller closes both sockets
     afterwards. Raises ``trio.Cancelled`` if the caller's scope is cancelled.

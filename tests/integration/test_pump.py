@@ -265,6 +265,56 @@ def test_20mb_both_ways_byte_exact(use_splice: bool) -> None:
 
 @pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
+def test_small_chunks_are_copied_and_a_bulk_transfer_is_spliced(
+    use_splice: bool, close_sockets: bool
+) -> None:
+    """splice-auto (issue 26): a request and a response smaller than COPY_CHUNK are
+    copied -- no pipe is ever made for them -- and a transfer whose reads fill it goes
+    through pipes from then on (they are in the pool afterwards); without splice, never."""
+    request, response = b"q" * 1000, b"r" * (pump_mod.COPY_CHUNK - 1)
+    bulk = os.urandom(4 << 20)
+
+    async def main() -> None:
+        close_idle_pipes()
+        async with rig() as r:
+            flow = Flow(idle_timeout=10)
+            p = PumpTask(r, flow, use_splice, close_sockets)
+            with trio.fail_after(20):
+                async with trio.open_nursery() as n:
+                    n.start_soon(p.run)
+                    for _ in range(3):  # a keep-alive connection: small both ways
+                        await send_all(r.client, request, shut=False)
+                        assert await recv_exactly(r.server, len(request)) == request
+                        await send_all(r.server, response, shut=False)
+                        assert await recv_exactly(r.client, len(response)) == response
+                    assert pump_mod._idle_pipes == [], "a pipe was made for small chunks"
+
+                    async def stream() -> None:
+                        await send_all(r.server, bulk, shut=False)
+
+                    n.start_soon(stream)
+                    assert await recv_exactly(r.client, len(bulk)) == bulk
+                    if use_splice:
+                        assert pump_mod._idle_pipes, "the bulk transfer was not spliced"
+                    else:
+                        assert pump_mod._idle_pipes == []
+                    # back to small chunks: both ways still work, FINs and all
+                    await send_all(r.client, request)
+                    assert await recv_all(r.server) == request
+                    r.server.shutdown(socket.SHUT_WR)
+                    assert await recv_all(r.client) == b""
+        assert p.outcome == "closed"
+        assert (flow.bytes_in, flow.bytes_out) == (
+            4 * len(request),
+            3 * len(response) + len(bulk),
+        )
+        close_idle_pipes()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("close_sockets", OWNERS)
+@pytest.mark.parametrize("use_splice", MODES)
 def test_half_close_then_reply(use_splice: bool, close_sockets: bool) -> None:
     request = b"GET /big\r\n\r\n"
     reply = os.urandom(3 << 20)

@@ -304,7 +304,7 @@ class Cluster:
         attempt = 0
         logged: str | None = None  # the category of the outage already logged
         while True:
-            ended: Exception | None = None
+            ended: ExceptionGroup[Exception] | None = None
             try:
                 await self._session(first)
             except* trio.Cancelled:

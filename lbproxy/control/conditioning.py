@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
 
 import trio
 
@@ -65,15 +64,17 @@ class ConditioningMonitor:
                 await trio.sleep(config.interval)
                 self.round(trio.current_time())
 
-    def round(self, now: float) -> Round | None:
+    def round(self, now: float) -> Round[RealServer, Lease] | None:
         """One interval: plan with Geode's rule, close what it chose, log it."""
         pool = self.vs.pool
         config = pool.config.conditioning
         if config is None:
             return None
-        members = [Member(rs, load, step) for rs, load, step in pool.balance_members()]
+        members: list[Member[RealServer, Lease]] = [
+            Member(rs, load, step) for rs, load, step in pool.balance_members()
+        ]
 
-        def candidates(rs: Any) -> list[Lease]:
+        def candidates(rs: RealServer) -> list[Lease]:
             return idle_leases(rs, now, config.idle_for)
 
         plan = plan_round(
@@ -84,9 +85,9 @@ class ConditioningMonitor:
         closed: Counter[str] = Counter()
         for move in plan.moves:
             move.connection.handle.close()
-            closed[move.server.name] += 1  # type: ignore[attr-defined]
-            pool.conditioned[move.server.name] += 1  # type: ignore[attr-defined]
-        targets = sorted({move.to.name for move in plan.moves})  # type: ignore[attr-defined]
+            closed[move.server.name] += 1
+            pool.conditioned[move.server.name] += 1
+        targets = sorted({move.to.name for move in plan.moves})
         log.info(
             "%s: conditioning closed %d connection(s)%s%s; load %.4g..%.4g, step %.4g; %s",
             pool.name,

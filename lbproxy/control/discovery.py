@@ -134,16 +134,14 @@ async def resolve(config: DnsDiscoveryConfig, last: LastAnswer | None = None) ->
             ),
         )
     records, beyond = best_records(srv_records(answer.rrset), config.max_servers)
-    addresses = glue(answer.response.additional)
-    missing = {target_host(r.target) for r in records} - addresses.keys() - {""}
+    glued = glue(answer.response.additional)  # target host -> address
+    missing = {target_host(r.target) for r in records} - glued.keys() - {""}
     if missing:
         # Within the same round: a target not found by then keeps its name.
         with trio.move_on_at(deadline):
-            await _lookup(resolver, missing, addresses)
-    raw = (sorted(map(astuple, records)), sorted(addresses.items()), beyond)
-    return last.convert(
-        raw, lambda: resolution(*servers_from_srv(records, addresses), beyond=beyond)
-    )
+            await _lookup(resolver, missing, glued)
+    raw = (sorted(map(astuple, records)), sorted(glued.items()), beyond)
+    return last.convert(raw, lambda: resolution(*servers_from_srv(records, glued), beyond=beyond))
 
 
 def srv_records(rrset: Iterable[Any]) -> list[SrvRecord]:

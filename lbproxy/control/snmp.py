@@ -69,7 +69,7 @@ import random
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import trio
 from pyasn1.codec.ber import decoder, encoder
@@ -357,7 +357,7 @@ class _Exchange:
     def request(self) -> bytes:  # the next transmission
         raise NotImplementedError
 
-    def receive(self, data: bytes) -> PollResult | bool | None:
+    def receive(self, data: bytes) -> PollResult | Literal[True] | None:
         """A datagram: a result, None (not ours: keep waiting), True (send again now)."""
         raise NotImplementedError
 
@@ -409,7 +409,7 @@ class _V3Exchange(_Exchange):
         self.handle, datagram = self.engine.send(self.domain, self.address, self.pdu)
         return datagram
 
-    def receive(self, data: bytes) -> PollResult | bool | None:
+    def receive(self, data: bytes) -> PollResult | Literal[True] | None:
         assert self.handle is not None
         try:
             outcome = self.engine.receive(self.domain, self.address, data, self.handle)

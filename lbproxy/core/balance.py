@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 _EPSILON = 1e-9
 
@@ -79,8 +79,12 @@ class Balance:
         return balanced
 
 
+S = TypeVar("S", bound=Hashable)  # a server (the control plane's: a RealServer)
+C = TypeVar("C")  # one of its connections (the control plane's: a Lease)
+
+
 @dataclass
-class Member:
+class Member(Generic[S, C]):
     """One server as a conditioning round sees it.
 
     `candidates` are its connections that may be closed (idle long enough), longest
@@ -90,22 +94,22 @@ class Member:
     down server is never one).
     """
 
-    server: Hashable
+    server: S
     load: float
     step: float
-    candidates: list[Any] | None = field(default=None)
+    candidates: list[C] | None = field(default=None)
 
 
 @dataclass(frozen=True)
-class Move:
-    server: Hashable  # closed on this server...
-    connection: Any  # ...this connection
-    to: Hashable  # the least-loaded server, where the model sends its client
+class Move(Generic[S, C]):
+    server: S  # closed on this server...
+    connection: C  # ...this connection
+    to: S  # the least-loaded server, where the model sends its client
 
 
 @dataclass(frozen=True)
-class Round:
-    moves: tuple[Move, ...]
+class Round(Generic[S, C]):
+    moves: tuple[Move[S, C], ...]
     best: float  # the spread before the round
     worst: float
     step: float
@@ -113,12 +117,12 @@ class Round:
 
 
 def plan_round(
-    members: Sequence[Member],
+    members: Sequence[Member[S, C]],
     balance: Balance,
     threshold: float,
     max_moves: int,
-    candidates_of: Callable[[Hashable], list[Any]] | None = None,
-) -> Round | None:
+    candidates_of: Callable[[S], list[C]] | None = None,
+) -> Round[S, C] | None:
     """The connections to close this interval; None when there is nothing to balance.
 
     Mutates the members' loads (the model of the moves) and `balance`.
@@ -129,7 +133,7 @@ def plan_round(
     best, worst, step = numbers
     if balance.check(best, worst, step, threshold):
         return None
-    moves: list[Move] = []
+    moves: list[Move[S, C]] = []
     # O(n) per move, at most max_moves times per interval: never on the connection path.
     while len(moves) < max_moves:
         most = max(members, key=lambda m: m.load)  # ties: the first in configuration order

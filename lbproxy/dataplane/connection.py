@@ -631,7 +631,8 @@ class Handler:
         descriptors are closed by then). Called from the reactor, a deadline or
         Flow.close(): it must not raise (end() does not)."""
         self._live.discard(p)
-        p.flow.end(p.outcome or "error")  # type: ignore[attr-defined]
+        # Pump.flow is a Flow; every pump started here carries a ClientConnection.
+        p.flow.end(p.outcome or "error")  # type: ignore[attr-defined]  # see above
         if not self._live and self._empty is not None:
             self._empty.set()
 

@@ -16,14 +16,14 @@ import logging
 import os
 import stat
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lbproxy.admin import dashboard, http_server
-from lbproxy.admin.metrics import make_registry
+from lbproxy.admin.metrics import VirtualServerView, make_registry
 from lbproxy.admin.routes import ANY_HOST_PATHS, HTTPError, Request, allowed, match
 from lbproxy.core.locate import Located
 from lbproxy.core.pool import Pool, state_error, weight_error
@@ -58,6 +58,9 @@ class ProxyControl(Protocol):
     draining: bool
     reloads: dict[str, int]
     config: Config  # the configuration in force (global.admin.allowed_hosts is read per request)
+
+    @property
+    def virtual_servers(self) -> Mapping[str, VirtualServerView]: ...
 
     def pools(self) -> Iterable[Pool]: ...
 
@@ -177,17 +180,18 @@ def parse_client_header(value: bytes) -> tuple[str, int] | None:
     return (host, int(port)) if port.isascii() and port.isdigit() else (host, 0)
 
 
-def virtual_server_document(pool: Pool) -> dict[str, Any]:
+def virtual_server_document(vs: VirtualServerView) -> dict[str, Any]:
+    pool = vs.pool
     stats = pool.statistics(trio.current_time())
     return {
         "name": pool.name,
         "listen": [str(address) for address in pool.config.listen],
         "scheduler": pool.config.scheduler,
-        "throttle_mode": pool.throttle_mode,
+        "throttle_mode": vs.throttle_mode,
         "active_connections": stats.active_connections,
         "clients": pool.clients,
         "sni": list(pool.config.sni),
-        "queued": pool.queued,
+        "queued": vs.queue_stats.queued,
         "rejected": stats.rejected,
         "dynamic_weight_fallback": stats.dynamic_weight_fallback,
         "real_servers": [real_server_document(pool, rs.name) for rs in stats.real_servers],
@@ -342,14 +346,19 @@ class AdminApp:
 
     async def on_virtual_servers(self, request: Request) -> Answer:
         server = self.server
-        pools = list(server.pools())
-        document: dict[str, Any] = {"virtual_servers": [virtual_server_document(p) for p in pools]}
+        running = list(server.virtual_servers.values())
+        document: dict[str, Any] = {
+            "virtual_servers": [virtual_server_document(vs) for vs in running]
+        }
         cluster = getattr(server, "cluster_document", None)  # SPEC §18; None: unclustered
         document["cluster"] = cluster() if cluster is not None else None
         return 200, json_body(document), "json"
 
     async def on_virtual_server(self, request: Request) -> Answer:
-        return 200, json_body(virtual_server_document(self._pool(request.params[0]))), "json"
+        vs = self.server.virtual_servers.get(request.params[0])
+        if vs is None:
+            raise HTTPError(404, f"no virtual server {request.params[0]!r}")
+        return 200, json_body(virtual_server_document(vs)), "json"
 
     async def on_real_server(self, request: Request) -> Answer:
         vs_name, rs_name = request.params

@@ -9,7 +9,7 @@ the one table, metric_families.py, which the workers' supervisor reads as well.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
 
 import trio
@@ -19,6 +19,7 @@ from prometheus_client.metrics_core import Metric
 from lbproxy.admin.metric_families import counter, gauge, histogram
 from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
+from lbproxy.core.histogram import Histogram
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.core.pool import REJECT_REASONS, Pool
 from lbproxy.core.throttle import MODE_VALUES
@@ -46,10 +47,38 @@ DNS_RCODES = (
 )
 
 
+class QueueView(Protocol):
+    """What a virtual server's queue publishes (dataplane/queue.py, `QueueStats`)."""
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def waits(self) -> Histogram: ...
+
+
+class VirtualServerView(Protocol):
+    """A running virtual server as the admin reads it: its pool, and the state of its
+    throttle and queue, which their owners keep (dataplane/virtual_server.py's
+    `VirtualServer`; named by what is read, as the admin does not import the data plane)."""
+
+    @property
+    def pool(self) -> Pool: ...
+
+    @property
+    def throttle_mode(self) -> str: ...
+
+    @property
+    def queue_stats(self) -> QueueView: ...
+
+
 class MetricsSource(Protocol):
-    """What the collector reads: the running pools and the reload counts."""
+    """What the collector reads: the running virtual servers and pools, the reload counts."""
 
     reloads: dict[str, int]
+
+    @property
+    def virtual_servers(self) -> Mapping[str, VirtualServerView]: ...
 
     def pools(self) -> Iterable[Pool]: ...
 
@@ -77,7 +106,8 @@ class LbproxyCollector:
         queued = gauge("lbproxy_queued_connections")
         queue_wait = histogram("lbproxy_queue_wait_seconds")
         now = trio.current_time()
-        for pool in self.source.pools():
+        for running in self.source.virtual_servers.values():
+            pool = running.pool
             vs = pool.name
             if pool.persistence is not None:
                 # Counting the entries drops the expired ones first, so the gauge falls
@@ -88,11 +118,12 @@ class LbproxyCollector:
             for reason in REJECT_REASONS:
                 rejected.add_metric([vs, reason], pool.rejected[reason])
             fallback.add_metric([vs], 1.0 if pool.fallback else 0.0)
-            throttle.add_metric([vs], MODE_VALUES.get(pool.throttle_mode, 0))
+            throttle.add_metric([vs], MODE_VALUES.get(running.throttle_mode, 0))
             duration.add_metric([vs], pool.durations.cumulative(), pool.durations.total)
-            if pool.config.queue is not None or pool.queue_waits.count:
-                queued.add_metric([vs], pool.queued)
-                queue_wait.add_metric([vs], pool.queue_waits.cumulative(), pool.queue_waits.total)
+            waits = running.queue_stats.waits
+            if pool.config.queue is not None or waits.count:
+                queued.add_metric([vs], running.queue_stats.queued)
+                queue_wait.add_metric([vs], waits.cumulative(), waits.total)
             poll_duration.add_metric(
                 [vs], pool.poll_durations.cumulative(), pool.poll_durations.total
             )

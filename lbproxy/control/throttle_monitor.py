@@ -26,8 +26,9 @@ monitor will simply shutdown and sleep until a new connection is requested"):
   imposed), and its own timeout again in low. Flow applies a new timeout at once, so an
   idle connection that has already been idle longer is closed right away. New
   connections start with the current imposed timeout (`idle_timeout_for`).
-- Mode changes are logged at INFO and published as `pool.throttle_mode` ("low", "high",
-  "digg") for the metrics and the admin API.
+- Mode changes are logged at INFO. The mode ("low", "high", "digg") is the model's own
+  state (`Throttle.mode`), read through `mode` by the virtual server for the metrics
+  and the admin API; a virtual server without a monitor is in low.
 
 `Throttles` keeps one monitor per virtual server in step with the configuration (the one
 reconciler, reconcile.py): it starts, reconfigures and stops monitors after start-up and
@@ -44,7 +45,7 @@ import trio
 
 from lbproxy.config.model import ThrottleConfig
 from lbproxy.control.reconcile import Configured, Reconciler
-from lbproxy.core.throttle import DIGG, LOW, Change, Throttle
+from lbproxy.core.throttle import DIGG, Change, Throttle
 
 log = logging.getLogger("lbproxy.throttle_monitor")
 
@@ -86,6 +87,11 @@ class ThrottleMonitor:
             self._refused_in_digg += 1
             return True
         return False
+
+    @property
+    def mode(self) -> str:
+        """low | high | digg: the model's mode, as the last change applied it."""
+        return self.model.mode
 
     def idle_timeout_for(self, own: float) -> float:
         """The idle timeout a new connection whose own timeout is `own` starts with."""
@@ -132,7 +138,6 @@ class ThrottleMonitor:
             return
         pool = self.vs.pool
         if change.mode_changed:
-            pool.throttle_mode = change.mode
             timeout = "own" if change.idle_timeout is None else f"{change.idle_timeout:.3g}s"
             refused = ""
             if change.old_mode == DIGG:
@@ -193,7 +198,6 @@ class Throttles(Reconciler["Throttled", ThrottleConfig]):
         if key.throttle is monitor:
             key.throttle = None
         monitor.stop()
-        key.pool.throttle_mode = LOW
 
     def describe(self, key: Throttled, event: str) -> str | None:
         if event == "removed" and key not in self._running:

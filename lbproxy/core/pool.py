@@ -21,7 +21,10 @@ opened before a reset (its lease carries the old epoch) does not decrement it.
 What is not the pool's lives beside it: a real server's configuration, state and
 counters (real_server.py, `ServerCounters`), the locator's answers, load reports and
 balance state (locate.py, `Locator`, made by the pool and reached as `pool.locator`; the
-pool exposes `count_answer`, `load_of` and `balance_members` for it).
+pool exposes `count_answer`, `load_of` and `balance_members` for it); the throttle's
+mode (throttle.py, read through the virtual server); the queue's length and waits
+(dataplane/queue.py, `QueueStats`; the pool gives it `available_servers`, `full_servers`
+and the `on_available` hook).
 
 Affinity (SPEC §12): `pick` and `take` are given the client's address. Only two things
 read it — the persistence table (persistence.py), consulted before the scheduler, and a
@@ -45,7 +48,7 @@ from lbproxy.config.model import (
 )
 from lbproxy.core import schedulers
 from lbproxy.core.health import Health
-from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, QUEUE_BUCKETS, Histogram
+from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, Histogram
 from lbproxy.core.locate import Locator
 from lbproxy.core.persistence import Entry, Persistence, client_key
 from lbproxy.core.real_server import RealServer, ServerCounters
@@ -165,15 +168,12 @@ class Pool:
         self.rejected: Counter[str] = Counter()
         self.durations = Histogram(DURATION_BUCKETS)  # connection lifetimes, seconds
         self.poll_durations = Histogram(POLL_BUCKETS)  # SNMP round trips, seconds
-        self.throttle_mode = "low"  # low | high | digg, set by the throttle monitor
-        # The queue (SPEC §13, lbproxy/dataplane/queue.py) reads these two counts to decide
-        # whether a new client waits, is told by `on_available` when a server becomes
-        # available, and publishes its length and waits here for the metrics.
+        # What the queue (SPEC §13, lbproxy/dataplane/queue.py) needs of the pool: these
+        # two counts, to decide whether a new client waits, and one hook, called when a
+        # server becomes available (the queue sets it; its own state is in queue.py).
         self.available_servers = 0  # servers in the scheduler's structures
         self.full_servers = 0  # servers held back only by their max_connections
         self.on_available: Callable[[], None] | None = None
-        self.queued = 0
-        self.queue_waits = Histogram(QUEUE_BUCKETS)
         self.epoch = 0
         self.fallback = self.polls_snmp  # nothing answered yet
         self._dynamic_positive = 0

@@ -16,9 +16,10 @@ What it costs:
 
 How a freed slot reaches the oldest waiter, and not a newcomer:
 
-- The pool calls `on_available` (a plain callback: the pool stays pure) whenever a
-  server becomes available: a connection ended below `max_connections`, a server came
-  up, a weight changed... `kick()` then wakes the oldest waiter.
+- The pool calls its one hook, `pool.on_available` (a plain callback the queue sets:
+  the pool stays pure), whenever a server becomes available: a connection ended
+  below `max_connections`, a server came up, a weight changed... `kick()` then wakes
+  the oldest waiter.
 - While anyone waits or has been woken and has not run yet, a newcomer joins the back
   of the queue even if a slot is free (`must_wait`), so it cannot overtake.
 - A woken waiter checks for a free server when it runs; if there is one, it returns to
@@ -28,6 +29,10 @@ How a freed slot reaches the oldest waiter, and not a newcomer:
 - The handler calls `kick()` again once its connect has taken the slot: a server with
   room for several connections becomes available only once, so the next waiter is
   woken in turn.
+
+What the metrics and the API read is the queue's own: `QueueStats` (its length and its
+waits), one per virtual server (`VirtualServer.queue_stats`), kept when a reload removes
+the queue so that the waits already counted stay counted.
 
 Waiters that time out or are cancelled are only marked; they are dropped when they
 reach the head of the deque (they do so in order, since every waiter has the same
@@ -42,6 +47,7 @@ import logging
 import trio
 
 from lbproxy.config.model import QueueConfig
+from lbproxy.core.histogram import QUEUE_BUCKETS, Histogram
 from lbproxy.core.pool import Pool
 from lbproxy.net.deadlines import Deadline, deadlines
 
@@ -49,6 +55,16 @@ log = logging.getLogger("lbproxy.waiting")
 
 _QUEUED, _WOKEN, _DONE = 0, 1, 2
 _TIMEOUT = "queue_timeout"
+
+
+class QueueStats:
+    """What a virtual server's queue publishes, for the metrics and the admin API."""
+
+    __slots__ = ("queued", "waits")
+
+    def __init__(self) -> None:
+        self.queued = 0  # clients waiting now (queued or woken, not yet run)
+        self.waits = Histogram(QUEUE_BUCKETS)  # every finished wait, seconds
 
 
 class _Waiter:
@@ -78,9 +94,10 @@ class _Waiter:
 class Queue:
     """The waiting clients of one virtual server's pool."""
 
-    def __init__(self, pool: Pool, config: QueueConfig) -> None:
+    def __init__(self, pool: Pool, config: QueueConfig, stats: QueueStats | None = None) -> None:
         self.pool = pool
         self.config = config
+        self.stats = QueueStats() if stats is None else stats  # the virtual server's
         self._deque: collections.deque[_Waiter] = collections.deque()
         self.waiting = 0  # queued, not yet woken
         self.woken = 0  # woken, not yet run
@@ -131,7 +148,7 @@ class Queue:
                 waiter.alarm.cancel()
                 waiter.alarm = None
             waiter.state = _DONE
-            self.pool.queue_waits.observe(trio.current_time() - started)
+            self.stats.waits.observe(trio.current_time() - started)
             self._publish()
 
     def kick(self) -> None:
@@ -177,15 +194,18 @@ class Queue:
         return trio.lowlevel.Abort.SUCCEEDED
 
     def _publish(self) -> None:
-        self.pool.queued = self.waiting + self.woken
+        self.stats.queued = self.waiting + self.woken
 
 
-def sync(vs_queue: Queue | None, pool: Pool) -> tuple[Queue | None, str | None]:
+def sync(
+    vs_queue: Queue | None, pool: Pool, stats: QueueStats | None = None
+) -> tuple[Queue | None, str | None]:
     """The queue a virtual server should have after a (re)configuration, and the change.
 
     A queue added starts empty; one changed keeps its waiters (a new `max` applies at
     once, a new `timeout` to clients that arrive from now on); one removed lets its
-    waiters try for a server now, as they would have without a queue.
+    waiters try for a server now, as they would have without a queue. A queue added
+    publishes into `stats`, the virtual server's (a new one when not given).
     """
     config = pool.config.queue
     if config is None:
@@ -194,7 +214,7 @@ def sync(vs_queue: Queue | None, pool: Pool) -> tuple[Queue | None, str | None]:
         vs_queue.release_all()
         return None, "queue removed"
     if vs_queue is None:
-        return Queue(pool, config), "queue added"
+        return Queue(pool, config, stats), "queue added"
     if vs_queue.config != config:
         vs_queue.config = config
         return vs_queue, "queue changed"

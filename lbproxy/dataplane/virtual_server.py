@@ -17,7 +17,8 @@ import logging
 from typing import Protocol
 
 from lbproxy.core.pool import Pool
-from lbproxy.dataplane.queue import Queue
+from lbproxy.core.throttle import LOW
+from lbproxy.dataplane.queue import Queue, QueueStats
 
 log = logging.getLogger("lbproxy.virtual_server")
 
@@ -34,6 +35,11 @@ class Admission(Protocol):
         """The idle timeout a new connection starts with, given the virtual server's own."""
         ...
 
+    @property
+    def mode(self) -> str:
+        """low | high | digg, the throttle's own state (for the metrics and the API)."""
+        ...
+
 
 class VirtualServer:
     """The running side of one virtual server: its pool and its runtime switches."""
@@ -42,11 +48,19 @@ class VirtualServer:
         self.pool = pool
         self.access_log = False  # global.access_log, set by the Server
         # Admission control (throttle_monitor.py), set by the Server's Throttles when the
-        # virtual server has a `throttle:` block; it publishes `pool.throttle_mode`.
+        # virtual server has a `throttle:` block; it keeps its mode (`throttle_mode`).
         self.throttle: Admission | None = None
-        # The connection queue (queue.py), when the virtual server has `queue:`.
+        # The connection queue (queue.py), when the virtual server has `queue:`; what it
+        # publishes outlives it (a reload that removes the queue keeps the waits counted).
         self.queue: Queue | None = None
+        self.queue_stats = QueueStats()
 
     @property
     def name(self) -> str:
         return self.pool.name
+
+    @property
+    def throttle_mode(self) -> str:
+        """The admission monitor's mode; low without one (SPEC section 5)."""
+        throttle = self.throttle
+        return LOW if throttle is None else throttle.mode

@@ -699,7 +699,7 @@ class Server:
         """Give each virtual server the connection queue its configuration asks for."""
         changes = []
         for vs in self.virtual_servers.values():
-            vs.queue, change = waiting.sync(vs.queue, vs.pool)
+            vs.queue, change = waiting.sync(vs.queue, vs.pool, vs.queue_stats)
             if change is not None:
                 changes.append(f"{vs.name}: {change}")
         return changes

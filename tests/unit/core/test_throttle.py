@@ -434,27 +434,27 @@ def test_monitor_evaluates_while_busy_applies_timeouts_and_sleeps_when_empty():
 
             monitor.model = Counting(config)  # before the task's first step
             await trio.sleep(60)
-            assert (evaluations, pool.throttle_mode) == (0, "low")  # empty: asleep
+            assert (evaluations, vs.throttle_mode) == (0, "low")  # empty: asleep
 
             assert all(connect() for _ in range(3))  # load 1.5
             await trio.sleep(0.1)
-            assert pool.throttle_mode == "high"  # the first arrival woke it; then interval
+            assert vs.throttle_mode == "high"  # the first arrival woke it; then interval
             await trio.sleep(0.5)
             assert [f.idle_timeout for f in flows] == [5.5] * 3  # 10 - 9 x 0.5
             assert (monitor.idle_timeout_for(60.0), monitor.idle_timeout_for(3.0)) == (5.5, 3.0)
 
             assert connect()  # 4 held: load 2
             await trio.sleep(0.5)
-            assert pool.throttle_mode == "digg"
+            assert vs.throttle_mode == "digg"
             assert [f.idle_timeout for f in flows] == [1.0] * 4
             assert not connect()  # refused in digg; established ones are kept
             assert len(leases) == 4
 
             disconnect(3)  # load 0.5: digg -> high -> low, one step per interval
             await trio.sleep(0.5)
-            assert pool.throttle_mode == "high"
+            assert vs.throttle_mode == "high"
             await trio.sleep(0.5)
-            assert pool.throttle_mode == "low"
+            assert vs.throttle_mode == "low"
             assert flows[0].idle_timeout == 60.0  # its own timeout again
 
             disconnect(1)  # empty: evaluations stop once the rate window has emptied

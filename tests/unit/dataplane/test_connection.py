@@ -183,7 +183,7 @@ async def rig(nursery, servers=None, **options) -> Rig:
     vs = VirtualServer(Pool(config, trio.current_time()))
     vs.access_log = True
     if config.queue is not None:
-        vs.queue = Queue(vs.pool, config.queue)
+        vs.queue = Queue(vs.pool, config.queue, vs.queue_stats)
     return Rig(nursery, vs)
 
 
@@ -454,7 +454,7 @@ def test_a_full_server_queues_and_the_freed_slot_serves_the_waiter(recorded):
         second.close()
         await settled(r)
         assert recorded[1] == JOURNEYS["queued"]
-        assert r.pool.queue_waits.count == 1
+        assert r.vs.queue_stats.waits.count == 1
 
     run(body)
 

@@ -45,7 +45,7 @@ def test_a_freed_slot_goes_to_the_oldest_waiter_not_a_newcomer():
             for i in range(5):
                 nursery.start_soon(client, pool, q, f"c{i}", served, leases)
                 await trio.sleep(0.01)
-            assert pool.queued == 5 and served == []
+            assert q.stats.queued == 5 and served == []
             for i in range(5):
                 pool.drop(leases.pop(0), trio.current_time())  # the slot frees...
                 # ...and a newcomer arrives in the same instant: it must queue
@@ -57,7 +57,7 @@ def test_a_freed_slot_goes_to_the_oldest_waiter_not_a_newcomer():
                 pool.drop(leases.pop(0), trio.current_time())
                 await trio.sleep(0.01)
         assert [name for name, _ in served[5:]] == [f"late{i}" for i in range(5)]
-        assert pool.queued == 0 and pool.queue_waits.count == 10
+        assert q.stats.queued == 0 and q.stats.waits.count == 10
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -75,7 +75,7 @@ def test_two_slots_free_at_once_serve_the_two_oldest():
             await trio.sleep(0.01)
             assert served == [("c0", "served"), ("c1", "served")]
             nursery.cancel_scope.cancel()
-        assert pool.queued == 0  # the cancelled waiters left the queue
+        assert q.stats.queued == 0  # the cancelled waiters left the queue
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -94,7 +94,7 @@ def test_timeout_and_full():
             pool.drop(leases.pop(0), trio.current_time())
             await trio.sleep(0.01)
         assert served[2:] == [("c1", "served")]
-        assert pool.queue_waits.count == 2  # c0's timed-out wait counts, c2 never waited
+        assert q.stats.waits.count == 2  # c0's timed-out wait counts, c2 never waited
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Mapping
 
 import trio
 
@@ -52,7 +53,7 @@ VS_INDEX_MAX_AGE = 1.0  # seconds; a name missed in an older index rebuilds it
 class DnsLocator:
     """The DNS face of the locator for one process; `pools` maps names to live pools."""
 
-    def __init__(self, config: DnsLocatorConfig, pools: dict[str, object]) -> None:
+    def __init__(self, config: DnsLocatorConfig, pools: Mapping[str, object]) -> None:
         self.config = config
         self._pools = pools  # the Server's `virtual_servers` (name -> VirtualServer)
         self.handler = QueryHandler(config.zone, config.ttl, self._find)

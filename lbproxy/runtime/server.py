@@ -458,7 +458,7 @@ class Server:
         error = state_error(state)
         if error:
             return error
-        self._apply_state(pool, rs, state)  # type: ignore[arg-type]
+        self._apply_state(pool, rs, state)  # type: ignore[arg-type]  # state_error(): a str
         if self.cluster is not None:
             self.cluster.publish("state", pool.name, rs.name, state)
         return None
@@ -512,8 +512,9 @@ class Server:
         if error is None:
             log.debug("%s/%s: load report %r", pool.name, rs.name, pool.locator.reports[rs])
             if self.cluster is not None:
-                step = None if per_connection is None else float(per_connection)  # type: ignore[arg-type]
-                self.cluster.publish("load", pool.name, rs.name, float(load), step)  # type: ignore[arg-type]
+                # pool.locator.report_load() checked both are numbers (objects: JSON's)
+                step = None if per_connection is None else float(per_connection)  # type: ignore[arg-type]  # see above
+                self.cluster.publish("load", pool.name, rs.name, float(load), step)  # type: ignore[arg-type]  # see above
         return error
 
     # -- the cluster's changes (lbproxy/control/cluster.py's ClusterTarget) -------------
@@ -756,13 +757,13 @@ def run(
         log.error("%s", exc)
         return 1
 
-    failures: list[BindError] = []
+    failures: list[BindError | ExceptionGroup[BindError]] = []
     try:
         trio.run(_serve_main, server, on_started)
     except* BindError as group:
-        failures.extend(group.exceptions)  # type: ignore[arg-type]
-    for exc in failures:
-        log.error("%s", exc)
+        failures.extend(group.exceptions)
+    for failure in failures:
+        log.error("%s", failure)
     return 1 if failures else 0
 
 

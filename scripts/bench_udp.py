@@ -1,12 +1,17 @@
 """lbproxy's UDP virtual server against nginx stream UDP, in one run (issue 25).
 
     .venv/bin/python scripts/bench_udp.py [--duration 5] [--window 32] [--idle 5000]
+    .venv/bin/python scripts/bench_udp.py --generator dnsperf   # dnsperf against dnsmasq
+    scripts/bench --udp [...]                                   # the same, by scripts/bench
 
 Python standard library only; every party is its own process. The real server is a UDP
 echo (a process of this script); the load is an equivalent of dnsperf's closed loop:
 `--window` datagrams of 64 bytes in flight over 32 client sockets, each answered one
 for one (lbproxy `udp: {responses: 1}`, nginx `proxy_responses 1`), for `--duration`
-seconds. Measured per proxy, with one worker each:
+seconds. With `--generator dnsperf` the real server is a dnsmasq answering A queries
+from a hosts file and the load is `dnsperf -c 32 -q WINDOW -l DURATION` (Debian packages
+dnsperf and dnsmasq-base), which reports queries per second and the average and maximum
+latency (no percentiles). Measured per proxy, with one worker each:
 
 datagrams/s   answered requests per wall second, and per CPU-second of the proxy
               (utime + stime from /proc/PID/stat): "per proxy core"
@@ -24,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import os
+import re
+import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -65,11 +74,17 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def dns_query(name: str) -> bytes:
+    """A DNS query for `name` A (id 0x2525, recursion desired): an echo answers it too."""
+    qname = b"".join(bytes([len(label)]) + label.encode() for label in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", 0x2525, 0x0100, 1, 0, 0, 0) + qname + b"\0\1\0\1"
+
+
 def wait_answering(port: int) -> None:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.settimeout(0.2)
     for _ in range(100):
-        s.sendto(b"ping", ("127.0.0.1", port))
+        s.sendto(dns_query("b0.bench.test"), ("127.0.0.1", port))
         try:
             s.recvfrom(100)
             return
@@ -128,6 +143,52 @@ def load(port: int, duration: float, window: int) -> tuple[int, float, float]:
     return n, latencies[n // 2] * 1000, latencies[int(n * 0.99)] * 1000
 
 
+NAMES = 100  # b0.bench.test .. b99.bench.test, each with one A record
+
+
+def dnsmasq(work: Path, port: int) -> subprocess.Popen:
+    """A real dnsmasq on 127.0.0.1:port answering A queries for NAMES names from a file."""
+    hosts = work / "bench.hosts"
+    hosts.write_text("".join(f"192.0.2.{i % 250 + 1} b{i}.bench.test\n" for i in range(NAMES)))
+    dnsmasq_bin = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
+    return subprocess.Popen(
+        [
+            dnsmasq_bin,
+            "--no-daemon",
+            f"--port={port}",
+            "--listen-address=127.0.0.1",
+            "--bind-interfaces",
+            "--no-resolv",
+            "--no-hosts",
+            "--local=/test/",
+            f"--addn-hosts={hosts}",
+            f"--pid-file={work / 'dnsmasq.pid'}",
+            f"--user={getpass.getuser()}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def dnsperf(work: Path, port: int, duration: float, window: int) -> tuple[int, float, float]:
+    """dnsperf's closed loop through the proxy; (queries completed, avg ms, max ms)."""
+    queries = work / "queries.txt"
+    queries.write_text("".join(f"b{i}.bench.test A\n" for i in range(NAMES)))
+    target = ["-s", "127.0.0.1", "-p", str(port), "-d", str(queries)]
+    command = ["dnsperf", *target, "-l", f"{duration:g}", "-c", "32", "-q", str(window), "-t", "2"]
+    out = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=duration + 30,
+    ).stdout
+    completed = re.search(r"Queries completed:\s+(\d+)", out)
+    latency = re.search(r"Average Latency \(s\):\s+([\d.]+) \(min [\d.]+, max ([\d.]+)\)", out)
+    if completed is None or latency is None:
+        raise RuntimeError(f"dnsperf said:\n{out}")
+    return int(completed.group(1)), float(latency.group(1)) * 1000, float(latency.group(2)) * 1000
+
+
 def idle_sessions(pid: int, port: int, count: int) -> float:
     before = rss_kib(pid)
     socks = []
@@ -184,33 +245,60 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--idle", type=int, default=5000)
+    parser.add_argument(
+        "--generator",
+        choices=("python", "dnsperf"),
+        default="python",
+        help="python: the closed loop against a UDP echo (p50/p99); dnsperf: dnsperf "
+        "against a real dnsmasq (average/maximum latency)",
+    )
     args = parser.parse_args()
-    upstream = free_port()
+    if args.generator == "dnsperf":
+        for tool in ("dnsperf", "dnsmasq"):
+            if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+                sys.exit(f"--generator dnsperf needs {tool} (apt-get install {tool})")
+    upstream = free_port()  # the echo: the idle sessions' server, and the load's by default
     server = Process(target=echo, args=(upstream,), daemon=True)
     server.start()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name, start in (("lbproxy", lbproxy), ("nginx", nginx)):
-            port, idle_port = free_port(), free_port()
-            busy = start(work, port, upstream, "1")
-            idle = start(work, idle_port, upstream, "none")
-            try:
-                wait_answering(port)
-                wait_answering(idle_port)
-                cpu0, t0 = cpu(busy.pid), time.perf_counter()
-                answered, p50, p99 = load(port, args.duration, args.window)
-                cpu_s, wall = cpu(busy.pid) - cpu0, time.perf_counter() - t0
-                per_session = idle_sessions(idle.pid, idle_port, args.idle)
-                rows.append(
-                    (name, answered / wall, answered / cpu_s, cpu_s / wall, p50, p99, per_session)
-                )
-            finally:
-                for proc in (busy, idle):
-                    proc.terminate()
-                    proc.wait(10)
+        resolver = None
+        busy_upstream = upstream
+        if args.generator == "dnsperf":
+            busy_upstream = free_port()
+            resolver = dnsmasq(work, busy_upstream)
+        try:
+            if resolver is not None:
+                wait_answering(busy_upstream)
+            for name, start in (("lbproxy", lbproxy), ("nginx", nginx)):
+                port, idle_port = free_port(), free_port()
+                busy = start(work, port, busy_upstream, "1")
+                idle = start(work, idle_port, upstream, "none")
+                try:
+                    wait_answering(port)
+                    wait_answering(idle_port)
+                    cpu0, t0 = cpu(busy.pid), time.perf_counter()
+                    if resolver is None:
+                        answered, lat1, lat2 = load(port, args.duration, args.window)
+                    else:
+                        answered, lat1, lat2 = dnsperf(work, port, args.duration, args.window)
+                    cpu_s, wall = cpu(busy.pid) - cpu0, time.perf_counter() - t0
+                    per_session = idle_sessions(idle.pid, idle_port, args.idle)
+                    rate, per_cpu, util = answered / wall, answered / cpu_s, cpu_s / wall
+                    rows.append((name, rate, per_cpu, util, lat1, lat2, per_session))
+                finally:
+                    for proc in (busy, idle):
+                        proc.terminate()
+                        proc.wait(10)
+        finally:
+            if resolver is not None:
+                resolver.terminate()
+                resolver.wait(10)
     server.terminate()
-    print("proxy     dgram/s  per CPU-s  util  p50 ms  p99 ms  B/idle session")
+    latencies = "p50 ms  p99 ms" if resolver is None else "avg ms  max ms"
+    print(f"generator: {args.generator}")
+    print(f"proxy     dgram/s  per CPU-s  util  {latencies}  B/idle session")
     for name, rate, per_cpu, util, p50, p99, per_session in rows:
         print(
             f"{name:8} {rate:8.0f} {per_cpu:10.0f} {util:5.2f} {p50:7.2f} {p99:7.2f}"

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from tests.integration.conftest import vs_config
 from tests.integration.harness import ROOT, ask_name, free_port, open_and_read_name, wait_for
 from tests.integration.test_admin import http, with_admin
 from tests.integration.test_status_output import front_door_proxy
+from tests.integration.test_udp_health import Echo
 from tests.integration.test_workers import ready, worker_servers, workers_config
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -421,6 +423,70 @@ def test_dashboard_shows_the_backup_mark_and_the_queued_clients(browser, name_se
     finally:
         for sock in opened:
             sock.close()
+
+
+def test_dashboard_shows_a_udp_virtual_servers_sessions_datagrams_and_drops(browser, lbproxy):
+    """A `protocol: udp` virtual server: the `udp` pill, sessions opened, datagrams in
+    and out, drops (by reason in the title), and the real servers' active sessions."""
+    servers = {"a": Echo(b"a:"), "b": Echo(b"b:")}
+    port, admin_port = free_port(), free_port()
+    config = (
+        f"global:\n  admin: {{listen: 127.0.0.1:{admin_port}}}\n  drain_timeout: 1s\n"
+        "virtual_servers:\n  - name: game\n    protocol: udp\n"
+        f"    listen: 127.0.0.1:{port}\n    scheduler: rr\n    deny: [127.0.0.9/32]\n"
+        "    real_servers:\n"
+        + "".join(
+            f"      - {{name: {rs}, address: 127.0.0.1:{echo.port}}}\n"
+            for rs, echo in servers.items()
+        )
+    )
+    lbproxy(config)
+    clients = []
+    for source in ("127.0.0.1", "127.0.0.1", "127.0.0.1", "127.0.0.9"):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((source, 0))
+        sock.settimeout(0.5 if source == "127.0.0.9" else 3)
+        clients.append(sock)
+
+    def ask(sock) -> bytes | None:
+        sock.sendto(b"ping", ("127.0.0.1", port))
+        try:
+            return sock.recvfrom(100)[0]
+        except TimeoutError:
+            return None
+
+    def head(cell: str) -> str:
+        selector = f'section.vs[data-vs="game"] .vs-head .{cell}'
+        return browser.find_element("css selector", selector).text
+
+    try:
+        assert [ask(sock) for sock in clients] == [b"a:ping", b"b:ping", b"a:ping", None]
+        browser.get(f"http://127.0.0.1:{admin_port}/")
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+        assert head("udp") == "udp"
+        shown = {cell: head(cell) for cell in ("udp-sessions", "udp-in", "udp-out", "udp-dropped")}
+        assert shown == {"udp-sessions": "3", "udp-in": "3", "udp-out": "3", "udp-dropped": "1"}
+        dropped = browser.find_element(
+            "css selector", 'section.vs[data-vs="game"] .vs-head .udp-dropped'
+        ).find_element("xpath", "..")
+        assert dropped.get_attribute("title") == "acl: 1"
+        active = {rs: shown_row(browser, "game", rs, ["active"])["active"] for rs in servers}
+        assert active == {"a": "2", "b": "1"}  # the real servers' open sessions
+        # A datagram on an open session and a new session: the page follows.
+        assert ask(clients[0]) == b"a:ping"
+        extra = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        extra.settimeout(3)
+        clients.append(extra)
+        assert ask(extra) == b"b:ping"
+        wait_until(lambda: head("udp-sessions") == "4" and head("udp-in") == "5", what="4 and 5")
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+        problems = [e["message"] for e in browser.get_log("browser") if "ecurity" in e["message"]]
+        assert problems == [], problems
+    finally:
+        for sock in clients:
+            sock.close()
+        for echo in servers.values():
+            echo.close()
 
 
 def test_dashboard_page_is_served_whole_and_self_contained(name_servers, lbproxy):

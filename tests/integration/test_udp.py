@@ -170,6 +170,9 @@ def test_reload_keeps_sessions_and_acl_drops(tmp_path):
             # dropped by a live process: the established session still answers
             client.sendto(b"4", ("127.0.0.1", port))
             assert client.recvfrom(100)[0] == first[:1] + b"4"
+            acl = sample(metrics(admin), "lbproxy_udp_dropped_total", virtual_server="echo",
+                         reason="acl")  # fmt: skip
+            assert acl == 1  # the new client's one datagram
     finally:
         client.close()
         a.close()

@@ -58,10 +58,11 @@ def test_syslog_10000_datagrams_from_100_clients_all_arrive_spread_then_expire(t
     port, admin = free_port(), free_port()
     ports = {name: c.port for name, c in collectors.items()}
     config = udp_config(admin, port, "rr", ports, "{responses: 0, idle_timeout: 1s}")
+    config = config.replace("drain_timeout: 1s\n", "drain_timeout: 1s\n  access_log: true\n")
     clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(100)]
     total = lambda: sum(len(c.received) for c in collectors.values())  # noqa: E731
     try:
-        with Lbproxy(tmp_path, config).start():
+        with Lbproxy(tmp_path, config).start() as lb:
             sent = []
             for seq in range(100):
                 for i, client in enumerate(clients):
@@ -110,6 +111,21 @@ def test_syslog_10000_datagrams_from_100_clients_all_arrive_spread_then_expire(t
                 )
                 == 100
             )
+            # The access log: one line per session, each ended by its idle timeout, and
+            # each client's 100 datagrams (in bytes) on its one line.
+            lines = [line for line in lb.log().splitlines() if " vs=vs " in line]
+            assert len(lines) == 100
+            assert all(line.endswith("end=idle_timeout") and " out=0 " in line for line in lines)
+            logged = {}
+            for line in lines:
+                source, _vs, _rs, bytes_in = line.split("lbproxy.access: ")[1].split()[:4]
+                logged[source] = int(bytes_in.removeprefix("in="))
+            assert logged == {
+                f"127.0.0.1:{c.getsockname()[1]}": sum(
+                    len(b"<13>client %d seq %d" % (i, seq)) for seq in range(100)
+                )
+                for i, c in enumerate(clients)
+            }
     finally:
         for client in clients:
             client.close()
@@ -188,3 +204,97 @@ def test_maglev_two_processes_agree_on_every_client(tmp_path):
             sock.close()
         for echo in servers.values():
             echo.close()
+
+
+class Triple:
+    """A real server that answers each datagram with three of growing size, and counts
+    the bytes it sent to each of lbproxy's session sockets."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received = 0
+        self.sent_bytes = 0
+        thread = threading.Thread(target=self._serve, daemon=True)
+        thread.start()
+
+    @staticmethod
+    def replies(data: bytes) -> list[bytes]:
+        return [b"1:" + data, b"2:" + data * 2, b"3:" + data * 3]
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data, peer = self.sock.recvfrom(70000)
+                self.received += 1
+                for reply in self.replies(data):
+                    self.sock.sendto(reply, peer)
+                    self.sent_bytes += len(reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_responses_1_0_none_pass_on_at_most_what_was_asked_no_amplification(tmp_path):
+    """One real server answering each request three times, behind three virtual servers:
+    `responses: 1` passes on one reply per request (the first, byte for byte), `none`
+    all three, `0` none; no client ever gets a byte the server did not send."""
+    upstream = Triple()
+    admin = free_port()
+    ports = {"one": free_port(), "all": free_port(), "zero": free_port()}
+    responses = {"one": "1", "all": "none", "zero": "0"}
+    config = f"global:\n  admin: {{listen: 127.0.0.1:{admin}}}\n  drain_timeout: 1s\n"
+    config += "virtual_servers:\n"
+    for name, port in ports.items():
+        config += (
+            f"  - name: {name}\n    protocol: udp\n    listen: 127.0.0.1:{port}\n"
+            f"    udp: {{responses: {responses[name]}}}\n"
+            f"    real_servers: [{{name: echo, address: 127.0.0.1:{upstream.port}}}]\n"
+        )
+    requests = [b"", b"x", b"dns?" * 25, bytes(range(256)) * 4, b"z" * 9000]
+    clients = {name: socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for name in ports}
+
+    def drain(sock: socket.socket, wait: float) -> list[bytes]:
+        sock.settimeout(wait)
+        got = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                got.append(sock.recvfrom(70000)[0])
+        return got
+
+    try:
+        with Lbproxy(tmp_path, config).start():
+            got = {}
+            for name, sock in clients.items():
+                got[name] = []
+                for request in requests:
+                    sent_before = upstream.received
+                    sock.sendto(request, ("127.0.0.1", ports[name]))
+                    wait_for(lambda: upstream.received > sent_before, what="the request")  # noqa: B023
+                    got[name].append(drain(sock, 0.3))
+            assert got["one"] == [Triple.replies(r)[:1] for r in requests]
+            assert got["all"] == [Triple.replies(r) for r in requests]
+            assert got["zero"] == [[] for _ in requests]
+            received_bytes = sum(len(d) for replies in got.values() for r in replies for d in r)
+            assert received_bytes < upstream.sent_bytes  # never more than was sent
+            samples = metrics(admin)
+            for name in ports:
+                labels = {"virtual_server": name, "real_server": "echo"}
+                out = sample(samples, "lbproxy_udp_datagrams_total", **labels, direction="out")
+                assert out == sum(len(r) for r in got[name]), name
+                counted = sample(samples, "lbproxy_bytes_total", **labels, direction="out")
+                assert counted == sum(len(d) for r in got[name] for d in r), name
+
+            def unrequested(name: str) -> float:
+                return sample(
+                    metrics(admin), "lbproxy_udp_dropped_total", virtual_server=name,
+                    reason="unrequested",
+                )  # fmt: skip
+
+            assert unrequested("zero") == 3 * len(requests)  # every reply, none passed on
+            assert unrequested("all") == 0
+    finally:
+        for sock in clients.values():
+            sock.close()
+        upstream.close()

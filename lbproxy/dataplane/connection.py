@@ -51,6 +51,7 @@ from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
+from lbproxy.net import pump as _pump_module
 from lbproxy.net.accept import CAPACITY_ERRNOS as LOCAL_CAPACITY_ERRNOS
 from lbproxy.net.accept import LocalCapacityError
 from lbproxy.net.barrier import record
@@ -71,6 +72,8 @@ _CONNECT_TYPE = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
 # and the getpeername that sees a completed handshake (_cpump.connect), to the struct
 # sockaddr made once per address (_cpump.sockaddr).
 _c_connect = cpump.connect if cpump is not None else None
+# ... and the pump is made by its C type directly (new_pump's frame saved).
+_c_pump = cpump.Pump if cpump is not None else None
 
 # -- the states ----------------------------------------------------------------------
 #
@@ -509,14 +512,26 @@ class Handler:
             # close_sockets: the pump closes both the moment it ends (or fails to start),
             # which saves two epoll_ctl and usually a shutdown per connection; it owns
             # them from here on, even if this raises.
-            p = new_pump(
-                client,
-                server,
-                c,
-                preamble=header,
-                initial_client_bytes=c.leftover or b"",
-                close_sockets=True,
-            )
+            if _c_pump is not None:  # new_pump(), inline: the C pump
+                leftover = c.leftover
+                p = _c_pump(
+                    client,
+                    server,
+                    c,
+                    header + leftover if leftover else header,
+                    len(header),
+                    True,
+                    _pump_module.splice_enabled,
+                )
+            else:
+                p = new_pump(
+                    client,
+                    server,
+                    c,
+                    preamble=header,
+                    initial_client_bytes=c.leftover or b"",
+                    close_sockets=True,
+                )
         except Exception as exc:  # OSError: out of descriptors for a pipe (EMFILE)
             self._start_failed(c, exc)
             return None

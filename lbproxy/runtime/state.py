@@ -37,9 +37,15 @@ made after the drain, when SIGTERM has stopped the process. One writer per file:
 each write the file is compared (inode and mtime: os.replace makes a new inode) with the
 one this process wrote last, and a file someone else wrote since — the new process of
 `lbproxy upgrade`, which writes at once — ends this process's writing (logged), so an
-old process draining after a hand-over never puts its stale state back. With `workers: N` worker 1
-writes the file (PATCHes reach every worker alike) and every worker reads it at start;
-the other workers' persistence entries are not kept.
+old process draining after a hand-over never puts its stale state back.
+
+With `workers: N` each worker has a persistence table of its own: worker 1 writes the
+file, worker k (k > 1) writes its part, the same format, to `STATE_FILE.wK` beside it
+(`StateWriter.suffix`). At start every process reads the file, then the persistence
+entries of every part (`part_paths`: their states and weights are worker 1's already,
+PATCHes reach every worker alike), so each worker restores every worker's entries. A
+process without workers merges the parts into its own file and removes them after its
+first write, so a later `workers: 1` leaves no part behind.
 """
 
 from __future__ import annotations
@@ -129,8 +135,11 @@ def fingerprint(server: Server) -> tuple[Any, ...]:
 # -- restore ----------------------------------------------------------------------------
 
 
-def restore(server: Server, data: bytes, source: str = "the state file") -> bool:
-    """Apply a snapshot to `server` before it accepts; False (one warning) when unusable."""
+def restore(
+    server: Server, data: bytes, source: str = "the state file", entries_only: bool = False
+) -> bool:
+    """Apply a snapshot to `server` before it accepts; False (one warning) when unusable.
+    `entries_only`: a worker's part (module header): its persistence entries, no more."""
     try:
         state = decode(data)
     except StateFileError as exc:
@@ -145,7 +154,7 @@ def restore(server: Server, data: bytes, source: str = "the state file") -> bool
                 "%s: virtual server %s is no longer configured; skipped", source, vs_state.name
             )
             continue
-        _restore_pool(server, vs.pool, vs_state, wall, now, counts, source)
+        _restore_pool(server, vs.pool, vs_state, wall, now, counts, source, entries_only)
     log.info(
         "restored from %s (written %.0fs ago): %d state/weight change(s), %d load report(s), "
         "%d persistence entries%s",
@@ -167,6 +176,7 @@ def _restore_pool(
     now: float,
     counts: dict[str, int],
     source: str,
+    entries_only: bool = False,
 ) -> None:
     reset: set[str] = set()
     for saved in vs_state.real_servers:
@@ -181,6 +191,8 @@ def _restore_pool(
             )
             reset.add(rs.name)
             continue
+        if entries_only:
+            continue
         if saved.state is not None:
             server._apply_state(pool, rs, saved.state, VIA)
             counts["changes"] += 1
@@ -191,7 +203,7 @@ def _restore_pool(
             counts["loads"] += 1
     persistence = pool.persistence
     if persistence is None:
-        if vs_state.persistence:
+        if vs_state.persistence and not entries_only:
             log.info(
                 "%s: %s has no persistence now; %d entries skipped",
                 *(source, pool.name, len(vs_state.persistence)),
@@ -222,16 +234,38 @@ def read_at_start(server: Server) -> None:
     path = server.config.global_.state_file
     if path is None:
         return
+    data = _read(path, missing_is_news=True)
+    if data is not None:
+        restore(server, data, f"state file {path}")
+    for part in part_paths(path):  # the other workers' persistence entries (module header)
+        data = _read(part, missing_is_news=False)
+        if data is not None:
+            restore(server, data, f"part {part} of the state file", entries_only=True)
+
+
+def part_paths(path: str) -> list[str]:
+    """The workers' parts of state file `path` that exist: PATH.w2, PATH.w3, ..."""
+    folder, base = os.path.split(os.path.abspath(path))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    prefix = base + ".w"
+    found = [n for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit()]
+    return [os.path.join(folder, n) for n in sorted(found, key=lambda n: int(n[len(prefix) :]))]
+
+
+def _read(path: str, missing_is_news: bool) -> bytes | None:
     try:
         with open(path, "rb") as file:
-            data = file.read(MAX_READ)
+            return file.read(MAX_READ)
     except FileNotFoundError:
-        log.warning("state file %s does not exist yet; starting from the configuration", path)
-        return
+        if missing_is_news:
+            log.warning("state file %s does not exist yet; starting from the configuration", path)
+        return None
     except OSError as exc:
         log.warning("state file %s: %s; starting from the configuration files", path, exc)
-        return
-    restore(server, data, f"state file {path}")
+        return None
 
 
 MAX_READ = 256 * 1024 * 1024 + 1  # one byte beyond the format's limit: too large is an error
@@ -247,7 +281,12 @@ class StateWriter:
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.enabled = True  # False in workers 2..N: worker 1 writes (module header)
+        self.enabled = True  # False once another process owns the file (module header)
+        # "" writes the file; ".wK" worker K's part of it (module header)
+        self.suffix = ""
+        # True in a process without workers: the parts are merged into its file, then
+        # removed after its first write
+        self.merges_parts = True
         self.writes = 0
         self._written: tuple[str, tuple[Any, ...]] | None = None  # (path, fingerprint)
         self._mine: tuple[str, tuple[int, int]] | None = None  # (path, (inode, mtime)) last
@@ -255,7 +294,8 @@ class StateWriter:
 
     @property
     def path(self) -> str | None:
-        return self.server.config.global_.state_file if self.enabled else None
+        path = self.server.config.global_.state_file
+        return path + self.suffix if self.enabled and path is not None else None
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -274,6 +314,8 @@ class StateWriter:
         if await trio.to_thread.run_sync(self._write, path, data):
             self._written = mark
             self.writes += 1
+            if self.merges_parts and not self.suffix:
+                await trio.to_thread.run_sync(_remove_parts, path)
 
     def _write(self, path: str, data: bytes) -> bool:
         """Atomically replace `path` with `data` (in a thread); False after an error or
@@ -306,6 +348,13 @@ class StateWriter:
             log.info("state file %s written again", path)
             self._error = None
         return True
+
+
+def _remove_parts(path: str) -> None:
+    for part in part_paths(path):
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+            log.info("state file part %s merged into %s; removed", part, path)
 
 
 def write_atomically(path: str, data: bytes) -> None:

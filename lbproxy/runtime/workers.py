@@ -1073,9 +1073,12 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     server = Server(
         config, config_paths, reuse_port=True, admin_sock=admin_sock, cluster_name=cluster_name
     )
-    # global.state_file: every worker reads it at start, worker 1 writes it (PATCHes and
-    # load reports reach every worker alike; lbproxy/runtime/state.py).
-    server.state_writer.enabled = init["index"] == 1
+    # global.state_file: worker 1 writes it, worker k > 1 its part STATE_FILE.wK (its own
+    # persistence entries); every worker reads the file and all the parts at start
+    # (lbproxy/runtime/state.py).
+    index = init["index"]
+    server.state_writer.suffix = "" if index == 1 else f".w{index}"
+    server.state_writer.merges_parts = False
     # The supervisor's TCP sockets, matched by address as an upgrade's are; one that the
     # configuration no longer names is closed (check_all_used).
     passed = []

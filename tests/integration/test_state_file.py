@@ -241,3 +241,45 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_with_workers_every_workers_persistence_entries_survive_a_restart(tmp_path, name_servers):
+    """Each worker has its own persistence table; the saved state holds all of them (worker
+    k's part in STATE_FILE.wK beside the file) and every worker restores all of them."""
+    servers = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    state_file = tmp_path / "state.json"
+    text = (
+        config(port, admin_port, servers, state_file)
+        .replace("global:\n", "global:\n  workers: 2\n", 1)
+        .replace("  - name: grid", "  - name: grid-unused", 1)
+    )
+    proxy = Lbproxy(tmp_path, text).start([port, admin_port])
+    try:
+        wait_for(lambda: ready(admin_port), 20, "both workers ready")
+        placed = {client: name_from(port, client) for client in clients()}
+        assert proxy.stop() == 0
+        assert (tmp_path / "state.json.w2").stat().st_mode & 0o777 == 0o600  # worker 2's part
+        proxy = Lbproxy(tmp_path, text).start([port, admin_port])
+        wait_for(lambda: ready(admin_port), 20, "both workers ready again")
+        # Whichever worker accepts a client now, the client goes back to its server.
+        moved = [
+            client
+            for client, name in placed.items()
+            for _ in range(3)
+            if name_from(port, client) != name
+        ]
+        assert moved == [], (len(moved), moved[:10])
+        assert "Traceback" not in proxy.log()
+        assert proxy.stop() == 0
+        # Back to one process: it restores both parts, merges them into its file and
+        # removes worker 2's part.
+        proxy = Lbproxy(tmp_path, text.replace("  workers: 2\n", "")).start([port, admin_port])
+        wait_for(lambda: not (tmp_path / "state.json.w2").exists(), 5, "the part removed")
+        assert [c for c, name in placed.items() if name_from(port, c) != name] == []
+        assert proxy.stop() == 0
+        proxy = Lbproxy(tmp_path, text).start([port, admin_port])  # from the merged file
+        wait_for(lambda: ready(admin_port), 20, "both workers ready a third time")
+        assert [c for c, name in placed.items() if name_from(port, c) != name] == []
+    finally:
+        proxy.stop()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ipaddress
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import dns.exception
 import dns.flags
@@ -90,12 +91,18 @@ class QueryHandler:
         self.on_error: Callable[[Exception], None] = _ignore
         # The records of each (name as asked, type, server, address), built once by
         # dnspython and reused: an answer then costs a parse, a pick and a render.
-        self._records: dict[tuple, tuple[dns.rrset.RRset | None, dns.rrset.RRset | None]] = {}
+        self._records: dict[
+            tuple[object, ...], tuple[dns.rrset.RRset | None, dns.rrset.RRset | None]
+        ] = {}
         self._indexes: dict[str, tuple[object, Pool, dict[str, RealServer]]] = {}
         self._located: tuple[Pool, RealServer] | None = None  # the answer to count
 
     def handle(
-        self, wire: bytes, now: float, max_size: int = UDP_PAYLOAD, client: tuple | None = None
+        self,
+        wire: bytes,
+        now: float,
+        max_size: int = UDP_PAYLOAD,
+        client: tuple[Any, ...] | None = None,
     ) -> bytes | None:
         """The answer to one query message, or None to drop it. Never raises.
 
@@ -156,7 +163,7 @@ class QueryHandler:
     # -- one query ------------------------------------------------------------------
 
     def _respond(
-        self, query: dns.message.Message, now: float, client: tuple | None = None
+        self, query: dns.message.Message, now: float, client: tuple[Any, ...] | None = None
     ) -> dns.message.Message:
         response = dns.message.make_response(query, our_payload=MAX_UDP_PAYLOAD)
         response.flags |= dns.flags.AA

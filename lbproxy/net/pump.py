@@ -89,7 +89,7 @@ from typing import TYPE_CHECKING, Final, Literal
 try:
     import fcntl
 except ImportError:  # not POSIX: no pipes to size, and no splice either
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # None off POSIX: tested before use
 
 import outcome
 import trio
@@ -721,8 +721,9 @@ class Pump:
         # them (a PROXY header) are not client data and do not count in bytes_in.
         self.initial = preamble + initial_client_bytes
         self.initial_uncounted = len(preamble)
-        client_fd = self.client_fd = client if type(client) is int else client.fileno()
-        server_fd = self.server_fd = server if type(server) is int else server.fileno()
+        # (mypy narrows no `type(x) is int` else-branch, bool being an int too: socket)
+        client_fd = self.client_fd = client if type(client) is int else client.fileno()  # type: ignore[union-attr]  # see above
+        server_fd = self.server_fd = server if type(server) is int else server.fileno()  # type: ignore[union-attr]  # see above
         try:
             reactor = self.reactor = _reactor()
             self.up = _Direction(client_fd, server_fd, flow, True, reactor.clock, splicing)
@@ -800,12 +801,12 @@ class Pump:
                 if type(client) is int:
                     os.close(client)
                 else:
-                    client.close()
+                    client.close()  # type: ignore[union-attr]  # not an int: a socket
             finally:
                 if type(server) is int:
                     os.close(server)
                 else:
-                    server.close()
+                    server.close()  # type: ignore[union-attr]  # not an int: a socket
 
     def _finish(self) -> None:
         """The outcome is set: clean up and wake the task waiting in finished()."""
@@ -874,7 +875,7 @@ class Pump:
             # until the next sweep (nor promoted to an older GC generation meanwhile).
             del self.reactor.young[self]
         elif alarm is not None:
-            alarm.cancel()
+            alarm.cancel()  # type: ignore[union-attr]  # not _DEFERRED (above): a Deadline
 
     # -- moving bytes ------------------------------------------------------------------
 

@@ -164,6 +164,20 @@ class Inherited:
                     return entry.sock
         return None
 
+    def give_back(self, sock: socket.socket) -> bool:
+        """A listener on `sock` is closed by a reload: when `sock` is systemd's, keep it
+        for a later reload that adds the address back (True; the caller closes `sock`, a
+        duplicate stays here). systemd holds the socket open anyway, so binding the
+        address again would fail ("address in use"), and connections wait in its queue
+        meanwhile as they do while no lbproxy runs. The previous lbproxy's sockets are
+        not kept (False): closing them is what refuses connections to a dropped address."""
+        for entry in self.passed:
+            if entry.used and entry.sock is sock and entry.origin == SYSTEMD:
+                entry.sock = sock.dup()
+                entry.used = False
+                return True
+        return False
+
     def unused(self) -> list[Passed]:
         return [p for p in self.passed if not p.used]
 

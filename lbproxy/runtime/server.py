@@ -609,8 +609,10 @@ class Server:
                 changes.append(f"removed virtual server {name}")
         for address in list(self.listeners):
             if address not in wanted_addresses:
-                self.listeners.pop(address).close()
-                changes.append(f"closed {address}")
+                dropped = self.listeners.pop(address)
+                kept = self.inherited.give_back(dropped.sock)  # systemd's: for a re-add
+                dropped.close()
+                changes.append(f"closed {address}" + (" (systemd's socket kept)" if kept else ""))
         for vs_config in new.virtual_servers:
             vs = self.virtual_servers.get(vs_config.name)
             if vs is None:

@@ -237,3 +237,51 @@ def test_with_workers_the_supervisor_takes_the_passed_socket(tmp_path):
     log = run.log()
     assert "socket activation: web 127.0.0.1:" in log and "cannot listen" not in log
     assert "exit 0" in log, log
+
+
+def test_a_reload_that_adds_back_a_passed_address_takes_the_socket_again(tmp_path):
+    """A virtual server on systemd's socket removed by a reload and added back by the next:
+    the passed socket is kept meanwhile (systemd holds it open anyway, so binding the
+    address again would fail with "address in use") and serves again."""
+    port, other = free_port(), free_port()
+    with NameServer("echo") as backend, NameServer("api") as api:
+        extra = f"""\
+          - name: api
+            listen: 127.0.0.1:{other}
+            scheduler: rr
+            real_servers:
+              - {{name: api, address: 127.0.0.1:{api.port}}}
+        """
+        full = config(port, backend.port, extra_vs=extra)
+        without_web = textwrap.dedent(
+            """\
+            global:
+              admin: {listen: none}
+              drain_timeout: 5s
+            virtual_servers:
+            """
+        ) + textwrap.indent(textwrap.dedent(extra), "  ")
+        run = Activated(tmp_path, full, [f"127.0.0.1:{port}"], "web")
+        try:
+            first_connection(port)
+            run.wait_started(1)
+
+            def reload(text: str, count: int) -> None:
+                (tmp_path / "lbproxy.yaml").write_text(text)
+                os.kill(run.pid(), signal.SIGHUP)
+                wait_for(lambda: run.log().count("reload") >= count, 10, f"reload {count}")
+
+            reload(without_web, 1)
+            assert "removed virtual server web" in run.log(), run.log()
+            reload(full, 2)
+            wait_for(lambda: "web: listening on 127.0.0.1:" in run.log(), 10, "web again")
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    assert s.recv(100) == b"echo\n"
+            with socket.create_connection(("127.0.0.1", other), timeout=5) as s:
+                assert s.recv(100) == b"api\n"
+        finally:
+            run.stop()
+    log = run.log()
+    assert "in use" not in log and "reload failed" not in log, log
+    assert "exit 0" in log, log

@@ -1780,12 +1780,11 @@ PyDoc_STRVAR(accept_doc,
     "socket.accept() gives: (host, port) for IPv4, (host, port, flowinfo, scope_id) for\n"
     "IPv6. Raises OSError (BlockingIOError when the backlog is empty) as socket does.");
 
-static PyObject *
-accept_(PyObject *self, PyObject *arg)
+/* accept4 once: the new descriptor in *client and a new reference to its address in
+ * *addr, 0; or -1 with OSError set (BlockingIOError: the backlog is empty). */
+static int
+accept_one(int fd, int *client_out, PyObject **addr_out)
 {
-    int fd = as_int(arg);
-    if (fd == -1 && PyErr_Occurred())
-        return NULL;
     struct sockaddr_storage ss;
     int client;
     for (;;) {
@@ -1794,10 +1793,12 @@ accept_(PyObject *self, PyObject *arg)
         client = accept4(fd, (struct sockaddr *)&ss, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (client >= 0)
             break;
-        if (errno != EINTR)
-            return PyErr_SetFromErrno(PyExc_OSError);
+        if (errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
         if (PyErr_CheckSignals() < 0)
-            return NULL;
+            return -1;
     }
     char host[NI_MAXHOST];
     PyObject *addr = NULL;
@@ -1826,12 +1827,92 @@ accept_(PyObject *self, PyObject *arg)
     }
     if (addr == NULL) {
         close(client);
-        return NULL;
+        return -1;
     }
+    *client_out = client;
+    *addr_out = addr;
+    return 0;
+}
+
+static PyObject *
+accept_(PyObject *self, PyObject *arg)
+{
+    int fd = as_int(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    int client;
+    PyObject *addr;
+    if (accept_one(fd, &client, &addr) < 0)
+        return NULL;
     PyObject *r = Py_BuildValue("(iN)", client, addr);
     if (r == NULL)
         close(client);
     return r;
+}
+
+PyDoc_STRVAR(accept_batch_doc,
+    "accept_batch(fd, owner, spawn, most, failed) -> number accepted\n\n"
+    "The accept loop's inner part (net/accept.py): up to `most` times, accept4 (as\n"
+    "accept()) and owner.accept_client(client_fd, address, spawn) -- the attribute read\n"
+    "afresh for every client, as a reload may re-route the owner. An Exception raised by\n"
+    "it goes to failed(exc) (the barrier) and the batch goes on. Returns how many were\n"
+    "accepted when the backlog is empty, an accept fails after some were, or `most` is\n"
+    "reached; raises the OSError (BlockingIOError: the backlog was empty) when the first\n"
+    "accept fails.");
+
+static PyObject *s_accept_client;
+
+static PyObject *
+accept_batch(PyObject *self, PyObject *args)
+{
+    int fd, most;
+    PyObject *owner, *spawn, *failed;
+    if (!PyArg_ParseTuple(args, "iOOiO:accept_batch", &fd, &owner, &spawn, &most, &failed))
+        return NULL;
+    int n = 0;
+    while (n < most) {
+        int client;
+        PyObject *addr;
+        if (accept_one(fd, &client, &addr) < 0) {
+            if (n == 0)
+                return NULL;
+            PyErr_Clear(); /* the next call meets it again, or the backlog is empty */
+            break;
+        }
+        n++;
+        PyObject *fdo = PyLong_FromLong(client);
+        PyObject *handler = fdo ? PyObject_GetAttr(owner, s_accept_client) : NULL;
+        PyObject *r = NULL;
+        if (handler != NULL) {
+            PyObject *argv[3] = {fdo, addr, spawn};
+            r = PyObject_Vectorcall(handler, argv, 3, NULL);
+            Py_DECREF(handler);
+        }
+        else
+            close(client); /* nobody owns it yet */
+        Py_XDECREF(fdo);
+        Py_DECREF(addr);
+        if (r != NULL) {
+            Py_DECREF(r);
+            continue;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL; /* Cancelled, KeyboardInterrupt */
+        /* the barrier: the owner closed what it owned */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL && value != NULL)
+            PyException_SetTraceback(value, tb);
+        PyObject *x = PyObject_CallOneArg(failed, value ? value : Py_None);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        if (x == NULL)
+            return NULL;
+        Py_DECREF(x);
+    }
+    return PyLong_FromLong(n);
 }
 
 PyDoc_STRVAR(sockaddr_doc,
@@ -1981,6 +2062,7 @@ setup(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"dispatch", dispatch, METH_VARARGS, dispatch_doc},
     {"accept", accept_, METH_O, accept_doc},
+    {"accept_batch", accept_batch, METH_VARARGS, accept_batch_doc},
     {"connect", connect_, METH_O, connect_doc},
     {"sockaddr", sockaddr_, METH_VARARGS, sockaddr_doc},
     {"setup", setup, METH_VARARGS, setup_doc},
@@ -2054,6 +2136,7 @@ PyInit__cpump(void)
     INTERN(s_fileno, "fileno");
     INTERN(s_close, "close");
     INTERN(s_splice_refused, "_splice_refused");
+    INTERN(s_accept_client, "accept_client");
     if (PyType_Ready(&CPump_Type) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

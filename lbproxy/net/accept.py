@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import logging
 import os
 import socket
@@ -136,15 +135,16 @@ async def accept_loop(
     # CPython makes to check the descriptor): the data plane works on descriptors, and
     # an owner that wants a socket object makes one. O_NONBLOCK with one fcntl, as
     # HAProxy does (accept4's SOCK_NONBLOCK is not reachable from the standard library);
-    # on the compiled path (issue 26) accept4 with SOCK_NONBLOCK, and no fcntl.
+    # on the compiled path (issue 26) accept4 with SOCK_NONBLOCK, and no fcntl, a batch
+    # at a time in C (_accept_loop_c).
     # This is the data plane's hot path: every name is a local.
     sock.setblocking(False)
+    if cpump is not None:
+        await _accept_loop_c(sock.fileno(), owner, spawn, errors)
+        return
     accept = sock._accept  # type: ignore[attr-defined]  # CPython's accept4 wrapper
     set_flags = fcntl.fcntl
     fd = sock.fileno()
-    nonblocking = cpump is not None
-    if cpump is not None:
-        accept = functools.partial(cpump.accept, fd)
     batch = 0
     while True:
         try:
@@ -162,13 +162,12 @@ async def accept_loop(
             return  # the socket was closed
         if errors.burst:
             errors.recovered()
-        if not nonblocking:
-            try:
-                set_flags(client, F_SETFL, O_NONBLOCK)
-            except OSError as exc:  # not expected from a fresh socket: drop it
-                errors.log.warning("%s: accepted socket: %s", errors.name, exc)
-                os.close(client)
-                continue
+        try:
+            set_flags(client, F_SETFL, O_NONBLOCK)
+        except OSError as exc:  # not expected from a fresh socket: drop it
+            errors.log.warning("%s: accepted socket: %s", errors.name, exc)
+            os.close(client)
+            continue
         try:
             owner.accept_client(client, peer, spawn)
         except Exception as exc:  # the barrier: the owner closed what it owned
@@ -177,3 +176,35 @@ async def accept_loop(
         if batch >= ACCEPT_BATCH:
             batch = 0
             await trio.lowlevel.checkpoint()
+
+
+async def _accept_loop_c(fd: int, owner: Acceptor, spawn: Spawn, errors: AcceptErrors) -> None:
+    """accept_loop on the compiled path (issue 26): a batch of up to ACCEPT_BATCH
+    accepts is one C call (``_cpump.accept_batch``: accept4 with SOCK_NONBLOCK, then
+    ``owner.accept_client`` read afresh and called for each client, an exception in it
+    counted by the barrier); the waits, the back-off and the checkpoint stay here."""
+    assert cpump is not None
+    batch = cpump.accept_batch
+
+    def failed(exc: Exception) -> None:  # the barrier: the owner closed what it owned
+        record("accept", exc, errors.name)
+
+    while True:
+        try:
+            n = batch(fd, owner, spawn, ACCEPT_BATCH, failed)
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            if await errors.failed(exc):
+                continue
+            return  # the socket was closed
+        else:
+            if errors.burst:
+                errors.recovered()
+        if n >= ACCEPT_BATCH:  # maybe more waiting: let other tasks run first
+            await trio.lowlevel.checkpoint()
+            continue
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        except trio.ClosedResourceError:  # closed meanwhile (a reload)
+            return

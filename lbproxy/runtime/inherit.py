@@ -178,6 +178,14 @@ class Inherited:
                 return True
         return False
 
+    def close_unused_previous(self) -> None:
+        """After a reload: the sockets a supervisor sent for it that it did not take
+        (the reload failed), closed; systemd's stay (give_back)."""
+        for entry in self.unused():
+            if entry.origin == PREVIOUS:
+                entry.sock.close()
+                entry.used = True
+
     def unused(self) -> list[Passed]:
         return [p for p in self.passed if not p.used]
 

@@ -573,6 +573,7 @@ class Server:
         try:
             return self._reload()
         finally:  # READY=1 ends the reload for systemd, whether applied or refused
+            self.inherited.close_unused_previous()  # a worker's, sent for it (workers.py)
             self.notifier.ready(self.status_line())
 
     def _reload(self) -> tuple[bool, list[str]]:

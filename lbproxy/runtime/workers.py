@@ -32,8 +32,10 @@ default). The cost: every worker waiting in epoll is woken by each new connectio
 one wins the accept (the others see EAGAIN), so the spread across workers follows who
 is idle rather than a hash. The supervisor closes its copy of a socket when a reload
 drops its address, and all of them when it stops, so a stop refuses at once as before.
-An address a reload adds is bound by each worker with SO_REUSEPORT (the workers
-already run), until the next restart.
+An address a reload adds is bound by the supervisor too, before any worker reloads,
+and sent to every running worker over its channel (SCM_RIGHTS, "listeners KEY...\\n",
+answered "taken\\n"); a worker started later inherits it as the others. So it has the
+same single accept queue as the addresses present at start.
 
 Supervisor and worker talk over a socketpair the worker inherits: the supervisor sends
 the running configuration (pickled: a restarted worker runs what the others run, even
@@ -51,6 +53,7 @@ the sums, so they do not go backwards.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import copy
 import http.client
@@ -290,6 +293,11 @@ class Worker:
     restarts: int = 0
     counters: list[Metric] = field(default_factory=list)  # last scraped counter families
     error: str | None = None  # why the process could not start, as it said
+    # The supervisor's end of the channel (module header), the listener keys this process
+    # has (inherited at start or sent since), and the answer to the last sockets sent
+    stream: trio.SocketStream | None = None
+    given: set[str] = field(default_factory=set)
+    taken: trio.Event | None = None
 
 
 def describe_exit(code: int) -> str:
@@ -311,6 +319,8 @@ class Supervisor:
         self.config = config
         # The TCP listening sockets every worker accepts from (module header), by address.
         self.listeners = listeners if listeners is not None else {}
+        # systemd's sockets (a reload that drops one keeps it for a re-add, runtime/inherit.py)
+        self.inherited = Inherited(())
         self.config_paths = config_paths
         self.token = token
         self.log_level = log_level
@@ -428,7 +438,10 @@ class Supervisor:
         for key in keys:
             sock = self.listeners.pop(key, None)
             if sock is not None:
+                self.inherited.give_back(sock)  # systemd's: kept (a duplicate) for a re-add
                 sock.close()
+            for worker in self.workers:  # closed there too: a re-add sends it again
+                worker.given.discard(key)
 
     @staticmethod
     def _terminate(worker: Worker) -> None:
@@ -519,6 +532,7 @@ class Supervisor:
         finally:
             theirs.close()
         worker.process, worker.pid, worker.error = process, process.pid, None
+        worker.given = set(listeners)
         if self._stop.is_set():
             self._terminate(worker)
         log.info("worker %d started (pid %d)", worker.index, process.pid)
@@ -533,6 +547,7 @@ class Supervisor:
         finally:
             worker.ready = False
             worker.process = None
+            worker.stream = None
             ours.close()
             self.retired.add(worker.counters)  # its counts stay in the sums
             worker.counters = []
@@ -563,6 +578,58 @@ class Supervisor:
         if answer.startswith(b"error "):  # it cannot start: "error MESSAGE\n", then exit 1
             worker.error = answer[6:].decode(errors="replace").strip()
             return
+        worker.stream = stream
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_channel, worker, stream)
+            await self._ready(worker, generation)
+
+    async def _read_channel(self, worker: Worker, stream: trio.SocketStream) -> None:
+        """Our end stays open: closing it stops the worker; the end of file here means
+        the worker has exited. "taken\n" answers sockets sent (_give)."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := await stream.receive_some(4096):
+                if b"taken\n" in data and worker.taken is not None:
+                    worker.taken.set()
+
+    async def _give(self, worker: Worker, socks: dict[str, socket.socket]) -> None:
+        """Send `socks` (TCP listeners a reload adds) to a running worker, and wait until
+        it has them: its reload takes them as it takes those inherited at start."""
+        socks = {key: sock for key, sock in socks.items() if key not in worker.given}
+        stream = worker.stream
+        if not socks or stream is None:
+            return
+        items = list(socks.items())
+        for start in range(0, len(items), MAX_GIVEN):  # one message holds MAX_GIVEN at most
+            chunk = dict(items[start : start + MAX_GIVEN])
+            worker.taken = trio.Event()
+            message = ("listeners " + "\t".join(chunk) + "\n").encode()
+            fds = array.array("i", [sock.fileno() for sock in chunk.values()])
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())]
+            await stream.socket.sendmsg([message], rights)
+            with trio.move_on_after(WORKER_TIMEOUT):
+                await worker.taken.wait()
+            if not worker.taken.is_set():
+                raise OSError(f"worker {worker.index} did not take the new listening sockets")
+            worker.given |= set(chunk)
+
+    async def _each_give(self, socks: dict[str, socket.socket]) -> None:
+        """_give to every ready worker, at once; OSError when one did not take them."""
+        failures: list[str] = []
+
+        async def one(worker: Worker) -> None:
+            try:
+                await self._give(worker, socks)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                failures.append(str(exc) or f"worker {worker.index}: the channel is closed")
+
+        async with trio.open_nursery() as nursery:
+            for worker in self.workers:
+                if worker.ready:
+                    nursery.start_soon(one, worker)
+        if failures:
+            raise OSError("; ".join(failures))
+
+    async def _ready(self, worker: Worker, generation: int) -> None:
         async with self._changes:
             try:
                 await self._catch_up(worker, generation)
@@ -583,13 +650,11 @@ class Supervisor:
             self.notifier.ready(self._status_line(None))  # connections: in the next STATUS=
             if self.on_ready is not None:  # an upgrade's new supervisor: tell the old one
                 self.on_ready()
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            while await stream.receive_some(4096):  # our end stays open: closing it stops
-                pass  # the worker; the end of file here means the worker has exited
 
     async def _catch_up(self, worker: Worker, generation: int) -> None:
         """A reload or PATCH that happened while the worker started: apply it now."""
         if generation != self.generation:
+            await self._give(worker, self.listeners)  # added since it started
             status, body = await self._ask(worker, "POST", "/api/v1/reload", b"{}")
             if status != 200:
                 log.error(
@@ -800,7 +865,28 @@ class Supervisor:
                 )
             errors: list[str] = []
             changes: list[str] | None = None
-            answers = await self._each("POST", "/api/v1/reload", b"{}")
+            # A TCP address the reload adds: bound here, sent to every worker (header).
+            added: dict[str, socket.socket] = {}
+            try:
+                for key, address in tcp_listen(new).items():
+                    if key not in self.listeners:
+                        alone = _alone(new, key)
+                        sock = self.inherited.take(key, address, udp=False, names=alone)
+                        added[key] = sock or _bind(self.inherited, address)
+            except BindError as exc:
+                for sock in added.values():
+                    self.inherited.give_back(sock)
+                    sock.close()
+                log.error("reload failed; the running configuration is unchanged: %s", exc)
+                self.reloads["error"] += 1
+                return False, [str(exc)]
+            self.listeners.update(added)
+            if added:
+                try:
+                    await self._each_give(added)
+                except OSError as exc:
+                    errors.append(str(exc))
+            answers = await self._each("POST", "/api/v1/reload", b"{}") if not errors else []
             for worker, status, body in answers:
                 try:
                     document = json.loads(body)
@@ -815,6 +901,7 @@ class Supervisor:
                 for message in errors:
                     log.error("reload: %s", message)
                 log.error("reload failed; the running configuration is unchanged")
+                self._close_listeners(set(added))  # the workers close their copies
                 self.reloads["error"] += 1
                 return False, errors
             # Workers still starting (none answered) reload once they are ready (_catch_up).
@@ -983,6 +1070,7 @@ def run(
     if on_bound is not None:
         on_bound()
     supervisor = Supervisor(config, config_paths, token, log_level, listeners)
+    supervisor.inherited = inherited
     supervisor.admin_listener = admin_sock
     supervisor.on_ready = on_ready
     if handed is not None:  # the old supervisor's PATCHes and load reports, replayed
@@ -1007,6 +1095,26 @@ def _bind(inherited: Inherited, address: Address) -> socket.socket:
         if not inherited:
             raise
         raise BindError(f"{exc}{inherited.missing(str(address))}") from None
+
+
+def tcp_listen(config: Config) -> dict[str, Address]:
+    """The TCP listen addresses of `config`, by the key the supervisor's listeners have."""
+    return {
+        str(address): address
+        for vs in config.virtual_servers
+        if vs.protocol == "tcp"
+        for address in vs.listen
+    }
+
+
+def _alone(config: Config, key: str) -> list[str]:
+    """The TCP virtual servers with the one listen address `key` (a passed socket's name
+    may stand for it, runtime/inherit.py)."""
+    return [
+        vs.name
+        for vs in config.virtual_servers
+        if vs.protocol == "tcp" and len(vs.listen) == 1 and str(vs.listen[0]) == key
+    ]
 
 
 def tcp_addresses(config: Config) -> set[str]:
@@ -1124,11 +1232,36 @@ async def _worker_main(server: Server, channel: socket.socket) -> bool:
         await nursery.start(serve)
         try:
             await stream.send_all(b"ready\n")
-            while await stream.receive_some():
-                pass
+            await _receive_listeners(server, stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         log.warning("the supervisor is gone; stopping")
         server.stop()
         orphaned = True
     return orphaned
+
+
+async def _receive_listeners(server: Server, stream: trio.SocketStream) -> None:
+    """Until the supervisor's end of file: the TCP listening sockets a reload adds
+    ("listeners KEY\\tKEY...\\n" with their descriptors, Supervisor._give), kept for the
+    reload that follows, which takes them as those inherited at start."""
+    size = socket.CMSG_SPACE(MAX_GIVEN * array.array("i").itemsize)
+    while True:
+        data, ancdata, _flags, _address = await stream.socket.recvmsg(4096, size)
+        if not data:
+            return
+        fds = array.array("i")
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+        keys = data.decode(errors="replace").strip().removeprefix("listeners ").split("\t")
+        for key, fd in zip(keys, fds, strict=False):
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            server.inherited.passed.append(Passed(sock, key, PREVIOUS))
+        for fd in fds[len(keys) :]:
+            os.close(fd)
+        await stream.send_all(b"taken\n")
+
+
+MAX_GIVEN = 256  # listening sockets one reload may add

@@ -239,10 +239,12 @@ def test_with_workers_the_supervisor_takes_the_passed_socket(tmp_path):
     assert "exit 0" in log, log
 
 
-def test_a_reload_that_adds_back_a_passed_address_takes_the_socket_again(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_reload_that_adds_back_a_passed_address_takes_the_socket_again(tmp_path, workers):
     """A virtual server on systemd's socket removed by a reload and added back by the next:
     the passed socket is kept meanwhile (systemd holds it open anyway, so binding the
-    address again would fail with "address in use") and serves again."""
+    address again would fail with "address in use") and serves again; with workers the
+    supervisor keeps it and sends it to the workers again."""
     port, other = free_port(), free_port()
     with NameServer("echo") as backend, NameServer("api") as api:
         extra = f"""\
@@ -261,20 +263,28 @@ def test_a_reload_that_adds_back_a_passed_address_takes_the_socket_again(tmp_pat
             virtual_servers:
             """
         ) + textwrap.indent(textwrap.dedent(extra), "  ")
+        if workers > 1:
+            full, without_web = (
+                text.replace(
+                    "  drain_timeout: 5s\n", f"  drain_timeout: 5s\n  workers: {workers}\n"
+                )
+                for text in (full, without_web)
+            )
         run = Activated(tmp_path, full, [f"127.0.0.1:{port}"], "web")
         try:
             first_connection(port)
             run.wait_started(1)
+            if workers > 1:
+                wait_for(lambda: f"all {workers} workers ready" in run.log(), 20, "the workers")
 
-            def reload(text: str, count: int) -> None:
+            def reload(text: str, wanted: str) -> None:
                 (tmp_path / "lbproxy.yaml").write_text(text)
                 os.kill(run.pid(), signal.SIGHUP)
-                wait_for(lambda: run.log().count("reload") >= count, 10, f"reload {count}")
+                wait_for(lambda: wanted in run.log() or "reload failed" in run.log(), 10, wanted)
+                assert "reload failed" not in run.log(), run.log()
 
-            reload(without_web, 1)
-            assert "removed virtual server web" in run.log(), run.log()
-            reload(full, 2)
-            wait_for(lambda: "web: listening on 127.0.0.1:" in run.log(), 10, "web again")
+            reload(without_web, "removed virtual server web")
+            reload(full, "web: listening on 127.0.0.1:")
             for _ in range(5):
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                     assert s.recv(100) == b"echo\n"

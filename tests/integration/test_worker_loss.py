@@ -14,6 +14,7 @@ import pytest
 
 from tests.integration.client_loop import ClientLoop
 from tests.integration.harness import Lbproxy, NameServer, free_port, wait_for
+from tests.integration.test_admin import http
 from tests.integration.test_workers import get_json, ready, workers, workers_config
 
 pytestmark = pytest.mark.integration
@@ -82,4 +83,46 @@ def test_kill_9_of_a_worker_refuses_and_resets_no_waiting_client(tmp_path):
         finally:
             for sock in held:
                 sock.close()
+            proxy.stop()
+
+
+def test_an_address_added_by_a_reload_is_the_supervisors_too(tmp_path):
+    """A TCP address a reload adds goes through the supervisor's socket as those present at
+    start: kill -9 of a frozen worker under a loop on it refuses and resets nobody."""
+    with NameServer("e", greeting=False) as echo:
+        port, added, admin_port = free_port(), free_port(), free_port()
+        text = workers_config(port, [echo], admin_port)
+        proxy = Lbproxy(tmp_path, text)
+        proxy.start([port, admin_port])
+        try:
+            wait_for(lambda: ready(admin_port), 20, "both workers ready")
+            more = (
+                "  - name: added\n"
+                f"    listen: 127.0.0.1:{added}\n"
+                "    scheduler: rr\n"
+                "    health_check: {type: none}\n"
+                "    real_servers:\n"
+                f"      - {{name: e, address: 127.0.0.1:{echo.port}}}\n"
+            )
+            proxy.config_path.write_text(text + more)
+            status, body = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
+            assert status == 200, body
+            victim = workers(admin_port)[0]
+            os.kill(victim["pid"], signal.SIGSTOP)
+            with ClientLoop(added, clients=20, limit=60) as loop:
+                loop.wait_for(100)
+                os.kill(victim["pid"], signal.SIGKILL)
+                wait_for(
+                    lambda: (w := workers(admin_port)[0])["pid"] != victim["pid"] and w["ready"],
+                    20,
+                    "worker 1 restarted",
+                )
+                time.sleep(0.5)
+                loop.wait_for(100)
+            counts = loop.counts
+            assert counts["ok"] >= 200
+            assert counts["refused"] == counts["reset"] == counts["error"] == 0, loop.errors
+            assert counts["mismatch"] == 0, loop.errors
+            assert "Traceback" not in proxy.log()
+        finally:
             proxy.stop()

@@ -218,14 +218,19 @@ class Server:
         self.notifier = Notifier()
         self.state_writer.enabled = False  # the new process owns global.state_file now
         self._endpoints.cancel()
-        # A UDP socket is read by whoever asks first: a draining relay here would take
-        # (and drop) datagrams of clients the new process should serve. So this
-        # process's UDP sessions end now; a client's next datagram opens one there.
+        self.close_udp_listeners()
+        self.stop()
+        return outcome
+
+    def close_udp_listeners(self) -> None:
+        """After a hand-over. A UDP socket is read by whoever asks first (and, with
+        workers, the kernel spreads datagrams over the old workers' SO_REUSEPORT sockets
+        and the new ones'): a draining relay here would take (and drop) datagrams of
+        clients the new process should serve. So this process's UDP sessions end now; a
+        client's next datagram opens one there."""
         for address, listener in list(self.listeners.items()):
             if isinstance(listener, UdpListener):
                 self.listeners.pop(address).close()
-        self.stop()
-        return outcome
 
     async def _upgrade_on_signal(self) -> None:
         await self.upgrade()  # logged either way

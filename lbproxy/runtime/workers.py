@@ -35,7 +35,10 @@ drops its address, and all of them when it stops, so a stop refuses at once as b
 An address a reload adds is bound by the supervisor too, before any worker reloads,
 and sent to every running worker over its channel (SCM_RIGHTS, "listeners KEY...\\n",
 answered "taken\\n"); a worker started later inherits it as the others. So it has the
-same single accept queue as the addresses present at start.
+same single accept queue as the addresses present at start. After an upgrade, before
+its SIGTERM, each old worker is told "upgraded\\n" (answered "taken\\n"): it closes its
+UDP sockets at once (Server.close_udp_listeners), so they leave the SO_REUSEPORT group
+and no datagram of a new client goes to a draining worker.
 
 Supervisor and worker talk over a socketpair the worker inherits: the supervisor sends
 the running configuration (pickled: a restarted worker runs what the others run, even
@@ -411,8 +414,23 @@ class Supervisor:
         self.notifier.close()
         self.notifier = Notifier()  # the new supervisor is systemd's main process now
         self._endpoints.cancel()
+        # Each worker ends its UDP sessions now (Server.close_udp_listeners): its socket
+        # leaves the SO_REUSEPORT group, so the new workers' sockets get every datagram.
+        # Before SIGTERM: until then they serve every datagram they read; answered.
+        with trio.move_on_after(WORKER_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                for worker in self.workers:
+                    nursery.start_soon(self._release_udp, worker)
         self.stop()
         return outcome
+
+    async def _release_udp(self, worker: Worker) -> None:
+        if worker.stream is None:
+            return
+        worker.taken = taken = trio.Event()
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await worker.stream.send_all(b"upgraded\n")
+            await taken.wait()
 
     def stop(self) -> None:
         """Pass SIGTERM on to every worker; main() returns once all have exited."""
@@ -1254,14 +1272,19 @@ async def _receive_listeners(server: Server, stream: trio.SocketStream) -> None:
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-        keys = data.decode(errors="replace").strip().removeprefix("listeners ").split("\t")
+        keys: list[str] = []
+        for line in data.decode(errors="replace").splitlines():
+            if line == "upgraded":  # a new supervisor serves (Supervisor.upgrade)
+                server.close_udp_listeners()
+            elif line.startswith("listeners "):
+                keys.extend(line.removeprefix("listeners ").split("\t"))
         for key, fd in zip(keys, fds, strict=False):
             sock = socket.socket(fileno=fd)
             sock.setblocking(False)
             server.inherited.passed.append(Passed(sock, key, PREVIOUS))
         for fd in fds[len(keys) :]:
             os.close(fd)
-        await stream.send_all(b"taken\n")
+        await stream.send_all(b"taken\n")  # the sockets are kept, or UDP released
 
 
 MAX_GIVEN = 256  # listening sockets one reload may add

@@ -352,3 +352,80 @@ def test_with_workers_the_supervisor_hands_over_its_sockets(tmp_path):
     assert proxy.log().count("upgraded: pid") == 2
     assert counts["refused"] == counts["reset"] == counts["error"] == 0, (counts, loop.errors)
     assert counts["mismatch"] == 0 and counts["ok"] > 100, counts
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1), (2, 2)])
+def test_changing_workers_with_a_udp_listener_in_an_upgrade(tmp_path, before, after):
+    """workers 1 <-> N in one upgrade with a UDP virtual server: the upgrade works, and 20
+    new UDP clients are each answered while the old process drains and once it is gone."""
+    port, admin, udp_port = free_port(), free_port(), free_port()
+    echo = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    echo.bind(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data, peer = echo.recvfrom(65536)
+                echo.sendto(data, peer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    udp_vs = textwrap.indent(
+        textwrap.dedent(
+            f"""\
+            - name: dgram
+              protocol: udp
+              listen: 127.0.0.1:{udp_port}
+              udp: {{idle_timeout: 30s, responses: 1000}}
+              real_servers:
+                - {{name: a, address: 127.0.0.1:{echo.getsockname()[1]}}}
+            """
+        ),
+        "  ",
+    )
+
+    def text(workers: int) -> str:
+        yaml = config(port, admin, backend.port) + udp_vs
+        return yaml.replace(
+            "  drain_timeout: 10s\n", f"  drain_timeout: 10s\n  workers: {workers}\n"
+        )
+
+    with NameServer("echo") as backend:
+        proxy = Proxy(tmp_path, text(before), admin)
+        clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(CLIENTS_UDP)]
+        held = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(CLIENTS_UDP)]
+        try:
+            if before > 1:
+                wait_for(lambda: f"all {before} workers ready" in proxy.log(), 20, "workers")
+            for client in clients + held:
+                client.settimeout(2)
+
+            def lost(clients: list[socket.socket]) -> int:
+                missing = 0
+                for n, client in enumerate(clients):
+                    client.sendto(b"%d" % n, ("127.0.0.1", udp_port))
+                    try:
+                        missing += client.recvfrom(100)[0] != b"%d" % n
+                    except TimeoutError:
+                        missing += 1
+                return missing
+
+            assert lost(held) == 0  # sessions open in the old process(es), kept open
+            old = proxy.pid
+            proxy.path.write_text(text(after))
+            proxy.upgrade()
+            if after > 1:
+                wait_for(lambda: f"all {after} workers ready" in proxy.log(), 20, "workers")
+            assert lost(clients) == 0  # new clients while the old process drains
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                assert s.recv(100) == b"echo\n"
+            wait_for(lambda: not alive(old), 20, "the old process to exit")
+            assert lost(clients) == 0  # and once it is gone
+            assert "Traceback" not in proxy.log()
+        finally:
+            for client in clients + held:
+                client.close()
+            echo.close()
+            proxy.stop()
+
+
+CLIENTS_UDP = 20

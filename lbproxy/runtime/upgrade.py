@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from lbproxy.config.model import ConfigError
+from lbproxy.config.model import Config, ConfigError
 from lbproxy.config.reader import load
 from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import PREVIOUS, Passed
@@ -223,7 +223,13 @@ class Upgrade:
         named = [(n, sock) for n, sock in self.server.handover_sockets() if sock.fileno() != -1]
         names = [STDERR, *(name for name, _ in named)]
         fds = [2, *(sock.fileno() for _, sock in named)]
-        document = {"sockets": names, "pid": os.getpid(), **self.server.handover_state()}
+        workers = len(getattr(self.server, "workers", ())) or 1  # a Supervisor has them
+        document = {
+            "sockets": names,
+            "pid": os.getpid(),
+            "workers": workers,
+            **self.server.handover_state(),
+        }
         try:
             await trio.to_thread.run_sync(send_message, ours, document, fds)
             answer, stray = await trio.to_thread.run_sync(
@@ -301,6 +307,14 @@ def run_new(fd: int, config_paths: list[str], log_level: str) -> int:
     if hello is None or len(fds) != len(hello.get("sockets", ())):
         print("lbproxy: the hand-over ended early", file=sys.stderr)
         return 1
+    problem = _workers_change(hello.get("workers"), config)
+    if problem:
+        print(f"lbproxy: {problem}", file=sys.stderr)
+        for number in fds:
+            os.close(number)
+        with contextlib.suppress(OSError):
+            send_message(channel, {"error": problem, "errors": [problem]})
+        return 1
     named = dict(zip(hello["sockets"], fds, strict=True))
     old_stderr = named.pop(STDERR, None)
     state = hello.get("state")  # restored before the first accept (runtime/state.py)
@@ -348,4 +362,22 @@ def run_new(fd: int, config_paths: list[str], log_level: str) -> int:
         passed=passed,
         main_pid=True,
         initial_state=state.encode() if isinstance(state, str) else None,
+    )
+
+
+def _workers_change(old: object, config: Config) -> str:
+    """Why this upgrade cannot be made, or "": `workers` 1 <-> N with the DNS locator.
+
+    The locator's TCP socket is the process's own without workers and each worker's
+    own (SO_REUSEPORT) with them, and it is not handed over: the old process answers
+    on it through its drain. A new process of the other kind cannot bind beside it
+    (a listening TCP socket without SO_REUSEPORT admits no other), so it would fail on
+    "address in use"; this says why first. UDP virtual servers and TCP do change over."""
+    new = config.global_.workers
+    dns = config.global_.locator.dns
+    if not isinstance(old, int) or dns is None or (old > 1) == (new > 1):
+        return ""
+    return (
+        f"workers {old} -> {new} with the DNS locator ({dns.listen}) takes a restart: its "
+        "sockets cannot go over between a process without workers and workers"
     )

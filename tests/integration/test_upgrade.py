@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import tools
 from tests.integration.client_loop import ClientLoop
 from tests.integration.harness import ROOT, NameServer, free_port, run_cli, wait_for
 from tests.integration.test_notify import NotifySocket
@@ -429,3 +430,67 @@ def test_changing_workers_with_a_udp_listener_in_an_upgrade(tmp_path, before, af
 
 
 CLIENTS_UDP = 20
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1), (2, 2)])
+def test_changing_workers_with_the_dns_locator_in_an_upgrade(tmp_path, before, after):
+    """workers 1 <-> N in one upgrade with the DNS locator fails with a message that says
+    why, and the old process serves on (TCP and the locator); 2 -> 2 works."""
+    port, admin, dns_port = free_port(), free_port(), free_port()
+
+    def text(workers: int) -> str:
+        yaml = config(port, admin, backend.port).replace(
+            "  drain_timeout: 10s\n",
+            f"  drain_timeout: 10s\n  workers: {workers}\n  locator:\n"
+            f"    dns: {{listen: 127.0.0.1:{dns_port}, zone: lb.internal., ttl: 0}}\n",
+        )
+        return yaml
+
+    with NameServer("echo") as backend:
+        proxy = Proxy(tmp_path, text(before), admin)
+        try:
+            if before > 1:
+                wait_for(lambda: f"all {before} workers ready" in proxy.log(), 20, "workers")
+            changed = tmp_path / "changed.yaml"
+            changed.write_text(text(after))
+            result = run_cli("upgrade", "--admin", f"http://127.0.0.1:{admin}", str(changed))
+            assert "Traceback" not in result.stderr + proxy.log()
+            if before == after:
+                assert result.returncode == 0, result
+            else:  # the locator's sockets cannot go over: as a configuration error
+                assert result.returncode == 2, result
+                wanted = f"workers {before} -> {after} with the DNS locator (127.0.0.1:{dns_port})"
+                assert f"{wanted} takes a restart" in result.stderr, result.stderr
+                assert "still serving" in result.stderr, result.stderr
+                assert alive(proxy.pid)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                assert s.recv(100) == b"echo\n"
+            assert dns_answers(dns_port)
+        finally:
+            proxy.stop()
+
+
+def dns_answers(port: int) -> bool:
+    """`dig` for virtual server web in the locator's zone, over UDP and TCP: an address."""
+    dig = tools.need("dig", "bind9-dnsutils")
+    for transport in ("+notcp", "+tcp"):
+        result = subprocess.run(
+            [
+                dig,
+                "@127.0.0.1",
+                "-p",
+                str(port),
+                transport,
+                "+short",
+                "+time=2",
+                "+tries=1",
+                "web.lb.internal",
+                "A",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if result.stdout.strip() != "127.0.0.1":
+            return False
+    return True

@@ -6,7 +6,6 @@ drops a user reads in /metrics, the JSON document and `lbproxy status` (`acl`,
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -15,22 +14,7 @@ from lbproxy.core.udp_stats import DROP_REASONS
 from tests.integration.harness import Lbproxy, free_port, run_cli
 from tests.integration.test_admin import metrics, sample
 from tests.integration.test_udp_health import Echo
-
-
-def client(source: str = "127.0.0.1", timeout: float = 2.0) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((source, 0))
-    sock.settimeout(timeout)
-    return sock
-
-
-def ask(sock: socket.socket, port: int, payload: bytes) -> bytes | None:
-    sock.sendto(payload, ("127.0.0.1", port))
-    try:
-        return sock.recvfrom(70000)[0]
-    except TimeoutError:
-        return None
-
+from tests.integration.test_udp_sessions import ask, client
 
 # What each scheduler needs beyond its name to run with no agent or report around.
 EXTRA = {

@@ -26,6 +26,7 @@ from tests import tools
 from tests.integration.client_loop import ClientLoop
 from tests.integration.harness import ROOT, NameServer, free_port, run_cli, wait_for
 from tests.integration.test_notify import NotifySocket
+from tests.integration.test_udp_health import Echo
 
 pytestmark = pytest.mark.integration
 
@@ -273,16 +274,7 @@ def test_a_udp_virtual_server_is_handed_over_and_loses_no_new_datagram(tmp_path)
     keep a draining relay reading the shared socket), yet every datagram of a client
     that comes after the upgrade is answered: the old process reads it no more."""
     port, admin = free_port(), free_port()
-    echo = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    echo.bind(("127.0.0.1", 0))
-
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                data, peer = echo.recvfrom(65536)
-                echo.sendto(data, peer)
-
-    threading.Thread(target=serve, daemon=True).start()
+    echo = Echo(b"")  # a UDP echo server in a thread
     yaml = textwrap.dedent(
         f"""\
         global:
@@ -294,7 +286,7 @@ def test_a_udp_virtual_server_is_handed_over_and_loses_no_new_datagram(tmp_path)
             listen: 127.0.0.1:{port}
             udp: {{idle_timeout: 30s, responses: 1000}}
             real_servers:
-              - {{name: a, address: 127.0.0.1:{echo.getsockname()[1]}}}
+              - {{name: a, address: 127.0.0.1:{echo.port}}}
         """
     )
     proxy = Proxy(tmp_path, yaml, admin)
@@ -360,16 +352,7 @@ def test_changing_workers_with_a_udp_listener_in_an_upgrade(tmp_path, before, af
     """workers 1 <-> N in one upgrade with a UDP virtual server: the upgrade works, and 20
     new UDP clients are each answered while the old process drains and once it is gone."""
     port, admin, udp_port = free_port(), free_port(), free_port()
-    echo = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    echo.bind(("127.0.0.1", 0))
-
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                data, peer = echo.recvfrom(65536)
-                echo.sendto(data, peer)
-
-    threading.Thread(target=serve, daemon=True).start()
+    echo = Echo(b"")  # a UDP echo server in a thread
     udp_vs = textwrap.indent(
         textwrap.dedent(
             f"""\
@@ -378,7 +361,7 @@ def test_changing_workers_with_a_udp_listener_in_an_upgrade(tmp_path, before, af
               listen: 127.0.0.1:{udp_port}
               udp: {{idle_timeout: 30s, responses: 1000}}
               real_servers:
-                - {{name: a, address: 127.0.0.1:{echo.getsockname()[1]}}}
+                - {{name: a, address: 127.0.0.1:{echo.port}}}
             """
         ),
         "  ",

@@ -57,21 +57,7 @@ def test_kill_9_of_a_worker_refuses_and_resets_no_waiting_client(tmp_path):
             # Frozen, worker 1 accepts nothing: with an accept queue of its own
             # (SO_REUSEPORT) the kernel would keep putting about half of the new
             # connections there, and SIGKILL would reset every one of them.
-            os.kill(victim["pid"], signal.SIGSTOP)
-            with ClientLoop(port, clients=20, limit=60) as loop:
-                loop.wait_for(100)
-                os.kill(victim["pid"], signal.SIGKILL)
-                wait_for(
-                    lambda: (w := workers(admin_port)[0])["pid"] != victim["pid"] and w["ready"],
-                    20,
-                    "worker 1 restarted",
-                )
-                time.sleep(0.5)  # and the loop goes on through both workers
-                loop.wait_for(100)
-            counts = loop.counts
-            assert counts["ok"] >= 200
-            assert counts["refused"] == counts["reset"] == counts["error"] == 0, loop.errors
-            assert counts["mismatch"] == 0, loop.errors
+            kill_frozen_worker_under_a_loop(port, admin_port, victim)
 
             # The established connections: those of worker 1 are lost, the others work on.
             alive = [echo_once(sock, b"after") for sock in held]
@@ -108,21 +94,28 @@ def test_an_address_added_by_a_reload_is_the_supervisors_too(tmp_path):
             status, body = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
             assert status == 200, body
             victim = workers(admin_port)[0]
-            os.kill(victim["pid"], signal.SIGSTOP)
-            with ClientLoop(added, clients=20, limit=60) as loop:
-                loop.wait_for(100)
-                os.kill(victim["pid"], signal.SIGKILL)
-                wait_for(
-                    lambda: (w := workers(admin_port)[0])["pid"] != victim["pid"] and w["ready"],
-                    20,
-                    "worker 1 restarted",
-                )
-                time.sleep(0.5)
-                loop.wait_for(100)
-            counts = loop.counts
-            assert counts["ok"] >= 200
-            assert counts["refused"] == counts["reset"] == counts["error"] == 0, loop.errors
-            assert counts["mismatch"] == 0, loop.errors
+            kill_frozen_worker_under_a_loop(added, admin_port, victim)
             assert "Traceback" not in proxy.log()
         finally:
             proxy.stop()
+
+
+def kill_frozen_worker_under_a_loop(port: int, admin_port: int, victim: dict) -> None:
+    """SIGSTOP `victim` (a worker's document), run 20 clients in a connect-echo-close
+    loop on `port`, SIGKILL it mid-loop and let the loop go on through both workers
+    once it is restarted: no client sees a refusal, a reset or a wrong echo."""
+    os.kill(victim["pid"], signal.SIGSTOP)
+    with ClientLoop(port, clients=20, limit=60) as loop:
+        loop.wait_for(100)
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(
+            lambda: (w := workers(admin_port)[0])["pid"] != victim["pid"] and w["ready"],
+            20,
+            "worker 1 restarted",
+        )
+        time.sleep(0.5)  # and the loop goes on through both workers
+        loop.wait_for(100)
+    counts = loop.counts
+    assert counts["ok"] >= 200
+    assert counts["refused"] == counts["reset"] == counts["error"] == 0, loop.errors
+    assert counts["mismatch"] == 0, loop.errors

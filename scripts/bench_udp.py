@@ -166,7 +166,7 @@ def dnsmasq(work: Path, port: int) -> subprocess.Popen:
             f"--user={getpass.getuser()}",
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=(work / "dnsmasq.log").open("wb"),  # what it says if it does not answer
     )
 
 
@@ -270,7 +270,11 @@ def main() -> None:
             resolver = dnsmasq(work, busy_upstream)
         try:
             if resolver is not None:
-                wait_answering(busy_upstream)
+                try:
+                    wait_answering(busy_upstream)
+                except RuntimeError as exc:
+                    said = (work / "dnsmasq.log").read_text(errors="replace").strip()
+                    sys.exit(f"dnsmasq: {exc} (exit status {resolver.poll()}): {said}")
             for name, start in (("lbproxy", lbproxy), ("nginx", nginx)):
                 port, idle_port = free_port(), free_port()
                 busy = start(work, port, busy_upstream, "1")

@@ -512,6 +512,32 @@ def test_idle_timeout_counts_from_last_activity(use_splice: bool) -> None:
 
 
 @pytest.mark.parametrize("use_splice", MODES)
+def test_last_activity_is_the_runs_clock(use_splice: bool) -> None:
+    """A chunk's time, written to the flow by the pump (the C pump reads trio's
+    SystemClock itself, issue 26), is trio.current_time() between the send and the
+    receive: the same clock, offset included, so idle deadlines and the sweep agree."""
+
+    async def main() -> None:
+        async with rig() as r:
+            flow = Flow(idle_timeout=30.0)
+            p = PumpTask(r, flow, use_splice)
+            with trio.fail_after(5):
+                async with trio.open_nursery() as n:
+                    n.start_soon(p.run)
+                    await trio.sleep(0.05)
+                    for _ in range(3):
+                        before = trio.current_time()
+                        await send_all(r.client, b"ping", shut=False)
+                        assert await recv_exactly(r.server, 4) == b"ping"
+                        after = trio.current_time()
+                        assert before <= flow.last_activity <= after
+                        await trio.sleep(0.01)
+                    n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("use_splice", MODES)
 @pytest.mark.parametrize("tick_at", [None, 3.0])
 def test_long_idle_timeout_armed_by_the_sweep_is_exact(use_splice: bool, tick_at) -> None:
     """A timeout of a second or more is armed by the reactor's sweep of new connections

@@ -440,6 +440,7 @@ def test_changing_workers_with_the_dns_locator_in_an_upgrade(tmp_path, before, a
             assert "Traceback" not in result.stderr + proxy.log()
             if before == after:
                 assert result.returncode == 0, result
+                proxy.pids.append(int(result.stdout.split("pid ")[1].split()[0]))  # stopped
             else:  # the locator's sockets cannot go over: as a configuration error
                 assert result.returncode == 2, result
                 wanted = f"workers {before} -> {after} with the DNS locator (127.0.0.1:{dns_port})"

@@ -616,32 +616,13 @@ static int
 cp_write_out(CPump *p, cdir *d)
 {
     int dst = DIR_DST(p, d);
-    if (d->pipe == NULL) {
-        while (d->pending) {
-            ssize_t n = do_send(dst, d->buf + d->buf_off, (size_t)d->pending);
-            if (n == -2)
-                return -1;
-            if (n < 0) {
-                if (errno == EAGAIN || errno == EWOULDBLOCK)
-                    return BLOCKED;
-                d->err = errno;
-                return DESTINATION_FAILED;
-            }
-            d->pending -= n;
-            d->buf_off += n;
-            if (cp_count(p, d, n) < 0)
-                return -1;
-        }
-        PyMem_Free(d->buf);
-        d->buf = NULL;
-        d->buf_off = 0;
-        return MOVED;
-    }
-    int pr, pw;
-    if (pipe_fds(d->pipe, &pr, &pw) < 0)
+    int copied = d->pipe == NULL; /* a copied chunk's rest is in d->buf */
+    int pr = -1, pw;
+    if (!copied && pipe_fds(d->pipe, &pr, &pw) < 0)
         return -1;
     while (d->pending) {
-        ssize_t n = do_splice(pr, dst, (size_t)d->pending);
+        ssize_t n = copied ? do_send(dst, d->buf + d->buf_off, (size_t)d->pending)
+                           : do_splice(pr, dst, (size_t)d->pending);
         if (n == -2)
             return -1;
         if (n < 0) {
@@ -651,8 +632,16 @@ cp_write_out(CPump *p, cdir *d)
             return DESTINATION_FAILED;
         }
         d->pending -= n;
+        if (copied)
+            d->buf_off += n;
         if (cp_count(p, d, n) < 0)
             return -1;
+    }
+    if (copied) {
+        PyMem_Free(d->buf);
+        d->buf = NULL;
+        d->buf_off = 0;
+        return MOVED;
     }
     PyObject *pipe = d->pipe;
     d->pipe = NULL;

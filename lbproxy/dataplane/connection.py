@@ -233,13 +233,7 @@ class ClientConnection(Flow):
         try:
             handler._ended(self, was, how, rejected)
         except Exception as exc:  # the barrier: the lease goes back all the same
-            record("connection_end", exc, handler.pool.name)
-            lease = self.lease
-            if lease is not None and lease in lease.server.leases:
-                try:
-                    handler.pool.drop(lease, handler._clock())
-                except Exception as again:
-                    record("connection_end", again, f"{handler.pool.name}: dropping the lease")
+            handler._end_failed(self, exc)
         finally:
             self.lease = None
             handler.pool.clients -= 1
@@ -287,6 +281,18 @@ class Handler:
         self.pool = vs.pool
         # Address -> (family, sockaddr, the C struct sockaddr or None: see _start_connect)
         self._resolved: dict[Address, tuple[int, tuple, bytes | None]] = {}
+        # The fast path's (accept) view of that cache: RealServer -> (the Address it was
+        # for, family, C struct sockaddr), for the servers the C connect serves. Keyed by
+        # the server (an identity hash in C): the Address key costs its dataclass
+        # __hash__, a Python frame per connection; valid while `rs.address` is that very
+        # object (a reload that moves a server gives it another).
+        self._targets: dict[RealServer, tuple[Address, int, bytes]] = {}
+        # The configuration the fast path was last judged for, and the verdict (_see).
+        self._seen: VirtualServerConfig | None = None
+        self._fast = False
+        # The run's pump reactor, for the C pump (pump._reactor() is three Python frames
+        # per connection, a RunVar's get); a handler lives in one run, as its _clock.
+        self._reactor: object | None = None
         # Connections established with no task: the pumps, and the guardian task
         # standing for them in the handlers nursery while there are any.
         self._live: set[Pump] = set()
@@ -308,20 +314,106 @@ class Handler:
         """Serve a client the accept loop just accepted (its non-blocking descriptor):
         its lifecycle runs here, with no task, as far as it goes without waiting; a wait
         (PROXY header, queue, a name, a connect in progress) goes on in a task in
-        `spawn`'s nursery. The connection closes the descriptor in the end."""
+        `spawn`'s nursery. The connection closes the descriptor in the end.
+
+        The common case -- compiled, no PROXY header, no throttle, the default ACL, an
+        idle queue or none, a server whose address is cached -- runs `_begin`,
+        `_admit`, `_pick`, `_connect` and `_start_connect`'s C connect inline, in this
+        one frame, with the same states, counts and decisions (issue 26: seven Python
+        frames and an Address hash fewer per connection, scripts/bench_handler.py);
+        anything else goes through the steps."""
         self._spawn = spawn
+        pool = self.pool
+        config = pool.config
         try:
-            c = ClientConnection(self, client, peer, self.pool.config, self._clock())
+            c = ClientConnection(self, client, peer, config, self._clock())
         except BaseException:
             os.close(client)
             raise
         try:
-            wait = self._begin(c)
+            if config is not self._seen:
+                self._see(config)
+            vs = self.vs
+            if not self._fast or vs.throttle is not None:
+                wait = self._begin(c)
+                if wait is not None:
+                    spawn(self._waiting, c, wait)
+                return
+            # _admit: the ACL is the default (_see), so max_connections, then the queue
+            max_connections = config.max_connections
+            if max_connections and pool.clients > max_connections:
+                c.reject("max_connections")
+                return
+            queue = vs.queue
+            if queue is not None and queue.must_wait():
+                c.state = QUEUED
+                spawn(self._waiting, c, self._queued)
+                return
+            # _pick, a first one: at the accept's time (nothing waited since)
+            now = c.started
+            rs = pool.pick(now, (), peer)
+            if rs is None:
+                self._no_server(c, "no_server")
+                return
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s", explain_pick(pool, rs, []))
+            c.lease = pool.take(rs, now, c, peer)
+            c.state = PICKED
+            # _connect: the C connect to the cached struct sockaddr
+            target = self._targets.get(rs)
+            if target is None or target[0] is not rs.address:
+                target = self._target(rs)
+                if target is None:  # not resolved yet, or not for the C connect
+                    wait = self._connect(c)
+                    if wait is not None:
+                        spawn(self._waiting, c, wait)
+                    return
+            c.state = CONNECTING
+            fd, err = _c_connect(target[2])  # type: ignore[misc]  # not None: _see
+            if fd >= 0 and not err:
+                self._establish(c, fd)
+                return
+            wait = self._connect_started(c, target[1], fd, err)
             if wait is not None:
                 spawn(self._waiting, c, wait)
         except Exception as exc:  # the barrier: a bug ends this connection only
-            record("connection", exc, self.pool.name)
+            record("connection", exc, pool.name)
             c.end()
+
+    def _see(self, config: VirtualServerConfig) -> None:
+        """Judge a configuration (the first, or a reload's) for accept's fast path:
+        compiled, and nothing in _begin or _admit that only the steps do (a PROXY
+        header to read, an ACL to check). The throttle and the queue are the virtual
+        server's, looked at per connection."""
+        self._seen = config
+        self._fast = (
+            _c_connect is not None
+            and _c_pump is not None
+            and not config.accept_proxy
+            and not config.deny
+            and config.allow == _ALLOW_ALL
+        )
+
+    def _target(self, rs: RealServer) -> tuple[Address, int, bytes] | None:
+        """The fast path's entry for `rs` from the resolved addresses, if the C connect
+        serves it (None: not resolved yet, or not AF_INET/AF_INET6)."""
+        address = rs.address
+        cached = self._resolved.get(address)
+        if cached is None or cached[2] is None:
+            return None
+        targets = self._targets
+        if len(targets) > 2 * len(self.pool.servers) + 16:  # removed servers: forget them
+            targets.clear()
+        target = targets[rs] = (address, cached[0], cached[2])
+        return target
+
+    def _connect_started(self, c: ClientConnection, family: int, fd: int, err: int) -> Wait | None:
+        """The fast path's C connect did not complete at once: in progress (a wait for
+        it), or failed (another pick), as `_connect` and `_start_connect` do."""
+        if fd >= 0:  # in progress: a socket object for the wait and SO_ERROR
+            c.sock = _new_socket(family, _CONNECT_TYPE, 0, fd)
+            return self._connecting
+        return self._attempt_failed(c, _c_connect_error(fd, err))
 
     async def handle(self, client: int, peer: tuple, preread: bytes | None = None) -> None:
         """Serve a client in the calling task (a shared address's route): the same
@@ -514,6 +606,9 @@ class Handler:
             # them from here on, even if this raises.
             if _c_pump is not None:  # new_pump(), inline: the C pump
                 leftover = c.leftover
+                reactor = self._reactor
+                if reactor is None:
+                    reactor = self._reactor = _pump_module._reactor()
                 p = _c_pump(
                     client,
                     server,
@@ -522,6 +617,7 @@ class Handler:
                     len(header),
                     True,
                     _pump_module.splice_enabled,
+                    reactor,
                 )
             else:
                 p = new_pump(
@@ -644,12 +740,62 @@ class Handler:
     def _pumped(self, p: Pump) -> None:
         """The reactor's report that an established connection is over (both
         descriptors are closed by then). Called from the reactor, a deadline or
-        Flow.close(): it must not raise (end() does not)."""
-        self._live.discard(p)
+        Flow.close(): it must not raise (end() does not).
+
+        The usual end, of a connection still established, is `end()` and `_ended()`
+        inline, in this one frame (issue 26: two Python frames fewer per connection,
+        scripts/bench_handler.py): the same counts, lease, access log and barrier."""
+        live = self._live
+        live.discard(p)
         # Pump.flow is a Flow; every pump started here carries a ClientConnection.
-        p.flow.end(p.outcome or "error")  # type: ignore[attr-defined]  # see above
-        if not self._live and self._empty is not None:
+        c: ClientConnection = p.flow  # type: ignore[assignment]  # see above
+        if c.state != ESTABLISHED:  # ended already (end() by hand), or never was
+            c.end(p.outcome or "error")
+        else:
+            c.state = CLOSING
+            pool = self.pool
+            try:
+                lease = c.lease
+                now = self._clock()
+                rs = None
+                if lease is not None:
+                    rs = lease.server
+                    counters = rs.counters
+                    counters.bytes_in += c.bytes_in
+                    counters.bytes_out += c.bytes_out
+                    pool.drop(lease, now)
+                    pool.durations.observe(now - c.started)
+                    c.lease = None
+                if self.vs.access_log:
+                    self._log_access(
+                        c.source,
+                        None if rs is None else rs.name,
+                        c.bytes_in,
+                        c.bytes_out,
+                        now - c.started,
+                        p.outcome or "error",
+                    )
+            except Exception as exc:  # end()'s barrier: the lease goes back all the same
+                self._end_failed(c, exc)
+            finally:  # end()'s
+                c.lease = None
+                pool.clients -= 1
+                c.state = ENDED
+                if c.fd >= 0 or c.sock is not None:
+                    c._release()
+        if not live and self._empty is not None:
             self._empty.set()
+
+    def _end_failed(self, c: ClientConnection, exc: Exception) -> None:
+        """end()'s barrier: a bug in the counting is counted; the lease goes back."""
+        pool = self.pool
+        record("connection_end", exc, pool.name)
+        lease = c.lease
+        if lease is not None and lease in lease.server.leases:
+            try:
+                pool.drop(lease, self._clock())
+            except Exception as again:
+                record("connection_end", again, f"{pool.name}: dropping the lease")
 
     def _ended(self, c: ClientConnection, was: int, how: str | None, rejected: str | None) -> None:
         """end()'s counting (`was`: the state it ended in): the reason it was refused,
@@ -730,9 +876,7 @@ class Handler:
             fd, err = _c_connect(packed)
             if fd >= 0:
                 return fd, err
-            if fd == -1 and err in LOCAL_CAPACITY_ERRNOS:  # socket() failed
-                raise LocalCapacityError(os.strerror(err))
-            raise ConnectError("refused" if err == errno.ECONNREFUSED else "error")
+            raise _c_connect_error(fd, err)
         try:
             # A plain non-blocking socket: trio's wrapper costs a checkpoint, an address
             # re-resolution and an ioctl per connect, and socket.socket's Python layer
@@ -831,6 +975,14 @@ def _local_address(fd: int) -> tuple:
         return sock.getsockname()
     finally:
         sock.detach()
+
+
+def _c_connect_error(fd: int, err: int) -> LocalCapacityError | ConnectError:
+    """_cpump.connect's failure (`fd` < 0) as the exception the connect raises: out of
+    descriptors here (socket() failed: fd -1), or the attempt's reason."""
+    if fd == -1 and err in LOCAL_CAPACITY_ERRNOS:  # socket() failed
+        return LocalCapacityError(os.strerror(err))
+    return ConnectError("refused" if err == errno.ECONNREFUSED else "error")
 
 
 def _connect_error(exc: OSError) -> ConnectError:

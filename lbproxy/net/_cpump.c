@@ -1349,12 +1349,13 @@ static PyObject *
 CPump_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"client", "server", "flow", "initial", "uncounted", "close_sockets",
-                            "use_splice", NULL};
-    PyObject *client, *server, *flow, *initial = NULL;
+                            "use_splice", "reactor", NULL};
+    PyObject *client, *server, *flow, *initial = NULL, *given_reactor = Py_None;
     Py_ssize_t uncounted = 0;
     int close_sockets = 0, use_splice = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|Snpp:Pump", names, &client, &server, &flow,
-                                     &initial, &uncounted, &close_sockets, &use_splice))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|SnppO:Pump", names, &client, &server, &flow,
+                                     &initial, &uncounted, &close_sockets, &use_splice,
+                                     &given_reactor))
         return NULL;
     if (module_dict == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
@@ -1406,12 +1407,21 @@ CPump_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     p->server_fd = cp_fd_of(server);
     if (p->server_fd < 0)
         goto fail;
-    PyObject *reactor_fn = module_global(s_reactor_fn);
-    if (reactor_fn == NULL)
-        goto fail;
-    PyObject *reactor = PyObject_CallNoArgs(reactor_fn);
-    if (reactor == NULL)
-        goto fail;
+    PyObject *reactor;
+    if (given_reactor != Py_None) {
+        /* The run's reactor, from a caller that keeps it (the connection handler):
+         * pump._reactor() is three Python frames, a RunVar's get, per connection. */
+        reactor = given_reactor;
+        Py_INCREF(reactor);
+    }
+    else {
+        PyObject *reactor_fn = module_global(s_reactor_fn);
+        if (reactor_fn == NULL)
+            goto fail;
+        reactor = PyObject_CallNoArgs(reactor_fn);
+        if (reactor == NULL)
+            goto fail;
+    }
     Py_SETREF(p->reactor, reactor);
     long epfd = get_long(reactor, s_epfd);
     if (epfd == -1 && PyErr_Occurred())
@@ -1701,7 +1711,8 @@ static PyTypeObject CPump_Type = {
     .tp_basicsize = sizeof(CPump),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Pump(client, server, flow, initial=b'', uncounted=0, close_sockets=False,\n"
-              "use_splice=True): pump.py's Pump in C (see pump.new_pump).",
+              "use_splice=True, reactor=None): pump.py's Pump in C (see pump.new_pump);\n"
+              "reactor: the run's (pump._reactor(), called when None).",
     .tp_new = CPump_new,
     .tp_dealloc = (destructor)CPump_dealloc,
     .tp_traverse = (traverseproc)CPump_traverse,

@@ -17,7 +17,6 @@ from lbproxy.admin.metrics import LbproxyCollector
 from lbproxy.config.reader import load
 from lbproxy.control import checks
 from lbproxy.core.pool import Pool
-from lbproxy.dataplane.connection import Handler
 from lbproxy.net.barrier import internal_errors
 from lbproxy.runtime.server import Server
 from tests.integration.conftest import free_port, vs_config
@@ -100,7 +99,9 @@ def test_a_pick_raising_ends_that_connection_only(tmp_path, monkeypatch):
 
 
 def test_an_end_callback_raising_ends_that_connection_only(tmp_path, monkeypatch):
-    monkeypatch.setattr(Handler, "_ended", raising_on(Handler._ended, 3))
+    # The lease's return, in the end's counting (the handler's _pumped for an established
+    # connection, the one that ends it, or _ended): a bug there, on the 3rd connection.
+    monkeypatch.setattr(Pool, "drop", raising_on(Pool.drop, 3))
 
     async def body(server, port):
         answers = [await greeting(port) for _ in range(10)]

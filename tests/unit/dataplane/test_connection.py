@@ -75,6 +75,9 @@ JOURNEYS = {
     "resolving": [A, P, C, E, CL, EN],
     "bug_in_pick": [A, CL, EN],
     "bug_in_connect": [A, P, CL, EN],
+    "max_connections": [A, CL, EN],
+    "connect_timeout": [A, P, C, CL, EN],
+    "bug_in_c_connect": [A, P, C, CL, EN],
 }
 
 
@@ -639,3 +642,223 @@ def test_a_client_connection_starts_as_a_flow_does():
         assert handler.pool.clients == 0 and c.state == ENDED
 
     trio.run(main)
+
+
+# -- accept()'s fast path (issue 26): the same states and counts as the steps ------------
+#
+# With the address cached (after a warm-up), a connection to a virtual server that needs
+# no PROXY header, no throttle and no ACL runs admission, pick and the C connect inline
+# in accept(); these drive each of its branches, on both paths (the pure one takes the
+# steps: the same journeys).
+
+compiled_only = pytest.mark.skipif(
+    connection._c_connect is None, reason="the C connect: the compiled path only"
+)
+
+
+def test_the_fast_path_refuses_beyond_max_connections(recorded, caplog):
+    async def body(nursery):
+        r = await rig(nursery, max_connections=1)
+        await warm_up(r, recorded)
+        first = await r.accept()
+        assert await round_trip(first) == b"ping"
+        second = await r.accept()
+        assert await closed(second)
+        assert recorded == [JOURNEYS["fast"][:4], JOURNEYS["max_connections"]]
+        assert r.pool.rejected["max_connections"] == 1 and r.pool.clients == 1
+        assert access_lines(caplog)[-1].endswith("end=rejected:max_connections")
+        first.close()
+        await settled(r)
+        assert recorded[0] == JOURNEYS["fast"]
+
+    run(body)
+
+
+def test_the_fast_path_retries_a_refused_connect_on_another_server(recorded):
+    async def body(nursery):
+        port = await echo_server_port(nursery)
+        servers = [real_server("down", closed_port()), real_server("a", port)]
+        r = await rig(nursery, servers)
+        for _ in range(2):  # the second finds both addresses cached
+            client = await r.accept()
+            assert await round_trip(client) == b"ping"
+            client.close()
+            await settled(r)
+        assert recorded == [JOURNEYS["retry"]] * 2
+        assert r.pool.by_name["down"].counters.connect_failures["refused"] == 2
+        assert r.pool.by_name["a"].counters.connections_total == 2
+
+    run(body)
+
+
+def test_a_connect_that_fails_at_once_is_retried_on_another_server(recorded):
+    """A connect the kernel fails before it starts (no route to a broadcast address):
+    counted as an error, then the next server."""
+
+    async def body(nursery):
+        port = await echo_server_port(nursery)
+        broadcast = dataclasses.replace(
+            real_server("bad", 80), address=Address("255.255.255.255", 80)
+        )
+        r = await rig(nursery, [broadcast, real_server("a", port)])
+        for _ in range(2):
+            client = await r.accept()
+            assert await round_trip(client) == b"ping"
+            client.close()
+            await settled(r)
+        assert recorded == [JOURNEYS["retry"]] * 2
+        assert r.pool.by_name["bad"].counters.connect_failures["error"] == 2
+
+    run(body)
+
+
+def test_a_connect_left_unanswered_times_out(recorded, caplog):
+    """A real server whose accept queue is full drops the SYN: the connect is in
+    progress, waited for in a task, and ends at connect_timeout."""
+
+    async def body(nursery):
+        full = socket.create_server(("127.0.0.1", 0), backlog=0)
+        _opened.append(full)
+        r = await rig(
+            nursery,
+            [real_server("full", full.getsockname()[1])],
+            connect_timeout=0.3,
+            retries=0,
+        )
+        client = await r.accept()  # the warm-up: resolved, and connected (queued)
+        with trio.fail_after(5):
+            while r.pool.by_name["full"].counters.connections_total != 1:
+                await trio.sleep(0.01)
+        server, _ = full.accept()
+        server.close()
+        client.close()
+        await settled(r)
+        filler = socket.create_connection(full.getsockname())  # the queue full again
+        _opened.append(filler)
+        recorded.clear()
+        r.spawned.clear()
+        client = await r.accept()
+        assert recorded == [[A, P, C]] and r.spawned == ["_waiting"]
+        assert await closed(client)
+        await settled(r)
+        assert recorded == [JOURNEYS["connect_timeout"]]
+        assert r.pool.by_name["full"].counters.connect_failures["timeout"] == 1
+        assert r.pool.rejected["connect_failed"] == 1
+        assert access_lines(caplog)[-1].endswith("end=no_server")
+
+    run(body)
+
+
+@compiled_only
+def test_a_bug_in_the_fast_paths_connect_ends_that_connection_only(recorded, monkeypatch):
+    def broken(sockaddr):
+        raise RuntimeError("injected")
+
+    async def body(nursery):
+        r = await rig(nursery)
+        await warm_up(r, recorded)
+        before = internal_errors().counts["connection"]
+        monkeypatch.setattr(connection, "_c_connect", broken)
+        client = await r.accept()
+        assert await closed(client)
+        assert recorded == [JOURNEYS["bug_in_c_connect"]]
+        assert r.pool.clients == 0 and r.pool.active == 0
+        assert internal_errors().counts["connection"] == before + 1
+
+    run(body)
+
+
+def test_a_throttle_that_admits_still_imposes_its_idle_timeout(recorded, caplog):
+    class High:
+        def arrival(self) -> bool:
+            return False
+
+        def idle_timeout_for(self, own: float) -> float:
+            return 0.2
+
+    async def body(nursery):
+        r = await rig(nursery)
+        await warm_up(r, recorded)
+        r.vs.throttle = High()
+        client = await r.accept()
+        assert await round_trip(client) == b"ping"
+        assert await closed(client)  # idle for 0.2 s
+        await settled(r)
+        assert recorded == [JOURNEYS["fast"]]
+        assert access_lines(caplog)[-1].endswith("end=idle_timeout")
+
+    run(body)
+
+
+def test_a_reload_applies_to_the_next_connection(recorded):
+    """The configuration is read per connection: a reload that adds an ACL refuses the
+    next client; one that moves the server sends the next one to its new address."""
+
+    async def hello(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.send_all(b"moved")
+
+    async def body(nursery):
+        r = await rig(nursery)
+        await warm_up(r, recorded)
+        config = r.pool.config
+        r.pool.reconfigure(
+            dataclasses.replace(config, deny=(ipaddress.ip_network("127.0.0.0/8"),)),
+            trio.current_time(),
+        )
+        client = await r.accept()
+        assert await closed(client)
+        assert r.pool.rejected["acl"] == 1
+        (listener,) = await nursery.start(
+            functools.partial(trio.serve_tcp, hello, 0, host="127.0.0.1")
+        )
+        moved = real_server("a", listener.socket.getsockname()[1])
+        r.pool.reconfigure(dataclasses.replace(config, real_servers=(moved,)), trio.current_time())
+        client = await r.accept()
+        with trio.fail_after(5):
+            assert await client.recv(100) == b"moved"
+        client.close()
+        await settled(r)
+        assert recorded == [JOURNEYS["acl"], JOURNEYS["resolving"]]
+
+    run(body)
+
+
+def test_the_fast_path_explains_its_pick_at_debug(recorded, caplog):
+    async def body(nursery):
+        r = await rig(nursery)
+        await warm_up(r, recorded)
+        caplog.set_level(logging.DEBUG, logger="lbproxy.proxy")
+        client = await r.accept()
+        assert await round_trip(client) == b"ping"
+        client.close()
+        await settled(r)
+        assert recorded == [JOURNEYS["fast"]]
+        assert any(
+            record.name == "lbproxy.proxy" and record.getMessage().startswith("vs: rr picked a [")
+            for record in caplog.records
+        )
+
+    run(body)
+
+
+def test_servers_renamed_by_reloads_are_not_remembered_for_ever(recorded):
+    """Each reload here replaces the one server by a new one (a new name, the same
+    address): every connection is served, and the handler forgets the servers gone."""
+
+    async def body(nursery):
+        r = await rig(nursery)
+        port = r.pool.servers[0].address.port
+        for i in range(40):
+            server = real_server(f"s{i}", port)
+            r.pool.reconfigure(
+                dataclasses.replace(r.pool.config, real_servers=(server,)), trio.current_time()
+            )
+            client = await r.accept()
+            assert await round_trip(client) == b"ping"
+            client.close()
+            await settled(r)
+        assert sum(rs.counters.connections_total for rs in r.pool.servers) == 1
+        assert len(r.handler._targets) <= 2 * len(r.pool.servers) + 17
+
+    run(body)

@@ -30,7 +30,7 @@ from lbproxy.config.model import Address
 from lbproxy.dataplane.connection import Handler, Spawn
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
-from lbproxy.net.accept import AcceptErrors, accept_loop
+from lbproxy.net.accept import AcceptErrors, ReactorAcceptor
 from lbproxy.net.barrier import record
 from lbproxy.wire.client_hello import LIMIT, ClientHelloReader, Hello
 from lbproxy.wire.proxy_protocol import ProxyProtocolError
@@ -105,6 +105,7 @@ class Listener:
         # (see accept_loop), so trio's socket wrapper would only add cost.
         self.sock = sock
         self.cancel_scope = trio.CancelScope()
+        self._acceptor: ReactorAcceptor | None = None  # while accepting
         self._handlers: dict[VirtualServer, Handler] = {}
         self.route(virtual_servers)
 
@@ -130,6 +131,10 @@ class Listener:
         return list(self._handlers)
 
     def close(self) -> None:
+        """Stop accepting and close the socket (the drain, a reload that drops the
+        address); connections already accepted go on."""
+        if self._acceptor is not None:  # out of the reactor's set first (ReactorAcceptor)
+            self._acceptor.stop()
         self.cancel_scope.cancel()
         trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
         self.sock.close()
@@ -193,12 +198,19 @@ class Listener:
         await serve
 
     async def accept_loop(self, handlers: trio.Nursery) -> None:
-        """Accept clients until closed, each served by a task in `handlers`."""
-        # The one accept loop (net/accept.py), which reads `accept_client` for every
-        # client: a reload re-routing this listener takes effect at the next one.
+        """Accept clients until closed, each served at once or by a task in `handlers`."""
+        # The accept loop that shares the pump reactor's wait (net/accept.py), which
+        # reads `accept_client` for every client: a reload re-routing this listener
+        # takes effect at the next one.
         errors = AcceptErrors(str(self.address), log)  # the back-off
         with self.cancel_scope:
-            await accept_loop(self.sock, self, handlers.start_soon, errors)
+            acceptor = self._acceptor = ReactorAcceptor(
+                self.sock, self, handlers.start_soon, errors
+            )
+            try:
+                await acceptor.serve()
+            finally:
+                self._acceptor = None
 
 
 def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:

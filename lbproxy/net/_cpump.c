@@ -65,7 +65,7 @@ static PyObject *s_client_fd, *s_up, *s_down, *s_outcome, *s_state, *s_src_fd, *
     *s_last_read, *s_error, *s_pipe, *s_pending, *s_spliced, *s_flow, *s_to_server,
     *s_clock, *s_bytes_in, *s_bytes_out, *s_last_activity, *s_after, *s_write_initial,
     *s_unwatched_event, *s_finish, *s_move, *s_write_out, *s_idle_pipes, *s_max_idle_pipes,
-    *s_new_pipe, *s_discard_pipe;
+    *s_new_pipe, *s_discard_pipe, *s_on_event;
 
 /* -- attributes ----------------------------------------------------------------------
  *
@@ -1764,6 +1764,23 @@ PyDoc_STRVAR(dispatch_doc,
     "batch) handles its event as Pump.on_event does. An Exception met handling one pump\n"
     "goes to crashed(pump, exc) and the batch goes on.");
 
+/* p.on_event(fd, events) for a reader of the set that is not a pump: the accept loop
+ * that shares the reactor's wait (net/accept.py's ReactorAcceptor). 0, or -1 with the
+ * exception set. */
+static int
+call_on_event(PyObject *p, int fd, uint32_t events)
+{
+    PyObject *fdo = PyLong_FromLong(fd);
+    PyObject *ev = fdo ? PyLong_FromUnsignedLong(events) : NULL;
+    PyObject *r = ev ? PyObject_CallMethodObjArgs(p, s_on_event, fdo, ev, NULL) : NULL;
+    Py_XDECREF(fdo);
+    Py_XDECREF(ev);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 static PyObject *
 dispatch(PyObject *self, PyObject *args)
 {
@@ -1804,8 +1821,13 @@ dispatch(PyObject *self, PyObject *args)
             continue; /* ended earlier in this batch */
         }
         Py_INCREF(p);
-        int r = Py_IS_TYPE(p, &CPump_Type) ? cp_on_event((CPump *)p, fd, evs[i].events)
-                                           : on_event(p, fd, evs[i].events);
+        int r;
+        if (Py_IS_TYPE(p, &CPump_Type))
+            r = cp_on_event((CPump *)p, fd, evs[i].events);
+        else if (pump_type != NULL && PyObject_TypeCheck(p, pump_type))
+            r = on_event(p, fd, evs[i].events);
+        else /* another reader of the set (a listening socket's acceptor): its method */
+            r = call_on_event(p, fd, evs[i].events);
         if (r < 0) {
             if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* Cancelled, KeyboardInterrupt */
                 Py_DECREF(p);
@@ -2157,6 +2179,7 @@ PyMODINIT_FUNC
 PyInit__cpump(void)
 {
     INTERN(s_client_fd, "client_fd");
+    INTERN(s_on_event, "on_event");
     INTERN(s_up, "up");
     INTERN(s_down, "down");
     INTERN(s_outcome, "outcome");

@@ -24,6 +24,7 @@ import trio
 
 from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
+from lbproxy.net.pump import reactor
 
 __all__ = [
     "ACCEPT_BACKOFF",
@@ -32,6 +33,7 @@ __all__ = [
     "AcceptErrors",
     "Acceptor",
     "LocalCapacityError",
+    "ReactorAcceptor",
     "accept_loop",
 ]
 
@@ -208,3 +210,111 @@ async def _accept_loop_c(fd: int, owner: Acceptor, spawn: Spawn, errors: AcceptE
             await trio.lowlevel.wait_readable(fd)
         except trio.ClosedResourceError:  # closed meanwhile (a reload)
             return
+
+
+class ReactorAcceptor:
+    """An accept loop whose accepts run in the pump reactor's batches (issue 26): the
+    data plane's listeners.
+
+    The listening descriptor sits in the reactor's epoll set beside the pumps' sockets
+    (`_Reactor.listen`), so a wake-up that finds clients waiting and bytes to move costs
+    one trio round, not one per task: under new-connection load the accept task's own
+    wake-ups were most of trio's rounds (strace -c: 0.44 of the 2.44 epoll_ctl per
+    connection were trio re-arming the two waits). Each readiness report accepts a
+    batch (``ACCEPT_BATCH`` at most; a backlog left over is reported again, the set is
+    level-triggered), each client handed to ``owner.accept_client`` as accept_loop does.
+    The back-off stays in a task: an accept that fails for want of capacity takes the
+    descriptor out of the set and wakes `serve`, which waits (AcceptErrors.failed) and
+    puts it back. `stop()` takes it out at once; the owner calls it before closing the
+    socket (a descriptor whose file is still open elsewhere -- a worker's, shared with
+    the supervisor -- would otherwise stay in the set after close).
+    """
+
+    __slots__ = ("errors", "failure", "fd", "owner", "reactor", "sock", "spawn", "wake")
+
+    def __init__(
+        self, sock: socket.socket, owner: Acceptor, spawn: Spawn, errors: AcceptErrors
+    ) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.owner = owner
+        self.spawn = spawn
+        self.errors = errors
+        self.reactor = reactor()
+        self.failure: OSError | None = None  # why the reactor stopped accepting, if it did
+        self.wake = trio.Event()
+
+    async def serve(self) -> None:
+        """Accept (in the reactor) until stopped, the socket is closed, or this task is
+        cancelled; the back-off runs here."""
+        try:
+            while True:
+                self.failure = None
+                self.wake = trio.Event()
+                self.reactor.listen(self.fd, self)
+                await self.wake.wait()
+                failure = self.failure
+                if failure is None:  # stop()
+                    return
+                if not await self.errors.failed(failure):
+                    return  # the socket was closed
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop accepting now (idempotent): out of the reactor's set, `serve` returns."""
+        self.reactor.unlisten(self.fd, self)
+        self.wake.set()
+
+    def on_event(self, fd: int, events: int) -> None:
+        """The reactor's report that clients are waiting: accept a batch."""
+        try:
+            if cpump is not None:
+                cpump.accept_batch(fd, self.owner, self.spawn, ACCEPT_BATCH, self._failed)
+            else:
+                self._accept_batch()
+        except BlockingIOError:  # another process's accept took them (workers)
+            return
+        except OSError as exc:  # out of capacity, or closed: serve() decides
+            self.reactor.unlisten(self.fd, self)
+            self.failure = exc
+            self.wake.set()
+            return
+        except Exception as exc:  # the barrier: a bug in this batch, not in the reactor
+            record("accept", exc, self.errors.name)
+            return
+        if self.errors.burst:
+            self.errors.recovered()
+
+    def crashed(self, exc: BaseException) -> None:
+        """The reactor's barrier (on_event lets nothing through but cancellation)."""
+
+    def _failed(self, exc: Exception) -> None:  # the barrier: the owner closed what it owned
+        record("accept", exc, self.errors.name)
+
+    def _accept_batch(self) -> int:
+        """_cpump.accept_batch on the pure path: accept + fcntl(O_NONBLOCK), as
+        accept_loop; raises the first accept's OSError, stops at a later one."""
+        accept = self.sock._accept  # type: ignore[attr-defined]  # CPython's accept4 wrapper
+        owner, spawn = self.owner, self.spawn
+        n = 0
+        while n < ACCEPT_BATCH:
+            try:
+                client, peer = accept()
+            except OSError:
+                if n == 0:
+                    raise
+                break  # the next batch meets it again, or the backlog is empty
+            n += 1
+            try:
+                fcntl.fcntl(client, F_SETFL, O_NONBLOCK)
+            except OSError as exc:  # not expected from a fresh socket: drop it
+                self.errors.log.warning("%s: accepted socket: %s", self.errors.name, exc)
+                os.close(client)
+                continue
+            try:
+                owner.accept_client(client, peer, spawn)
+            except Exception as exc:
+                self._failed(exc)
+        return n

@@ -345,7 +345,7 @@ class Server:
                 service.cancel_scope.cancel()
             for listener in self.listeners.values():
                 if not isinstance(listener, UdpListener):  # its sessions drain on it
-                    listener.sock.close()
+                    listener.close()
             open_now = sum(vs.pool.clients for vs in self.virtual_servers.values())
             log.info(
                 "stopped accepting; draining %d connection(s) for up to %ss",

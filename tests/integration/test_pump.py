@@ -637,7 +637,7 @@ def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(
 
     async def main() -> None:
         close_idle_pipes()
-        pump_mod._reactor()  # the run's shared epoll: one descriptor for every pump
+        pump_mod.reactor()  # the run's shared epoll: one descriptor for every pump
         async with rig() as r:
             baseline = fd_count()
             flow = Flow()
@@ -693,7 +693,7 @@ def test_no_fd_leak_over_many_connections(use_splice: bool, close_sockets: bool)
 
     async def main() -> None:
         close_idle_pipes()
-        pump_mod._reactor()  # the run's shared epoll: one descriptor for every pump
+        pump_mod.reactor()  # the run's shared epoll: one descriptor for every pump
         baseline = fd_count()
         with trio.fail_after(30):
             for _ in range(4):

@@ -1,5 +1,7 @@
-"""lbproxy.net.accept.accept_loop on a real loopback socket: what the owner is handed,
-a re-pointed owner, the barrier, and the end when the socket closes."""
+"""lbproxy.net.accept's two accept loops on a real loopback socket -- accept_loop (a task
+waiting on the socket) and ReactorAcceptor (the data plane's: accepts in the pump
+reactor's batches) -- what the owner is handed, a re-pointed owner, the barrier, and
+the end when the socket closes."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import logging
 import os
 import socket
 
+import pytest
 import trio
 
-from lbproxy.net.accept import AcceptErrors, accept_loop
+from lbproxy.net import pump
+from lbproxy.net.accept import AcceptErrors, ReactorAcceptor, accept_loop
 from lbproxy.net.barrier import internal_errors
 
 log = logging.getLogger("test.accept")
@@ -45,6 +49,13 @@ class Owner:
         self._note("second", fd, peer)
 
 
+async def serve_reactor(sock: socket.socket, owner, spawn, errors: AcceptErrors) -> None:
+    await ReactorAcceptor(sock, owner, spawn, errors).serve()
+
+
+LOOPS = pytest.mark.parametrize("loop", [accept_loop, serve_reactor], ids=["task", "reactor"])
+
+
 async def connect(port: int) -> tuple:
     client = trio.socket.socket()
     await client.connect(("127.0.0.1", port))
@@ -53,12 +64,13 @@ async def connect(port: int) -> tuple:
     return name
 
 
-def test_each_client_goes_non_blocking_to_the_owner_read_afresh_each_time():
+@LOOPS
+def test_each_client_goes_non_blocking_to_the_owner_read_afresh_each_time(loop):
     async def main() -> None:
         sock = listening()
         owner = Owner()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(accept_loop, sock, owner, nursery.start_soon, AcceptErrors("t", log))
+            nursery.start_soon(loop, sock, owner, nursery.start_soon, AcceptErrors("t", log))
             peers = []
             for _ in range(2):
                 owner.got = trio.Event()
@@ -72,7 +84,8 @@ def test_each_client_goes_non_blocking_to_the_owner_read_afresh_each_time():
     trio.run(main)
 
 
-def test_an_exception_in_the_owner_is_counted_and_the_loop_goes_on():
+@LOOPS
+def test_an_exception_in_the_owner_is_counted_and_the_loop_goes_on(loop):
     async def main() -> None:
         sock = listening()
         owner = Owner()
@@ -87,7 +100,7 @@ def test_an_exception_in_the_owner_is_counted_and_the_loop_goes_on():
         owner.accept_client = broken
         before = internal_errors().counts["accept"]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(accept_loop, sock, owner, nursery.start_soon, AcceptErrors("t", log))
+            nursery.start_soon(loop, sock, owner, nursery.start_soon, AcceptErrors("t", log))
             await connect(sock.getsockname()[1])
             peer = await connect(sock.getsockname()[1])
             with trio.fail_after(5):
@@ -113,5 +126,41 @@ def test_the_loop_ends_when_its_socket_is_closed():
                 trio.lowlevel.notify_closing(sock)
                 sock.close()
         # the nursery exited: the loop returned by itself
+
+    trio.run(main)
+
+
+def test_the_reactor_acceptor_stops_at_once_and_leaves_a_shared_socket_alone():
+    """stop() before close, as Listener.close() does: the descriptor leaves the reactor's
+    set even though its file stays open elsewhere (here a dup; in a worker, the
+    supervisor's copy), so a client queued there later is neither accepted nor reported
+    -- a closed descriptor left in the set would be reported forever (a busy reactor)."""
+
+    async def main() -> None:
+        sock = listening()
+        elsewhere = sock.dup()  # the supervisor's copy of a worker's socket
+        owner = Owner()
+        async with trio.open_nursery() as nursery:
+            acceptor = ReactorAcceptor(sock, owner, nursery.start_soon, AcceptErrors("t", log))
+            nursery.start_soon(acceptor.serve)
+            owner.got = trio.Event()
+            await connect(sock.getsockname()[1])
+            with trio.fail_after(5):
+                await owner.got.wait()  # accepted in the reactor's batch
+            reactor = pump.reactor()
+            assert reactor.pumps.get(sock.fileno()) is acceptor
+            fd = sock.fileno()
+            acceptor.stop()
+            sock.close()
+            with trio.fail_after(5):
+                await connect(elsewhere.getsockname()[1])  # queued on the shared file
+            await trio.sleep(0.1)  # the reactor's batches would have seen it by now
+            assert fd not in reactor.pumps
+            assert reactor.epoll.poll(0) == []  # nothing reported for the shared file
+        # serve() returned by itself after stop(): the nursery exited
+        assert len(owner.seen) == 1
+        client, _ = elsewhere.accept()  # still there, for the socket's other owner
+        client.close()
+        elsewhere.close()
 
     trio.run(main)

@@ -2,6 +2,8 @@
 
     .venv/bin/python scripts/bench_reactor.py [--pumps 64] [--rounds 2000] [--repeat 3]
     .venv/bin/python scripts/bench_reactor.py --callgrind    # instructions, exact
+    .venv/bin/python scripts/bench_reactor.py --callgrind --keep /tmp/cg  # and the profiles
+    .venv/bin/python scripts/bench_reactor.py --callgrind --new-pump  # production's pumps
 
 P pumps between real loopback TCP connections in one trio run; each round writes a
 100-byte chunk into every client socket, then reads it at every server socket, then
@@ -12,7 +14,10 @@ The endpoints' sends and receives run in this process too and are the same on bo
 paths. Each measurement is a child process (the path is chosen at import), compiled and
 pure alternating; CPU time from getrusage, or, with --callgrind, the user-space
 instructions valgrind counts (exact, whatever the machine's load), the run with
---rounds 0 subtracted (start-up, the connections' set-up).
+--rounds 0 subtracted (start-up, the connections' set-up). --keep DIR keeps valgrind's
+output files there (MODE-ROUNDS.out) for callgrind_annotate. The pumps are pump.py's
+Pump (Python, on both paths: the C batch calls its methods) unless --new-pump asks for
+what production makes, pump.new_pump: the C Pump on the compiled path.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ import tempfile
 PAYLOAD = b"x" * 100
 
 
-def child(pumps: int, rounds: int) -> None:
+def child(pumps: int, rounds: int, new_pump: bool) -> None:
     import trio
 
     from lbproxy.net import compiled
     from lbproxy.net.pump import Flow, Pump
+    from lbproxy.net.pump import new_pump as make_pump
 
     def pair() -> tuple[socket.socket, socket.socket]:
         with socket.socket() as listener:
@@ -52,7 +58,8 @@ def child(pumps: int, rounds: int) -> None:
         for _ in range(pumps):
             client, proxy_client = pair()
             proxy_server, server = pair()
-            p = Pump(proxy_client.fileno(), proxy_server.fileno(), Flow())
+            make = make_pump if new_pump else Pump
+            p = make(proxy_client.fileno(), proxy_server.fileno(), Flow())
             p.start()
             ends.append((client, server, proxy_client, proxy_server))
         await trio.sleep(0.01)
@@ -83,19 +90,29 @@ def cpu() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
-def run(mode: str, pumps: int, rounds: int, callgrind: bool) -> tuple[float, ...]:
+def run(
+    mode: str,
+    pumps: int,
+    rounds: int,
+    callgrind: bool,
+    keep: str | None = None,
+    new_pump: bool = False,
+) -> tuple[float, ...]:
     env = dict(os.environ)
     env.pop("LBPROXY_PURE", None)
     if mode == "pure":
         env["LBPROXY_PURE"] = "1"
     argv = [sys.executable, __file__, "--child", "--pumps", str(pumps), "--rounds", str(rounds)]
+    if new_pump:
+        argv.append("--new-pump")
     if not callgrind:
         out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
         name, user, system = out.stdout.split()
         assert name == mode, (name, mode)
         return float(user), float(system)
     with tempfile.TemporaryDirectory() as tmp:
-        vg = ["valgrind", "--tool=callgrind", "--cache-sim=no", f"--callgrind-out-file={tmp}/o"]
+        where = f"{keep}/{mode}-{rounds}.out" if keep else f"{tmp}/o"
+        vg = ["valgrind", "--tool=callgrind", "--cache-sim=no", f"--callgrind-out-file={where}"]
         out = subprocess.run(vg + argv, env=env, capture_output=True, text=True, check=True)
     match = re.search(r"Collected : (\d+)", out.stderr)
     assert match, out.stderr[-2000:]
@@ -108,25 +125,32 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--callgrind", action="store_true")
+    p.add_argument("--keep", metavar="DIR", help="with --callgrind: keep valgrind's output here")
+    p.add_argument(
+        "--new-pump", action="store_true", help="pumps from pump.new_pump (the C Pump compiled)"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        child(a.pumps, a.rounds)
+        child(a.pumps, a.rounds, a.new_pump)
         return
     modes = ("compiled", "pure")
-    print(f"load average {os.getloadavg()[0]:.1f}; {a.pumps} pumps, {a.rounds} rounds")
+    kind = "pump.new_pump" if a.new_pump else "pump.Pump"
+    print(f"load average {os.getloadavg()[0]:.1f}; {a.pumps} {kind} pumps, {a.rounds} rounds")
     if a.callgrind:
         rounds = min(a.rounds, 200)
+        if a.keep:
+            os.makedirs(a.keep, exist_ok=True)
         for mode in modes:
-            base = run(mode, a.pumps, 0, True)[0]
-            full = run(mode, a.pumps, rounds, True)[0]
+            base = run(mode, a.pumps, 0, True, a.keep, a.new_pump)[0]
+            full = run(mode, a.pumps, rounds, True, a.keep, a.new_pump)[0]
             per = (full - base) / (rounds * 2 * a.pumps)
             print(f"{mode:9s} {per:10,.0f} instructions per event (reactor + both endpoints)")
         return
     results: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
     for _ in range(a.repeat):
         for mode in modes:
-            results[mode].append(run(mode, a.pumps, a.rounds, False))
+            results[mode].append(run(mode, a.pumps, a.rounds, False, None, a.new_pump))
     for mode in modes:
         user = statistics.median(r[0] for r in results[mode])
         system = statistics.median(r[1] for r in results[mode])

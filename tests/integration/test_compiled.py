@@ -310,3 +310,183 @@ def test_flow_close_and_idle_timeout_end_the_pump(implementation):
                 s.close()
 
     trio.run(main)
+
+
+# ------------------------------- the flow's counters, whatever the flow's class (issue 26)
+#
+# The C pump writes a Flow's bytes_in / bytes_out / last_activity straight into its
+# __slots__ when the class lets the generic attribute path do exactly that; these flows
+# do not, or stop doing so halfway, and must still see every byte counted.
+
+
+class PropertyFlow(Flow):
+    """bytes_in and bytes_out are properties over other slots (a subclass may do so)."""
+
+    __slots__ = ("_in", "_out", "writes")
+
+    def __init__(self) -> None:
+        self.writes = 0
+        super().__init__()
+
+    @property
+    def bytes_in(self) -> int:
+        return self._in
+
+    @bytes_in.setter
+    def bytes_in(self, value: int) -> None:
+        self.writes += 1
+        self._in = value
+
+    @property
+    def bytes_out(self) -> int:
+        return self._out
+
+    @bytes_out.setter
+    def bytes_out(self, value: int) -> None:
+        self.writes += 1
+        self._out = value
+
+
+class SetattrFlow(Flow):
+    """A __setattr__ that sees every assignment, then makes it."""
+
+    __slots__ = ("seen",)
+    seen: dict[str, int]
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "seen", {})
+        super().__init__()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        self.seen[name] = self.seen.get(name, 0) + 1
+        super().__setattr__(name, value)
+
+
+class DictFlow(Flow):
+    """No __slots__ of its own: instances have a __dict__, the counters stay slots."""
+
+
+class LateFlow(Flow):
+    """Gains a bytes_in property once a pump has counted into its slot (see below)."""
+
+    __slots__ = ("_late_in",)
+    _late_in: int
+
+
+UP = [b"a" * 100, b"b" * 5000, b"c" * 40000]  # the last is more than COPY_CHUNK: spliced
+DOWN = [b"x" * 300, b"y" * 30000, b"z" * 7]
+
+
+async def _pump_both_ways(flow: Flow) -> object:
+    """UP from the client to the server and DOWN back, a chunk at a time, through one
+    pump (new_pump: the C one on the compiled path); then both ends shut. Its outcome,
+    or the exception pump() raised."""
+    client, proxy_client = tcp_pair()
+    proxy_server, server = tcp_pair()
+    ends = [client, proxy_client, proxy_server, server]
+    for s in ends:
+        s.setblocking(False)
+    trio_socket = trio.socket.from_stdlib_socket
+    a, b = trio_socket(client), trio_socket(server)
+    outcome: list[object] = []
+
+    async def run(cancel_scope: trio.CancelScope) -> None:
+        try:
+            outcome.append(await pump(trio_socket(proxy_client), trio_socket(proxy_server), flow))
+        except Exception as exc:  # what pump() raised: the outcome, and the end of it
+            outcome.append(exc)
+            cancel_scope.cancel()
+
+    async def relay(src, dst, chunk: bytes) -> None:
+        sent = 0
+        while sent < len(chunk):
+            sent += await src.send(chunk[sent:])
+        got = b""
+        while len(got) < len(chunk):
+            got += await dst.recv(65536)
+        assert got == chunk
+
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, nursery.cancel_scope)
+                await trio.sleep(0.02)
+                for up, down in zip(UP, DOWN, strict=True):
+                    await relay(a, b, up)
+                    await relay(b, a, down)
+                a.shutdown(socket.SHUT_WR)
+                b.shutdown(socket.SHUT_WR)
+    finally:
+        a.close()
+        b.close()
+        for s in ends:
+            s.close()
+    return outcome[0]
+
+
+@pytest.mark.parametrize("flow_type", [Flow, PropertyFlow, SetattrFlow, DictFlow])
+def test_every_byte_is_counted_whatever_the_flows_class(implementation, flow_type):
+    async def main():
+        flow = flow_type()
+        started = trio.current_time()
+        assert await _pump_both_ways(flow) == "closed"
+        assert flow.bytes_in == sum(map(len, UP))
+        assert flow.bytes_out == sum(map(len, DOWN))
+        assert type(flow.bytes_in) is int and type(flow.bytes_out) is int
+        assert started <= flow.last_activity <= trio.current_time()
+        if isinstance(flow, PropertyFlow):  # each chunk went through the setters
+            assert flow.writes >= 2 + len(UP) + len(DOWN)
+        if isinstance(flow, SetattrFlow):  # and through __setattr__
+            assert flow.seen["bytes_in"] >= 1 + len(UP)
+            assert flow.seen["bytes_out"] >= 1 + len(DOWN)
+            assert flow.seen["last_activity"] >= 1 + len(UP) + len(DOWN)
+
+    trio.run(main)
+
+
+def test_a_flow_class_changed_after_pumping_is_counted_the_new_way(implementation):
+    """A class whose counter slot a pump has used, then given a bytes_in property: the
+    next pump counts through the property (the C pump's layout of the class is stale
+    and must not be used)."""
+    writes: list[int] = []
+
+    def get_in(self: LateFlow) -> int:
+        return self._late_in
+
+    def set_in(self: LateFlow, value: int) -> None:
+        writes.append(value)
+        self._late_in = value
+
+    async def main():
+        first = LateFlow()
+        assert await _pump_both_ways(first) == "closed"
+        assert first.bytes_in == sum(map(len, UP))
+        LateFlow.bytes_in = property(get_in, set_in)
+        try:
+            second = LateFlow()
+            assert await _pump_both_ways(second) == "closed"
+            assert second.bytes_in == sum(map(len, UP))
+            assert writes[0] == 0 and writes[-1] == sum(map(len, UP))
+            assert len(writes) >= 1 + len(UP)
+            assert second.bytes_out == sum(map(len, DOWN))
+        finally:
+            del LateFlow.bytes_in  # Flow's slot again, for whoever runs next
+
+    trio.run(main)
+
+
+def test_an_unset_counter_ends_that_connection_with_attribute_error(implementation):
+    """A flow whose bytes_in slot was deleted: the first chunk's count raises
+    AttributeError (as `flow.bytes_in += n` does), the barrier ends that connection and
+    counts it; the process goes on."""
+
+    async def main():
+        errors_before = internal_errors().counts["pump"]
+        flow = Flow()
+        del flow.bytes_in
+        outcome = await _pump_both_ways(flow)
+        assert isinstance(outcome, AttributeError) and "bytes_in" in str(outcome)
+        assert flow.bytes_out == 0  # nothing came back: the connection ended
+        assert internal_errors().counts["pump"] == errors_before + 1
+
+    trio.run(main)

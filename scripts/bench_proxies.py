@@ -1129,7 +1129,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " time, and system calls per connection by name under strace"
         " (scripts/bench_syscalls.py; default proxies lbproxy,haproxy)",
     )
+    p.add_argument(
+        "--kernel",
+        action="store_true",
+        help="instead of the comparison: where the system time of a new connection goes,"
+        " by system call and in waking the peers, from perf (scripts/bench_kernel.py;"
+        " default proxies lbproxy,haproxy)",
+    )
+    p.add_argument(
+        "--conns",
+        default="20",
+        help="--kernel: wrk connections at a time, comma-separated (default 20)",
+    )
     a = p.parse_args(argv)
+    a.conns = [int(x) for x in a.conns.split(",") if x]
+    if a.kernel and a.proxies == PROXIES_DEFAULT:
+        a.proxies = "lbproxy,haproxy"
     if a.syscalls and a.proxies == PROXIES_DEFAULT:
         a.proxies = "lbproxy,haproxy"
     if a.duration is None:
@@ -1201,6 +1216,11 @@ def main(argv: list[str] | None = None) -> int:
                 import bench_profile
 
                 bench_profile.run(args, procs, work)
+                return 0
+            if args.kernel:
+                import bench_kernel
+
+                bench_kernel.run(args, procs, work)
                 return 0
             if args.syscalls:
                 import bench_syscalls

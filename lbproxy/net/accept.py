@@ -252,7 +252,10 @@ class ReactorAcceptor:
             while True:
                 self.failure = None
                 self.wake = trio.Event()
-                self.reactor.listen(self.fd, self)
+                try:
+                    self.reactor.listen(self.fd, self)
+                except OSError:  # closed meanwhile (during a back-off), not by stop()
+                    return
                 await self.wake.wait()
                 failure = self.failure
                 if failure is None:  # stop()

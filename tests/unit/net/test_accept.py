@@ -164,3 +164,31 @@ def test_the_reactor_acceptor_stops_at_once_and_leaves_a_shared_socket_alone():
         elsewhere.close()
 
     trio.run(main)
+
+
+def test_the_reactor_acceptor_ends_if_its_socket_was_closed_during_a_back_off():
+    """A socket closed behind the acceptor's back while it waited out a failure (not by
+    stop()): serve() returns instead of raising out of the listener's task."""
+
+    sock = listening()
+
+    class ClosedDuringBackOff(AcceptErrors):
+        __slots__ = ()
+
+        async def failed(self, exc: OSError) -> bool:  # the back-off, during which ...
+            sock.close()  # ... someone closes the socket
+            return True
+
+    async def main() -> None:
+        errors = ClosedDuringBackOff("t", log)
+        acceptor = ReactorAcceptor(sock, Owner(), lambda *a: None, errors)
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(acceptor.serve)
+                await trio.sleep(0.01)
+                acceptor.failure = OSError(24, "Too many open files")
+                acceptor.reactor.unlisten(acceptor.fd, acceptor)
+                acceptor.wake.set()  # as on_event does on EMFILE
+        assert acceptor.fd not in acceptor.reactor.pumps
+
+    trio.run(main)

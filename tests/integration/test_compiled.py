@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import resource
 import socket
 
 import pytest
@@ -488,5 +489,70 @@ def test_an_unset_counter_ends_that_connection_with_attribute_error(implementati
         assert isinstance(outcome, AttributeError) and "bytes_in" in str(outcome)
         assert flow.bytes_out == 0  # nothing came back: the connection ended
         assert internal_errors().counts["pump"] == errors_before + 1
+
+    trio.run(main)
+
+
+def _free_descriptors(count: int, start: int) -> list[int]:
+    """`count` descriptor numbers from `start` on that nothing in this process holds."""
+    free: list[int] = []
+    fd = start
+    while len(free) < count:
+        if _closed(fd):
+            free.append(fd)
+        fd += 1
+    return free
+
+
+def test_pumps_on_high_and_reused_descriptor_numbers_get_their_own_events(implementation):
+    """The reactor finds a descriptor's pump by its number (the C side keeps one int per
+    number, kept after the pump ends): pumps on numbers past 2,000, then two more on the
+    same numbers once the first ones closed them, each move their own bytes."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2200:
+        pytest.skip(f"RLIMIT_NOFILE {soft}: no descriptor numbers past 2,000")
+
+    async def main():
+        numbers = _free_descriptors(4, 2000)
+        for round_ in range(2):
+            pumps = []
+            for i in range(2):
+                client, proxy_client = tcp_pair()
+                proxy_server, server = tcp_pair()
+                fds = numbers[2 * i : 2 * i + 2]
+                for fd, s in zip(fds, (proxy_client, proxy_server), strict=True):
+                    os.dup2(s.fileno(), fd)
+                    os.set_blocking(fd, False)
+                    s.close()
+                flow = Flow(30.0)
+                ended: list[object] = []
+                p = pump_module.new_pump(fds[0], fds[1], flow, close_sockets=True)
+                p.on_end = lambda q, ended=ended: ended.append(q.outcome)
+                p.start()
+                pumps.append((client, server, flow, ended, f"{round_}.{i}".encode()))
+            try:
+                for client, server, _, _, tag in pumps:
+                    client.sendall(b"up " + tag)
+                    server.sendall(b"down " + tag)
+                with trio.fail_after(5):
+                    for client, server, _, _, tag in pumps:
+                        for end, want in ((server, b"up " + tag), (client, b"down " + tag)):
+                            got = b""
+                            while len(got) < len(want):
+                                await trio.lowlevel.wait_readable(end)
+                                got += end.recv(100)
+                            assert got == want
+                        client.shutdown(socket.SHUT_WR)
+                        server.shutdown(socket.SHUT_WR)
+                    while not all(ended for _, _, _, ended, _ in pumps):
+                        await trio.sleep(0.01)
+                for _, _, flow, ended, tag in pumps:
+                    assert ended == ["closed"]
+                    assert (flow.bytes_in, flow.bytes_out) == (3 + len(tag), 5 + len(tag))
+                assert all(_closed(fd) for fd in numbers)  # free for the next round
+            finally:
+                for client, server, *_ in pumps:
+                    client.close()
+                    server.close()
 
     trio.run(main)

@@ -312,7 +312,9 @@ class Pool:
         """The connect behind `lease` completed: one more of its server's connections.
 
         `connections_total` (metric, JSON document, status) counts connections
-        established to a server; a failed attempt is only a connect failure.
+        established to a server; a failed attempt is only a connect failure. (The
+        TCP connection handler, dataplane/connection.py `_establish`, does the same
+        inline: a Python frame per connection.)
         """
         lease.server.counters.connections_total += 1
 

@@ -682,8 +682,10 @@ static PyObject *system_clock_fn = NULL;
 static int clock_native = 0;
 static double clock_offset = 0.0;
 
+/* 1 if `clock` is trio's SystemClock.current_time bound to a SystemClock (its offset
+ * into *offset), 0 if it is any other callable, -1 on an error. */
 static int
-cp_learn_clock(PyObject *reactor)
+cp_native_clock(PyObject *clock, double *offset)
 {
     if (system_clock_type == NULL) {
         PyObject *mod = PyImport_ImportModule("trio._core._run");
@@ -699,25 +701,47 @@ cp_learn_clock(PyObject *reactor)
             return -1;
         }
     }
-    PyObject *clock = PyObject_GetAttr(reactor, s_clock);
-    if (clock == NULL)
-        return -1;
     int native = 0;
-    double offset = 0.0;
     if (PyMethod_Check(clock) && PyMethod_GET_FUNCTION(clock) == system_clock_fn &&
         (PyObject *)Py_TYPE(PyMethod_GET_SELF(clock)) == system_clock_type) {
         PyObject *o = PyObject_GetAttrString(PyMethod_GET_SELF(clock), "offset");
-        if (o == NULL) {
-            Py_DECREF(clock);
+        if (o == NULL)
             return -1;
-        }
         if (PyFloat_CheckExact(o)) {
-            offset = PyFloat_AS_DOUBLE(o);
+            *offset = PyFloat_AS_DOUBLE(o);
             native = 1;
         }
         Py_DECREF(o);
     }
+    return native;
+}
+
+/* SystemClock.current_time(), as Python computes it: perf_counter's integer
+ * nanoseconds as seconds (a double), plus the offset. NULL, no exception set: the
+ * clock could not be read (then the caller calls the Python clock). */
+static PyObject *
+cp_native_now(double offset)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0)
+        return NULL;
+    long long ns = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    double d = (double)ns;
+    d /= 1e9;
+    return PyFloat_FromDouble(offset + d);
+}
+
+static int
+cp_learn_clock(PyObject *reactor)
+{
+    PyObject *clock = PyObject_GetAttr(reactor, s_clock);
+    if (clock == NULL)
+        return -1;
+    double offset = 0.0;
+    int native = cp_native_clock(clock, &offset);
     Py_DECREF(clock);
+    if (native < 0)
+        return -1;
     Py_INCREF(reactor);
     Py_XSETREF(clock_reactor, reactor);
     clock_native = native;
@@ -732,13 +756,9 @@ cp_clock(CPump *p)
     if (p->reactor != clock_reactor && cp_learn_clock(p->reactor) < 0)
         return NULL;
     if (clock_native) {
-        struct timespec ts;
-        if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0) {
-            long long ns = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-            double d = (double)ns;
-            d /= 1e9;
-            return PyFloat_FromDouble(clock_offset + d);
-        }
+        PyObject *now = cp_native_now(clock_offset);
+        if (now != NULL || PyErr_Occurred())
+            return now;
     }
     PyObject *clock = PyObject_GetAttr(p->reactor, s_clock);
     if (clock == NULL)
@@ -758,6 +778,103 @@ cp_clock_into_flow(CPump *p)
     Py_DECREF(now);
     return r;
 }
+
+/* Clock(current_time): a callable with no Python frame that returns what
+ * current_time() returns -- computed here for trio's SystemClock (as cp_clock does for
+ * the reactor), else by calling it (trio.testing.MockClock). For the connection
+ * handler, which reads its run's clock twice per connection (issue 26). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *fn;
+    double offset;
+    int native;
+    vectorcallfunc vectorcall;
+} CClock;
+
+static PyObject *
+CClock_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    CClock *c = (CClock *)self;
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "Clock() takes no arguments");
+        return NULL;
+    }
+    if (c->native) {
+        PyObject *now = cp_native_now(c->offset);
+        if (now != NULL || PyErr_Occurred())
+            return now;
+    }
+    return PyObject_CallNoArgs(c->fn);
+}
+
+static PyObject *
+CClock_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"current_time", NULL};
+    PyObject *fn;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O:Clock", names, &fn))
+        return NULL;
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "Clock() takes a callable");
+        return NULL;
+    }
+    double offset = 0.0;
+    int native = cp_native_clock(fn, &offset);
+    if (native < 0)
+        return NULL;
+    CClock *c = (CClock *)type->tp_alloc(type, 0);
+    if (c == NULL)
+        return NULL;
+    Py_INCREF(fn);
+    c->fn = fn;
+    c->offset = offset;
+    c->native = native;
+    c->vectorcall = CClock_vectorcall;
+    return (PyObject *)c;
+}
+
+static int
+CClock_traverse(CClock *c, visitproc visit, void *arg)
+{
+    Py_VISIT(c->fn);
+    return 0;
+}
+
+static int
+CClock_clear(CClock *c)
+{
+    Py_CLEAR(c->fn);
+    return 0;
+}
+
+static void
+CClock_dealloc(CClock *c)
+{
+    PyObject_GC_UnTrack(c);
+    CClock_clear(c);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyMemberDef CClock_members[] = {
+    {"current_time", T_OBJECT, offsetof(CClock, fn), READONLY, NULL},
+    {"native", T_INT, offsetof(CClock, native), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject CClock_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lbproxy.net._cpump.Clock",
+    .tp_basicsize = sizeof(CClock),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "Clock(current_time): current_time() with no Python frame (trio's\n"
+              "SystemClock computed in C, any other clock called).",
+    .tp_new = CClock_new,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(CClock, vectorcall),
+    .tp_dealloc = (destructor)CClock_dealloc,
+    .tp_traverse = (traverseproc)CClock_traverse,
+    .tp_clear = (inquiry)CClock_clear,
+    .tp_members = CClock_members,
+};
 
 static double
 cp_now(CPump *p)
@@ -2447,7 +2564,7 @@ PyInit__cpump(void)
     INTERN(s_close, "close");
     INTERN(s_splice_refused, "_splice_refused");
     INTERN(s_accept_client, "accept_client");
-    if (PyType_Ready(&CPump_Type) < 0)
+    if (PyType_Ready(&CPump_Type) < 0 || PyType_Ready(&CClock_Type) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -2455,6 +2572,12 @@ PyInit__cpump(void)
     Py_INCREF(&CPump_Type);
     if (PyModule_AddObject(m, "Pump", (PyObject *)&CPump_Type) < 0) {
         Py_DECREF(&CPump_Type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&CClock_Type);
+    if (PyModule_AddObject(m, "Clock", (PyObject *)&CClock_Type) < 0) {
+        Py_DECREF(&CClock_Type);
         Py_DECREF(m);
         return NULL;
     }

@@ -16,6 +16,7 @@ import socket
 
 import pytest
 import trio
+import trio.testing
 
 from lbproxy.net import compiled
 from lbproxy.net import pump as pump_module
@@ -554,5 +555,67 @@ def test_pumps_on_high_and_reused_descriptor_numbers_get_their_own_events(implem
                 for client, server, *_ in pumps:
                     client.close()
                     server.close()
+
+
+@needs_c
+def test_the_c_clock_reads_the_runs_clock():
+    """_cpump.Clock (the connection handler's clock): trio's SystemClock computed in C,
+    the same clock as current_time(); any other clock (MockClock) called through."""
+    clock_type = compiled.cpump.Clock
+
+    async def system():
+        current_time = trio.lowlevel.current_clock().current_time
+        clock = clock_type(current_time)
+        assert clock.native == 1
+        readings = []
+        for _ in range(100):
+            readings += [current_time(), clock()]
+        assert readings == sorted(readings)  # one monotonic clock, interleaved
+        assert all(type(r) is float for r in readings)
+
+    async def mock():
+        clock = clock_type(trio.lowlevel.current_clock().current_time)
+        assert clock.native == 0
+        await trio.sleep(5)
+        assert clock() == trio.current_time() == 5.0
+
+    trio.run(system)
+    trio.run(mock, clock=trio.testing.MockClock(autojump_threshold=0))
+    other = clock_type(lambda: 0.25)
+    assert other.native == 0 and other() == 0.25
+    with pytest.raises(TypeError):
+        other(1)  # a clock takes no argument
+    with pytest.raises(TypeError):
+        clock_type(42)
+
+
+@needs_c
+def test_a_c_pump_given_its_reactor_serves_as_one_that_looks_it_up():
+    """The handler passes the run's reactor to the C pump (no RunVar lookup per
+    connection): the pump is the same reactor's and moves the bytes."""
+
+    async def main():
+        client, proxy_client = tcp_pair()
+        proxy_server, server = tcp_pair()
+        reactor = pump_module._reactor()
+        ended = []
+        try:
+            p = compiled.cpump.Pump(
+                proxy_client.detach(), proxy_server.detach(), Flow(), b"", 0, True, True, reactor
+            )
+            assert p.reactor is reactor
+            p.on_end = ended.append
+            p.start()
+            client.sendall(b"ping")
+            client.shutdown(socket.SHUT_WR)
+            server.shutdown(socket.SHUT_WR)
+            with trio.fail_after(5):
+                while not ended:
+                    await trio.sleep(0.01)
+            assert p.outcome == "closed" and p.flow.bytes_in == 4
+            assert server.recv(100) == b"ping"  # moved by the reactor before it ended
+        finally:
+            client.close()
+            server.close()
 
     trio.run(main)

@@ -619,3 +619,37 @@ def test_a_c_pump_given_its_reactor_serves_as_one_that_looks_it_up():
             server.close()
 
     trio.run(main)
+
+
+def test_a_last_activity_read_keeps_its_value_while_the_pump_goes_on(implementation):
+    """The C pump stores each chunk's time in the flow's last_activity, reusing the float
+    there when nothing else holds it; one that Python code read is its own: it keeps
+    its value while later chunks move the flow's on."""
+
+    async def main():
+        client, proxy_client = tcp_pair()
+        proxy_server, server = tcp_pair()
+        flow = Flow(30.0)
+        p = pump_module.new_pump(
+            proxy_client.detach(), proxy_server.detach(), flow, close_sockets=True
+        )
+        p.start()
+        try:
+            held = []
+            with trio.fail_after(5):
+                for i in range(4):
+                    client.sendall(b"tick")
+                    await trio.lowlevel.wait_readable(server)
+                    assert server.recv(100) == b"tick"
+                    if i % 2:  # every other chunk's time, held on to
+                        held.append((flow.last_activity, repr(flow.last_activity)))
+                    await trio.sleep(0.01)
+            assert [repr(value) for value, _ in held] == [text for _, text in held]
+            assert held[0][0] < held[1][0] == flow.last_activity
+            assert flow.bytes_in == 16
+        finally:
+            p.close()
+            for s in (client, server):
+                s.close()
+
+    trio.run(main)

@@ -2188,7 +2188,10 @@ dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *key = fd_key(fd);
         if (key == NULL)
             goto fail;
-        PyObject *p = PyDict_GetItemWithError(pumps, key); /* borrowed */
+        /* borrowed. hash(fd) is fd (an int from 0 to 2**61 - 2 is its own hash): the hash
+         * PyDict_GetItemWithError would compute, 75 instructions for an int (callgrind) */
+        PyObject *p = fd >= 0 ? _PyDict_GetItem_KnownHash(pumps, key, (Py_hash_t)fd)
+                              : PyDict_GetItemWithError(pumps, key);
         Py_DECREF(key);
         if (p == NULL) {
             if (PyErr_Occurred())

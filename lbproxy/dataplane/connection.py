@@ -11,10 +11,12 @@ only then is a task spawned (`_waiting`), which awaits it and goes on with the s
 connection that waits for nothing -- no PROXY header, no queue, a cached address and a
 near server that completes the connect before connect() returns -- runs from admitted
 to established in the accept loop's call, with no task at all: a task costs more user
-time than all of HAProxy's work for a connection (issue 15, docs/benchmarks.md). Once
-established, the pump (the reactor, net/pump.py) moves the bytes and reports the end;
-the task-less connections of a handler are drained through one guardian task
-(`Handler._guard`).
+time than all of HAProxy's work for a connection (issue 15, docs/benchmarks.md). On the
+compiled path, the common case of those steps runs inline in `Handler.accept` (one frame
+for admission, pick and connect, setting the same states), and the usual end inline in
+`Handler._pumped` (issue 26). Once established, the pump (the reactor, net/pump.py)
+moves the bytes and reports the end; the task-less connections of a handler are
+drained through one guardian task (`Handler._guard`).
 
 `ClientConnection.end()` is the one way out of every state: idempotent, it counts the
 connection, writes the access log, gives the lease back, adds the byte counts and

@@ -834,6 +834,10 @@ CClock_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject
         if (now != NULL || PyErr_Occurred())
             return now;
     }
+    if (c->fn == NULL) { /* cleared by the garbage collector (a cycle being freed) */
+        PyErr_SetString(PyExc_RuntimeError, "Clock: cleared");
+        return NULL;
+    }
     return PyObject_CallNoArgs(c->fn);
 }
 

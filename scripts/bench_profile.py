@@ -61,7 +61,9 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     (
-        "handler (admission, ACL, the fast path's own lines)",
+        # On the compiled path accept() makes the connect itself (one C call, no frame of
+        # its own): its kernel time is counted here, not in the connect's phase.
+        "handler (admission, ACL, the fast path's own lines and, compiled, its C connect)",
         (
             "_admit (lbproxy/dataplane/connection.py",
             "handle (lbproxy/dataplane/connection.py",

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_proxies as bp
+from bench_syscalls import untraced
 
 #: Kernel functions read inclusively (perf report --children), by the row they give.
 ENTRIES = {
@@ -124,20 +125,6 @@ def profiled(
     }
 
 
-def untraced(bench: bp.Bench, proxy: bp.Proxy, port: int, conns: int, seconds: float) -> dict:
-    m = bench.measured(proxy, lambda: bench.wrk(port, "/small", conns, seconds, close=True))
-    n = max(1, m.get("requests") or 1)
-    util = m.get("util") or 0.0
-    return {
-        "per_core": round(m["rps"] / util) if util > 0.02 else None,
-        "util": util,
-        "user_us": round(m["cpu_user_s"] / n * 1e6, 1),
-        "sys_us": round(m["cpu_sys_s"] / n * 1e6, 1),
-        "p99_ms": m.get("p99_ms"),
-        "loadavg": bp.loadavg(),
-    }
-
-
 def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
     if shutil.which("perf") is None:
         raise bp.BenchError("perf is not installed (apt-get install linux-perf)")
@@ -152,7 +139,7 @@ def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
             http, _ = bench.start_proxy(proxy)
             try:
                 bench.wrk(http, "/small", conns, 1, close=True)  # warm-up
-                out[key] = untraced(bench, proxy, http, conns, args.duration)
+                out[key] = untraced(bench, proxy, http, args.duration, conns)
                 out[key]["perf"] = profiled(bench, proxy, http, conns, args.duration, work)
             finally:
                 bench.stop_proxy(proxy)

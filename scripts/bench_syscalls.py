@@ -100,9 +100,11 @@ def traced(bench: bp.Bench, proxy: bp.Proxy, port: int, seconds: float, work: Pa
     }
 
 
-def untraced(bench: bp.Bench, proxy: bp.Proxy, port: int, seconds: float) -> dict:
+def untraced(
+    bench: bp.Bench, proxy: bp.Proxy, port: int, seconds: float, conns: int = CONNS
+) -> dict:
     """New conn/s and CPU per connection, user and system, without a tracer."""
-    m = bench.measured(proxy, lambda: bench.wrk(port, "/small", CONNS, seconds, close=True))
+    m = bench.measured(proxy, lambda: bench.wrk(port, "/small", conns, seconds, close=True))
     n = max(1, m.get("requests") or 1)
     util = m.get("util") or 0.0
     return {

@@ -4,7 +4,9 @@ wake-up, never more than REPOLL_ROUNDS per wake-up, and other tasks keep running
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import trio
 
@@ -25,23 +27,29 @@ class AlwaysReady:
         self.errors.append(exc)
 
 
+@contextlib.contextmanager
+def always_ready() -> Iterator[tuple[int, AlwaysReady]]:
+    """A pipe with a byte nobody reads, its read end listened to by an AlwaysReady."""
+    rfd, wfd = os.pipe()
+    os.write(wfd, b"x")
+    reader = AlwaysReady()
+    pump.reactor().listen(rfd, reader)
+    try:
+        yield rfd, reader
+    finally:
+        pump.reactor().unlisten(rfd, reader)
+        os.close(rfd)
+        os.close(wfd)
+
+
 def test_a_busy_reactor_polls_again_but_lets_other_tasks_run_every_few_batches():
     async def main() -> None:
-        reactor = pump.reactor()
-        rfd, wfd = os.pipe()
-        os.write(wfd, b"x")
-        reader = AlwaysReady()
-        reactor.listen(rfd, reader)
-        try:
+        with always_ready() as (_, reader):
             calls_between: list[int] = []
             for _ in range(50):  # another task's turns, each one scheduler round apart
                 before = reader.calls
                 await trio.lowlevel.checkpoint()
                 calls_between.append(reader.calls - before)
-        finally:
-            reactor.unlisten(rfd, reader)
-            os.close(rfd)
-            os.close(wfd)
         assert reader.errors == []
         # Served (the reactor's wake-ups poll again while a batch finds events) ...
         assert sum(calls_between) >= 50
@@ -58,19 +66,14 @@ def test_a_busy_reactor_polls_again_but_lets_other_tasks_run_every_few_batches()
 def test_unlisten_takes_a_reader_out_of_the_set_at_once():
     async def main() -> None:
         reactor = pump.reactor()
-        rfd, wfd = os.pipe()
-        os.write(wfd, b"x")
-        reader = AlwaysReady()
-        reactor.listen(rfd, reader)
-        await trio.sleep(0.01)
-        reactor.unlisten(rfd, reader)
-        reactor.unlisten(rfd, reader)  # idempotent
-        seen = reader.calls
-        await trio.sleep(0.05)
-        assert seen > 0
-        assert reader.calls == seen
-        assert reactor.epoll.poll(0) == []
-        os.close(rfd)
-        os.close(wfd)
+        with always_ready() as (rfd, reader):
+            await trio.sleep(0.01)
+            reactor.unlisten(rfd, reader)
+            reactor.unlisten(rfd, reader)  # idempotent
+            seen = reader.calls
+            await trio.sleep(0.05)
+            assert seen > 0
+            assert reader.calls == seen
+            assert reactor.epoll.poll(0) == []
 
     trio.run(main)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -96,24 +95,11 @@ def profiled(
     assert proxy.proc is not None
     data = work / f"perf-{proxy.name}-{conns}.data"
 
+    perf = ["perf", "record", "-F", "2999", "-g", "-o", str(data), "-p", str(proxy.proc.pid)]
+
     def body() -> dict[str, Any]:
-        rec = subprocess.Popen(
-            ["perf", "record", "-F", "2999", "-g", "-o", str(data), "-p", str(proxy.proc.pid)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            time.sleep(0.5)
+        with bp.attached(perf, settle=0.5, timeout=60):
             return bench.wrk(port, "/small", conns, seconds, close=True)
-        finally:
-            rec.send_signal(signal.SIGINT)
-            try:
-                rec.wait(60)
-            except subprocess.TimeoutExpired:
-                rec.kill()
-                rec.wait(5)
 
     m = bench.window(proxy, body)
     n = max(1, m.get("requests") or 1)

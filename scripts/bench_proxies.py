@@ -125,6 +125,30 @@ class Processes:
                 self.stop(proc)
 
 
+@contextlib.contextmanager
+def attached(argv: list[str], settle: float, timeout: float = 30.0) -> Iterator[None]:
+    """Run a tracer or profiler that attaches to a process (strace -p, perf record -p)
+    around the block: started, given `settle` seconds to attach, then SIGINT (detach
+    and write its output), waited for up to `timeout` seconds, killed if it hangs."""
+    tracer = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        time.sleep(settle)
+        yield
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        try:
+            tracer.wait(timeout)
+        except subprocess.TimeoutExpired:
+            tracer.kill()
+            tracer.wait(5)
+
+
 def run_client(argv: list[str], timeout: float) -> str:
     """Run a load generator to completion (bounded) and return its standard output."""
     proc = subprocess.Popen(

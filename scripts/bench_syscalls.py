@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -61,23 +59,9 @@ def traced(bench: bp.Bench, proxy: bp.Proxy, port: int, seconds: float, work: Pa
     """System calls by name per accepted connection, under new-connection load."""
     assert proxy.proc is not None
     target = work / f"strace-{proxy.name}.txt"
-    tracer = subprocess.Popen(
-        ["strace", "-c", "-f", "-q", "-o", str(target), "-p", str(proxy.proc.pid)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        time.sleep(1.0)  # attached to every thread
+    strace = ["strace", "-c", "-f", "-q", "-o", str(target), "-p", str(proxy.proc.pid)]
+    with bp.attached(strace, settle=1.0):  # 1 s: attached to every thread
         load = bench.wrk(port, "/small", CONNS, seconds, close=True)
-    finally:
-        tracer.send_signal(signal.SIGINT)  # detach and write the summary
-        try:
-            tracer.wait(30)
-        except subprocess.TimeoutExpired:
-            tracer.kill()
-            tracer.wait(5)
     calls = parse_strace_summary(target.read_text())
     accepted = sum(
         c["calls"] - c["errors"] for name, c in calls.items() if name in ("accept", "accept4")

@@ -95,6 +95,10 @@ class AcceptErrors:
         await trio.lowlevel.checkpoint()
         return True
 
+    def owner_failed(self, exc: Exception) -> None:
+        """The barrier: an owner's accept_client raised (it closed what it owned)."""
+        record("accept", exc, self.name)
+
     def recovered(self) -> None:
         if trio.current_time() - self.last_error >= ACCEPT_BURST_QUIET:
             self.log.info(
@@ -121,6 +125,55 @@ class Acceptor(Protocol):
     def accept_client(self) -> Callable[[int, Any, Spawn], object]: ...
 
 
+# accept_batch(fd, owner, spawn, most, failed) -> how many were accepted (see
+# _cpump.accept_batch): both accept loops' inner part.
+_AcceptBatch = Callable[[int, Acceptor, Spawn, int, Callable[[Exception], None]], int]
+
+
+def _accept_batch_for(sock: socket.socket, errors: AcceptErrors) -> _AcceptBatch:
+    """The accept batch for `sock`: up to `most` clients accepted and each handed to
+    ``owner.accept_client`` (read afresh: a reload may re-route the owner), an
+    exception in it given to `failed` (the barrier); the first accept's OSError is
+    raised (BlockingIOError: the backlog is empty), a later one ends the batch.
+
+    Compiled (issue 26): ``_cpump.accept_batch``, accept4 with SOCK_NONBLOCK, one C call
+    per batch. Pure: `_accept` is socket.accept() without the socket object (Python
+    frames, and a getsockname call CPython makes to check the descriptor): the data
+    plane works on descriptors, and an owner that wants a socket object makes one.
+    O_NONBLOCK with one fcntl, as HAProxy does (accept4's SOCK_NONBLOCK is not reachable
+    from the standard library)."""
+    if cpump is not None:
+        return cpump.accept_batch
+    accept = sock._accept  # type: ignore[attr-defined]  # CPython's accept4 wrapper
+    set_flags = fcntl.fcntl
+
+    def accept_batch(
+        fd: int, owner: Acceptor, spawn: Spawn, most: int, failed: Callable[[Exception], None]
+    ) -> int:
+        n = 0
+        while n < most:
+            try:
+                client, peer = accept()
+            except OSError:
+                if n == 0:
+                    raise
+                break  # the next batch meets it again, or the backlog is empty
+            n += 1
+            try:
+                set_flags(client, F_SETFL, O_NONBLOCK)
+            except OSError as exc:  # not expected from a fresh socket: drop it
+                errors.log.warning("%s: accepted socket: %s", errors.name, exc)
+                os.close(client)
+                continue
+            try:
+                owner.accept_client(client, peer, spawn)
+            except Exception as exc:
+                failed(exc)
+        return n
+
+    return accept_batch
+
+
 async def accept_loop(
     sock: socket.socket, owner: Acceptor, spawn: Spawn, errors: AcceptErrors
 ) -> None:
@@ -130,67 +183,13 @@ async def accept_loop(
     the loop cancels no connection). Returns when the socket is closed; cancel it to
     stop it otherwise."""
     # Accept on the plain socket, not trio's wrapper: trio's accept() costs two
-    # checkpoints (a scheduler round each) and a wrapper object per connection. We wait
-    # only when the backlog is empty, and let other tasks run every ACCEPT_BATCH
-    # connections so a flood cannot starve established ones. `_accept` is
-    # socket.accept() without the socket object (Python frames, and a getsockname call
-    # CPython makes to check the descriptor): the data plane works on descriptors, and
-    # an owner that wants a socket object makes one. O_NONBLOCK with one fcntl, as
-    # HAProxy does (accept4's SOCK_NONBLOCK is not reachable from the standard library);
-    # on the compiled path (issue 26) accept4 with SOCK_NONBLOCK, and no fcntl, a batch
-    # at a time in C (_accept_loop_c).
-    # This is the data plane's hot path: every name is a local.
+    # checkpoints (a scheduler round each) and a wrapper object per connection. A batch
+    # at a time (_accept_batch_for); we wait only when the backlog is empty, and let
+    # other tasks run after a full batch so a flood cannot starve established ones.
     sock.setblocking(False)
-    if cpump is not None:
-        await _accept_loop_c(sock.fileno(), owner, spawn, errors)
-        return
-    accept = sock._accept  # type: ignore[attr-defined]  # CPython's accept4 wrapper
-    set_flags = fcntl.fcntl
     fd = sock.fileno()
-    batch = 0
-    while True:
-        try:
-            client, peer = accept()
-        except BlockingIOError:
-            batch = 0
-            try:
-                await trio.lowlevel.wait_readable(fd)
-            except trio.ClosedResourceError:  # closed meanwhile (a reload)
-                return
-            continue
-        except OSError as exc:
-            if await errors.failed(exc):
-                continue
-            return  # the socket was closed
-        if errors.burst:
-            errors.recovered()
-        try:
-            set_flags(client, F_SETFL, O_NONBLOCK)
-        except OSError as exc:  # not expected from a fresh socket: drop it
-            errors.log.warning("%s: accepted socket: %s", errors.name, exc)
-            os.close(client)
-            continue
-        try:
-            owner.accept_client(client, peer, spawn)
-        except Exception as exc:  # the barrier: the owner closed what it owned
-            record("accept", exc, errors.name)
-        batch += 1
-        if batch >= ACCEPT_BATCH:
-            batch = 0
-            await trio.lowlevel.checkpoint()
-
-
-async def _accept_loop_c(fd: int, owner: Acceptor, spawn: Spawn, errors: AcceptErrors) -> None:
-    """accept_loop on the compiled path (issue 26): a batch of up to ACCEPT_BATCH
-    accepts is one C call (``_cpump.accept_batch``: accept4 with SOCK_NONBLOCK, then
-    ``owner.accept_client`` read afresh and called for each client, an exception in it
-    counted by the barrier); the waits, the back-off and the checkpoint stay here."""
-    assert cpump is not None
-    batch = cpump.accept_batch
-
-    def failed(exc: Exception) -> None:  # the barrier: the owner closed what it owned
-        record("accept", exc, errors.name)
-
+    batch = _accept_batch_for(sock, errors)
+    failed = errors.owner_failed
     while True:
         try:
             n = batch(fd, owner, spawn, ACCEPT_BATCH, failed)
@@ -230,14 +229,14 @@ class ReactorAcceptor:
     the supervisor -- would otherwise stay in the set after close).
     """
 
-    __slots__ = ("errors", "failure", "fd", "owner", "reactor", "sock", "spawn", "wake")
+    __slots__ = ("batch", "errors", "failure", "fd", "owner", "reactor", "spawn", "wake")
 
     def __init__(
         self, sock: socket.socket, owner: Acceptor, spawn: Spawn, errors: AcceptErrors
     ) -> None:
         sock.setblocking(False)
-        self.sock = sock
         self.fd = sock.fileno()
+        self.batch = _accept_batch_for(sock, errors)
         self.owner = owner
         self.spawn = spawn
         self.errors = errors
@@ -273,10 +272,7 @@ class ReactorAcceptor:
     def on_event(self, fd: int, events: int) -> None:
         """The reactor's report that clients are waiting: accept a batch."""
         try:
-            if cpump is not None:
-                cpump.accept_batch(fd, self.owner, self.spawn, ACCEPT_BATCH, self._failed)
-            else:
-                self._accept_batch()
+            self.batch(fd, self.owner, self.spawn, ACCEPT_BATCH, self.errors.owner_failed)
         except BlockingIOError:  # another process's accept took them (workers)
             return
         except OSError as exc:  # out of capacity, or closed: serve() decides
@@ -292,32 +288,3 @@ class ReactorAcceptor:
 
     def crashed(self, exc: BaseException) -> None:
         """The reactor's barrier (on_event lets nothing through but cancellation)."""
-
-    def _failed(self, exc: Exception) -> None:  # the barrier: the owner closed what it owned
-        record("accept", exc, self.errors.name)
-
-    def _accept_batch(self) -> int:
-        """_cpump.accept_batch on the pure path: accept + fcntl(O_NONBLOCK), as
-        accept_loop; raises the first accept's OSError, stops at a later one."""
-        accept = self.sock._accept  # type: ignore[attr-defined]  # CPython's accept4 wrapper
-        owner, spawn = self.owner, self.spawn
-        n = 0
-        while n < ACCEPT_BATCH:
-            try:
-                client, peer = accept()
-            except OSError:
-                if n == 0:
-                    raise
-                break  # the next batch meets it again, or the backlog is empty
-            n += 1
-            try:
-                fcntl.fcntl(client, F_SETFL, O_NONBLOCK)
-            except OSError as exc:  # not expected from a fresh socket: drop it
-                self.errors.log.warning("%s: accepted socket: %s", self.errors.name, exc)
-                os.close(client)
-                continue
-            try:
-                owner.accept_client(client, peer, spawn)
-            except Exception as exc:
-                self._failed(exc)
-        return n

@@ -2110,8 +2110,9 @@ cp_batch_fins(PyObject *crashed)
 /* -- the module's functions ------------------------------------------------------------ */
 
 PyDoc_STRVAR(dispatch_doc,
-    "dispatch(epfd, pumps, maxevents, crashed) -> number of events\n\n"
-    "One batch of the reactor: epoll_wait(epfd, maxevents, timeout 0), then for each\n"
+    "dispatch(epfd, pumps, maxevents, crashed[, timeout_ms]) -> number of events\n\n"
+    "One batch of the reactor: epoll_wait(epfd, maxevents, timeout_ms: 0 unless given;\n"
+    "the GIL is released while it blocks; a signal ends the wait with 0 events), then for each\n"
     "ready descriptor the pump `pumps` maps it to (skipped if none: ended earlier in the\n"
     "batch) handles its event as Pump.on_event does. An Exception met handling one pump\n"
     "goes to crashed(pump, exc) and the batch goes on.");
@@ -2138,9 +2139,15 @@ dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     /* METH_FASTCALL, the four arguments checked here: PyArg_ParseTuple's "iO!iO" was
      * 594 instructions per call, once per batch (callgrind, bench_reactor.py). */
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "dispatch() takes exactly 4 arguments (%zd given)", nargs);
+    if (nargs != 4 && nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "dispatch() takes 4 or 5 arguments (%zd given)", nargs);
         return NULL;
+    }
+    int timeout_ms = 0;
+    if (nargs == 5) {
+        timeout_ms = as_int(args[4]);
+        if (timeout_ms == -1 && PyErr_Occurred())
+            return NULL;
     }
     int epfd = as_int(args[0]);
     if (epfd == -1 && PyErr_Occurred())
@@ -2164,13 +2171,22 @@ dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     struct epoll_event evs[MAX_BATCH];
     int n;
     for (;;) {
-        n = epoll_wait(epfd, evs, maxevents, 0);
+        if (timeout_ms > 0) { /* waiting in trio's place (net/trio_wait.py): as trio does */
+            Py_BEGIN_ALLOW_THREADS
+            n = epoll_wait(epfd, evs, maxevents, timeout_ms);
+            Py_END_ALLOW_THREADS
+        } else
+            n = epoll_wait(epfd, evs, maxevents, 0);
         if (n >= 0)
             break;
         if (errno != EINTR)
             return PyErr_SetFromErrno(PyExc_OSError);
         if (PyErr_CheckSignals() < 0)
             return NULL;
+        if (timeout_ms > 0) { /* a signal: back to the caller (trio sees its wake-up) */
+            n = 0;
+            break;
+        }
     }
     in_batch = 1;
     n_batch_fins = 0;

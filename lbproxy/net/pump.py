@@ -13,12 +13,12 @@ close at about the same time (HTTP with ``Connection: close``) need no shutdown 
 
 How it works
 ------------
-Bytes are moved by one reactor per trio run: a system task waiting on one shared,
-level-triggered epoll set that holds both sockets of every connection being pumped
-(``_Reactor``). Each wake-up handles every socket that became ready since the last
-one, so trio's cost per wait (an ``epoll_ctl`` to re-arm, parking, rescheduling: ~7 us
-of Python) is paid once per batch, not once per chunk per connection -- the way
-HAProxy's and nginx's event loops work. A connection is a state machine (:class:`Pump`)
+Bytes are moved by one reactor per trio run: one shared, level-triggered epoll set
+that holds both sockets of every connection being pumped (``_Reactor``), served in
+batches by trio's own loop, in its wait (net/trio_wait.py), or else by a system task.
+Each batch handles every socket that became ready since the last one, so the cost of
+a wait is paid once per batch, not once per chunk per connection -- the way HAProxy's
+and nginx's event loops work. A connection is a state machine (:class:`Pump`)
 whose task, after ``start()``, parks in ``finished()`` until the reactor, the idle
 deadline or :meth:`Flow.close` sets its outcome: no nursery, no second task, no cancel
 scope; the idle timeout is an entry in the process-wide heap of deadlines.py.
@@ -95,6 +95,7 @@ import outcome
 import trio
 from trio.lowlevel import wait_readable
 
+from lbproxy.net import trio_wait
 from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
 from lbproxy.net.deadlines import Deadline, deadlines
@@ -1061,23 +1062,27 @@ class EventReader(Protocol):
 
 
 class _Reactor:
-    """One shared epoll set for every pump of a trio run, and the task that serves it.
+    """One shared epoll set for every pump of a trio run, and what serves it.
 
-    Each wake-up of the task handles every socket that became ready since the last one
-    (up to MAX_EVENTS), so trio's own cost per wait (an ``epoll_ctl`` to re-arm, parking
-    and rescheduling, ~7 us) is paid once per batch instead of once per chunk per
-    connection. That wait is also the task's checkpoint: other tasks run between two
-    batches, and a batch is bounded (MAX_EVENTS events, each at most _BURST chunks).
+    A batch handles every socket that became ready since the last one (up to
+    MAX_EVENTS, each at most _BURST chunks). Batches run in trio's loop itself
+    (net/trio_wait.py): one before each of trio's I/O checks, and, when trio has nothing
+    to run, in trio's place -- one epoll_wait on this set, which then also holds trio's
+    own descriptor -- so an idle-to-busy wake-up costs no trio round. Where trio's
+    internals are not the expected ones, or after a batch has failed, the reactor's
+    task serves the set instead: each of its wake-ups pays trio's cost per wait (an
+    ``epoll_ctl`` to re-arm, parking and rescheduling, ~7 us) once per batch, not once
+    per chunk per connection, and other tasks run between its wake-ups.
     """
 
     MAX_EVENTS = 256
-    # After a batch that had events, poll again at once, up to REPOLL_ROUNDS batches per
-    # wake-up: under load the next events are there already (the peers on the other
-    # core answered meanwhile), and an empty epoll_wait(0) costs well under a
-    # microsecond where a trio round (re-arming the epoll descriptor, parking,
-    # rescheduling, the scheduler's loop) costs several. Keep-alive load, strace -c
-    # (issue 26): trio's epoll_ctl per request 0.051 -> 0.019. Bounded, so other tasks
-    # still run at least every REPOLL_ROUNDS batches.
+    # When its task serves the set: after a batch that had events, poll again at once,
+    # up to REPOLL_ROUNDS batches per wake-up: under load the next events are there
+    # already (the peers on the other core answered meanwhile), and an empty
+    # epoll_wait(0) costs well under a microsecond where a trio round (re-arming the
+    # epoll descriptor, parking, rescheduling, the scheduler's loop) costs several.
+    # Keep-alive load, strace -c (issue 26): trio's epoll_ctl per request 0.051 ->
+    # 0.019. Bounded, so other tasks still run at least every REPOLL_ROUNDS batches.
     REPOLL_ROUNDS = 4
 
     def __init__(self) -> None:
@@ -1162,41 +1167,51 @@ class _Reactor:
                 self.epoll.unregister(fd)
 
     async def _run(self) -> None:
-        epfd = self.epoll.fileno()
-        poll = self.epoll.poll
-        pumps = self.pumps
-        fins = self.fins
-        rounds = self.REPOLL_ROUNDS
+        # One batch: the C one (lbproxy/net/_cpump.c) or the same in Python.
+        batch = self._compiled_batch if cpump is not None else self._pure_batch
+        # Served by trio's loop in its own wait (net/trio_wait.py), or else by this task.
+        waiter = trio_wait.install(batch, self.epoll, self.pumps)
         try:
-            if cpump is not None:  # the same batch in C (lbproxy/net/_cpump.c)
-                dispatch, crashed, most = cpump.dispatch, self._crashed, self.MAX_EVENTS
-                while True:
-                    await wait_readable(epfd)
-                    for _ in range(rounds):
-                        n = dispatch(epfd, pumps, most, crashed)
-                        if fins:
-                            self._send_fins()
-                        if not n:
-                            break
+            if waiter is not None:
+                try:
+                    await waiter.parked()  # returns only if the hook gave the set back
+                except Exception as exc:  # a batch raised past the per-connection barrier
+                    record("pump", exc, "a reactor batch (its task serves the set from now on)")
+            epfd, rounds = self.epfd, self.REPOLL_ROUNDS
             while True:
                 await wait_readable(epfd)
                 for _ in range(rounds):
-                    ready = poll(0, self.MAX_EVENTS)
-                    for fd, events in ready:
-                        p = pumps.get(fd)
-                        if p is None:  # ended earlier in this batch
-                            continue
-                        try:
-                            p.on_event(fd, events)
-                        except Exception as exc:  # a bug: end that connection, not the reactor
-                            self._crashed(p, exc)
-                    if fins:
-                        self._send_fins()
-                    if not ready:
+                    if not batch(0):
                         break
         finally:  # the run is over (system tasks are cancelled last)
-            trio.lowlevel.notify_closing(epfd)
+            if waiter is not None:
+                waiter.close()  # before the set it reads is closed
+            trio.lowlevel.notify_closing(self.epfd)
             self.epoll.close()
+
+    def _compiled_batch(self, timeout_ms: int) -> int:
+        """One batch: wait up to `timeout_ms` (0: not at all) and handle what is ready."""
+        assert cpump is not None
+        n: int = cpump.dispatch(self.epfd, self.pumps, self.MAX_EVENTS, self._crashed, timeout_ms)
+        if self.fins:
+            self._send_fins()
+        return n
+
+    def _pure_batch(self, timeout_ms: int) -> int:
+        """`_compiled_batch` in Python."""
+        ready = self.epoll.poll(timeout_ms / 1000.0, self.MAX_EVENTS)
+        pumps = self.pumps
+        for fd, events in ready:
+            p = pumps.get(fd)
+            if p is None:  # ended earlier in this batch
+                continue
+            try:
+                p.on_event(fd, events)
+            except Exception as exc:  # a bug: end that connection, not the reactor
+                self._crashed(p, exc)
+        if self.fins:
+            self._send_fins()
+        return len(ready)
 
     def _send_fins(self) -> None:
         fins = self.fins.copy()

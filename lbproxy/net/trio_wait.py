@@ -1,0 +1,194 @@
+"""The pump reactor waits in trio's place: one epoll_wait when trio has nothing to run.
+
+The reactor (pump.py) keeps every pumped socket in its own epoll set. Served as a trio
+task, each wake-up costs a trio round -- trio's epoll_wait reporting the set's
+descriptor, rescheduling the task, stepping it, the task's ``epoll_ctl`` to re-arm --
+about 5 us of Python. A proxy that is busy but not saturated goes idle between most
+bursts, so keep-alive traffic paid that round 0.22 times a request, half of lbproxy's
+user time per request (perf's syscall tracepoints, issue 26; docs/benchmarks.md).
+
+Instead, trio's loop calls `TrioWait.before_io_wait` -- trio's public instrument hook
+(`trio.abc.Instrument`), called just before trio blocks for I/O, with the time it is
+about to block. With nothing runnable trio would only wait; the reactor waits instead,
+in C, on its own set, which also holds trio's epoll descriptor, and moves bytes and
+accepts clients as they come. It gives the loop back to trio, which then waits without
+blocking, as soon as trio has reason to run:
+
+* trio's own descriptor is ready (a socket a task waits on; trio's wake-up socket,
+  which signals and other threads write to);
+* a batch made a task runnable (a connection that must wait gets its task, an Event is
+  set), or moved trio's next deadline earlier;
+* trio's timeout is over (the next deadline; a test's ``wait_all_tasks_blocked``
+  cushion or autojump threshold).
+
+In the last two cases trio's own wait would still block for the whole timeout it
+computed before the hook, so the reactor wakes it (``force_wakeup``, the wake-up socket
+trio itself uses for signals) -- except when the timeout is a test's idle priming, which
+a wake-up would defeat (trio idles only on a wait that saw no event); trio then waits
+that short time on its own, and the reactor's set with it, as a task would have.
+
+When trio is busy (timeout 0) the hook runs one batch without blocking, so the
+reactor is served once per trio round, as its task was.
+
+This reads three of trio's internals, the run's Runner (``runq``, ``deadlines``,
+``waiting_for_idle``, ``clock_autojump_threshold``) and its epoll I/O manager
+(``_epoll``, ``force_wakeup``), of the trio versions pyproject.toml allows; `install`
+returns None where they are not as expected, and the reactor stays a task. A batch
+that raises (a bug past the per-connection barrier) takes the hook out and hands the
+reactor back to its task, which goes on serving the set (``TrioWait.parked``).
+
+(HAProxy's and nginx's event loops are the model: one wait per wake-up, for every
+descriptor the process watches.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import select
+import time
+from collections.abc import Callable
+from typing import Any
+
+import outcome
+import trio
+
+__all__ = ["TrioWait", "install"]
+
+# A batch: block up to this many milliseconds (0: do not block) for the reactor's
+# events, handle them, return how many there were.
+Batch = Callable[[int], int]
+
+
+class _TrioReady:
+    """The reader of trio's own epoll descriptor in the reactor's set: it only notes
+    that trio has events (trio's own wait, right after, takes them)."""
+
+    __slots__ = ("fired",)
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def on_event(self, fd: int, events: int) -> None:
+        self.fired = True
+
+    def crashed(self, exc: BaseException) -> None:  # an EventReader's; on_event cannot raise
+        pass
+
+
+class TrioWait(trio.abc.Instrument):
+    """The hook, installed for one trio run and one reactor (see the module's doc)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        batch: Batch,
+        epoll: select.epoll,
+        readers: dict[int, Any],
+    ) -> None:
+        self._runner = runner
+        self._runq = runner.runq
+        self._next_deadline = runner.deadlines.next_deadline
+        self._sleep_time = runner.clock.deadline_to_sleep_time
+        self._wake = runner.io_manager.force_wakeup
+        self._batch = batch
+        self._epoll = epoll
+        self._readers = readers
+        self._trio_fd = runner.io_manager._epoll.fileno()
+        self._ready = _TrioReady()
+        self._task: Any = None  # the reactor's task while it is parked
+        self._given_back: outcome.Outcome[None] | None = None
+        epoll.register(self._trio_fd, select.EPOLLIN)
+        readers[self._trio_fd] = self._ready
+        trio.lowlevel.add_instrument(self)
+
+    def before_io_wait(self, timeout: float) -> None:
+        try:
+            if timeout <= 0:
+                self._batch(0)
+                return
+            self._wait(timeout)
+        except BaseException as exc:  # an instrument that raises is dropped by trio
+            self._give_back(outcome.Error(exc))
+            self._wake()  # the reactor's task is runnable: trio must not block
+
+    def _wait(self, timeout: float) -> None:
+        ready, runq, batch, clock = self._ready, self._runq, self._batch, time.monotonic
+        end = clock() + timeout
+        ready.fired = False
+        while True:
+            left = min(end - clock(), self._sleep_time(self._next_deadline()))
+            if left <= 0:
+                break
+            # Rounded up, as trio's own epoll wait rounds: never back before the deadline.
+            batch(min(math.ceil(left * 1000.0), 86_400_000))
+            if ready.fired:
+                return  # trio's own wait sees its events at once
+            if runq:
+                break
+        runner = self._runner
+        if not runner.waiting_for_idle and runner.clock_autojump_threshold == math.inf:
+            self._wake()  # trio's wait would otherwise block its whole timeout again
+
+    def _give_back(self, result: outcome.Outcome[None]) -> None:
+        """Take the hook out and hand the reactor back to its task (once)."""
+        if self._given_back is not None:
+            return
+        self._given_back = result
+        trio.lowlevel.remove_instrument(self)
+        if self._readers.get(self._trio_fd) is self._ready:
+            del self._readers[self._trio_fd]
+        # The task will wait on the reactor's descriptor in trio's set: trio's own
+        # descriptor must leave the reactor's first (epoll refuses a loop, ELOOP).
+        with contextlib.suppress(OSError, ValueError):  # the set is closed already
+            self._epoll.unregister(self._trio_fd)
+        if self._task is not None:
+            task, self._task = self._task, None
+            trio.lowlevel.reschedule(task, result)
+
+    async def parked(self) -> None:
+        """The reactor task's wait while the hook serves the set: returns if the hook
+        gave the reactor back after a batch raised an Exception (re-raised in the
+        task if it was not an Exception: KeyboardInterrupt, say). Cancelled at the
+        end of the run (a system task), it takes the hook out first."""
+        if self._given_back is None:
+            self._task = trio.lowlevel.current_task()
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self._task = None
+                self._give_back(outcome.Value(None))
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        else:
+            await trio.lowlevel.checkpoint()
+        assert self._given_back is not None
+        self._given_back.unwrap()
+
+    def close(self) -> None:
+        """Take the hook out (idempotent): before the reactor's set is closed."""
+        self._give_back(outcome.Value(None))
+
+
+def install(batch: Batch, epoll: select.epoll, readers: dict[int, Any]) -> TrioWait | None:
+    """Install the hook for the current trio run, or None where trio's internals are
+    not the ones this module reads (then the reactor stays a task)."""
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT  # an internal: checked here
+
+        runner = GLOBAL_RUN_CONTEXT.runner
+        manager = runner.io_manager
+        if runner.is_guest or not isinstance(manager._epoll, select.epoll):
+            return None
+        for needed in (
+            runner.runq,
+            runner.deadlines.next_deadline,
+            runner.clock.deadline_to_sleep_time,
+            manager.force_wakeup,
+        ):
+            assert needed is not None
+        runner.waiting_for_idle  # noqa: B018  # read on every expiry: present
+        runner.clock_autojump_threshold  # noqa: B018
+    except (ImportError, AttributeError, AssertionError):
+        return None
+    return TrioWait(runner, batch, epoll, readers)

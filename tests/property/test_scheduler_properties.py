@@ -48,14 +48,25 @@ def online(rs) -> bool:
     return rs.state == ENABLED and rs.health.up and rs.effective_weight > 0
 
 
+def has_room(rs) -> bool:
+    return rs.max_connections == 0 or rs.active < rs.max_connections
+
+
 def must_be_available(pool: Pool, rs) -> bool:
-    # a backup only while no primary is online (SPEC §13), full or not
-    primaries_online = any(online(s) and not s.backup for s in pool.servers)
-    return (
-        online(rs)
-        and (rs.max_connections == 0 or rs.active < rs.max_connections)
-        and not (rs.backup and primaries_online)
-    )
+    # a backup only while no primary is available: a primary at its max_connections is
+    # not (SPEC §3, §13, §16: backups serve while every primary is full)
+    primaries_available = any(online(s) and has_room(s) and not s.backup for s in pool.servers)
+    return online(rs) and has_room(rs) and not (rs.backup and primaries_available)
+
+
+def assert_heap_keys_current(pool: Pool) -> None:
+    """A heap scheduler's heap holds each available server at the key its key() gives
+    now: the inline fast paths of take and drop (rr, wrr; the aliases of _rekey) must
+    not drift from key()."""
+    scheduler = pool.scheduler
+    if isinstance(scheduler, schedulers.HeapScheduler):
+        for rs, entry in scheduler.heap.entries.items():
+            assert entry[:-2] == scheduler.key(rs), (scheduler.name, rs.name)
 
 
 def build(scheduler: str, options: list[dict], persistence: bool = False) -> Pool:
@@ -109,6 +120,7 @@ def test_never_picks_an_unavailable_server_and_none_only_when_none_is_available(
                 assert pool.set_weight(rs, op[2], now) is None
             else:
                 pool.report_value(rs, op[2], now)
+        assert_heap_keys_current(pool)
     # the counts stay true whatever happened
     for rs in pool.servers:
         assert rs.active == sum(1 for lease in leases if lease.server is rs)

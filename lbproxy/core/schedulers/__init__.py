@@ -298,8 +298,9 @@ class HeapScheduler(Scheduler):
         return self.heap.min(avoid)  # type: ignore[return-value]  # the heap holds RealServers only
 
     def _rekey(self, rs: RealServer) -> None:
-        if rs in self.heap:
-            self.heap.set(rs, self.key(rs))
+        heap = self.heap
+        if rs in heap.entries:
+            heap.set(rs, self.key(rs))
 
     def on_available(self, rs: RealServer, now: float) -> None:
         self.heap.set(rs, self.key(rs))

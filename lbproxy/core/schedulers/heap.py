@@ -19,7 +19,7 @@ increasing, breaks exact key ties so items themselves are never compared.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, heapreplace
 from itertools import count
 from typing import Any
 
@@ -30,38 +30,47 @@ _STALE_SLACK = 32
 
 
 class KeyedHeap:
-    __slots__ = ("_entries", "_heap", "_ticks")
+    __slots__ = ("_heap", "_ticks", "entries")
 
     def __init__(self) -> None:
         self._heap: list[tuple[Any, ...]] = []
-        self._entries: dict[Hashable, tuple[Any, ...]] = {}  # the live entry of each item
+        # The live entry of each item; read-only outside this class (`item in
+        # heap.entries` is `item in heap` without __contains__'s Python frame).
+        self.entries: dict[Hashable, tuple[Any, ...]] = {}
         self._ticks = count()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     def __contains__(self, item: Hashable) -> bool:
-        return item in self._entries
+        return item in self.entries
 
     def key(self, item: Hashable) -> tuple[Any, ...]:
-        return self._entries[item][:-2]
+        return self.entries[item][:-2]
 
     def set(self, item: Hashable, key: tuple[Any, ...]) -> None:
         """Insert `item` with `key` (a tuple), or move it to `key` if it is already here."""
         entry = (*key, next(self._ticks), item)
-        self._entries[item] = entry
+        entries = self.entries
+        old = entries.get(item)
+        entries[item] = entry
         heap = self._heap
+        if heap and old is not None and heap[0] is old:
+            # The item on top (a take re-keys the server just picked): replaced in one
+            # sift, leaving no stale entry for the next pick to pop.
+            heapreplace(heap, entry)
+            return
         heappush(heap, entry)
-        if len(heap) > _STALE_FACTOR * len(self._entries) + _STALE_SLACK:
-            self._heap = list(self._entries.values())
+        if len(heap) > _STALE_FACTOR * len(entries) + _STALE_SLACK:
+            self._heap = list(self.entries.values())
             heapify(self._heap)
 
     def discard(self, item: Hashable) -> None:
-        self._entries.pop(item, None)  # its entries in the heap are stale from now on
+        self.entries.pop(item, None)  # its entries in the heap are stale from now on
 
     def clear(self) -> None:
         self._heap.clear()
-        self._entries.clear()
+        self.entries.clear()
 
     def min(self, avoid: Collection[Hashable] = ()) -> Hashable | None:
         """The item with the smallest key that is not in `avoid`, or None.
@@ -69,6 +78,12 @@ class KeyedHeap:
         Avoided items (at most the few servers a connection already failed on) are
         taken off the top, the minimum read, and they are put back.
         """
+        heap = self._heap
+        if heap and not avoid:  # the common case, inline: a live entry on top
+            entry = heap[0]
+            item: Hashable = entry[-1]
+            if self.entries.get(item) is entry:
+                return item
         top = self._top()
         if top is None or top[-1] not in avoid:
             return None if top is None else top[-1]
@@ -81,10 +96,10 @@ class KeyedHeap:
         return None if top is None else top[-1]
 
     def items(self) -> list[Hashable]:
-        return list(self._entries)
+        return list(self.entries)
 
     def _top(self) -> tuple[Any, ...] | None:
-        heap, entries = self._heap, self._entries
+        heap, entries = self._heap, self.entries
         while heap:
             entry = heap[0]
             if entries.get(entry[-1]) is entry:

@@ -67,11 +67,22 @@ class WeightedRoundRobin(HeapScheduler):
         super().on_weight(rs, old, now)
 
     def on_take(self, rs: RealServer, now: float) -> None:
-        if rs not in self.base:  # taken while not available (e.g. the last slot filled)
+        base = self.base.get(rs)
+        if base is None:  # taken while not available (e.g. the last slot filled)
             return
-        self.now_virtual = max(self.now_virtual, self.deadline(rs))
-        self.picks[rs] += 1
-        self._rekey(rs)
+        # deadline() before and after the pick, inline (once per connection: 6 Python
+        # frames fewer than through deadline() and key();
+        # tests/property/test_scheduler_properties.py checks that the heap's key is
+        # key() after every operation).
+        weight = self.weight(rs)
+        picks = self.picks[rs]
+        deadline = base + (picks + 0.5) / weight
+        if deadline > self.now_virtual:
+            self.now_virtual = deadline
+        self.picks[rs] = picks + 1
+        heap = self.heap
+        if rs in heap.entries:
+            heap.set(rs, (base + (picks + 1.5) / weight, rs.index))
 
     def on_sticky_take(self, rs: RealServer, now: float) -> None:
         pass  # a persistence hit is not a turn: the rotation stays where it is

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import math
 import os
@@ -1167,10 +1168,16 @@ class _Reactor:
                 self.epoll.unregister(fd)
 
     async def _run(self) -> None:
-        # One batch: the C one (lbproxy/net/_cpump.c) or the same in Python.
-        batch = self._compiled_batch if cpump is not None else self._pure_batch
+        # One batch: the C one (lbproxy/net/_cpump.c; a partial, no Python frame) or the
+        # same in Python; either leaves the FINs it read to _send_fins.
+        batch: Callable[[int], int] = (
+            functools.partial(cpump.dispatch, self.epfd, self.pumps, self.MAX_EVENTS, self._crashed)
+            if cpump is not None
+            else self._pure_batch
+        )
+        fins, send_fins = self.fins, self._send_fins
         # Served by trio's loop in its own wait (net/trio_wait.py), or else by this task.
-        waiter = trio_wait.install(batch, self.epoll, self.pumps)
+        waiter = trio_wait.install(batch, fins, send_fins, self.epoll, self.pumps)
         try:
             if waiter is not None:
                 try:
@@ -1181,7 +1188,10 @@ class _Reactor:
             while True:
                 await wait_readable(epfd)
                 for _ in range(rounds):
-                    if not batch(0):
+                    n = batch(0)
+                    if fins:
+                        send_fins()
+                    if not n:
                         break
         finally:  # the run is over (system tasks are cancelled last)
             if waiter is not None:
@@ -1189,16 +1199,9 @@ class _Reactor:
             trio.lowlevel.notify_closing(self.epfd)
             self.epoll.close()
 
-    def _compiled_batch(self, timeout_ms: int) -> int:
-        """One batch: wait up to `timeout_ms` (0: not at all) and handle what is ready."""
-        assert cpump is not None
-        n: int = cpump.dispatch(self.epfd, self.pumps, self.MAX_EVENTS, self._crashed, timeout_ms)
-        if self.fins:
-            self._send_fins()
-        return n
-
     def _pure_batch(self, timeout_ms: int) -> int:
-        """`_compiled_batch` in Python."""
+        """One batch: wait up to `timeout_ms` (0: not at all) and handle what is ready
+        (cpump.dispatch in Python); the FINs it read are left in self.fins."""
         ready = self.epoll.poll(timeout_ms / 1000.0, self.MAX_EVENTS)
         pumps = self.pumps
         for fd, events in ready:
@@ -1209,8 +1212,6 @@ class _Reactor:
                 p.on_event(fd, events)
             except Exception as exc:  # a bug: end that connection, not the reactor
                 self._crashed(p, exc)
-        if self.fins:
-            self._send_fins()
         return len(ready)
 
     def _send_fins(self) -> None:

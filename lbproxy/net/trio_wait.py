@@ -52,6 +52,7 @@ from typing import Any
 
 import outcome
 import trio
+from trio._core._run import SystemClock  # trio's own clock (an internal, as below)
 
 __all__ = ["TrioWait", "install"]
 
@@ -83,15 +84,23 @@ class TrioWait(trio.abc.Instrument):
         self,
         runner: Any,
         batch: Batch,
+        fins: list[Any],
+        send_fins: Callable[[], None],
         epoll: select.epoll,
         readers: dict[int, Any],
     ) -> None:
         self._runner = runner
         self._runq = runner.runq
         self._next_deadline = runner.deadlines.next_deadline
-        self._sleep_time = runner.clock.deadline_to_sleep_time
+        clock = runner.clock
+        self._sleep_time = clock.deadline_to_sleep_time
+        # trio's own clock reads offset + perf_counter(): the time left to a deadline is
+        # computed here without its two Python frames, once per batch.
+        self._offset: float | None = clock.offset if type(clock) is SystemClock else None
         self._wake = runner.io_manager.force_wakeup
         self._batch = batch
+        self._fins = fins  # FINs a batch read, passed on after it (pump.py's Pump)
+        self._send_fins = send_fins
         self._epoll = epoll
         self._readers = readers
         self._trio_fd = runner.io_manager._epoll.fileno()
@@ -106,6 +115,8 @@ class TrioWait(trio.abc.Instrument):
         try:
             if timeout <= 0:
                 self._batch(0)
+                if self._fins:
+                    self._send_fins()
                 return
             self._wait(timeout)
         except BaseException as exc:  # an instrument that raises is dropped by trio
@@ -113,15 +124,24 @@ class TrioWait(trio.abc.Instrument):
             self._wake()  # the reactor's task is runnable: trio must not block
 
     def _wait(self, timeout: float) -> None:
-        ready, runq, batch, clock = self._ready, self._runq, self._batch, time.monotonic
-        end = clock() + timeout
+        ready, runq, batch, fins = self._ready, self._runq, self._batch, self._fins
+        next_deadline, offset, now = self._next_deadline, self._offset, time.perf_counter
+        end = now() + timeout
         ready.fired = False
         while True:
-            left = min(end - clock(), self._sleep_time(self._next_deadline()))
+            # The time left: to the end of trio's timeout, or to trio's next deadline if a
+            # batch has brought one nearer.
+            deadline = next_deadline()
+            if offset is not None:
+                left = min(end, deadline - offset) - now()
+            else:
+                left = min(end - now(), self._sleep_time(deadline))
             if left <= 0:
                 break
             # Rounded up, as trio's own epoll wait rounds: never back before the deadline.
             batch(min(math.ceil(left * 1000.0), 86_400_000))
+            if fins:
+                self._send_fins()
             if ready.fired:
                 return  # trio's own wait sees its events at once
             if runq:
@@ -170,9 +190,16 @@ class TrioWait(trio.abc.Instrument):
         self._give_back(outcome.Value(None))
 
 
-def install(batch: Batch, epoll: select.epoll, readers: dict[int, Any]) -> TrioWait | None:
+def install(
+    batch: Batch,
+    fins: list[Any],
+    send_fins: Callable[[], None],
+    epoll: select.epoll,
+    readers: dict[int, Any],
+) -> TrioWait | None:
     """Install the hook for the current trio run, or None where trio's internals are
-    not the ones this module reads (then the reactor stays a task)."""
+    not the ones this module reads (then the reactor stays a task). `batch(timeout_ms)`
+    handles one batch; `send_fins()` passes on the FINs it left in `fins`."""
     try:
         from trio._core._run import GLOBAL_RUN_CONTEXT  # an internal: checked here
 
@@ -191,4 +218,4 @@ def install(batch: Batch, epoll: select.epoll, readers: dict[int, Any]) -> TrioW
         runner.clock_autojump_threshold  # noqa: B018
     except (ImportError, AttributeError, AssertionError):
         return None
-    return TrioWait(runner, batch, epoll, readers)
+    return TrioWait(runner, batch, fins, send_fins, epoll, readers)

@@ -246,23 +246,49 @@ def test_wait_all_tasks_blocked_still_sees_the_run_idle(served_by):
     trio.run(main)
 
 
+def test_another_clock_keeps_its_timers_and_its_autojump(served_by):
+    """trio's loop with a clock of its own (trio.testing.MockClock): at rate 1 a timer
+    rings on time while the reactor waits; with autojump_threshold, trio still jumps
+    the clock once idle that long (the reactor does not wake it)."""
+
+    async def on_time() -> None:
+        with reading() as (writer, reader):
+            write_later(writer, b"x", 0.02)
+            started = time.monotonic()
+            await trio.sleep(0.5)
+            assert 0.5 <= time.monotonic() - started < 0.9
+            assert [data for _, data in reader.got] == [b"x"]
+
+    trio.run(on_time, clock=trio.testing.MockClock(rate=1.0))
+
+    async def jumps() -> None:
+        with reading():
+            started = time.monotonic()
+            with trio.fail_after(1000):
+                await trio.sleep(100)  # in the clock's time: it jumps there
+            assert time.monotonic() - started < 2
+
+    trio.run(jumps, clock=trio.testing.MockClock(autojump_threshold=0.05))
+
+
 def test_a_batch_that_fails_hands_the_set_to_the_reactors_task(monkeypatch):
     """A bug past the per-connection barrier (a batch that raises): counted once, and
     the reactor's task serves the set from then on; nothing else is lost."""
     failed: list[int] = []
-    compiled, pure = pump._Reactor._compiled_batch, pump._Reactor._pure_batch
+    install = trio_wait.install
 
     def failing_once(batch):
-        def run(self, timeout_ms: int) -> int:
+        def run(timeout_ms: int) -> int:
             if not failed:
                 failed.append(timeout_ms)
                 raise RuntimeError("a bug in a batch")
-            return batch(self, timeout_ms)
+            return batch(timeout_ms)
 
         return run
 
-    monkeypatch.setattr(pump._Reactor, "_compiled_batch", failing_once(compiled))
-    monkeypatch.setattr(pump._Reactor, "_pure_batch", failing_once(pure))
+    monkeypatch.setattr(
+        trio_wait, "install", lambda batch, *args: install(failing_once(batch), *args)
+    )
 
     async def main() -> None:
         steps = Steps()

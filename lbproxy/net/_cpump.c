@@ -20,6 +20,7 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <math.h>
 #include <limits.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -2134,6 +2135,81 @@ call_on_event(PyObject *p, int fd, uint32_t events)
     return 0;
 }
 
+/* Handle one batch's events, as Pump.on_event does per ready descriptor (the pump
+ * `pumps` maps it to; skipped if none: ended earlier in the batch), an Exception met
+ * handling one going to crashed(pump, exc); then the FINs read in it are passed on.
+ * An event on `trio_fd` (-1: none) only sets *trio_ready. 0, or -1 with an exception
+ * set (not an Exception: Cancelled, KeyboardInterrupt; or crashed() failed). */
+static int
+handle_events(struct epoll_event *evs, int n, PyObject *pumps, PyObject *crashed, int trio_fd,
+              int *trio_ready)
+{
+    in_batch = 1;
+    n_batch_fins = 0;
+    for (int i = 0; i < n; i++) {
+        int fd = evs[i].data.fd;
+        if (fd == trio_fd) { /* trio's own descriptor (wait()): trio's wait takes its events */
+            *trio_ready = 1;
+            continue;
+        }
+        PyObject *key = fd_key(fd);
+        if (key == NULL)
+            goto fail;
+        /* borrowed. hash(fd) is fd (an int from 0 to 2**61 - 2 is its own hash): the hash
+         * PyDict_GetItemWithError would compute, 75 instructions for an int (callgrind) */
+        PyObject *p = fd >= 0 ? _PyDict_GetItem_KnownHash(pumps, key, (Py_hash_t)fd)
+                              : PyDict_GetItemWithError(pumps, key);
+        Py_DECREF(key);
+        if (p == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue; /* ended earlier in this batch */
+        }
+        Py_INCREF(p);
+        int r;
+        if (Py_IS_TYPE(p, &CPump_Type))
+            r = cp_on_event((CPump *)p, fd, evs[i].events);
+        else if (pump_type != NULL && PyObject_TypeCheck(p, pump_type))
+            r = on_event(p, fd, evs[i].events);
+        else /* another reader of the set (a listening socket's acceptor): its method */
+            r = call_on_event(p, fd, evs[i].events);
+        if (r < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* Cancelled, KeyboardInterrupt */
+                Py_DECREF(p);
+                goto fail;
+            }
+            /* the barrier: a bug ends that connection, not the reactor */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb != NULL && value != NULL)
+                PyException_SetTraceback(value, tb);
+            PyObject *rc = PyObject_CallFunctionObjArgs(crashed, p, value ? value : Py_None, NULL);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (rc == NULL) {
+                Py_DECREF(p);
+                goto fail;
+            }
+            Py_DECREF(rc);
+        }
+        Py_DECREF(p);
+    }
+    in_batch = 0;
+    return cp_batch_fins(crashed) < 0 ? -1 : 0;
+fail:
+    in_batch = 0;
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (cp_batch_fins(crashed) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    return -1;
+}
+
 static PyObject *
 dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2188,68 +2264,110 @@ dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
     }
-    in_batch = 1;
-    n_batch_fins = 0;
-    for (int i = 0; i < n; i++) {
-        int fd = evs[i].data.fd;
-        PyObject *key = fd_key(fd);
-        if (key == NULL)
-            goto fail;
-        /* borrowed. hash(fd) is fd (an int from 0 to 2**61 - 2 is its own hash): the hash
-         * PyDict_GetItemWithError would compute, 75 instructions for an int (callgrind) */
-        PyObject *p = fd >= 0 ? _PyDict_GetItem_KnownHash(pumps, key, (Py_hash_t)fd)
-                              : PyDict_GetItemWithError(pumps, key);
-        Py_DECREF(key);
-        if (p == NULL) {
-            if (PyErr_Occurred())
-                goto fail;
-            continue; /* ended earlier in this batch */
-        }
-        Py_INCREF(p);
-        int r;
-        if (Py_IS_TYPE(p, &CPump_Type))
-            r = cp_on_event((CPump *)p, fd, evs[i].events);
-        else if (pump_type != NULL && PyObject_TypeCheck(p, pump_type))
-            r = on_event(p, fd, evs[i].events);
-        else /* another reader of the set (a listening socket's acceptor): its method */
-            r = call_on_event(p, fd, evs[i].events);
-        if (r < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* Cancelled, KeyboardInterrupt */
-                Py_DECREF(p);
-                goto fail;
-            }
-            /* the barrier: a bug ends that connection, not the reactor */
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            if (tb != NULL && value != NULL)
-                PyException_SetTraceback(value, tb);
-            PyObject *rc = PyObject_CallFunctionObjArgs(crashed, p, value ? value : Py_None, NULL);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            if (rc == NULL) {
-                Py_DECREF(p);
-                goto fail;
-            }
-            Py_DECREF(rc);
-        }
-        Py_DECREF(p);
-    }
-    in_batch = 0;
-    if (cp_batch_fins(crashed) < 0)
+    int trio_ready = 0;
+    if (handle_events(evs, n, pumps, crashed, -1, &trio_ready) < 0)
         return NULL;
     return PyLong_FromLong(n);
-fail:
-    in_batch = 0;
-    {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (cp_batch_fins(crashed) < 0)
-            PyErr_Clear();
-        PyErr_Restore(type, value, tb);
+}
+
+PyDoc_STRVAR(wait_doc,
+    "wait(epfd, pumps, maxevents, crashed, trio_fd, timeout, offset, next_deadline, runq,\n"
+    "     fins, send_fins) -> bool\n\n"
+    "The reactor waiting in trio's place (lbproxy/net/trio_wait.py's loop, in C, for trio's\n"
+    "SystemClock: its time is `offset` + CLOCK_MONOTONIC): batches as dispatch() makes them,\n"
+    "each waiting (GIL released) until `timeout` seconds from now or next_deadline(), called\n"
+    "before each, whichever comes first; send_fins() after a batch that left FINs in `fins`.\n"
+    "True as soon as a batch saw `trio_fd` ready; False once the time is over or `runq` is\n"
+    "not empty (a batch made a task runnable).");
+
+static PyObject *
+cp_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 11) {
+        PyErr_Format(PyExc_TypeError, "wait() takes exactly 11 arguments (%zd given)", nargs);
+        return NULL;
     }
-    return NULL;
+    int epfd = as_int(args[0]);
+    if (epfd == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *pumps = args[1];
+    if (!PyDict_Check(pumps)) {
+        PyErr_Format(PyExc_TypeError, "wait() argument 2 must be dict, not %.50s",
+                     Py_TYPE(pumps)->tp_name);
+        return NULL;
+    }
+    int maxevents = as_int(args[2]);
+    if (maxevents == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *crashed = args[3];
+    int trio_fd = as_int(args[4]);
+    if (trio_fd == -1 && PyErr_Occurred())
+        return NULL;
+    double timeout = PyFloat_AsDouble(args[5]);
+    double offset = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *next_deadline = args[7], *runq = args[8], *fins = args[9], *send_fins = args[10];
+    if (!PyList_Check(fins)) {
+        PyErr_SetString(PyExc_TypeError, "wait() argument 10 must be a list");
+        return NULL;
+    }
+    if (module_dict == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
+        return NULL;
+    }
+    if (maxevents < 1 || maxevents > MAX_BATCH)
+        maxevents = MAX_BATCH;
+    struct epoll_event evs[MAX_BATCH];
+    double now;
+    if (cp_native_seconds(offset, &now) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    double end = now + timeout;
+    for (;;) {
+        /* trio's next deadline, again before every wait: a batch may have moved one */
+        PyObject *d = PyObject_CallNoArgs(next_deadline);
+        if (d == NULL)
+            return NULL;
+        double deadline = PyFloat_AsDouble(d);
+        Py_DECREF(d);
+        if (deadline == -1.0 && PyErr_Occurred())
+            return NULL;
+        if (cp_native_seconds(offset, &now) < 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+        double left = (deadline < end ? deadline : end) - now;
+        if (!(left > 0))
+            Py_RETURN_FALSE;
+        /* rounded up, as trio's own epoll wait rounds: never back before the deadline */
+        double ms = ceil(left * 1000.0);
+        int timeout_ms = ms > 86400000.0 ? 86400000 : (int)ms;
+        int n;
+        Py_BEGIN_ALLOW_THREADS
+        n = epoll_wait(epfd, evs, maxevents, timeout_ms);
+        Py_END_ALLOW_THREADS
+        if (n < 0) {
+            if (errno != EINTR)
+                return PyErr_SetFromErrno(PyExc_OSError);
+            if (PyErr_CheckSignals() < 0)
+                return NULL;
+            continue; /* the signal's wake-up byte makes trio's descriptor ready */
+        }
+        int trio_ready = 0;
+        if (handle_events(evs, n, pumps, crashed, trio_fd, &trio_ready) < 0)
+            return NULL;
+        if (PyList_GET_SIZE(fins) > 0) {
+            PyObject *r = PyObject_CallNoArgs(send_fins);
+            if (r == NULL)
+                return NULL;
+            Py_DECREF(r);
+        }
+        if (trio_ready)
+            Py_RETURN_TRUE;
+        Py_ssize_t runnable = PyObject_Length(runq);
+        if (runnable < 0)
+            return NULL;
+        if (runnable > 0)
+            Py_RETURN_FALSE;
+    }
 }
 
 PyDoc_STRVAR(accept_doc,
@@ -2540,6 +2658,7 @@ setup(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL, dispatch_doc},
+    {"wait", (PyCFunction)(void (*)(void))cp_wait, METH_FASTCALL, wait_doc},
     {"accept", accept_, METH_O, accept_doc},
     {"accept_batch", accept_batch, METH_VARARGS, accept_batch_doc},
     {"connect", connect_, METH_O, connect_doc},

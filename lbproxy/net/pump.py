@@ -1176,8 +1176,13 @@ class _Reactor:
             else self._pure_batch
         )
         fins, send_fins = self.fins, self._send_fins
+        compiled_wait = (
+            functools.partial(cpump.wait, self.epfd, self.pumps, self.MAX_EVENTS, self._crashed)
+            if cpump is not None
+            else None
+        )
         # Served by trio's loop in its own wait (net/trio_wait.py), or else by this task.
-        waiter = trio_wait.install(batch, fins, send_fins, self.epoll, self.pumps)
+        waiter = trio_wait.install(batch, fins, send_fins, self.epoll, self.pumps, compiled_wait)
         try:
             if waiter is not None:
                 try:

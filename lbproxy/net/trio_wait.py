@@ -59,6 +59,11 @@ __all__ = ["TrioWait", "install"]
 # A batch: block up to this many milliseconds (0: do not block) for the reactor's
 # events, handle them, return how many there were.
 Batch = Callable[[int], int]
+# cpump.wait with the reactor's arguments bound: (trio_fd, timeout, offset,
+# next_deadline, runq, fins, send_fins) -> True if trio's descriptor is ready.
+CompiledWait = Callable[
+    [int, float, float, Callable[[], float], Any, list[Any], Callable[[], None]], bool
+]
 
 
 class _TrioReady:
@@ -88,6 +93,7 @@ class TrioWait(trio.abc.Instrument):
         send_fins: Callable[[], None],
         epoll: select.epoll,
         readers: dict[int, Any],
+        compiled_wait: CompiledWait | None,
     ) -> None:
         self._runner = runner
         self._runq = runner.runq
@@ -101,6 +107,9 @@ class TrioWait(trio.abc.Instrument):
         self._batch = batch
         self._fins = fins  # FINs a batch read, passed on after it (pump.py's Pump)
         self._send_fins = send_fins
+        # _wait's loop in C (cpump.wait), for trio's own clock: no Python frame per batch
+        # but next_deadline's.
+        self._compiled_wait = compiled_wait if self._offset is not None else None
         self._epoll = epoll
         self._readers = readers
         self._trio_fd = runner.io_manager._epoll.fileno()
@@ -126,6 +135,14 @@ class TrioWait(trio.abc.Instrument):
     def _wait(self, timeout: float) -> None:
         ready, runq, batch, fins = self._ready, self._runq, self._batch, self._fins
         next_deadline, offset, now = self._next_deadline, self._offset, time.perf_counter
+        if self._compiled_wait is not None:
+            assert offset is not None
+            if self._compiled_wait(
+                self._trio_fd, timeout, offset, next_deadline, runq, fins, self._send_fins
+            ):
+                return  # trio's own wait sees its events at once
+            self._woken_after_wait()
+            return
         end = now() + timeout
         ready.fired = False
         while True:
@@ -146,9 +163,15 @@ class TrioWait(trio.abc.Instrument):
                 return  # trio's own wait sees its events at once
             if runq:
                 break
+        self._woken_after_wait()
+
+    def _woken_after_wait(self) -> None:
+        """The wait is over (its time, or a task is runnable) with nothing for trio's own
+        wait to see: wake it, or it would block its whole timeout again -- unless that
+        timeout is a test's idle priming, which a wake-up would defeat."""
         runner = self._runner
         if not runner.waiting_for_idle and runner.clock_autojump_threshold == math.inf:
-            self._wake()  # trio's wait would otherwise block its whole timeout again
+            self._wake()
 
     def _give_back(self, result: outcome.Outcome[None]) -> None:
         """Take the hook out and hand the reactor back to its task (once)."""
@@ -196,10 +219,12 @@ def install(
     send_fins: Callable[[], None],
     epoll: select.epoll,
     readers: dict[int, Any],
+    compiled_wait: CompiledWait | None = None,
 ) -> TrioWait | None:
     """Install the hook for the current trio run, or None where trio's internals are
     not the ones this module reads (then the reactor stays a task). `batch(timeout_ms)`
-    handles one batch; `send_fins()` passes on the FINs it left in `fins`."""
+    handles one batch; `send_fins()` passes on the FINs it left in `fins`;
+    `compiled_wait`, if any, is the whole wait in C."""
     try:
         from trio._core._run import GLOBAL_RUN_CONTEXT  # an internal: checked here
 
@@ -218,4 +243,4 @@ def install(
         runner.clock_autojump_threshold  # noqa: B018
     except (ImportError, AttributeError, AssertionError):
         return None
-    return TrioWait(runner, batch, fins, send_fins, epoll, readers)
+    return TrioWait(runner, batch, fins, send_fins, epoll, readers, compiled_wait)

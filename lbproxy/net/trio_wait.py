@@ -52,7 +52,6 @@ from typing import Any
 
 import outcome
 import trio
-from trio._core._run import SystemClock  # trio's own clock (an internal, as below)
 
 __all__ = ["TrioWait", "install"]
 
@@ -94,6 +93,7 @@ class TrioWait(trio.abc.Instrument):
         epoll: select.epoll,
         readers: dict[int, Any],
         compiled_wait: CompiledWait | None,
+        system_clock: type,
     ) -> None:
         self._runner = runner
         self._runq = runner.runq
@@ -102,7 +102,8 @@ class TrioWait(trio.abc.Instrument):
         self._sleep_time = clock.deadline_to_sleep_time
         # trio's own clock reads offset + perf_counter(): the time left to a deadline is
         # computed here without its two Python frames, once per batch.
-        self._offset: float | None = clock.offset if type(clock) is SystemClock else None
+        own_clock = type(clock) is system_clock
+        self._offset: float | None = clock.offset if own_clock else None
         self._wake = runner.io_manager.force_wakeup
         self._batch = batch
         self._fins = fins  # FINs a batch read, passed on after it (pump.py's Pump)
@@ -226,21 +227,22 @@ def install(
     handles one batch; `send_fins()` passes on the FINs it left in `fins`;
     `compiled_wait`, if any, is the whole wait in C."""
     try:
-        from trio._core._run import GLOBAL_RUN_CONTEXT  # an internal: checked here
+        # internals, checked here: an ImportError or AttributeError leaves the task
+        from trio._core._run import GLOBAL_RUN_CONTEXT, SystemClock
 
         runner = GLOBAL_RUN_CONTEXT.runner
         manager = runner.io_manager
         if runner.is_guest or not isinstance(manager._epoll, select.epoll):
             return None
-        for needed in (
+        # Read here once, so that a trio without them is found now, not in a batch.
+        _needed = (
             runner.runq,
             runner.deadlines.next_deadline,
             runner.clock.deadline_to_sleep_time,
+            runner.waiting_for_idle,
+            runner.clock_autojump_threshold,
             manager.force_wakeup,
-        ):
-            assert needed is not None
-        runner.waiting_for_idle  # noqa: B018  # read on every expiry: present
-        runner.clock_autojump_threshold  # noqa: B018
-    except (ImportError, AttributeError, AssertionError):
+        )
+    except (ImportError, AttributeError):  # outside a run, or another trio
         return None
-    return TrioWait(runner, batch, fins, send_fins, epoll, readers, compiled_wait)
+    return TrioWait(runner, batch, fins, send_fins, epoll, readers, compiled_wait, SystemClock)

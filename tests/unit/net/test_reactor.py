@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import threading
 import time
@@ -312,6 +313,14 @@ def test_a_batch_that_fails_hands_the_set_to_the_reactors_task(monkeypatch):
             assert reader.errors == []
 
     trio.run(main)
+
+
+def test_outside_a_trio_run_there_is_no_hook_to_install():
+    """Where trio's internals are not there (here: no run), install() says so and the
+    reactor's task serves the set."""
+    epoll = select.epoll()
+    with contextlib.closing(epoll):
+        assert trio_wait.install(lambda ms: 0, [], lambda: None, epoll, {}) is None
 
 
 def test_unlisten_takes_a_reader_out_of_the_set_at_once():

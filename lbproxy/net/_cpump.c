@@ -2210,6 +2210,34 @@ fail:
     return -1;
 }
 
+/* The arguments dispatch() and wait() begin with: (epfd, pumps, maxevents, crashed),
+ * checked; maxevents clamped to 1..MAX_BATCH. 0, or -1 with an exception set. */
+static int
+batch_args(const char *name, PyObject *const *args, int *epfd, PyObject **pumps,
+           int *maxevents, PyObject **crashed)
+{
+    *epfd = as_int(args[0]);
+    if (*epfd == -1 && PyErr_Occurred())
+        return -1;
+    *pumps = args[1];
+    if (!PyDict_Check(*pumps)) {
+        PyErr_Format(PyExc_TypeError, "%s() argument 2 must be dict, not %.50s", name,
+                     Py_TYPE(*pumps)->tp_name);
+        return -1;
+    }
+    *maxevents = as_int(args[2]);
+    if (*maxevents == -1 && PyErr_Occurred())
+        return -1;
+    *crashed = args[3];
+    if (module_dict == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
+        return -1;
+    }
+    if (*maxevents < 1 || *maxevents > MAX_BATCH)
+        *maxevents = MAX_BATCH;
+    return 0;
+}
+
 static PyObject *
 dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2225,25 +2253,10 @@ dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (timeout_ms == -1 && PyErr_Occurred())
             return NULL;
     }
-    int epfd = as_int(args[0]);
-    if (epfd == -1 && PyErr_Occurred())
+    int epfd, maxevents;
+    PyObject *pumps, *crashed;
+    if (batch_args("dispatch", args, &epfd, &pumps, &maxevents, &crashed) < 0)
         return NULL;
-    PyObject *pumps = args[1];
-    if (!PyDict_Check(pumps)) {
-        PyErr_Format(PyExc_TypeError, "dispatch() argument 2 must be dict, not %.50s",
-                     Py_TYPE(pumps)->tp_name);
-        return NULL;
-    }
-    int maxevents = as_int(args[2]);
-    if (maxevents == -1 && PyErr_Occurred())
-        return NULL;
-    PyObject *crashed = args[3];
-    if (module_dict == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
-        return NULL;
-    }
-    if (maxevents < 1 || maxevents > MAX_BATCH)
-        maxevents = MAX_BATCH;
     struct epoll_event evs[MAX_BATCH];
     int n;
     for (;;) {
@@ -2287,19 +2300,10 @@ cp_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "wait() takes exactly 11 arguments (%zd given)", nargs);
         return NULL;
     }
-    int epfd = as_int(args[0]);
-    if (epfd == -1 && PyErr_Occurred())
+    int epfd, maxevents;
+    PyObject *pumps, *crashed;
+    if (batch_args("wait", args, &epfd, &pumps, &maxevents, &crashed) < 0)
         return NULL;
-    PyObject *pumps = args[1];
-    if (!PyDict_Check(pumps)) {
-        PyErr_Format(PyExc_TypeError, "wait() argument 2 must be dict, not %.50s",
-                     Py_TYPE(pumps)->tp_name);
-        return NULL;
-    }
-    int maxevents = as_int(args[2]);
-    if (maxevents == -1 && PyErr_Occurred())
-        return NULL;
-    PyObject *crashed = args[3];
     int trio_fd = as_int(args[4]);
     if (trio_fd == -1 && PyErr_Occurred())
         return NULL;
@@ -2312,12 +2316,6 @@ cp_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "wait() argument 10 must be a list");
         return NULL;
     }
-    if (module_dict == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
-        return NULL;
-    }
-    if (maxevents < 1 || maxevents > MAX_BATCH)
-        maxevents = MAX_BATCH;
     struct epoll_event evs[MAX_BATCH];
     double now;
     if (cp_native_seconds(offset, &now) < 0)

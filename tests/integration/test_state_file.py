@@ -217,9 +217,12 @@ def test_the_state_crosses_an_upgrade_and_the_old_process_stops_writing(setup):
         api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "enabled"})
 
         def b_enabled() -> bool:
+            # b enabled (no entry) in a file written after the PATCHes (a's weight 7):
+            # the file the old process wrote at its start has no entry for b either
             saved = json.loads(state_file.read_bytes())
             web = next(vs for vs in saved["virtual_servers"] if vs["name"] == "web")
-            return not any(rs["name"] == "b" for rs in web["real_servers"])
+            servers = {rs["name"]: rs for rs in web["real_servers"]}
+            return "b" not in servers and servers.get("a", {}).get("weight") == 7
 
         wait_for(b_enabled, 5, "the new process to write b enabled")
         held.close()  # the old process's persistence entry changes: it would write now

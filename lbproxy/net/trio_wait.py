@@ -30,10 +30,11 @@ that short time on its own, and the reactor's set with it, as a task would have.
 When trio is busy (timeout 0) the hook runs one batch without blocking, so the
 reactor is served once per trio round, as its task was.
 
-This reads three of trio's internals, the run's Runner (``runq``, ``deadlines``,
-``waiting_for_idle``, ``clock_autojump_threshold``) and its epoll I/O manager
-(``_epoll``, ``force_wakeup``), of the trio versions pyproject.toml allows; `install`
-returns None where they are not as expected, and the reactor stays a task. A batch
+This reads trio's internals, of the trio versions pyproject.toml allows: the run's
+Runner (``runq``, ``deadlines``, ``waiting_for_idle``, ``clock_autojump_threshold``),
+its epoll I/O manager (``_epoll``, ``force_wakeup``) and its ``SystemClock`` (whose
+``offset`` lets the C wait read the run's time itself); `install` returns None where
+they are not as expected, and the reactor stays a task. A batch
 that raises (a bug past the per-connection barrier) takes the hook out and hands the
 reactor back to its task, which goes on serving the set (``TrioWait.parked``).
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -112,11 +111,7 @@ def profiled(
 
 
 def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
-    if shutil.which("perf") is None:
-        raise bp.BenchError("perf is not installed (apt-get install linux-perf)")
-    bench = bp.Bench(args, procs, work)
-    bench.start_real_servers()
-    proxies = [p for p in bench.proxies() if p.argv is not None]
+    bench, proxies = bp.traced_bench(args, procs, work, "perf", "linux-perf")
     out: dict[str, Any] = {}
     for conns in args.conns:
         for proxy in proxies:

@@ -149,6 +149,18 @@ def attached(argv: list[str], settle: float, timeout: float = 30.0) -> Iterator[
             tracer.wait(5)
 
 
+def traced_bench(
+    args: argparse.Namespace, procs: Processes, work: Path, tool: str, package: str
+) -> tuple[Bench, list[Proxy]]:
+    """The set-up of a run under a tracer (--syscalls: strace, --kernel: perf): the tool
+    is installed, the real servers run; the proxies that are installed."""
+    if shutil.which(tool) is None:
+        raise BenchError(f"{tool} is not installed (apt-get install {package})")
+    bench = Bench(args, procs, work)
+    bench.start_real_servers()
+    return bench, [p for p in bench.proxies() if p.argv is not None]
+
+
 def run_client(argv: list[str], timeout: float) -> str:
     """Run a load generator to completion (bounded) and return its standard output."""
     proc = subprocess.Popen(

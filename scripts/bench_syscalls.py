@@ -24,7 +24,6 @@ root when ``--syscalls`` is given.
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -105,11 +104,7 @@ def untraced(
 
 
 def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
-    if shutil.which("strace") is None:
-        raise bp.BenchError("strace is not installed (apt-get install strace)")
-    bench = bp.Bench(args, procs, work)
-    bench.start_real_servers()
-    proxies = [p for p in bench.proxies() if p.argv is not None]
+    bench, proxies = bp.traced_bench(args, procs, work, "strace", "strace")
     d = args.duration
     out: dict[str, Any] = {p.name: {"runs": [], "strace": []} for p in proxies}
     for r in range(args.rounds):

@@ -1,0 +1,93 @@
+"""scripts/floor, issue 26's measurement of the floor under a connection's CPU: an lbproxy
+started with it (a real process, as scripts/bench starts it) serves connections through
+the floor, not through the lifecycle -- so the figures docs/benchmarks.md gives for it are
+figures of the floor."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lbproxy.net import compiled
+from tests.integration.conftest import free_port, vs_config
+from tests.integration.harness import NameServer, wait_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(compiled.cpump is None, reason="the floor needs the C path")
+
+
+def greeting(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(100)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def connections_counted(admin: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=5).read()
+    m = re.search(
+        rb'^lbproxy_connections_total\{real_server="a",virtual_server="web"\} (\S+)$', text, re.M
+    )
+    assert m is not None, text[:2000]
+    return float(m.group(1))
+
+
+def start(tmp_path: Path, port: int, admin: int, server: NameServer, floor: str | None):
+    path = tmp_path / "lbproxy.yaml"
+    text = vs_config(port, [server], "rr").replace(
+        "admin: {listen: none}", f"admin: {{listen: '127.0.0.1:{admin}'}}"
+    )
+    path.write_text(text)
+    env = dict(os.environ)
+    env.pop("LBPROXY_FLOOR", None)
+    if floor is not None:
+        env.update(PYTHONPATH=str(ROOT / "scripts" / "floor"), LBPROXY_FLOOR=floor)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lbproxy", "run", str(path), "--log-level", "warning"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.mark.parametrize("floor", ["decisions", "c-only", None])
+def test_the_floor_serves_connections_without_the_lifecycle(tmp_path, floor):
+    with NameServer("a") as a:
+        port, admin = free_port(), free_port()
+        proc = start(tmp_path, port, admin, a, floor)
+        try:
+            wait_port(admin)
+            wait_port(port)
+            # The first connections go the normal way, which resolves the server's
+            # address for the floor.
+            assert greeting(port) == b"a\n"
+            before, accepted = connections_counted(admin), a.accepted
+            assert [greeting(port) for _ in range(20)] == [b"a\n"] * 20
+            after = connections_counted(admin)
+        finally:
+            proc.terminate()
+            out = proc.communicate(timeout=10)[0]
+    # The lifecycle counts every connection; a floor none of its own.
+    assert after - before == (20 if floor is None else 0), out
+    assert a.accepted - accepted == 20
+
+
+def test_an_unknown_floor_is_refused(tmp_path):
+    with NameServer("a") as a:
+        proc = start(tmp_path, free_port(), free_port(), a, "fast")
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode != 0
+    assert b"LBPROXY_FLOOR='fast': decisions or c-only" in out

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -17,22 +16,11 @@ import pytest
 
 from lbproxy.net import compiled
 from tests.integration.conftest import free_port, vs_config
-from tests.integration.harness import NameServer, wait_port
+from tests.integration.harness import NameServer, ask_name, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(compiled.cpump is None, reason="the floor needs the C path")
-
-
-def greeting(port: int) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(100)
-            if not chunk:
-                break
-            data += chunk
-        return data
 
 
 def connections_counted(admin: int) -> float:
@@ -73,9 +61,9 @@ def test_the_floor_serves_connections_without_the_lifecycle(tmp_path, floor):
             wait_port(port)
             # The first connections go the normal way, which resolves the server's
             # address for the floor.
-            assert greeting(port) == b"a\n"
+            assert ask_name(port) == "a"
             before, accepted = connections_counted(admin), a.accepted
-            assert [greeting(port) for _ in range(20)] == [b"a\n"] * 20
+            assert [ask_name(port) for _ in range(20)] == ["a"] * 20
             after = connections_counted(admin)
         finally:
             proc.terminate()

@@ -59,18 +59,20 @@ def test_the_floor_serves_connections_without_the_lifecycle(tmp_path, floor):
         try:
             wait_port(admin)
             wait_port(port)
-            # The first connections go the normal way, which resolves the server's
-            # address for the floor.
+            # The first connections (wait_port's, this one) may go the normal way, which
+            # resolves the server's address for the floor.
             assert ask_name(port) == "a"
-            before, accepted = connections_counted(admin), a.accepted
             assert [ask_name(port) for _ in range(20)] == ["a"] * 20
-            after = connections_counted(admin)
+            counted = connections_counted(admin)
         finally:
             proc.terminate()
             out = proc.communicate(timeout=10)[0]
-    # The lifecycle counts every connection; a floor none of its own.
-    assert after - before == (20 if floor is None else 0), out
-    assert a.accepted - accepted == 20
+    # The lifecycle counts every connection (22, or 21 if wait_port's closed before its
+    # connect); a floor counts none of its own, only those first ones.
+    if floor is None:
+        assert counted >= 21, out
+    else:
+        assert counted <= 2, out
 
 
 def test_an_unknown_floor_is_refused(tmp_path):

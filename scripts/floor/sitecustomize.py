@@ -58,15 +58,31 @@ def _install(variant: str) -> None:
         flow.lease = None
         return flow
 
-    def floor_target(self: connection.Handler) -> tuple | None:
-        """(sockaddr, reactor, idle timeout) once the first server is resolved."""
+    def ready(self: Any) -> bool:
+        """The floor serves this handler once its server's address is resolved (the
+        normal way does it, for the first connections): then ``self._floor`` holds the
+        sockaddr, the reactor, the idle timeout and the flow c-only shares."""
+        if getattr(self, "_floor", None) is not None:
+            return True
         target = self._target(self.pool.servers[0])
         if target is None:
-            return None
+            return False
         if self._reactor is None:
             self._reactor = pump._reactor()
-        self._floor = (target[2], self._reactor, self.pool.config.idle_timeout)
-        return self._floor
+        idle_timeout = self.pool.config.idle_timeout
+        self._floor = (target[2], self._reactor, idle_timeout, new_flow(idle_timeout))
+        return True
+
+    def connect(self: Any, client: int) -> int | None:
+        """The server's descriptor, connected; None, with the client closed, if the
+        connect did not complete at once."""
+        fd, err = c_connect(self._floor[0])
+        if fd >= 0 and not err:
+            return fd  # type: ignore[no-any-return]  # C returns an int
+        if fd >= 0:
+            os.close(fd)
+        os.close(client)
+        return None
 
     def dropped(p: Any) -> None:
         flow = p.flow  # a C pump's flow: a FloorFlow
@@ -74,49 +90,38 @@ def _install(variant: str) -> None:
         handler.pool.drop(flow.lease, handler._clock())
 
     def decisions_accept(self: Any, client: int, peer: tuple, spawn: Any) -> None:
-        floor = getattr(self, "_floor", None) or floor_target(self)
-        if floor is None:
+        if not ready(self):
             normal_accept(self, client, peer, spawn)
             return
+        # The decision, as Handler.accept makes it (the bench's one server is up: no
+        # None to handle), then the lease given back if the connect failed.
         pool = self.pool
         now = self._clock()
         rs = pool.pick(now, (), peer)
-        flow = new_flow(floor[2])
+        flow = new_flow(self._floor[2])
         flow.handler = self
         flow.lease = pool.take(rs, now, flow, peer)
-        fd, err = c_connect(floor[0])
-        if fd < 0 or err:
-            if fd >= 0:
-                os.close(fd)
-            os.close(client)
+        fd = connect(self, client)
+        if fd is None:
             pool.drop(flow.lease, now)
-            return None
-        p = c_pump(client, fd, flow, b"", 0, True, pump.splice_enabled, floor[1])
+            return
+        p = c_pump(client, fd, flow, b"", 0, True, pump.splice_enabled, self._floor[1])
         p.on_end = dropped
         p.start()
-        return None
 
     def c_only_accept(self: Any, client: int, peer: tuple, spawn: Any) -> None:
-        floor = getattr(self, "_floor", None) or floor_target(self)
-        if floor is None:
+        if not ready(self):
             normal_accept(self, client, peer, spawn)
             return
-        fd, err = c_connect(floor[0])
-        if fd < 0 or err:
-            if fd >= 0:
-                os.close(fd)
-            os.close(client)
-            return None
-        c_pump(client, fd, shared, b"", 0, True, pump.splice_enabled, floor[1]).start()
-        return None
+        fd = connect(self, client)
+        if fd is not None:
+            floor = self._floor
+            c_pump(client, fd, floor[3], b"", 0, True, pump.splice_enabled, floor[1]).start()
 
-    if variant == "decisions":
-        handler_type.accept = decisions_accept
-    elif variant == "c-only":
-        shared = new_flow(300.0)
-        handler_type.accept = c_only_accept
-    else:
+    accepts = {"decisions": decisions_accept, "c-only": c_only_accept}
+    if variant not in accepts:
         raise SystemExit(f"LBPROXY_FLOOR={variant!r}: decisions or c-only")
+    handler_type.accept = accepts[variant]
 
 
 if os.environ.get("LBPROXY_FLOOR"):

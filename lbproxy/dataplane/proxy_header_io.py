@@ -18,7 +18,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from lbproxy.wire.proxy_protocol import ProxyProtocolError, parse
+from lbproxy.wire.proxy_protocol import (
+    V1_MAX_LENGTH,
+    V2_SIGNATURE,
+    ProxyProtocolError,
+    header_length,
+    parse,
+)
 
 if TYPE_CHECKING:
     from trio.socket import SocketType
@@ -27,9 +33,11 @@ __all__ = ["read_proxy_header"]
 
 log = logging.getLogger("lbproxy.proxy_header_io")
 
-# A v1 line is at most 107 bytes and most v2 headers are 28 or 52, so one small read
-# usually takes the whole header; a v2 header with large TLVs just takes more reads.
+# The first read: a v1 line is at most 107 bytes and most v2 headers are 28 or 52, so one
+# small read usually takes the whole header (and what the client sent behind it).
 _READ_SIZE = 4096
+# A v2 header's fixed part, which announces the length of the rest.
+_V2_FIXED = 16
 
 
 async def read_proxy_header(sock: SocketType) -> tuple[tuple[str, int] | None, bytes]:
@@ -38,17 +46,32 @@ async def read_proxy_header(sock: SocketType) -> tuple[tuple[str, int] | None, b
     Returns ``(source, leftover)``: ``source`` is the original client ``(host, port)``,
     or None when the header says to use the real connection's peer (v1 UNKNOWN, v2
     LOCAL or a family we do not proxy); ``leftover`` holds the bytes that came after the
-    header in the same reads, to be forwarded to the real server first.
+    header in the first read, to be forwarded to the real server first.
+
+    After the first read, each read asks only for what the header still lacks: up to
+    its fixed 16 bytes for v2, then exactly the length they announce, or up to the 107
+    bytes a v1 line may take. Each byte is copied into the buffer once and the header is
+    parsed once, so a header that arrives a byte per segment costs linear work, not a
+    parse of everything so far per segment.
 
     Raises :class:`ProxyProtocolError` for an invalid header or when the connection
     closes before the header is complete, and ``OSError`` for socket errors.
     """
     data = bytearray()
+    want = _READ_SIZE
     while True:
-        chunk = await sock.recv(_READ_SIZE)
+        chunk = await sock.recv(want)
         if not chunk:
             raise ProxyProtocolError("connection closed before the PROXY header was complete")
         data += chunk
-        result = parse(data)
-        if result is not None:
-            return result.source, bytes(data[result.consumed :])
+        length = header_length(data)
+        if length is None:  # v2 before its fixed part, or a v1 line not ended yet
+            want = (_V2_FIXED if data[0] == V2_SIGNATURE[0] else V1_MAX_LENGTH) - len(data)
+            continue
+        if len(data) < length:
+            want = length - len(data)
+            continue
+        result = parse(memoryview(data)[:length])
+        if result is None:  # cannot be: header_length saw it complete
+            raise ProxyProtocolError("incomplete PROXY header")
+        return result.source, bytes(data[length:])

@@ -49,6 +49,7 @@ __all__ = [
     "encode",
     "encode_v1",
     "encode_v2",
+    "header_length",
     "parse",
 ]
 
@@ -169,26 +170,52 @@ def encode(version: Literal["v1", "v2"], src: SockAddr, dst: SockAddr) -> bytes:
 # ----------------------------------------------------------------------------- parse
 
 
+def header_length(data: bytes | bytearray | memoryview) -> int | None:
+    """The length of the header that ``data`` begins, once its first bytes tell it: v2
+    after its fixed 16 bytes (16 + the length they announce), v1 once its line ends;
+    ``None`` until then (read more: for v2, no more than 16 bytes, then exactly what is
+    announced). Raises :class:`ProxyProtocolError` as soon as the bytes cannot be a
+    header. Looks at no more than the first 107 bytes, however long ``data`` is, so a
+    reader that calls it after every segment does linear work in all."""
+    first = data[:1]
+    if first == V2_SIGNATURE[:1]:
+        head = bytes(data[: V2_HEADER.size])
+        if len(head) < V2_HEADER.size:
+            if V2_SIGNATURE.startswith(head[:12]):
+                return None
+            raise ProxyProtocolError("not a PROXY protocol v2 header")
+        return V2_HEADER.size + _v2_fixed(head)[2]
+    if first == V1_PREFIX[:1]:
+        head = bytes(data[:V1_MAX_LENGTH])
+        lf = _v1_line_end(head)
+        return None if lf is None else lf + 1
+    if not first:
+        return None
+    raise ProxyProtocolError("not a PROXY protocol header")
+
+
 def parse(data: bytes | bytearray | memoryview) -> ParseResult | None:
     """Parse the header at the start of ``data``.
 
     Returns ``None`` while ``data`` is a valid but incomplete beginning of a header (read
     more and call again with everything received so far), a :class:`ParseResult` once it
     is complete, and raises :class:`ProxyProtocolError` as soon as the bytes cannot be a
-    header. Bytes after the header are not looked at.
+    header. Bytes after the header are not looked at (nor copied: a v1 line is looked
+    for in the first 107 bytes, a v2 header copied once its announced length is there).
     """
-    data = bytes(data[: 16 + 65535])  # the longest header v2's 16-bit length allows
-    if data.startswith(V2_SIGNATURE[:1]):
+    first = data[:1]
+    if first == V2_SIGNATURE[:1]:
         return _parse_v2(data)
-    if data.startswith(V1_PREFIX[:1]):
-        return _parse_v1(data)
-    if not data:
+    if first == V1_PREFIX[:1]:
+        return _parse_v1(bytes(data[:V1_MAX_LENGTH]))
+    if not first:
         return None
     raise ProxyProtocolError("not a PROXY protocol header")
 
 
-def _parse_v1(data: bytes) -> ParseResult | None:
-    head = data[:V1_MAX_LENGTH]
+def _v1_line_end(head: bytes) -> int | None:
+    """Where the v1 line in `head` (at most its first 107 bytes) ends: the index of its
+    LF; None while it may still end later; raises when it cannot be a v1 line."""
     if not head.startswith(V1_PREFIX):
         if V1_PREFIX.startswith(head):
             return None
@@ -200,6 +227,13 @@ def _parse_v1(data: bytes) -> ParseResult | None:
         return None
     if head[lf - 1 : lf] != b"\r" or b"\r" in head[: lf - 1]:
         raise ProxyProtocolError("PROXY v1 line must end with CRLF, and only there")
+    return lf
+
+
+def _parse_v1(head: bytes) -> ParseResult | None:
+    lf = _v1_line_end(head)
+    if lf is None:
+        return None
     line = head[: lf - 1]
     consumed = lf + 1
 
@@ -235,12 +269,10 @@ def _v1_address(
     return str(ip), value
 
 
-def _parse_v2(data: bytes) -> ParseResult | None:
-    if len(data) < V2_HEADER.size:
-        if V2_SIGNATURE.startswith(data[:12]):
-            return None
-        raise ProxyProtocolError("not a PROXY protocol v2 header")
-    signature, ver_cmd, fam, length = V2_HEADER.unpack_from(data)
+def _v2_fixed(head: bytes) -> tuple[int, int, int]:
+    """The command, family and length of a v2 header's fixed 16 bytes (`head`),
+    checked: raises when they cannot begin a header."""
+    signature, ver_cmd, fam, length = V2_HEADER.unpack_from(head)
     if signature != V2_SIGNATURE:
         raise ProxyProtocolError("not a PROXY protocol v2 header")
     if ver_cmd & 0xF0 != _V2_VERSION:
@@ -250,6 +282,16 @@ def _parse_v2(data: bytes) -> ParseResult | None:
         raise ProxyProtocolError(f"PROXY v2: unknown command {command}")
     if fam not in (_V2_TCP4, _V2_TCP6) and fam not in _V2_FALLBACK_FAMILIES:
         raise ProxyProtocolError(f"PROXY v2: unknown family/transport 0x{fam:02x}")
+    return command, fam, length
+
+
+def _parse_v2(data: bytes | bytearray | memoryview) -> ParseResult | None:
+    head = bytes(data[: V2_HEADER.size])
+    if len(head) < V2_HEADER.size:
+        if V2_SIGNATURE.startswith(head[:12]):
+            return None
+        raise ProxyProtocolError("not a PROXY protocol v2 header")
+    command, fam, length = _v2_fixed(head)
     consumed = V2_HEADER.size + length
     if len(data) < consumed:
         return None
@@ -261,6 +303,7 @@ def _parse_v2(data: bytes) -> ParseResult | None:
     )
     if length < layout.size:
         raise ProxyProtocolError(f"PROXY v2: address block of {length} bytes is too short")
-    # Anything after the addresses, up to `length`, is TLVs: skipped, not validated.
+    # Anything after the addresses, up to `length`, is TLVs: skipped, not validated (and
+    # not copied: the addresses are unpacked where they are).
     src, dst, sport, dport = layout.unpack_from(data, V2_HEADER.size)
     return ParseResult(2, (str(cls(src)), sport), (str(cls(dst)), dport), consumed)

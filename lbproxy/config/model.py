@@ -55,11 +55,14 @@ class AdminConfig:
     max_connections: int = 256  # at the limit the longest idle one is closed
 
 
-# Who may ask the DNS locator by default: loopback and the private ranges (SPEC §16).
-DNS_ALLOW_DEFAULT: tuple[IPNetwork, ...] = tuple(
+# Loopback and the private ranges: who may ask the DNS locator (SPEC §16) and whose PROXY
+# header is believed (SPEC §21) by default.
+PRIVATE_NETWORKS: tuple[IPNetwork, ...] = tuple(
     ipaddress.ip_network(n)
     for n in ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
 )
+DNS_ALLOW_DEFAULT = PRIVATE_NETWORKS
+PROXY_FROM_DEFAULT = PRIVATE_NETWORKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,9 @@ class GlobalConfig:
     access_log: bool = False  # one INFO line per connection on logger lbproxy.access
     workers: int = 1  # `auto` is resolved to os.cpu_count() by the loader
     state_file: str | None = None  # runtime state kept across restarts (SPEC §17)
+    # Clients served at once by this process; None: derived from RLIMIT_NOFILE so that a
+    # reserve of descriptors stays free (SPEC §21, lbproxy/net/descriptors.py).
+    max_clients: int | None = None
 
 
 # The record types a `dns` health check may ask for (SPEC §19).
@@ -198,13 +204,22 @@ DEFAULT_IMBALANCE_THRESHOLD = 10.0
 
 
 @dataclass(frozen=True, slots=True)
+class SourcePrefixConfig:
+    """`udp.source_prefix`: the prefix lengths `max_sessions_per_source` counts by."""
+
+    v4: int = 32
+    v6: int = 64
+
+
+@dataclass(frozen=True, slots=True)
 class UdpConfig:
     """`udp:` of a virtual server with `protocol: udp` (SPEC §19): its session table."""
 
     idle_timeout: float = 30.0  # a session without datagrams this long ends
     responses: int | None = None  # replies per request; 0: none expected; None: unlimited
     max_sessions: int = 10000  # the table's size; a new client beyond it is dropped
-    max_sessions_per_source: int = 100  # sessions one client address may hold
+    max_sessions_per_source: int = 100  # sessions one source prefix may hold
+    source_prefix: SourcePrefixConfig = SourcePrefixConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +272,8 @@ class VirtualServerConfig:
     deny: tuple[IPNetwork, ...] = ()
     send_proxy: str = "none"  # none | v1 | v2
     accept_proxy: bool = False
+    # Peers whose PROXY header is believed (SPEC §21); another is closed unread.
+    accept_proxy_from: tuple[IPNetwork, ...] = PROXY_FROM_DEFAULT
     health_check: HealthCheckConfig = HealthCheckConfig()
     snmp: SnmpConfig | None = None  # None: no `snmp:` block
     throttle: ThrottleConfig | None = None  # None: no admission control

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from lbproxy.config.model import (
+    PROXY_FROM_DEFAULT,
     Address,
     AdminConfig,
     ClusterConfig,
@@ -34,6 +35,7 @@ from lbproxy.config.model import (
     RealServerConfig,
     RedisConfig,
     SnmpConfig,
+    SourcePrefixConfig,
     ThrottleConfig,
     UdpConfig,
     VirtualServerConfig,
@@ -58,9 +60,11 @@ from lbproxy.config.tables import (
     _REDIS_FIELDS,
     _SCHEDULER_OPTION_KEYS,
     _SNMP_FIELDS,
+    _SOURCE_PREFIX_FIELDS,
     _THROTTLE_FIELDS,
     _TOP_LEVEL_SECTIONS,
     _UDP_FIELDS,
+    _UDP_SECTIONS,
     _VIRTUAL_SERVER_FIELDS,
     _VIRTUAL_SERVER_SECTIONS,
     TCP_ONLY_KEYS,
@@ -225,6 +229,7 @@ class _VirtualServerRead:
     config: VirtualServerConfig | None  # None when a problem prevented building it
     sni: list[tuple[str, int]] = field(default_factory=list)  # each name with its line
     accept_proxy: tuple[bool, int] = (False, 0)  # and the line of the key, 0: default
+    accept_proxy_from: tuple[Any, int] = ((), 0)  # the networks, and the key's line
     protocol: str = "tcp"  # a TCP and a UDP listener on one address do not clash
 
 
@@ -389,6 +394,12 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             doc.error(line, f"duplicate sni name {name!r} (first at line {seen[name]})")
         seen.setdefault(name, line)
     accept_proxy = (vs.values.get("accept_proxy", False), vs.key_lines.get("accept_proxy", 0))
+    accept_proxy_from = (
+        vs.values.get("accept_proxy_from", PROXY_FROM_DEFAULT),
+        vs.key_lines.get("accept_proxy_from", 0),
+    )
+    if accept_proxy_from[1] and not accept_proxy[0]:
+        doc.error(accept_proxy_from[1], "accept_proxy_from needs accept_proxy: true")
     protocol = vs.values.get("protocol", "tcp")
     return _VirtualServerRead(
         doc.file,
@@ -399,6 +410,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
         config,
         sni=sni,
         accept_proxy=accept_proxy,
+        accept_proxy_from=accept_proxy_from,
         protocol=protocol,
     )
 
@@ -419,7 +431,17 @@ _UDP_CHECKS = ("udp", "dns")
 
 def _read_udp(doc: _Document, vs: _Section, where: str) -> UdpConfig | None:
     """`udp:` and the keys a UDP virtual server refuses; None for a TCP one (SPEC §19)."""
-    udp = _nested(doc, vs, "udp", f"udp of {where}", _UDP_FIELDS, prefix="udp.")
+    udp = _nested(doc, vs, "udp", f"udp of {where}", _UDP_FIELDS, _UDP_SECTIONS, prefix="udp.")
+    source_prefix = None
+    if udp is not None:
+        source_prefix = _nested(
+            doc,
+            udp,
+            "source_prefix",
+            f"udp.source_prefix of {where}",
+            _SOURCE_PREFIX_FIELDS,
+            prefix="udp.source_prefix.",
+        )
     if vs.values.get("protocol", "tcp") != "udp":
         if udp is not None:
             doc.error(vs.line_of("udp"), "udp: needs protocol: udp on the virtual server")
@@ -436,7 +458,11 @@ def _read_udp(doc: _Document, vs: _Section, where: str) -> UdpConfig | None:
                     f"health_check type {value.value} is for TCP; a UDP virtual server "
                     "takes udp, dns or none (passive: ICMP port unreachable)",
                 )
-    return UdpConfig(**udp.values) if udp is not None else UdpConfig()
+    if udp is None:
+        return UdpConfig()
+    if source_prefix is None:
+        return UdpConfig(**udp.values)
+    return UdpConfig(**udp.values, source_prefix=SourcePrefixConfig(**source_prefix.values))
 
 
 def _item_lines(node: yaml.Node | None) -> list[int]:
@@ -833,6 +859,19 @@ def _check_shared_addresses(servers: list[_VirtualServerRead], problems: list[Pr
                         f"virtual servers sharing {address} must agree on accept_proxy "
                         f"({first_vs.name} at {_at(vs.file, first_vs.file, first_line)} has "
                         f"{str(first_vs.accept_proxy[0]).lower()})",
+                    )
+                )
+            elif vs.accept_proxy[0] and set(vs.accept_proxy_from[0]) != set(
+                first_vs.accept_proxy_from[0]
+            ):
+                # The header is read before the virtual server is known: one list of
+                # trusted peers for the address.
+                problems.append(
+                    Problem(
+                        vs.file,
+                        vs.accept_proxy_from[1] or line,
+                        f"virtual servers sharing {address} must agree on accept_proxy_from "
+                        f"(see {first_vs.name} at {_at(vs.file, first_vs.file, first_line)})",
                     )
                 )
 

@@ -30,6 +30,7 @@ from lbproxy.config.model import (
     RealServerConfig,
     RedisConfig,
     SnmpConfig,
+    SourcePrefixConfig,
     ThrottleConfig,
     UdpConfig,
     VirtualServerConfig,
@@ -51,6 +52,7 @@ from lbproxy.config.values import (
     _integer,
     _Invalid,
     _listen_address,
+    _max_clients,
     _member_name,
     _name,
     _networks,
@@ -116,6 +118,14 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
         "once a second after a change, read at start (a missing or spoilt file is a "
         "warning, never a failed start)",
         default="none",
+    ),
+    "max_clients": _max_clients.about(
+        "client connections this process serves at once, every virtual server together "
+        "(`workers: N`: each worker's own); one more is closed at accept and counted "
+        '(`reason="max_clients"`); `auto`: as many as the open-file limit allows while '
+        "10 % of it (at least 64 descriptors) stays free for the admin endpoint, health "
+        "checks, SNMP, DNS and Redis",
+        default="auto",
     ),
 }
 
@@ -211,6 +221,13 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "accept_proxy": _boolean.about(
         "expect a PROXY v1/v2 header from an upstream balancer; its client address is the "
         "one the ACL checks and `send_proxy` passes on"
+    ),
+    "accept_proxy_from": _networks.about(
+        "with `accept_proxy`: the peers (the upstream balancers) whose PROXY header is "
+        "believed; a connection from any other is closed before a byte is read "
+        '(`reason="proxy_untrusted"`)',
+        default="`127.0.0.0/8`, `::1/128`, `10.0.0.0/8`, `172.16.0.0/12`, "
+        "`192.168.0.0/16`, `fc00::/7`",
     ),
     # Each scheduler's own keys (maglev's `table_size`, `hash_key`), accepted only with it.
     **schedulers.option_fields(),
@@ -420,12 +437,28 @@ _UDP_FIELDS: dict[str, Converter] = {
         'sessions in the table; a new client beyond it is dropped (`reason="max_sessions"`)'
     ),
     "max_sessions_per_source": _integer(1).about(
-        'sessions one client IP address may hold; beyond: dropped (`reason="per_source"`)'
+        "sessions the client addresses of one source prefix (`source_prefix`) may hold; "
+        'beyond: dropped (`reason="per_source"`)'
+    ),
+}
+
+_SOURCE_PREFIX_FIELDS: dict[str, Converter] = {
+    "v4": _integer(1, 32).about("prefix length of an IPv4 source (32: each address)"),
+    "v6": _integer(1, 128).about(
+        "prefix length of an IPv6 source (64: a host or a site usually holds a whole /64)"
     ),
 }
 
 # Keys and sections a UDP virtual server refuses: they speak of TCP connections.
-TCP_ONLY_KEYS = ("sni", "accept_proxy", "send_proxy", "queue", "conditioning", "retries")
+TCP_ONLY_KEYS = (
+    "sni",
+    "accept_proxy",
+    "accept_proxy_from",
+    "send_proxy",
+    "queue",
+    "conditioning",
+    "retries",
+)
 
 _QUEUE_FIELDS: dict[str, Converter] = {
     "max": _integer(1).about("waiting clients; one more is refused (`queue_full`)"),
@@ -595,6 +628,15 @@ SECTIONS = Section(
                     UdpConfig,
                     "the session table of a virtual server with `protocol: udp`",
                     page="concepts/udp.md",
+                    sections={
+                        "source_prefix": Section(
+                            _SOURCE_PREFIX_FIELDS,
+                            SourcePrefixConfig,
+                            "the prefixes `max_sessions_per_source` counts by, e.g. "
+                            "`{v4: 32, v6: 64}`",
+                            page="concepts/udp.md",
+                        )
+                    },
                 ),
                 "real_servers": Section(
                     _REAL_SERVER_FIELDS,
@@ -661,6 +703,7 @@ _REAL_SERVER_SECTIONS = tuple(
     SECTIONS.sections["virtual_servers"].sections["real_servers"].sections
 )
 _DISCOVERY_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["discovery"].sections)
+_UDP_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["udp"].sections)
 
 
 def walk(section: Section = SECTIONS, path: str = "") -> Iterator[tuple[str, Section]]:

@@ -619,6 +619,20 @@ def _workers(node: yaml.Node, label: str) -> int:
 
 
 @_accepting(
+    "an integer >= 1 or auto",
+    {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]},
+)
+def _max_clients(node: yaml.Node, label: str) -> int | None:
+    # `auto` (None): derived from the open-file limit at start (lbproxy/net/descriptors.py).
+    if _scalar(node, label) == "auto":
+        return None
+    try:
+        return cast(int, _integer(1)(node, label))
+    except _Invalid:
+        raise _expected(label, "an integer >= 1 or auto", node) from None
+
+
+@_accepting(
     "an integer >= 0 or none",
     {"anyOf": [{"type": "null"}, {"const": "none"}, {"type": "integer", "minimum": 0}]},
 )

@@ -69,6 +69,8 @@ REJECT_REASONS = (
     "queue_timeout",
     "queue_full",
     "no_route",
+    "proxy_untrusted",  # a PROXY sender outside accept_proxy_from (SPEC §21)
+    "max_clients",  # beyond global.max_clients: closed at accept (SPEC §21)
 )
 SLOW_START_FLOOR = 0.1  # a ramping server starts at 10 % of its weight (SPEC §3)
 SLOW_START_STEPS = 50  # effective weight is recomputed this many times over the ramp

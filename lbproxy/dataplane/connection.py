@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import logging
 import os
 import socket
@@ -48,6 +47,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from lbproxy.config.model import Address, VirtualServerConfig
+from lbproxy.core.client_address import SourceFilter
 from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
@@ -57,6 +57,7 @@ from lbproxy.net.accept import CAPACITY_ERRNOS as LOCAL_CAPACITY_ERRNOS
 from lbproxy.net.accept import LocalCapacityError
 from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
+from lbproxy.net.descriptors import clients as _clients
 from lbproxy.net.pump import Flow, Pump, new_pump
 from lbproxy.wire import proxy_protocol
 
@@ -64,7 +65,6 @@ log = logging.getLogger("lbproxy.proxy")
 access_log = logging.getLogger("lbproxy.access")
 
 
-_ALLOW_ALL = VirtualServerConfig.__dataclass_fields__["allow"].default
 # socket.socket() without a Python __init__: the C type, for the connect to a real server
 # (the pump needs only its descriptor, taken with detach() once connected).
 _new_socket = socket.SocketType
@@ -183,6 +183,7 @@ class ClientConnection(Flow):
         self.handler = handler
         self.state = ADMITTED
         handler.pool.clients += 1  # uncounted by end(), the one place
+        _clients.open += 1  # the process's count (max_clients), likewise
         self.fd = fd  # the client's descriptor while the connection owns it, else -1
         self.source = source  # the client's address (the PROXY header's, if any)
         self.config = config  # as it was at accept: a reload changes the next ones
@@ -238,6 +239,7 @@ class ClientConnection(Flow):
         finally:
             self.lease = None
             handler.pool.clients -= 1
+            _clients.open -= 1
             self.state = ENDED
             if self.fd >= 0 or self.sock is not None:  # not once established: the pump's
                 self._release()
@@ -288,9 +290,13 @@ class Handler:
         # __hash__, a Python frame per connection; valid while `rs.address` is that very
         # object (a reload that moves a server gives it another).
         self._targets: dict[RealServer, tuple[Address, int, bytes]] = {}
-        # The configuration the fast path was last judged for, and the verdict (_see).
+        # The configuration the fast path was last judged for, and the verdict (_see);
+        # its ACL and its trusted PROXY senders, each remembering its verdict per address.
         self._seen: VirtualServerConfig | None = None
         self._fast = False
+        self._acl: SourceFilter
+        self._proxy_peers: SourceFilter
+        self._see(self.pool.config)
         # The run's pump reactor, for the C pump (pump._reactor() is three Python frames
         # per connection, a RunVar's get); a handler lives in one run, as its _clock.
         self._reactor: object | None = None
@@ -390,13 +396,25 @@ class Handler:
         header to read, an ACL to check). The throttle and the queue are the virtual
         server's, looked at per connection."""
         self._seen = config
+        self._acl = SourceFilter(config.allow, config.deny)
+        self._proxy_peers = SourceFilter(config.accept_proxy_from)
         self._fast = (
             _c_connect is not None
             and _c_pump is not None
             and not config.accept_proxy
-            and not config.deny
-            and config.allow == _ALLOW_ALL
+            and self._acl.everyone
         )
+
+    def _filters(self, config: VirtualServerConfig) -> tuple[SourceFilter, SourceFilter]:
+        """The ACL and the trusted PROXY senders of `config` (a connection's, as it was
+        at its accept): the remembered ones, unless a reload came in between."""
+        if config is not self._seen:
+            if config is not self.pool.config:  # older than the pool's: made for it alone
+                return SourceFilter(config.allow, config.deny), SourceFilter(
+                    config.accept_proxy_from
+                )
+            self._see(config)
+        return self._acl, self._proxy_peers
 
     def _target(self, rs: RealServer) -> tuple[Address, int, bytes] | None:
         """The fast path's entry for `rs` from the resolved addresses, if the C connect
@@ -467,12 +485,17 @@ class Handler:
     # -- the steps: each returns at once, with the next wait or None -------------------
 
     def _begin(self, c: ClientConnection) -> Wait | None:
-        """admitted: the throttle; a PROXY header to read (-> preread), or admission."""
+        """admitted: a PROXY sender's trust, the throttle; a PROXY header to read
+        (-> preread), or admission."""
+        proxied = c.leftover is None and c.config.accept_proxy
+        if proxied and not self._filters(c.config)[1].admits(c.source[0]):
+            c.reject("proxy_untrusted")  # nothing read: not a header from just anyone
+            return None
         throttle = self.vs.throttle
         if throttle is not None and throttle.arrival():  # digg: close at once
             c.reject("throttle")
             return None
-        if c.leftover is None and c.config.accept_proxy:
+        if proxied:
             c.state = PREREAD
             return self._preread
         return self._admit(c)
@@ -481,7 +504,8 @@ class Handler:
         """The client's source is known: the ACL and max_connections, the throttle's
         idle timeout, then the queue (-> queued) or a pick."""
         config = c.config
-        if not self._allowed(config, c.source[0]):
+        acl = self._acl if config is self._seen else self._filters(config)[0]
+        if not acl.everyone and not acl.admits(c.source[0]):  # the default: no call
             c.reject("acl")
             return None
         if config.max_connections and self.pool.clients > config.max_connections:
@@ -897,20 +921,6 @@ class Handler:
                 packed = cpump.sockaddr(family, sockaddr)
         resolved = self._resolved[address] = (family, sockaddr, packed)
         return resolved
-
-    def _allowed(self, config: VirtualServerConfig, host: str) -> bool:
-        # deny wins over allow
-        if not config.deny and config.allow == _ALLOW_ALL:
-            return True  # the default: no address to parse
-        try:
-            ip = ipaddress.ip_address(host.split("%", 1)[0])
-        except ValueError:
-            return False
-        if ip.version == 6 and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        if any(ip in net for net in config.deny if net.version == ip.version):
-            return False
-        return any(ip in net for net in config.allow if net.version == ip.version)
 
     async def _read_proxy_header(
         self, client: trio.socket.SocketType, timeout: float

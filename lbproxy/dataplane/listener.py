@@ -21,17 +21,20 @@ module imports the handler and the runtime virtual server; neither imports it.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Sequence
 
 import trio
 
 from lbproxy.config.model import Address
+from lbproxy.core.client_address import SourceFilter
 from lbproxy.dataplane.connection import Handler, Spawn
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.accept import AcceptErrors, ReactorAcceptor
 from lbproxy.net.barrier import record
+from lbproxy.net.descriptors import clients, note_refused
 from lbproxy.wire.client_hello import LIMIT, ClientHelloReader, Hello
 from lbproxy.wire.proxy_protocol import ProxyProtocolError
 
@@ -90,11 +93,16 @@ class Listener:
     """One bound listening socket, the virtual servers it feeds, and its accept loop.
 
     One virtual server without `sni` (the usual case): every client goes straight to
-    its handler, which reads the PROXY header itself; nothing here costs a thing per
-    connection. Otherwise (SNI routing) each client is first pre-read here
-    (`_route`): the PROXY header if `accept_proxy`, then the TLS ClientHello, within
-    the first virtual server's `connect_timeout`; the bytes read go to the chosen
-    virtual server's handler, to be forwarded unchanged.
+    its handler, which checks it and reads the PROXY header itself; nothing here costs
+    a thing per connection. Otherwise (SNI routing) each client is screened at accept
+    (`_screen`: a PROXY sender outside `accept_proxy_from`, or a client every virtual
+    server's ACL refuses, is closed before a byte is read), then pre-read (`_route`):
+    the PROXY header if `accept_proxy`, then the TLS ClientHello, within the first
+    virtual server's `connect_timeout`; the bytes read go to the chosen virtual
+    server's handler, to be forwarded unchanged, and its own ACL.
+
+    Clients beyond `global.max_clients` never get here: the accept batch closes them
+    and calls `refuse_client` (net/descriptors.py).
     """
 
     def __init__(
@@ -120,6 +128,13 @@ class Listener:
         self.vs = virtual_servers[0]  # the address's first: it counts no_route
         self.handler = self._handlers[self.vs]
         self.routes = Routes(virtual_servers)
+        # The screen at accept of a shared (SNI) address: the PROXY senders trusted
+        # (the virtual servers of an address agree on them), else the ACLs of all its
+        # virtual servers, of which one must admit the client (None: all admit all).
+        first = self.vs.pool.config
+        self._proxy_peers = SourceFilter(first.accept_proxy_from) if first.accept_proxy else None
+        acls = [SourceFilter(vs.pool.config.allow, vs.pool.config.deny) for vs in virtual_servers]
+        self._acls = None if any(acl.everyone for acl in acls) else acls
         if len(virtual_servers) == 1 and not self.vs.pool.config.sni:
             # Served at once by the handler, with a task only if it has to wait.
             self.accept_client = self.handler.accept
@@ -139,8 +154,41 @@ class Listener:
         trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
         self.sock.close()
 
+    def refuse_client(self, peer: tuple) -> None:
+        """The accept batch closed a client beyond `global.max_clients`: counted on the
+        address's first virtual server (the one it would have been routed by)."""
+        self.handler.reject("max_clients", peer)
+        note_refused()
+
     def _spawn_route(self, client: int, peer: tuple, spawn: Spawn) -> None:
-        spawn(self._route, client, peer)
+        if self._proxy_peers is not None or self._acls is not None:  # else: no call
+            refused = self._screen(peer[0])
+            if refused is not None:
+                os.close(client)
+                self.handler.reject(refused, peer)
+                return
+        clients.open += 1  # while pre-read here; the handler's connection counts it then
+        try:
+            spawn(self._route, client, peer)
+        except BaseException:
+            clients.open -= 1
+            os.close(client)
+            raise
+
+    def _screen(self, host: str) -> str | None:
+        """Why a client of a shared address is closed before a byte is read (the
+        rejection's reason), or None: it may be pre-read."""
+        proxy_peers = self._proxy_peers
+        if proxy_peers is not None:
+            # With accept_proxy the ACLs apply to the header's source, read later.
+            return None if proxy_peers.admits(host) else "proxy_untrusted"
+        acls = self._acls
+        if acls is None:
+            return None
+        for acl in acls:
+            if acl.admits(host):
+                return None
+        return "acl"
 
     async def _route(self, fd: int, peer: tuple) -> None:
         """Pre-read a client of a shared (SNI) address and hand it to its handler.
@@ -189,6 +237,7 @@ class Listener:
             record("route", exc, str(self.address))
             return
         finally:
+            clients.open -= 1  # the handler's connection counts it from here on
             if handler is None:
                 client.close()
         # This frame waits as long as the connection lives: let go of the reader and
@@ -205,7 +254,7 @@ class Listener:
         errors = AcceptErrors(str(self.address), log)  # the back-off
         with self.cancel_scope:
             acceptor = self._acceptor = ReactorAcceptor(
-                self.sock, self, handlers.start_soon, errors
+                self.sock, self, handlers.start_soon, errors, clients
             )
             try:
                 await acceptor.serve()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import _socket
 import contextlib
-import ipaddress
 import logging
 import select
 import socket
@@ -45,6 +44,7 @@ from typing import Final
 import trio
 
 from lbproxy.config.model import Address
+from lbproxy.core.client_address import SourceFilter, source_key
 from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.core.udp_stats import UdpCounters
@@ -71,8 +71,6 @@ _SESSION_TYPE = socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
 # service (`responses: 1`) end within a millisecond and never touch the deadline heap.
 _DEFER_IDLE: Final = 1.0
 _SWEEP: Final = 0.1
-# Sources whose ACL decision is remembered (the table is emptied when it is full).
-_ACL_CACHE: Final = 4096
 
 
 class Session:
@@ -96,12 +94,14 @@ class Session:
         "requests",
         "server",
         "sock",
+        "source",
         "started",
     )
 
-    def __init__(self, relay, client, server, lease, sock, now, idle_timeout, keys) -> None:
+    def __init__(self, relay, client, server, lease, sock, now, idle_timeout, keys, source) -> None:
         self.relay: UdpRelay = relay
         self.client: tuple = client
+        self.source: object = source  # what it counts under in per_source (source_key)
         self.server: RealServer = server
         self.lease: Lease = lease
         self.sock: _socket.socket = sock  # the C socket: no Python-level wrapper
@@ -177,6 +177,7 @@ class UdpRelay:
         self.vs = vs  # its throttle, when it has one (None: a relay without a server)
         self.sessions: dict[tuple, Session] = {}
         self.by_fd: dict[int, Session] = {}  # the sessions' sockets in the epoll set
+        # Sessions per source prefix (udp.source_prefix), for max_sessions_per_source.
         self.per_source: Counter = Counter()
         self.stopping = False  # at stop: no new session; serve() ends with the last one
         self._drained = trio.Event()  # stopping, and the last session ended
@@ -188,8 +189,9 @@ class UdpRelay:
         # Sessions opened since the last sweep whose idle deadline is not armed yet.
         self.young: dict[Session, None] = {}
         self._sweeping = False  # the sweep's deadline is armed
-        # The ACL's decision per source address, for the configuration it was made with.
-        self._acl: dict[str, bool] = {}
+        # The ACL (its decision per source address remembered), for the configuration it
+        # was made with.
+        self._acl = SourceFilter(())
         self._acl_config: object = None
         self._epoll: select.epoll | None = None  # while serve() runs
         # Set by serve(): the run's clock (read directly, as the pump does) and deadlines.
@@ -313,7 +315,9 @@ class UdpRelay:
         if len(self.sessions) >= udp.max_sessions:
             dropped["max_sessions"] += 1
             return None
-        if self.per_source[client[0]] >= udp.max_sessions_per_source:
+        prefix = udp.source_prefix
+        source = source_key(client[0], prefix.v4, prefix.v6)
+        if self.per_source[source] >= udp.max_sessions_per_source:
             dropped["per_source"] += 1
             return None
         throttle = self.vs.throttle if self.vs is not None else None
@@ -351,12 +355,12 @@ class UdpRelay:
         keys = self._keys.get(rs.name)
         if keys is None:
             keys = self._keys[rs.name] = ((rs.name, "in"), (rs.name, "out"))
-        session = Session(self, client, rs, lease, sock, now, idle, keys)
+        session = Session(self, client, rs, lease, sock, now, idle, keys, source)
         lease.handle = session
         pool.clients += 1
         self.sessions[client] = session
         self.by_fd[session.fd] = session
-        self.per_source[client[0]] += 1
+        self.per_source[source] += 1
         self.counters.sessions_total[rs.name] += 1
         if idle >= _DEFER_IDLE:
             self.young[session] = None
@@ -380,13 +384,8 @@ class UdpRelay:
         """The ACL (allow, then deny) for a new session's source, remembered."""
         if self._acl_config is not config:  # a reload: decide anew
             self._acl_config = config
-            self._acl = {}
-        decided = self._acl.get(host)
-        if decided is None:
-            if len(self._acl) >= _ACL_CACHE:
-                self._acl.clear()
-            decided = self._acl[host] = _allowed(config.allow, config.deny, host)
-        return decided
+            self._acl = SourceFilter(config.allow, config.deny)
+        return self._acl.admits(host)
 
     # -- real server -> client ------------------------------------------------------
 
@@ -447,7 +446,7 @@ class UdpRelay:
             session.alarm = None
         else:
             self.young.pop(session, None)
-        source = session.client[0]
+        source = session.source
         self.per_source[source] -= 1
         if not self.per_source[source]:
             del self.per_source[source]
@@ -478,16 +477,6 @@ class UdpRelay:
                 now - session.started,
                 session.ended or "closed",
             )
-
-
-def _allowed(allow, deny, host: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if any(ip in net for net in deny if net.version == ip.version):
-        return False
-    return any(ip in net for net in allow if net.version == ip.version)
 
 
 def _peer(client: tuple) -> str:

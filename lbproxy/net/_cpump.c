@@ -2445,25 +2445,76 @@ accept_(PyObject *self, PyObject *arg)
     return r;
 }
 
+/* The process's count of open clients and its limit (global.max_clients), shared by
+ * the Python side (connection.py raises and lowers `open`) and the accept batch, which
+ * compares the two before it hands a client over (net/descriptors.py). */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t open;
+    Py_ssize_t limit;
+} ClientCount;
+
+static PyObject *
+ClientCount_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    if (PyTuple_GET_SIZE(args) || (kw != NULL && PyDict_GET_SIZE(kw))) {
+        PyErr_SetString(PyExc_TypeError, "ClientCount() takes no arguments");
+        return NULL;
+    }
+    ClientCount *c = (ClientCount *)type->tp_alloc(type, 0);
+    if (c == NULL)
+        return NULL;
+    c->open = 0;
+    c->limit = PY_SSIZE_T_MAX;
+    return (PyObject *)c;
+}
+
+static PyMemberDef ClientCount_members[] = {
+    {"open", T_PYSSIZET, offsetof(ClientCount, open), 0, "clients open now"},
+    {"limit", T_PYSSIZET, offsetof(ClientCount, limit), 0, "at most this many"},
+    {NULL},
+};
+
+static PyTypeObject ClientCount_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lbproxy.net._cpump.ClientCount",
+    .tp_basicsize = sizeof(ClientCount),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "ClientCount(): `open` clients, at most `limit` (net/descriptors.py); the\n"
+              "accept batch reads both as C integers.",
+    .tp_new = ClientCount_new,
+    .tp_members = ClientCount_members,
+};
+
 PyDoc_STRVAR(accept_batch_doc,
-    "accept_batch(fd, owner, spawn, most, failed) -> number accepted\n\n"
+    "accept_batch(fd, owner, spawn, most, failed[, clients]) -> number accepted\n\n"
     "The accept loop's inner part (net/accept.py): up to `most` times, accept4 (as\n"
     "accept()) and owner.accept_client(client_fd, address, spawn) -- the attribute read\n"
     "afresh for every client, as a reload may re-route the owner. An Exception raised by\n"
-    "it goes to failed(exc) (the barrier) and the batch goes on. Returns how many were\n"
+    "it goes to failed(exc) (the barrier) and the batch goes on. With `clients` (a\n"
+    "ClientCount), a client accepted while `clients.open >= clients.limit` is closed at\n"
+    "once and owner.refuse_client(address) is called instead. Returns how many were\n"
     "accepted when the backlog is empty, an accept fails after some were, or `most` is\n"
     "reached; raises the OSError (BlockingIOError: the backlog was empty) when the first\n"
     "accept fails.");
 
-static PyObject *s_accept_client;
+static PyObject *s_accept_client, *s_refuse_client;
 
 static PyObject *
 accept_batch(PyObject *self, PyObject *args)
 {
     int fd, most;
-    PyObject *owner, *spawn, *failed;
-    if (!PyArg_ParseTuple(args, "iOOiO:accept_batch", &fd, &owner, &spawn, &most, &failed))
+    PyObject *owner, *spawn, *failed, *count = Py_None;
+    if (!PyArg_ParseTuple(args, "iOOiO|O:accept_batch", &fd, &owner, &spawn, &most, &failed,
+                          &count))
         return NULL;
+    ClientCount *clients = NULL;
+    if (count != Py_None) {
+        if (!PyObject_TypeCheck(count, &ClientCount_Type)) {
+            PyErr_SetString(PyExc_TypeError, "accept_batch: clients must be a ClientCount");
+            return NULL;
+        }
+        clients = (ClientCount *)count;
+    }
     int n = 0;
     while (n < most) {
         int client;
@@ -2475,18 +2526,26 @@ accept_batch(PyObject *self, PyObject *args)
             break;
         }
         n++;
-        PyObject *fdo = PyLong_FromLong(client);
-        PyObject *handler = fdo ? PyObject_GetAttr(owner, s_accept_client) : NULL;
         PyObject *r = NULL;
-        if (handler != NULL) {
-            PyObject *argv[3] = {fdo, addr, spawn};
-            r = PyObject_Vectorcall(handler, argv, 3, NULL);
-            Py_DECREF(handler);
+        if (clients != NULL && clients->open >= clients->limit) {
+            /* max_clients: closed before a byte is read; the owner counts it */
+            close(client);
+            r = PyObject_CallMethodOneArg(owner, s_refuse_client, addr);
+            Py_DECREF(addr);
         }
-        else
-            close(client); /* nobody owns it yet */
-        Py_XDECREF(fdo);
-        Py_DECREF(addr);
+        else {
+            PyObject *fdo = PyLong_FromLong(client);
+            PyObject *handler = fdo ? PyObject_GetAttr(owner, s_accept_client) : NULL;
+            if (handler != NULL) {
+                PyObject *argv[3] = {fdo, addr, spawn};
+                r = PyObject_Vectorcall(handler, argv, 3, NULL);
+                Py_DECREF(handler);
+            }
+            else
+                close(client); /* nobody owns it yet */
+            Py_XDECREF(fdo);
+            Py_DECREF(addr);
+        }
         if (r != NULL) {
             Py_DECREF(r);
             continue;
@@ -2734,7 +2793,9 @@ PyInit__cpump(void)
     INTERN(s_close, "close");
     INTERN(s_splice_refused, "_splice_refused");
     INTERN(s_accept_client, "accept_client");
-    if (PyType_Ready(&CPump_Type) < 0 || PyType_Ready(&CClock_Type) < 0)
+    INTERN(s_refuse_client, "refuse_client");
+    if (PyType_Ready(&CPump_Type) < 0 || PyType_Ready(&CClock_Type) < 0 ||
+        PyType_Ready(&ClientCount_Type) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -2748,6 +2809,12 @@ PyInit__cpump(void)
     Py_INCREF(&CClock_Type);
     if (PyModule_AddObject(m, "Clock", (PyObject *)&CClock_Type) < 0) {
         Py_DECREF(&CClock_Type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ClientCount_Type);
+    if (PyModule_AddObject(m, "ClientCount", (PyObject *)&ClientCount_Type) < 0) {
+        Py_DECREF(&ClientCount_Type);
         Py_DECREF(m);
         return NULL;
     }

@@ -24,6 +24,7 @@ import trio
 
 from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
+from lbproxy.net.descriptors import ClientCount
 from lbproxy.net.pump import reactor
 
 __all__ = [
@@ -125,16 +126,21 @@ class Acceptor(Protocol):
     def accept_client(self) -> Callable[[int, Any, Spawn], object]: ...
 
 
-# accept_batch(fd, owner, spawn, most, failed) -> how many were accepted (see
+# accept_batch(fd, owner, spawn, most, failed, clients) -> how many were accepted (see
 # _cpump.accept_batch): both accept loops' inner part.
-_AcceptBatch = Callable[[int, Acceptor, Spawn, int, Callable[[Exception], None]], int]
+_AcceptBatch = Callable[
+    [int, Acceptor, Spawn, int, Callable[[Exception], None], "ClientCount | None"], int
+]
 
 
 def _accept_batch_for(sock: socket.socket, errors: AcceptErrors) -> _AcceptBatch:
     """The accept batch for `sock`: up to `most` clients accepted and each handed to
     ``owner.accept_client`` (read afresh: a reload may re-route the owner), an
     exception in it given to `failed` (the barrier); the first accept's OSError is
-    raised (BlockingIOError: the backlog is empty), a later one ends the batch.
+    raised (BlockingIOError: the backlog is empty), a later one ends the batch. With
+    `clients` (the data plane's, net/descriptors.py), a client accepted while
+    ``clients.open >= clients.limit`` is closed at once and handed to
+    ``owner.refuse_client(peer)`` to be counted: one integer compare per client.
 
     Compiled (issue 26): ``_cpump.accept_batch``, accept4 with SOCK_NONBLOCK, one C call
     per batch. Pure: `_accept` is socket.accept() without the socket object (Python
@@ -148,7 +154,12 @@ def _accept_batch_for(sock: socket.socket, errors: AcceptErrors) -> _AcceptBatch
     set_flags = fcntl.fcntl
 
     def accept_batch(
-        fd: int, owner: Acceptor, spawn: Spawn, most: int, failed: Callable[[Exception], None]
+        fd: int,
+        owner: Acceptor,
+        spawn: Spawn,
+        most: int,
+        failed: Callable[[Exception], None],
+        clients: ClientCount | None = None,
     ) -> int:
         n = 0
         while n < most:
@@ -159,6 +170,13 @@ def _accept_batch_for(sock: socket.socket, errors: AcceptErrors) -> _AcceptBatch
                     raise
                 break  # the next batch meets it again, or the backlog is empty
             n += 1
+            if clients is not None and clients.open >= clients.limit:
+                os.close(client)  # max_clients: closed before a byte is read
+                try:
+                    owner.refuse_client(peer)  # type: ignore[attr-defined]  # see above
+                except Exception as exc:
+                    failed(exc)
+                continue
             try:
                 set_flags(client, F_SETFL, O_NONBLOCK)
             except OSError as exc:  # not expected from a fresh socket: drop it
@@ -192,7 +210,7 @@ async def accept_loop(
     failed = errors.owner_failed
     while True:
         try:
-            n = batch(fd, owner, spawn, ACCEPT_BATCH, failed)
+            n = batch(fd, owner, spawn, ACCEPT_BATCH, failed, None)
         except BlockingIOError:
             n = 0
         except OSError as exc:
@@ -229,12 +247,30 @@ class ReactorAcceptor:
     the supervisor -- would otherwise stay in the set after close).
     """
 
-    __slots__ = ("batch", "errors", "failure", "fd", "owner", "reactor", "spawn", "wake")
+    __slots__ = (
+        "batch",
+        "clients",
+        "errors",
+        "failure",
+        "fd",
+        "owner",
+        "reactor",
+        "spawn",
+        "wake",
+    )
 
     def __init__(
-        self, sock: socket.socket, owner: Acceptor, spawn: Spawn, errors: AcceptErrors
+        self,
+        sock: socket.socket,
+        owner: Acceptor,
+        spawn: Spawn,
+        errors: AcceptErrors,
+        clients: ClientCount | None = None,
     ) -> None:
         sock.setblocking(False)
+        # The count `max_clients` bounds (net/descriptors.py); None: no bound. The owner
+        # then has a refuse_client(peer) method for a client closed at accept.
+        self.clients = clients
         self.fd = sock.fileno()
         self.batch = _accept_batch_for(sock, errors)
         self.owner = owner
@@ -272,7 +308,9 @@ class ReactorAcceptor:
     def on_event(self, fd: int, events: int) -> None:
         """The reactor's report that clients are waiting: accept a batch."""
         try:
-            self.batch(fd, self.owner, self.spawn, ACCEPT_BATCH, self.errors.owner_failed)
+            self.batch(
+                fd, self.owner, self.spawn, ACCEPT_BATCH, self.errors.owner_failed, self.clients
+            )
         except BlockingIOError:  # another process's accept took them (workers)
             return
         except OSError as exc:  # out of capacity, or closed: serve() decides

@@ -36,6 +36,7 @@ from lbproxy.dataplane.listener import BindError, Listener, listen_socket
 from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_socket
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
+from lbproxy.net.descriptors import apply_max_clients
 from lbproxy.runtime import logs
 from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import Inherited, Passed
@@ -144,6 +145,8 @@ class Server:
                 admin_sock.close()
             self.inherited.close()
             raise
+        # Clients beyond it are closed at accept, so descriptors stay for the rest.
+        apply_max_clients(self.config.global_.max_clients)
         # The admin endpoint outlives the drain (so /readyz can answer 503 meanwhile)
         # and is cancelled once the last connection is done; the DNS locator with it.
         if self.admin_sock is None:
@@ -650,6 +653,7 @@ class Server:
         if new.global_.cluster != self.config.global_.cluster:
             log.warning("reload: global.cluster changes take effect at the next restart")
         self.config = new
+        apply_max_clients(new.global_.max_clients)
         if self._service is not None and not self.draining:  # start/stop/retune throttles
             changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))
             self.checks.sync(self.virtual_servers.values(), self._service)

@@ -548,7 +548,12 @@ def test_descriptor_limit_backs_off_without_spinning_and_recovers(name_servers, 
     port = free_port()
     # fall: 1, so a single check failing for lack of descriptors would mark `a` down
     checks = "health_check: {type: tcp, interval: 100ms, timeout: 500ms, fall: 1}"
-    proxy = LimitedLbproxy(tmp_path, vs_config(port, [server], "rr", checks), limit=64).start()
+    # max_clients far above what 64 descriptors hold: the accept itself runs out (the
+    # limit's own test, with its reserve, is tests/integration/test_edge.py's)
+    config = vs_config(port, [server], "rr", checks).replace(
+        "  drain_timeout: 5s\n", "  drain_timeout: 5s\n  max_clients: 1000\n"
+    )
+    proxy = LimitedLbproxy(tmp_path, config, limit=64).start()
     clients: list[socket.socket] = []
     try:
         wait_port(port)

@@ -11,7 +11,7 @@ import pytest
 
 from lbproxy.core.schedulers import available
 from lbproxy.core.udp_stats import DROP_REASONS
-from tests.integration.harness import Lbproxy, free_port, run_cli
+from tests.integration.harness import Lbproxy, free_port, run_cli, wait_for
 from tests.integration.test_admin import metrics, sample
 from tests.integration.test_udp_health import Echo
 from tests.integration.test_udp_sessions import ask, client
@@ -222,3 +222,40 @@ def test_tcp_only_keys_refused_at_file_and_line_tcp_and_udp_share_a_port(tmp_pat
         out = run_cli("check", str(config))
         assert out.returncode == 0, out
         assert "dns-tcp" in out.stdout and "udp " in out.stdout
+
+
+def test_max_sessions_per_source_counts_by_source_prefix(tmp_path):
+    """`source_prefix: {v4: 24}`, `max_sessions_per_source: 2`: clients on 127.0.0.2 and
+    127.0.0.3 take the two sessions of 127.0.0.0/24, a third address of that /24 is
+    dropped (`per_source`), one of 127.0.1.0/24 is not. (IPv6's /64 default is a unit
+    test, tests/unit/core/test_client_address.py: all of IPv6 loopback is ::1.)"""
+    servers = {"a": Echo(b"a:")}
+    port, admin = free_port(), free_port()
+    config = (
+        f"global:\n  admin: {{listen: 127.0.0.1:{admin}}}\n  drain_timeout: 1s\n"
+        "virtual_servers:\n  - name: game\n    protocol: udp\n"
+        f"    listen: 127.0.0.1:{port}\n    scheduler: rr\n"
+        "    udp: {idle_timeout: 30s, max_sessions_per_source: 2, source_prefix: {v4: 24}}\n"
+        f"    real_servers:\n      - {{name: a, address: 127.0.0.1:{servers['a'].port}}}\n"
+    )
+
+    def per_source() -> float:
+        return sample(
+            metrics(admin), "lbproxy_udp_dropped_total", virtual_server="game", reason="per_source"
+        )
+
+    two, three, four = client("127.0.0.2"), client("127.0.0.3"), client("127.0.0.4")
+    other = client("127.0.1.5")
+    try:
+        with Lbproxy(tmp_path, config).start():
+            assert ask(two, port, b"hi") == b"a:hi"
+            assert ask(three, port, b"hi") == b"a:hi"
+            four.sendto(b"hi", ("127.0.0.1", port))
+            wait_for(lambda: per_source() == 1, what="127.0.0.4 dropped per_source")
+            assert ask(other, port, b"hi") == b"a:hi"  # another /24
+            assert ask(two, port, b"again") == b"a:again"  # its session goes on
+            assert per_source() == 1
+    finally:
+        for sock in (two, three, four, other):
+            sock.close()
+        servers["a"].close()

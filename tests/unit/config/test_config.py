@@ -653,6 +653,16 @@ def test_cross_field_rules(tmp_path: Path) -> None:
     ]
 
 
+def test_max_clients_auto_or_a_number(tmp_path: Path) -> None:
+    assert load([write(tmp_path, "a.yaml", MINIMAL)]).global_.max_clients is None
+    text = "global:\n  max_clients: auto\n" + MINIMAL
+    assert load([write(tmp_path, "b.yaml", text)]).global_.max_clients is None
+    text = "global:\n  max_clients: 5000\n" + MINIMAL
+    assert load([write(tmp_path, "c.yaml", text)]).global_.max_clients == 5000
+    path = write(tmp_path, "d.yaml", "global:\n  max_clients: 0\n" + MINIMAL)
+    assert problems([path]) == [f"{path}:2: max_clients must be an integer >= 1 or auto, got 0"]
+
+
 def test_bad_global_values(tmp_path: Path) -> None:
     path = write(
         tmp_path,

@@ -137,3 +137,74 @@ def test_virtual_servers_sharing_an_address_agree_on_accept_proxy(tmp_path: Path
         f"{path}:8: virtual servers sharing 127.0.0.1:8443 must agree on accept_proxy "
         "(api at line 3 has false)"
     ]
+
+
+def test_accept_proxy_from_is_read_and_defaults_to_the_private_ranges(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "trust.yaml",
+        """\
+        virtual_servers:
+          - name: api
+            listen: 127.0.0.1:8443
+            accept_proxy: true
+            accept_proxy_from: [192.0.2.10, 2001:db8::/64]
+            real_servers: [{name: a, address: 127.0.0.1:9001}]
+          - name: web
+            listen: 127.0.0.1:8444
+            accept_proxy: true
+            real_servers: [{name: b, address: 127.0.0.1:9002}]
+        """,
+    )
+    api, web = load([path]).virtual_servers
+    assert [str(n) for n in api.accept_proxy_from] == ["192.0.2.10/32", "2001:db8::/64"]
+    assert [str(n) for n in web.accept_proxy_from] == [
+        "127.0.0.0/8",
+        "::1/128",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "fc00::/7",
+    ]
+
+
+def test_accept_proxy_from_without_accept_proxy_is_an_error(tmp_path: Path) -> None:
+    path = shared(tmp_path, "accept_proxy_from: [10.0.0.0/8]\n            sni: [b.example.com]")
+    assert problems([path]) == [f"{path}:8: accept_proxy_from needs accept_proxy: true"]
+
+
+def test_virtual_servers_sharing_an_address_agree_on_accept_proxy_from(tmp_path: Path) -> None:
+    path = shared(
+        tmp_path,
+        "accept_proxy: true\n            accept_proxy_from: [10.0.0.0/8]",
+        "accept_proxy: true\n            sni: [a.example.com]",
+    )
+    assert problems([path]) == [
+        f"{path}:10: virtual servers sharing 127.0.0.1:8443 must agree on accept_proxy_from "
+        "(see api at line 3)"
+    ]
+    agreeing = shared(
+        tmp_path,
+        "accept_proxy: true\n            accept_proxy_from: [10.0.0.0/8]",
+        "accept_proxy: true\n            accept_proxy_from: [10.0.0.0/8]\n"
+        "            sni: [a.example.com]",
+    )
+    assert len(load([agreeing]).virtual_servers) == 2
+
+
+def test_accept_proxy_from_is_refused_on_udp(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "udp.yaml",
+        """\
+        virtual_servers:
+          - name: dns
+            protocol: udp
+            listen: 127.0.0.1:5300
+            accept_proxy_from: [10.0.0.0/8]
+            real_servers: [{name: a, address: 127.0.0.1:53}]
+        """,
+    )
+    assert f"{path}:5: accept_proxy_from is for TCP; a UDP virtual server refuses it" in problems(
+        [path]
+    )

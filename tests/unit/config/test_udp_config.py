@@ -3,7 +3,7 @@ TCP-only keys refused at FILE:LINE, and a TCP and a UDP virtual server on one po
 
 from __future__ import annotations
 
-from lbproxy.config.model import UdpConfig
+from lbproxy.config.model import SourcePrefixConfig, UdpConfig
 from lbproxy.config.reader import load
 from tests.unit.config.test_config import problems, write
 
@@ -151,4 +151,30 @@ def test_check_summary_says_how_sessions_end(tmp_path):
     assert [line for line in lines if line.startswith("  udp ")] == [
         "  udp         1 reply per request, else 5s idle; at most 10000 sessions, 100 per source",
         "  udp         no replies, sessions end 30s idle; at most 50 sessions, 3 per source",
+    ]
+
+
+def test_source_prefix_defaults_to_32_and_64_and_is_checked(tmp_path):
+    path = write(
+        tmp_path,
+        "lb.yaml",
+        "virtual_servers:\n"
+        "  - name: dns\n    protocol: udp\n    listen: 127.0.0.1:5300\n"
+        "    udp: {max_sessions_per_source: 4, source_prefix: {v4: 24}}\n" + RS,
+    )
+    [dns] = load([path]).virtual_servers
+    assert dns.udp.source_prefix == SourcePrefixConfig(v4=24, v6=64)
+    assert UdpConfig().source_prefix == SourcePrefixConfig(v4=32, v6=64)
+    bad = write(
+        tmp_path,
+        "bad.yaml",
+        "virtual_servers:\n"
+        "  - name: dns\n    protocol: udp\n    listen: 127.0.0.1:5300\n"
+        "    udp:\n"
+        "      source_prefix: {v4: 0, v6: 129, v5: 1}\n" + RS,  # 6
+    )
+    assert problems([bad]) == [
+        f"{bad}:6: udp.source_prefix.v4 must be an integer from 1 to 32, got 0",
+        f"{bad}:6: udp.source_prefix.v6 must be an integer from 1 to 128, got 129",
+        f"{bad}:6: unknown key 'v5' in udp.source_prefix of virtual server dns",
     ]

@@ -192,3 +192,51 @@ def test_the_reactor_acceptor_ends_if_its_socket_was_closed_during_a_back_off():
         assert acceptor.fd not in acceptor.reactor.pumps
 
     trio.run(main)
+
+
+def test_beyond_max_clients_a_client_is_closed_at_accept_and_refused():
+    """The data plane's batch (compiled or pure, whichever runs) with a client count at
+    its limit: the client is closed before the owner sees it, and refuse_client(peer) is
+    called instead; one below the limit goes to accept_client as before. The count
+    itself is the owner's to keep (connection.py): the batch only compares."""
+    from lbproxy.net.descriptors import clients as process_count
+
+    count = type(process_count)()  # the same type as the process's, compiled or pure
+
+    class Limited(Owner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refused: list[tuple] = []
+
+        def refuse_client(self, peer: tuple) -> None:
+            self.refused.append(peer)
+            self.got.set()
+
+    async def main() -> None:
+        sock = listening()
+        port = sock.getsockname()[1]
+        owner = Limited()
+        async with trio.open_nursery() as nursery:
+            acceptor = ReactorAcceptor(
+                sock, owner, nursery.start_soon, AcceptErrors("t", log), count
+            )
+            nursery.start_soon(acceptor.serve)
+            count.limit, count.open = 2, 2  # full
+            raw = socket.create_connection(("127.0.0.1", port))
+            with trio.fail_after(5):
+                await owner.got.wait()
+            assert owner.refused == [raw.getsockname()] and owner.seen == []
+            raw.settimeout(5)
+            assert raw.recv(10) == b""  # closed at accept, nothing sent
+            raw.close()
+            count.open = 1  # one left: served
+            owner.got = trio.Event()
+            peer = await connect(port)
+            with trio.fail_after(5):
+                await owner.got.wait()
+            assert [p for _, _, p in owner.seen] == [peer]
+            assert len(owner.refused) == 1
+            acceptor.stop()
+        sock.close()
+
+    trio.run(main)

@@ -13,8 +13,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
-import stat
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lbproxy.admin import dashboard, http_server
 from lbproxy.admin.metrics import VirtualServerView, make_registry
 from lbproxy.admin.routes import ANY_HOST_PATHS, HTTPError, Request, allowed, match
+from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.locate import Located
 from lbproxy.core.pool import Pool, state_error, weight_error
 
@@ -80,17 +79,13 @@ class TokenError(Exception):
 
 
 def read_token(path: str) -> str:
+    """The token in `token_file` (its owner and mode were checked with the configuration,
+    lbproxy/config/secret_files.py)."""
     try:
-        mode = os.stat(path).st_mode
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise TokenError(f"admin token_file {path}: {exc.strerror}") from None
-    if mode & stat.S_IROTH:
-        raise TokenError(
-            f"admin token_file {path} is readable by every user; "
-            f"run `chmod o-rwx {path}` (or chmod 600)"
-        )
+        token = SECRETS.read(path).strip()
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise TokenError(f"admin token_file {path}: {reason}") from None
     if not token:
         raise TokenError(f"admin token_file {path} is empty")
     return token

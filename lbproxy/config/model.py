@@ -118,6 +118,9 @@ class GlobalConfig:
     # Clients served at once by this process; None: derived from RLIMIT_NOFILE so that a
     # reserve of descriptors stays free (SPEC §21, lbproxy/net/descriptors.py).
     max_clients: int | None = None
+    # The account to run as once bound (SPEC §21): a name or an id as written; None: stay
+    user: str | None = None
+    group: str | None = None  # None: the user's own group
 
 
 # The record types a `dns` health check may ask for (SPEC §19).
@@ -298,3 +301,6 @@ class Config:
     global_: GlobalConfig = GlobalConfig()
     virtual_servers: tuple[VirtualServerConfig, ...] = ()
     files: tuple[str, ...] = field(default=())
+    # Every file the configuration names that holds a secret (token, password, keys), to
+    # be read before the privileges are dropped (config/secret_files.py)
+    secret_files: tuple[str, ...] = field(default=(), compare=False)

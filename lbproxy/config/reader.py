@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from lbproxy.config.accounts import AccountError, run_as
 from lbproxy.config.model import (
     PROXY_FROM_DEFAULT,
     Address,
@@ -40,6 +41,7 @@ from lbproxy.config.model import (
     UdpConfig,
     VirtualServerConfig,
 )
+from lbproxy.config.secret_files import secret_file_problem
 from lbproxy.config.tables import (
     _ADMIN_FIELDS,
     _CLUSTER_SECTIONS,
@@ -102,12 +104,25 @@ class _Section:
         return self.key_lines.get(key, self.line)
 
 
+@dataclass(frozen=True)
+class _SecretRead:
+    """A file that holds a secret, named at `file:line` by key `label`."""
+
+    file: str
+    line: int
+    label: str
+    path: str
+
+
 class _Document:
     """One configuration file: composes it and reports problems against it."""
 
-    def __init__(self, file: str, problems: list[Problem]):
+    def __init__(
+        self, file: str, problems: list[Problem], secrets: list[_SecretRead] | None = None
+    ):
         self.file = file
         self.problems = problems
+        self.secrets = secrets if secrets is not None else []  # checked once `user` is known
 
     def error(self, line: int, message: str) -> None:
         self.problems.append(Problem(self.file, line, message))
@@ -160,9 +175,13 @@ class _Document:
             section.nodes[key] = value_node
             if key in fields:
                 try:
-                    section.values[key] = fields[key](value_node, prefix + key)
+                    section.values[key] = value = fields[key](value_node, prefix + key)
                 except _Invalid as exc:
                     self.error(_line(exc.node or value_node), exc.message)
+                    continue
+                if fields[key].secret:
+                    read = _SecretRead(self.file, _line(value_node), prefix + key, value)
+                    self.secrets.append(read)
         return section
 
     def _key(
@@ -267,6 +286,7 @@ def _read_global(doc: _Document, top: _Section) -> _GlobalRead:
     admin = _nested(doc, section, "admin", "global.admin", _ADMIN_FIELDS, prefix="admin.")
     admin = admin or _Section(line)
     locator, dns_line = _read_locator(doc, section)
+    _check_account(doc, section)
     config = GlobalConfig(
         admin=AdminConfig(**admin.values),
         locator=locator,
@@ -276,6 +296,40 @@ def _read_global(doc: _Document, top: _Section) -> _GlobalRead:
     read = _GlobalRead(config, doc.file, line, admin.key_lines.get("listen"))
     read.dns_line = dns_line
     return read
+
+
+def _check_account(doc: _Document, section: _Section) -> None:
+    """`global.user` and `global.group` together name an account (accounts.py)."""
+    if "group" in section.key_lines and "user" not in section.key_lines:
+        doc.error(section.line_of("group"), "global.group needs global.user")
+    user = section.values.get("user")
+    if user is not None and "group" not in section.key_lines:
+        try:
+            run_as(user, None)
+        except AccountError as exc:
+            doc.error(section.line_of("user"), f"global.user: {exc}")
+
+
+def _check_secret_files(
+    secrets: list[_SecretRead], global_: GlobalConfig, problems: list[Problem]
+) -> tuple[str, ...]:
+    """The rule of secret_files.py for every secret file named; the files, once each.
+
+    The owners a secret file may have: root, the user this process runs as now (it reads
+    the file at start) and `global.user` (it reads it again after the drop)."""
+    owners, groups = {0, os.geteuid()}, {os.getegid()}
+    try:
+        account = run_as(global_.user, global_.group)
+    except AccountError:  # reported where `user` is
+        account = None
+    if account is not None:
+        owners.add(account.uid)
+        groups.add(account.gid)
+    for read in secrets:
+        problem = secret_file_problem(read.path, read.label, owners, groups)
+        if problem is not None:
+            problems.append(Problem(read.file, read.line, problem))
+    return tuple(dict.fromkeys(read.path for read in secrets))
 
 
 def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int]:
@@ -891,8 +945,9 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> Config:
     files = _expand(paths, problems)
     global_reads: list[_GlobalRead] = []
     servers: list[_VirtualServerRead] = []
+    secrets: list[_SecretRead] = []
     for file in files:
-        doc = _Document(file, problems)
+        doc = _Document(file, problems, secrets)
         root = doc.compose()
         if root is None:
             continue
@@ -902,6 +957,7 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> Config:
         servers.extend(file_servers)
 
     global_ = _single_global(global_reads, problems)
+    secret_files = _check_secret_files(secrets, global_, problems)
     _check_unique_names(servers, problems)
     _check_port_clashes(servers, global_reads[0] if global_reads else None, problems)
     _check_shared_addresses(servers, problems)
@@ -914,6 +970,7 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> Config:
         global_=global_,
         virtual_servers=tuple(vs.config for vs in servers if vs.config is not None),
         files=tuple(files),
+        secret_files=secret_files,
     )
 
 

@@ -46,6 +46,7 @@ from lbproxy.config.values import (
     _dns_name,
     _dns_zone,
     _duration,
+    _group,
     _host,
     _host_names,
     _http_path,
@@ -65,11 +66,13 @@ from lbproxy.config.values import (
     _resolvers,
     _responses,
     _scalar,
+    _secret_file,
     _shown,
     _sni_names,
     _snmp_version,
     _status_codes,
     _string,
+    _user,
     _vs_listen,
     _workers,
 )
@@ -116,7 +119,9 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
         "runtime state kept across restarts: states and weights set at run time, the "
         "last load report per server, persistence entries; written atomically at most "
         "once a second after a change, read at start (a missing or spoilt file is a "
-        "warning, never a failed start)",
+        "warning, never a failed start); opened without following a symlink, and a "
+        "symlink, a file over 64 MiB or one writable by group or others is ignored with a "
+        "warning; its folder must be writable by `user`",
         default="none",
     ),
     "max_clients": _max_clients.about(
@@ -127,6 +132,18 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
         "checks, SNMP, DNS and Redis",
         default="auto",
     ),
+    "user": _user.about(
+        "once every listener is bound and every secret file read, run as this user (a "
+        "name or a numeric id), with no supplementary groups and only "
+        "CAP_NET_BIND_SERVICE kept (a reload may bind a port below 1024); workers and "
+        "upgrades too. Needs lbproxy started as root; started as root without it, lbproxy "
+        "warns",
+        default="none",
+    ),
+    "group": _group.about(
+        "with `user`: the group to run as (a name or a numeric id)",
+        default="the user's own group",
+    ),
 }
 
 _ADMIN_FIELDS: dict[str, Converter] = {
@@ -134,9 +151,9 @@ _ADMIN_FIELDS: dict[str, Converter] = {
         "the admin endpoint (API, `/metrics`, dashboard); `none` turns it off; in a "
         "container `0.0.0.0:9100` with a `token_file`"
     ),
-    "token_file": _string.about(
-        "file holding the bearer token mutations need; must not be world-readable "
-        "(lbproxy refuses to start)",
+    "token_file": _secret_file.about(
+        "file holding the bearer token mutations need; owned by root or lbproxy's user "
+        "and readable by no one else (see Secret files)",
         default="none",
     ),
     "allowed_hosts": _host_names.about(
@@ -159,9 +176,10 @@ _REDIS_FIELDS: dict[str, Converter] = {
         "`db`); a user name may be given (`redis://lb@host:6379/0`), a password may not",
         default="required",
     ),
-    "password_file": _string.about(
+    "password_file": _secret_file.about(
         "file holding the password (`AUTH`), read at every connection attempt (a rotated "
-        "password is picked up); none: no `AUTH`",
+        "password is picked up while `user` can read it); owned by root or lbproxy's user "
+        "and readable by no one else; none: no `AUTH`",
         default="none",
     ),
     "key_prefix": _redis_key_prefix.about(
@@ -302,13 +320,16 @@ _SNMP_FIELDS: dict[str, Converter] = {
     "community": _string.about("v2c community"),
     "user": _string.about("v3 user (required with version 3)", default="none"),
     "auth_protocol": _choice("SHA", "SHA256", "MD5").about("v3 authentication protocol"),
-    "auth_key_file": _string.about(
-        "v3: file holding the authentication passphrase (authNoPriv with this file only)",
+    "auth_key_file": _secret_file.about(
+        "v3: file holding the authentication passphrase (authNoPriv with this file only); "
+        "owned by root or lbproxy's user and readable by no one else",
         default="none",
     ),
     "priv_protocol": _choice("AES", "AES256", "DES").about("v3 privacy protocol"),
-    "priv_key_file": _string.about(
-        "v3: file holding the privacy passphrase (authPriv with both files)", default="none"
+    "priv_key_file": _secret_file.about(
+        "v3: file holding the privacy passphrase (authPriv with both files); owned by root "
+        "or lbproxy's user and readable by no one else",
+        default="none",
     ),
     "host": _host.about("where the agent is", default="the real server's host"),
     "port": _integer(1, 65535).about("the agent's UDP port"),

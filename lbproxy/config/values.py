@@ -25,6 +25,7 @@ from typing import Any, TypeGuard, cast
 
 import yaml
 
+from lbproxy.config.accounts import AccountError, group_id, user_ids
 from lbproxy.config.model import Address, IPNetwork
 
 # --------------------------------------------------------------------------------------
@@ -151,7 +152,16 @@ class Converter:
     scheduler makes it an error).
     """
 
-    __slots__ = ("_schema", "accepts", "default", "description", "only", "read", "read_by")
+    __slots__ = (
+        "_schema",
+        "accepts",
+        "default",
+        "description",
+        "only",
+        "read",
+        "read_by",
+        "secret",
+    )
 
     def __init__(
         self,
@@ -163,6 +173,7 @@ class Converter:
         default: str | None = None,
         only: tuple[str, ...] = (),
         read_by: tuple[str, ...] = (),
+        secret: bool = False,
     ) -> None:
         self.read = read
         self.accepts = accepts
@@ -171,6 +182,9 @@ class Converter:
         self.default = default
         self.only = only
         self.read_by = read_by
+        # The value names a file holding a secret: the reader applies the rule of
+        # secret_files.py to it and lists it in Config.secret_files.
+        self.secret = secret
 
     def __call__(self, node: yaml.Node, label: str) -> Any:
         return self.read(node, label)
@@ -196,6 +210,7 @@ class Converter:
             default=default,
             only=only,
             read_by=only or read_by,
+            secret=self.secret,
         )
 
 
@@ -362,6 +377,42 @@ def _string(node: yaml.Node, label: str) -> str:
     if not isinstance(value, str) or not value:
         raise _expected(label, "a non-empty string", node)
     return value
+
+
+# A path to a file holding a secret (a token, a password, a key): read as a string; the
+# reader checks its owner and mode (secret_files.py), where it knows `global.user`.
+_secret_file = Converter(
+    _string.read,
+    "a path to a file only root or lbproxy's user may read",
+    {"type": "string", "minLength": 1},
+    secret=True,
+)
+
+
+def _account(lookup: Callable[[str], object], what: str) -> Converter:
+    """`global.user` / `global.group`: a name this system knows, or a numeric id."""
+    requirement = f"a {what} name or a numeric id"
+
+    def convert(node: yaml.Node, label: str) -> str:
+        value = _scalar(node, label)
+        if _is_int(value) and value >= 0:
+            value = str(value)
+        if not isinstance(value, str) or not value:
+            raise _expected(label, requirement, node)
+        try:
+            lookup(value)
+        except AccountError as exc:
+            raise _Invalid(f"{label}: {exc}", node) from None
+        return value
+
+    schema: Schema = {
+        "anyOf": [{"type": "string", "minLength": 1}, {"type": "integer", "minimum": 0}]
+    }
+    return Converter(convert, requirement, schema)
+
+
+_user = _account(user_ids, "user")
+_group = _account(group_id, "group")
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")

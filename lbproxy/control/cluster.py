@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from lbproxy.config.model import RedisConfig
+from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.pool import Pool
 from lbproxy.wire.cluster_messages import (
     MAX_ENTRIES,
@@ -160,8 +161,7 @@ class PasswordError(Exception):
 
 def read_password(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            password = f.read().strip()
+        password = SECRETS.read(path).strip()
     except (OSError, UnicodeDecodeError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise PasswordError(f"cannot read password_file {path}: {reason}") from None

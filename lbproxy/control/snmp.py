@@ -78,6 +78,7 @@ from pysnmp.proto import api
 from pysnmp.proto import error as snmp_error
 
 from lbproxy.config.model import SnmpConfig
+from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.dynamic_weight import DynamicWeight, Report, SetWeight
 from lbproxy.core.pool import Pool, RealServer
@@ -235,8 +236,7 @@ class V3Credentials:
 
 
 def _read_key(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        key = f.read().rstrip("\r\n")
+    key = SECRETS.read(path).rstrip("\r\n")
     if len(key) < 8:
         raise ValueError(f"{path}: an SNMPv3 passphrase has at least 8 characters")
     return key

@@ -24,6 +24,7 @@ import trio
 from lbproxy.admin.api import TokenError, read_token, serve_admin
 from lbproxy.config.model import Address, Config, ConfigError, VirtualServerConfig
 from lbproxy.config.reader import load
+from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.checks import HealthChecks, close_leases
 from lbproxy.control.cluster import Cluster
 from lbproxy.control.conditioning import Conditioners
@@ -37,7 +38,7 @@ from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_sock
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.net.descriptors import apply_max_clients
-from lbproxy.runtime import logs
+from lbproxy.runtime import logs, privileges
 from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
@@ -112,6 +113,10 @@ class Server:
         # set before serve(), is restored instead of the file (`lbproxy upgrade`).
         self.initial_state: bytes | None = None
         self.state_writer = runtime_state.StateWriter(self)
+        # Paths this process creates as root before it drops its privileges (an admin
+        # socket) that global.user must own afterwards: chowned just before the drop
+        # (lbproxy/runtime/privileges.py).
+        self.owned_paths: list[str] = []
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -147,6 +152,14 @@ class Server:
             raise
         # Clients beyond it are closed at accept, so descriptors stay for the rest.
         apply_max_clients(self.config.global_.max_clients)
+        # Every listener bound and every secret read (run()): global.user from here on.
+        try:
+            privileges.drop(self.config.global_, self.owned_paths)
+        except privileges.PrivilegeError:
+            for sock in [listener.sock for listener in bound] + [admin_sock, *(dns_socks or ())]:
+                if sock is not None and sock is not self.admin_sock:
+                    sock.close()
+            raise
         # The admin endpoint outlives the drain (so /readyz can answer 503 meanwhile)
         # and is cancelled once the last connection is done; the DNS locator with it.
         if self.admin_sock is None:
@@ -751,6 +764,8 @@ def run(
     systemd this is the main process now, and passes its `initial_state`); else
     systemd's, if it passed any."""
     logs.configure(config.global_.log_format, log_level)
+    privileges.warn_if_root(config.global_)
+    SECRETS.read_all(config.secret_files)  # before the drop (privileges.py)
     token = None
     if config.global_.admin.listen and config.global_.admin.token_file:
         try:
@@ -769,10 +784,10 @@ def run(
         log.error("%s", exc)
         return 1
 
-    failures: list[BindError | ExceptionGroup[BindError]] = []
+    failures: list[Exception] = []
     try:
         trio.run(_serve_main, server, on_started)
-    except* BindError as group:
+    except* (BindError, privileges.PrivilegeError) as group:
         failures.extend(group.exceptions)
     for failure in failures:
         log.error("%s", failure)

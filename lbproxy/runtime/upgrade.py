@@ -53,6 +53,7 @@ import trio
 
 from lbproxy.config.model import Config, ConfigError
 from lbproxy.config.reader import load
+from lbproxy.config.secret_files import SECRETS
 from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import PREVIOUS, Passed
 from lbproxy.runtime.notify import Notifier
@@ -125,6 +126,16 @@ def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[in
 # -- the old process --------------------------------------------------------------------
 
 
+def python_command() -> list[str]:
+    """How lbproxy starts itself (an upgrade's new process, each worker): this Python,
+    `-P -m lbproxy`. `-P` (Python 3.11) keeps the working directory out of sys.path:
+    `python -m` would otherwise import from the folder lbproxy was started in before the
+    installed package, so a `lbproxy/` planted there would run as the service. `-I` would
+    do that too but also ignore PYTHONPATH, which a deployment (and the workers' own
+    PYTHONPATH, workers.py) may rely on."""
+    return [sys.executable, "-P", "-m", "lbproxy"]
+
+
 class HandsOver(Protocol):
     """What an upgrade needs of the old process: the Server (`workers: 1`) or the
     Supervisor of lbproxy/runtime/workers.py."""
@@ -163,9 +174,7 @@ class Upgrade:
 
     def _command(self, fd: int) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "lbproxy",
+            *python_command(),
             "run",
             "--upgrade-fd",
             str(fd),
@@ -228,6 +237,10 @@ class Upgrade:
             "sockets": names,
             "pid": os.getpid(),
             "workers": workers,
+            # The secret files this process read, for a new process that cannot read
+            # them (it runs as global.user; lbproxy/config/secret_files.py). This
+            # socketpair is the two processes' alone.
+            "secrets": SECRETS.contents(),
             **self.server.handover_state(),
         }
         try:
@@ -307,6 +320,8 @@ def run_new(fd: int, config_paths: list[str], log_level: str) -> int:
     if hello is None or len(fds) != len(hello.get("sockets", ())):
         print("lbproxy: the hand-over ended early", file=sys.stderr)
         return 1
+    secrets = hello.get("secrets")
+    SECRETS.remember(secrets if isinstance(secrets, dict) else {})
     problem = _workers_change(hello.get("workers"), config)
     if problem:
         print(f"lbproxy: {problem}", file=sys.stderr)

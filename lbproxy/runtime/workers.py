@@ -100,13 +100,14 @@ from lbproxy.admin.metric_families import gauge as gauge_family
 from lbproxy.admin.metrics import RELOAD_RESULTS
 from lbproxy.admin.routes import HTTPError, Request
 from lbproxy.config.model import Address, Config
+from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.cluster import member_name
 from lbproxy.core.persistence import client_key
-from lbproxy.runtime import logs
+from lbproxy.runtime import logs, privileges
 from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.runtime.server import BindError, Server, listen_socket, load_for_reload
-from lbproxy.runtime.upgrade import Outcome, Upgrade
+from lbproxy.runtime.upgrade import Outcome, Upgrade, python_command
 
 log = logging.getLogger("lbproxy.workers")
 
@@ -531,7 +532,7 @@ class Supervisor:
         ours, theirs = socket.socketpair()
         listeners = {key: sock.fileno() for key, sock in self.listeners.items()}
         command = [
-            sys.executable, "-m", "lbproxy", "run", "--worker-fd", str(theirs.fileno()),
+            *python_command(), "run", "--worker-fd", str(theirs.fileno()),
             "--log-level", self.log_level, "--", *self.config_paths,
         ]  # fmt: skip
         package_root = str(Path(__file__).resolve().parents[2])
@@ -581,6 +582,9 @@ class Supervisor:
                 "admin": worker.admin_path,
                 # the same descriptor numbers in the worker (pass_fds keeps them)
                 "listeners": {key: sock.fileno() for key, sock in self.listeners.items()},
+                # the secret files read before the drop, which the worker may not read
+                # now (lbproxy/config/secret_files.py)
+                "secrets": SECRETS.contents(),
             }
         )
         try:
@@ -1053,6 +1057,8 @@ def run(
     (the old supervisor's runtime changes); `on_bound` is called once every socket is
     bound, before a worker starts. Else systemd's sockets, if it passed any."""
     logs.configure(config.global_.log_format, log_level)
+    privileges.warn_if_root(config.global_)
+    SECRETS.read_all(config.secret_files)  # before the drop (privileges.py)
     token = None
     admin = config.global_.admin
     if admin.listen and admin.token_file:
@@ -1088,6 +1094,12 @@ def run(
     if on_bound is not None:
         on_bound()
     supervisor = Supervisor(config, config_paths, token, log_level, listeners)
+    try:  # every socket bound, every secret read: the workers start as global.user
+        privileges.drop(config.global_, owned=[supervisor.folder])
+    except privileges.PrivilegeError as exc:
+        log.error("%s", exc)
+        shutil.rmtree(supervisor.folder, ignore_errors=True)
+        return 1
     supervisor.inherited = inherited
     supervisor.admin_listener = admin_sock
     supervisor.on_ready = on_ready
@@ -1181,6 +1193,7 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
         print(f"lbproxy worker: no configuration from the supervisor: {exc}", file=sys.stderr)
         return 1
     config: Config = init["config"]
+    SECRETS.remember(init.get("secrets", {}))
     logs.configure(config.global_.log_format, log_level)
     for handler in logging.getLogger("lbproxy").handlers:
         handler.addFilter(_WorkerTag(init["index"]))
@@ -1213,11 +1226,11 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
         sock.setblocking(False)
         passed.append(Passed(sock, key, PREVIOUS))
     server.inherited = Inherited(passed)
-    failures: list[BindError | ExceptionGroup[BindError]] = []
+    failures: list[Exception] = []
     orphaned = False
     try:
         orphaned = trio.run(_worker_main, server, channel)
-    except* BindError as group:
+    except* (BindError, privileges.PrivilegeError) as group:
         failures.extend(group.exceptions)
     finally:
         with contextlib.suppress(OSError):

@@ -291,7 +291,7 @@ def test_world_readable_token_file_refuses_to_start(name_servers, tmp_path):
     config.write_text(with_admin(vs_config(free_port(), servers), free_port(), token_file))
     out = run_cli("run", str(config), timeout=30)
     assert out.returncode == 2
-    assert "readable by every user" in out.stderr
+    assert f"admin.token_file {token_file} is open to other users (mode 0644" in out.stderr
 
 
 def test_access_log_and_decision_explain_lines(name_servers, tmp_path):

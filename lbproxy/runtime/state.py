@@ -39,6 +39,15 @@ one this process wrote last, and a file someone else wrote since — the new pro
 `lbproxy upgrade`, which writes at once — ends this process's writing (logged), so an
 old process draining after a hand-over never puts its stale state back.
 
+Trusting the file: its folder is writable by lbproxy's user, so what lies at the path
+is input, not lbproxy's own. It is opened without following a symbolic link
+(O_NOFOLLOW), and a link, anything but a regular file, a file writable by group or
+others (anyone else could have written it) or one larger than the format's 64 MiB
+(wire/state_file.py MAX_BYTES) is one warning and ignored: the start goes on from the
+configuration files. lbproxy never writes through a link: the temp file is created
+with O_EXCL|O_NOFOLLOW (mkstemp) in the same folder, mode 0600, and renamed over the
+path, which replaces a link there instead of following it.
+
 With `workers: N` each worker has a persistence table of its own: worker 1 writes the
 file, worker k (k > 1) writes its part, the same format, to `STATE_FILE.wK` beside it
 (`StateWriter.suffix`). At start every process reads the file, then the persistence
@@ -51,8 +60,10 @@ first write, so a later `workers: 1` leaves no part behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any
@@ -60,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from lbproxy.wire.state_file import (
+    MAX_BYTES,
     ServerState,
     State,
     StateFileError,
@@ -256,19 +268,38 @@ def part_paths(path: str) -> list[str]:
 
 
 def _read(path: str, missing_is_news: bool) -> bytes | None:
+    """The file's bytes, or None (one warning) when it cannot be used (module header:
+    "Trusting the file")."""
     try:
-        with open(path, "rb") as file:
-            return file.read(MAX_READ)
+        # O_NONBLOCK: a FIFO planted there must not hold the start (it is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         if missing_is_news:
             log.warning("state file %s does not exist yet; starting from the configuration", path)
         return None
     except OSError as exc:
-        log.warning("state file %s: %s; starting from the configuration files", path, exc)
+        symlink = exc.errno == errno.ELOOP
+        reason = "is a symbolic link" if symlink else f"cannot be read ({exc.strerror})"
+        log.warning(_IGNORED, path, reason)
         return None
+    with os.fdopen(fd, "rb") as file:
+        found = os.fstat(fd)
+        mode = stat.S_IMODE(found.st_mode)
+        if not stat.S_ISREG(found.st_mode):
+            log.warning(_IGNORED, path, "is not a regular file")
+        elif mode & 0o022:
+            log.warning(_IGNORED, path, f"is writable by group or others (mode {mode:04o})")
+        elif found.st_size > MAX_BYTES:
+            log.warning(_IGNORED, path, f"is larger than {MAX_BYTES >> 20} MiB")
+        else:
+            try:
+                return file.read(MAX_BYTES + 1)  # one byte beyond: too large is an error
+            except OSError as exc:
+                log.warning(_IGNORED, path, f"cannot be read ({exc.strerror})")
+    return None
 
 
-MAX_READ = 256 * 1024 * 1024 + 1  # one byte beyond the format's limit: too large is an error
+_IGNORED = "state file %s %s; ignored, starting from the configuration files"
 
 
 # -- writing ----------------------------------------------------------------------------
@@ -311,6 +342,9 @@ class StateWriter:
         if mark == self._written:
             return
         data = snapshot(self.server)
+        if len(data) > MAX_BYTES:  # a start would refuse it: keep the last one instead
+            self._failed(path, f"the state is over {MAX_BYTES >> 20} MiB")
+            return
         if await trio.to_thread.run_sync(self._write, path, data):
             self._written = mark
             self.writes += 1
@@ -323,7 +357,7 @@ class StateWriter:
         try:
             if self._mine is not None and self._mine[0] == path:
                 try:
-                    found = os.stat(path)
+                    found = os.lstat(path)
                     identity = (found.st_ino, found.st_mtime_ns)
                 except FileNotFoundError:
                     identity = None
@@ -336,18 +370,20 @@ class StateWriter:
                     self.enabled = False
                     return False
             write_atomically(path, data)
-            written = os.stat(path)
+            written = os.lstat(path)
             self._mine = (path, (written.st_ino, written.st_mtime_ns))
         except OSError as exc:
-            error = f"{exc.strerror or exc} ({exc.filename or path})"
-            if error != self._error:
-                log.error("cannot write state file %s: %s; will retry", path, error)
-                self._error = error
+            self._failed(path, f"{exc.strerror or exc} ({exc.filename or path})")
             return False
         if self._error is not None:
             log.info("state file %s written again", path)
             self._error = None
         return True
+
+    def _failed(self, path: str, error: str) -> None:
+        if error != self._error:  # logged once, until it changes or a write succeeds
+            log.error("cannot write state file %s: %s; will retry", path, error)
+            self._error = error
 
 
 def _remove_parts(path: str) -> None:
@@ -358,7 +394,9 @@ def _remove_parts(path: str) -> None:
 
 
 def write_atomically(path: str, data: bytes) -> None:
-    """A crash leaves the old file or the new one: temp file, fsync, rename, fsync dir."""
+    """A crash leaves the old file or the new one: temp file, fsync, rename, fsync dir.
+    Never through a link (module header): mkstemp opens with O_EXCL|O_NOFOLLOW, and the
+    rename replaces whatever is at `path`."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, temp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:

@@ -39,7 +39,7 @@ from lbproxy.config.model import MAX_WEIGHT
 from lbproxy.wire.cluster_messages import MAX_LOAD, NAME, STATES, MessageError, client_address
 
 VERSION = 1  # "lbproxy_state"; a file of another version is refused (and replaced)
-MAX_BYTES = 256 * 1024 * 1024  # a larger file is refused unread (~2.5 M entries fit)
+MAX_BYTES = 64 * 1024 * 1024  # a larger file is refused unread (~600 k entries fit)
 MAX_ADDRESS = 300  # characters of a real server's address as written (`HOST:PORT`)
 MAX_TIME = 1e11  # seconds since 1970: any wall-clock time lbproxy will see
 

@@ -279,6 +279,8 @@ def test_snmpv3_auth_priv_and_a_wrong_key(tmp_path, name_servers, agents, lbprox
     (keys / "auth").write_text(V3_AUTH_KEY + "\n")
     (keys / "priv").write_text(V3_PRIV_KEY + "\n")
     (keys / "wrong").write_text("not-the-auth-key\n")
+    for key in keys.iterdir():  # secret files: no one else may read them
+        key.chmod(0o600)
     v3 = (
         f"{FAST}, version: 3, user: {V3_USER}, auth_protocol: SHA, "
         f"auth_key_file: {keys / 'auth'}, priv_protocol: AES, priv_key_file: {keys / 'priv'}"

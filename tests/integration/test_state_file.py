@@ -19,6 +19,7 @@ from tests.integration.test_workers import ready, worker_servers, workers_config
 pytestmark = pytest.mark.integration
 
 CLIENTS = 100
+MIB = 1 << 20
 
 
 def config(port: int, admin_port: int, servers, state_file) -> str:
@@ -145,6 +146,56 @@ def test_a_spoilt_state_file_is_one_warning_and_a_start_from_the_files(setup, sp
     assert name_from(port, "127.0.1.1") in ("a", "b", "c")
     # The spoilt file is replaced by a good one within a second or so.
     wait_for(lambda: json.loads(state_file.read_bytes())["lbproxy_state"] == 1, 5, "a good file")
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("untrusted", ["symlink", "group-writable", "too-large"])
+def test_an_untrusted_state_file_is_one_warning_and_a_start_from_the_files(
+    setup, tmp_path, untrusted
+):
+    """SPEC §21: a symlink at the path, a file writable by group or others, or one over
+    64 MiB is ignored with one warning; lbproxy never writes through the link."""
+    start, port, admin_port, state_file = setup
+    proxy = start()
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
+    assert proxy.stop() == 0
+    good = state_file.read_bytes()
+    assert b'"drain"' in good
+    target = tmp_path / "elsewhere" / "x"
+    if untrusted == "symlink":
+        target.parent.mkdir()
+        target.write_bytes(good)
+        target.chmod(0o600)
+        state_file.unlink()
+        state_file.symlink_to(target)
+    elif untrusted == "group-writable":
+        state_file.chmod(0o664)
+    else:  # still good JSON: whitespace after the object
+        state_file.write_bytes(good + b" " * (64 * MIB + 1 - len(good)))
+    reason = {
+        "symlink": "is a symbolic link",
+        "group-writable": "is writable by group or others (mode 0664)",
+        "too-large": "is larger than 64 MiB",
+    }[untrusted]
+
+    proxy = start()
+    log = proxy.log()
+    warnings = [line for line in log.splitlines() if "state file" in line and "WARN" in line]
+    assert len(warnings) == 1, log
+    assert reason in warnings[0] and "starting from the configuration files" in warnings[0]
+    assert servers_of(admin_port, "web")["b"]["state"] == "enabled"  # nothing restored
+    assert name_from(port, "127.0.1.1") in ("a", "b", "c")
+    # A change is written within a second or so: a new file at the path, never through
+    # the link.
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/a", {"weight": 3})
+    wait_for(
+        lambda: not state_file.is_symlink() and b'"weight":3' in state_file.read_bytes(),
+        5,
+        "the state written to a file of its own",
+    )
+    assert state_file.stat().st_mode & 0o777 == 0o600
+    if untrusted == "symlink":
+        assert target.read_bytes() == good
     assert "Traceback" not in log
 
 

@@ -72,7 +72,7 @@ class Proxy:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=cwd,
-            env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         )
         self.pids = [self.first.pid]
         wait_for(lambda: "listening on" in self.log() or self.first.poll() is not None, 20)
@@ -221,12 +221,15 @@ def test_a_new_version_that_cannot_start_keeps_the_old_process(tmp_path):
     be): the old process serves on and `lbproxy upgrade` exits 1 with the error."""
     port, admin = free_port(), free_port()
     with NameServer("echo") as backend:
-        # Started in tmp_path: `python -m lbproxy` looks there first, so the package
-        # written there after the start is what "the lbproxy on disk now" is.
-        proxy = Proxy(tmp_path, config(port, admin, backend.port), admin, cwd=tmp_path)
+        # A folder first on PYTHONPATH, empty at the start: the package written there
+        # after the start is what "the lbproxy on disk now" is.
+        site = tmp_path / "site"
+        site.mkdir()
+        env = {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+        proxy = Proxy(tmp_path, config(port, admin, backend.port), admin, env=env)
         try:
-            (tmp_path / "lbproxy").mkdir()
-            (tmp_path / "lbproxy" / "__init__.py").write_text(
+            (site / "lbproxy").mkdir()
+            (site / "lbproxy" / "__init__.py").write_text(
                 "raise ImportError('a half-installed lbproxy')\n"
             )
             result = run_cli("upgrade", "--admin", f"http://127.0.0.1:{admin}")

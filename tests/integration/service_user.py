@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from tests.integration.harness import ROOT
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 CACHE = Path(tempfile.gettempdir()) / "lbproxy-test-python"
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "lbproxy")
+UNUSED = 86400.0  # seconds after which another source state's build is removed
 SKIP = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info")
 
 
@@ -76,7 +78,16 @@ def _build(where: Path) -> None:
     constraints.write_text(frozen)
     pip = (where / "venv" / "bin" / "python", "-m", "pip", "--disable-pip-version-check")
     _run(*pip, "install", "--quiet", "-c", constraints, source)
-    shutil.rmtree(source / "build", ignore_errors=True)
+    shutil.rmtree(source, ignore_errors=True)
+
+
+def _prune(keep: Path) -> None:
+    """Builds of other source states not used for a day (each is ~100 MB)."""
+    for other in CACHE.iterdir():
+        ready = other / "ready"
+        stale = ready.exists() and time.time() - ready.stat().st_mtime > UNUSED
+        if other.is_dir() and other != keep and stale:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def service_python() -> Path:
@@ -98,7 +109,8 @@ def service_python() -> Path:
                 shutil.rmtree(where, ignore_errors=True)
                 raise
             subprocess.run(["chmod", "-R", "a+rX", str(where)], check=True)
-            (where / "ready").touch()
+        (where / "ready").touch()  # used now
+        _prune(where)
     return python
 
 

@@ -20,6 +20,7 @@ module imports the handler and the runtime virtual server; neither imports it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -283,8 +284,19 @@ def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:
         sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
-        raise BindError(f"cannot listen on {address}: {exc.strerror}") from None
+        raise bind_error(address, exc) from None
     return sock
+
+
+def bind_error(address: Address, exc: OSError) -> BindError:
+    """`cannot listen on ADDRESS: REASON`, saying what a port below 1024 needs."""
+    hint = ""
+    if exc.errno in (errno.EACCES, errno.EPERM) and address.port < 1024:
+        hint = (
+            " (a port below 1024 needs root or CAP_NET_BIND_SERVICE, which lbproxy keeps "
+            "when it drops root for global.user)"
+        )
+    return BindError(f"cannot listen on {address}: {exc.strerror}{hint}")
 
 
 # -- the pre-read of a shared (SNI) address ------------------------------------------

@@ -48,7 +48,7 @@ from lbproxy.core.client_address import SourceFilter, source_key
 from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.core.udp_stats import UdpCounters
-from lbproxy.dataplane.listener import BindError
+from lbproxy.dataplane.listener import bind_error
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.barrier import record
 from lbproxy.net.deadlines import Deadline, Deadlines, deadlines
@@ -519,7 +519,7 @@ def udp_socket(address: Address, reuse_port: bool = False) -> socket.socket:
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
-        raise BindError(f"cannot listen on {address}: {exc.strerror}") from None
+        raise bind_error(address, exc) from None
     return sock
 
 

@@ -154,11 +154,15 @@ def write_config(folder: Path, text: str) -> None:
     path.chmod(0o644)
 
 
-def config(folder: Path, admin: int, listen: list[str], backend: int, extra: str = "") -> str:
+def config(
+    folder: Path, admin: int | None, listen: list[str], backend: int, extra: str = ""
+) -> str:
+    token = folder / "admin.token"
+    admin_line = f"listen: 127.0.0.1:{admin}, token_file: {token}" if admin else "listen: none"
     return f"""\
 global:
   user: nobody
-  admin: {{listen: 127.0.0.1:{admin}, token_file: {folder / "admin.token"}}}
+  admin: {{{admin_line}}}
   drain_timeout: 1s
   state_file: {folder / "state" / "lbproxy.state"}
 {extra}virtual_servers:
@@ -298,3 +302,41 @@ def test_children_never_import_from_the_working_directory(tmp_path, folder):
             assert not marker.exists(), service.log()
         finally:
             service.stop()
+
+
+def test_without_the_capability_a_reload_onto_a_low_port_fails_and_keeps_serving(python, folder):
+    """Started as nobody with no capability at all (as a unit with `User=` and no
+    `AmbientCapabilities=`): a reload that needs a port below 1024 fails, says why, and
+    the running configuration serves on."""
+    account = nobody()
+    port, low = free_port(), low_port()
+    with NameServer("a") as backend:
+        write_config(folder, config(folder, None, [f"127.0.0.1:{port}"], backend.port))
+        log_path = folder / "lbproxy.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [str(python), "-m", "lbproxy", "run", str(folder / "lbproxy.yaml")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+                user=account.pw_uid,
+                group=account.pw_gid,
+                extra_groups=[],
+            )
+        try:
+            wait_for(lambda: "listening on" in log_path.read_text(), 30, "the start")
+            assert status_ids(process.pid)["CapEff"] == [0]
+            listen = [f"127.0.0.1:{port}", f"127.0.0.1:{low}"]
+            write_config(folder, config(folder, None, listen, backend.port))
+            process.send_signal(signal.SIGHUP)
+            wait_for(lambda: "reload failed" in log_path.read_text(), 15, "the reload")
+            text = log_path.read_text()
+            assert (
+                f"cannot listen on 127.0.0.1:{low}: Permission denied (a port below 1024 "
+                "needs root or CAP_NET_BIND_SERVICE" in text
+            ), text
+            assert ask_name(port) == "a"
+            assert process.poll() is None
+        finally:
+            process.terminate()
+            process.wait(15)

@@ -39,6 +39,31 @@ clashes, duplicate names, one `global:`), printing `FILE:LINE: message` for each
 ([Editor support](#editor-support)).
 """
 
+SECRETS = """\
+## Secret files {#secret-files}
+
+`global.admin.token_file`, `global.cluster.redis.password_file` and SNMPv3's
+`auth_key_file` and `priv_key_file` name files that hold secrets. Each must be owned by
+root or by the user lbproxy runs as (the one it was started as, or `global.user`), and be
+neither readable nor writable by other users nor writable by its group. It may be
+readable by its group only when root owns it and the group is the one lbproxy runs as
+(PostgreSQL's rule for its key file; a Kubernetes Secret mounted with `defaultMode: 0440`
+and `fsGroup`). A link is judged by the file it names. Anything else is a configuration
+error at the key's line, naming the file and its mode, for `lbproxy check`, `lbproxy run`
+and a reload (which then keeps the running configuration):
+
+```text
+global.yaml:5: admin.token_file /etc/lbproxy/admin.token is open to other users \\
+  (mode 0644, owner root): `chmod 600 /etc/lbproxy/admin.token`
+```
+
+lbproxy reads every secret file before it drops its privileges (`global.user`). A file
+only root may read keeps the contents read then: the workers and the new process of
+`lbproxy upgrade` get them from the process that read them, and a changed file takes a
+restart. A file the service user owns (mode 0600) is read again as before: the Redis
+password at every connection attempt.
+"""
+
 EDITOR = """\
 ## Editor support {#editor-support}
 
@@ -144,7 +169,7 @@ def markdown() -> str:
         if not path:
             continue
         lines += _section(path, section)
-    lines.append(EDITOR)
+    lines += [SECRETS, EDITOR]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

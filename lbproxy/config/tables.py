@@ -153,7 +153,7 @@ _ADMIN_FIELDS: dict[str, Converter] = {
     ),
     "token_file": _secret_file.about(
         "file holding the bearer token mutations need; owned by root or lbproxy's user "
-        "and readable by no one else (see Secret files)",
+        "and readable by no one else (see Secret files in the configuration reference)",
         default="none",
     ),
     "allowed_hosts": _host_names.about(

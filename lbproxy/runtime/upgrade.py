@@ -9,7 +9,8 @@ models; Envoy's hot restart does the same with a drain time):
     spawn, stderr into a pipe   ------->      load CONFIG (bad: {"error", "exit": 2} and exit)
     hand-over: JSON + SCM_RIGHTS ------->     every listening socket (named after the
       (listeners, admin, DNS, the old        address it served), its own stderr, the
-      stderr, the runtime state)             runtime state; binds only what is new
+      stderr, the runtime state, the         runtime state, the secrets it may not
+      secret files' contents)                read itself; binds only what is new
                                 <-------     {"ready": PID} once every listener serves
     stop accepting (close its copies),        (MAINPID= and READY=1 to systemd first)
     answer `lbproxy upgrade`, drain
@@ -33,6 +34,11 @@ weights set at run time, the last load reports, the persistence entries) goes wi
 sockets, taken when the upgrade starts, and the new process restores it after its
 configuration and before its first accept, exactly as it would read `global.state_file`.
 From the hand-over on, only the new process writes the state file.
+
+After a privilege drop (`global.user`, lbproxy/runtime/privileges.py) the new process runs
+as the old one's user, with CAP_NET_BIND_SERVICE from the ambient set: it needs no bind
+for the sockets it is given, and the secret files the old process read as root come with
+them (lbproxy/config/secret_files.py), used only where it cannot read a file itself.
 """
 
 from __future__ import annotations

@@ -53,6 +53,8 @@ def user_ids(user: str) -> tuple[int, int | None, str]:
     number = numeric_id(user)
     try:
         entry = pwd.getpwuid(number) if number is not None else pwd.getpwnam(user)
+    except ValueError:  # a NUL in the name: no such user can exist
+        raise AccountError(f"no user {user!r} on this system") from None
     except KeyError:
         if number is not None:
             return number, None, user  # an id of its own, without a database entry
@@ -65,6 +67,8 @@ def group_id(group: str) -> tuple[int, str]:
     number = numeric_id(group)
     try:
         entry = grp.getgrgid(number) if number is not None else grp.getgrnam(group)
+    except ValueError:  # a NUL in the name: no such group can exist
+        raise AccountError(f"no group {group!r} on this system") from None
     except KeyError:
         if number is not None:
             return number, group

@@ -284,24 +284,53 @@ def demo(port: int, admin_port: int | None, duration: float | None) -> None:
 
 # -- runtime commands through the admin API -------------------------------------------
 
-admin_option = click.option(
-    "--admin",
-    "admin",
-    metavar="URL",
-    help="Admin endpoint (default: $LBPROXY_ADMIN, else http://127.0.0.1:9100).",
-)
-token_option = click.option(
-    "--token-file",
-    type=click.Path(dir_okay=False),
-    help="File holding the admin token (default: $LBPROXY_TOKEN holds the token).",
+_ADMIN_OPTIONS = (
+    click.option(
+        "--admin",
+        "admin",
+        metavar="URL",
+        help="Admin endpoint (default: $LBPROXY_ADMIN, else http://127.0.0.1:9100); on "
+        "this host its admin socket is used when one answers for its port.",
+    ),
+    click.option(
+        "--token-file",
+        type=click.Path(dir_okay=False),
+        help="File holding the admin token, for TCP (default: $LBPROXY_TOKEN holds the token).",
+    ),
+    click.option(
+        "--socket",
+        "socket_path",
+        metavar="PATH",
+        type=click.Path(dir_okay=False),
+        help="The admin socket to use (global.admin.socket), instead of looking for it.",
+    ),
+    click.option(
+        "--insecure",
+        is_flag=True,
+        help="Send the token over plain http:// to an address that is not loopback.",
+    ),
 )
 
 
-def _client(admin: str | None, token_file: str | None):
-    from lbproxy.admin.client import AdminClient, AdminError, admin_url, load_token
+def admin_options(command):
+    """--admin, --token-file, --socket and --insecure, for every runtime command."""
+    for option in reversed(_ADMIN_OPTIONS):
+        command = option(command)
+    return command
+
+
+def _client(
+    admin: str | None,
+    token_file: str | None,
+    socket_path: str | None = None,
+    insecure: bool = False,
+):
+    """The admin client (lbproxy/admin/client.py `connect`: the admin socket on this
+    host, else TCP with the token); exit 2 when it cannot be used as given."""
+    from lbproxy.admin.client import AdminError, connect
 
     try:
-        return AdminClient(admin_url(admin), load_token(token_file))
+        return connect(admin, token_file, socket_path=socket_path, insecure=insecure)
     except AdminError as exc:
         click.echo(f"lbproxy: {exc}", err=True)
         sys.exit(EXIT_USAGE)
@@ -320,17 +349,29 @@ def _call(function, *args):
 @main.command(
     epilog=_examples(
         "lbproxy status",
-        "lbproxy status --admin http://10.0.0.5:9100 --token-file admin.token",
+        "lbproxy status --admin https://lb1.example.com:9443 --token-file admin.token",
         'lbproxy status | awk \'NR > 1 && $7 == "down" {print $1 "/" $4}\'',
         "lbproxy status --json | jq '.virtual_servers[].name'",
+        "lbproxy status --verbose     # also says which endpoint it used (stderr)",
     )
 )
-@admin_option
-@token_option
+@admin_options
 @click.option("--json", "as_json", is_flag=True, help="Print the API's JSON document.")
-def status(admin: str | None, token_file: str | None, as_json: bool) -> None:
+@click.option(
+    "--verbose", "-v", is_flag=True, help="Say on stderr which endpoint was used and how."
+)
+def status(
+    admin: str | None,
+    token_file: str | None,
+    socket_path: str | None,
+    insecure: bool,
+    as_json: bool,
+    verbose: bool,
+) -> None:
     """Virtual servers and real servers: state, health, weights, connections, bytes."""
-    client = _client(admin, token_file)
+    client = _client(admin, token_file, socket_path, insecure)
+    if verbose:
+        click.echo(f"lbproxy: using the {client.describe()}", err=True)
     document = _call(client.status)
     if as_json:
         click.echo(json.dumps(document, indent=2))
@@ -340,8 +381,8 @@ def status(admin: str | None, token_file: str | None, as_json: bool) -> None:
     print_status(document)
 
 
-def _patch(admin, token_file, vs, rs, change) -> None:
-    client = _client(admin, token_file)
+def _patch(admin, token_file, socket_path, insecure, vs, rs, change) -> None:
+    client = _client(admin, token_file, socket_path, insecure)
     result = _call(client.patch, vs, rs, change)
     weight = result["weight"]
     click.echo(
@@ -393,24 +434,22 @@ class _SetWeightCommand(click.Command):
 @click.argument("vs")
 @click.argument("rs")
 @click.argument("weight", type=WeightType())
-@admin_option
-@token_option
-def set_weight(vs: str, rs: str, weight: int, admin, token_file) -> None:
+@admin_options
+def set_weight(vs: str, rs: str, weight: int, admin, token_file, socket_path, insecure) -> None:
     """Set real server RS's static weight in virtual server VS (until the next reload).
 
     WEIGHT is an integer from 0 to 65535, as `weight:` in the configuration file.
     """
-    _patch(admin, token_file, vs, rs, {"weight": weight})
+    _patch(admin, token_file, socket_path, insecure, vs, rs, {"weight": weight})
 
 
 def _state_command(name: str, state: str, help_text: str):
     @main.command(name, help=help_text, epilog=_examples(f"lbproxy {name} web s1"))
     @click.argument("vs")
     @click.argument("rs")
-    @admin_option
-    @token_option
-    def command(vs: str, rs: str, admin, token_file) -> None:
-        _patch(admin, token_file, vs, rs, {"state": state})
+    @admin_options
+    def command(vs: str, rs: str, admin, token_file, socket_path, insecure) -> None:
+        _patch(admin, token_file, socket_path, insecure, vs, rs, {"state": state})
 
     return command
 
@@ -421,11 +460,12 @@ _state_command("disable", "disabled", "No new connections to RS, and its existin
 
 
 @main.command(epilog=_examples("lbproxy reload", "lbproxy reload --admin http://127.0.0.1:9100"))
-@admin_option
-@token_option
-def reload(admin: str | None, token_file: str | None) -> None:
+@admin_options
+def reload(
+    admin: str | None, token_file: str | None, socket_path: str | None, insecure: bool
+) -> None:
     """Reload the configuration files of the running proxy (like SIGHUP)."""
-    client = _client(admin, token_file)
+    client = _client(admin, token_file, socket_path, insecure)
     result = _call(client.reload)
     changes = result.get("changes") or ["no changes"]
     click.echo("reloaded: " + "; ".join(changes))
@@ -443,19 +483,25 @@ if __name__ == "__main__":  # pragma: no cover
     )
 )
 @click.argument("config", nargs=-1)
-@admin_option
-@token_option
-def upgrade(config: tuple[str, ...], admin: str | None, token_file: str | None) -> None:
+@admin_options
+def upgrade(
+    config: tuple[str, ...],
+    admin: str | None,
+    token_file: str | None,
+    socket_path: str | None,
+    insecure: bool,
+) -> None:
     """Replace the running lbproxy by the one installed now, refusing no client.
 
     A new process starts, takes over the listening sockets and the runtime changes,
     and once it is ready the old one stops accepting and drains its connections for
     global.drain_timeout. If the new one fails (exit 2: invalid CONFIG, with every
-    FILE:LINE; 1: any other failure), the old one keeps serving.
+    FILE:LINE; 1: any other failure), the old one keeps serving. Other CONFIG files than
+    the running ones only through the admin socket (over TCP: 403).
     """
     from lbproxy.admin.client import AdminError
 
-    client = _client(admin, token_file)
+    client = _client(admin, token_file, socket_path, insecure)
     client.timeout = 90.0  # the new process's start (the server gives it 60 s)
     paths = [str(Path(path).resolve()) for path in config]
     try:

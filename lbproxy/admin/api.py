@@ -1,9 +1,18 @@
-"""The admin endpoint: /metrics, /healthz, /readyz and the /api/v1 JSON API (SPEC §7).
+"""The admin endpoint: /metrics, /healthz, /readyz and the /api/v1 JSON API (SPEC §7, §21).
 
 A small ASGI application served by our own HTTP/1.1 server on h11 (http_server.py)
-inside the proxy's own trio program, so it reads the live pools directly. Mutations
-(PATCH, POST) need `Authorization: Bearer <token>` when `global.admin.token_file` is set
-(compared in constant time) and are refused from non-loopback clients when it is not.
+inside the proxy's own trio program, so it reads the live pools directly, on two kinds
+of listener (`_authorize` is the rule, written once):
+
+- TCP (`global.admin.listen`): every change (any method but GET) needs
+  `Authorization: Bearer <token>` (compared in constant time); without
+  `global.admin.token_file` the TCP endpoint is read-only. With `read_token`, /api/v1
+  reads need the token too. /healthz, /readyz and /metrics never do. A reload or an
+  upgrade over TCP names no file of its own choosing (only the running configuration's
+  paths), and its answer quotes nothing of a file outside the running configuration.
+- a Unix socket (the admin socket, admin/local_socket.py, and a worker's private one):
+  no token; the peer's uid must be this process's or root's, for every request.
+
 Nothing secret is logged.
 """
 
@@ -13,14 +22,17 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
+import re
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lbproxy.admin import dashboard, http_server
+from lbproxy.admin import dashboard, http_server, local_socket
 from lbproxy.admin.metrics import VirtualServerView, make_registry
 from lbproxy.admin.routes import ANY_HOST_PATHS, HTTPError, Request, allowed, match
 from lbproxy.config.secret_files import SECRETS
@@ -57,13 +69,14 @@ class ProxyControl(Protocol):
     draining: bool
     reloads: dict[str, int]
     config: Config  # the configuration in force (global.admin.allowed_hosts is read per request)
+    config_paths: list[str]  # the files and folders it was read from
 
     @property
     def virtual_servers(self) -> Mapping[str, VirtualServerView]: ...
 
     def pools(self) -> Iterable[Pool]: ...
 
-    def reload(self) -> tuple[bool, list[str]]: ...
+    def reload(self, config_paths: Sequence[str] | None = None) -> tuple[bool, list[str]]: ...
 
     def set_state(self, vs_name: str, rs_name: str, state: object) -> str | None: ...
 
@@ -202,15 +215,6 @@ def _number(value: float | None) -> float | int | None:
     return int(value) if float(value).is_integer() else round(value, 4)
 
 
-def _is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
-
-
 def _header(headers: dict[bytes, bytes], name: bytes) -> str:
     return headers.get(name, b"").decode("latin-1")
 
@@ -264,9 +268,13 @@ def _cross_origin(headers: dict[bytes, bytes]) -> bool:
 
 
 class AdminApp:
-    def __init__(self, server: ProxyControl, token: str | None) -> None:
+    def __init__(
+        self, server: ProxyControl, token: str | None, socket_path: str | None = None
+    ) -> None:
         self.server = server
         self.token = token
+        # The admin socket's path (None: there is none), named by a refusal over TCP
+        self.socket_path = socket_path
         self.registry = make_registry(server)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -308,8 +316,11 @@ class AdminApp:
             raise HTTPError(421, refusal)
 
     async def _route(self, scope: dict[str, Any], receive: Receive) -> tuple[int, bytes, str]:
-        """Match the route (routes.py), check the host, the method and, for a change,
-        the authorization, then call the route's handler."""
+        """Check a Unix socket's peer, then match the route (routes.py), check the host,
+        the method and the authorization, then call the route's handler."""
+        local = scope.get("client") is None
+        if local:
+            _check_peer(scope)
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
         self._check_host(scope, path)
         found = match(path)
@@ -318,8 +329,8 @@ class AdminApp:
             raise HTTPError(404, f"no such path: {path}")
         route, params = found
         method = allowed(route, method)
-        if method != "GET":
-            self._authorize(scope)
+        if not local:
+            self._authorize(scope, method, path)
         return await handler(Request(method, path, params, scope, receive))
 
     # -- the routes (one handler each) ---------------------------------------------
@@ -364,13 +375,55 @@ class AdminApp:
         return await self._patch(vs_name, rs_name, request.receive)
 
     async def on_reload(self, request: Request) -> Answer:
-        ok, messages = self.server.reload()
+        paths = await self._config_paths(request)
+        ok, messages = self.server.reload(paths)
         if ok:
             return 200, json_body({"result": "ok", "changes": messages}), "json"
+        messages = self._shown_errors(request, messages)
         return 400, json_body({"error": "invalid configuration", "errors": messages}), "json"
 
+    async def _config_paths(self, request: Request) -> list[str] | None:
+        """The `config` of a reload's or an upgrade's body (None: absent, the running
+        paths). Absolute paths; over TCP only the running configuration's own (compared
+        after resolving links, SPEC §21): a token must not let a client make lbproxy read
+        a file of its choosing, nor hand the listeners to a configuration it wrote."""
+        body = await read_body(request.receive)
+        try:
+            document = json.loads(body) if body.strip() else {}
+        except (ValueError, UnicodeDecodeError):
+            raise HTTPError(400, "body is not JSON") from None
+        if not isinstance(document, dict):
+            raise HTTPError(400, 'body must be a JSON object like {"config": ["/abs/path"]}')
+        paths = document.get("config")
+        if paths is None:
+            return None
+        if not isinstance(paths, list) or not all(
+            isinstance(p, str) and p.startswith("/") and "\0" not in p for p in paths
+        ):
+            raise HTTPError(400, '"config" must be a list of absolute paths')
+        if not paths:
+            return None
+        if request.scope.get("client") is not None:
+            running = {os.path.realpath(p) for p in self.server.config_paths}
+            if any(os.path.realpath(p) not in running for p in paths):
+                raise HTTPError(
+                    403,
+                    "over TCP a reload or an upgrade takes only the running configuration's "
+                    f"own paths ({', '.join(self.server.config_paths)}); other files only "
+                    "through the admin socket",
+                )
+        return paths
+
+    def _shown_errors(self, request: Request, messages: list[str]) -> list[str]:
+        """The errors as a client over TCP may read them: a problem in a file that is
+        not one of the running configuration's files is shown as its FILE:LINE only
+        (a reader's message quotes the value it refused: `unknown key 'root:*:...'`)."""
+        if request.scope.get("client") is None:
+            return messages
+        return withhold_foreign(messages, self.server.config.files)
+
     async def on_upgrade(self, request: Request) -> Answer:
-        return await self._upgrade(request.receive)
+        return await self._upgrade(request)
 
     async def on_locate(self, request: Request) -> Answer:
         return self._locate(request.params[0], request.scope)
@@ -442,27 +495,22 @@ class AdminApp:
                 raise HTTPError(400, error)
         return 200, json_body(real_server_document(pool, rs_name)), "json"
 
-    async def _upgrade(self, receive: Receive) -> tuple[int, bytes, str]:
+    async def _upgrade(self, request: Request) -> tuple[int, bytes, str]:
         """POST /api/v1/upgrade `{"config": [PATH...]}` (optional; absolute paths, else the
-        running ones): hand over to a new process (lbproxy/runtime/upgrade.py), answered
-        once it is ready (200) or has failed (400 invalid configuration, 500 otherwise),
-        with `exit`, the code `lbproxy upgrade` exits with."""
+        running ones; over TCP only those): hand over to a new process
+        (lbproxy/runtime/upgrade.py), answered once it is ready (200) or has failed (400
+        invalid configuration, 500 otherwise), with `exit`, the code `lbproxy upgrade`
+        exits with."""
         upgrade = getattr(self.server, "upgrade", None)
         if upgrade is None:
             raise HTTPError(501, "this endpoint cannot upgrade")
-        body = await read_body(receive)
-        try:
-            document = json.loads(body) if body.strip() else {}
-        except ValueError:
-            raise HTTPError(400, "body is not JSON") from None
-        paths = document.get("config", []) if isinstance(document, dict) else None
-        if not isinstance(paths, list) or not all(
-            isinstance(p, str) and p.startswith("/") for p in paths
-        ):
-            raise HTTPError(400, '"config" must be a list of absolute paths')
-        outcome = await upgrade(paths)
+        paths = await self._config_paths(request)
+        outcome = await upgrade(paths or [])
         status = 200 if outcome.ok else 400 if outcome.exit == 2 else 500
-        return status, json_body(outcome.document()), "json"
+        document = outcome.document()
+        if "errors" in document:
+            document["errors"] = self._shown_errors(request, document["errors"])
+        return status, json_body(document), "json"
 
     def _pool(self, name: str) -> Pool:
         for pool in self.server.pools():
@@ -475,35 +523,95 @@ class AdminApp:
         if name not in pool.by_name:
             raise HTTPError(404, f"no real server {name!r} in virtual server {pool.name!r}")
 
-    def _authorize(self, scope: dict[str, Any]) -> None:
-        client = scope.get("client")
-        if client is None and getattr(self.server, "admin_sock", None) is not None:
-            # A worker's private endpoint (lbproxy/runtime/workers.py): a Unix socket in a
-            # folder only the supervisor's user can enter; the supervisor has already
-            # checked the token or the loopback rule of the request it passes on.
-            return
+    def _authorize(self, scope: dict[str, Any], method: str, path: str) -> None:
+        """A request over TCP (SPEC §21): a change needs the token, and without a
+        token_file there is none to give (read-only); a read needs it only under
+        /api/ with `read_token`. A Unix socket's peer was checked before (_check_peer)."""
         headers = dict(scope.get("headers", []))
+        if method == "GET":
+            admin = self.server.config.global_.admin
+            if self.token is not None and admin.read_token and path.startswith("/api/"):
+                self._check_token(headers)
+            return
         if _cross_origin(headers):
-            # Cross-site request forgery: without a token, the loopback rule alone would
-            # let any web page open in a browser on this host POST a reload (a "simple"
-            # request needs no CORS pre-check). Browsers name the page's origin on every
-            # cross-origin POST, PUT and PATCH; curl, the CLI and the workers' supervisor
-            # send none, and the dashboard's own requests name this endpoint itself.
+            # Cross-site request forgery: a page open in a browser that holds no token
+            # cannot send one, but a "simple" POST needs no CORS pre-check, and a page
+            # must learn nothing from trying. Browsers name the page's origin on every
+            # cross-origin POST, PUT and PATCH; curl and the CLI send none, and the
+            # dashboard's own requests name this endpoint itself.
             raise HTTPError(
                 403,
                 f"cross-origin change refused: Origin {_header(headers, b'origin')!r} "
                 f"is not this endpoint ({_header(headers, b'host')!r})",
             )
         if self.token is None:
-            if not _is_loopback(client[0] if client else None):
-                raise HTTPError(403, "changes are only accepted from loopback without a token")
-            return
+            raise HTTPError(403, self._read_only())
+        self._check_token(headers)
+
+    def _check_token(self, headers: dict[bytes, bytes]) -> None:
+        assert self.token is not None
         header = headers.get(b"authorization", b"")
         scheme, _, given = header.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not given:
             raise HTTPError(401, "missing bearer token")
         if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
             raise HTTPError(403, "wrong token")
+
+    def _read_only(self) -> str:
+        """Why a change over TCP is refused without a token_file, and what to use."""
+        where = (
+            f"through the admin socket {self.socket_path} (`lbproxy drain`, `reload`, ... "
+            "use it on this host, as lbproxy's user or root)"
+            if self.socket_path is not None
+            else "through an admin socket (global.admin.socket; there is none now)"
+        )
+        return (
+            "read-only over TCP: global.admin.token_file is not set, and every change over "
+            f"TCP needs its bearer token; change {where}, or set global.admin.token_file"
+        )
+
+
+def _check_peer(scope: dict[str, Any]) -> None:
+    """A request over a Unix socket (the admin socket, or a worker's private one): the
+    peer must run as this process's user or root, whatever it asks (SPEC §21)."""
+    uid = (scope.get("extensions") or {}).get(http_server.PEER_UID)
+    if not local_socket.trusted(uid):
+        who = "an unknown user" if uid is None else f"uid {uid}"
+        raise HTTPError(
+            403,
+            f"the admin socket serves only the user lbproxy runs as (uid {os.geteuid()}) "
+            f"and root, not {who}",
+        )
+
+
+# FILE:LINE: at the start of a message, or after a prefix ("reload: FILE:LINE: ...")
+_LOCATED = re.compile(r"(?:^|\s)(?P<file>[^\s:]+):(?P<line>\d+): ")
+
+
+def withhold_foreign(messages: Iterable[str], running_files: Iterable[str]) -> list[str]:
+    """`messages` with every one that names a file outside `running_files` reduced to
+    that FILE:LINE and what happened (SPEC §21: an answer over TCP quotes nothing else
+    of such a file; lbproxy's log and `lbproxy check` show the whole message)."""
+    known = {os.path.realpath(f) for f in running_files}
+    shown = []
+    for message in messages:
+        foreign = next(
+            (
+                found
+                for found in _LOCATED.finditer(message)
+                if os.path.isfile(found["file"]) and os.path.realpath(found["file"]) not in known
+            ),
+            None,
+        )
+        if foreign is None:
+            shown.append(message)
+        else:
+            shown.append(
+                f"{foreign['file']}:{foreign['line']}: invalid (a file the running "
+                "configuration does not include: the problem is in lbproxy's log, not "
+                "shown over TCP)"
+            )
+    return shown
 
 
 _CONTENT_TYPES = {
@@ -597,18 +705,36 @@ def _refuse(where: str, message: str) -> Any:
 
 async def serve_admin(
     server: ProxyControl,
-    sock: socket.socket,
+    socks: Sequence[socket.socket],
     token: str | None,
+    socket_path: str | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the admin app on an already bound, listening socket until cancelled."""
-    await serve_asgi(AdminApp(server, token), sock, task_status=task_status)
+    """Serve the admin app on already bound, listening sockets (TCP, and the admin
+    socket at `socket_path`) until cancelled."""
+    await serve_asgi(AdminApp(server, token, socket_path), socks, task_status=task_status)
 
 
 async def serve_asgi(
-    app: Any, sock: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    app: Any,
+    socks: Sequence[socket.socket],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve an ASGI app (AdminApp or the supervisor's) until cancelled (http_server.py)."""
-    limit = app.server.config.global_.admin.max_connections  # read at start
-    await http_server.serve(app, sock, max_connections=limit, task_status=task_status)
+    """Serve an ASGI app (AdminApp or the supervisor's) until cancelled (http_server.py),
+    on each socket with limits of its own: clients over TCP never crowd out the admin
+    socket's."""
+    admin = app.server.config.global_.admin  # the limits are read at start
+    async with trio.open_nursery() as nursery:
+        for sock in socks:
+            await nursery.start(
+                partial(
+                    http_server.serve,
+                    app,
+                    sock,
+                    max_connections=admin.max_connections,
+                    max_per_source=admin.max_connections_per_source,
+                )
+            )
+        task_status.started()

@@ -28,9 +28,9 @@ def page() -> bytes:
 def headers() -> list[tuple[bytes, bytes]]:
     """Response headers for the page: a Content-Security-Policy that runs only the
     page's own inline script and style (by their SHA-256) and talks only to this
-    endpoint, and no framing. A browser on the proxy's host is a loopback client, and
-    without a token the API accepts changes from loopback: another site must not be able
-    to frame the page and trick a click on its buttons."""
+    endpoint, and no framing. Once a user has given the page the token, its buttons
+    change the proxy: another site must not be able to frame the page and trick a click
+    on them."""
     text = page()
     scripts = " ".join(_hashes(rb"<script>(.*?)</script>", text))
     styles = " ".join(_hashes(rb"<style>(.*?)</style>", text))

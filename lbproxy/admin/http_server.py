@@ -27,6 +27,20 @@ The request body is read whole (at most MAX_BODY) before the app is called, so
 Transfer-Encoding other than chunked, 505 an HTTP version other than 1.0 and 1.1, 500
 when the app raises (logged once, with its traceback); each then closes the connection.
 HTTP/1.0 is closed after its answer unless it asked for `Connection: keep-alive`.
+
+Slow clients (SPEC §21) cannot hold the endpoint: a new connection must send its whole
+first request within REQUEST_TIMEOUT (a keep-alive one, its next request within
+REQUEST_TIMEOUT of that request's first byte, after at most IDLE_TIMEOUT of silence);
+one client address holds at most `max_per_source` connections, and a newcomer over it
+closes that address's oldest connection still reading a request (or idle), else it is
+refused; at `max_connections` the oldest one still reading (or idle) anywhere is closed
+for a newcomer. A connection being answered is never closed for another. So a probe
+from another address is answered at once, and one from the same address as a thousand
+slow clients within REQUEST_TIMEOUT.
+
+Over a Unix socket the peer's uid (SO_PEERCRED) is read once per connection and given
+to the app in the scope's `extensions` as PEER_UID; a TCP client's address is
+`client`, as ASGI says.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from typing import Any
 import h11
 import trio
 
+from lbproxy.admin.local_socket import peer_uid
 from lbproxy.net.accept import AcceptErrors, Spawn, accept_loop
 from lbproxy.net.barrier import record
 
@@ -53,11 +68,14 @@ MAX_BODY = 64 * 1024  # a request body, Content-Length or chunked (nginx: 413)
 MAX_HEAD = 16 * 1024  # the request line and headers (h11's max_incomplete_event_size): 431
 READ_SIZE = 64 * 1024
 IDLE_TIMEOUT = 5.0  # a keep-alive connection with no request for this long is closed
-# Once a request's first bytes are in, its head and body must be complete within this
-# (slowloris: a client sending a byte a second is closed after REQUEST_TIMEOUT).
+# A new connection's first request, and a keep-alive connection's next one once its
+# first bytes are in, must be complete (head and body) within this (slowloris: a client
+# sending a byte a second is closed after REQUEST_TIMEOUT).
 REQUEST_TIMEOUT = 3.0
 SEND_TIMEOUT = 10.0  # a client that has not read the whole answer by then is closed
 MAX_CONNECTIONS = 256  # global.admin.max_connections' default
+MAX_PER_SOURCE = 32  # global.admin.max_connections_per_source's default
+PEER_UID = "lbproxy.peer_uid"  # in the scope's extensions: a Unix socket peer's uid
 GRACE = 1.0  # on stop, an answer in progress has this long; idle connections close at once
 # After a refusal (400, 413, 431, 500) the connection is closed "lingering", as nginx
 # does: our side shut, what the client still sends read and dropped for up to this long,
@@ -81,22 +99,29 @@ async def serve(
     sock: socket.socket,
     *,
     max_connections: int = MAX_CONNECTIONS,
+    max_per_source: int = MAX_PER_SOURCE,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve an ASGI app on a bound, listening socket (TCP or Unix) until cancelled.
 
     The app's lifespan startup runs before the first accept; on cancel, accepting stops,
     idle connections close, an answer in progress gets GRACE seconds, and the lifespan
-    shutdown runs. At `max_connections` the longest idle connection is closed to admit
-    a new one (its descriptors are the data plane's: idle clients must not take them)."""
-    await Server(app, max_connections).serve(sock, task_status=task_status)
+    shutdown runs. The limits (module header): at `max_connections`, or at
+    `max_per_source` from one address, the oldest connection still reading its request
+    (or idle) is closed to admit a new one (its descriptors are the data plane's)."""
+    await Server(app, max_connections, max_per_source).serve(sock, task_status=task_status)
 
 
 class Server:
-    def __init__(self, app: App, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self, app: App, max_connections: int = MAX_CONNECTIONS, max_per_source: int = MAX_PER_SOURCE
+    ) -> None:
         self.app = app
         self.max_connections = max_connections
+        self.max_per_source = max_per_source
         self.connections: set[_Connection] = set()
+        # A TCP client address -> its open connections (the per-source limit)
+        self.by_source: dict[str, set[_Connection]] = {}
         self._handlers: trio.Nursery | None = None
         self._listening: socket.socket  # set when serving starts
         self._stopped = trio.Event()
@@ -154,29 +179,57 @@ class Server:
             sock.close()
             return
         connection = _Connection(self.app, sock, peer, local)
-        if len(self.connections) >= self.max_connections and not self._evict_idlest():
+        if peer is None:  # a Unix socket: who is asking, once for every request on it
+            connection.extensions = {PEER_UID: peer_uid(sock)}
+            same = None
+        else:
+            same = self.by_source.setdefault(peer[0], set())
+            if len(same) >= self.max_per_source and not self._evict_oldest(same):
+                self._forget_source(peer[0])
+                sock.close()  # its every connection is being answered: it waits its turn
+                return
+        if len(self.connections) >= self.max_connections and not self._evict_oldest(
+            self.connections
+        ):
+            if peer is not None:
+                self._forget_source(peer[0])
             sock.close()  # every connection is answering: the newcomer waits its turn elsewhere
             return
         self.connections.add(connection)
+        if same is not None:
+            same.add(connection)
         try:
             await connection.run()
         except Exception as exc:  # a bug here must end only this connection, never the endpoint
             record("request", exc, f"admin: connection from {peer or 'a local client'}", log)
         finally:
-            self.connections.discard(connection)
+            self._discard(connection)
             sock.close()
 
-    def _evict_idlest(self) -> bool:
-        """Close the connection idle the longest (none answering is touched); False when
-        every connection is busy. A scan, but only at the limit, of at most
+    def _discard(self, connection: _Connection) -> None:
+        self.connections.discard(connection)
+        if connection.peer is not None:
+            same = self.by_source.get(connection.peer[0])
+            if same is not None:
+                same.discard(connection)
+                self._forget_source(connection.peer[0])
+
+    def _forget_source(self, host: str) -> None:
+        if not self.by_source.get(host, True):
+            del self.by_source[host]
+
+    def _evict_oldest(self, candidates: set[_Connection]) -> bool:
+        """Close the connection of `candidates` that has been reading its request (or
+        waiting for it, idle) the longest; one being answered is never touched. False
+        when every one is being answered. A scan, but only at a limit, of at most
         max_connections: the admin endpoint, never the data plane."""
-        idle = [c for c in self.connections if not (c.busy or c.began or c.evicted)]
-        if not idle:
+        reading = [c for c in candidates if not (c.busy or c.evicted)]
+        if not reading:
             return False
-        idlest = min(idle, key=lambda c: c.idle_since)
-        idlest.evicted = True
-        idlest.scope.cancel()
-        self.connections.discard(idlest)
+        oldest = min(reading, key=lambda c: c.idle_since)
+        oldest.evicted = True
+        oldest.scope.cancel()
+        self._discard(oldest)
         return True
 
 
@@ -197,7 +250,8 @@ class _Connection:
         self.scope = trio.CancelScope()
         self.busy = False  # a request is being answered: a stop lets it finish (GRACE)
         self.idle_since = trio.current_time()  # when its last answer ended (or it came)
-        self.evicted = False  # closed to admit another at max_connections
+        self.evicted = False  # closed to admit another at a limit
+        self.extensions: dict[str, Any] = {}  # the ASGI scope's (PEER_UID over a Unix socket)
         self.send_deadline = math.inf  # the whole answer must be read by then (SEND_TIMEOUT)
         self.closing = False
         self.began = False  # bytes of the next request have arrived
@@ -225,9 +279,13 @@ class _Connection:
 
     async def run(self) -> None:
         with self.scope:
-            self.scope.deadline = trio.current_time() + IDLE_TIMEOUT
+            # The first request, head and body, within REQUEST_TIMEOUT of the connect.
+            self.scope.deadline = trio.current_time() + REQUEST_TIMEOUT
+            self.timed = True
+            fresh = True
             try:
-                while await self._serve_one():
+                while await self._serve_one(fresh):
+                    fresh = False
                     self.idle_since = trio.current_time()
                     self.scope.deadline = self.idle_since + IDLE_TIMEOUT
                     self.began = self.timed = False
@@ -246,10 +304,12 @@ class _Connection:
             except _Gone as exc:
                 log.debug("admin client %s gone: %s", self.peer, exc)
 
-    async def _serve_one(self) -> bool:
-        """Read one request, answer it; True: the connection goes on."""
+    async def _serve_one(self, fresh: bool = False) -> bool:
+        """Read one request, answer it; True: the connection goes on. On a `fresh`
+        connection the request is read at once (a client sends it with the connect):
+        answered before any newer connection could see this one as the oldest."""
         self.method = b""  # until a request's head is in (a refusal's framing reads it)
-        request = await self._next_event(wait_first=True)
+        request = await self._next_event(wait_first=not fresh)
         if type(request) is not h11.Request:
             return False  # ConnectionClosed (or PAUSED: nothing we would go on with)
         self.busy = True
@@ -341,6 +401,7 @@ class _Connection:
             "headers": headers,
             "client": self.peer,
             "server": self.local,
+            "extensions": self.extensions,
         }
 
     async def _next_event(self, wait_first: bool = False) -> Any:

@@ -47,12 +47,21 @@ class Address:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
+# `global.admin.socket` unset: admin-PORT.sock in the runtime folder (admin/local_socket.py)
+ADMIN_SOCKET_DEFAULT = "default"
+
+
 @dataclass(frozen=True, slots=True)
 class AdminConfig:
     listen: Address | None = Address("127.0.0.1", 9100)  # None: `listen: none`
     token_file: str | None = None
     allowed_hosts: tuple[str, ...] = ()  # besides IP literals and localhost (SPEC §16)
-    max_connections: int = 256  # at the limit the longest idle one is closed
+    max_connections: int = 256  # at the limit the oldest one still reading is closed
+    # The Unix socket serving the same API (SPEC §21): a path, None (`none`), or
+    # ADMIN_SOCKET_DEFAULT. Through it a change needs no token, only the right peer uid.
+    socket: str | None = ADMIN_SOCKET_DEFAULT
+    read_token: bool = False  # /api/v1 reads over TCP need the token too
+    max_connections_per_source: int = 32  # admin connections from one client address
 
 
 # Loopback and the private ranges: who may ask the DNS locator (SPEC §16) and whose PROXY

@@ -285,6 +285,11 @@ def _read_global(doc: _Document, top: _Section) -> _GlobalRead:
     section = section or _Section(line)
     admin = _nested(doc, section, "admin", "global.admin", _ADMIN_FIELDS, prefix="admin.")
     admin = admin or _Section(line)
+    if admin.values.get("read_token") and not admin.values.get("token_file"):
+        doc.error(
+            admin.key_lines["read_token"],
+            "global.admin.read_token needs global.admin.token_file (the token reads ask for)",
+        )
     locator, dns_line = _read_locator(doc, section)
     _check_account(doc, section)
     config = GlobalConfig(

@@ -40,6 +40,7 @@ from lbproxy.config.values import (
     _accepting,
     _address,
     _admin_listen,
+    _admin_socket,
     _boolean,
     _choice,
     _did_you_mean,
@@ -152,9 +153,22 @@ _ADMIN_FIELDS: dict[str, Converter] = {
         "container `0.0.0.0:9100` with a `token_file`"
     ),
     "token_file": _secret_file.about(
-        "file holding the bearer token mutations need; owned by root or lbproxy's user "
-        "and readable by no one else (see Secret files in the configuration reference)",
+        "file holding the bearer token every change over TCP needs (without one the TCP "
+        "endpoint is read-only: changes go through `socket`); owned by root or lbproxy's "
+        "user and readable by no one else (see Secret files in the configuration reference)",
         default="none",
+    ),
+    "read_token": _boolean.about(
+        "`/api/v1` reads over TCP need the token too (none: 401, a wrong one: 403); "
+        "`/healthz`, `/readyz` and `/metrics` never do; needs `token_file`"
+    ),
+    "socket": _admin_socket.about(
+        "a Unix socket (mode 0600) serving the same API: a change through it needs no "
+        "token, only a peer that runs as lbproxy's user or root (reads too); the CLI's "
+        "`drain`, `reload`, ... use it by themselves. Default `admin-PORT.sock` (PORT: "
+        "`listen`'s) in `$RUNTIME_DIRECTORY` under systemd, else `/run/lbproxy/` as root "
+        "or `$XDG_RUNTIME_DIR/lbproxy/`; none when there is no such folder or no `listen`",
+        default="`admin-PORT.sock` in the runtime folder",
     ),
     "allowed_hosts": _host_names.about(
         "host names the endpoint answers to besides IP addresses and `localhost`: a "
@@ -164,7 +178,12 @@ _ADMIN_FIELDS: dict[str, Converter] = {
     ),
     "max_connections": _integer(1).about(
         "admin connections open at once (their descriptors are the data plane's); at "
-        "the limit the longest idle one is closed to admit a new one; read at start",
+        "the limit the oldest one still reading its request (or idle) is closed to admit "
+        "a new one; read at start",
+    ),
+    "max_connections_per_source": _integer(1).about(
+        "admin connections from one client address: a newcomer over it closes that "
+        "address's oldest one still reading its request, else it is refused; read at start",
     ),
 }
 

@@ -512,6 +512,28 @@ def _admin_listen(node: yaml.Node, label: str) -> Address | None:
     return address
 
 
+# A Unix socket's path must fit `sun_path` (108 bytes, with the terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
+@_accepting(
+    "an absolute path or none",
+    {"anyOf": [{"type": "null"}, {"const": "none"}, {"type": "string", "pattern": "^/"}]},
+)
+def _admin_socket(node: yaml.Node, label: str) -> str | None:
+    # `socket: none` (or an empty value): no admin socket, only the TCP endpoint.
+    value = _scalar(node, label)
+    if value in (None, "none"):
+        return None
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise _expected(label, "an absolute path or none", node)
+    if "\0" in value or len(value.encode()) > MAX_SOCKET_PATH:
+        raise _expected(
+            label, f"a path of at most {MAX_SOCKET_PATH} bytes (a Unix socket's limit)", node
+        )
+    return value
+
+
 @_accepting(
     "an address (IP:PORT, [IPv6]:PORT), a list of them, or none",
     {"anyOf": [{"const": "none"}, _one_or_list_schema(_ADDRESS_SCHEMA)]},

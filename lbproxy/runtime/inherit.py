@@ -150,7 +150,11 @@ class Inherited:
         """The passed socket for the listener named `key` on `address` (see the module
         header for the order), or None: the caller binds it. `names` are the names that
         may stand for this address alone (virtual servers with this one address)."""
-        candidates = [p for p in self.passed if not p.used and p.udp == udp]
+        candidates = [
+            p
+            for p in self.passed
+            if not p.used and p.udp == udp and p.sock.family != socket.AF_UNIX
+        ]
         names = set(names)
         for rule in (
             lambda p: p.name == key,

@@ -40,6 +40,7 @@ from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.net.descriptors import apply_max_clients
 from lbproxy.runtime import logs, privileges
 from lbproxy.runtime import state as runtime_state
+from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.runtime.upgrade import Outcome, Upgrade, server_sockets, server_state
@@ -71,6 +72,7 @@ class Server:
         reuse_port: bool = False,
         admin_sock: socket.socket | None = None,
         cluster_name: str | None = None,
+        admin_socket: bool = True,
     ) -> None:
         self.config = config
         self.admin_token = admin_token
@@ -78,6 +80,10 @@ class Server:
         # admin endpoint on this bound socket instead of global.admin.listen.
         self.reuse_port = reuse_port
         self.admin_sock = admin_sock
+        # Serve global.admin.socket (runtime/admin_socket.py); a worker does not: its
+        # supervisor does.
+        self.serves_admin_socket = admin_socket
+        self.admin_socket: AdminSocket | None = None  # once bound; handed over on an upgrade
         self.config_paths = list(config_paths)
         self.virtual_servers: dict[str, VirtualServer] = {}
         self.listeners: dict[Address, Listener] = {}
@@ -141,6 +147,8 @@ class Server:
                 admin_sock = self.inherited.take(key, admin_address, udp=False, names=["admin"])
                 if admin_sock is None:
                     admin_sock = self._listen(admin_address, listen_socket)
+            if self.serves_admin_socket:
+                self.admin_socket = open_admin_socket(self.config.global_, self.inherited)
             dns_socks = self._bind_dns()
             self.inherited.check_all_used()  # a passed socket nothing took: an error
         except BindError:
@@ -148,13 +156,18 @@ class Server:
                 listener.sock.close()
             if admin_sock is not None and admin_sock is not self.admin_sock:
                 admin_sock.close()
+            if self.admin_socket is not None:
+                self.admin_socket.close(serving=False)
             self.inherited.close()
             raise
         # Clients beyond it are closed at accept, so descriptors stay for the rest.
         apply_max_clients(self.config.global_.max_clients)
         # Every listener bound and every secret read (run()): global.user from here on.
         try:
-            privileges.drop(self.config.global_, self.owned_paths)
+            owned = list(self.owned_paths)
+            if self.admin_socket is not None:
+                owned += self.admin_socket.owned_paths()
+            privileges.drop(self.config.global_, owned)
         except privileges.PrivilegeError:
             for sock in [listener.sock for listener in bound] + [admin_sock, *(dns_socks or ())]:
                 if sock is not None and sock is not self.admin_sock:
@@ -165,41 +178,52 @@ class Server:
         if self.admin_sock is None:
             self._admin_listener = admin_sock
         self._dns_socks = dns_socks
-        async with trio.open_nursery() as admin:
-            await admin.start(self._serve_endpoints, admin_sock, dns_socks)
-            await admin.start(self._serve, bound, handle_signals)
-            task_status.started(self)
-            if self.notifier.enabled:
-                self.notifier.ready(self.status_line())
-                admin.start_soon(self._report_status)
-            await self._finished.wait()
-            await self.state_writer.write_if_changed()  # after the drain: the final state
-            admin.cancel_scope.cancel()
+        unix_sock = self.admin_socket.sock if self.admin_socket is not None else None
+        admin_socks = [sock for sock in (admin_sock, unix_sock) if sock is not None]
+        try:
+            async with trio.open_nursery() as admin:
+                await admin.start(self._serve_endpoints, admin_socks, dns_socks)
+                await admin.start(self._serve, bound, handle_signals)
+                task_status.started(self)
+                if self.notifier.enabled:
+                    self.notifier.ready(self.status_line())
+                    admin.start_soon(self._report_status)
+                await self._finished.wait()
+                await self.state_writer.write_if_changed()  # after the drain: the final state
+                admin.cancel_scope.cancel()
+        finally:
+            if self.admin_socket is not None:
+                self.admin_socket.close()
         log.info("stopped")
 
     async def _serve_endpoints(
         self,
-        admin_sock: socket.socket | None,
+        admin_socks: list[socket.socket],
         dns_socks: tuple[socket.socket, socket.socket] | None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """The admin endpoint and the DNS locator, in a scope of their own: an upgrade
-        stops them at once (the new process answers there), the drain does not."""
+        """The admin endpoint (TCP and the admin socket) and the DNS locator, in a scope
+        of their own: an upgrade stops them at once (the new process answers there), the
+        drain does not."""
         with self._endpoints:
             async with trio.open_nursery() as nursery:
-                if admin_sock is not None:
-                    await nursery.start(serve_admin, self, admin_sock, self.admin_token)
+                if admin_socks:
+                    path = self.admin_socket.path if self.admin_socket is not None else None
+                    await nursery.start(serve_admin, self, admin_socks, self.admin_token, path)
                 if dns_socks is not None and self.dns is not None:
                     await nursery.start(self.dns.serve, *dns_socks)
                 task_status.started()
 
     def endpoint_sockets(self) -> list[tuple[str, socket.socket]]:
-        """The admin endpoint's and the DNS locator's listening sockets, named for the
-        hand-over (lbproxy/runtime/inherit.py looks them up by these names)."""
+        """The admin endpoint's, the admin socket's and the DNS locator's listening
+        sockets, named for the hand-over (lbproxy/runtime/inherit.py and
+        runtime/admin_socket.py look them up by these names)."""
         named = []
         admin = self.config.global_.admin.listen
         if self._admin_listener is not None and admin is not None:
             named.append((f"admin {admin}", self._admin_listener))
+        if self.admin_socket is not None:
+            named.append((handover_name(self.admin_socket.path), self.admin_socket.sock))
         dns = self.config.global_.locator.dns
         if self._dns_socks is not None and dns is not None:
             named.append((f"dns {dns.listen}/udp", self._dns_socks[0]))
@@ -228,6 +252,8 @@ class Server:
             log.error("upgrade failed, still serving: %s", outcome.error)
             return outcome
         log.info("upgraded: pid %s serves now; this process stops accepting", outcome.pid)
+        if self.admin_socket is not None:  # its file is the new process's now
+            self.admin_socket.handed_over = True
         # The new process is the service's main process now: STOPPING=1 from this one
         # would tell systemd the service stops.
         self.notifier.close()
@@ -584,21 +610,22 @@ class Server:
 
     # -- reload -------------------------------------------------------------------
 
-    def reload(self) -> tuple[bool, list[str]]:
-        """Validate the configuration files again and apply the difference.
+    def reload(self, config_paths: Sequence[str] | None = None) -> tuple[bool, list[str]]:
+        """Validate the configuration files again (or `config_paths`, which are then the
+        running ones) and apply the difference.
 
         Returns (ok, messages): the changes applied, or every problem found. On any
         problem the running configuration stays as it was.
         """
         self.notifier.reloading()
         try:
-            return self._reload()
+            return self._reload(config_paths or self.config_paths)
         finally:  # READY=1 ends the reload for systemd, whether applied or refused
             self.inherited.close_unused_previous()  # a worker's, sent for it (workers.py)
             self.notifier.ready(self.status_line())
 
-    def _reload(self) -> tuple[bool, list[str]]:
-        new = load_for_reload(self.config_paths)
+    def _reload(self, config_paths: Sequence[str]) -> tuple[bool, list[str]]:
+        new = load_for_reload(config_paths)
         if isinstance(new, list):
             self.reloads["error"] += 1
             return False, new
@@ -609,6 +636,7 @@ class Server:
             self.reloads["error"] += 1
             return False, [str(exc)]
         self.reloads["ok"] += 1
+        self.config_paths = list(config_paths)
         if self.cluster is not None:  # the files first, then the cluster's changes
             self.cluster.share_entries()
             self.cluster.reapply()

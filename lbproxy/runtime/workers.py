@@ -7,7 +7,8 @@
                       start `python -m lbproxy run --worker-fd FD -- CONFIG...`, send it
                       the configuration, wait for "ready", wait for its exit, restart it
                       (at once after a crash, with a growing delay when it keeps crashing)
-      admin endpoint  on global.admin.listen (SupervisorApp, the routes of AdminApp):
+      admin endpoint  on global.admin.listen and the admin socket (SupervisorApp, the
+                      routes and the authorization of AdminApp):
                       /metrics adds up the workers' metrics, /api/v1 merges their
                       documents, a PATCH or a reload goes to every worker
 
@@ -94,6 +95,7 @@ from lbproxy.admin.api import (
     read_token,
     serve_asgi,
 )
+from lbproxy.admin.client import UnixHTTPConnection
 from lbproxy.admin.metric_families import MAX, OWN, merged_by
 from lbproxy.admin.metric_families import counter as counter_family
 from lbproxy.admin.metric_families import gauge as gauge_family
@@ -104,6 +106,7 @@ from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.cluster import member_name
 from lbproxy.core.persistence import client_key
 from lbproxy.runtime import logs, privileges
+from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.runtime.server import BindError, Server, listen_socket, load_for_reload
@@ -130,24 +133,6 @@ RS_SUMS = ("active_connections", "connections_total", "bytes_in", "bytes_out")
 
 
 # -- HTTP to a worker's Unix socket (http.client in a thread) ---------------------------
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """http.client over a Unix socket; "localhost" only fills the Host header."""
-
-    def __init__(self, socket_path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 def _http(
@@ -352,18 +337,19 @@ class Supervisor:
         # its serving in a scope of its own (stopped at once by an upgrade), and what an
         # upgrade's new process calls once every worker is ready
         self.admin_listener: socket.socket | None = None
+        self.admin_socket: AdminSocket | None = None  # global.admin.socket, once bound
         self._endpoints = trio.CancelScope()
         self._upgrading = False
         self.on_ready: Callable[[], Any] | None = None
 
     # -- life cycle -------------------------------------------------------------
 
-    async def main(self, admin_sock: socket.socket | None) -> None:
+    async def main(self, admin_socks: list[socket.socket]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self._signals)
-            if admin_sock is not None:
-                await nursery.start(self._serve_admin, admin_sock)
+            if admin_socks:
+                await nursery.start(self._serve_admin, admin_socks)
             if self.notifier.enabled:
                 nursery.start_soon(self._report_status)
             async with trio.open_nursery() as slots:
@@ -373,10 +359,13 @@ class Supervisor:
         log.info("stopped")
 
     async def _serve_admin(
-        self, sock: socket.socket, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        socks: list[socket.socket],
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        path = self.admin_socket.path if self.admin_socket is not None else None
         with self._endpoints:
-            await serve_asgi(SupervisorApp(self, self.token), sock, task_status=task_status)
+            await serve_asgi(SupervisorApp(self, self.token, path), socks, task_status=task_status)
 
     # -- upgrade (lbproxy/runtime/upgrade.py) ---------------------------------------------
 
@@ -385,6 +374,8 @@ class Supervisor:
         admin = self.config.global_.admin.listen
         if self.admin_listener is not None and admin is not None:
             named.append((f"admin {admin}", self.admin_listener))
+        if self.admin_socket is not None:
+            named.append((handover_name(self.admin_socket.path), self.admin_socket.sock))
         return named
 
     def handover_state(self) -> dict[str, Any]:
@@ -412,6 +403,8 @@ class Supervisor:
             log.error("upgrade failed, still serving: %s", outcome.error)
             return outcome
         log.info("upgraded: pid %s serves now; these workers stop accepting", outcome.pid)
+        if self.admin_socket is not None:  # its file is the new supervisor's now
+            self.admin_socket.handed_over = True
         self.notifier.close()
         self.notifier = Notifier()  # the new supervisor is systemd's main process now
         self._endpoints.cancel()
@@ -677,7 +670,8 @@ class Supervisor:
         """A reload or PATCH that happened while the worker started: apply it now."""
         if generation != self.generation:
             await self._give(worker, self.listeners)  # added since it started
-            status, body = await self._ask(worker, "POST", "/api/v1/reload", b"{}")
+            paths = json.dumps({"config": self.config_paths}).encode()
+            status, body = await self._ask(worker, "POST", "/api/v1/reload", paths)
             if status != 200:
                 log.error(
                     "worker %d: catching up with the last reload failed: %s", worker.index, body
@@ -863,18 +857,19 @@ class Supervisor:
         except (OSError, http.client.HTTPException) as exc:
             raise HTTPError(503, f"worker {worker.index} did not answer: {exc}") from None
 
-    async def reload(self) -> tuple[bool, list[str]]:
-        """Validate the files, then reload every worker; (ok, changes or errors)."""
+    async def reload(self, config_paths: list[str] | None = None) -> tuple[bool, list[str]]:
+        """Validate the files (or `config_paths`, which are then the running ones), then
+        reload every worker; (ok, changes or errors)."""
         self.notifier.reloading()
         try:
-            return await self._reload()
+            return await self._reload(config_paths or self.config_paths)
         finally:  # READY=1 ends the reload for systemd, whether applied or refused
             if self._announced:  # (before every worker is ready, READY=1 comes then)
                 self.notifier.ready(self._status_line(None))
 
-    async def _reload(self) -> tuple[bool, list[str]]:
+    async def _reload(self, config_paths: list[str]) -> tuple[bool, list[str]]:
         async with self._changes:
-            new = load_for_reload(self.config_paths)
+            new = load_for_reload(config_paths)
             if isinstance(new, list):
                 self.reloads["error"] += 1
                 return False, new
@@ -908,7 +903,8 @@ class Supervisor:
                     await self._each_give(added)
                 except OSError as exc:
                     errors.append(str(exc))
-            answers = await self._each("POST", "/api/v1/reload", b"{}") if not errors else []
+            body = json.dumps({"config": config_paths}).encode()
+            answers = await self._each("POST", "/api/v1/reload", body) if not errors else []
             for worker, status, body in answers:
                 try:
                     document = json.loads(body)
@@ -929,6 +925,7 @@ class Supervisor:
             # Workers still starting (none answered) reload once they are ready (_catch_up).
             self._close_listeners(set(self.listeners) - tcp_addresses(new))
             self.config = new
+            self.config_paths = list(config_paths)
             self.generation += 1
             self.overrides.clear()
             self.reloads["ok"] += 1
@@ -953,13 +950,17 @@ class SupervisorApp(AdminApp):
     own routes besides. The matching, the method check and the authorization are
     AdminApp's; each handler here replaces the single process's."""
 
-    def __init__(self, supervisor: Supervisor, token: str | None) -> None:
+    def __init__(
+        self, supervisor: Supervisor, token: str | None, socket_path: str | None = None
+    ) -> None:
         # Not a ProxyControl: its changes are async, sent to every worker. Each handler
         # that would call a ProxyControl method is replaced below; what AdminApp's own
-        # code still reads (config; upgrade and admin_sock through getattr) it has.
+        # code still reads (config, config_paths; upgrade and admin_sock through
+        # getattr) it has.
         self.server = supervisor  # type: ignore[assignment]  # see above
         self.supervisor = supervisor
         self.token = token
+        self.socket_path = socket_path
 
     # /api/v1/upgrade: AdminApp's handler, through Supervisor.upgrade.
 
@@ -1007,9 +1008,11 @@ class SupervisorApp(AdminApp):
         return status, answer, "json"
 
     async def on_reload(self, request: Request) -> Answer:
-        ok, messages = await self.supervisor.reload()
+        paths = await self._config_paths(request)
+        ok, messages = await self.supervisor.reload(paths)
         if ok:
             return 200, json_body({"result": "ok", "changes": messages}), "json"
+        messages = self._shown_errors(request, messages)
         return 400, json_body({"error": "invalid configuration", "errors": messages}), "json"
 
     async def on_locate(self, request: Request) -> Answer:
@@ -1069,6 +1072,7 @@ def run(
             return 2
     listeners: dict[str, socket.socket] = {}
     admin_sock = None
+    admin_socket = None
     try:
         # Sockets from an upgrade or systemd (TCP and the admin endpoint: a worker binds
         # its UDP and DNS sockets itself), else bound here (lbproxy/runtime/inherit.py).
@@ -1077,6 +1081,7 @@ def run(
             key = f"admin {admin.listen}"
             admin_sock = inherited.take(key, admin.listen, udp=False, names=["admin"])
             admin_sock = admin_sock or _bind(inherited, admin.listen)
+        admin_socket = open_admin_socket(config.global_, inherited)
         for vs in config.virtual_servers:  # the workers' TCP sockets (module header)
             if vs.protocol == "tcp":
                 for address in vs.listen:
@@ -1090,18 +1095,26 @@ def run(
         log.error("%s", exc)
         for sock in [*listeners.values(), *([admin_sock] if admin_sock else [])]:
             sock.close()
+        if admin_socket is not None:
+            admin_socket.close(serving=False)
         return 1
     if on_bound is not None:
         on_bound()
     supervisor = Supervisor(config, config_paths, token, log_level, listeners)
     try:  # every socket bound, every secret read: the workers start as global.user
-        privileges.drop(config.global_, owned=[supervisor.folder])
+        owned = [supervisor.folder]
+        if admin_socket is not None:
+            owned += admin_socket.owned_paths()
+        privileges.drop(config.global_, owned=owned)
     except privileges.PrivilegeError as exc:
         log.error("%s", exc)
         shutil.rmtree(supervisor.folder, ignore_errors=True)
+        if admin_socket is not None:
+            admin_socket.close(serving=False)
         return 1
     supervisor.inherited = inherited
     supervisor.admin_listener = admin_sock
+    supervisor.admin_socket = admin_socket
     supervisor.on_ready = on_ready
     if handed is not None:  # the old supervisor's PATCHes and load reports, replayed
         supervisor.overrides = [(p, b.encode()) for p, b in handed.get("overrides", ())]
@@ -1110,10 +1123,15 @@ def run(
     supervisor.notifier = Notifier.from_environment()
     supervisor.notifier.main_pid = passed is not None  # an upgrade: MAINPID= with READY=1
     log.info("starting %d workers", len(supervisor.workers))
+    admin_socks = [admin_sock] if admin_sock is not None else []
+    if admin_socket is not None:
+        admin_socks.append(admin_socket.sock)
     try:
-        trio.run(supervisor.main, admin_sock)
+        trio.run(supervisor.main, admin_socks)
     finally:
         shutil.rmtree(supervisor.folder, ignore_errors=True)
+        if admin_socket is not None:
+            admin_socket.close()
     return supervisor.exit_code
 
 
@@ -1210,7 +1228,12 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     # Each worker has its own tables, so each is a member of the cluster of its own.
     cluster_name = f"{member_name(redis)[:58]}-w{init['index']}" if redis is not None else None
     server = Server(
-        config, config_paths, reuse_port=True, admin_sock=admin_sock, cluster_name=cluster_name
+        config,
+        config_paths,
+        reuse_port=True,
+        admin_sock=admin_sock,
+        cluster_name=cluster_name,
+        admin_socket=False,  # the supervisor serves global.admin.socket
     )
     # global.state_file: worker 1 writes it, worker k > 1 its part STATE_FILE.wK (its own
     # persistence entries); every worker reads the file and all the parts at start

@@ -14,7 +14,10 @@ One trio program runs everything:
   second) on PORT+1 (a free port with `--port 0`);
 - the admin endpoint on 127.0.0.1 (the dashboard at `/`, `/metrics`, the API that
   `lbproxy status` and `lbproxy drain` use): port 9100, where those commands look by
-  default, or a free port when 9100 is taken, with `--port 0`, or `--admin-port`;
+  default, or a free port when 9100 is taken, with `--port 0`, or `--admin-port`; its
+  admin socket (the default one, for that port), through which `lbproxy drain` changes
+  a server with no token; and a token made for this run (printed), which the
+  dashboard's buttons ask for, as over TCP every change needs one (SPEC §21);
 - a control port on 127.0.0.1 (a port the OS picks) taking lines `NAME VALUE` (answered
   `ok NAME VALUE`), so another terminal changes a reported value with `nc` or bash's
   `/dev/tcp`; on a terminal the same lines can be typed into the demo itself.
@@ -41,6 +44,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -326,7 +330,12 @@ async def _main(
             view = View(backends, tty, keyboard)
             _release(reserved)
             admin = Address(HOST, admin_sock.getsockname()[1])
-            server = Server(demo_config(port, dwd_port, backends, admin), admin_sock=admin_sock)
+            token = secrets.token_urlsafe(12)  # the dashboard's buttons ask for it
+            server = Server(
+                demo_config(port, dwd_port, backends, admin),
+                admin_token=token,
+                admin_sock=admin_sock,
+            )
             served = trio.Event()
             await nursery.start(_serve, server, served)  # raises BindError
             view.pools = [server.virtual_servers[name].pool for name in _NAMES]
@@ -335,7 +344,10 @@ async def _main(
 
             print(f"lbproxy demo: connect to {HOST}:{port}", flush=True)
             print(f"dashboard: http://{admin}/", flush=True)
-            _print_intro(port, dwd_port, control_port, backends, keyboard, admin)
+            socket_path = server.admin_socket.path if server.admin_socket is not None else None
+            _print_intro(
+                port, dwd_port, control_port, backends, keyboard, admin, token, socket_path
+            )
             display = trio.CancelScope()
             nursery.start_soon(_display, display, view)
 
@@ -436,8 +448,13 @@ def _print_intro(
     backends: Sequence[Backend],
     keyboard: bool,
     admin: Address,
+    token: str,
+    socket_path: str | None,
 ) -> None:
     example = f"{backends[1].name} 80"
+    # On this host the CLI finds the admin socket by itself; without one (no runtime
+    # folder) it needs the token over TCP.
+    cli = "lbproxy" if socket_path else f"LBPROXY_TOKEN={token} lbproxy"
     weights = [b.weight for b in backends]
     values = [b.value or 0 for b in backends]
     python = (
@@ -468,8 +485,9 @@ def _print_intro(
         f"      one arrives find every server idle: wlc sends each to {backends[-1].name}.",
         "",
         f"The dashboard (http://{admin}/) shows both virtual servers; its drain, enable,",
-        "disable and weight buttons change a server while connections are held. So does",
-        f"  lbproxy drain {VIRTUAL_SERVER} {backends[-1].name} --admin http://{admin}",
+        "disable and weight buttons change a server while connections are held (they ask",
+        f"once for this demo's admin token: {token}). So does",
+        f"  {cli} drain {VIRTUAL_SERVER} {backends[-1].name} --admin http://{admin}",
         f"and lbproxy status --admin http://{admin} prints the table; /metrics is there too.",
         "",
         f"Change what an agent reports; {DWD_VIRTUAL_SERVER}'s weights follow within a "

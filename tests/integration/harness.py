@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import random
 import signal
@@ -9,12 +11,20 @@ import socket
 import socketserver
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# lbproxy's admin socket (SPEC §21) goes to /run/lbproxy/ as root, else to
+# $XDG_RUNTIME_DIR/lbproxy/: a run as another user without one gets a private folder,
+# which the lbproxy processes and the CLI the tests start inherit.
+if os.geteuid() != 0 and not os.environ.get("XDG_RUNTIME_DIR"):
+    os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="lbproxy-tests-run-")
 
 
 _handed_out: set[int] = set()
@@ -374,6 +384,52 @@ def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what} ({timeout:g}s)")
         time.sleep(0.02)
+
+
+def admin_socket_path(admin_port: int) -> str:
+    """The default admin socket of the lbproxy whose TCP admin port is `admin_port`, as
+    the tests run it (root: /run/lbproxy/admin-PORT.sock; SPEC §21)."""
+    folder = (
+        "/run/lbproxy"
+        if os.geteuid() == 0
+        else os.path.join(os.environ["XDG_RUNTIME_DIR"], "lbproxy")
+    )
+    return os.path.join(folder, f"admin-{admin_port}.sock")
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def unix_http(
+    path: str, method: str, target: str, body=None, headers=None, timeout: float = 10.0
+) -> tuple[int, bytes]:
+    """One HTTP request over the Unix socket `path` (a dict/list body is sent as JSON)."""
+    data = json.dumps(body).encode() if isinstance(body, dict | list) else body
+    connection = _UnixConnection(path, timeout)
+    try:
+        connection.request(method, target, body=data, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def local_http(method: str, url: str, body=None, headers=None, timeout: float = 10.0):
+    """`method url` sent through the admin socket of the lbproxy whose TCP admin
+    endpoint `url` names, as `lbproxy drain` sends it on the proxy's host: a change
+    there needs no token (over TCP it does, SPEC §21). (status, body)."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.port is not None, url
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    return unix_http(admin_socket_path(parts.port), method, target, body, headers, timeout)
 
 
 def run_cli(*args: str, timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:

@@ -15,12 +15,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests import tools
 from tests.integration.conftest import vs_config
-from tests.integration.harness import ask_name, free_port, open_and_read_name, run_cli
+from tests.integration.harness import (
+    ask_name,
+    free_port,
+    local_http,
+    open_and_read_name,
+    run_cli,
+)
 
 
-def with_admin(config: str, admin_port: int, token_file=None) -> str:
+def with_admin(config: str, admin_port: int, token_file=None, socket=None) -> str:
     admin = f"{{listen: 127.0.0.1:{admin_port}"
-    admin += f", token_file: {token_file}}}" if token_file else "}"
+    admin += f", token_file: {token_file}" if token_file else ""
+    admin += f", socket: {socket}}}" if socket else "}"
     return config.replace("admin: {listen: none}", f"admin: {admin}")
 
 
@@ -163,20 +170,20 @@ def test_promtool_accepts_the_metrics(proxied):
 def test_patch_weight_and_state_change_the_distribution(proxied):
     _, _, port, admin_port = proxied
     url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web/real-servers"
-    status, body = http("PATCH", f"{url}/b", {"state": "drain"})
+    status, body = local_http("PATCH", f"{url}/b", {"state": "drain"})
     assert status == 200, body
     assert json.loads(body)["state"] == "drain"
     assert "b" not in [ask_name(port) for _ in range(6)]
-    status, body = http("PATCH", f"{url}/b", {"state": "enabled"})
+    status, body = local_http("PATCH", f"{url}/b", {"state": "enabled"})
     assert status == 200
-    status, body = http("PATCH", f"{url}/a", {"weight": 0})
+    status, body = local_http("PATCH", f"{url}/a", {"weight": 0})
     assert status == 200 and json.loads(body)["weight"]["static"] == 0
     assert "a" not in [ask_name(port) for _ in range(6)]
-    assert http("PATCH", f"{url}/a", {"weight": -1})[0] == 400
-    assert http("PATCH", f"{url}/a", {"colour": "red"})[0] == 400
-    assert http("PATCH", f"{url}/zz", {"weight": 1})[0] == 404
+    assert local_http("PATCH", f"{url}/a", {"weight": -1})[0] == 400
+    assert local_http("PATCH", f"{url}/a", {"colour": "red"})[0] == 400
+    assert local_http("PATCH", f"{url}/zz", {"weight": 1})[0] == 404
     assert (
-        http(
+        local_http(
             "PATCH",
             f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/no/real-servers/a",
             {"weight": 1},
@@ -246,7 +253,7 @@ def test_reload_with_a_broken_file_answers_400_and_keeps_serving(proxied):
     proxy, _, port, admin_port = proxied
     good = proxy.config_path.read_text()
     proxy.config_path.write_text(good.replace("scheduler: rr", "scheduler: nope"))
-    status, body = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
+    status, body = local_http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
     assert status == 400
     errors = json.loads(body)["errors"]
     assert any("unknown scheduler 'nope'" in e and f"{proxy.config_path}:" in e for e in errors)
@@ -267,7 +274,8 @@ def test_token_is_required_for_changes(name_servers, lbproxy, tmp_path, monkeypa
     token_file = tmp_path / "admin.token"
     token_file.write_text("s3cret-token\n")
     token_file.chmod(0o600)
-    lbproxy(with_admin(vs_config(port, servers), admin_port, token_file))
+    # No admin socket: the CLI, too, goes over TCP, with the token or without one.
+    lbproxy(with_admin(vs_config(port, servers), admin_port, token_file, socket="none"))
     url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web/real-servers/a"
     assert http("PATCH", url, {"weight": 2})[0] == 401
     assert http("PATCH", url, {"weight": 2}, token="wrong")[0] == 403
@@ -400,7 +408,7 @@ def test_disable_while_connecting_closes_the_client_and_frees_the_slot(lbproxy):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             started = time.monotonic()
-            assert http("PATCH", f"{url}/real-servers/h", {"state": "disabled"})[0] == 200
+            assert local_http("PATCH", f"{url}/real-servers/h", {"state": "disabled"})[0] == 200
             assert client.recv(100) == b""  # closed, not left hanging for 30 s
             assert time.monotonic() - started < 2
         deadline = time.monotonic() + 2

@@ -23,12 +23,18 @@ from tests.integration.test_admin import http, with_admin
 
 LOAD = "/api/v1/virtual-servers/db/real-servers/a/load"
 PATCH = "/api/v1/virtual-servers/db/real-servers/a"
+# Over TCP every change needs the bearer token (SPEC §21): the changes below carry it.
+TOKEN = "http-server-token"
+AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 
 
-def config(admin: str) -> str:
+def config(admin: str, folder) -> str:
+    token_file = folder / "admin.token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     return f"""
 global:
-  admin: {{listen: "{admin}"}}
+  admin: {{listen: "{admin}", token_file: {token_file}}}
 virtual_servers:
   - name: db
     listen: none
@@ -44,7 +50,8 @@ virtual_servers:
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
     port = free_port()
-    proxy = Lbproxy(tmp_path_factory.mktemp("admin-http"), config(f"127.0.0.1:{port}"))
+    folder = tmp_path_factory.mktemp("admin-http")
+    proxy = Lbproxy(folder, config(f"127.0.0.1:{port}", folder))
     proxy.start([port])
     yield proxy, port
     proxy.stop()
@@ -97,7 +104,9 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(endpoint):
         b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
         b"PUT "
         + LOAD.encode()
-        + b' HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 13\r\n\r\n{"load": 0.5}',
+        + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + AUTH.encode()
+        + b'Content-Length: 13\r\n\r\n{"load": 0.5}',
         b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     ]
     with connect(port) as s:
@@ -150,7 +159,7 @@ def test_expect_100_continue_then_the_body(endpoint):
     body = b'{"load": 0.25}'
     with connect(port) as s:
         s.sendall(
-            f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: 100-continue\r\n"
+            f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\n{AUTH}Expect: 100-continue\r\n"
             f"Content-Length: {len(body)}\r\n\r\n".encode()
         )
         interim = b""
@@ -166,7 +175,8 @@ def test_a_chunked_body(endpoint):
     _, port = endpoint
     with connect(port) as s:
         s.sendall(
-            f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\n{AUTH}"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
             + b'5\r\n{"loa\r\n9\r\nd": 0.75}\r\n0\r\n\r\n'
         )
         status, _, answer = read_answer(s, bytearray())
@@ -340,14 +350,15 @@ def test_head_requests_get_the_head_only(endpoint):
 
 def test_an_ipv6_listen_address(tmp_path):
     port = free_port("::1")
-    with Lbproxy(tmp_path, config(f"[::1]:{port}")).start() as proxy:
+    with Lbproxy(tmp_path, config(f"[::1]:{port}", tmp_path)).start() as proxy:
         with connect(port, "::1") as s:
             buffer = bytearray()
             s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert read_answer(s, buffer)[:1] == (200,)
-            # ::1 is loopback: a change without a token is accepted
+            # a change over TCP, with the token (SPEC §21), loopback or not
             s.sendall(
-                f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 13\r\n\r\n".encode()
+                f"PUT {LOAD} HTTP/1.1\r\nHost: 127.0.0.1\r\n{AUTH}"
+                "Content-Length: 13\r\n\r\n".encode()
                 + b'{"load": 0.5}'
             )
             assert read_answer(s, buffer)[0] == 200

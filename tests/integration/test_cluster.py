@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lbproxy.wire.proxy_protocol import encode_v1
-from tests.integration.harness import Lbproxy, free_port, read_name, run_cli, wait_for
+from tests.integration.harness import Lbproxy, free_port, local_http, read_name, run_cli, wait_for
 from tests.integration.redis_server import RedisServer, requires_redis
 from tests.integration.test_admin import http, metrics, sample
 
@@ -55,7 +55,7 @@ class Instance:
         return json.loads(body)
 
     def patch(self, rs: str, change: dict, vs: str = "web") -> dict:
-        status, body = http(
+        status, body = local_http(
             "PATCH", self.url(f"/api/v1/virtual-servers/{vs}/real-servers/{rs}"), change
         )
         assert status == 200, body
@@ -210,7 +210,7 @@ def test_a_load_report_to_one_instance_changes_the_locate_answer_of_another(redi
         return json.loads(body)["real_server"]
 
     for rs, load in (("a", 0.9), ("b", 0.8), ("c", 0.1)):
-        status, body = http(
+        status, body = local_http(
             "PUT", lb1.url(f"/api/v1/virtual-servers/web/real-servers/{rs}/load"), {"load": load}
         )
         assert status == 200, body

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.integration.harness import NameServer, free_port, read_name, wait_for
+from tests.integration.harness import NameServer, free_port, local_http, read_name, wait_for
 from tests.integration.test_admin import http, metrics, sample
 
 
@@ -164,7 +164,7 @@ def test_conditioning_leaves_draining_servers_alone(lbproxy, name_servers, clean
         client.start()
     wait_for(lambda: split(admin) == {"a": 6, "b": 6, "c": 0}, 10, "6/6/0")
     url = f"{admin}/api/v1/virtual-servers/pool/real-servers/b"
-    assert http("PATCH", url, {"state": "drain"})[0] == 200
+    assert local_http("PATCH", url, {"state": "drain"})[0] == 200
     c = NameServer("c", port=c_port)
     cleanup.append((stop, clients, c))
     # a and c balance; b's connections stay where they are

@@ -1,9 +1,10 @@
 """Mutations from a web page of another origin are refused (cross-site request forgery).
 
-Without a token the admin endpoint accepts changes from loopback; a browser on the same
-host is on loopback too, and a page of any site it has open can send a "simple" POST
-(no CORS pre-check) to 127.0.0.1:9100. Browsers name that page in `Origin`; lbproxy
-refuses a change whose `Origin` is not the endpoint itself. Real processes, real HTTP.
+A page of any site a browser on the proxy's host has open can send a "simple" POST (no
+CORS pre-check) to 127.0.0.1:9100. Over TCP every change needs the token (SPEC §21),
+which such a page does not have; besides, browsers name that page in `Origin`, and
+lbproxy refuses a change whose `Origin` is not the endpoint itself before it looks at
+the token, so the page learns nothing. Real processes, real HTTP.
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ from tests.integration.conftest import vs_config
 from tests.integration.harness import free_port, wait_for
 from tests.integration.test_admin import metrics, sample, with_admin
 from tests.integration.test_workers import ready, workers_config
+
+TOKEN = "cross-origin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # a change over TCP needs it (SPEC §21)
+
+
+def with_token(config: str, tmp_path) -> str:
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    return config.replace("admin: {", f"admin: {{token_file: {token_file}, ", 1)
 
 
 def request(admin_port: int, method: str, path: str, body: bytes, headers: dict) -> tuple:
@@ -44,7 +55,7 @@ FOREIGN = ["http://attacker.example", "http://127.0.0.1:1", "null"]
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_change_from_another_origin_is_refused_and_changes_nothing(
-    name_servers, lbproxy, workers
+    name_servers, lbproxy, workers, tmp_path
 ):
     servers = name_servers("a", "b")
     port, admin_port = free_port(), free_port()
@@ -52,7 +63,7 @@ def test_a_change_from_another_origin_is_refused_and_changes_nothing(
         config = with_admin(vs_config(port, servers, "rr"), admin_port)
     else:
         config = workers_config(port, servers, admin_port)
-    lbproxy(config)
+    lbproxy(with_token(config, tmp_path))
     wait_for(lambda: ready(admin_port), what="/readyz")
     own = f"127.0.0.1:{admin_port}"
     patch = "/api/v1/virtual-servers/web/real-servers/b"
@@ -69,13 +80,13 @@ def test_a_change_from_another_origin_is_refused_and_changes_nothing(
     assert sample(metrics(admin_port), "lbproxy_config_reloads_total", result="ok") == reloads
 
     # The endpoint's own pages (the dashboard) and clients that send no Origin (curl,
-    # lbproxy's CLI) are served as before.
+    # lbproxy's CLI) are served as before, with the token.
     status, _ = request(
-        admin_port, "PATCH", patch, b'{"state": "drain"}', {"Origin": f"http://{own}"}
+        admin_port, "PATCH", patch, b'{"state": "drain"}', {"Origin": f"http://{own}", **AUTH}
     )
     assert status == 200
     assert state_of_b(admin_port) == "drain"
-    status, _ = request(admin_port, "POST", "/api/v1/reload", b"", {})
+    status, _ = request(admin_port, "POST", "/api/v1/reload", b"", AUTH)
     assert status == 200
     assert sample(metrics(admin_port), "lbproxy_config_reloads_total", result="ok") == reloads + 1
 
@@ -88,7 +99,9 @@ def rebound(admin_port: int, name: str = "evil.example") -> dict:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_rebound_host_name_is_answered_421_and_changes_nothing(name_servers, lbproxy, workers):
+def test_a_rebound_host_name_is_answered_421_and_changes_nothing(
+    name_servers, lbproxy, workers, tmp_path
+):
     servers = name_servers("a", "b")
     port, admin_port = free_port(), free_port()
     if workers == 1:
@@ -99,7 +112,7 @@ def test_a_rebound_host_name_is_answered_421_and_changes_nothing(name_servers, l
         f"admin: {{listen: 127.0.0.1:{admin_port}",
         f"admin: {{allowed_hosts: [LB.Example.com], listen: 127.0.0.1:{admin_port}",
     )
-    lbproxy(config)
+    lbproxy(with_token(config, tmp_path))
     wait_for(lambda: ready(admin_port), what="/readyz")
     patch = "/api/v1/virtual-servers/web/real-servers/b"
     reloads = sample(metrics(admin_port), "lbproxy_config_reloads_total", result="ok")
@@ -146,7 +159,11 @@ def test_a_rebound_host_name_is_answered_421_and_changes_nothing(name_servers, l
         status, _ = request(admin_port, "GET", patch, b"", {"Host": host})
         assert status == 200, host
     status, _ = request(
-        admin_port, "PATCH", patch, b'{"state": "drain"}', rebound(admin_port, "lb.example.COM")
+        admin_port,
+        "PATCH",
+        patch,
+        b'{"state": "drain"}',
+        {**rebound(admin_port, "lb.example.COM"), **AUTH},
     )
     assert status == 200
     assert state_of_b(admin_port) == "drain"

@@ -363,7 +363,11 @@ def test_dashboard_one_process(browser, name_servers, lbproxy, tmp_path):
 def test_dashboard_with_two_workers(browser, name_servers, lbproxy, tmp_path):
     servers = name_servers("a", "b", "c")
     port, admin_port = free_port(), free_port()
-    proxy = lbproxy(workers_config(port, servers, admin_port))
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    config = workers_config(port, servers, admin_port)
+    proxy = lbproxy(config.replace("admin: {", f"admin: {{token_file: {token_file}, ", 1))
     wait_for(lambda: ready(admin_port), what="/readyz")
     held = hold(port, 6, b"hello")
     try:
@@ -379,8 +383,15 @@ def test_dashboard_with_two_workers(browser, name_servers, lbproxy, tmp_path):
             what="the workers line",
         )
         points = chart_points(browser, "web", "b")
-        # Loopback without a token file: no token asked; the PATCH reaches every worker.
+        # The supervisor asks for the token as one process does (a change over TCP needs
+        # it); the PATCH reaches every worker.
         _row(browser, "web", "b").find_element("css selector", "button.set-drain").click()
+        wait_until(
+            lambda: browser.find_element("css selector", "#token-dialog").get_attribute("open"),
+            what="the token dialog",
+        )
+        browser.find_element("css selector", "#token-input").send_keys(TOKEN)
+        browser.find_element("css selector", "#token-ok").click()
         wait_until(lambda: state_of(admin_port, "web", "b") == "drain", what="drain")
         for index in (1, 2):
             assert worker_servers(admin_port, index)["b"]["state"] == "drain"
@@ -393,6 +404,57 @@ def test_dashboard_with_two_workers(browser, name_servers, lbproxy, tmp_path):
             sock.close()
     proxy.signal(signal.SIGTERM)
     assert proxy.proc.wait(15) == 0
+
+
+def test_dashboard_without_a_token_file_is_read_only_and_says_where_changes_go(
+    browser, name_servers, lbproxy
+):
+    """No token_file: over TCP the endpoint is read-only (SPEC §21). The page shows
+    everything; a button's change is refused, and the row and the notice say why and
+    where to change instead (the admin socket); no token is asked for, nothing changes."""
+    servers = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    lbproxy(with_admin(vs_config(port, servers, "rr", "health_check: {type: none}"), admin_port))
+    browser.get(f"http://127.0.0.1:{admin_port}/")
+    wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+    _row(browser, "web", "a").find_element("css selector", "button.set-drain").click()
+    wait_until(
+        lambda: (
+            "read-only over TCP"
+            in _row(browser, "web", "a").find_element("css selector", ".message").text
+        ),
+        what="the refusal beside the row",
+    )
+    message = _row(browser, "web", "a").find_element("css selector", ".message").text
+    assert "token_file" in message and f"admin-{admin_port}.sock" in message, message
+    notice = browser.find_element("css selector", "#notice-text").text
+    assert "refused (HTTP 403)" in notice and "read-only over TCP" in notice, notice
+    assert not browser.find_element("css selector", "#token-dialog").get_attribute("open")
+    assert state_of(admin_port, "web", "a") == "enabled"
+
+
+def test_dashboard_asks_for_the_token_to_read_with_read_token(
+    browser, name_servers, lbproxy, tmp_path
+):
+    """`read_token: true`: the API answers reads 401 without the token; the page asks
+    for it once and then shows the servers."""
+    servers = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    config = with_admin(vs_config(port, servers, "rr"), admin_port, token_file)
+    lbproxy(config.replace("admin: {", "admin: {read_token: true, ", 1))
+    browser.get(f"http://127.0.0.1:{admin_port}/")
+    wait_until(
+        lambda: browser.find_element("css selector", "#token-dialog").get_attribute("open"),
+        what="the token dialog",
+    )
+    assert "read_token" in browser.find_element("css selector", "#token-why").text
+    browser.find_element("css selector", "#token-input").send_keys(TOKEN)
+    browser.find_element("css selector", "#token-ok").click()
+    wait_until(lambda: _row(browser, "web", "a").is_displayed(), what="the row of a")
+    assert not browser.find_element("css selector", "#banner").is_displayed()
 
 
 def test_dashboard_shows_the_backup_mark_and_the_queued_clients(browser, name_servers, lbproxy):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 
@@ -292,9 +293,13 @@ def test_a_port_in_use_is_exit_code_1_naming_the_address(busy):
     assert "connect to" not in result.stdout
 
 
-def _http(method: str, url: str, body: dict | None = None) -> tuple[int, str, bytes]:
+def _http(
+    method: str, url: str, body: dict | None = None, token: str | None = None
+) -> tuple[int, str, bytes]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(request, timeout=5) as answer:
         return answer.status, answer.headers["Content-Type"], answer.read()
 
@@ -311,8 +316,18 @@ def test_the_printed_dashboard_serves_the_page_and_drains_a_server_while_connect
         held = [open_and_read_name(demo.port) for _ in range(12)]
         assert Counter(name for _, name in held) == {"alpha": 2, "bravo": 4, "charlie": 6}
 
+        # The command the demo prints drains charlie through the admin socket (no token);
+        # over TCP the dashboard's buttons need the token the demo prints.
+        command = demo.search(r"^  (lbproxy drain demo charlie --admin http://\S+)$").split()
+        drained = run_cli(*command[1:])
+        assert drained.returncode == 0, drained.stderr
+        assert "demo/charlie: state drain" in drained.stdout
         url = demo.dashboard + "api/v1/virtual-servers/demo/real-servers/charlie"
-        status, _, body = _http("PATCH", url, {"state": "drain"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _http("PATCH", url, {"state": "enabled"})
+        assert refused.value.code == 401  # the dashboard's token dialog opens on this
+        token = demo.search(r"once for this demo's admin token: (\S+)\)")
+        status, _, body = _http("PATCH", url, {"state": "drain"}, token)
         assert status == 200 and json.loads(body)["state"] == "drain"
 
         for sock, name in held:  # every held connection still answers, charlie's too

@@ -23,7 +23,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from lbproxy.config.reader import load
 from tests import tools
 from tests.integration.conftest import vs_config
-from tests.integration.harness import ROOT, free_port, open_and_read_name, run_cli, wait_for
+from tests.integration.harness import (
+    ROOT,
+    free_port,
+    local_http,
+    open_and_read_name,
+    run_cli,
+    wait_for,
+)
 from tests.integration.test_admin import http, with_admin
 from tests.integration.test_workers import ready
 
@@ -210,8 +217,8 @@ def test_unit_sandbox_allows_every_system_call_and_socket_family_lbproxy_uses(
         for path in ("/", "/metrics", "/api/v1/virtual-servers"):
             assert http("GET", base + path)[0] == 200
         url = f"{base}/api/v1/virtual-servers/web/real-servers/a"
-        assert http("PATCH", url, {"state": "drain"})[0] == 200
-        assert http("POST", f"{base}/api/v1/reload", {})[0] == 200
+        assert local_http("PATCH", url, {"state": "drain"})[0] == 200  # the admin socket
+        assert local_http("POST", f"{base}/api/v1/reload", {})[0] == 200
         time.sleep(0.5)  # a few health checks and SNMP polls more
         (child,) = Path(f"/proc/{tracer.pid}/task/{tracer.pid}/children").read_text().split()
         os.kill(int(child), signal.SIGTERM)
@@ -572,7 +579,7 @@ def test_the_cluster_example_runs_as_a_cluster(tmp_path):
             for _, admin in instances:
                 wait_for(lambda a=admin: document(a)["cluster"]["connected"], 10.0, "connected")
             (_, one), (_, two) = instances
-            status, _ = http(
+            status, _ = local_http(
                 "PATCH", f"http://127.0.0.1:{one}/api/v1/virtual-servers/web/real-servers/app-2",
                 {"state": "drain"},
             )  # fmt: skip

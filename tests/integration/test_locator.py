@@ -21,7 +21,14 @@ import dns.resolver
 import pytest
 
 from tests import tools
-from tests.integration.harness import Lbproxy, ask_name, free_port, run_cli
+from tests.integration.harness import (
+    Lbproxy,
+    admin_socket_path,
+    ask_name,
+    free_port,
+    local_http,
+    run_cli,
+)
 from tests.integration.test_admin import http, metrics, sample
 
 DIG = shutil.which("dig")
@@ -70,8 +77,13 @@ def locator(name_servers, lbproxy):
 
 
 def put_load(admin: str, rs: str, body, vs: str = "db", **kwargs) -> tuple[int, dict]:
+    """A load report: over TCP with `token=` (None: no token), else through the admin
+    socket (over TCP a change needs the token, SPEC §21)."""
     url = f"{admin}/api/v1/virtual-servers/{vs}/real-servers/{rs}/load"
-    status, answer = http("PUT", url, body, **kwargs)
+    if "token" in kwargs:
+        status, answer = http("PUT", url, body, **kwargs)
+    else:
+        status, answer = local_http("PUT", url, body)
     return status, json.loads(answer)
 
 
@@ -148,12 +160,13 @@ def test_bad_report_is_400_and_changes_nothing(locator, body):
 def test_raw_bad_bodies_and_names(locator):
     _, admin, _, _, _ = locator
     url = f"{admin}/api/v1/virtual-servers/db/real-servers/a/load"
+    unix = admin_socket_path(int(admin.rsplit(":", 1)[1]))
     bodies = [(b"{not json", b"400"), (b'{"load": NaN}', b"400"), (b'{"load": Infinity}', b"400")]
     bodies.append((b"x" * (65 * 1024), b"413"))  # over 64 KiB: 413, as a PATCH (and nginx)
     for raw, expected in bodies:
         request = subprocess.run(
             ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT", "--data-binary",
-             "@-", url],
+             "@-", "--unix-socket", unix, url],
             input=raw, capture_output=True, timeout=10, check=True,
         )  # fmt: skip
         assert request.stdout == expected, raw[:20]
@@ -178,7 +191,7 @@ def test_reports_need_the_token(name_servers, lbproxy, tmp_path):
     )
     lbproxy(config)
     admin = f"http://127.0.0.1:{admin_port}"
-    assert put_load(admin, "a", {"load": 0.4})[0] == 401
+    assert put_load(admin, "a", {"load": 0.4}, token=None)[0] == 401
     assert put_load(admin, "a", {"load": 0.4}, token="wrong")[0] == 403
     assert put_load(admin, "a", {"load": 0.4}, token="t0ken")[0] == 200
     assert locate(admin)[0] == 200  # GETs need no token

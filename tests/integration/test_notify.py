@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import vs_config
-from tests.integration.harness import free_port, open_and_read_name
-from tests.integration.test_admin import http, with_admin
+from tests.integration.harness import free_port, local_http, open_and_read_name
+from tests.integration.test_admin import with_admin
 from tests.integration.test_workers import workers, workers_config
 
 
@@ -118,11 +118,11 @@ def test_notify_one_process_path_socket(name_servers, lbproxy, notify_path, monk
         }
 
         # A reload through the API is announced the same way, and so is a refused one.
-        status, _ = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
+        status, _ = local_http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
         assert status == 200
         notify_path.wait_for("READY")
         proxy.config_path.write_text("virtual_servers: [{name: x}]\n")
-        status, _ = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
+        status, _ = local_http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
         assert status == 400
         notify_path.wait_for("READY")
     finally:

@@ -8,13 +8,12 @@ changes, on one process and on every worker of `workers: 2`.
 from __future__ import annotations
 
 import json
-import urllib.error
 import urllib.request
 
 import pytest
 
 from tests.integration.conftest import vs_config
-from tests.integration.harness import ask_name, free_port, run_cli, wait_for
+from tests.integration.harness import ask_name, free_port, local_http, run_cli, wait_for
 from tests.integration.test_admin import with_admin
 from tests.integration.test_workers import ready, worker_servers, workers_config
 
@@ -66,13 +65,9 @@ BAD_BODIES = [
 
 
 def patch(url: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, method="PATCH")
-    request.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    """Through the admin socket: over TCP a change needs the token (SPEC §21)."""
+    status, answer = local_http("PATCH", url, body, {"Content-Type": "application/json"})
+    return status, json.loads(answer)
 
 
 def get(url: str) -> dict:

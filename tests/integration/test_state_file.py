@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Lbproxy, free_port, read_name, wait_for
+from tests.integration.harness import Lbproxy, free_port, local_http, read_name, wait_for
 from tests.integration.test_admin import http, metrics, sample
 from tests.integration.test_workers import ready, worker_servers, workers_config
 
@@ -67,7 +67,7 @@ def servers_of(admin_port: int, vs: str) -> dict[str, dict]:
 
 
 def api(admin_port: int, method: str, path: str, body) -> None:
-    status, answer = http(method, f"http://127.0.0.1:{admin_port}/api/v1/{path}", body)
+    status, answer = local_http(method, f"http://127.0.0.1:{admin_port}/api/v1/{path}", body)
     assert status == 200, answer
 
 
@@ -259,7 +259,7 @@ def test_the_state_crosses_an_upgrade_and_the_old_process_stops_writing(setup):
     held.bind(("127.0.1.50", 0))
     held.connect(("127.0.0.1", port))
     assert read_name(held) in ("a", "c")  # through the old process; ends in its drain
-    status, body = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/upgrade", {})
+    status, body = local_http("POST", f"http://127.0.0.1:{admin_port}/api/v1/upgrade", {})
     assert status == 200, body
     new = json.loads(body)["pid"]
     try:

@@ -17,14 +17,13 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests import tools
 from tests.integration.client_loop import ClientLoop
-from tests.integration.harness import ROOT, NameServer, free_port, run_cli, wait_for
+from tests.integration.harness import ROOT, NameServer, free_port, local_http, run_cli, wait_for
 from tests.integration.test_notify import NotifySocket
 from tests.integration.test_udp_health import Echo
 
@@ -86,12 +85,12 @@ class Proxy:
         return self.log_path.read_text(errors="replace")
 
     def upgrade(self) -> dict:
-        """POST /api/v1/upgrade (what `lbproxy upgrade` sends), the answer."""
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.admin}/api/v1/upgrade", data=b"{}", method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=90) as response:
-            answer = json.loads(response.read())
+        """POST /api/v1/upgrade (what `lbproxy upgrade` sends: through the admin socket,
+        as over TCP a change needs the token), the answer."""
+        url = f"http://127.0.0.1:{self.admin}/api/v1/upgrade"
+        status, body = local_http("POST", url, b"{}", timeout=90)
+        assert status == 200, body
+        answer = json.loads(body)
         assert answer["old_pid"] == self.pid
         self.pids.append(answer["pid"])
         return answer

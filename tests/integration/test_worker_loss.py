@@ -13,8 +13,7 @@ import time
 import pytest
 
 from tests.integration.client_loop import ClientLoop
-from tests.integration.harness import Lbproxy, NameServer, free_port, wait_for
-from tests.integration.test_admin import http
+from tests.integration.harness import Lbproxy, NameServer, free_port, local_http, wait_for
 from tests.integration.test_workers import get_json, ready, workers, workers_config
 
 pytestmark = pytest.mark.integration
@@ -91,7 +90,7 @@ def test_an_address_added_by_a_reload_is_the_supervisors_too(tmp_path):
                 f"      - {{name: e, address: 127.0.0.1:{echo.port}}}\n"
             )
             proxy.config_path.write_text(text + more)
-            status, body = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
+            status, body = local_http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
             assert status == 200, body
             victim = workers(admin_port)[0]
             kill_frozen_worker_under_a_loop(added, admin_port, victim)

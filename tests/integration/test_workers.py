@@ -17,6 +17,7 @@ from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ask_name,
     free_port,
+    local_http,
     open_and_read_name,
     run_cli,
     wait_for,
@@ -106,15 +107,15 @@ def test_two_workers_serve_and_the_parent_adds_up(two_workers):
 def test_patch_and_reload_reach_every_worker(two_workers):
     proxy, servers, port, admin_port = two_workers
     url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web/real-servers"
-    status, body = http("PATCH", f"{url}/b", {"state": "drain"})
+    status, body = local_http("PATCH", f"{url}/b", {"state": "drain"})
     assert status == 200, body
     assert json.loads(body)["state"] == "drain"
     assert "b" not in [ask_name(port) for _ in range(30)]
     for index in (1, 2):
         assert worker_servers(admin_port, index)["b"]["state"] == "drain"
-    status, body = http("PATCH", f"{url}/a", {"weight": -1})
+    status, body = local_http("PATCH", f"{url}/a", {"weight": -1})
     assert status == 400 and "weight" in json.loads(body)["error"]
-    assert http("PATCH", f"{url}/zz", {"weight": 1})[0] == 404
+    assert local_http("PATCH", f"{url}/zz", {"weight": 1})[0] == 404
 
     good = proxy.config_path.read_text()
     proxy.config_path.write_text(good.replace("scheduler: rr", "scheduler: nope"))
@@ -144,14 +145,14 @@ def test_patch_and_reload_reach_every_worker(two_workers):
         )
         == 3
     )
-    status, body = http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
+    status, body = local_http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
     assert status == 200 and json.loads(body)["result"] == "ok"
 
 
 def test_a_killed_worker_is_restarted_with_the_runtime_changes(two_workers):
     proxy, _, port, admin_port = two_workers
     url = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web/real-servers"
-    assert http("PATCH", f"{url}/c", {"state": "drain"})[0] == 200
+    assert local_http("PATCH", f"{url}/c", {"state": "drain"})[0] == 200
     for _ in range(20):
         ask_name(port)
     before = metrics(admin_port)

@@ -84,6 +84,10 @@ class Server:
         # supervisor does.
         self.serves_admin_socket = admin_socket
         self.admin_socket: AdminSocket | None = None  # once bound; handed over on an upgrade
+        # Started by an upgrade: the previous process answers on the admin endpoint and
+        # the DNS locator until this one is ready, so this one serves them only then (a
+        # client must never meet a process that does not know its virtual servers yet).
+        self.takes_over = False
         self.config_paths = list(config_paths)
         self.virtual_servers: dict[str, VirtualServer] = {}
         self.listeners: dict[Address, Listener] = {}
@@ -182,8 +186,11 @@ class Server:
         admin_socks = [sock for sock in (admin_sock, unix_sock) if sock is not None]
         try:
             async with trio.open_nursery() as admin:
-                await admin.start(self._serve_endpoints, admin_socks, dns_socks)
+                if not self.takes_over:  # /readyz answers 503 while it starts
+                    await admin.start(self._serve_endpoints, admin_socks, dns_socks)
                 await admin.start(self._serve, bound, handle_signals)
+                if self.takes_over:
+                    await admin.start(self._serve_endpoints, admin_socks, dns_socks)
                 task_status.started(self)
                 if self.notifier.enabled:
                     self.notifier.ready(self.status_line())
@@ -806,6 +813,7 @@ def run(
     server.initial_state = initial_state
     server.notifier = Notifier.from_environment()
     server.notifier.main_pid = main_pid
+    server.takes_over = passed is not None
     try:
         server.inherited = Inherited(passed) if passed is not None else Inherited.from_systemd()
     except BindError as exc:

@@ -341,14 +341,17 @@ class Supervisor:
         self._endpoints = trio.CancelScope()
         self._upgrading = False
         self.on_ready: Callable[[], Any] | None = None
-
+        self._admin_socks: list[socket.socket] = []  # the admin endpoint's, to serve
     # -- life cycle -------------------------------------------------------------
 
     async def main(self, admin_socks: list[socket.socket]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self._admin_socks = admin_socks
             await nursery.start(self._signals)
-            if admin_socks:
+            # An upgrade's new supervisor serves the admin endpoint once every worker is
+            # ready (_ready): until then the old one answers there, with its workers.
+            if admin_socks and self.on_ready is None:
                 await nursery.start(self._serve_admin, admin_socks)
             if self.notifier.enabled:
                 nursery.start_soon(self._report_status)
@@ -664,14 +667,17 @@ class Supervisor:
             )
             self.notifier.ready(self._status_line(None))  # connections: in the next STATUS=
             if self.on_ready is not None:  # an upgrade's new supervisor: tell the old one
+                if self._admin_socks and self._nursery is not None:
+                    await self._nursery.start(self._serve_admin, self._admin_socks)
                 self.on_ready()
 
     async def _catch_up(self, worker: Worker, generation: int) -> None:
         """A reload or PATCH that happened while the worker started: apply it now."""
         if generation != self.generation:
             await self._give(worker, self.listeners)  # added since it started
-            paths = json.dumps({"config": self.config_paths}).encode()
-            status, body = await self._ask(worker, "POST", "/api/v1/reload", paths)
+            status, body = await self._ask(
+                worker, "POST", "/api/v1/reload", _reload_body(self.config_paths)
+            )
             if status != 200:
                 log.error(
                     "worker %d: catching up with the last reload failed: %s", worker.index, body
@@ -903,7 +909,7 @@ class Supervisor:
                     await self._each_give(added)
                 except OSError as exc:
                     errors.append(str(exc))
-            body = json.dumps({"config": config_paths}).encode()
+            body = _reload_body(config_paths)
             answers = await self._each("POST", "/api/v1/reload", body) if not errors else []
             for worker, status, body in answers:
                 try:
@@ -914,7 +920,10 @@ class Supervisor:
                     if changes is None:
                         changes = document.get("changes", [])
                 else:
-                    errors += [e for e in document.get("errors", []) if e not in errors]
+                    theirs = document.get("errors") or [
+                        f"worker {worker.index}: HTTP {status}: {document.get('error')}"
+                    ]
+                    errors += [e for e in theirs if e not in errors]
             if errors:
                 for message in errors:
                     log.error("reload: %s", message)
@@ -936,6 +945,12 @@ class Supervisor:
                 "; ".join(changes) if changes else "no changes",
             )
             return True, changes
+
+
+def _reload_body(config_paths: list[str]) -> bytes:
+    """A worker's reload: the supervisor's files (absolute, as the API takes them; a
+    worker runs in the supervisor's folder, so they name the same files)."""
+    return json.dumps({"config": [os.path.abspath(p) for p in config_paths]}).encode()
 
 
 def _who(worker: Worker) -> tuple[int, int]:

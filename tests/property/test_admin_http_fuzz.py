@@ -1,6 +1,7 @@
 """Fuzz the admin endpoint's HTTP server (lbproxy/admin/http_server.py) through a real
-`lbproxy run` over loopback: any bytes, split anywhere, get answers or a close, never a
-500, a hang or a crash, and the endpoint keeps serving others."""
+`lbproxy run`, over loopback TCP and over its admin Unix socket (SPEC §21): any bytes,
+split anywhere, get answers or a close, never a 500, a hang or a crash, and the endpoint
+keeps serving others."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.harness import Lbproxy, free_port
-from tests.integration.test_admin_http import config, healthy
+from tests.integration.harness import Lbproxy, admin_socket_path, free_port
+from tests.integration.test_admin_http import TOKEN, config, healthy
 
 pytestmark = pytest.mark.integration
 
@@ -24,6 +25,7 @@ TARGETS = [
     b"/api/v1/virtual-servers/db/real-servers/a/load",
     b"/api/v1/virtual-servers/db/real-servers/b",
     b"/api/v1/virtual-servers/%64b",
+    b"/api/v1/reload",
     b"*",
     b"http://t/healthz",
     b"/%ff%00%",
@@ -47,6 +49,9 @@ HEADERS = [
     b"Upgrade: h2c",
     b"X-Lbproxy-Client: 1.2.3.4 99",
     b"Origin: http://elsewhere",
+    b"Authorization: Bearer " + TOKEN.encode(),  # a change over TCP needs it
+    b"Authorization: Bearer wrong",
+    b"Authorization: Basic eDp5",
     b"X: " + b"y" * 200,
     b": no name",
     b"Bad Name: x",
@@ -90,6 +95,7 @@ EXPECTED = {
     b"100",
     b"200",
     b"400",
+    b"401",
     b"403",
     b"404",
     b"405",
@@ -105,7 +111,8 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
     port = free_port()
-    proxy = Lbproxy(tmp_path_factory.mktemp("admin-fuzz"), config(f"127.0.0.1:{port}"))
+    folder = tmp_path_factory.mktemp("admin-fuzz")
+    proxy = Lbproxy(folder, config(f"127.0.0.1:{port}", folder))
     proxy.start([port])
     yield proxy, port
     proxy.stop()
@@ -113,15 +120,27 @@ def endpoint(tmp_path_factory):
     assert "Traceback" not in log and " ERROR " not in log, log
 
 
+def connect(port: int, transport: str) -> socket.socket:
+    """To the TCP endpoint, or to its admin socket (no token needed there)."""
+    if transport == "tcp":
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(admin_socket_path(port))
+    return s
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(stream=streams())
-def test_any_bytes_get_answers_or_a_close_and_others_are_served(endpoint, stream):
+def test_any_bytes_get_answers_or_a_close_and_others_are_served(endpoint, transport, stream):
     proxy, port = endpoint
     data, splits = stream
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with connect(port, transport) as s:
         start = 0
         try:
             for end in [*splits, len(data)]:

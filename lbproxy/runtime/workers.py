@@ -342,6 +342,7 @@ class Supervisor:
         self._upgrading = False
         self.on_ready: Callable[[], Any] | None = None
         self._admin_socks: list[socket.socket] = []  # the admin endpoint's, to serve
+
     # -- life cycle -------------------------------------------------------------
 
     async def main(self, admin_socks: list[socket.socket]) -> None:

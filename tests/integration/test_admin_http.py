@@ -11,6 +11,8 @@ import os
 import resource
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -407,3 +409,105 @@ def test_three_thousand_idle_admin_connections_take_no_more_than_max_connections
     finally:
         for s in idle:
             s.close()
+
+
+# A slowloris: SLOW connections from 127.0.0.1 that each send one byte of a request and
+# never more; each one the endpoint closes is opened again at once (the attacker keeps
+# the pressure on). It runs in a process of its own, so the probes' timings in this one
+# are the endpoint's, not this interpreter's. It prints "held" once SLOW are open, and
+# stops when its stdin closes or after MAX_SECONDS.
+SLOW = 1000
+SLOWLORIS = """
+import os, selectors, socket, sys, time
+port, count, limit = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+selector = selectors.DefaultSelector()
+selector.register(sys.stdin, selectors.EVENT_READ, None)
+opened = 0
+def open_one():
+    global opened
+    s = socket.socket()
+    s.setblocking(False)
+    s.connect_ex(("127.0.0.1", port))
+    selector.register(s, selectors.EVENT_WRITE, "connecting")
+    opened += 1
+for _ in range(count):
+    open_one()
+announced = False
+started = time.monotonic()
+running = True
+while running and time.monotonic() - started < limit:
+    for key, events in selector.select(0.5):
+        if key.data is None:  # stdin: closed by the test
+            running = False
+            break
+        s = key.fileobj
+        if key.data == "connecting":
+            selector.unregister(s)
+            try:
+                s.send(b"G")  # one byte of "GET ...", and never the rest
+            except OSError:
+                s.close()
+                open_one()
+                continue
+            selector.register(s, selectors.EVENT_READ, "held")
+        else:  # the endpoint closed it (or answered): open another
+            selector.unregister(s)
+            s.close()
+            open_one()
+    if not announced and opened >= count:
+        announced = True
+        print("held", flush=True)
+print("opened", opened, flush=True)
+"""
+
+
+def timed_probe(port: int, path: str, source: str) -> tuple[float, int]:
+    """Seconds from connect to the whole answer of GET `path`, from address `source`."""
+    started = time.monotonic()
+    with socket.socket() as s:
+        s.settimeout(10)
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", port))
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        status, _, _ = read_answer(s, bytearray())
+    return time.monotonic() - started, status
+
+
+@pytest.mark.serial  # it measures answer times under load
+def test_a_thousand_slow_clients_do_not_keep_probes_from_being_answered(name_servers, lbproxy):
+    """SPEC §21: while 1,000 slow clients (one byte each, from 127.0.0.1) hold the
+    endpoint, /healthz and /readyz answer within 1 s from another address (127.0.0.2)
+    and within 3 s from the slow clients' own; the per-source limit (32) and the
+    eviction of the oldest half-read connection are what let them in."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    (a,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    lbproxy(with_admin(vs_config(port, [a], "rr"), admin_port), [port, admin_port])
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", SLOWLORIS, str(admin_port), str(SLOW), "120"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)),
+    )
+    try:
+        assert attacker.stdout.readline().strip() == "held"
+        times: dict[str, list[float]] = {"127.0.0.2": [], "127.0.0.1": []}
+        for _ in range(10):
+            for source, probes in times.items():
+                for path in ("/healthz", "/readyz"):
+                    elapsed, status = timed_probe(admin_port, path, source)
+                    assert status == 200, (source, path)
+                    probes.append(elapsed)
+        assert attacker.poll() is None  # still at it throughout
+    finally:
+        attacker.stdin.close()
+        output = attacker.stdout.read()
+        attacker.stdout.close()
+        attacker.wait(30)
+    opened = int(output.split()[-1])
+    assert opened > SLOW  # the endpoint closed slow clients to let others in
+    assert max(times["127.0.0.2"]) < 1.0, times
+    assert max(times["127.0.0.1"]) < 3.0, times
+    assert ask_name(port) == "a"

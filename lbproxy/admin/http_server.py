@@ -46,6 +46,7 @@ to the app in the scope's `extensions` as PEER_UID; a TCP client's address is
 from __future__ import annotations
 
 import email.utils
+import itertools
 import json
 import logging
 import math
@@ -166,45 +167,53 @@ class Server:
         await accept_loop(sock, self, self._handlers.start_soon, errors)
 
     def accept_client(self, fd: int, peer: Any, spawn: Spawn) -> None:
-        """Called by the accept loop for each client: its connection runs in a task."""
+        """Called by the accept loop for each client, in the order they came: admitted
+        (the limits, `_admit`) here, so "oldest" is the order of arrival; its connection
+        then runs in a task."""
         listening = self._listening
         client = socket.socket(listening.family, listening.type, listening.proto, fd)
         client.setblocking(False)  # the descriptor is; this sets the socket object's mode
-        spawn(self._connection, client, None if listening.family == socket.AF_UNIX else peer[:2])
+        connection = self._admit(client, None if listening.family == socket.AF_UNIX else peer)
+        if connection is not None:
+            spawn(self._connection, connection)
 
-    async def _connection(self, sock: socket.socket, peer: tuple | None) -> None:
+    def _admit(self, sock: socket.socket, peer: tuple | None) -> _Connection | None:
+        """A connection for the newcomer, counted, once the limits leave room (the oldest
+        half-read or idle connection closed to make it); None: closed (every connection
+        in its way is being answered)."""
         try:
             local = None if peer is None else sock.getsockname()[:2]
         except OSError:  # reset before we looked
             sock.close()
-            return
-        connection = _Connection(self.app, sock, peer, local)
-        if peer is None:  # a Unix socket: who is asking, once for every request on it
+            return None
+        connection = _Connection(self.app, sock, None if peer is None else peer[:2], local)
+        if connection.peer is None:  # a Unix socket: who is asking, for all its requests
             connection.extensions = {PEER_UID: peer_uid(sock)}
-            same = None
+            same: set[_Connection] = set()
         else:
-            same = self.by_source.setdefault(peer[0], set())
-            if len(same) >= self.max_per_source and not self._evict_oldest(same):
-                self._forget_source(peer[0])
-                sock.close()  # its every connection is being answered: it waits its turn
-                return
-        if len(self.connections) >= self.max_connections and not self._evict_oldest(
-            self.connections
+            same = self.by_source.get(connection.peer[0], set())
+        # Its address's oldest reading connection, then the oldest of all, makes room; a
+        # newcomer that finds every one in its way being answered waits its turn elsewhere.
+        if (len(same) >= self.max_per_source and not self._evict_oldest(same)) or (
+            len(self.connections) >= self.max_connections
+            and not self._evict_oldest(self.connections)
         ):
-            if peer is not None:
-                self._forget_source(peer[0])
-            sock.close()  # every connection is answering: the newcomer waits its turn elsewhere
-            return
+            sock.close()
+            return None
         self.connections.add(connection)
-        if same is not None:
-            same.add(connection)
+        if connection.peer is not None:
+            self.by_source.setdefault(connection.peer[0], set()).add(connection)
+        return connection
+
+    async def _connection(self, connection: _Connection) -> None:
         try:
             await connection.run()
         except Exception as exc:  # a bug here must end only this connection, never the endpoint
-            record("request", exc, f"admin: connection from {peer or 'a local client'}", log)
+            who = connection.peer or "a local client"
+            record("request", exc, f"admin: connection from {who}", log)
         finally:
             self._discard(connection)
-            sock.close()
+            connection.sock.close()
 
     def _discard(self, connection: _Connection) -> None:
         self.connections.discard(connection)
@@ -226,11 +235,14 @@ class Server:
         reading = [c for c in candidates if not (c.busy or c.evicted)]
         if not reading:
             return False
-        oldest = min(reading, key=lambda c: c.idle_since)
+        oldest = min(reading, key=lambda c: (c.idle_since, c.number))
         oldest.evicted = True
         oldest.scope.cancel()
         self._discard(oldest)
         return True
+
+
+_arrivals = itertools.count()
 
 
 class _Gone(Exception):
@@ -250,6 +262,7 @@ class _Connection:
         self.scope = trio.CancelScope()
         self.busy = False  # a request is being answered: a stop lets it finish (GRACE)
         self.idle_since = trio.current_time()  # when its last answer ended (or it came)
+        self.number = next(_arrivals)  # the order of arrival, for connections of one instant
         self.evicted = False  # closed to admit another at a limit
         self.extensions: dict[str, Any] = {}  # the ASGI scope's (PEER_UID over a Unix socket)
         self.send_deadline = math.inf  # the whole answer must be read by then (SEND_TIMEOUT)

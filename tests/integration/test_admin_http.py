@@ -511,3 +511,49 @@ def test_a_thousand_slow_clients_do_not_keep_probes_from_being_answered(name_ser
     assert max(times["127.0.0.2"]) < 1.0, times
     assert max(times["127.0.0.1"]) < 3.0, times
     assert ask_name(port) == "a"
+
+
+def half_read(port: int, source: str) -> socket.socket:
+    """A connection from `source` that has sent one byte of a request."""
+    s = socket.socket()
+    s.settimeout(10)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"G")
+    return s
+
+
+def is_open(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        s.setblocking(True)
+
+
+def test_at_a_limit_the_oldest_half_read_connection_makes_room(name_servers, lbproxy):
+    """`max_connections_per_source: 4`, `max_connections: 8`: a fifth connection from
+    one address closes that address's oldest half-read one and is answered; a ninth
+    from yet another address closes the oldest half-read one of all."""
+    (a,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    config = with_admin(vs_config(port, [a], "rr"), admin_port).replace(
+        "admin: {", "admin: {max_connections_per_source: 4, max_connections: 8, ", 1
+    )
+    lbproxy(config, [admin_port])
+    same = [half_read(admin_port, "127.0.0.3") for _ in range(4)]
+    wait_for(lambda: all(is_open(s) for s in same), what="four held")  # accepted, kept
+    assert timed_probe(admin_port, "/healthz", "127.0.0.3")[1] == 200
+    wait_for(lambda: not is_open(same[0]), what="the oldest of 127.0.0.3 closed")
+    assert all(is_open(s) for s in same[1:])
+    others = [half_read(admin_port, f"127.0.0.{i}") for i in range(10, 15)]
+    wait_for(lambda: sum(is_open(s) for s in same + others) == 8, what="eight held")
+    assert timed_probe(admin_port, "/readyz", "127.0.0.20")[1] == 200
+    wait_for(lambda: not is_open(same[1]), what="the oldest of all closed")
+    assert all(is_open(s) for s in same[2:] + others)
+    for s in same + others:
+        s.close()

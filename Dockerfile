@@ -28,6 +28,10 @@ COPY configs/container/ /etc/lbproxy/
 
 USER lbproxy
 WORKDIR /
+# The admin socket's folder (lbproxy makes /tmp/lbproxy/, 0700): `docker exec` and
+# `kubectl exec ... lbproxy drain web a` change the proxy through it with no token; over
+# TCP without a token_file the admin endpoint is read-only.
+ENV XDG_RUNTIME_DIR=/tmp
 # The ports of configs/container/: web.yaml's listener and global.yaml's admin.listen.
 EXPOSE 8080 9100
 # SIGTERM drains connections for global.drain_timeout (30s), then exits 0: stop with

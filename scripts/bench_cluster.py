@@ -36,6 +36,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 sys.path.insert(0, str(ROOT))
 
+from lbproxy.admin.client import connect  # noqa: E402
 from lbproxy.wire.proxy_protocol import encode_v1  # noqa: E402
 
 ECHO = textwrap.dedent(
@@ -90,9 +92,10 @@ def get(url: str) -> dict:
 
 
 def patch(url: str, body: dict) -> None:
-    request = urllib.request.Request(url, json.dumps(body).encode(), method="PATCH")
-    with urllib.request.urlopen(request, timeout=10) as response:
-        response.read()
+    """Through the admin socket of the endpoint `url` names (over TCP a change needs
+    the token), as `lbproxy set-weight` sends it."""
+    parts = urllib.parse.urlsplit(url)
+    connect(f"http://127.0.0.1:{parts.port}").request("PATCH", parts.path, body)
 
 
 def entries(admin: int) -> int:

@@ -40,6 +40,10 @@ from pathlib import Path
 import dns.message
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lbproxy.admin.client import connect  # noqa: E402
+
 LOCATE_PATH = "/api/v1/virtual-servers/db/locate"
 
 
@@ -93,13 +97,12 @@ def start(servers: int, admin_port: int, dns_port: int, folder: str) -> subproce
                 raise SystemExit("lbproxy did not start") from None
             time.sleep(0.05)
     for i in range(servers):  # every server reports: the pick is a real least-load pick
-        body = json.dumps({"load": 0.01 * i, "per_connection": 0.001}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/db/real-servers/s{i}/load",
-            data=body,
-            method="PUT",
+        # through the admin socket: over TCP a change needs the token
+        connect(f"http://127.0.0.1:{admin_port}").request(
+            "PUT",
+            f"/api/v1/virtual-servers/db/real-servers/s{i}/load",
+            {"load": 0.01 * i, "per_connection": 0.001},
         )
-        urllib.request.urlopen(request, timeout=5).close()
     return proc
 
 

@@ -23,7 +23,6 @@ every process started is stopped by PID; loopback only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -33,10 +32,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lbproxy.admin.client import connect  # noqa: E402
 
 ECHO = """
 import asyncio, sys
@@ -121,11 +122,11 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def upgrade(admin: int) -> dict:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{admin}/api/v1/upgrade", data=b"{}", method="POST"
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
+    """`lbproxy upgrade`'s request, through the admin socket (over TCP a change needs
+    the token)."""
+    client = connect(f"http://127.0.0.1:{admin}")
+    client.timeout = 120.0
+    return client.upgrade([])
 
 
 def main() -> int:

@@ -186,6 +186,7 @@ def test_two_processes_with_different_admin_ports_each_have_their_own(name_serve
         _proxy(tmp_path / "2", config(p2, two_servers, a2)).start(),
     ):
         assert admin_socket_path(a1) != admin_socket_path(a2)
+        assert all(os.path.exists(admin_socket_path(a)) for a in (a1, a2))
         for admin, name in ((a1, "a"), (a2, "b")):
             out = run_cli("status", "--json", "--admin", f"127.0.0.1:{admin}")
             (vs,) = json.loads(out.stdout)["virtual_servers"]

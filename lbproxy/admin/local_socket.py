@@ -102,11 +102,10 @@ def client_paths(port: int, environ: Mapping[str, str] | None = None) -> list[st
     return paths
 
 
-def prepare_default_folder(path: str, service_uid: int | None = None) -> bool:
+def prepare_default_folder(path: str) -> bool:
     """Make sure the default socket's folder is there (created 0700 when missing) and
-    safe: owned by this user, root or `service_uid` (`global.user`, to whom a process
-    that drops its privileges gives the folder) and writable by nobody else. False
-    (logged): no default socket."""
+    safe: owned by this user or root and writable by nobody else. False (logged): no
+    default socket."""
     folder = os.path.dirname(path)
     try:
         os.mkdir(folder, 0o700)
@@ -123,7 +122,7 @@ def prepare_default_folder(path: str, service_uid: int | None = None) -> bool:
     if not stat.S_ISDIR(info.st_mode):
         log.warning("no admin socket: %s is not a folder", folder)
         return False
-    if info.st_uid not in (0, os.geteuid(), service_uid) or info.st_mode & 0o022:
+    if info.st_uid not in (0, os.geteuid()) or info.st_mode & 0o022:
         log.warning(
             "no admin socket: %s belongs to uid %d or others may write to it (mode %o); "
             "set global.admin.socket to a path in a folder of lbproxy's own",

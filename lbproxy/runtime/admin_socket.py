@@ -10,12 +10,10 @@ removed and made again. The old process then leaves the file in place when it ex
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from dataclasses import dataclass
 
 from lbproxy.admin import local_socket
-from lbproxy.config.accounts import AccountError, run_as
 from lbproxy.config.model import ADMIN_SOCKET_DEFAULT, GlobalConfig
 from lbproxy.dataplane.listener import BindError
 from lbproxy.runtime.inherit import Inherited
@@ -40,14 +38,12 @@ class AdminSocket:
     # (a failed upgrade leaves it serving), and the file stays.
     taken_over: bool = False
     handed_over: bool = False  # an upgrade's new process serves on it now
-    in_default_folder: bool = False  # the runtime folder lbproxy prepared for it
 
     def owned_paths(self) -> list[str]:
         """What `global.user` must own once lbproxy drops root (runtime/privileges.py):
-        the socket file, and the default folder, so the process can remove the file
-        when it stops and the service user can use the CLI through it."""
-        if self.in_default_folder:
-            return [self.path, os.path.dirname(self.path)]
+        the socket file, so that user's own CLI may use it too. Its folder is left as it
+        is (it may be shared: /run/lbproxy); a process that dropped root may not remove
+        the file when it stops, and the next start replaces the file it left."""
         return [self.path]
 
     def close(self, *, serving: bool = True) -> None:
@@ -85,23 +81,13 @@ def open_admin_socket(global_: GlobalConfig, inherited: Inherited) -> AdminSocke
                 "$XDG_RUNTIME_DIR when not root); set global.admin.socket to have one"
             )
         return None
-    in_default_folder = admin.socket == ADMIN_SOCKET_DEFAULT
     if taken is not None:
-        return AdminSocket(taken, path, taken_over=True, in_default_folder=in_default_folder)
-    if in_default_folder and not local_socket.prepare_default_folder(path, _service_uid(global_)):
+        return AdminSocket(taken, path, taken_over=True)
+    if admin.socket == ADMIN_SOCKET_DEFAULT and not local_socket.prepare_default_folder(path):
         return None
     try:
         sock = local_socket.bind(path)
     except local_socket.AdminSocketError as exc:
         raise BindError(str(exc)) from None
     log.info("admin socket: %s", path)
-    return AdminSocket(sock, path, in_default_folder=in_default_folder)
-
-
-def _service_uid(global_: GlobalConfig) -> int | None:
-    """The uid of `global.user`, None without one (or one unknown: the drop says so)."""
-    try:
-        account = run_as(global_.user, global_.group)
-    except AccountError:
-        return None
-    return account.uid if account is not None else None
+    return AdminSocket(sock, path)

@@ -175,12 +175,18 @@ global:
 """
 
 
-def test_runs_as_nobody_once_bound_and_reloads_and_upgrades(python, folder):
+def test_runs_as_nobody_once_bound_and_reloads_and_upgrades(python, folder, monkeypatch):
     """Started as root with `user: nobody`: once ready, the process is nobody's (no
     group, only CAP_NET_BIND_SERVICE), serves, reloads onto a port below 1024, writes
     its state file, and `lbproxy upgrade` hands over to a new process that is nobody's
-    too, has root's token (which it could not read itself) and serves."""
+    too, has root's token (which it could not read itself) and serves. Its admin socket
+    (in the runtime folder systemd's RuntimeDirectory= names) is nobody's, and the
+    operator's `lbproxy drain` works through it before and after the upgrade."""
     port, admin, low = free_port(), free_port(), low_port()
+    runtime = folder / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(runtime))
+    admin_socket = runtime / f"admin-{admin}.sock"
     with NameServer("a") as backend:
         write_config(folder, config(folder, admin, [f"127.0.0.1:{port}"], backend.port))
         service = Service([str(python), "-m", "lbproxy"], folder, admin, cwd=Path("/"))
@@ -189,6 +195,11 @@ def test_runs_as_nobody_once_bound_and_reloads_and_upgrades(python, folder):
             assert "running as user nobody" in service.log()
             assert_runs_as_nobody(service.pid)
             assert ask_name(port) == "a"
+            assert admin_socket.stat().st_uid == nobody().pw_uid
+            drained = run_cli("drain", "--admin", service.url, "web", "a")
+            assert drained.returncode == 0, (drained.stderr, service.log())
+            enabled = run_cli("enable", "--admin", service.url, "web", "a")
+            assert enabled.returncode == 0, (enabled.stderr, service.log())
 
             # A reload that binds a port below 1024, as nobody.
             listen = [f"127.0.0.1:{port}", f"127.0.0.1:{low}"]
@@ -211,6 +222,8 @@ def test_runs_as_nobody_once_bound_and_reloads_and_upgrades(python, folder):
             # The new process has the token nobody cannot read: a change needs it.
             assert http("POST", f"{service.url}/api/v1/reload", {})[0] == 401
             assert http("POST", f"{service.url}/api/v1/reload", {}, token=TOKEN)[0] == 200
+            drained = run_cli("drain", "--admin", service.url, "web", "a")
+            assert drained.returncode == 0, (drained.stderr, service.log())
             assert "Traceback" not in service.log()
         finally:
             service.stop()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -165,10 +166,14 @@ def main() -> int:
         echo_port = int(echo.stdout.readline())
         wait_port(redis_port)
         instances = {}
+        key = work / "cluster.key"
+        key.write_text(secrets.token_hex(32) + "\n")
+        key.chmod(0o600)
         for name, clustered in (("alone", False), ("member", True), ("peer", True)):
             port, admin = free_port(), free_port()
             cluster = (
-                f"  cluster: {{redis: {{url: 'redis://127.0.0.1:{redis_port}/0', name: {name}}}}}\n"
+                f"  cluster: {{key_file: {key}, "
+                f"redis: {{url: 'redis://127.0.0.1:{redis_port}/0', name: {name}}}}}\n"
                 if clustered
                 else ""
             )

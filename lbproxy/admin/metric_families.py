@@ -206,9 +206,19 @@ FAMILIES: dict[str, Family] = {
         Family(
             "lbproxy_cluster_ignored_messages",
             COUNTER,
-            "Messages from Redis not applied, by reason (oversized, garbage, invalid, "
-            "unknown: a virtual or real server this instance does not have).",
+            "Messages and values from Redis not applied, by reason (oversized, garbage, "
+            "invalid, signature: its MAC is missing or not made with this instance's key, "
+            "future: made more than 60 s ahead of this instance's clock, unknown: a "
+            "virtual or real server this instance does not have).",
             ("reason",),
+        ),
+        Family(
+            "lbproxy_cluster_skipped",
+            COUNTER,
+            "Entries a resync did not read from Redis, by kind (entries: persistence "
+            "entries beyond global.cluster.max_entries; state: fields of the state hash "
+            "beyond 10,000).",
+            ("kind",),
         ),
         Family(
             "lbproxy_cluster_sync_lag_seconds",

@@ -33,7 +33,8 @@ CONNECT_FAILURE_REASONS = ("refused", "timeout", "error")
 HEALTH_RESULTS = ("ok", "fail", "timeout")
 SNMP_RESULTS = ("ok", "timeout", "error", "bad_value")
 RELOAD_RESULTS = ("ok", "error")
-CLUSTER_IGNORED = ("oversized", "garbage", "invalid", "unknown")
+CLUSTER_IGNORED = ("oversized", "garbage", "invalid", "signature", "future", "unknown")
+CLUSTER_SKIPPED = ("entries", "state")
 LOCATOR_VIAS = ("http", "dns")
 DNS_RCODES = (
     "NOERROR",
@@ -211,6 +212,10 @@ class LbproxyCollector:
         for reason in CLUSTER_IGNORED:
             ignored.add_metric([reason], cluster.ignored[reason])
         yield ignored
+        skipped = counter("lbproxy_cluster_skipped")
+        for kind in CLUSTER_SKIPPED:
+            skipped.add_metric([kind], cluster.skipped[kind])
+        yield skipped
         yield gauge("lbproxy_cluster_sync_lag_seconds", value=cluster.sync_lag)
 
     def _udp(self) -> Iterator[Metric]:

@@ -109,9 +109,17 @@ class RedisConfig:
     name: str | None = None  # this instance's member name; None: the host name
 
 
+MAX_CLUSTER_STATE_FIELDS = 10_000  # fields of the cluster's state hash a resync reads
+MIN_CLUSTER_KEY = 32  # bytes of global.cluster.key_file's key, at least
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     redis: RedisConfig | None = None  # None: no cluster, every instance on its own
+    key_file: str | None = None  # the file of the key every message is signed with
+    # The key itself, read from key_file with the configuration (config/secret_files.py).
+    key: bytes = field(default=b"", repr=False)
+    max_entries: int = 200_000  # persistence entries a resync reads, at most
 
 
 @dataclass(frozen=True, slots=True)

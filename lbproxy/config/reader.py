@@ -17,6 +17,7 @@ import yaml
 
 from lbproxy.config.accounts import AccountError, run_as
 from lbproxy.config.model import (
+    MIN_CLUSTER_KEY,
     PROXY_FROM_DEFAULT,
     Address,
     AdminConfig,
@@ -41,9 +42,10 @@ from lbproxy.config.model import (
     UdpConfig,
     VirtualServerConfig,
 )
-from lbproxy.config.secret_files import secret_file_problem
+from lbproxy.config.secret_files import SECRETS, secret_file_problem
 from lbproxy.config.tables import (
     _ADMIN_FIELDS,
+    _CLUSTER_FIELDS,
     _CLUSTER_SECTIONS,
     _CONDITIONING_FIELDS,
     _DISCOVERY_SECTIONS,
@@ -372,10 +374,18 @@ def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int
 def _read_cluster(doc: _Document, section: _Section) -> ClusterConfig:
     """`global.cluster` (SPEC §18): today one backend, `redis`."""
     cluster = _nested(
-        doc, section, "cluster", "global.cluster", {}, _CLUSTER_SECTIONS, prefix="cluster."
+        doc,
+        section,
+        "cluster",
+        "global.cluster",
+        _CLUSTER_FIELDS,
+        _CLUSTER_SECTIONS,
+        prefix="cluster.",
     )
     if cluster is None:
         return ClusterConfig()
+    doc.require(cluster, "global.cluster", "key_file")
+    key = _read_cluster_key(doc, cluster)
     redis = _nested(
         doc, cluster, "redis", "global.cluster.redis", _REDIS_FIELDS, prefix="cluster.redis."
     )
@@ -384,9 +394,31 @@ def _read_cluster(doc: _Document, section: _Section) -> ClusterConfig:
             doc.error(cluster.line, "global.cluster needs 'redis'")
         return ClusterConfig()
     doc.require(redis, "global.cluster.redis", "url")
-    if "url" not in redis.values:
+    if "url" not in redis.values or key is None:
         return ClusterConfig()
-    return ClusterConfig(RedisConfig(**redis.values))
+    return ClusterConfig(RedisConfig(**redis.values), key=key, **cluster.values)
+
+
+def _read_cluster_key(doc: _Document, cluster: _Section) -> bytes | None:
+    """The key in `global.cluster.key_file`, or None (reported) when it cannot be used."""
+    path = cluster.values.get("key_file")
+    if path is None:
+        return None
+    line = cluster.line_of("key_file")
+    try:
+        key = SECRETS.read(path).rstrip().encode()
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        doc.error(line, f"cannot read global.cluster.key_file {path}: {reason}")
+        return None
+    if len(key) < MIN_CLUSTER_KEY:
+        doc.error(
+            line,
+            f"global.cluster.key_file {path} holds {len(key)} bytes; a key has at least "
+            f"{MIN_CLUSTER_KEY} (make one with `openssl rand -hex 32 > {path}`)",
+        )
+        return None
+    return key
 
 
 def _read_virtual_servers(doc: _Document, top: _Section) -> list[_VirtualServerRead]:

@@ -211,6 +211,20 @@ _REDIS_FIELDS: dict[str, Converter] = {
     ),
 }
 
+_CLUSTER_FIELDS: dict[str, Converter] = {
+    "key_file": _secret_file.about(
+        "file holding the key every message and value written to Redis is signed with "
+        "(HMAC-SHA256): its content without trailing whitespace, at least 32 bytes (e.g. "
+        "`openssl rand -hex 32`); the same on every instance; read with the configuration",
+        default="required",
+    ),
+    "max_entries": _integer(1).about(
+        "persistence entries a resync reads from Redis, at most (the rest are counted "
+        "in `lbproxy_cluster_skipped_total` and not read); a resync reads at most "
+        "10,000 fields of the state hash too"
+    ),
+}
+
 _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "name": _name.about("unique name (it appears in API paths and metric labels)"),
     "protocol": _choice("tcp", "udp").about(
@@ -583,10 +597,10 @@ SECTIONS = Section(
                     page="concepts/locator.md",
                 ),
                 "cluster": Section(
-                    {},
+                    _CLUSTER_FIELDS,
                     None,
                     "several instances as one, through a shared Redis; changing it takes a restart",
-                    required=("redis",),
+                    required=("redis", "key_file"),
                     page="howto/several-instances.md",
                     sections={
                         "redis": Section(

@@ -6,12 +6,18 @@ What is shared, and how (every key and channel starts with `key_prefix:`):
                            the latest runtime change (state, weight, load report),
                            written only if its version is higher (the CAS script below)
     PREFIX:changes         channel: each change that won, published by that script
-    PREFIX:p:VS:CLIENT     a persistence entry: the real server's name, with a Redis TTL
-                           equal to the time it has left (`persistence.timeout` when new)
+    PREFIX:p:VS:CLIENT     a persistence entry: when it expires and the real server's
+                           name, with a Redis TTL equal to the time it has left
+                           (`persistence.timeout` when new)
     PREFIX:entries         channel: batches of the entries one instance created or moved
     PREFIX:member:NAME     an instance's heartbeat, refreshed every HEARTBEAT seconds,
                            expiring after MEMBER_TTL
     PREFIX:members         hash: member name -> its last heartbeat (for "last seen")
+
+Every value and message is signed with the cluster's key (wire/cluster_messages.py's
+`Signer`); what is not signed with it, or was made more than MAX_AHEAD seconds ahead of
+this instance's clock, is ignored and counted ("signature", "future"): whoever can
+write to Redis without the key can steer nothing.
 
 The theory is HAProxy's peers (doc/peers-v2.0.txt): updates are pushed asynchronously,
 never on the request path, and a node that (re)connects resynchronises in full. Nothing
@@ -37,9 +43,13 @@ locally and wait in `pending` — and reconnects with a growing delay (at most
 MAX_BACKOFF), logging the outage once. Health checks, throttles and counters are not
 shared: each instance measures its own (as HAProxy's peers share stick tables only).
 
-Everything read from Redis is hostile input: decoded and validated whole by the codec,
-and names are looked up in this instance's configuration; anything else is ignored,
-counted in `ignored` by reason and logged at most once a minute per reason.
+Everything read from Redis is hostile input: its MAC checked, decoded and validated
+whole by the codec, and names are looked up in this instance's configuration; anything
+else is ignored, counted in `ignored` by reason and logged at most once a minute per
+reason. What is read is bounded: a resync reads at most `max_entries` persistence
+entries and MAX_STATE_FIELDS fields of the state hash (the rest is counted in `skipped`,
+not read), and every received message is applied in a step of its own between which
+the data plane runs.
 """
 
 from __future__ import annotations
@@ -55,25 +65,35 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from lbproxy.config.model import RedisConfig
+from lbproxy.config.model import MAX_CLUSTER_STATE_FIELDS, ClusterConfig, RedisConfig
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.pool import Pool
 from lbproxy.wire.cluster_messages import (
+    KIND_CHANGE,
+    KIND_ENTRIES,
+    KIND_MEMBER,
+    MAC_SIZE,
+    MAX_AHEAD,
     MAX_ENTRIES,
+    MAX_TTL_MS,
     Change,
     EntryBatch,
     Member,
     MessageError,
     RemoteEntry,
+    Signer,
     batches,
     client_address,
     decode_change,
     decode_entries,
+    decode_entry_value,
     decode_member,
     encode_change,
+    encode_entry_value,
     encode_member,
     encode_rows,
     entries_prefix,
+    entry_kind,
     next_version,
     version_time,
 )
@@ -99,20 +119,22 @@ MAX_MEMBERS = 1000  # a members hash larger than this is not read
 SCAN_COUNT = 1000  # keys per SCAN step, and per pipeline when reading them back
 LOG_EVERY = 60.0  # an ignored message's reason is logged at most this often
 START_WAIT = 5.0  # the longest a start waits for the first sync
-# A change whose version is further ahead of this instance's clock than this is refused
-# ("invalid"): one forged with the highest version would otherwise win every field for
-# ever, and pull every instance's clock (next_version) with it.
-MAX_AHEAD = 3600.0
-KIND_ENTRIES, KIND_INVALID = "entries", "invalid"
+MAX_STATE_FIELDS = MAX_CLUSTER_STATE_FIELDS  # fields of the state hash a resync reads
+COUNT_STEP = 10_000  # keys Redis looks at per step when counting the entries not read
+MAX_COUNT_STEPS = 10_000  # steps of that count, at most (a keyspace of 100M keys)
+RESYNC_TIMEOUT = 60.0  # a resync not done by then ends the session (and is retried)
+KIND_INVALID = "invalid"
 
 
 # Write a change only if it is higher than the one stored, and then publish it; answer 1,
 # or the stored change that wins. The stored value may be anything (anyone can write to
-# Redis): one that does not decode to a versioned object loses.
+# Redis): one that does not decode to a versioned object loses, and one that does but
+# whose MAC is wrong (Lua cannot check it) is answered back, found wrong by the caller
+# and overwritten with ARGV[5] = "force". A value is "MAC.BODY" (65 bytes, then JSON).
 COMPARE_AND_SET = """
 local stored = redis.call('HGET', KEYS[1], ARGV[1])
-if stored then
-  local ok, old = pcall(cjson.decode, stored)
+if stored and ARGV[5] ~= 'force' then
+  local ok, old = pcall(cjson.decode, string.sub(stored, 66))
   if ok and type(old) == 'table' and type(old.version) == 'number'
       and type(old.origin) == 'string' then
     local version = tonumber(ARGV[3])
@@ -128,15 +150,38 @@ return 1
 
 
 # Write one batch of persistence entries and publish it, in one command: the per-entry
-# work (a SET with its TTL) is Redis', not a command built in Python per entry. The batch
-# is our own (encode_rows), so it decodes.
+# work (a SET with its TTL) is Redis', not a command built in Python per entry.
+# ARGV: the key prefix, the signed batch, then (client, signed value, TTL ms) per entry.
 WRITE_ENTRIES = """
-local batch = cjson.decode(ARGV[2])
-for _, entry in ipairs(batch.entries) do
-  redis.call('SET', ARGV[1] .. entry[1], entry[2], 'PX', entry[3])
+for i = 3, #ARGV, 3 do
+  redis.call('SET', ARGV[1] .. ARGV[i], ARGV[i + 1], 'PX', ARGV[i + 2])
 end
 redis.call('PUBLISH', KEYS[1], ARGV[2])
-return #batch.entries
+return (#ARGV - 2) / 3
+"""
+
+# One SCAN step over the persistence keys, with each key's value and PTTL: one command
+# and one answer per step, [cursor, key, value, pttl, key, value, pttl, ...]. A key that
+# holds no string (anyone may write anything there) answers an empty value.
+READ_ENTRIES = """
+local found = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[3])
+local out = {found[1]}
+for _, key in ipairs(found[2]) do
+  local value = redis.pcall('GET', key)
+  if type(value) ~= 'string' then value = '' end
+  out[#out + 1] = key
+  out[#out + 1] = value
+  out[#out + 1] = redis.call('PTTL', key)
+end
+return out
+"""
+
+# One step of counting the keys that match a pattern, inside Redis: the names are not
+# sent (a resync counts the persistence entries it does not read). Answers the next
+# cursor and how many keys this step found.
+COUNT_KEYS = """
+local found = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[3])
+return {found[1], #found[2]}
 """
 
 
@@ -160,6 +205,8 @@ class PasswordError(Exception):
 
 
 def read_password(path: str) -> str:
+    """The Redis password in `path`, read at every connection (a rotated password is
+    picked up) through config/secret_files.py, as every secret."""
     try:
         password = SECRETS.read(path).strip()
     except (OSError, UnicodeDecodeError) as exc:
@@ -214,10 +261,13 @@ def _leaves(exc: BaseException) -> Iterable[BaseException]:
 
 
 class Cluster:
-    def __init__(self, config: RedisConfig, target: ClusterTarget, name: str | None = None):
-        self.config = config
+    def __init__(self, cluster: ClusterConfig, target: ClusterTarget, name: str | None = None):
+        assert cluster.redis is not None
+        config = self.config = cluster.redis
         self.target = target
         self.name = name or member_name(config)
+        self.signer = Signer(cluster.key, config.key_prefix)
+        self.max_entries = cluster.max_entries
         prefix = config.key_prefix
         self.state_key = f"{prefix}:state"
         self.changes_channel = f"{prefix}:changes"
@@ -230,6 +280,7 @@ class Cluster:
         self.alive: set[str] = set()  # members whose heartbeat key lives
         self.messages: Counter[tuple[str, str]] = Counter()  # (kind, direction)
         self.ignored: Counter[str] = Counter()  # by reason
+        self.skipped: Counter[str] = Counter()  # not read by a resync: "entries", "state"
         self.records: dict[str, Change] = {}  # the highest change known, per field
         self.pending: dict[str, Change] = {}  # local changes not yet written to Redis
         self.last_version = 0
@@ -238,6 +289,7 @@ class Cluster:
         self.sessions = 0  # connections made, for tests and the log
         self._wake = trio.Event()
         self._write_entries_script: Any = None  # registered on the session's client
+        self._count_keys_script: Any = None
         self._own_batches = entries_prefix(self.name)
         self._resync_wanted = False
         self._logged: dict[str, float] = {}  # reason -> when last logged
@@ -391,7 +443,7 @@ class Cluster:
         )
 
     async def _session(self, first: trio.Event) -> None:
-        self._write_entries_script = None
+        self._write_entries_script = self._count_keys_script = None
         async with self._client() as client:
             cas = client.register_script(COMPARE_AND_SET)
             async with client.pubsub(
@@ -399,7 +451,7 @@ class Cluster:
                 retry_policy=None,
                 ignore_subscribe_messages=True,
             ) as subscriber:
-                with trio.fail_after(max(10 * TIMEOUT, 30.0)):
+                with trio.fail_after(RESYNC_TIMEOUT):
                     await self._resync(client, cas)
                 was_lost = self.lost_at
                 self.connected = True
@@ -429,45 +481,111 @@ class Cluster:
         #    whichever is higher.
         await self._write_changes(client, cas, list(self.records.values()))
         # 2. The cluster's state: what is higher than ours applies here.
-        stored = await client.hgetall(self.state_key)
-        for field, data in stored.items():
-            self._receive_change(data, field=field)
+        await self._read_state(client)
         # 3. Persistence: ours out, everyone's in.
         await self._flush_entries(client)
         await self._read_entries(client)
 
+    async def _read_state(self, client: coredis.Redis[bytes]) -> None:
+        """The state hash, at most MAX_STATE_FIELDS of its fields (the rest counted)."""
+        size = await client.hlen(self.state_key)
+        if size <= MAX_STATE_FIELDS:
+            stored = list((await client.hgetall(self.state_key)).items())
+        else:
+            stored = []
+            cursor: int | None = 0
+            while True:
+                cursor, found = await client.hscan(self.state_key, cursor, count=SCAN_COUNT)
+                assert isinstance(found, dict)
+                stored.extend(found.items())
+                if len(stored) >= MAX_STATE_FIELDS or cursor == 0:
+                    break
+            stored = stored[:MAX_STATE_FIELDS]
+            self._skip("state", size - len(stored), f"{self.state_key} has {size} fields")
+        for done, (field, data) in enumerate(stored, 1):
+            self._receive_change(data, field=field)
+            if done % SCAN_COUNT == 0:
+                await trio.lowlevel.checkpoint()
+
     async def _read_entries(self, client: coredis.Redis[bytes]) -> None:
+        """Every shared persistence entry, at most `max_entries` of them (the rest are
+        counted inside Redis, not read), a SCAN step at a time: each step is one command
+        (the READ_ENTRIES script) and is applied before the next is sent."""
         now = trio.current_time()
         prefix = self.entry_prefix.encode()
-        keys: list[bytes] = []
-        async for key in client.scan_iter(match=self.entry_prefix + "*", count=SCAN_COUNT):
-            keys.append(key)
-            if len(keys) >= SCAN_COUNT:
-                await self._read_entry_keys(client, keys, prefix, now)
-                keys = []
-        if keys:
-            await self._read_entry_keys(client, keys, prefix, now)
+        pattern = self.entry_prefix + "*"
+        script = client.register_script(READ_ENTRIES)
+        cursor, read = b"0", 0
+        while True:
+            answer = await script(keys=[], args=[cursor, pattern, SCAN_COUNT])
+            cursor, rows = answer[0], answer[1:]
+            found = len(rows) // 3
+            room = self.max_entries - read
+            if found > room:
+                self._skip("entries", found - room, self._beyond_entries())
+                rows = rows[: 3 * room]
+            read += len(rows) // 3
+            self._read_entry_rows(rows, prefix, now)
+            if cursor == b"0":
+                return
+            if read >= self.max_entries:
+                break
+        self._skip("entries", await self._count_keys(client, cursor, pattern), "")
 
-    async def _read_entry_keys(
-        self, client: coredis.Redis[bytes], keys: list[bytes], prefix: bytes, now: float
-    ) -> None:
-        async with client.pipeline(transaction=False) as pipe:
-            requests = [(pipe.get(key), pipe.pttl(key)) for key in keys]
+    def _beyond_entries(self) -> str:
+        return (
+            f"more than global.cluster.max_entries ({self.max_entries}) persistence "
+            f"entries under {self.entry_prefix}: the rest are not read"
+        )
+
+    async def _count_keys(self, client: coredis.Redis[bytes], cursor: bytes, pattern: str) -> int:
+        """How many keys match `pattern` from `cursor` on, counted inside Redis."""
+        script = self._count_keys_script or client.register_script(COUNT_KEYS)
+        self._count_keys_script = script
+        total = 0
+        for _ in range(MAX_COUNT_STEPS):
+            answer = await script(keys=[], args=[cursor, pattern, COUNT_STEP])
+            cursor, found = answer[0], int(answer[1])
+            total += found
+            if cursor == b"0":
+                break
+        return total
+
+    def _read_entry_rows(self, rows: list[Any], prefix: bytes, now: float) -> None:
+        """Apply the rows (key, value, PTTL) of one READ_ENTRIES step."""
+        wall_ms = time.time() * 1000
         by_vs: dict[str, list[RemoteEntry]] = {}
-        for key, (value_request, ttl_request) in zip(keys, requests, strict=True):
-            value, ttl = await value_request, await ttl_request
+        for i in range(0, len(rows) - 2, 3):
+            key, value, ttl = rows[i], rows[i + 1], rows[i + 2]
+            if not value or not isinstance(ttl, int) or ttl <= 0:
+                continue  # expired meanwhile, no TTL, or not a string: not one of ours
             try:
                 vs, _, client_text = key[len(prefix) :].decode("ascii").partition(":")
-                server = (value or b"").decode("ascii")
-                entry = RemoteEntry(client_address(client_text), server, int(ttl))
-                if ttl <= 0 or not vs:
-                    continue  # expired meanwhile, or no TTL: not one of ours
-                by_vs.setdefault(vs, []).append(entry)
-            except (UnicodeDecodeError, ValueError, MessageError):
+                body = self.signer.open(entry_kind(vs, client_text), value)
+                server, expires_ms = decode_entry_value(body)
+                left = min(ttl, int(expires_ms - wall_ms), MAX_TTL_MS)
+                if left <= 0:
+                    continue
+                entry = RemoteEntry(client_address(client_text), server, left)
+            except UnicodeDecodeError:
                 self._ignore("invalid", f"persistence key {key[:80]!r}")
+                continue
+            except MessageError as exc:
+                self._ignore(exc.reason, f"persistence key {key[:80]!r}: {exc.detail}")
+                continue
+            by_vs.setdefault(vs, []).append(entry)
         for vs, entries in by_vs.items():
             for batch in batches("", vs, entries):
                 self._apply_entries(batch, now)
+
+    def _skip(self, what: str, count: int, why: str) -> None:
+        """Count `count` entries or fields a resync does not read; say why (once a
+        minute at most)."""
+        if count <= 0:
+            return
+        self.skipped[what] += count
+        if why and self._may_log(f"skipped {what}"):
+            log.warning("resync: %s; counted in lbproxy_cluster_skipped_total", why)
 
     # -- receiving ------------------------------------------------------------------
 
@@ -480,56 +598,70 @@ class Cluster:
                 self._receive_change(data)
             elif channel == self.entries_channel.encode():
                 self._receive_entries(data)
+            # One message (at most MAX_ENTRIES entries) per step: a flood of them
+            # leaves the data plane its turns.
+            await trio.lowlevel.checkpoint()
         import coredis.exceptions
 
         raise coredis.exceptions.ConnectionError("the subscription ended")
 
-    def _receive_change(self, data: object, field: bytes | None = None) -> None:
+    def _receive_change(self, data: object, field: bytes | None = None) -> str | None:
+        """Apply a change read from Redis if it is valid and newer; the reason it was
+        ignored, or None."""
         try:
-            change = decode_change(data)
+            change = decode_change(self.signer.open(KIND_CHANGE, data))
             if field is not None and field != change.field.encode():
                 raise MessageError("invalid", f"stored under {field[:80]!r}, not {change.field}")
         except MessageError as exc:
             self.messages[KIND_INVALID, "in"] += 1
             self._ignore(exc.reason, exc.detail)
-            return
+            return exc.reason
         self.messages[change.kind, "in"] += 1
-        self._consider(change)
+        return self._consider(change)
 
-    def _consider(self, change: Change) -> None:
+    def _consider(self, change: Change) -> str | None:
         """Apply `change` if it is higher than what this instance knows of its field."""
         if version_time(change.version) > time.time() + MAX_AHEAD:
-            self._ignore("invalid", f"{change.field}: a version {MAX_AHEAD:g}s ahead or more")
-            return
+            self._ignore("future", f"{change.field}: made more than {MAX_AHEAD:g}s ahead")
+            return "future"
         self.last_version = max(self.last_version, change.version)
         known = self.records.get(change.field)
         if known is not None and known.order >= change.order:
-            return  # our own, an echo, or older: nothing to do
+            return None  # our own, an echo, or older: nothing to do
         if not self.target.apply_change(change):
             where = f"{change.virtual_server}/{change.real_server}"
             self._ignore("unknown", f"{change.kind} of {where}")
-            return
+            return "unknown"
         self.records[change.field] = change
         self.pending.pop(change.field, None)  # a local change of this field lost to it
         if change.origin != self.name:
             self.last_lag = max(0.0, time.time() - version_time(change.version))
+        return None
 
     def _receive_entries(self, data: object) -> None:
-        if isinstance(data, bytes) and data.startswith(self._own_batches):
-            # Our own batch, back from the channel: not decoded (a batch costs as much to
-            # read as to apply). A forged one that claims to be ours is ignored too.
+        if isinstance(data, bytes) and data.startswith(self._own_batches, MAC_SIZE + 1):
+            # Our own batch, back from the channel: not checked nor decoded (a batch
+            # costs as much to read as to apply). A forged one that claims to be ours
+            # is passed over too.
             return
         try:
-            batch = decode_entries(data)
+            batch = decode_entries(self.signer.open(KIND_ENTRIES, data))
         except MessageError as exc:
             self.messages[KIND_INVALID, "in"] += 1
             self._ignore(exc.reason, exc.detail)
             return
         self.messages[KIND_ENTRIES, "in"] += 1
-        if batch.origin != self.name:
-            self._apply_entries(batch, trio.current_time())
+        if batch.origin == self.name:
+            return
+        age = time.time() - batch.time
+        if age < -MAX_AHEAD:
+            self._ignore("future", f"entries of {batch.origin}: made {-age:.0f}s ahead")
+            return
+        self._apply_entries(_aged(batch, age), trio.current_time())
 
     def _apply_entries(self, batch: EntryBatch, now: float) -> None:
+        if not batch.entries:
+            return
         _, unknown = self.target.apply_entries(batch, now)
         if unknown:
             self._ignore("unknown", f"{unknown} persistence entries of {batch.virtual_server}")
@@ -571,28 +703,40 @@ class Cluster:
             await self._flush_entries(client)
 
     async def _write_changes(
-        self, client: coredis.Redis[bytes], cas: Any, changes: list[Change]
+        self, client: coredis.Redis[bytes], cas: Any, changes: list[Change], force: bool = False
     ) -> None:
         if not changes:
             return
         keys = [self.state_key, self.changes_channel]
+        mode = "force" if force else ""
         async with client.pipeline(transaction=False) as pipe:
             requests = [
                 cas(
                     keys=keys,
-                    args=[c.field, encode_change(c), str(c.version), c.origin],
+                    args=[
+                        c.field,
+                        self.signer.sign(KIND_CHANGE, encode_change(c)),
+                        str(c.version),
+                        c.origin,
+                        mode,
+                    ],
                     client=pipe,
                 )
                 for c in changes
             ]
+        forged = []
         for change, request in zip(changes, requests, strict=True):
             answer = await request
             if self.pending.get(change.field) is change:
                 del self.pending[change.field]
             if answer == 1:
                 self.messages[change.kind, "out"] += 1
-            elif isinstance(answer, bytes):  # Redis holds a higher one: it wins here too
-                self._receive_change(answer, field=change.field.encode())
+            elif isinstance(answer, bytes):  # Redis holds a higher one: it wins here too,
+                ignored = self._receive_change(answer, field=change.field.encode())
+                if ignored == "signature":  # unless it is not signed: then it is replaced
+                    forged.append(change)
+        if forged and not force:
+            await self._write_changes(client, cas, forged, force=True)
 
     async def _flush_entries(self, client: coredis.Redis[bytes]) -> None:
         now = trio.current_time()
@@ -628,11 +772,19 @@ class Cluster:
         script = self._write_entries_script or client.register_script(WRITE_ENTRIES)
         self._write_entries_script = script
         keys, prefix = [self.entries_channel], f"{self.entry_prefix}{vs}:"
+        wall = round(time.time(), 3)
+        wall_ms = int(wall * 1000)
+        sign = self.signer.sign
         cut = range(0, len(rows), MAX_ENTRIES)
         async with client.pipeline(transaction=False) as pipe:
             for i in cut:
-                batch = encode_rows(self.name, vs, rows[i : i + MAX_ENTRIES])
-                script(keys=keys, args=[prefix, batch], client=pipe)
+                part = rows[i : i + MAX_ENTRIES]
+                batch = sign(KIND_ENTRIES, encode_rows(self.name, vs, part, wall))
+                args: list[Any] = [prefix, batch]
+                for key, server, ttl_ms in part:
+                    value = encode_entry_value(server, wall_ms + ttl_ms)
+                    args += [key, sign(entry_kind(vs, key), value), ttl_ms]
+                script(keys=keys, args=args, client=pipe)
         self.messages[KIND_ENTRIES, "out"] += len(cut)
 
     # -- members --------------------------------------------------------------------
@@ -648,7 +800,7 @@ class Cluster:
         heartbeat key lives; lines older than FORGET_AFTER are removed."""
         wall = time.time()
         me = Member(self.name, round(wall, 3))
-        data = encode_member(me)
+        data = self.signer.sign(KIND_MEMBER, encode_member(me))
         async with client.pipeline(transaction=False) as pipe:
             pipe.set(self.member_prefix + self.name, data, px=int(MEMBER_TTL * 1000))
             pipe.hset(self.members_key, {self.name: data})
@@ -661,12 +813,15 @@ class Cluster:
         stale: list[bytes] = []
         for field, value in (await client.hgetall(self.members_key)).items():
             try:
-                member = decode_member(value)
+                member = decode_member(self.signer.open(KIND_MEMBER, value))
                 if field != member.name.encode():
                     raise MessageError("invalid", f"member {member.name} under {field[:80]!r}")
             except MessageError as exc:
                 self._ignore(exc.reason, f"heartbeat: {exc.detail}")
                 stale.append(field)
+                continue
+            if member.last_seen > wall + MAX_AHEAD:
+                self._ignore("future", f"heartbeat of {member.name}: {MAX_AHEAD:g}s ahead")
                 continue
             if wall - member.last_seen > FORGET_AFTER:
                 stale.append(field)
@@ -680,3 +835,17 @@ class Cluster:
         self.members = [members[name] for name in names]
         self.alive = {name for name, value in zip(names, beating, strict=True) if value}
         self.alive.add(self.name)
+
+
+def _aged(batch: EntryBatch, age: float) -> EntryBatch:
+    """`batch` with each entry's time left counted from now: `age` seconds after the
+    batch was made (entries with none left are dropped)."""
+    if age < 0.001:
+        return batch
+    age_ms = math.ceil(age * 1000)
+    entries = tuple(
+        RemoteEntry(e.client, e.real_server, e.ttl_ms - age_ms)
+        for e in batch.entries
+        if e.ttl_ms > age_ms
+    )
+    return EntryBatch(batch.origin, batch.virtual_server, entries, batch.time)

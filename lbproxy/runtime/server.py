@@ -117,8 +117,8 @@ class Server:
         self._upgrading = False
         # global.cluster (SPEC §18): runtime changes and persistence shared through Redis.
         # Not changed by a reload (like global.locator): it is this process's identity.
-        redis = config.global_.cluster.redis
-        self.cluster = Cluster(redis, self, cluster_name) if redis is not None else None
+        cluster = config.global_.cluster
+        self.cluster = Cluster(cluster, self, cluster_name) if cluster.redis is not None else None
         # global.state_file (SPEC §17, lbproxy/runtime/state.py): `initial_state`, when
         # set before serve(), is restored instead of the file (`lbproxy upgrade`).
         self.initial_state: bytes | None = None

@@ -12,6 +12,18 @@ allows them, finite numbers in range, a bounded size — and raises `MessageErro
 else. A message is applied whole or not at all: its caller gets a validated object or
 an exception, never a half-read one.
 
+Every message and every value is signed (`Signer`): HMAC-SHA256 under the cluster's
+key (`global.cluster.key_file`) over a fixed label, the key prefix, the kind of the
+message (or, for a persistence entry, the Redis key it is stored under) and the body,
+written in front of the body as 64 hex digits and a dot:
+
+    MAC "." BODY      MAC = hex(HMAC-SHA256(key, "lbproxy-cluster/2" LF PREFIX LF KIND LF BODY))
+
+KIND is `change`, `entries`, `member`, or `p:VS:CLIENT` for a persistence entry: a
+value signed for one place is refused in another (another prefix, another kind,
+another client's key). A message whose MAC is missing or wrong is refused
+("signature") before its body is read.
+
 Three kinds of message:
 
 - `Change`: one runtime change of a real server (state, weight or load report),
@@ -21,12 +33,15 @@ Three kinds of message:
   the origin's name. Two changes to one server therefore settle on the later one
   everywhere: every instance keeps the highest (version, origin).
 - `EntryBatch`: persistence entries one instance created or moved (client -> real
-  server, with the time they have left), for one virtual server.
+  server, with the time they have left when the batch was made, and when that was),
+  for one virtual server. Each entry is also stored under its own key
+  (`encode_entry_value`: `EXPIRES_MS SERVER`, signed for that key).
 - `Member`: the value of an instance's heartbeat key.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import re
@@ -34,10 +49,13 @@ from dataclasses import dataclass
 from ipaddress import ip_address
 from typing import Any
 
-from lbproxy.config.model import MAX_WEIGHT
+from lbproxy.config.model import MAX_WEIGHT, MIN_CLUSTER_KEY
 
-PROTOCOL = 1  # "v" of every message; a message of another version is refused
-MAX_MESSAGE = 64 * 1024  # bytes; a larger message is refused unread ("oversized")
+PROTOCOL = 2  # "v" of every message; a message of another version is refused
+MAX_MESSAGE = 64 * 1024  # bytes of a body; a larger message is refused unread ("oversized")
+MAC_LABEL = b"lbproxy-cluster/2"  # the first line of what is MACed
+MAC_SIZE = 64  # hex digits of an HMAC-SHA256
+MIN_KEY = MIN_CLUSTER_KEY  # bytes of a cluster key, at least
 MAX_ENTRIES = 200  # persistence entries per EntryBatch (see `batches`)
 MAX_VERSION = 2**53 - 1  # exact in a double (Redis' Lua compares versions as numbers)
 VERSION_SHIFT = 10  # 1024 versions per millisecond before the clock part moves on
@@ -45,7 +63,12 @@ MAX_LOAD = 1e9  # a load report above this is refused (no real load is)
 MAX_TTL_MS = 366 * 24 * 3600 * 1000  # a persistence entry's time left, at most a year
 KINDS = ("state", "weight", "load")
 STATES = ("enabled", "drain", "disabled")  # lbproxy.core.pool.STATES (a test checks)
-REASONS = ("oversized", "garbage", "invalid")
+REASONS = ("oversized", "garbage", "invalid", "signature")
+# A message made this far ahead of the receiver's clock is refused ("future"): one forged
+# (or made by a host whose clock is wrong) with a version far ahead would otherwise win
+# its field for ever and pull every instance's clock (next_version) with it.
+MAX_AHEAD = 60.0
+KIND_CHANGE, KIND_ENTRIES, KIND_MEMBER = "change", "entries", "member"
 
 # Names as the configuration allows them (config/values.py `_name`, `_member_name`).
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -94,6 +117,7 @@ class EntryBatch:
     origin: str
     virtual_server: str
     entries: tuple[RemoteEntry, ...]
+    time: float = 0.0  # Unix time the batch was made at (its entries' TTLs count from then)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +134,43 @@ def next_version(wall_seconds: float, last: int) -> int:
 def version_time(version: int) -> float:
     """The wall-clock time (seconds) a version was made at (within its counter)."""
     return (version >> VERSION_SHIFT) / 1000
+
+
+# -- signing ----------------------------------------------------------------------------
+
+
+class Signer:
+    """Signs and checks what one cluster (one key, one key prefix) writes to Redis."""
+
+    def __init__(self, key: bytes, prefix: str) -> None:
+        if len(key) < MIN_KEY:
+            raise ValueError(f"a cluster key has at least {MIN_KEY} bytes, not {len(key)}")
+        self._key = key
+        self._head = MAC_LABEL + b"\n" + prefix.encode("ascii") + b"\n"
+
+    def mac(self, kind: str, body: bytes) -> bytes:
+        """The hex MAC of `body` as a message of `kind`."""
+        message = self._head + kind.encode("utf-8", "surrogateescape") + b"\n" + body
+        return hmac.new(self._key, message, "sha256").hexdigest().encode("ascii")
+
+    def sign(self, kind: str, body: bytes) -> bytes:
+        return self.mac(kind, body) + b"." + body
+
+    def open(self, kind: str, data: object) -> bytes:
+        """The body of a signed message of `kind`; MessageError when it is not one."""
+        if isinstance(data, str):
+            data = data.encode("utf-8", "surrogateescape")
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise MessageError("garbage", f"not bytes: {type(data).__name__}")
+        data = bytes(data)
+        if len(data) > MAC_SIZE + 1 + MAX_MESSAGE:
+            raise MessageError("oversized", f"{len(data)} bytes (at most {MAX_MESSAGE})")
+        if data[MAC_SIZE : MAC_SIZE + 1] != b".":
+            raise MessageError("signature", "no MAC")
+        body = data[MAC_SIZE + 1 :]
+        if not hmac.compare_digest(data[:MAC_SIZE], self.mac(kind, body)):
+            raise MessageError("signature", f"a wrong MAC on a message of kind {kind}")
+        return body
 
 
 # -- encoding ---------------------------------------------------------------------------
@@ -136,19 +197,42 @@ def encode_change(change: Change) -> bytes:
 
 def encode_entries(batch: EntryBatch) -> bytes:
     rows = [[e.client, e.real_server, e.ttl_ms] for e in batch.entries]
-    return encode_rows(batch.origin, batch.virtual_server, rows)
+    return encode_rows(batch.origin, batch.virtual_server, rows, batch.time)
 
 
-def encode_rows(origin: str, vs: str, rows: list[list[Any]]) -> bytes:
+def encode_rows(origin: str, vs: str, rows: list[list[Any]], time: float) -> bytes:
     """An EntryBatch from its rows `[client, real server, ttl_ms]` as they are (the
     sender's fast path: no RemoteEntry per entry); at most MAX_ENTRIES of them."""
-    return _dump({"v": PROTOCOL, "origin": origin, "vs": vs, "entries": rows})
+    return _dump({"v": PROTOCOL, "origin": origin, "vs": vs, "time": time, "entries": rows})
 
 
 def entries_prefix(origin: str) -> bytes:
-    """How every batch that `encode_entries` writes for `origin` begins, so that an
-    instance can pass over its own batches without decoding them."""
+    """How every batch body that `encode_entries` writes for `origin` begins, so that
+    an instance can pass over its own batches without decoding them."""
     return _dump({"v": PROTOCOL, "origin": origin})[:-1] + b","
+
+
+def entry_kind(vs: str, client: str) -> str:
+    """The kind a persistence entry's value is signed as: its key after `PREFIX:`."""
+    return f"p:{vs}:{client}"
+
+
+def encode_entry_value(server: str, expires_ms: int) -> bytes:
+    """The value stored under a persistence entry's key: when it expires (Unix time in
+    milliseconds) and its real server."""
+    return b"%d %s" % (expires_ms, server.encode("ascii"))
+
+
+def decode_entry_value(data: bytes) -> tuple[str, int]:
+    """(server, expires_ms) of a value `encode_entry_value` wrote; MessageError else."""
+    expires, _, server = data.partition(b" ")
+    if not expires.isdigit() or len(expires) > 15:
+        raise MessageError("invalid", f"entry value {_short(data)}")
+    try:
+        name = server.decode("ascii")
+    except UnicodeDecodeError:
+        raise MessageError("invalid", f"entry value {_short(data)}") from None
+    return _name(name, "server"), int(expires)
 
 
 def encode_member(member: Member) -> bytes:
@@ -261,7 +345,7 @@ def decode_change(data: object) -> Change:
 
 
 def decode_entries(data: object) -> EntryBatch:
-    document = _load(data, ("v", "origin", "vs", "entries"))
+    document = _load(data, ("v", "origin", "vs", "time", "entries"))
     rows = document["entries"]
     if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ENTRIES:
         raise MessageError("invalid", f"entries is not a list of 1..{MAX_ENTRIES}")
@@ -269,6 +353,7 @@ def decode_entries(data: object) -> EntryBatch:
         _name(document["origin"], "origin", MEMBER),
         _name(document["vs"], "vs"),
         tuple(decode_entry(row) for row in rows),
+        _real(document["time"], "time", 1e11),
     )
 
 

@@ -4,6 +4,8 @@ starts in its own folder on a free port."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import socket
 import time
@@ -17,6 +19,25 @@ from tests.integration.redis_server import RedisServer, requires_redis
 from tests.integration.test_admin import http, metrics, sample
 
 pytestmark = [pytest.mark.integration, requires_redis]
+
+
+CLUSTER_KEY = "5f1b0c8e2d7a4b96a3e0f1c2d3b4a5968778695a4b3c2d1e0f1e2d3c4b5a6978"
+
+
+def key_file(folder: Path, key: str = CLUSTER_KEY) -> Path:
+    """A key file (0600) holding `key`, in `folder`, one per key."""
+    path = folder / f"cluster-{hashlib.sha256(key.encode()).hexdigest()[:8]}.key"
+    if not path.exists():
+        path.write_text(key + "\n")
+        path.chmod(0o600)
+    return path
+
+
+def signed(kind: str, body: bytes, key: str = CLUSTER_KEY, prefix: str = "lbproxy") -> bytes:
+    """`body` signed as the how-to's construction says, written from the docs (not
+    with lbproxy's code): what a compatible tool would write."""
+    message = b"lbproxy-cluster/2\n" + prefix.encode() + b"\n" + kind.encode() + b"\n" + body
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest().encode() + b"." + body
 
 
 @pytest.fixture
@@ -107,12 +128,14 @@ def cluster_config(
     scheduler: str = "rr",
     extra: str = "",
     redis_extra: str = "",
+    key: str = CLUSTER_KEY,
 ) -> str:
     lines = [
         "global:",
         f"  admin: {{listen: 127.0.0.1:{admin}}}",
         "  drain_timeout: 2s",
         "  cluster:",
+        f"    key_file: {key_file(redis.folder, key)}",
         "    redis:",
         f"      url: {redis.url}",
         f"      name: {name}",
@@ -133,6 +156,17 @@ def cluster_config(
             "max_connections: 100}"
         )
     return "\n".join(lines) + "\n"
+
+
+def opened(kind: str, value: bytes) -> bytes:
+    """The body of a value lbproxy signed, its MAC checked."""
+    mac, _, body = value.partition(b".")
+    assert signed(kind, body) == value, value
+    return body
+
+
+def stored_change(redis: RedisServer, field: str) -> dict:
+    return json.loads(opened("change", redis.cli("HGET", "lbproxy:state", field).strip().encode()))
 
 
 def member_names(one: Instance) -> list[str]:
@@ -178,7 +212,7 @@ def test_two_conflicting_weight_changes_settle_on_the_later_everywhere(redis, cl
         wait_for(lambda o=one: o.server("b")["weight"]["static"] == 7, 2.0, f"{one.name}: 7")
     time.sleep(0.3)  # nothing flips it back afterwards
     assert [one.server("b")["weight"]["static"] for one in (lb1, lb2, lb3)] == [7, 7, 7]
-    stored = json.loads(redis.cli("HGET", "lbproxy:state", "weight/web/b"))
+    stored = stored_change(redis, "weight/web/b")
     assert (stored["value"], stored["origin"]) == (7, "lb2")
 
 
@@ -300,7 +334,10 @@ def test_persistence_follows_a_client_to_every_instance_and_survives_one(redis, 
     # in Redis with the timeout as TTL
     ttl = int(redis.cli("PTTL", "lbproxy:p:web:10.9.0.1"))
     assert 295_000 < ttl <= 300_000
-    assert redis.cli("GET", "lbproxy:p:web:10.9.0.1").strip() == first[0]
+    value = redis.cli("GET", "lbproxy:p:web:10.9.0.1").strip().encode()
+    expires, server = opened("p:web:10.9.0.1", value).split()
+    assert server.decode() == first[0]
+    assert 295_000 < int(expires) - time.time() * 1000 <= 300_000
     # and a new instance starts with them
     lb4 = cluster.instance(redis, "lb4", start=True, extra=persistent)
     assert entries(lb4) == 200
@@ -396,7 +433,7 @@ def test_redis_stopped_for_ten_seconds_under_a_connection_loop(redis, cluster):
         assert log.count("is unreachable") == 1, log  # the outage, logged once
         assert "is reachable after" in log
     assert "state enabled -> drain (cluster: from lb2)" in lb1.log()
-    assert json.loads(redis.cli("HGET", "lbproxy:state", "state/web/b"))["value"] == "drain"
+    assert stored_change(redis, "state/web/b")["value"] == "drain"
 
 
 def test_a_change_made_while_redis_was_away_loses_to_a_later_one(redis, cluster):
@@ -416,21 +453,39 @@ def test_a_change_made_while_redis_was_away_loses_to_a_later_one(redis, cluster)
 # -- hostile input ------------------------------------------------------------------------
 
 
+def change_body(**fields) -> bytes:
+    """A change as lbproxy writes it (SPEC §18), with `fields` replaced (None: left out)."""
+    document = {"v": 2, "kind": "weight", "vs": "web", "rs": "a", "value": 4,
+                "version": 10**15, "origin": "mallory"}  # fmt: skip
+    document.update(fields)
+    return json.dumps({k: v for k, v in document.items() if v is not None}).encode()
+
+
+def version_at(seconds: float) -> int:
+    """A change's version made at Unix time `seconds` (wire/cluster_messages.py)."""
+    return int(seconds * 1000) << 10
+
+
+def ignored(one: Instance) -> dict[str, float]:
+    counted = metrics(one.admin)
+    return {
+        reason: sample(counted, "lbproxy_cluster_ignored_messages_total", reason=reason)
+        for reason in ("oversized", "garbage", "invalid", "signature", "future", "unknown")
+    }
+
+
 def test_garbage_and_hostile_messages_are_ignored_counted_and_logged(redis, cluster):
     lb1, lb2 = cluster(redis, 2, extra="persistence: {timeout: 5m}")
     wait_connected(lb1, lb2)
+    change = change_body
 
-    def change(**fields) -> bytes:
-        document = {"v": 1, "kind": "weight", "vs": "web", "rs": "a", "value": 4,
-                    "version": 10**15, "origin": "mallory"}  # fmt: skip
-        document.update(fields)
-        return json.dumps({k: v for k, v in document.items() if v is not None}).encode()
-
+    # Signed with the cluster's key (as if by a tool that has it, or a broken instance):
+    # the body is still checked whole.
     hostile = [
         b"\x00\xff\xfe not json",
         b"[" * 60_000,  # deep nesting, within the size limit
         b"{}",
-        b'{"v": 1, "kind": "weight", "vs": "web", "rs": "a", "value": NaN}',
+        b'{"v": 2, "kind": "weight", "vs": "web", "rs": "a", "value": NaN}',
         b"x" * 200_000,  # oversized
         change(value=70000),  # out of range
         change(value=-1),
@@ -441,7 +496,7 @@ def test_garbage_and_hostile_messages_are_ignored_counted_and_logged(redis, clus
         change(kind="state", value="drain", per_connection=0.1),
         change(kind="shutdown"),
         change(vs="web/../x"),
-        change(v=2),
+        change(v=1),
         change(origin="a b"),
         change(version=-5),
         change(version=2**60),
@@ -450,51 +505,94 @@ def test_garbage_and_hostile_messages_are_ignored_counted_and_logged(redis, clus
         change(vs="nosuch"),
     ]
     for payload in hostile:
-        redis.publish("lbproxy:changes", payload)
+        redis.publish("lbproxy:changes", signed("change", payload))
+    batch = {"v": 2, "origin": "m", "vs": "web", "time": time.time()}
     entries = [
         b"garbage",
-        json.dumps({"v": 1, "origin": "m", "vs": "web", "entries": [["not-an-ip", "a", 10]]}),
-        json.dumps({"v": 1, "origin": "m", "vs": "web", "entries": [["10.0.0.1", "a", -1]]}),
-        json.dumps({"v": 1, "origin": "m", "vs": "web", "entries": [["10.0.0.1", "zz", 1000]]}),
-        json.dumps({"v": 1, "origin": "m", "vs": "web", "entries": []}),
+        json.dumps({**batch, "entries": [["not-an-ip", "a", 10]]}),
+        json.dumps({**batch, "entries": [["10.0.0.1", "a", -1]]}),
+        json.dumps({**batch, "entries": [["10.0.0.1", "zz", 1000]]}),
+        json.dumps({**batch, "entries": []}),
     ]
     for payload in entries:
-        redis.publish(
-            "lbproxy:entries", payload if isinstance(payload, bytes) else payload.encode()
-        )
+        body = payload if isinstance(payload, bytes) else payload.encode()
+        redis.publish("lbproxy:entries", signed("entries", body))
+    # Not signed with the key, or signed for another place: refused before being read.
+    valid = change(rs="b", value=9, version=version_at(time.time()))
+    for payload in (valid, signed("change", valid, key="x" * 64), signed("entries", valid),
+                    signed("change", valid, prefix="other"), b"0" * 64 + b"." + valid):  # fmt: skip
+        redis.publish("lbproxy:changes", payload)
+    # Signed, but made more than a minute ahead of the receivers' clocks.
+    redis.publish("lbproxy:changes", signed("change", change(version=version_at(time.time() + 90))))
     # a valid change afterwards is still applied: nothing above stopped the sync
-    redis.publish("lbproxy:changes", change(rs="c", value=6))
+    redis.publish("lbproxy:changes", signed("change", change(rs="c", value=6)))
     for one in (lb1, lb2):
         wait_for(lambda o=one: o.server("c")["weight"]["static"] == 6, 3.0, f"{one.name}: c")
         assert [one.server(rs)["weight"]["static"] for rs in ("a", "b")] == [1, 1]
+        assert ignored(one) == {"oversized": 1, "garbage": 4, "invalid": 18, "signature": 5,
+                                "future": 1, "unknown": 3}  # fmt: skip
         counted = metrics(one.admin)
-        ignored = {
-            reason: sample(counted, "lbproxy_cluster_ignored_messages_total", reason=reason)
-            for reason in ("oversized", "garbage", "invalid", "unknown")
-        }
-        assert ignored == {"oversized": 1, "garbage": 4, "invalid": 18, "unknown": 3}
         assert sample(counted, "lbproxy_persistence_entries", virtual_server="web") == 0
         log = one.log()
-        for reason in ("oversized", "garbage", "invalid", "unknown"):  # rate limited: once
-            assert log.count(f"ignored a message from Redis ({reason})") == 1, log
+        for reason in ("oversized", "garbage", "invalid", "signature", "future", "unknown"):
+            assert log.count(f"ignored a message from Redis ({reason})") == 1, log  # once
     assert ask(lb1.port) in ("a", "b", "c") and ask(lb2.port) in ("a", "b", "c")  # it serves
 
 
+def test_a_forged_drain_published_to_redis_disables_nothing(redis, cluster):
+    """The issue's repro: whoever can write to Redis, without the key, steers nothing."""
+    lb1, lb2 = cluster(redis, 2)
+    wait_connected(lb1, lb2)
+    ahead = version_at(time.time() + 3600)  # up to an hour ahead was accepted before
+    for v, version in ((1, ahead), (2, ahead), (2, version_at(time.time()))):
+        forged = change_body(v=v, kind="state", rs="b", value="disabled", version=version)
+        redis.cli("PUBLISH", "lbproxy:changes", forged.decode())
+        redis.cli("HSET", "lbproxy:state", "state/web/b", forged.decode())
+    # the same, signed with the key but an hour ahead: refused too
+    redis.publish("lbproxy:changes", signed("change", change_body(kind="state", rs="b",
+                                                                  value="disabled", version=ahead)))  # fmt: skip
+    wait_for(lambda: ignored(lb2)["future"] == 1, 3.0, "the last message to arrive")
+    lb3 = cluster.instance(redis, "lb3", start=True)  # reads the forged hash at its start
+    for one in (lb1, lb2, lb3):
+        assert one.server("b")["state"] == "enabled"
+        assert {ask(one.port) for _ in range(6)} == {"a", "b", "c"}
+    assert ignored(lb1)["signature"] == 3 and ignored(lb3)["signature"] >= 1
+    # and the channel works: a change made with the key applies everywhere
+    lb1.patch("b", {"state": "drain"})
+    for one in (lb2, lb3):
+        wait_for(lambda o=one: o.server("b")["state"] == "drain", 3.0, f"{one.name}: drain")
+
+
+def test_instances_with_different_keys_do_not_apply_each_others_changes(redis, cluster):
+    lb1 = cluster.instance(redis, "lb1", start=True)
+    lb2 = cluster.instance(redis, "lb2", start=True, key="another-cluster-key-" + "9" * 40)
+    wait_connected(lb1, lb2)
+    lb1.patch("b", {"state": "drain"})
+    lb2.patch("a", {"weight": 5})
+    wait_for(lambda: ignored(lb2)["signature"] >= 1, 3.0, "lb2 to refuse lb1's change")
+    wait_for(lambda: ignored(lb1)["signature"] >= 1, 3.0, "lb1 to refuse lb2's change")
+    assert lb2.server("b")["state"] == "enabled" and lb1.server("a")["weight"]["static"] == 1
+    assert member_names(lb1) == ["lb1"] and member_names(lb2) == ["lb2"]
+    assert "5f1b0c8e" not in lb1.log() + lb2.log()  # the key is never logged
+
+
 def test_a_hostile_state_in_redis_does_not_stop_a_start(redis, cluster):
-    redis.cli("HSET", "lbproxy:state", "weight/web/a", "garbage", "state/web/b",
-              json.dumps({"v": 1, "kind": "state", "vs": "web", "rs": "c", "value": "disabled",
-                          "version": 1, "origin": "x"}))  # fmt: skip
+    forged = b"0" * 64 + b"." + change_body(version=2**52)  # beats any real version
+    redis.cli("HSET", "lbproxy:state", "weight/web/a", forged.decode(), "state/web/b",
+              signed("change", change_body(kind="state", rs="c", value="disabled",
+                                           version=1)).decode())  # fmt: skip
     redis.cli("HSET", "lbproxy:members", "evil", "not json")
     lb1 = cluster.instance(redis, "lb1", start=True)
     wait_connected(lb1)
     assert [lb1.server(rs)["state"] for rs in ("a", "b", "c")] == ["enabled"] * 3
     assert {ask(lb1.port) for _ in range(6)} == {"a", "b", "c"}
-    lb1.patch("a", {"weight": 2})  # the garbage stored there loses to a real change
+    lb1.patch("a", {"weight": 2})  # the forged value stored there loses to a real change
     wait_for(
         lambda: '"value":2' in redis.cli("HGET", "lbproxy:state", "weight/web/a"),
         2.0,
         "the change stored",
     )
+    assert stored_change(redis, "weight/web/a")["origin"] == "lb1"
     assert member_names(lb1) == ["lb1"]
 
 

@@ -470,7 +470,23 @@ def test_every_grafana_panel_uses_the_data_source_variable():
 COMPOSE = CONTRIB / "cluster" / "compose.yaml"
 
 
-def test_the_cluster_example_agrees_with_the_configuration_it_mounts():
+def with_key_file(folder: Path, tmp_path: Path) -> Path:
+    """A copy of the example's configuration folder whose key_file (a compose secret,
+    /run/secrets/cluster.key) is a key file in `tmp_path`."""
+    key = tmp_path / "cluster.key"
+    key.write_text("e" * 64 + "\n")
+    key.chmod(0o600)
+    copy = tmp_path / "lbproxy"
+    copy.mkdir()
+    for path in folder.glob("*.yaml"):
+        (copy / path.name).write_text(path.read_text().replace(CLUSTER_KEY_FILE, str(key)))
+    return copy
+
+
+CLUSTER_KEY_FILE = "/run/secrets/cluster.key"
+
+
+def test_the_cluster_example_agrees_with_the_configuration_it_mounts(tmp_path):
     document = yaml.safe_load(COMPOSE.read_text())
     services = document["services"]
     lbproxies = {name: s for name, s in services.items() if s.get("image") == "lbproxy"}
@@ -480,12 +496,13 @@ def test_the_cluster_example_agrees_with_the_configuration_it_mounts():
     source, target, mode = mount.split(":")
     assert (target, mode) == ("/etc/lbproxy", "ro")
     assert 'CMD ["run", "/etc/lbproxy"]' in dockerfile()
-    folder = COMPOSE.parent / source
+    shipped = COMPOSE.parent / source
+    folder = with_key_file(shipped, tmp_path)
     check = run_cli("check", str(folder))
     assert check.returncode == 0, check.stdout + check.stderr
     from tests.unit.config.test_schema import _validator
 
-    for path in sorted(folder.glob("*.yaml")):  # and editors that read the schema agree
+    for path in sorted(shipped.glob("*.yaml")):  # and editors that read the schema agree
         assert path.read_text().startswith(
             "# yaml-language-server: $schema=../../../docs/lbproxy.schema.json\n"
         )
@@ -506,14 +523,19 @@ def test_the_cluster_example_agrees_with_the_configuration_it_mounts():
     }
     for name in lbproxies:
         assert redis.password_file in secret_of[name]
+        assert CLUSTER_KEY_FILE in secret_of[name]  # the cluster's key: the instances only
+    assert (shipped / "global.yaml").read_text().count(f"key_file: {CLUSTER_KEY_FILE}") == 1
     (secret,) = set(secret_of[url.hostname].values())
     assert secret_of["lb1"][redis.password_file] == secret
     assert "--requirepass" in services[url.hostname]["command"][-1]
     assert document["secrets"][secret]["file"] == "./redis.password"
-    assert "redis.password" in (COMPOSE.parent / ".gitignore").read_text().split()
-    for name in lbproxies:  # the image's user can read it
-        (grant,) = lbproxies[name]["secrets"]
-        assert grant["uid"] == "10001" and "--uid 10001" in dockerfile()
+    assert document["secrets"][secret_of["lb1"][CLUSTER_KEY_FILE]]["file"] == "./cluster.key"
+    ignored = (COMPOSE.parent / ".gitignore").read_text().split()
+    assert "redis.password" in ignored and "cluster.key" in ignored
+    for name in lbproxies:  # the image's user can read them
+        for grant in lbproxies[name]["secrets"]:
+            assert grant["uid"] == "10001" and grant["mode"] == 0o400
+        assert "--uid 10001" in dockerfile()
     # real servers: compose services on the port they listen on
     for vs in config.virtual_servers:
         for rs in vs.real_servers:
@@ -543,7 +565,7 @@ def test_the_cluster_example_runs_as_a_cluster(tmp_path):
 
     if REDIS_SERVER is None:
         tools.missing("redis-server", "redis-server")
-    config = load([str(COMPOSE.parent / "lbproxy")])
+    config = load([str(with_key_file(COMPOSE.parent / "lbproxy", tmp_path))])
     redis_config = config.global_.cluster.redis
     secret = tmp_path / "redis.password"
     secret.write_text("example-secret\n")
@@ -560,6 +582,7 @@ def test_the_cluster_example_runs_as_a_cluster(tmp_path):
                 text = (
                     text.replace(redis_config.url, redis.url)
                     .replace(redis_config.password_file, str(secret))
+                    .replace(CLUSTER_KEY_FILE, str(tmp_path / "cluster.key"))
                     .replace("0.0.0.0:9100", f"127.0.0.1:{admin}")
                     .replace("0.0.0.0:8080", f"127.0.0.1:{port}")
                     .replace("# name:", f"name: {name} #")

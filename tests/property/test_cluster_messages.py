@@ -1,7 +1,10 @@
 """The cluster's message codec (lbproxy/wire/cluster_messages.py) under any input: what
 Redis hands back is network input, so every decoder either returns a fully validated
 object or raises MessageError with one of its reasons — never another exception, never
-a half-read message — and everything the encoders write decodes to itself."""
+a half-read message — and everything the encoders write decodes to itself. Signed
+messages: random bytes, any change to a signed message, another key, another prefix or
+another kind are refused ("signature", or "oversized"/"garbage" before the MAC is
+looked at), never opened."""
 
 from __future__ import annotations
 
@@ -28,14 +31,18 @@ from lbproxy.wire.cluster_messages import (
     Member,
     MessageError,
     RemoteEntry,
+    Signer,
     batches,
     decode_change,
     decode_entries,
+    decode_entry_value,
     decode_member,
     encode_change,
     encode_entries,
+    encode_entry_value,
     encode_member,
     entries_prefix,
+    entry_kind,
 )
 
 names = st.from_regex(NAME, fullmatch=True)
@@ -69,6 +76,7 @@ entry_batches = st.builds(
         min_size=1,
         max_size=MAX_ENTRIES,
     ).map(tuple),
+    st.floats(0, 1e11, allow_nan=False),
 )
 
 json_values = st.recursive(
@@ -178,3 +186,117 @@ def test_the_codec_states_are_the_pools():
     from lbproxy.wire import cluster_messages
 
     assert cluster_messages.STATES == STATES
+
+
+# -- signed messages ----------------------------------------------------------------------
+
+KEY = b"0123456789abcdef0123456789abcdef"
+SIGNER = Signer(KEY, "lbproxy")
+kinds = st.sampled_from(["change", "entries", "member"]) | st.builds(entry_kind, names, addresses)
+keys = st.binary(min_size=32, max_size=80)
+prefixes = st.from_regex(r"[A-Za-z0-9_.:-]{1,64}", fullmatch=True)
+
+
+def signed_bodies() -> st.SearchStrategy[bytes]:
+    return st.one_of(
+        changes().map(encode_change),
+        entry_batches.map(encode_entries),
+        st.builds(Member, members, st.floats(0, 1e11, allow_nan=False)).map(encode_member),
+        st.builds(encode_entry_value, names, st.integers(0, 10**14)),
+    )
+
+
+def opened_or_refused(signer: Signer, kind: str, data: object) -> bytes | None:
+    """The body, or None when refused; any other exception fails the test."""
+    try:
+        return signer.open(kind, data)
+    except MessageError as exc:
+        assert exc.reason in REASONS and exc.detail
+        return None
+
+
+@given(kinds, signed_bodies())
+@settings(max_examples=200)
+def test_a_signed_message_opens_to_its_body(kind, body):
+    assert SIGNER.open(kind, SIGNER.sign(kind, body)) == body
+
+
+@given(kinds, st.binary(max_size=400))
+@example("change", b"")
+@example("change", b"." * 65)
+@example("change", b"0" * 64 + b".{}")
+@example("change", "\udcff" * 70)
+@example("change", b"x" * (MAX_MESSAGE + 100))
+def test_random_bytes_are_never_opened(kind, data):
+    assert opened_or_refused(SIGNER, kind, data) is None
+    for decode in (decode_change, decode_entries, decode_member):
+        try:
+            decode(SIGNER.open(kind, data))
+        except MessageError:
+            pass
+        else:  # pragma: no cover - a forged MAC
+            raise AssertionError(data)
+
+
+@given(kinds, signed_bodies(), st.data())
+@settings(max_examples=300)
+def test_any_change_to_a_signed_message_is_refused(kind, body, data):
+    message = bytearray(SIGNER.sign(kind, body))
+    how = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate", "append"]))
+    at = data.draw(st.integers(0, len(message) - 1))
+    if how == "flip":
+        message[at] ^= data.draw(st.integers(1, 255))
+    elif how == "insert":
+        message[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    elif how == "delete":
+        del message[at : at + data.draw(st.integers(1, 8))]
+    elif how == "truncate":
+        del message[at:]
+    else:
+        message += data.draw(st.binary(min_size=1, max_size=8))
+    assert opened_or_refused(SIGNER, kind, bytes(message)) is None
+
+
+@given(kinds, kinds, signed_bodies(), keys, prefixes)
+@settings(max_examples=200)
+def test_another_key_prefix_or_kind_is_refused(kind, other_kind, body, key, prefix):
+    message = SIGNER.sign(kind, body)
+    if key != KEY:
+        assert opened_or_refused(Signer(key, "lbproxy"), kind, message) is None
+    if prefix != "lbproxy":
+        assert opened_or_refused(Signer(KEY, prefix), kind, message) is None
+    if other_kind != kind:
+        assert opened_or_refused(SIGNER, other_kind, message) is None
+
+
+@given(changes(), st.sampled_from(["vs", "rs", "origin", "value", "version", "v", "kind"]),
+       json_values)  # fmt: skip
+def test_a_signed_change_with_one_field_replaced_is_whole_or_refused(change, key, value):
+    """What a holder of the key could write is still checked whole."""
+    document = json.loads(encode_change(change))
+    document[key] = value
+    message = SIGNER.sign("change", json.dumps(document).encode())
+    assert_valid_or_refused(decode_change, SIGNER.open("change", message))
+
+
+@given(st.binary(max_size=300))
+@example(b"123 a")
+@example(b"1" * 16 + b" a")
+@example(b" a")
+@example(b"12 \xff")
+@example(b"0123 a")
+def test_an_entry_value_decodes_or_is_refused(data):
+    try:
+        server, expires = decode_entry_value(data)
+    except MessageError as exc:
+        assert exc.reason in REASONS
+        return
+    assert NAME.fullmatch(server) and 0 <= expires < 10**15
+    assert decode_entry_value(encode_entry_value(server, expires)) == (server, expires)
+
+
+def test_a_key_shorter_than_32_bytes_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="at least 32"):
+        Signer(b"x" * 31, "lbproxy")

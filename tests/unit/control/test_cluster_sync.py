@@ -10,9 +10,12 @@ import time
 
 import trio
 
-from lbproxy.config.model import RedisConfig
+from lbproxy.config.model import ClusterConfig, RedisConfig
 from lbproxy.control.cluster import Cluster
-from lbproxy.wire.cluster_messages import Change, encode_change, next_version
+from lbproxy.wire.cluster_messages import Change, Signer, encode_change, next_version
+
+KEY = b"k" * 32
+SIGNER = Signer(KEY, "lbproxy")
 
 
 class Recorder:
@@ -44,11 +47,13 @@ def in_trio(function):
 
 
 def cluster(target=None) -> Cluster:
-    return Cluster(RedisConfig("redis://127.0.0.1:1/0", name="lb1"), target or Recorder())
+    config = ClusterConfig(RedisConfig("redis://127.0.0.1:1/0", name="lb1"), "key", KEY)
+    return Cluster(config, target or Recorder())
 
 
-def weight(value: int, version: int, origin: str = "lb2", rs: str = "a") -> bytes:
-    return encode_change(Change("weight", "web", rs, value, None, version, origin))
+def weight(value: int, version: int, origin: str = "lb2", rs: str = "a", signer=SIGNER) -> bytes:
+    body = encode_change(Change("weight", "web", rs, value, None, version, origin))
+    return signer.sign("change", body)
 
 
 def test_of_two_changes_the_higher_wins_in_either_order():
@@ -68,7 +73,7 @@ def test_equal_versions_are_decided_by_the_origin_name():
 
 def test_a_local_change_is_versioned_above_everything_seen():
     sync = cluster()
-    far = next_version(time.time() + 600, 0)  # from an instance whose clock is 10 min ahead
+    far = next_version(time.time() + 50, 0)  # from an instance whose clock is 50 s ahead
     in_trio(lambda: sync._receive_change(weight(2, far)))
     sync.publish("weight", "web", "a", 9)
     mine = sync.pending["weight/web/a"]
@@ -95,7 +100,7 @@ def test_unknown_servers_and_garbage_are_counted_and_logged_once_a_minute(caplog
     def feed():
         for i in range(5):
             sync._receive_change(weight(1, 100 + i, rs="zz"))
-            sync._receive_change(b"\xff")
+            sync._receive_change(SIGNER.sign("change", b"\xff"))  # signed, but garbage
         sync._receive_change(weight(6, 300))  # still applied afterwards
 
     in_trio(feed)
@@ -123,14 +128,29 @@ def test_reapply_puts_every_known_change_back_after_a_reload():
     assert sorted(sync.target.applied) == [("state", "b", "drain"), ("weight", "a", 5)]
 
 
-def test_a_version_from_far_in_the_future_is_refused():
+def test_a_version_more_than_a_minute_ahead_is_refused():
     sync = cluster()
-    forged = next_version(time.time() + 2 * 3600, 0)  # would win every field for ever
+    forged = next_version(time.time() + 90, 0)  # would win every field for ever
     in_trio(lambda: sync._receive_change(weight(9, forged)))
-    assert sync.ignored["invalid"] == 1 and sync.target.applied == []
+    assert sync.ignored["future"] == 1 and sync.target.applied == []
     assert sync.last_version < forged  # the local clock was not pulled forward
     sync.publish("weight", "web", "a", 2)
     assert sync.pending["weight/web/a"].version < forged
+    in_trio(lambda: sync._receive_change(weight(9, next_version(time.time() + 30, 0))))
+    assert sync.target.applied == [("weight", "a", 9)]  # within a minute: a clock's drift
+
+
+def test_a_change_not_signed_with_the_key_is_refused():
+    sync = cluster()
+    body = encode_change(Change("state", "web", "a", "disabled", None, 1, "mallory"))
+    other = Signer(b"x" * 32, "lbproxy")  # another cluster's key
+    elsewhere = Signer(KEY, "other-prefix")  # the key, but another cluster's prefix
+    for data in (body, other.sign("change", body), elsewhere.sign("change", body),
+                 SIGNER.sign("member", body), b"0" * 64 + b"." + body):  # fmt: skip
+        in_trio(lambda d=data: sync._receive_change(d))
+    assert sync.ignored == {"signature": 5} and sync.target.applied == []
+    in_trio(lambda: sync._receive_change(SIGNER.sign("change", body)))
+    assert sync.target.applied == [("state", "a", "disabled")]
 
 
 def test_lbproxy_without_a_cluster_never_imports_coredis():

@@ -116,7 +116,11 @@ MAX_AUTH_BACKOFF = 5.0
 LIST_FOR = 300.0  # members seen within this long are listed (alive or not)
 FORGET_AFTER = 3600.0  # members not seen for this long leave the members hash
 MAX_MEMBERS = 1000  # a members hash larger than this is not read
-SCAN_COUNT = 1000  # keys per SCAN step, and per pipeline when reading them back
+SCAN_COUNT = 1000  # fields per HSCAN step of the state hash
+# Persistence keys per step of a resync's read: the step's answer is checked and applied
+# before the next is asked for, and the data plane runs in between (a step costs ~10 us
+# per entry, so a few milliseconds).
+ENTRIES_STEP = 250
 LOG_EVERY = 60.0  # an ignored message's reason is logged at most this often
 START_WAIT = 5.0  # the longest a start waits for the first sync
 MAX_STATE_FIELDS = MAX_CLUSTER_STATE_FIELDS  # fields of the state hash a resync reads
@@ -517,7 +521,7 @@ class Cluster:
         script = client.register_script(READ_ENTRIES)
         cursor, read = b"0", 0
         while True:
-            answer = await script(keys=[], args=[cursor, pattern, SCAN_COUNT])
+            answer = await script(keys=[], args=[cursor, pattern, ENTRIES_STEP])
             cursor, rows = answer[0], answer[1:]
             found = len(rows) // 3
             room = self.max_entries - read

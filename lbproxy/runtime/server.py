@@ -13,6 +13,7 @@ The nursery tree (hypercorn's `worker_serve` is the model):
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -383,6 +384,12 @@ class Server:
                 self.discovery.sync(self.virtual_servers.values(), service)
                 if handle_signals:
                     await service.start(self._signals)
+                # What exists now (modules, the configuration, tables read at start)
+                # lives as long as the process: out of the cyclic collector's way, so a
+                # full collection, which a table growing by thousands of entries sets
+                # off, walks only what came later instead of stalling every connection.
+                gc.collect()
+                gc.freeze()
                 self.ready = True
                 log.info(
                     "listening on %s",

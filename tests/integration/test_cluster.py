@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -160,7 +161,7 @@ def cluster_config(
 
 def opened(kind: str, value: bytes) -> bytes:
     """The body of a value lbproxy signed, its MAC checked."""
-    mac, _, body = value.partition(b".")
+    _, _, body = value.partition(b".")
     assert signed(kind, body) == value, value
     return body
 
@@ -549,8 +550,8 @@ def test_a_forged_drain_published_to_redis_disables_nothing(redis, cluster):
         redis.cli("PUBLISH", "lbproxy:changes", forged.decode())
         redis.cli("HSET", "lbproxy:state", "state/web/b", forged.decode())
     # the same, signed with the key but an hour ahead: refused too
-    redis.publish("lbproxy:changes", signed("change", change_body(kind="state", rs="b",
-                                                                  value="disabled", version=ahead)))  # fmt: skip
+    late = change_body(kind="state", rs="b", value="disabled", version=ahead)
+    redis.publish("lbproxy:changes", signed("change", late))
     wait_for(lambda: ignored(lb2)["future"] == 1, 3.0, "the last message to arrive")
     lb3 = cluster.instance(redis, "lb3", start=True)  # reads the forged hash at its start
     for one in (lb1, lb2, lb3):
@@ -594,6 +595,155 @@ def test_a_hostile_state_in_redis_does_not_stop_a_start(redis, cluster):
     )
     assert stored_change(redis, "weight/web/a")["origin"] == "lb1"
     assert member_names(lb1) == ["lb1"]
+
+
+# -- bounded reads (SPEC §21) -------------------------------------------------------------
+
+
+class Latencies:
+    """Proxied connections through `port` (with a PROXY header), one after another in a
+    thread, each timed (connect to the name read); bounded by `limit` connections."""
+
+    def __init__(self, port: int, limit: int = 200_000) -> None:
+        import threading
+
+        self.port, self.limit = port, limit
+        self.samples: list[tuple[float, float]] = []  # (started, seconds)
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Latencies:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        header = encode_v1(("10.250.0.1", 40000), ("127.0.0.1", self.port))  # accept_proxy
+        while not self._stop.is_set() and len(self.samples) < self.limit:
+            started = time.monotonic()
+            try:
+                name = ask(self.port, header)
+            except OSError as exc:
+                self.failures.append(str(exc))
+                continue
+            if name not in ("a", "b", "c"):
+                self.failures.append(f"answered {name!r}")
+            self.samples.append((started, time.monotonic() - started))
+            time.sleep(0.001)
+
+    def p99(self, since: float, until: float) -> tuple[float, int]:
+        """The 99th percentile of the connections started in [since, until], and their count."""
+        taken = sorted(d for started, d in self.samples if since <= started <= until)
+        assert taken, "no connection in the window"
+        return taken[min(len(taken) - 1, int(len(taken) * 0.99))], len(taken)
+
+
+def resp(*args: bytes | str) -> bytes:
+    """One Redis command in RESP, as `redis-cli --pipe` sends it."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg.encode() if isinstance(arg, str) else arg
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def pipe_to_redis(redis: RedisServer, commands: bytes) -> subprocess.Popen:
+    """Send RESP commands through `redis-cli --pipe` (another process: the test's own
+    threads are left to time the connections)."""
+    from tests.integration.redis_server import REDIS_CLI
+
+    assert REDIS_CLI is not None
+    proc = subprocess.Popen(
+        [REDIS_CLI, "-h", "127.0.0.1", "-p", str(redis.port), "--pipe"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(commands)
+    proc.stdin.close()
+    return proc
+
+
+def foreign_batches(count: int, origin: str = "elsewhere") -> bytes:
+    """PUBLISH commands of `count` persistence entries from another instance, signed
+    with the cluster's key, 200 to a batch, as lbproxy writes them."""
+    commands = []
+    now = time.time()
+    for first in range(0, count, 200):
+        rows = [[f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", "abc"[i % 3], 600_000]
+                for i in range(first, min(count, first + 200))]  # fmt: skip
+        body = json.dumps({"v": 2, "origin": origin, "vs": "web", "time": round(now, 3),
+                           "entries": rows}, separators=(",", ":")).encode()  # fmt: skip
+        commands.append(resp("PUBLISH", "lbproxy:entries", signed("entries", body)))
+    return b"".join(commands)
+
+
+@pytest.mark.serial  # measures latency
+def test_100000_foreign_entries_arriving_leave_the_data_plane_serving(redis, cluster):
+    persistent = "accept_proxy: true\npersistence: {timeout: 10m, max_entries: 200000}"
+    lb1 = cluster.instance(redis, "lb1", start=True, extra=persistent)
+    wait_connected(lb1)
+    commands = foreign_batches(100_000)
+    with Latencies(lb1.port) as loop:
+        wait_for(lambda: len(loop.samples) >= 50, 10.0, "connections before")
+        started = time.monotonic()
+        sender = pipe_to_redis(redis, commands)
+        # the 100,000 and the timed client's own entry
+        wait_for(lambda: entries(lb1) == 100_001, 30.0, "the 100,000 entries applied")
+        applied = time.monotonic()
+        assert sender.wait(10) == 0
+        wait_for(lambda: len([s for s in loop.samples if s[0] > applied]) >= 10, 10.0, "after")
+    p99, taken = loop.p99(started, applied)
+    assert loop.failures == []
+    assert p99 < 0.050, f"p99 {p99 * 1000:.1f} ms over {taken} connections"
+    # the entries are used: a client of the other instance reaches its server here
+    header = encode_v1(("10.0.1.44", 40000), ("127.0.0.1", lb1.port))
+    assert ask(lb1.port, header) == "abc"[(1 << 8 | 44) % 3]
+
+
+def fill_entries(redis: RedisServer, count: int, step: int = 100_000) -> None:
+    """`count` keys under lbproxy:p:web: made inside Redis (a Lua loop per `step`), with
+    a value lbproxy did not sign: what a Redis shared with something else may hold."""
+    script = (
+        "for i = tonumber(ARGV[1]), tonumber(ARGV[2]) do "
+        "redis.call('SET', string.format('lbproxy:p:web:10.%d.%d.%d', math.floor(i / 65536), "
+        "math.floor(i / 256) % 256, i % 256), 'x', 'PX', 600000) end"
+    )
+    for first in range(0, count, step):
+        redis.cli("EVAL", script, "0", str(first), str(min(count, first + step) - 1))
+
+
+def skipped(one: Instance) -> float:
+    return sample(metrics(one.admin), "lbproxy_cluster_skipped_total", kind="entries")
+
+
+@pytest.mark.serial  # measures latency
+def test_a_redis_of_two_million_entries_does_not_stall_the_data_plane(redis, cluster):
+    fill_entries(redis, 2_000_000)
+    lb1 = cluster.instance(
+        redis, "lb1", start=True, extra="accept_proxy: true\npersistence: {timeout: 10m}"
+    )
+    wait_connected(lb1)
+    # the start's resync read max_entries (200,000: refused, not signed) and counted the rest
+    wait_for(lambda: skipped(lb1) >= 1_800_000, 30.0, "the entries not read counted")
+    first = skipped(lb1)
+    assert first <= 1_810_000  # (SCAN may return a key twice)
+    assert ignored(lb1)["signature"] == 200_000
+    assert "more than global.cluster.max_entries (200000)" in lb1.log()
+    with Latencies(lb1.port) as loop:
+        wait_for(lambda: len(loop.samples) >= 50, 10.0, "connections before")
+        started = time.monotonic()
+        lb1.proxy.reload()  # a reload resyncs: the same reads again, under traffic
+        wait_for(lambda: skipped(lb1) >= first + 1_800_000, 30.0, "the second resync")
+        done = time.monotonic()
+    p99, taken = loop.p99(started, done)
+    assert loop.failures == []
+    assert p99 < 0.050, f"p99 {p99 * 1000:.1f} ms over {taken} connections"
+    assert ignored(lb1)["signature"] == 400_000
+    assert entries(lb1) == 1  # the timed client's own: none of the 2 million
 
 
 # -- AUTH -------------------------------------------------------------------------------

@@ -746,6 +746,47 @@ def test_a_redis_of_two_million_entries_does_not_stall_the_data_plane(redis, clu
     assert entries(lb1) == 1  # the timed client's own: none of the 2 million
 
 
+def test_a_state_hash_of_12000_fields_is_read_up_to_10000(redis, cluster):
+    fields = []
+    for i in range(12_000):  # a field per server of servers this instance does not have
+        body = change_body(rs=f"s{i}", version=version_at(time.time()))
+        fields += [f"weight/web/s{i}", signed("change", body)]
+    assert pipe_to_redis(redis, resp("HSET", "lbproxy:state", *fields)).wait(30) == 0
+    lb1 = cluster.instance(redis, "lb1", start=True)
+    wait_connected(lb1)
+    counted = metrics(lb1.admin)
+    assert sample(counted, "lbproxy_cluster_skipped_total", kind="state") == 2000
+    assert ignored(lb1)["unknown"] == 10_000
+    assert "lbproxy:state has 12000 fields" in lb1.log()
+
+
+def test_an_upgraded_instance_stays_in_the_cluster(redis, cluster, tmp_path):
+    from tests.integration.test_upgrade import Proxy
+
+    lb2 = cluster.instance(redis, "lb2", start=True)
+    port, admin = free_port(), free_port()
+    (tmp_path / "lb1").mkdir()
+    lb1 = Proxy(tmp_path / "lb1", cluster_config(redis, "lb1", port, admin, cluster.servers), admin)
+    try:
+        wait_for(lambda: "joined through Redis" in lb1.log(), 10.0, "lb1 joined")
+        lb2.patch("a", {"weight": 4})
+        wait_for(lambda: "weight 1 -> 4 (cluster: from lb2)" in lb1.log(), 2.0, "a's weight")
+        lb1.upgrade()  # the new process reads the key file again, and joins as lb1
+        wait_for(lambda: lb1.log().count("joined through Redis") == 2, 10.0, "the new one joined")
+        lb2.patch("b", {"state": "drain"})
+        wait_for(
+            lambda: {ask(port) for _ in range(6)} == {"a", "c"}, 3.0, "the drain in the new process"
+        )
+        status, body = http("GET", f"http://127.0.0.1:{admin}/api/v1/virtual-servers")
+        assert status == 200
+        (vs,) = json.loads(body)["virtual_servers"]
+        weights = {rs["name"]: rs["weight"]["static"] for rs in vs["real_servers"]}
+        assert weights["a"] == 4  # handed over, and the cluster's
+        assert ignored(lb2)["signature"] == 0
+    finally:
+        lb1.stop()
+
+
 # -- AUTH -------------------------------------------------------------------------------
 
 

@@ -149,7 +149,7 @@ def _print_discovered(cfg: Config) -> bool:
     from lbproxy.config.summary import discovery_summary
     from lbproxy.control.discovery import resolve_all
 
-    found = trio.run(resolve_all, cfg.virtual_servers)
+    found = trio.run(resolve_all, cfg)
     if not found:
         click.echo("no virtual server has discovery.dns")
     answered = True
@@ -164,6 +164,8 @@ def _print_discovered(cfg: Config) -> bool:
             continue
         if outcome.detail:
             click.echo(f"  {outcome.detail}")
+        for name, reason in outcome.refused:
+            click.echo(f"  refused {name} ({reason}): see discovery.dns.allow_addresses")
         static = {rs.name for rs in vs.real_servers}
         click.echo(f"  would add {len(outcome.servers)} real server(s)")
         for rs in outcome.servers:

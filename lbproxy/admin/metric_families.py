@@ -183,6 +183,14 @@ FAMILIES: dict[str, Family] = {
             (VS, "result"),
         ),
         Family(
+            "lbproxy_discovery_refused",
+            COUNTER,
+            "Addresses of DNS answers not used, once per round that brought them, by reason "
+            "(self: one of this process's listeners; loopback, link_local, unspecified, "
+            "multicast: outside discovery.dns.allow_addresses).",
+            (VS, "reason"),
+        ),
+        Family(
             "lbproxy_discovered_servers",
             GAUGE,
             "Real servers in the last DNS answer that counted (leaving ones not included).",

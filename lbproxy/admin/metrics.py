@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from lbproxy.admin.metric_families import counter, gauge, histogram
+from lbproxy.core.discovery_model import REFUSALS as DISCOVERY_REFUSALS
 from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
 from lbproxy.core.histogram import Histogram
@@ -189,12 +190,16 @@ class LbproxyCollector:
             return
         resolutions = counter("lbproxy_discovery_resolutions")
         discovered = gauge("lbproxy_discovered_servers")
+        refused = counter("lbproxy_discovery_refused")
         for name, state in states.items():
             for result in DISCOVERY_RESULTS:
                 resolutions.add_metric([name, result], state.results[result])
             discovered.add_metric([name], len(state.current))
+            for reason in DISCOVERY_REFUSALS:
+                refused.add_metric([name, reason], state.refused[reason])
         yield resolutions
         yield discovered
+        yield refused
 
     def _cluster(self) -> Iterator[Metric]:
         """SPEC §18; only with `global.cluster` (without it: no families)."""

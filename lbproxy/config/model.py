@@ -268,6 +268,8 @@ class DnsDiscoveryConfig:
     hold: float = 30.0  # empty answers or NXDOMAIN this long before servers go
     timeout: float = 2.0  # bound of one round, so a silent resolver stalls nothing
     max_servers: int = 1000  # beyond it: lowest priority, highest weight, then name
+    # loopback, link-local, unspecified and multicast answers used only inside these
+    allow_addresses: tuple[IPNetwork, ...] = ()
     line: int = field(default=0, compare=False)
 
 

@@ -476,6 +476,13 @@ _DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
         "priority, then the highest weight, then the name are kept (A/AAAA: the lowest "
         "addresses), and a warning is logged once per change"
     ),
+    "allow_addresses": _networks.about(
+        "networks whose loopback, link-local, unspecified or multicast addresses an "
+        "answer may name (e.g. `[127.0.0.0/8]` for real servers on this host); others of "
+        "those are refused and counted, and an address of one of lbproxy's own listeners "
+        "(admin, DNS locator, virtual servers) always is",
+        default="none",
+    ),
 }
 
 _UDP_FIELDS: dict[str, Converter] = {

@@ -521,7 +521,7 @@ class Cluster:
         script = client.register_script(READ_ENTRIES)
         cursor, read = b"0", 0
         while True:
-            answer = await script(keys=[], args=[cursor, pattern, ENTRIES_STEP])
+            answer: list[Any] = await script(keys=[], args=[cursor, pattern, ENTRIES_STEP])
             cursor, rows = answer[0], answer[1:]
             found = len(rows) // 3
             room = self.max_entries - read
@@ -548,8 +548,8 @@ class Cluster:
         self._count_keys_script = script
         total = 0
         for _ in range(MAX_COUNT_STEPS):
-            answer = await script(keys=[], args=[cursor, pattern, COUNT_STEP])
-            cursor, found = answer[0], int(answer[1])
+            step: list[Any] = await script(keys=[], args=[cursor, pattern, COUNT_STEP])
+            cursor, found = step[0], int(step[1])
             total += found
             if cursor == b"0":
                 break

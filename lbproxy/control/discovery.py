@@ -15,12 +15,18 @@ silent resolver delays nothing but its own virtual server's next answer.
 
 While a removed server still has connections the task looks at it every LEAVING_POLL
 seconds, so that it disappears from the list shortly after its last connection closes.
+
+Each answer is screened (discovery_model.AddressPolicy): an address of one of this
+process's listeners is never used, nor a loopback, link-local, unspecified or multicast
+one outside `allow_addresses`. Whether an address is this host's (for a wildcard
+listener) is asked of the kernel: binding a socket to it succeeds only if it is.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import astuple
 from typing import Any, Protocol
@@ -34,12 +40,21 @@ import dns.resolver
 import dns.rrset
 import trio
 
-from lbproxy.config.model import DnsDiscoveryConfig, VirtualServerConfig
+from lbproxy.config.model import (
+    Address,
+    Config,
+    DnsDiscoveryConfig,
+    IPNetwork,
+    VirtualServerConfig,
+)
 from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.discovery_model import (
+    AddressPolicy,
     DiscoveryState,
+    IPAddress,
     Resolution,
     SrvRecord,
+    address_policy,
     best_records,
     resolution,
     servers_from_addresses,
@@ -94,12 +109,33 @@ class LastAnswer:
         return self.outcome
 
 
-async def resolve(config: DnsDiscoveryConfig, last: LastAnswer | None = None) -> Resolution:
+def is_local(ip: IPAddress) -> bool:
+    """Is `ip` an address of this host? (Binding to it succeeds only then.)"""
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(ip), 0))
+    except OSError:
+        return False
+    return True
+
+
+async def resolve(
+    config: DnsDiscoveryConfig, last: LastAnswer | None = None, policy: AddressPolicy | None = None
+) -> Resolution:
     """One round: the name's servers, or why there are none; never raises (but Cancelled).
 
-    `last` (the task's) gives back its Resolution when the answer is the same as last time.
+    `last` (the task's) gives back its Resolution when the answer and the policy are the
+    same as last time. `policy`: which addresses may be used (default: the special
+    addresses outside `allow_addresses` are refused; no listener is known).
     """
     last = last or LastAnswer()
+    policy = policy or AddressPolicy(config.allow_addresses)
+    locals_seen: dict[IPAddress, bool] = {}
+
+    def refuse(address: Address) -> str | None:
+        return policy.refusal(address, lambda ip: _cached(locals_seen, ip))
+
     try:
         resolver = make_resolver(config)
     except dns.exception.DNSException as exc:
@@ -128,9 +164,11 @@ async def resolve(config: DnsDiscoveryConfig, last: LastAnswer | None = None) ->
         port = config.port
         addresses = tuple(sorted(r.address for r in answer))
         return last.convert(
-            (addresses, config.max_servers),
+            (addresses, config.max_servers, policy),
             lambda: resolution(
-                *servers_from_addresses(addresses, port, last.addresses), config.max_servers
+                *servers_from_addresses(addresses, port, last.addresses),
+                config.max_servers,
+                refuse=refuse,
             ),
         )
     records, beyond = best_records(srv_records(answer.rrset), config.max_servers)
@@ -140,8 +178,17 @@ async def resolve(config: DnsDiscoveryConfig, last: LastAnswer | None = None) ->
         # Within the same round: a target not found by then keeps its name.
         with trio.move_on_at(deadline):
             await _lookup(resolver, missing, glued)
-    raw = (sorted(map(astuple, records)), sorted(glued.items()), beyond)
-    return last.convert(raw, lambda: resolution(*servers_from_srv(records, glued), beyond=beyond))
+    raw = (sorted(map(astuple, records)), sorted(glued.items()), beyond, policy)
+    return last.convert(
+        raw, lambda: resolution(*servers_from_srv(records, glued), beyond=beyond, refuse=refuse)
+    )
+
+
+def _cached(seen: dict[IPAddress, bool], ip: IPAddress) -> bool:
+    found = seen.get(ip)
+    if found is None:
+        found = seen[ip] = is_local(ip)
+    return found
 
 
 def srv_records(rrset: Iterable[Any]) -> list[SrvRecord]:
@@ -206,6 +253,10 @@ class DiscoveryTarget(Protocol):
     def apply_discovered(self, vs_name: str) -> list[str]: ...
 
     def discovered_active(self, vs_name: str, rs_name: str) -> int: ...
+
+    def discovery_policy(self, allow: tuple[IPNetwork, ...]) -> AddressPolicy:
+        """Which addresses an answer may name, for this process's listeners now."""
+        ...
 
 
 class Discoveries(Reconciler[str, DnsDiscoveryConfig]):
@@ -272,7 +323,8 @@ class Discoveries(Reconciler[str, DnsDiscoveryConfig]):
             started = trio.current_time()
             next_round = started + config.interval
             try:
-                outcome = await resolve(config, last)
+                policy = target.discovery_policy(config.allow_addresses)
+                outcome = await resolve(config, last, policy)
                 if state.record(outcome, trio.current_time()):
                     target.apply_discovered(vs_name)
                 # Removed servers with connections: drop each once its last one closed.
@@ -290,16 +342,16 @@ class Discoveries(Reconciler[str, DnsDiscoveryConfig]):
 # -- lbproxy check --resolve ----------------------------------------------------------
 
 
-async def resolve_all(
-    virtual_servers: Iterable[VirtualServerConfig],
-) -> list[tuple[VirtualServerConfig, Resolution]]:
-    """Resolve every discovery name once, all at once (`lbproxy check --resolve`)."""
+async def resolve_all(config: Config) -> list[tuple[VirtualServerConfig, Resolution]]:
+    """Resolve every discovery name once, all at once (`lbproxy check --resolve`), with
+    the address policy `config`'s listeners make."""
     found: dict[str, Resolution] = {}
-    servers = [vs for vs in virtual_servers if vs.discovery is not None]
+    servers = [vs for vs in config.virtual_servers if vs.discovery is not None]
 
     async def one(vs: VirtualServerConfig) -> None:
         assert vs.discovery is not None
-        found[vs.name] = await resolve(vs.discovery)
+        policy = address_policy(config, vs.discovery.allow_addresses)
+        found[vs.name] = await resolve(vs.discovery, policy=policy)
 
     async with trio.open_nursery() as nursery:
         for vs in servers:

@@ -22,6 +22,15 @@ PURE: no trio, no sockets, no clock — `DiscoveryState.record` takes `now`. The
   has connections and disappears with the last of them; a static server's name wins
   over a discovered one.
 
+- *Which addresses may be used* (`AddressPolicy`, SPEC §21): an answer comes from the
+  network, and a real server is where clients' bytes go. An address of one of this
+  process's own listeners (the admin endpoint, the DNS locator, a virtual server; a
+  wildcard listener is every local address on its port) is never used — a client would
+  reach the admin endpoint as a local peer; a loopback, link-local, unspecified or
+  multicast address only inside `allow_addresses`. Refused servers are left out of the
+  Resolution and listed in it with their reason; `DiscoveryState` counts them every
+  round and logs them once per change.
+
 The merged configuration is applied by the reload path (`Server.apply_discovered`,
 `Pool.reconfigure`), so added servers come online, removed ones drain and unchanged ones
 keep everything the pool keeps.
@@ -37,7 +46,9 @@ from dataclasses import dataclass, replace
 
 from lbproxy.config.model import (
     Address,
+    Config,
     DnsDiscoveryConfig,
+    IPNetwork,
     RealServerConfig,
     SnmpConfig,
     VirtualServerConfig,
@@ -47,6 +58,8 @@ from lbproxy.config.values import parse_address
 log = logging.getLogger("lbproxy.discovery_model")
 
 RESULTS = ("ok", "empty", "nxdomain", "error")  # lbproxy_discovery_resolutions_total
+# lbproxy_discovery_refused_total's reasons (AddressPolicy)
+REFUSALS = ("self", "loopback", "link_local", "unspecified", "multicast")
 MAX_UINT16 = 65535
 
 
@@ -68,6 +81,106 @@ class Resolution:
     servers: tuple[RealServerConfig, ...] = ()
     detail: str = ""  # why: an error, or the records skipped
     beyond: int = 0  # servers of the answer left out by `max_servers`
+    refused: tuple[tuple[str, str], ...] = ()  # (server name, REFUSALS reason), left out
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True, slots=True)
+class AddressPolicy:
+    """Which addresses of an answer may be real servers (SPEC §21).
+
+    `own`: the (address, port) of every listener of this process, addresses as
+    `ipaddress` objects; `wildcard_ports`: the ports of listeners bound to every
+    address (0.0.0.0, ::). `refusal` needs to know which addresses are this host's
+    (`is_local`: the caller asks the system; the unspecified and loopback addresses
+    are local without asking).
+    """
+
+    allow: tuple[IPNetwork, ...] = ()
+    own: frozenset[tuple[IPAddress, int]] = frozenset()
+    wildcard_ports: frozenset[int] = frozenset()
+
+    def refusal(self, address: Address, is_local: Callable[[IPAddress], bool]) -> str | None:
+        """Why `address` may not be used (one of REFUSALS), or None when it may."""
+        host = address.host
+        try:
+            ip = ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            # A host name, resolved when connecting; `localhost` names loopback there.
+            lower = host.lower().rstrip(".")
+            if lower == "localhost" or lower.endswith(".localhost"):
+                # 127.0.0.1 or ::1: a listener on either is refused; either allowed will do
+                port = address.port
+                reasons = {self._refusal(ip, port, is_local) for ip in (_LOOPBACK_V4, _LOOPBACK_V6)}
+                return "self" if "self" in reasons else None if None in reasons else "loopback"
+            return None
+        return self._refusal(ip, address.port, is_local)
+
+    def _refusal(
+        self, ip: IPAddress, port: int, is_local: Callable[[IPAddress], bool]
+    ) -> str | None:
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        special = _special(ip)
+        if (ip, port) in self.own:
+            return "self"
+        # A wildcard listener is every local address on its port; a connection to the
+        # unspecified address reaches whatever listens locally on the port.
+        wildcard = port in self.wildcard_ports
+        if special == "unspecified" and (wildcard or any(p == port for _, p in self.own)):
+            return "self"
+        local = special == "loopback" or (special in (None, "link_local") and is_local(ip))
+        if wildcard and local:
+            return "self"
+        if special is None or any(ip.version == net.version and ip in net for net in self.allow):
+            return None
+        return special
+
+
+_LOOPBACK_V4 = ipaddress.ip_address("127.0.0.1")
+_LOOPBACK_V6 = ipaddress.ip_address("::1")
+
+
+def _special(ip: IPAddress) -> str | None:
+    if ip.is_unspecified:
+        return "unspecified"
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link_local"
+    if ip.is_multicast:
+        return "multicast"
+    return None
+
+
+def address_policy(config: Config, allow: tuple[IPNetwork, ...]) -> AddressPolicy:
+    """The policy of a discovery block with `allow`, for the listeners `config` binds."""
+    addresses: list[Address] = []
+    admin = config.global_.admin.listen
+    if admin is not None:
+        addresses.append(admin)
+    if config.global_.locator.dns is not None:
+        addresses.append(config.global_.locator.dns.listen)
+    for vs in config.virtual_servers:
+        addresses.extend(vs.listen)
+    own: set[tuple[IPAddress, int]] = set()
+    wildcard: set[int] = set()
+    for address in addresses:
+        host = address.host
+        hosts = ("127.0.0.1", "::1") if host == "localhost" else (host,)
+        for text in hosts:
+            try:
+                ip = ipaddress.ip_address(text.split("%", 1)[0])
+            except ValueError:
+                continue
+            if ip.version == 6 and ip.ipv4_mapped is not None:
+                ip = ip.ipv4_mapped
+            if ip.is_unspecified:
+                wildcard.add(address.port)
+            own.add((ip, address.port))
+    return AddressPolicy(allow, frozenset(own), frozenset(wildcard))
 
 
 def target_host(target: str) -> str:
@@ -211,15 +324,28 @@ def resolution(
     skipped: list[str],
     max_servers: int | None = None,
     beyond: int = 0,
+    refuse: Callable[[Address], str | None] | None = None,
 ) -> Resolution:
-    """An answer's Resolution: `empty` when no record in it was usable. With
+    """An answer's Resolution: `empty` when no record in it was usable. Servers that
+    `refuse` names a reason for are left out and listed in `refused`. With
     `max_servers`, servers past it are left out (A/AAAA: the lowest addresses are kept,
     `servers` being sorted by address) and counted in `beyond`."""
+    refused: list[tuple[str, str]] = []
+    if refuse is not None:
+        kept = []
+        for rs in servers:
+            reason = refuse(rs.address)
+            if reason is None:
+                kept.append(rs)
+            else:
+                refused.append((rs.name, reason))
+        if refused:
+            servers = tuple(kept)
     detail = "skipped " + "; ".join(skipped) if skipped else ""
     if max_servers is not None and len(servers) > max_servers:
         beyond += len(servers) - max_servers
         servers = servers[:max_servers]
-    return Resolution("ok" if servers else "empty", servers, detail, beyond)
+    return Resolution("ok" if servers else "empty", servers, detail, beyond, tuple(refused))
 
 
 class DiscoveryState:
@@ -238,6 +364,8 @@ class DiscoveryState:
         self.leaving: set[str] = set()
         self.answered = False  # an ok answer came at least once
         self.results: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # by REFUSALS reason, every round
+        self._last_refused: tuple[tuple[str, str], ...] = ()
         self.error_streak = 0
         self.empty_since: float | None = None
         self._shadowed: set[str] = set()  # discovered names a static server has: warned
@@ -275,6 +403,7 @@ class DiscoveryState:
         if outcome.detail and outcome.detail != self._last_skipped:
             log.warning("%s: %s", self.what, outcome.detail)
         self._last_skipped = outcome.detail
+        self._count_refused(outcome.refused)
         if outcome.result == "ok":
             if outcome.beyond != self._last_beyond:  # once per change, not every round
                 if outcome.beyond:
@@ -315,6 +444,25 @@ class DiscoveryState:
             )
             return self._replace(())
         return False
+
+    def _count_refused(self, refused: tuple[tuple[str, str], ...]) -> None:
+        """Count this round's refused addresses; log them when they changed."""
+        for _, reason in refused:
+            self.refused[reason] += 1
+        if refused == self._last_refused:
+            return
+        self._last_refused = refused
+        if refused:
+            listed = ", ".join(f"{name} ({reason})" for name, reason in refused)
+            log.warning(
+                "%s: not using %s: %s (the process's own listeners are never used; "
+                "the others only inside discovery.dns.allow_addresses)",
+                self.what,
+                "this address" if len(refused) == 1 else f"these {len(refused)} addresses",
+                listed,
+            )
+        else:
+            log.info("%s: no address of the answer is refused any more", self.what)
 
     def _replace(self, servers: tuple[RealServerConfig, ...]) -> bool:
         if servers is self._applied:

@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from lbproxy.admin.api import TokenError, read_token, serve_admin
-from lbproxy.config.model import Address, Config, ConfigError, VirtualServerConfig
+from lbproxy.config.model import Address, Config, ConfigError, IPNetwork, VirtualServerConfig
 from lbproxy.config.reader import load
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.checks import HealthChecks, close_leases
@@ -32,6 +32,7 @@ from lbproxy.control.conditioning import Conditioners
 from lbproxy.control.discovery import Discoveries
 from lbproxy.control.snmp import SnmpPollers
 from lbproxy.control.throttle_monitor import Throttles
+from lbproxy.core.discovery_model import AddressPolicy, address_policy
 from lbproxy.core.pool import DISABLED, Pool, RealServer, state_error
 from lbproxy.dataplane import queue as waiting
 from lbproxy.dataplane.listener import BindError, Listener, listen_socket
@@ -116,6 +117,9 @@ class Server:
         self._dns_socks: tuple[socket.socket, socket.socket] | None = None
         self._endpoints = trio.CancelScope()  # the admin endpoint and the DNS locator
         self._upgrading = False
+        # discovery's address policies, per allow_addresses, for the configuration now
+        self._discovery_policies: tuple[Config | None, dict[tuple[IPNetwork, ...], AddressPolicy]]
+        self._discovery_policies = (None, {})
         # global.cluster (SPEC §18): runtime changes and persistence shared through Redis.
         # Not changed by a reload (like global.locator): it is this process's identity.
         cluster = config.global_.cluster
@@ -756,6 +760,16 @@ class Server:
             if self.cluster is not None:  # a server that came may have cluster changes
                 self.cluster.reapply()
         return changes
+
+    def discovery_policy(self, allow: tuple[IPNetwork, ...]) -> AddressPolicy:
+        """Which addresses discovery may use: none of this process's listeners."""
+        config, policies = self._discovery_policies
+        if config is not self.config:  # a reload: listeners may have changed
+            self._discovery_policies = (self.config, policies := {})
+        policy = policies.get(allow)
+        if policy is None:
+            policy = policies[allow] = address_policy(self.config, allow)
+        return policy
 
     def discovered_active(self, vs_name: str, rs_name: str) -> int:
         """Connections open to a discovered server (0 when it is not in the pool)."""

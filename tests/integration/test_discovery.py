@@ -52,6 +52,7 @@ def config(
     admin_port: int,
     dns: Dnsmasq,
     *,
+    allow: str = "[127.0.0.0/8, '::1/128']",
     name: str = SRV_NAME,
     record_type: str = "SRV",
     dns_port: int | None = None,
@@ -79,6 +80,7 @@ def config(
         f"        interval: {interval}",
         f"        hold: {hold}",
         "        timeout: 300ms",
+        *([f"        allow_addresses: {allow}"] if allow else []),  # real servers on loopback
     ]
     if static:
         lines.append("    real_servers:")
@@ -479,4 +481,57 @@ def test_higher_srv_priorities_serve_only_while_the_primaries_are_down(lbproxy, 
         assert picks(port, 3) == {"a": 3}
     finally:
         for server in servers:
+            server.stop()
+
+
+# -- addresses that are never (or not by default) used (SPEC §21) ------------------------
+
+
+def refused(admin_port: int, reason: str) -> float:
+    return sample(
+        metrics(admin_port), "lbproxy_discovery_refused_total", virtual_server="web", reason=reason
+    )
+
+
+def test_an_answer_naming_the_admin_endpoint_is_never_used(name_servers, lbproxy, dnsmasq):
+    a = name_servers("a")[0]
+    port, admin_port = free_port(), free_port()
+    records = {SRV_NAME: [(0, 1, a.port, "a.node.test"), (0, 1, admin_port, "admin.node.test"),
+                          (0, 1, port, "loop.node.test")]}  # fmt: skip
+    hosts = {"a.node.test": ["127.0.0.1"], "admin.node.test": ["127.0.0.1"],
+             "loop.node.test": ["127.0.0.1"]}  # fmt: skip
+    dns = dnsmasq(srv=records, hosts=hosts)
+    proxy = lbproxy(config(port, admin_port, dns))  # 127.0.0.0/8 allowed: still refused
+    wait_for_names(admin_port, {f"a.node.test:{a.port}"})
+    wait_for(lambda: refused(admin_port, "self") >= 2, 5.0, "the admin endpoint and the listener")
+    for _ in range(10):  # a client never reaches the admin endpoint (nor loops back)
+        assert ask_name(port) == "a"
+    rounds = refused(admin_port, "self")
+    # several rounds more (150 ms each): one warning for the change, not one a round
+    wait_for(lambda: refused(admin_port, "self") >= rounds + 6, 5.0, "three more rounds")
+    log = proxy.log()
+    assert log.count("not using these 2 addresses") == 1, log
+    assert f"admin.node.test:{admin_port} (self)" in log and f"loop.node.test:{port} (self)" in log
+    assert refused(admin_port, "loopback") == 0
+
+
+def test_loopback_answers_are_refused_unless_allowed(lbproxy, dnsmasq, tmp_path):
+    web_port = free_port()
+    backends = [NameServer("n2", port=web_port, host="127.0.0.2")]
+    try:
+        dns = dnsmasq(hosts={A_NAME: ["127.0.0.2", "169.254.0.9", "224.0.0.9", "0.0.0.0"]})
+        port, admin_port = free_port(), free_port()
+        settings = dict(record_type="A", name=A_NAME, dns_port=web_port, allow="")
+        proxy = lbproxy(config(port, admin_port, dns, **settings))
+        wait_for(lambda: refused(admin_port, "loopback") >= 1, 5.0, "a refusal")
+        assert servers_of(admin_port) == {}
+        for reason in ("link_local", "multicast", "unspecified"):
+            assert refused(admin_port, reason) >= 1
+        assert f"127.0.0.2:{web_port} (loopback)" in proxy.log()
+        # allowed: the loopback server is used; the others still are not
+        proxy.reload(config(port, admin_port, dns, **{**settings, "allow": "[127.0.0.0/8]"}))
+        wait_for_names(admin_port, {f"127.0.0.2:{web_port}"})
+        assert ask_name(port) == "n2"
+    finally:
+        for server in backends:
             server.stop()

@@ -148,6 +148,7 @@ virtual_servers:
         resolvers: [127.0.0.1:{responder.port}]
         interval: 1s
         timeout: 5s
+        allow_addresses: [127.0.0.0/8]
 """)
         wanted = expected_kept(1000)
 

@@ -3,6 +3,7 @@ dnspython's asynchronous resolver on trio, each result class, and the round's bo
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 from dataclasses import replace
@@ -13,7 +14,7 @@ import dns.rcode
 import pytest
 import trio
 
-from lbproxy.config.model import Address, DnsDiscoveryConfig
+from lbproxy.config.model import Address, Config, DnsDiscoveryConfig
 from lbproxy.control.discovery import resolve, resolve_all
 from lbproxy.core.discovery_model import Resolution
 from tests.factories import virtual_server
@@ -44,9 +45,13 @@ def dns_server(tmp_path_factory):
     server.stop()
 
 
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+
+
 def dns_config(server: Dnsmasq, name: str, record_type: str = "SRV", **options):
     port = options.pop("port", None if record_type == "SRV" else 80)
     resolvers = options.pop("resolvers", (Address("127.0.0.1", server.port),))
+    options.setdefault("allow_addresses", LOOPBACK)  # the test's servers are on loopback
     return DnsDiscoveryConfig(
         name=name, type=record_type, port=port, resolvers=resolvers, timeout=1.0, **options
     )
@@ -140,7 +145,7 @@ def test_check_resolve_asks_every_virtual_server_at_once(dns_server):
 
         async def main():
             start = trio.current_time()
-            found = await resolve_all(servers)
+            found = await resolve_all(Config(virtual_servers=tuple(servers)))
             return found, trio.current_time() - start
 
         found, elapsed = trio.run(main)

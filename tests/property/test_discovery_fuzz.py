@@ -157,3 +157,27 @@ def test_answers_read_through_the_wire_give_usable_servers(message):
         host = rs.name.rpartition(":")[0]
         if host in addresses:
             assert rs.address.host == addresses[host]
+
+
+@given(
+    st.ip_addresses().map(str) | st.text(max_size=30),
+    st.integers(1, 65535),
+    st.lists(st.ip_addresses(), max_size=4),
+    st.lists(st.integers(1, 65535), max_size=3),
+    st.booleans(),
+)
+@example("::ffff:127.0.0.1", 9100, [ipaddress.ip_address("127.0.0.1")], [], False)
+@example("localhost", 80, [], [80], True)
+def test_the_address_policy_answers_for_any_address(host, port, own, wildcard, local):
+    """Any address an answer can bring gets a verdict; none raises. An address of a
+    listener is refused whatever `allow_addresses` says."""
+    from lbproxy.config.model import Address
+    from lbproxy.core.discovery_model import REFUSALS, AddressPolicy
+
+    everything = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+    listeners = frozenset((ip, port) for ip in own)
+    policy = AddressPolicy(everything, listeners, frozenset(wildcard))
+    verdict = policy.refusal(Address(host, port), lambda ip: local)
+    assert verdict is None or verdict in REFUSALS
+    if listeners and not (own[0].version == 6 and own[0].ipv4_mapped):
+        assert verdict == "self" or host != str(own[0])

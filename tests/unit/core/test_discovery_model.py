@@ -398,3 +398,99 @@ def test_an_address_answer_beyond_max_servers_keeps_the_lowest_addresses():
     outcome = resolution(*servers, max_servers=2)
     assert [rs.name for rs in outcome.servers] == ["10.0.0.1:80", "10.0.0.2:80"]
     assert outcome.beyond == 1
+
+
+# -- the address policy (SPEC §21) --------------------------------------------------------
+
+
+def _policy_config(*listens: str, admin: str = "127.0.0.1:9100", dns: str | None = None):
+    from lbproxy.config.model import AdminConfig, Config, DnsLocatorConfig, GlobalConfig
+    from lbproxy.config.model import LocatorConfig as Locator
+    from lbproxy.config.values import parse_address
+
+    vs = virtual_server("rr", {})
+    locator = Locator(DnsLocatorConfig(listen=parse_address(dns))) if dns else Locator()
+    return Config(
+        GlobalConfig(admin=AdminConfig(listen=parse_address(admin)), locator=locator),
+        tuple(
+            replace(vs, name=f"vs{i}", listen=(parse_address(text),))
+            for i, text in enumerate(listens)
+        ),
+    )
+
+
+THIS_HOST = {"10.1.2.3", "fe80::1"}
+
+
+def _refusal(policy, text: str) -> str | None:
+    from ipaddress import ip_address
+
+    from lbproxy.config.values import parse_address
+
+    return policy.refusal(
+        parse_address(text), lambda ip: str(ip) in THIS_HOST or ip == ip_address("10.1.2.3")
+    )
+
+
+@pytest.mark.parametrize(
+    ("address", "allowed", "expected"),
+    [
+        ("10.0.0.5:80", (), None),
+        ("127.0.0.1:80", (), "loopback"),
+        ("127.0.0.1:80", ("127.0.0.0/8",), None),
+        ("[::1]:80", (), "loopback"),
+        ("[::ffff:127.0.0.1]:80", (), "loopback"),  # an IPv4-mapped loopback is loopback
+        ("169.254.1.1:80", (), "link_local"),
+        ("[fe80::2]:80", (), "link_local"),
+        ("224.0.0.1:80", (), "multicast"),
+        ("0.0.0.0:80", (), "unspecified"),
+        ("localhost:80", (), "loopback"),  # resolved when connecting: to loopback
+        ("db.localhost:80", ("127.0.0.0/8",), None),
+        ("web.internal:80", (), None),  # a name: resolved when connecting
+        # the admin endpoint (127.0.0.1:9100) and the DNS locator (127.0.0.1:5353): never
+        ("127.0.0.1:9100", ("127.0.0.0/8",), "self"),
+        ("[::ffff:127.0.0.1]:9100", ("0.0.0.0/0",), "self"),
+        ("localhost:9100", ("127.0.0.0/8", "::1/128"), "self"),
+        ("0.0.0.0:9100", ("0.0.0.0/0",), "self"),  # a connection to it reaches 127.0.0.1
+        ("127.0.0.1:5353", ("127.0.0.0/8",), "self"),
+        ("127.0.0.2:9100", ("127.0.0.0/8",), None),  # another address: not the listener
+        # a wildcard listener (0.0.0.0:8080) is every local address on its port
+        ("10.1.2.3:8080", (), "self"),
+        ("10.9.9.9:8080", (), None),  # not this host's
+        ("127.0.0.5:8080", ("127.0.0.0/8",), "self"),
+        ("[fe80::1]:8080", ("fe80::/10",), "self"),
+        ("10.1.2.3:8081", (), None),
+        ("10.1.2.4:443", (), None),
+        ("10.1.2.3:443", (), "self"),  # the listener 10.1.2.3:443 itself
+    ],
+)
+def test_which_addresses_discovery_may_use(address, allowed, expected):
+    import ipaddress
+
+    from lbproxy.core.discovery_model import address_policy
+
+    config = _policy_config("0.0.0.0:8080", "10.1.2.3:443", dns="127.0.0.1:5353")
+    policy = address_policy(config, tuple(ipaddress.ip_network(n) for n in allowed))
+    assert _refusal(policy, address) == expected
+
+
+def test_refused_servers_are_left_out_counted_every_round_and_logged_once(caplog):
+    import ipaddress
+
+    from lbproxy.core.discovery_model import AddressPolicy
+
+    caplog.set_level(logging.INFO, logger="lbproxy.discovery_model")
+    policy = AddressPolicy((ipaddress.ip_network("127.0.0.0/8"),),
+                           frozenset({(ipaddress.ip_address("127.0.0.1"), 9100)}))  # fmt: skip
+    servers, _ = servers_from_addresses(["127.0.0.1", "127.0.0.2", "169.254.0.1"], 9100)
+    outcome = resolution(servers, [], refuse=lambda a: policy.refusal(a, lambda ip: False))
+    assert [rs.name for rs in outcome.servers] == ["127.0.0.2:9100"]
+    assert outcome.refused == (("127.0.0.1:9100", "self"), ("169.254.0.1:9100", "link_local"))
+    state = DiscoveryState("web", DnsDiscoveryConfig("web.test", type="A", port=9100))
+    for now in range(3):
+        state.record(outcome, float(now))
+    assert dict(state.refused) == {"self": 3, "link_local": 3}
+    warnings = [r.getMessage() for r in caplog.records if "not using" in r.getMessage()]
+    assert len(warnings) == 1 and "127.0.0.1:9100 (self)" in warnings[0]
+    state.record(resolution(servers[1:2], []), 4.0)  # the refused ones left the answer
+    assert any("no address of the answer is refused" in r.getMessage() for r in caplog.records)

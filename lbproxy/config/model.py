@@ -91,7 +91,9 @@ class DnsLocatorConfig:
     ttl: int = 0  # of every answer; 0 = ask again each time
     allow: tuple[IPNetwork, ...] = DNS_ALLOW_DEFAULT  # other sources: REFUSED, no pick
     rate_limit: DnsRateLimitConfig = DnsRateLimitConfig()
-    tcp_clients_per_source: int = 8  # concurrent TCP clients of one address
+    tcp_clients_per_source: int = 16  # concurrent TCP clients of one /24 (IPv6: /56)
+    tcp_idle_timeout: float = 10.0  # to read a message, and to wait for the next one
+    tcp_lifetime: float = 60.0  # a TCP client is closed this long after it connected
 
 
 @dataclass(frozen=True, slots=True)

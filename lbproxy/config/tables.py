@@ -415,13 +415,23 @@ _DNS_LOCATOR_FIELDS: dict[str, Converter] = {
     ),
     "ttl": _integer(0, 2**31 - 1).about("TTL of every answer, seconds (0 = ask again each time)"),
     "allow": _networks.about(
-        "source networks that may ask; any other source is answered REFUSED (no pick is made)",
+        "source networks that may ask; any other source is answered REFUSED over UDP (no "
+        "pick is made) and closed before a byte is read over TCP",
         default="`127.0.0.0/8`, `::1/128`, `10.0.0.0/8`, `172.16.0.0/12`, "
         "`192.168.0.0/16`, `fc00::/7`",
     ),
     "tcp_clients_per_source": _integer(1).about(
-        "concurrent TCP clients from one address (beside the limit of 64 in all); more "
-        "are closed at once"
+        "concurrent TCP clients from one source prefix, /24 for IPv4 and /56 for IPv6 as "
+        "rate limiting counts them (beside the limit of 64 in all); more are closed at "
+        "once, before a byte is read"
+    ),
+    "tcp_idle_timeout": _duration(positive=True).about(
+        "a TCP client must send each whole query within this, and the next one within "
+        "this after an answer (BIND's and Unbound's `tcp-idle-timeout`)"
+    ),
+    "tcp_lifetime": _duration(positive=True).about(
+        "a TCP client is closed this long after it connected, however busy (its answer "
+        "in progress cut): no client holds one of the 64 places for ever"
     ),
 }
 

@@ -12,12 +12,16 @@ them per one-second window; over it a query is dropped, except that every `slip`
 dropped one is answered empty with TC=1 so that a real client (whose address is not
 spoofed) asks again over TCP, where no limit applies (a TCP client has proven its
 address). Windows are whole seconds of `now`, as BIND's per-second counts: the answers
-one prefix gets in any window never exceed the limit.
+one prefix gets in any window never exceed the limit. At most MAX_PREFIXES prefixes
+are remembered; a new one beyond that forgets the least recently seen (BIND's
+`max-table-size` recycles the oldest entries too), so a flood of spoofed prefixes
+cannot reset the count of a source that keeps asking.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from lbproxy.config.model import IPNetwork
@@ -29,7 +33,7 @@ SLIP = "slip"  # answer empty with TC=1
 
 IPV4_PREFIX = 24
 IPV6_PREFIX = 56
-MAX_PREFIXES = 65536  # prefixes remembered; beyond it the old windows are forgotten
+MAX_PREFIXES = 65536  # prefixes remembered; beyond it the least recently seen goes
 _ACL_CACHE = 4096  # source addresses whose ACL verdict is kept
 
 
@@ -40,8 +44,9 @@ class SourcePolicy:
         self.allow = tuple(allow)
         self.responses_per_second = responses_per_second
         self.slip = slip
-        # prefix -> [window (whole second), answers in it, dropped in it]
-        self._windows: dict[tuple[int, int], list[int]] = {}
+        # prefix -> [window (whole second), answers in it, dropped in it], the least
+        # recently seen first
+        self._windows: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
         self._allowed: dict[str, bool] = {}
 
     def allowed(self, host: str) -> bool:
@@ -68,13 +73,18 @@ class SourcePolicy:
         outcome = ANSWER if self.allowed(host) else REFUSE
         if self.responses_per_second <= 0:
             return outcome
-        key = _prefix(host)
+        key = source_prefix(host)
         second = int(now)
-        window = self._windows.get(key)
-        if window is None or window[0] != second:
-            if window is None and len(self._windows) >= MAX_PREFIXES:
-                self._forget(second)
-            window = self._windows[key] = [second, 0, 0]
+        windows = self._windows
+        window = windows.get(key)
+        if window is None:
+            if len(windows) >= MAX_PREFIXES:
+                windows.popitem(last=False)
+            window = windows[key] = [second, 0, 0]
+        else:
+            windows.move_to_end(key)
+            if window[0] != second:
+                window[0], window[1], window[2] = second, 0, 0
         if window[1] < self.responses_per_second:
             window[1] += 1
             return outcome
@@ -83,14 +93,15 @@ class SourcePolicy:
             return SLIP
         return DROP
 
-    def _forget(self, second: int) -> None:
-        self._windows = {k: w for k, w in self._windows.items() if w[0] == second}
-        if len(self._windows) >= MAX_PREFIXES:  # a flood of this very second's prefixes
-            self._windows.clear()
+    @property
+    def prefixes(self) -> int:
+        """Prefixes remembered now (at most MAX_PREFIXES)."""
+        return len(self._windows)
 
 
-def _prefix(host: str) -> tuple[int, int]:
-    """(version, prefix) of an address: its /24 (IPv4) or /56 (IPv6)."""
+def source_prefix(host: str) -> tuple[int, int]:
+    """(version, prefix) of an address: its /24 (IPv4) or /56 (IPv6); rate limiting
+    and the DNS locator's cap of TCP clients count by it."""
     try:
         ip = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:

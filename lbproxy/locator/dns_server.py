@@ -13,14 +13,18 @@ Defences, so that no client disturbs another or the proxy:
   datagrams, so a flood shares the CPU with the proxied connections instead of
   starving them. What the
   socket buffer cannot hold the kernel drops, as any DNS server under a flood does.
-- TCP (RFC 7766): 2-byte length framing, several queries per connection; every read of
-  one message must complete within TCP_TIMEOUT (a client that sends half a message and
-  stalls is closed, and never blocks another: one task per client); at most
-  MAX_TCP_CLIENTS at once and `tcp_clients_per_source` from one address, more are
-  closed at once (counted in this module's bookkeeping, not in the accept call, so
-  the accept loop itself may move).
-- Who may ask, and how often (SPEC §16, dns_rate_limit.py): a source outside
-  `allow` is answered REFUSED, over UDP and TCP; UDP answers are rate limited per
+- TCP (RFC 7766): 2-byte length framing, several queries per connection. A source
+  outside `allow` is closed at accept, before a byte is read; at most MAX_TCP_CLIENTS
+  at once and `tcp_clients_per_source` from one source prefix (/24, /56: the prefixes
+  rate limiting counts), more are closed at once (counted in this module's
+  bookkeeping, not in the accept call, so the accept loop itself may move). A client
+  has `tcp_idle_timeout` to begin each query (BIND's and Unbound's tcp-idle-timeout,
+  Knot's tcp-idle-timeout), TCP_IO_TIMEOUT to finish sending it once begun and to
+  take its answer (Knot's tcp-io-timeout: a client that sends half a message and
+  stalls is closed, and never blocks another: one task per client), and
+  `tcp_lifetime` in all: a busy client cannot keep its place for ever.
+- Who may ask, and how often (SPEC §16, dns_rate_limit.py): a UDP query from a
+  source outside `allow` is answered REFUSED; UDP answers are rate limited per
   source prefix (BIND's RRL). Both are decided before the query is answered, so a
   refused or rate-limited query makes no pick and counts nothing but its rcode.
 """
@@ -36,13 +40,13 @@ import trio
 from lbproxy.config.model import Address, DnsLocatorConfig
 from lbproxy.core.pool import Pool
 from lbproxy.locator.dns_answers import UDP_PAYLOAD, QueryHandler
-from lbproxy.locator.dns_rate_limit import ANSWER, REFUSE, SLIP, SourcePolicy
+from lbproxy.locator.dns_rate_limit import ANSWER, REFUSE, SLIP, SourcePolicy, source_prefix
 from lbproxy.net.accept import AcceptErrors, Spawn, accept_loop
 from lbproxy.net.barrier import record
 
 log = logging.getLogger("lbproxy.locator")
 
-TCP_TIMEOUT = 2.0  # seconds to read one length-framed message (and to wait for the next)
+TCP_IO_TIMEOUT = 2.0  # seconds to read the rest of a message once begun, and to send one
 MAX_TCP_CLIENTS = 64
 MAX_TCP_MESSAGE = 65535  # what the 2-byte length allows
 UDP_RECEIVE = 65535
@@ -62,7 +66,7 @@ class DnsLocator:
         )
         self.handler.on_error = _locate_failed
         self.tcp_clients = 0
-        self.tcp_per_source: dict[str, int] = {}
+        self.tcp_per_source: dict[tuple[int, int], int] = {}  # by source prefix
         self._index: dict[str, str] = {}  # lower-case virtual-server name -> its name
         self._index_size = -1
         self._index_built = float("-inf")
@@ -185,62 +189,64 @@ class DnsLocator:
 
     def accept_client(self, fd: int, peer: tuple, spawn: Spawn) -> None:
         """Called by the accept loop for each TCP client: admitted, it gets a task."""
-        client = trio.socket.from_stdlib_socket(socket.socket(fileno=fd))
-        if not self._admit_tcp(peer[0]):
-            client.close()
+        host = peer[0]
+        prefix = source_prefix(host)
+        if not self.policy.allowed(host) or not self._admit_tcp(prefix):
+            socket.socket(fileno=fd).close()  # before a byte is read
             return
-        spawn(self._tcp_client, client, peer)
+        client = trio.socket.from_stdlib_socket(socket.socket(fileno=fd))
+        spawn(self._tcp_client, client, peer, prefix)
 
-    def _admit_tcp(self, host: str) -> bool:
-        """Count a new TCP client of `host` in, or False when a limit is reached."""
-        from_host = self.tcp_per_source.get(host, 0)
-        if self.tcp_clients >= MAX_TCP_CLIENTS or from_host >= self.config.tcp_clients_per_source:
+    def _admit_tcp(self, prefix: tuple[int, int]) -> bool:
+        """Count a new TCP client of `prefix` in, or False when a limit is reached."""
+        from_prefix = self.tcp_per_source.get(prefix, 0)
+        if self.tcp_clients >= MAX_TCP_CLIENTS or from_prefix >= self.config.tcp_clients_per_source:
             return False
         self.tcp_clients += 1
-        self.tcp_per_source[host] = from_host + 1
+        self.tcp_per_source[prefix] = from_prefix + 1
         return True
 
-    def _release_tcp(self, host: str) -> None:
+    def _release_tcp(self, prefix: tuple[int, int]) -> None:
         self.tcp_clients -= 1
-        left = self.tcp_per_source[host] - 1
+        left = self.tcp_per_source[prefix] - 1
         if left:
-            self.tcp_per_source[host] = left
+            self.tcp_per_source[prefix] = left
         else:
-            del self.tcp_per_source[host]
+            del self.tcp_per_source[prefix]
 
-    async def _tcp_client(self, client: trio.socket.SocketType, peer: tuple) -> None:
+    async def _tcp_client(
+        self, client: trio.socket.SocketType, peer: tuple, prefix: tuple[int, int]
+    ) -> None:
         stream = trio.SocketStream(client)
         try:
             async with stream:
-                while True:
-                    message = None
-                    with trio.move_on_after(TCP_TIMEOUT):
-                        message = await _read_message(stream)
-                    if message is None:  # end of file, a timeout, or half a message
-                        return
-                    now = trio.current_time()
-                    if self.policy.allowed(peer[0]):  # no rate limit: TCP proves the address
-                        answer = self.handler.handle(message, now, MAX_TCP_MESSAGE, peer)
-                    else:
-                        answer = self.handler.refuse(message, MAX_TCP_MESSAGE)
-                    if answer is None:
-                        return
-                    with trio.move_on_after(TCP_TIMEOUT):  # a client that reads nothing
-                        await stream.send_all(len(answer).to_bytes(2, "big") + answer)
-                        continue
-                    return
+                with trio.move_on_after(self.config.tcp_lifetime):
+                    await self._tcp_queries(stream, peer)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("DNS TCP client: %s", exc)
         finally:
-            self._release_tcp(peer[0])
+            self._release_tcp(prefix)
 
-
-async def _read_message(stream: trio.SocketStream) -> bytes | None:
-    """One length-framed message (RFC 1035 4.2.2), or None at end of file."""
-    size = await _read_exactly(stream, 2)
-    if size is None:
-        return None
-    return await _read_exactly(stream, int.from_bytes(size, "big"))
+    async def _tcp_queries(self, stream: trio.SocketStream, peer: tuple) -> None:
+        """Answer one TCP client's queries (no rate limit: TCP proves the address) until
+        it closes, idles or stalls."""
+        while True:
+            size = message = None
+            with trio.move_on_after(self.config.tcp_idle_timeout):
+                size = await _read_exactly(stream, 2)
+            if size is None:  # end of file, or idle too long
+                return
+            with trio.move_on_after(TCP_IO_TIMEOUT):
+                message = await _read_exactly(stream, int.from_bytes(size, "big"))
+            if message is None:  # end of file, or half a message
+                return
+            answer = self.handler.handle(message, trio.current_time(), MAX_TCP_MESSAGE, peer)
+            if answer is None:
+                return
+            with trio.move_on_after(TCP_IO_TIMEOUT):  # a client that reads nothing
+                await stream.send_all(len(answer).to_bytes(2, "big") + answer)
+                continue
+            return
 
 
 async def _read_exactly(stream: trio.SocketStream, n: int) -> bytes | None:

@@ -1,7 +1,8 @@
-"""The DNS locator's defences through a real `lbproxy run` (SPEC §16, issue 21 item 4):
-the source ACL (REFUSED, no pick), the client's EDNS size (TC=1 and a retry over TCP by
-real `dig`), response rate limiting per source prefix under a bounded flood from many
-loopback sources, and the per-source cap on TCP clients."""
+"""The DNS locator's defences through a real `lbproxy run` (SPEC §16, §21): the source
+ACL (REFUSED over UDP, no pick; closed before a byte is read over TCP), the client's
+EDNS size (TC=1 and a retry over TCP by real `dig`), response rate limiting per source
+prefix under a bounded flood from many loopback sources, and the TCP clients' bounds:
+per source prefix, idle and in all."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import dns.rcode
 import pytest
 
 from tests import tools
-from tests.integration.harness import ask_name, free_port
+from tests.integration.harness import ask_name, free_port, wait_for
 from tests.integration.test_admin import metrics, sample
 
 DIG = shutil.which("dig")
@@ -83,9 +84,16 @@ def test_a_source_not_allowed_is_refused_and_moves_nothing(name_servers, lbproxy
     admin, dns_port, proxy = free_port(), free_port(), free_port()
     lbproxy(config(admin, dns_port, proxy, a.port, "      allow: [10.0.0.0/8]"))
     assert status_of(dig(dns_port, "+notcp", "db.lb.internal", "A")) == "REFUSED"
-    assert status_of(dig(dns_port, "+tcp", "_db._tcp.lb.internal", "SRV")) == "REFUSED"
+    over_tcp = dig(dns_port, "+tcp", "_db._tcp.lb.internal", "SRV")
+    assert "status:" not in over_tcp  # no answer: the connection was closed
+    # closed at accept, before a byte is read: a client that sends nothing sees the end
+    # at once (not after an idle timeout), and a query sent gets no answer
+    with socket.create_connection(("127.0.0.1", dns_port), timeout=5) as client:
+        started = time.monotonic()
+        assert client.recv(10) == b""
+        assert time.monotonic() - started < 1.0
     samples = metrics(admin)
-    assert sample(samples, "lbproxy_dns_queries_total", rcode="REFUSED") == 2
+    assert sample(samples, "lbproxy_dns_queries_total", rcode="REFUSED") == 1  # the UDP one
     assert answers_counted(admin) == 0  # no pick, no answer counted
     assert sample(samples, "lbproxy_persistence_entries", virtual_server="db") == 0
 
@@ -207,22 +215,65 @@ def test_a_flood_from_many_sources_is_held_to_the_rate_per_prefix(name_servers, 
     assert len(proxied) >= 20, len(proxied)
 
 
-def test_tcp_clients_are_capped_per_source(name_servers, lbproxy):
+def connect_from(source: str, port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def answered(sock: socket.socket) -> bool:
+    """A query over an open TCP connection: answered with a record?"""
+    wire = dns.message.make_query("db.lb.internal.", "A").to_wire()
+    sock.sendall(len(wire).to_bytes(2, "big") + wire)
+    size = sock.recv(2)
+    if len(size) < 2:
+        return False
+    data = b""
+    while len(data) < int.from_bytes(size, "big"):
+        chunk = sock.recv(65535)
+        if not chunk:
+            return False
+        data += chunk
+    return bool(dns.message.from_wire(data).answer)
+
+
+def test_tcp_clients_are_capped_per_source_prefix(name_servers, lbproxy):
     (a,) = name_servers("a")
     admin, dns_port, proxy = free_port(), free_port(), free_port()
     lbproxy(config(admin, dns_port, proxy, a.port, "      tcp_clients_per_source: 3"))
-    query = dns.message.make_query("db.lb.internal.", "A")
     held = []
     try:
-        for _ in range(3):
-            held.append(socket.create_connection(("127.0.0.1", dns_port), timeout=5))
-        time.sleep(0.2)
-        with socket.create_connection(("127.0.0.1", dns_port), timeout=5) as extra:
-            assert extra.recv(10) == b""  # the 4th from 127.0.0.1 is closed at once
-        other = dns.query.tcp(query, "127.0.0.1", port=dns_port, timeout=2, source="127.0.0.2")
-        assert other.rcode() == dns.rcode.NOERROR and other.answer  # another source is not
+        # three from one /24 (other addresses in it count with it)
+        for source in ("127.0.0.1", "127.0.0.2", "127.0.0.3"):
+            held.append(connect_from(source, dns_port))
+            assert answered(held[-1])  # admitted, and counted before the next
+        with connect_from("127.0.0.4", dns_port) as extra:  # the 4th of 127.0.0.0/24
+            assert extra.recv(10) == b""  # closed at once
+        with connect_from("127.0.1.2", dns_port) as other:  # another /24 is not
+            assert answered(other)
     finally:
         for sock in held:
             sock.close()
-    time.sleep(0.3)
-    assert dns.query.tcp(query, "127.0.0.1", port=dns_port, timeout=2).answer
+    # their places are given back when they close
+    wait_for(lambda: answered_once(dns_port, "127.0.0.9"), 5.0, "a place in 127.0.0.0/24")
+
+
+def answered_once(port: int, source: str) -> bool:
+    with connect_from(source, port) as sock:
+        return answered(sock)
+
+
+def test_a_tcp_client_is_closed_when_idle_and_after_its_lifetime(name_servers, lbproxy):
+    (a,) = name_servers("a")
+    admin, dns_port, proxy = free_port(), free_port(), free_port()
+    limits = "      tcp_idle_timeout: 500ms\n      tcp_lifetime: 2s"
+    lbproxy(config(admin, dns_port, proxy, a.port, limits))
+    with socket.create_connection(("127.0.0.1", dns_port), timeout=10) as idle:
+        started = time.monotonic()
+        assert idle.recv(10) == b""  # nothing sent: closed after the idle timeout
+        assert 0.3 < time.monotonic() - started < 1.8
+    with socket.create_connection(("127.0.0.1", dns_port), timeout=10) as busy:
+        started = time.monotonic()
+        deadline = started + 10  # bounded: a query every 200 ms, never idle
+        while time.monotonic() < deadline and answered(busy):
+            time.sleep(0.2)  # the client's pace (less than the idle timeout), not a wait
+        lived = time.monotonic() - started
+        assert 1.8 < lived < 3.5, lived  # closed at its lifetime, busy as it was

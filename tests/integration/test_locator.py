@@ -420,11 +420,11 @@ def test_tcp_clients_are_limited_and_the_limit_frees_up(locator):
     query = dns.message.make_query("db.lb.internal.", "A")
     held = []
     try:
-        for i in range(64):  # MAX_TCP_CLIENTS, each silent, 8 per source (the cap)
-            source = (f"127.0.1.{i // 8 + 1}", 0)
+        for i in range(64):  # MAX_TCP_CLIENTS, each silent, 8 per /24 (the cap is 16)
+            source = (f"127.{i // 8 + 1}.0.{i % 8 + 1}", 0)
             held.append(socket.create_connection(("127.0.0.1", dns_port), 5, source))
         time.sleep(0.2)
-        with socket.create_connection(("127.0.0.1", dns_port), 5, ("127.0.2.1", 0)) as extra:
+        with socket.create_connection(("127.0.0.1", dns_port), 5, ("127.20.0.1", 0)) as extra:
             assert extra.recv(10) == b""  # the 65th is closed at once, from a new source
         assert dns.query.udp(query, "127.0.0.1", port=dns_port, timeout=2).answer
     finally:

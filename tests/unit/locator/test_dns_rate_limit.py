@@ -35,3 +35,44 @@ def test_ipv6_prefixes_are_56_bits_and_zero_turns_it_off():
     assert policy.verdict("fd00:0:0:100::1", 0.0) == ANSWER  # another /56
     unlimited = SourcePolicy(DNS_ALLOW_DEFAULT, 0, 2)
     assert {unlimited.verdict("127.0.0.1", 0.0) for _ in range(1000)} == {ANSWER}
+
+
+EVERYWHERE = (ipaddress.ip_network("0.0.0.0/0"),)
+
+
+def other(i: int) -> str:
+    """An address in the `i`-th /24 from 11.0.0.0."""
+    return f"{11 + (i >> 16)}.{i >> 8 & 255}.{i & 255}.1"
+
+
+def test_a_flood_of_other_prefixes_does_not_reset_a_limited_source():
+    """The table forgets the least recently seen prefix, not all of them: 65,536 and
+    more other prefixes (spoofed sources, within one second) leave a source that keeps
+    asking counted, and still limited."""
+    from lbproxy.locator.dns_rate_limit import MAX_PREFIXES
+
+    policy = SourcePolicy(EVERYWHERE, 5, 0)
+    attacker = "10.200.0.1"
+    assert [policy.verdict(attacker, 7.0) for _ in range(5)] == [ANSWER] * 5
+    verdicts = []
+    for i in range(MAX_PREFIXES + 5000):  # others, each a /24 of its own, same second
+        assert policy.verdict(other(i), 7.5) == ANSWER
+        if i % 1000 == 0:
+            verdicts.append(policy.verdict(attacker, 7.5))
+    assert set(verdicts) == {DROP}  # its count survived every eviction
+    assert policy.prefixes == MAX_PREFIXES
+    assert policy.verdict(attacker, 8.0) == ANSWER  # a new second: a new window
+
+
+def test_a_prefix_not_seen_for_longest_is_the_one_forgotten():
+    from lbproxy.locator.dns_rate_limit import MAX_PREFIXES
+
+    policy = SourcePolicy(EVERYWHERE, 1, 0)
+    assert policy.verdict("10.255.255.1", 0.0) == ANSWER  # the oldest, then never again
+    for i in range(MAX_PREFIXES - 1):
+        policy.verdict(other(i), 0.0)
+    assert policy.verdict(other(0), 0.0) == DROP  # seen: still counted (and now recent)
+    policy.verdict("192.168.0.1", 0.0)  # one more prefix: 10.255.255.0/24 goes
+    assert policy.prefixes == MAX_PREFIXES
+    assert policy.verdict("10.255.255.1", 0.0) == ANSWER  # forgotten: a new window
+    assert policy.verdict(other(0), 0.0) == DROP

@@ -742,7 +742,8 @@ def test_a_redis_of_two_million_entries_does_not_stall_the_data_plane(redis, clu
     p99, taken = loop.p99(started, done)
     assert loop.failures == []
     assert p99 < 0.050, f"p99 {p99 * 1000:.1f} ms over {taken} connections"
-    assert ignored(lb1)["signature"] == 400_000
+    # 200,000 read again (one of them may be the timed client's own entry, signed)
+    assert 399_999 <= ignored(lb1)["signature"] <= 400_000
     assert entries(lb1) == 1  # the timed client's own: none of the 2 million
 
 

@@ -186,3 +186,26 @@ def test_servfail_is_an_error(dns_server):
         sock.close()
     assert outcome.result == "error"
     assert "SERVFAIL" in outcome.detail
+
+
+def test_the_kernel_says_which_addresses_are_this_hosts():
+    """A wildcard listener is every address of this host on its port: `is_local` asks
+    the kernel (a bind succeeds only on an address of this host)."""
+    from lbproxy.control.discovery import is_local
+
+    assert is_local(ipaddress.ip_address("127.0.0.1"))
+    assert is_local(ipaddress.ip_address("127.3.2.1"))  # all of 127/8 is this host's
+    assert not is_local(ipaddress.ip_address("192.0.2.1"))  # TEST-NET-1: nobody's
+
+
+def test_an_answer_naming_a_wildcard_listener_through_loopback_is_refused(dns_server):
+    from lbproxy.config.model import GlobalConfig
+    from lbproxy.config.values import parse_address
+
+    vs = replace(virtual_server("rr", {}), name="web", listen=(parse_address("0.0.0.0:80"),),
+                 discovery=dns_config(dns_server, "web.k8s.test", "A"))  # fmt: skip
+    config = Config(GlobalConfig(), (vs,))
+    ((_, outcome),) = trio.run(resolve_all, config)
+    # web.k8s.test's A records, 127.0.0.2 and 127.0.0.3, port 80: the wildcard listener
+    assert outcome.servers == ()
+    assert sorted(outcome.refused) == [("127.0.0.2:80", "self"), ("127.0.0.3:80", "self")]

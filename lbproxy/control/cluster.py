@@ -117,9 +117,9 @@ LIST_FOR = 300.0  # members seen within this long are listed (alive or not)
 FORGET_AFTER = 3600.0  # members not seen for this long leave the members hash
 MAX_MEMBERS = 1000  # a members hash larger than this is not read
 SCAN_COUNT = 1000  # fields per HSCAN step of the state hash
-# Persistence keys per step of a resync's read: the step's answer is checked and applied
-# before the next is asked for, and the data plane runs in between (a step costs ~10 us
-# per entry, so a few milliseconds).
+# Persistence keys per step of a resync's read (and state fields applied per step): the
+# step's answer is checked and applied before the next is asked for, and the data plane
+# runs in between (~10-20 us an entry: a step is a few milliseconds).
 ENTRIES_STEP = 250
 LOG_EVERY = 60.0  # an ignored message's reason is logged at most this often
 START_WAIT = 5.0  # the longest a start waits for the first sync
@@ -508,14 +508,13 @@ class Cluster:
             self._skip("state", size - len(stored), f"{self.state_key} has {size} fields")
         for done, (field, data) in enumerate(stored, 1):
             self._receive_change(data, field=field)
-            if done % SCAN_COUNT == 0:
+            if done % ENTRIES_STEP == 0:  # a step's worth, then the data plane's turn
                 await trio.lowlevel.checkpoint()
 
     async def _read_entries(self, client: coredis.Redis[bytes]) -> None:
         """Every shared persistence entry, at most `max_entries` of them (the rest are
         counted inside Redis, not read), a SCAN step at a time: each step is one command
         (the READ_ENTRIES script) and is applied before the next is sent."""
-        now = trio.current_time()
         prefix = self.entry_prefix.encode()
         pattern = self.entry_prefix + "*"
         script = client.register_script(READ_ENTRIES)
@@ -529,12 +528,13 @@ class Cluster:
                 self._skip("entries", found - room, self._beyond_entries())
                 rows = rows[: 3 * room]
             read += len(rows) // 3
-            self._read_entry_rows(rows, prefix, now)
+            self._read_entry_rows(rows, prefix, trio.current_time())
             if cursor == b"0":
                 return
             if read >= self.max_entries:
                 break
-        self._skip("entries", await self._count_keys(client, cursor, pattern), "")
+        beyond = await self._count_keys(client, cursor, pattern)
+        self._skip("entries", beyond, self._beyond_entries())
 
     def _beyond_entries(self) -> str:
         return (

@@ -42,6 +42,7 @@ def test_check_and_run_refuse_open_or_foreign_secret_files(tmp_path, name_server
     password = secret(tmp_path / "redis.password", "pw", 0o640, group=other_group())
     key = secret(tmp_path / "priv.key", "priv-passphrase", 0o600, owner="daemon")
     auth = secret(tmp_path / "auth.key", "auth-passphrase", 0o600)
+    cluster_key = secret(tmp_path / "cluster.key", "k" * 32, 0o604)
     config = tmp_path / "lbproxy.yaml"
     config.write_text(
         f"""\
@@ -49,6 +50,7 @@ global:
   admin: {{listen: 127.0.0.1:{free_port()}, token_file: {token}}}
   cluster:
     redis: {{url: "redis://127.0.0.1:1/0", password_file: {password}}}
+    key_file: {cluster_key}
 virtual_servers:
   - name: web
     listen: 127.0.0.1:{free_port()}
@@ -63,7 +65,9 @@ virtual_servers:
         f"{config}:2: admin.token_file {token} is open to other users (mode 0644, owner root)",
         f"{config}:4: cluster.redis.password_file {password} is readable by its group "
         "(mode 0640, owner root)",
-        f"{config}:10: snmp.priv_key_file {key} is owned by daemon (mode 0600)",
+        f"{config}:5: cluster.key_file {cluster_key} is open to other users "
+        "(mode 0604, owner root)",
+        f"{config}:11: snmp.priv_key_file {key} is owned by daemon (mode 0600)",
     ]
     for command in ("check", "run"):
         result = run_cli(command, str(config), timeout=30)
@@ -72,7 +76,7 @@ virtual_servers:
         for line in expected:
             assert any(found.startswith(line) for found in lines), (line, result.stderr)
         assert str(auth) not in result.stderr  # root's, mode 0600: fine
-        assert "configuration invalid (3 problems)" in result.stderr
+        assert "configuration invalid (4 problems)" in result.stderr
 
 
 def test_a_reload_with_an_open_secret_file_keeps_the_running_configuration(

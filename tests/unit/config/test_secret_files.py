@@ -121,13 +121,18 @@ def test_a_missing_file_is_left_to_its_reader(tmp_path):
 
 
 def test_every_secret_key_is_listed_once(tmp_path):
+    key = tmp_path / "c"
+    key.write_text("k" * 32)
+    key.chmod(0o600)
     path = write(
         tmp_path,
         "lb.yaml",
         f"""\
 global:
   admin: {{token_file: {tmp_path}/t}}
-  cluster: {{redis: {{url: "redis://127.0.0.1:1/0", password_file: {tmp_path}/p}}}}
+  cluster:
+    redis: {{url: "redis://127.0.0.1:1/0", password_file: {tmp_path}/p}}
+    key_file: {tmp_path}/c
 virtual_servers:
   - name: web
     listen: 127.0.0.1:8080
@@ -137,7 +142,7 @@ virtual_servers:
       - {{name: a, address: 127.0.0.1:1, snmp: {{auth_key_file: {tmp_path}/a}}}}
 """,
     )
-    assert load([path]).secret_files == tuple(f"{tmp_path}/{name}" for name in "tpak")
+    assert load([path]).secret_files == tuple(f"{tmp_path}/{name}" for name in "tcpak")
 
 
 def test_user_and_group_names_and_ids(tmp_path):

@@ -454,3 +454,26 @@ def compiled_path_expected() -> bool:
     if not built and os.environ.get("CI") == "true":
         raise AssertionError("CI=true but lbproxy/net/_cpump*.so was not built")
     return built and os.environ.get("LBPROXY_PURE", "") in ("", "0")
+
+
+def alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie waiting for a reaper that may never come."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def stop_pids(pids: list[int], timeout: float = 15.0) -> None:
+    """SIGTERM to each process still running, then SIGKILL to any that outlives
+    `timeout` (a test's own processes, by PID)."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    for pid in pids:
+        deadline = time.monotonic() + timeout
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -366,26 +367,37 @@ def test_a_moved_client_moves_on_every_instance(redis, cluster):
 # -- Redis gone --------------------------------------------------------------------------
 
 
-class ConnectionLoop:
-    """Connections through some instances, one after another, in a thread, until
-    stopped (bounded: at most `limit` connections); every failure is kept."""
+class InThread:
+    """A client loop (`_run`) in a thread for the time of a `with` block; `_run` checks
+    `_stop` and bounds itself."""
 
-    def __init__(self, ports: list[int], limit: int = 20000) -> None:
+    def __init__(self) -> None:
         import threading
 
-        self.ports, self.limit = ports, limit
-        self.served = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> ConnectionLoop:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(30)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class ConnectionLoop(InThread):
+    """Connections through some instances, one after another, in a thread, until
+    stopped (bounded: at most `limit` connections); every failure is kept."""
+
+    def __init__(self, ports: list[int], limit: int = 20000) -> None:
+        super().__init__()
+        self.ports, self.limit = ports, limit
+        self.served = 0
 
     def _run(self) -> None:
         while not self._stop.is_set() and self.served + len(self.failures) < self.limit:
@@ -600,26 +612,14 @@ def test_a_hostile_state_in_redis_does_not_stop_a_start(redis, cluster):
 # -- bounded reads (SPEC §21) -------------------------------------------------------------
 
 
-class Latencies:
+class Latencies(InThread):
     """Proxied connections through `port` (with a PROXY header), one after another in a
     thread, each timed (connect to the name read); bounded by `limit` connections."""
 
     def __init__(self, port: int, limit: int = 200_000) -> None:
-        import threading
-
+        super().__init__()
         self.port, self.limit = port, limit
         self.samples: list[tuple[float, float]] = []  # (started, seconds)
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Latencies:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(30)
 
     def _run(self) -> None:
         header = encode_v1(("10.250.0.1", 40000), ("127.0.0.1", self.port))  # accept_proxy

@@ -17,12 +17,19 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import NameServer, ask_name, free_port, run_cli, wait_for
+from tests.integration.harness import (
+    NameServer,
+    alive,
+    ask_name,
+    free_port,
+    run_cli,
+    stop_pids,
+    wait_for,
+)
 from tests.integration.service_user import (
     nobody,
     readable_folder,
@@ -72,14 +79,6 @@ def low_port(udp: bool = False) -> int:
                 continue
         return port
     pytest.skip("no free port below 1024")
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def assert_runs_as_nobody(pid: int) -> None:
@@ -134,15 +133,7 @@ class Service:
         return new
 
     def stop(self) -> None:
-        for pid in self.pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGTERM)
-        for pid in self.pids:
-            deadline = time.monotonic() + 15
-            while alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_pids(self.pids)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.first.wait(5)
         self._log.close()

@@ -16,14 +16,22 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from tests import tools
 from tests.integration.client_loop import ClientLoop
-from tests.integration.harness import ROOT, NameServer, free_port, local_http, run_cli, wait_for
+from tests.integration.harness import (
+    ROOT,
+    NameServer,
+    alive,
+    free_port,
+    local_http,
+    run_cli,
+    stop_pids,
+    wait_for,
+)
 from tests.integration.test_notify import NotifySocket
 from tests.integration.test_udp_health import Echo
 
@@ -46,15 +54,6 @@ def config(port: int, admin: int, backend: int, drain: str = "10s", spare: bool 
               - {{name: echo, address: 127.0.0.1:{backend}}}
         """
     ) + (f"      - {{name: spare, address: 127.0.0.1:{backend}}}\n" if spare else "")
-
-
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie that nobody reaped yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 class Proxy:
@@ -96,15 +95,7 @@ class Proxy:
         return answer
 
     def stop(self) -> None:
-        for pid in self.pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGTERM)
-        for pid in self.pids:
-            deadline = time.monotonic() + 15
-            while alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_pids(self.pids)
         self.first.wait(5)
         self._log.close()
 

@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +14,7 @@ from lbproxy.runtime.workers import MetricSums, merge_documents, parse_metrics
 from tests import tools
 from tests.integration.conftest import vs_config
 from tests.integration.harness import (
+    alive,
     ask_name,
     free_port,
     local_http,
@@ -55,15 +55,6 @@ def worker_servers(admin_port: int, index: int) -> dict[str, dict]:
     document = get_json(admin_port, f"/api/v1/workers/{index}/virtual-servers")
     (vs,) = document["virtual_servers"]
     return {rs["name"]: rs for rs in vs["real_servers"]}
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a reaper that may never come in a container."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
 
 
 @pytest.fixture

@@ -94,6 +94,10 @@ class Server:
         self.virtual_servers: dict[str, VirtualServer] = {}
         self.listeners: dict[Address, Listener] = {}
         self.ready = False
+        # Once serving, freeze what exists out of the cyclic collector's way (below): a
+        # decision for the process, so only a process's own main (run(), a worker's)
+        # makes it, not a Server run inside another program (a test).
+        self.freeze_heap = False
         self.draining = False
         self.reloads = {"ok": 0, "error": 0}
         self._stop = trio.Event()
@@ -392,8 +396,9 @@ class Server:
                 # lives as long as the process: out of the cyclic collector's way, so a
                 # full collection, which a table growing by thousands of entries sets
                 # off, walks only what came later instead of stalling every connection.
-                gc.collect()
-                gc.freeze()
+                if self.freeze_heap:
+                    gc.collect()
+                    gc.freeze()
                 self.ready = True
                 log.info(
                     "listening on %s",
@@ -831,6 +836,7 @@ def run(
             return 2
     server = Server(config, config_paths, admin_token=token)
     server.log_level = log_level
+    server.freeze_heap = True
     server.initial_state = initial_state
     server.notifier = Notifier.from_environment()
     server.notifier.main_pid = main_pid

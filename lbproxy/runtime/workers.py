@@ -1251,6 +1251,7 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
         cluster_name=cluster_name,
         admin_socket=False,  # the supervisor serves global.admin.socket
     )
+    server.freeze_heap = True
     # global.state_file: worker 1 writes it, worker k > 1 its part STATE_FILE.wK (its own
     # persistence entries); every worker reads the file and all the parts at start
     # (lbproxy/runtime/state.py).

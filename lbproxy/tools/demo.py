@@ -5,7 +5,7 @@ One trio program runs everything:
 - three demo real servers (`alpha`, `bravo`, `charlie`) on ports the OS picks; a demo
   real server speaks first -- its name and a newline -- then echoes until the client
   closes;
-- one small SNMPv2c agent per demo real server (`snmp.serve_v2c_agent`, UDP on
+- one small SNMPv2c agent per demo real server (`snmp_agent.serve_v2c_agent`, UDP on
   127.0.0.1, a port the OS picks), answering the default `snmp.oid` from a dict the
   demo changes: alpha 30, bravo 20, charlie 10 at the start;
 - a `Server` with two virtual servers in front of the same three demo servers:
@@ -54,11 +54,9 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 import trio
-from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.logging import RichHandler
-from rich.table import Table
 from rich.text import Text
 
 from lbproxy.config.model import (
@@ -71,11 +69,12 @@ from lbproxy.config.model import (
     SnmpConfig,
     VirtualServerConfig,
 )
-from lbproxy.control.snmp import serve_v2c_agent
-from lbproxy.core.pool import Pool, PoolStats
+from lbproxy.core.pool import Pool
 from lbproxy.dataplane.listener import listen_socket
 from lbproxy.runtime import logs
 from lbproxy.runtime.server import BindError, Server
+from lbproxy.tools.render import dwd_table, plain_lines, stats_table
+from lbproxy.tools.snmp_agent import serve_v2c_agent
 
 HOST = "127.0.0.1"
 VIRTUAL_SERVER = "demo"
@@ -102,7 +101,6 @@ PLAIN_REFRESH = 1.0  # seconds between two blocks of plain lines (not a terminal
 CONTROL_WAIT = 30.0  # a control connection may take this long to send its first line
 CONTROL_LINGER = 0.5  # after an answer, this long for another line, then the port closes
 MAX_LINE = 200  # longest control line (and typed line) accepted
-TABLE_WIDTH = 78  # the live view fits an 80-column terminal
 ADMIN_PORT = 9100  # lbproxy's default admin port: `lbproxy status` finds the demo there
 
 
@@ -361,7 +359,12 @@ async def _main(
             nursery.cancel_scope.cancel()  # the demo real servers, agents, control port
     if not tty:
         for pool in view.pools:
-            for line in plain_lines(pool.statistics(trio.current_time()), "final", view.reported()):
+            for line in plain_lines(
+                pool.statistics(trio.current_time()),
+                "final",
+                view.reported(),
+                virtual_servers=_NAMES,
+            ):
                 print(line)
     print("lbproxy demo: stopped", flush=True)
 
@@ -528,7 +531,10 @@ async def _display(scope: trio.CancelScope, view: View) -> None:
                 elapsed = trio.current_time() - start
                 for pool in view.pools:
                     for line in plain_lines(
-                        pool.statistics(trio.current_time()), f"{elapsed:.0f}s", reported()
+                        pool.statistics(trio.current_time()),
+                        f"{elapsed:.0f}s",
+                        reported(),
+                        virtual_servers=_NAMES,
                     ):
                         print(line)
                 sys.stdout.flush()
@@ -604,111 +610,3 @@ async def _keyboard(view: View) -> None:
             view.poke()
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
-
-
-def stats_table(stats: PoolStats) -> Table:
-    """The `demo` (wlc) table: weight is static/effective."""
-    table = _table(stats, "weight: static/effective; total: connections sent so far")
-    table.add_column("real server")
-    table.add_column("weight", justify="right")
-    table.add_column("health")
-    table.add_column("active", justify="right")
-    table.add_column("total", justify="right")
-    table.add_column("bytes in", justify="right")
-    table.add_column("bytes out", justify="right")
-    for rs in stats.real_servers:
-        table.add_row(
-            rs.name,
-            f"{_number(rs.weight_static)}/{_number(rs.weight_effective)}",
-            _health(rs.health),
-            str(rs.active_connections),
-            str(rs.connections_total),
-            str(rs.bytes_in),
-            str(rs.bytes_out),
-        )
-    return table
-
-
-def dwd_table(stats: PoolStats, reported: Mapping[str, str]) -> Table:
-    """The `demo-dwd` table: what each agent reports now, and the weights polled from it."""
-    table = _table(
-        stats,
-        "snmp value: the agent's answer now; weight: dynamic (last poll)/effective",
-    )
-    table.add_column("real server")
-    table.add_column("snmp value", justify="right")
-    table.add_column("weight", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("health")
-    table.add_column("active", justify="right")
-    table.add_column("total", justify="right")
-    total = sum(rs.weight_effective for rs in stats.real_servers if rs.available)
-    for rs in stats.real_servers:
-        dynamic = "-" if rs.weight_dynamic is None else _number(rs.weight_dynamic)
-        share = rs.weight_effective / total if total and rs.available else 0.0
-        table.add_row(
-            rs.name,
-            reported.get(rs.name, "-"),
-            f"{dynamic}/{_number(rs.weight_effective)}",
-            f"{share:.0%}",
-            _health(rs.health),
-            str(rs.active_connections),
-            str(rs.connections_total),
-        )
-    return table
-
-
-def _table(stats: PoolStats, caption: str) -> Table:
-    title = (
-        f"[bold]{stats.name}[/] ({stats.scheduler}): "
-        f"{stats.active_connections} active connection(s)"
-    )
-    if stats.dynamic_weight_fallback:
-        title += "; [yellow]static fallback: all dynamic weights 0[/]"
-    return Table(
-        title=title,
-        title_justify="left",
-        caption=caption,
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        min_width=TABLE_WIDTH,  # room for the title and the caption on one line each
-    )
-
-
-def plain_lines(
-    stats: PoolStats, label: str, reported: Mapping[str, str] | None = None
-) -> list[str]:
-    """One line per real server, for output that is not a terminal.
-
-    `demo` lines show `weight static/effective`; lines of a virtual server whose
-    weights come from SNMP show `snmp VALUE  dynamic W  effective W` (VALUE: what the
-    agent answers now; dynamic: the weight from the last poll), and `static fallback`
-    while every dynamic weight is 0."""
-    width = max((len(rs.name) for rs in stats.real_servers), default=0)
-    vs_width = max(len(name) for name in _NAMES)
-    lines = []
-    for rs in stats.real_servers:
-        if rs.weight_dynamic is None or reported is None:
-            weights = f"weight {_number(rs.weight_static)}/{_number(rs.weight_effective)}"
-        else:
-            weights = (
-                f"snmp {reported.get(rs.name, '-')}  dynamic {_number(rs.weight_dynamic)}"
-                f"  effective {_number(rs.weight_effective)}"
-            )
-            if stats.dynamic_weight_fallback:
-                weights += "  static fallback"
-        lines.append(
-            f"[{label:>5}] {stats.name:<{vs_width}}  {rs.name:<{width}}  {rs.address}  {weights}"
-            f"  {rs.state}  {rs.health}  active {rs.active_connections}"
-            f"  total {rs.connections_total}  in {rs.bytes_in}  out {rs.bytes_out}"
-        )
-    return lines
-
-
-def _health(health: str) -> str:
-    return "[green]up[/]" if health == "up" else "[red]down[/]"
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if value == int(value) else f"{value:.2f}"

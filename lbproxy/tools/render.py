@@ -1,15 +1,18 @@
-"""Terminal tables (rich) for `simulate` and `status`; `status` in plain columns when piped."""
+"""Terminal tables (rich) for `simulate`, `status` and `demo`; plain lines when piped."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping, Sequence
 
+from rich import box
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from lbproxy.core.pool import PoolStats
 from lbproxy.tools.simulate import SimulationResult
 
 SEQUENCE_SHOWN = 200  # picks printed in table mode
@@ -428,3 +431,121 @@ def _bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return str(n)
+
+
+# -- `lbproxy demo` ------------------------------------------------------------------
+
+TABLE_WIDTH = 78  # the live view fits an 80-column terminal
+
+
+def stats_table(stats: PoolStats) -> Table:
+    """The `demo` (wlc) table: weight is static/effective."""
+    table = _table(stats, "weight: static/effective; total: connections sent so far")
+    table.add_column("real server")
+    table.add_column("weight", justify="right")
+    table.add_column("health")
+    table.add_column("active", justify="right")
+    table.add_column("total", justify="right")
+    table.add_column("bytes in", justify="right")
+    table.add_column("bytes out", justify="right")
+    for rs in stats.real_servers:
+        table.add_row(
+            rs.name,
+            f"{_number(rs.weight_static)}/{_number(rs.weight_effective)}",
+            _health_markup(rs.health),
+            str(rs.active_connections),
+            str(rs.connections_total),
+            str(rs.bytes_in),
+            str(rs.bytes_out),
+        )
+    return table
+
+
+def dwd_table(stats: PoolStats, reported: Mapping[str, str]) -> Table:
+    """The `demo-dwd` table: what each agent reports now, and the weights polled from it."""
+    table = _table(
+        stats,
+        "snmp value: the agent's answer now; weight: dynamic (last poll)/effective",
+    )
+    table.add_column("real server")
+    table.add_column("snmp value", justify="right")
+    table.add_column("weight", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("health")
+    table.add_column("active", justify="right")
+    table.add_column("total", justify="right")
+    total = sum(rs.weight_effective for rs in stats.real_servers if rs.available)
+    for rs in stats.real_servers:
+        dynamic = "-" if rs.weight_dynamic is None else _number(rs.weight_dynamic)
+        share = rs.weight_effective / total if total and rs.available else 0.0
+        table.add_row(
+            rs.name,
+            reported.get(rs.name, "-"),
+            f"{dynamic}/{_number(rs.weight_effective)}",
+            f"{share:.0%}",
+            _health_markup(rs.health),
+            str(rs.active_connections),
+            str(rs.connections_total),
+        )
+    return table
+
+
+def _table(stats: PoolStats, caption: str) -> Table:
+    title = (
+        f"[bold]{stats.name}[/] ({stats.scheduler}): "
+        f"{stats.active_connections} active connection(s)"
+    )
+    if stats.dynamic_weight_fallback:
+        title += "; [yellow]static fallback: all dynamic weights 0[/]"
+    return Table(
+        title=title,
+        title_justify="left",
+        caption=caption,
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        min_width=TABLE_WIDTH,  # room for the title and the caption on one line each
+    )
+
+
+def plain_lines(
+    stats: PoolStats,
+    label: str,
+    reported: Mapping[str, str] | None = None,
+    *,
+    virtual_servers: Sequence[str],
+) -> list[str]:
+    """One line per real server, for output that is not a terminal.
+
+    `demo` lines show `weight static/effective`; lines of a virtual server whose
+    weights come from SNMP show `snmp VALUE  dynamic W  effective W` (VALUE: what the
+    agent answers now; dynamic: the weight from the last poll), and `static fallback`
+    while every dynamic weight is 0. `virtual_servers`: the names of the virtual servers
+    printed together, whose longest sets the width of their column."""
+    width = max((len(rs.name) for rs in stats.real_servers), default=0)
+    vs_width = max(len(name) for name in virtual_servers)
+    lines = []
+    for rs in stats.real_servers:
+        if rs.weight_dynamic is None or reported is None:
+            weights = f"weight {_number(rs.weight_static)}/{_number(rs.weight_effective)}"
+        else:
+            weights = (
+                f"snmp {reported.get(rs.name, '-')}  dynamic {_number(rs.weight_dynamic)}"
+                f"  effective {_number(rs.weight_effective)}"
+            )
+            if stats.dynamic_weight_fallback:
+                weights += "  static fallback"
+        lines.append(
+            f"[{label:>5}] {stats.name:<{vs_width}}  {rs.name:<{width}}  {rs.address}  {weights}"
+            f"  {rs.state}  {rs.health}  active {rs.active_connections}"
+            f"  total {rs.connections_total}  in {rs.bytes_in}  out {rs.bytes_out}"
+        )
+    return lines
+
+
+def _health_markup(health: str) -> str:
+    return "[green]up[/]" if health == "up" else "[red]down[/]"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value == int(value) else f"{value:.2f}"

@@ -227,7 +227,7 @@ class SnmpAgent:
 
 def probe(port: int, community: str = "public", timeout: float = 0.2) -> bool:
     """True when something answers an SNMPv2c GET of sysUpTime.0 on 127.0.0.1:port."""
-    from lbproxy.control import snmp  # the codec under test is also the readiness probe
+    from lbproxy.wire import snmp  # the codec under test is also the readiness probe
 
     request = snmp.encode_get_v2c(community, "1.3.6.1.2.1.1.3.0", 1)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

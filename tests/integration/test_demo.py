@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from lbproxy.config.model import SnmpConfig
-from lbproxy.control.snmp import SnmpClient
+from lbproxy.control.snmp_client import SnmpClient
 from tests.integration.harness import ROOT, ask_name, open_and_read_name, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]

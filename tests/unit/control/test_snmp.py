@@ -1,4 +1,5 @@
-"""snmp.py: the client against a tiny in-process agent, and the poller against a pool.
+"""The SNMP client (control/snmp_client.py, wire/snmp.py) against a tiny in-process agent,
+and the poller (control/snmp.py) against a pool.
 
 The agent here is built on the same pysnmp messages as the client (as the issue allows
 for fast tests); the real net-snmp agent is in tests/integration/test_snmp.py.
@@ -17,12 +18,14 @@ from hypothesis import strategies as st
 from pyasn1.codec.ber import decoder, encoder
 
 from lbproxy.config.model import SnmpConfig
-from lbproxy.control import snmp
+from lbproxy.control import snmp, snmp_client
 from lbproxy.core.pool import Pool
+from lbproxy.tools import snmp_agent
+from lbproxy.wire import snmp as wire_snmp
 from tests.factories import virtual_server
 
 OID = "1.3.6.1.4.1.8072.9999.1.0"
-v2c = snmp._v2c
+v2c = wire_snmp._v2c
 
 
 def response(request: bytes, value=None, *, error_status: int = 0, request_id=None) -> bytes:
@@ -70,7 +73,7 @@ def get(behave, *, timeout=0.2, retries=1, port=None, extra=None):
         with agent.sock:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(agent.serve)
-                result = await snmp.SnmpClient(config).get()
+                result = await snmp_client.SnmpClient(config).get()
                 if extra is not None:
                     await extra(agent)
                 nursery.cancel_scope.cancel()
@@ -83,10 +86,10 @@ def get(behave, *, timeout=0.2, retries=1, port=None, extra=None):
 
 
 def test_encode_and_decode_round_trip():
-    request = snmp.encode_get_v2c("public", OID, 12345)
-    request_id, pdu = snmp.decode_response_v2c(response(request, v2c.Integer(7)))
+    request = wire_snmp.encode_get_v2c("public", OID, 12345)
+    request_id, pdu = wire_snmp.decode_response_v2c(response(request, v2c.Integer(7)))
     assert request_id == 12345
-    assert snmp.value_of(pdu, OID) == snmp.PollResult("ok", 7)
+    assert wire_snmp.value_of(pdu, OID) == wire_snmp.PollResult("ok", 7)
 
 
 @pytest.mark.parametrize(
@@ -103,22 +106,22 @@ def test_encode_and_decode_round_trip():
     ],
 )
 def test_only_integers_are_values(value, result):
-    assert snmp.classify(value).result == result
+    assert wire_snmp.classify(value).result == result
 
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"garbage", b"\x30\x03\x02\x01", snmp.encode_get_v2c("public", OID, 1)],
+    [b"", b"garbage", b"\x30\x03\x02\x01", wire_snmp.encode_get_v2c("public", OID, 1)],
 )
 def test_garbage_and_requests_are_not_responses(data):
-    with pytest.raises(snmp.BadMessage):
-        snmp.decode_response_v2c(data)
+    with pytest.raises(wire_snmp.BadMessage):
+        wire_snmp.decode_response_v2c(data)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_any_datagram_decodes_or_is_bad_message(data):
-    good = response(snmp.encode_get_v2c("public", OID, 77), v2c.Integer(5))
+    good = response(wire_snmp.encode_get_v2c("public", OID, 77), v2c.Integer(5))
     if data.draw(st.booleans()):
         datagram = data.draw(st.binary(max_size=80))
     else:  # a valid answer with some bytes changed, cut or added
@@ -127,10 +130,10 @@ def test_any_datagram_decodes_or_is_bad_message(data):
             datagram[data.draw(st.integers(0, len(datagram) - 1))] = data.draw(st.integers(0, 255))
         datagram = bytes(datagram[: data.draw(st.integers(0, len(datagram)))])
     try:
-        _request_id, pdu = snmp.decode_response_v2c(datagram)
-    except snmp.BadMessage:
+        _request_id, pdu = wire_snmp.decode_response_v2c(datagram)
+    except wire_snmp.BadMessage:
         return
-    assert snmp.value_of(pdu, OID).result in snmp.RESULTS
+    assert wire_snmp.value_of(pdu, OID).result in wire_snmp.RESULTS
 
 
 # -- the client over UDP ----------------------------------------------------------
@@ -138,7 +141,7 @@ def test_any_datagram_decodes_or_is_bad_message(data):
 
 def test_ok():
     result, agent = get(lambda n, req: [response(req, v2c.Integer(7))])
-    assert result == snmp.PollResult("ok", 7)
+    assert result == wire_snmp.PollResult("ok", 7)
     assert len(agent.requests) == 1
 
 
@@ -161,7 +164,7 @@ def test_an_error_status_is_an_error():
 
 def test_the_retransmission_is_answered():
     result, agent = get(lambda n, req: [] if n == 1 else [response(req, v2c.Integer(4))])
-    assert result == snmp.PollResult("ok", 4)
+    assert result == wire_snmp.PollResult("ok", 4)
     assert len(agent.requests) == 2
     assert agent.requests[0] == agent.requests[1]  # the same request-id both times
 
@@ -184,7 +187,7 @@ def test_garbage_and_other_request_ids_are_ignored_while_waiting():
         ]
 
     result, _ = get(lambda n, req: behave(n, req) if n == 1 else [])
-    assert result == snmp.PollResult("ok", 9)
+    assert result == wire_snmp.PollResult("ok", 9)
 
 
 def test_only_garbage_is_a_bad_value():
@@ -220,7 +223,7 @@ def test_a_cancelled_poll_sends_nothing_more():
                 # which a loaded machine may not reach the first send in).
                 with trio.fail_after(10):
                     async with trio.open_nursery() as poll:
-                        poll.start_soon(snmp.SnmpClient(config).get)
+                        poll.start_soon(snmp_client.SnmpClient(config).get)
                         while not agent.requests:
                             await trio.sleep(0.001)
                         poll.cancel_scope.cancel()
@@ -237,7 +240,7 @@ def test_v3_with_an_unreadable_key_file_is_an_error(tmp_path):
     config = SnmpConfig(
         oid=OID, version="3", user="u", auth_key_file=str(tmp_path / "missing"), host="127.0.0.1"
     )
-    result = trio.run(snmp.SnmpClient(config).get)
+    result = trio.run(snmp_client.SnmpClient(config).get)
     assert result.result == "error"
     assert "SNMPv3 credentials" in result.detail
 
@@ -247,7 +250,7 @@ def test_v3_with_a_short_passphrase_is_an_error(tmp_path):
     config = SnmpConfig(
         oid=OID, version="3", user="u", auth_key_file=str(tmp_path / "k"), host="127.0.0.1"
     )
-    result = trio.run(snmp.SnmpClient(config).get)
+    result = trio.run(snmp_client.SnmpClient(config).get)
     assert "at least 8 characters" in result.detail
 
 
@@ -269,7 +272,7 @@ class FakeClient:
 
     async def get(self):
         self.calls += 1
-        return self.results.pop(0) if self.results else snmp.PollResult("timeout")
+        return self.results.pop(0) if self.results else wire_snmp.PollResult("timeout")
 
 
 def poller(pool, name, results):
@@ -279,8 +282,8 @@ def poller(pool, name, results):
     return p
 
 
-OK7 = snmp.PollResult("ok", 7)
-LOST = snmp.PollResult("timeout", detail="no answer to 2 transmission(s)")
+OK7 = wire_snmp.PollResult("ok", 7)
+LOST = wire_snmp.PollResult("timeout", detail="no answer to 2 transmission(s)")
 
 
 def test_answers_become_weights_and_silence_follows_zero(caplog):
@@ -331,7 +334,7 @@ def test_hold_then_expiry_through_the_poll_loop(caplog):
 
 def test_polls_are_counted_for_the_metrics():
     pool = dwd_pool()
-    p = poller(pool, "a", [OK7, snmp.PollResult("bad_value", detail="x")])
+    p = poller(pool, "a", [OK7, wire_snmp.PollResult("bad_value", detail="x")])
 
     async def main():
         with trio.move_on_after(25):  # 0-1 s, then within 5 s, then every 5 s
@@ -355,8 +358,8 @@ def test_least_load_with_snmp_zero_gates_the_server():
     )
     pool = Pool(config, 0)
     pa, pb = poller(pool, "a", []), poller(pool, "b", [])
-    pa.apply(snmp.PollResult("ok", 50), 1)
-    pb.apply(snmp.PollResult("ok", 10), 1)
+    pa.apply(wire_snmp.PollResult("ok", 50), 1)
+    pb.apply(wire_snmp.PollResult("ok", 10), 1)
     assert pool.pick(1).name == "b"
     pb.apply(LOST, 6)  # zero: b takes nothing new
     assert {pool.pick(6).name for _ in range(3)} == {"a"}
@@ -413,18 +416,24 @@ def test_the_demo_agent_answers_the_poller_and_follows_its_mapping():
             await sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(snmp.serve_v2c_agent, sock, values)
+                nursery.start_soon(snmp_agent.serve_v2c_agent, sock, values)
                 for community, oid in [("public", OID), ("secret", OID), ("public", "1.3.6.1")]:
                     config = SnmpConfig(
                         oid=oid, host="127.0.0.1", port=port, community=community, timeout=0.05
                     )
-                    results.append((await snmp.SnmpClient(config).get()).result)
+                    results.append((await snmp_client.SnmpClient(config).get()).result)
                 values[OID] = None
                 config = SnmpConfig(oid=OID, host="127.0.0.1", port=port)
-                results.append((await snmp.SnmpClient(config).get()).result)
+                results.append((await snmp_client.SnmpClient(config).get()).result)
                 values[OID] = 3
-                results.append(await snmp.SnmpClient(config).get())
+                results.append(await snmp_client.SnmpClient(config).get())
                 nursery.cancel_scope.cancel()
         return results
 
-    assert trio.run(main) == ["ok", "timeout", "bad_value", "bad_value", snmp.PollResult("ok", 3)]
+    assert trio.run(main) == [
+        "ok",
+        "timeout",
+        "bad_value",
+        "bad_value",
+        wire_snmp.PollResult("ok", 3),
+    ]

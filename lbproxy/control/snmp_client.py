@@ -53,10 +53,10 @@ from lbproxy.wire.snmp import (
     TIMEOUT,
     BadMessage,
     PollResult,
-    _checked_value_of,
-    _v2c,
+    checked_value_of,
     decode_response_v2c,
     encode_get_v2c,
+    v2c,
 )
 
 V3_DISCOVERY_ROUNDS = 4  # engine-ID / time-window reports answered per poll (as pysnmp)
@@ -157,7 +157,7 @@ class _V3Engine:
             priv if credentials.priv_key else engine_config.USM_PRIV_NONE,
             credentials.priv_key,
         )
-        self.security_name = _v2c.OctetString(credentials.user)
+        self.security_name = v2c.OctetString(credentials.user)
         self.level = credentials.level
         self.outcomes: dict[int, tuple[Any, Any]] = {}
 
@@ -270,7 +270,7 @@ class _V2cExchange(_Exchange):
             return None
         if request_id != self.request_id:
             return None
-        return _checked_value_of(pdu, self.oid)
+        return checked_value_of(pdu, self.oid)
 
 
 class _V3Exchange(_Exchange):
@@ -279,9 +279,9 @@ class _V3Exchange(_Exchange):
         self.oid = snmp.oid
         self.domain = domain
         self.address = address
-        self.pdu = _v2c.GetRequestPDU()
-        _v2c.apiPDU.set_defaults(self.pdu)
-        _v2c.apiPDU.set_varbinds(self.pdu, [(snmp.oid, _v2c.null)])
+        self.pdu = v2c.GetRequestPDU()
+        v2c.apiPDU.set_defaults(self.pdu)
+        v2c.apiPDU.set_varbinds(self.pdu, [(snmp.oid, v2c.null)])
         self.handle: int | None = None
         self.rounds = 0
         self.discovered = False
@@ -310,9 +310,9 @@ class _V3Exchange(_Exchange):
                 return True
             reason = _V3_ERRORS.get(kind, str(indication))
             return PollResult(ERROR, detail=f"SNMPv3: {reason}")
-        if _v2c.apiPDU.get_request_id(pdu) != _v2c.apiPDU.get_request_id(self.pdu):
+        if v2c.apiPDU.get_request_id(pdu) != v2c.apiPDU.get_request_id(self.pdu):
             return PollResult(ERROR, detail="SNMPv3: answer with another request-id")
-        return _checked_value_of(pdu, self.oid)
+        return checked_value_of(pdu, self.oid)
 
     def abandon(self) -> None:
         if self.handle is not None:

@@ -452,7 +452,7 @@ def stats_table(stats: PoolStats) -> Table:
         table.add_row(
             rs.name,
             f"{_number(rs.weight_static)}/{_number(rs.weight_effective)}",
-            _health_markup(rs.health),
+            _health(rs.health),
             str(rs.active_connections),
             str(rs.connections_total),
             str(rs.bytes_in),
@@ -483,7 +483,7 @@ def dwd_table(stats: PoolStats, reported: Mapping[str, str]) -> Table:
             reported.get(rs.name, "-"),
             f"{dynamic}/{_number(rs.weight_effective)}",
             f"{share:.0%}",
-            _health_markup(rs.health),
+            _health(rs.health),
             str(rs.active_connections),
             str(rs.connections_total),
         )
@@ -541,10 +541,6 @@ def plain_lines(
             f"  total {rs.connections_total}  in {rs.bytes_in}  out {rs.bytes_out}"
         )
     return lines
-
-
-def _health_markup(health: str) -> str:
-    return "[green]up[/]" if health == "up" else "[red]down[/]"
 
 
 def _number(value: float) -> str:

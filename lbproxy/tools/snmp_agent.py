@@ -8,30 +8,30 @@ from collections.abc import Mapping
 import trio
 from pyasn1.codec.ber import decoder, encoder
 
-from lbproxy.wire.snmp import MAX_DATAGRAM, _v2c
+from lbproxy.wire.snmp import MAX_DATAGRAM, v2c
 
 
 def answer_get_v2c(request: bytes, community: str, values: Mapping[str, int | None]) -> bytes:
     """The Response to an SNMPv2c GetRequest, or b"" to stay silent (wrong community,
     not a GET, garbage). `values`: OID -> integer, None for noSuchInstance."""
     try:
-        message, _rest = decoder.decode(request, asn1Spec=_v2c.Message())
-        if str(_v2c.apiMessage.get_community(message)) != community:
+        message, _rest = decoder.decode(request, asn1Spec=v2c.Message())
+        if str(v2c.apiMessage.get_community(message)) != community:
             return b""
-        pdu = _v2c.apiMessage.get_pdu(message)
-        if pdu.tagSet != _v2c.GetRequestPDU.tagSet:
+        pdu = v2c.apiMessage.get_pdu(message)
+        if pdu.tagSet != v2c.GetRequestPDU.tagSet:
             return b""
-        answer = _v2c.apiMessage.get_response(message)
+        answer = v2c.apiMessage.get_response(message)
         varbinds = []
-        for name, _null in _v2c.apiPDU.get_varbinds(pdu):
+        for name, _null in v2c.apiPDU.get_varbinds(pdu):
             value = values.get(str(name))
             if str(name) not in values:
-                varbinds.append((name, _v2c.NoSuchObject("")))
+                varbinds.append((name, v2c.NoSuchObject("")))
             elif value is None:
-                varbinds.append((name, _v2c.NoSuchInstance("")))
+                varbinds.append((name, v2c.NoSuchInstance("")))
             else:
-                varbinds.append((name, _v2c.Integer(int(value))))
-        _v2c.apiPDU.set_varbinds(_v2c.apiMessage.get_pdu(answer), varbinds)
+                varbinds.append((name, v2c.Integer(int(value))))
+        v2c.apiPDU.set_varbinds(v2c.apiMessage.get_pdu(answer), varbinds)
         return encoder.encode(answer)
     except Exception:  # garbage in: nothing out
         return b""

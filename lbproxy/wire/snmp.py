@@ -30,9 +30,10 @@ RESULTS = (OK, TIMEOUT, ERROR, BAD_VALUE)
 
 MAX_DATAGRAM = 65535
 
-_v2c = api.PROTOCOL_MODULES[api.SNMP_VERSION_2C]
-_RESPONSE_TAGS = _v2c.ResponsePDU.tagSet
-_NO_SUCH = (_v2c.NoSuchObject, _v2c.NoSuchInstance, _v2c.EndOfMibView)
+# pysnmp's SNMPv2c protocol module: its messages, PDUs and value types
+v2c = api.PROTOCOL_MODULES[api.SNMP_VERSION_2C]
+_RESPONSE_TAGS = v2c.ResponsePDU.tagSet
+_NO_SUCH = (v2c.NoSuchObject, v2c.NoSuchInstance, v2c.EndOfMibView)
 
 
 # --------------------------------------------------------------------------------------
@@ -56,14 +57,14 @@ class BadMessage(Exception):
 
 def encode_get_v2c(community: str, oid: str, request_id: int) -> bytes:
     """An SNMPv2c GetRequest for one OID."""
-    pdu = _v2c.GetRequestPDU()
-    _v2c.apiPDU.set_defaults(pdu)
-    _v2c.apiPDU.set_request_id(pdu, request_id)
-    _v2c.apiPDU.set_varbinds(pdu, [(oid, _v2c.null)])
-    message = _v2c.Message()
-    _v2c.apiMessage.set_defaults(message)
-    _v2c.apiMessage.set_community(message, community)
-    _v2c.apiMessage.set_pdu(message, pdu)
+    pdu = v2c.GetRequestPDU()
+    v2c.apiPDU.set_defaults(pdu)
+    v2c.apiPDU.set_request_id(pdu, request_id)
+    v2c.apiPDU.set_varbinds(pdu, [(oid, v2c.null)])
+    message = v2c.Message()
+    v2c.apiMessage.set_defaults(message)
+    v2c.apiMessage.set_community(message, community)
+    v2c.apiMessage.set_pdu(message, pdu)
     encoded: bytes = encoder.encode(message)  # pyasn1 is untyped (Any); wire/ is strict
     return encoded
 
@@ -71,11 +72,11 @@ def encode_get_v2c(community: str, oid: str, request_id: int) -> bytes:
 def decode_response_v2c(data: bytes) -> tuple[int, Any]:
     """(request_id, response PDU) of an SNMPv2c Response; BadMessage for anything else."""
     try:
-        message, _rest = decoder.decode(data, asn1Spec=_v2c.Message())
-        pdu = _v2c.apiMessage.get_pdu(message)
+        message, _rest = decoder.decode(data, asn1Spec=v2c.Message())
+        pdu = v2c.apiMessage.get_pdu(message)
         if pdu.tagSet != _RESPONSE_TAGS:
             raise BadMessage(f"not a Response PDU ({pdu.__class__.__name__})")
-        return int(_v2c.apiPDU.get_request_id(pdu)), pdu
+        return int(v2c.apiPDU.get_request_id(pdu)), pdu
     except BadMessage:
         raise
     except Exception as exc:  # anyone can send us a datagram: any decoding failure is garbage
@@ -84,11 +85,11 @@ def decode_response_v2c(data: bytes) -> tuple[int, Any]:
 
 def value_of(pdu: Any, oid: str) -> PollResult:
     """The poll result a Response PDU carries for a GET of `oid`."""
-    status = int(_v2c.apiPDU.get_error_status(pdu))
+    status = int(v2c.apiPDU.get_error_status(pdu))
     if status:
-        name = _v2c.apiPDU.get_error_status(pdu).prettyPrint()
+        name = v2c.apiPDU.get_error_status(pdu).prettyPrint()
         return PollResult(ERROR, detail=f"agent answered error-status {name}")
-    varbinds = _v2c.apiPDU.get_varbinds(pdu)
+    varbinds = v2c.apiPDU.get_varbinds(pdu)
     if len(varbinds) != 1:
         return PollResult(BAD_VALUE, detail=f"{len(varbinds)} variables in the answer")
     name, value = varbinds[0]
@@ -97,7 +98,8 @@ def value_of(pdu: Any, oid: str) -> PollResult:
     return classify(value)
 
 
-def _checked_value_of(pdu: Any, oid: str) -> PollResult:
+def checked_value_of(pdu: Any, oid: str) -> PollResult:
+    """`value_of`, with bad_value for a Response that decodes but cannot be read."""
     try:
         return value_of(pdu, oid)
     except Exception as exc:  # a Response that decodes but makes no sense

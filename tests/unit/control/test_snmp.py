@@ -25,7 +25,7 @@ from lbproxy.wire import snmp as wire_snmp
 from tests.factories import virtual_server
 
 OID = "1.3.6.1.4.1.8072.9999.1.0"
-v2c = wire_snmp._v2c
+v2c = wire_snmp.v2c
 
 
 def response(request: bytes, value=None, *, error_status: int = 0, request_id=None) -> bytes:

@@ -44,36 +44,36 @@ from lbproxy.config.model import (
 )
 from lbproxy.config.secret_files import SECRETS, secret_file_problem
 from lbproxy.config.tables import (
-    _ADMIN_FIELDS,
-    _CLUSTER_FIELDS,
-    _CLUSTER_SECTIONS,
-    _CONDITIONING_FIELDS,
-    _DISCOVERY_SECTIONS,
-    _DNS_DISCOVERY_FIELDS,
-    _DNS_LOCATOR_FIELDS,
-    _DNS_LOCATOR_SECTIONS,
-    _DNS_RATE_LIMIT_FIELDS,
-    _GLOBAL_FIELDS,
-    _GLOBAL_SECTIONS,
-    _HEALTH_CHECK_FIELDS,
-    _LOCATOR_SECTIONS,
-    _PERSISTENCE_FIELDS,
-    _QUEUE_FIELDS,
-    _REAL_SERVER_FIELDS,
-    _REAL_SERVER_SECTIONS,
-    _REDIS_FIELDS,
-    _SCHEDULER_OPTION_KEYS,
-    _SNMP_FIELDS,
-    _SOURCE_PREFIX_FIELDS,
-    _THROTTLE_FIELDS,
-    _TOP_LEVEL_SECTIONS,
-    _UDP_FIELDS,
-    _UDP_SECTIONS,
-    _VIRTUAL_SERVER_FIELDS,
-    _VIRTUAL_SERVER_SECTIONS,
+    ADMIN_FIELDS,
+    CLUSTER_FIELDS,
+    CLUSTER_SECTIONS,
+    CONDITIONING_FIELDS,
+    DISCOVERY_SECTIONS,
+    DNS_DISCOVERY_FIELDS,
+    DNS_LOCATOR_FIELDS,
+    DNS_LOCATOR_SECTIONS,
+    DNS_RATE_LIMIT_FIELDS,
+    GLOBAL_FIELDS,
+    GLOBAL_SECTIONS,
+    HEALTH_CHECK_FIELDS,
+    LOCATOR_SECTIONS,
+    PERSISTENCE_FIELDS,
+    QUEUE_FIELDS,
+    REAL_SERVER_FIELDS,
+    REAL_SERVER_SECTIONS,
+    REDIS_FIELDS,
+    SCHEDULER_OPTION_KEYS,
+    SNMP_FIELDS,
+    SOURCE_PREFIX_FIELDS,
     TCP_ONLY_KEYS,
+    THROTTLE_FIELDS,
+    TOP_LEVEL_SECTIONS,
+    UDP_FIELDS,
+    UDP_SECTIONS,
+    VIRTUAL_SERVER_FIELDS,
+    VIRTUAL_SERVER_SECTIONS,
 )
-from lbproxy.config.values import Converter, _did_you_mean, _Invalid, _shown
+from lbproxy.config.values import Converter, Invalid, did_you_mean, shown
 from lbproxy.core import schedulers
 
 # --------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class _Document:
         if _is_null(node):
             return section
         if not isinstance(node, yaml.MappingNode):
-            self.error(_line(node), f"{where} must be a mapping, got {_shown(node)}")
+            self.error(_line(node), f"{where} must be a mapping, got {shown(node)}")
             return None
         known = [*fields, *nested]
         for key_node, value_node in node.value:
@@ -178,7 +178,7 @@ class _Document:
             if key in fields:
                 try:
                     section.values[key] = value = fields[key](value_node, prefix + key)
-                except _Invalid as exc:
+                except Invalid as exc:
                     self.error(_line(exc.node or value_node), exc.message)
                     continue
                 if fields[key].secret:
@@ -195,7 +195,7 @@ class _Document:
         is_string = isinstance(key_node, yaml.ScalarNode) and key_node.tag == _STRING_TAG
         key: str | None = key_node.value if is_string else None
         if key is None:
-            self.error(line, f"keys must be strings, got {_shown(key_node)} in {where}")
+            self.error(line, f"keys must be strings, got {shown(key_node)} in {where}")
             return None
         if key in section.key_lines:
             first = section.key_lines[key]
@@ -203,7 +203,7 @@ class _Document:
             return None
         section.key_lines[key] = line
         if key not in known:
-            hint = _did_you_mean(key, known)
+            hint = did_you_mean(key, known)
             self.error(line, f"unknown key {key!r} in {where}" + (f" ({hint})" if hint else ""))
             return None
         return key
@@ -274,7 +274,7 @@ def _nested(
 def _read_file(
     doc: _Document, root: yaml.Node
 ) -> tuple[_GlobalRead | None, list[_VirtualServerRead]]:
-    top = doc.section(root, "the top level", {}, _TOP_LEVEL_SECTIONS)
+    top = doc.section(root, "the top level", {}, TOP_LEVEL_SECTIONS)
     if top is None:
         return None, []
     global_read = _read_global(doc, top) if "global" in top.nodes else None
@@ -283,9 +283,9 @@ def _read_file(
 
 def _read_global(doc: _Document, top: _Section) -> _GlobalRead:
     line = top.line_of("global")
-    section = _nested(doc, top, "global", "global", _GLOBAL_FIELDS, _GLOBAL_SECTIONS)
+    section = _nested(doc, top, "global", "global", GLOBAL_FIELDS, GLOBAL_SECTIONS)
     section = section or _Section(line)
-    admin = _nested(doc, section, "admin", "global.admin", _ADMIN_FIELDS, prefix="admin.")
+    admin = _nested(doc, section, "admin", "global.admin", ADMIN_FIELDS, prefix="admin.")
     admin = admin or _Section(line)
     if admin.values.get("read_token") and not admin.values.get("token_file"):
         doc.error(
@@ -342,7 +342,7 @@ def _check_secret_files(
 def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int]:
     """`global.locator`, and the line of its DNS listen address (for port clashes)."""
     locator = _nested(
-        doc, section, "locator", "global.locator", {}, _LOCATOR_SECTIONS, prefix="locator."
+        doc, section, "locator", "global.locator", {}, LOCATOR_SECTIONS, prefix="locator."
     )
     if locator is None:
         return LocatorConfig(), 0
@@ -351,8 +351,8 @@ def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int
         locator,
         "dns",
         "global.locator.dns",
-        _DNS_LOCATOR_FIELDS,
-        _DNS_LOCATOR_SECTIONS,
+        DNS_LOCATOR_FIELDS,
+        DNS_LOCATOR_SECTIONS,
         prefix="locator.dns.",
     )
     if dns is None:
@@ -362,7 +362,7 @@ def _read_locator(doc: _Document, section: _Section) -> tuple[LocatorConfig, int
         dns,
         "rate_limit",
         "global.locator.dns.rate_limit",
-        _DNS_RATE_LIMIT_FIELDS,
+        DNS_RATE_LIMIT_FIELDS,
         prefix="locator.dns.rate_limit.",
     )
     values = dict(dns.values)
@@ -378,8 +378,8 @@ def _read_cluster(doc: _Document, section: _Section) -> ClusterConfig:
         section,
         "cluster",
         "global.cluster",
-        _CLUSTER_FIELDS,
-        _CLUSTER_SECTIONS,
+        CLUSTER_FIELDS,
+        CLUSTER_SECTIONS,
         prefix="cluster.",
     )
     if cluster is None:
@@ -387,7 +387,7 @@ def _read_cluster(doc: _Document, section: _Section) -> ClusterConfig:
     doc.require(cluster, "global.cluster", "key_file")
     key = _read_cluster_key(doc, cluster)
     redis = _nested(
-        doc, cluster, "redis", "global.cluster.redis", _REDIS_FIELDS, prefix="cluster.redis."
+        doc, cluster, "redis", "global.cluster.redis", REDIS_FIELDS, prefix="cluster.redis."
     )
     if redis is None:
         if "redis" not in cluster.key_lines:
@@ -426,7 +426,7 @@ def _read_virtual_servers(doc: _Document, top: _Section) -> list[_VirtualServerR
     if node is None or _is_null(node):
         return []
     if not isinstance(node, yaml.SequenceNode):
-        doc.error(_line(node), f"virtual_servers must be a list, got {_shown(node)}")
+        doc.error(_line(node), f"virtual_servers must be a list, got {shown(node)}")
         return []
     reads = (_read_virtual_server(doc, item) for item in node.value)
     return [read for read in reads if read is not None]
@@ -435,18 +435,18 @@ def _read_virtual_servers(doc: _Document, top: _Section) -> list[_VirtualServerR
 def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead | None:
     name = _peek_name(node)
     where = f"virtual server {name}" if name else "virtual server"
-    vs = doc.section(node, where, _VIRTUAL_SERVER_FIELDS, _VIRTUAL_SERVER_SECTIONS)
+    vs = doc.section(node, where, VIRTUAL_SERVER_FIELDS, VIRTUAL_SERVER_SECTIONS)
     if vs is None:
         return None
     # With discovery, the static real servers may be empty or left out (SPEC §14).
     discovers = "discovery" in vs.nodes
     doc.require(vs, where, "name", "listen", *(() if discovers else ("real_servers",)))
     health_check = _read_health_check(doc, vs, where)
-    snmp = _nested(doc, vs, "snmp", f"snmp of {where}", _SNMP_FIELDS, prefix="snmp.")
+    snmp = _nested(doc, vs, "snmp", f"snmp of {where}", SNMP_FIELDS, prefix="snmp.")
     throttle = _read_throttle(doc, vs, where)
     persistence = _read_persistence(doc, vs, where)
     discovery = _read_discovery(doc, vs, where)
-    queue = _nested(doc, vs, "queue", f"queue of {where}", _QUEUE_FIELDS, prefix="queue.")
+    queue = _nested(doc, vs, "queue", f"queue of {where}", QUEUE_FIELDS, prefix="queue.")
     conditioning = _read_conditioning(doc, vs, where)
     udp = _read_udp(doc, vs, where)
     if udp is not None and "type" not in _health_keys(vs):
@@ -457,7 +457,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     config = None
     if "name" in vs.values and "listen" in vs.values and (real_servers or discovery):
         values = dict(vs.values)
-        options = {key: values.pop(key) for key in _SCHEDULER_OPTION_KEYS if key in values}
+        options = {key: values.pop(key) for key in SCHEDULER_OPTION_KEYS if key in values}
         config = VirtualServerConfig(
             **values,
             options=_scheduler_options(values.get("scheduler"), options),
@@ -522,7 +522,7 @@ _UDP_CHECKS = ("udp", "dns")
 
 def _read_udp(doc: _Document, vs: _Section, where: str) -> UdpConfig | None:
     """`udp:` and the keys a UDP virtual server refuses; None for a TCP one (SPEC §19)."""
-    udp = _nested(doc, vs, "udp", f"udp of {where}", _UDP_FIELDS, _UDP_SECTIONS, prefix="udp.")
+    udp = _nested(doc, vs, "udp", f"udp of {where}", UDP_FIELDS, UDP_SECTIONS, prefix="udp.")
     source_prefix = None
     if udp is not None:
         source_prefix = _nested(
@@ -530,7 +530,7 @@ def _read_udp(doc: _Document, vs: _Section, where: str) -> UdpConfig | None:
             udp,
             "source_prefix",
             f"udp.source_prefix of {where}",
-            _SOURCE_PREFIX_FIELDS,
+            SOURCE_PREFIX_FIELDS,
             prefix="udp.source_prefix.",
         )
     if vs.values.get("protocol", "tcp") != "udp":
@@ -571,7 +571,7 @@ def _read_health_check(doc: _Document, vs: _Section, where: str) -> HealthCheckC
         vs,
         "health_check",
         f"health_check of {where}",
-        _HEALTH_CHECK_FIELDS,
+        HEALTH_CHECK_FIELDS,
         prefix="health_check.",
     )
     if section is None:
@@ -591,7 +591,7 @@ def _read_health_check(doc: _Document, vs: _Section, where: str) -> HealthCheckC
 
 def _read_throttle(doc: _Document, vs: _Section, where: str) -> ThrottleConfig | None:
     section = _nested(
-        doc, vs, "throttle", f"throttle of {where}", _THROTTLE_FIELDS, prefix="throttle."
+        doc, vs, "throttle", f"throttle of {where}", THROTTLE_FIELDS, prefix="throttle."
     )
     if section is None:
         return None
@@ -614,7 +614,7 @@ def _read_persistence(doc: _Document, vs: _Section, where: str) -> PersistenceCo
         vs,
         "persistence",
         f"persistence of {where}",
-        _PERSISTENCE_FIELDS,
+        PERSISTENCE_FIELDS,
         prefix="persistence.",
     )
     return None if section is None else PersistenceConfig(**section.values)
@@ -626,7 +626,7 @@ def _read_conditioning(doc: _Document, vs: _Section, where: str) -> Conditioning
         vs,
         "conditioning",
         f"conditioning of {where}",
-        _CONDITIONING_FIELDS,
+        CONDITIONING_FIELDS,
         prefix="conditioning.",
     )
     return None if section is None else ConditioningConfig(**section.values)
@@ -658,7 +658,7 @@ def _read_real_servers(
     if node is None or (allow_empty and _is_null(node)):
         return []  # reported by `require`
     if not isinstance(node, yaml.SequenceNode):
-        doc.error(vs.line_of("real_servers"), f"real_servers must be a list, got {_shown(node)}")
+        doc.error(vs.line_of("real_servers"), f"real_servers must be a list, got {shown(node)}")
         return []
     if not node.value and not allow_empty:
         doc.error(vs.line_of("real_servers"), "real_servers is empty: a virtual server needs one")
@@ -684,7 +684,7 @@ def _read_real_servers(
 
 
 def _read_discovery(doc: _Document, vs: _Section, where: str) -> DnsDiscoveryConfig | None:
-    section = _nested(doc, vs, "discovery", f"discovery of {where}", {}, _DISCOVERY_SECTIONS)
+    section = _nested(doc, vs, "discovery", f"discovery of {where}", {}, DISCOVERY_SECTIONS)
     if section is None:
         return None
     if "dns" not in section.key_lines:
@@ -695,7 +695,7 @@ def _read_discovery(doc: _Document, vs: _Section, where: str) -> DnsDiscoveryCon
         section,
         "dns",
         f"discovery.dns of {where}",
-        _DNS_DISCOVERY_FIELDS,
+        DNS_DISCOVERY_FIELDS,
         prefix="discovery.dns.",
     )
     if dns is None:
@@ -726,11 +726,11 @@ def _read_real_server(
 ) -> tuple[_Section, RealServerConfig | None] | None:
     name = _peek_name(node)
     where = f"real server {name}" if name else "real server"
-    rs = doc.section(node, where, _REAL_SERVER_FIELDS, _REAL_SERVER_SECTIONS)
+    rs = doc.section(node, where, REAL_SERVER_FIELDS, REAL_SERVER_SECTIONS)
     if rs is None:
         return None
     doc.require(rs, where, "name", "address")
-    rs_snmp = _nested(doc, rs, "snmp", f"snmp of {where}", _SNMP_FIELDS, prefix="snmp.")
+    rs_snmp = _nested(doc, rs, "snmp", f"snmp of {where}", SNMP_FIELDS, prefix="snmp.")
     if "name" not in rs.values or "address" not in rs.values:
         return rs, None
     snmp = _real_server_snmp(doc, vs_snmp, rs_snmp, rs.values["address"].host)
@@ -765,7 +765,7 @@ def _snmp_config(values: Mapping[str, Any], *, default_host: str | None) -> Snmp
 def _check_scheduler_needs(doc: _Document, vs: _Section, config: VirtualServerConfig) -> None:
     """What the scheduler needs (its registry entry says), and no option of another."""
     algorithm = schedulers.get(config.scheduler)
-    for key in _SCHEDULER_OPTION_KEYS:
+    for key in SCHEDULER_OPTION_KEYS:
         if key in vs.key_lines and key not in algorithm.options:
             doc.error(
                 vs.line_of(key), f"{key} applies to scheduler {schedulers.option_owner(key)} only"

@@ -37,45 +37,45 @@ from lbproxy.config.model import (
 )
 from lbproxy.config.values import (
     Converter,
-    _accepting,
-    _address,
-    _admin_listen,
-    _admin_socket,
-    _boolean,
-    _choice,
-    _did_you_mean,
-    _dns_name,
-    _dns_zone,
-    _duration,
-    _group,
-    _host,
-    _host_names,
-    _http_path,
-    _integer,
-    _Invalid,
-    _listen_address,
-    _max_clients,
-    _member_name,
-    _name,
-    _networks,
-    _number,
-    _oid,
-    _record_type,
-    _redis_key_prefix,
-    _redis_url,
-    _regex,
-    _resolvers,
-    _responses,
-    _scalar,
-    _secret_file,
-    _shown,
-    _sni_names,
-    _snmp_version,
-    _status_codes,
-    _string,
-    _user,
-    _vs_listen,
-    _workers,
+    Invalid,
+    accepting,
+    address,
+    admin_listen,
+    admin_socket,
+    boolean,
+    choice,
+    did_you_mean,
+    dns_name,
+    dns_zone,
+    duration,
+    group,
+    host,
+    host_names,
+    http_path,
+    integer,
+    listen_address,
+    max_clients,
+    member_name,
+    networks,
+    number,
+    oid,
+    plain_name,
+    record_type,
+    redis_key_prefix,
+    redis_url,
+    regex,
+    resolvers,
+    responses,
+    scalar,
+    secret_file,
+    shown,
+    sni_names,
+    snmp_version,
+    status_codes,
+    string,
+    user,
+    vs_listen,
+    workers,
 )
 from lbproxy.core import schedulers
 
@@ -88,35 +88,35 @@ from lbproxy.core import schedulers
 # (lbproxy/core/schedulers): no scheduler is named here.
 
 
-@_accepting("the name of a scheduler", lambda: {"enum": schedulers.available()})
+@accepting("the name of a scheduler", lambda: {"enum": schedulers.available()})
 def _scheduler(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+    value = scalar(node, label)
     known = schedulers.available()
     if value not in known:
-        hint = _did_you_mean(value, known)
+        hint = did_you_mean(value, known)
         hint = f" ({hint})" if hint else ""
-        raise _Invalid(f"unknown scheduler {_shown(node)}{hint}; known: {', '.join(known)}", node)
+        raise Invalid(f"unknown scheduler {shown(node)}{hint}; known: {', '.join(known)}", node)
     return cast(str, value)  # one of `known`
 
 
 # Schedulers whose weights come from the SNMP poller.
-_SNMP_SCHEDULERS = tuple(cls.name for cls in schedulers.catalogue() if cls.dynamic_weights)
+SNMP_SCHEDULERS = tuple(cls.name for cls in schedulers.catalogue() if cls.dynamic_weights)
 
-_GLOBAL_FIELDS: dict[str, Converter] = {
-    "log_format": _choice("text", "json").about(
+GLOBAL_FIELDS: dict[str, Converter] = {
+    "log_format": choice("text", "json").about(
         "`text`, or `json` (one object per line), on stderr"
     ),
-    "drain_timeout": _duration(positive=False).about(
+    "drain_timeout": duration(positive=False).about(
         "on SIGTERM/SIGINT, how long connections may finish before the rest are closed"
     ),
-    "workers": _workers.about(
+    "workers": workers.about(
         "processes sharing the listeners (`auto` = one per CPU); changing it takes a restart"
     ),
-    "access_log": _boolean.about(
+    "access_log": boolean.about(
         "one line per connection on logger `lbproxy.access`: client, virtual and real "
         "server, bytes each way, duration, how it ended"
     ),
-    "state_file": _string.about(
+    "state_file": string.about(
         "runtime state kept across restarts: states and weights set at run time, the "
         "last load report per server, persistence entries; written atomically at most "
         "once a second after a change, read at start (a missing or spoilt file is a "
@@ -125,7 +125,7 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
         "warning; its folder must be writable by `user`",
         default="none",
     ),
-    "max_clients": _max_clients.about(
+    "max_clients": max_clients.about(
         "client connections this process serves at once, every virtual server together "
         "(`workers: N`: each worker's own); one more is closed at accept and counted "
         '(`reason="max_clients"`); `auto`: as many as the open-file limit allows while '
@@ -133,7 +133,7 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
         "checks, SNMP, DNS and Redis",
         default="auto",
     ),
-    "user": _user.about(
+    "user": user.about(
         "once every listener is bound and every secret file read, run as this user (a "
         "name or a numeric id), with no supplementary groups and only "
         "CAP_NET_BIND_SERVICE kept (a reload may bind a port below 1024); workers and "
@@ -141,28 +141,28 @@ _GLOBAL_FIELDS: dict[str, Converter] = {
         "warns",
         default="none",
     ),
-    "group": _group.about(
+    "group": group.about(
         "with `user`: the group to run as (a name or a numeric id)",
         default="the user's own group",
     ),
 }
 
-_ADMIN_FIELDS: dict[str, Converter] = {
-    "listen": _admin_listen.about(
+ADMIN_FIELDS: dict[str, Converter] = {
+    "listen": admin_listen.about(
         "the admin endpoint (API, `/metrics`, dashboard); `none` turns it off; in a "
         "container `0.0.0.0:9100` with a `token_file`"
     ),
-    "token_file": _secret_file.about(
+    "token_file": secret_file.about(
         "file holding the bearer token every change over TCP needs (without one the TCP "
         "endpoint is read-only: changes go through `socket`); owned by root or lbproxy's "
         "user and readable by no one else (see Secret files in the configuration reference)",
         default="none",
     ),
-    "read_token": _boolean.about(
+    "read_token": boolean.about(
         "`/api/v1` reads over TCP need the token too (none: 401, a wrong one: 403); "
         "`/healthz`, `/readyz` and `/metrics` never do; needs `token_file`"
     ),
-    "socket": _admin_socket.about(
+    "socket": admin_socket.about(
         "a Unix socket (mode 0600) serving the same API: a change through it needs no "
         "token, only a peer that runs as lbproxy's user or root (reads too); the CLI's "
         "`drain`, `reload`, ... use it by themselves. Default `admin-PORT.sock` (PORT: "
@@ -170,110 +170,110 @@ _ADMIN_FIELDS: dict[str, Converter] = {
         "or `$XDG_RUNTIME_DIR/lbproxy/`; none when there is no such folder or no `listen`",
         default="`admin-PORT.sock` in the runtime folder",
     ),
-    "allowed_hosts": _host_names.about(
+    "allowed_hosts": host_names.about(
         "host names the endpoint answers to besides IP addresses and `localhost`: a "
         "request naming another `Host` gets 421, except `/healthz`, `/readyz` and "
         "`/metrics` (a page that rebinds its own name to this address reads nothing)",
         default="none",
     ),
-    "max_connections": _integer(1).about(
+    "max_connections": integer(1).about(
         "admin connections open at once (their descriptors are the data plane's); at "
         "the limit the oldest one still reading its request (or idle) is closed to admit "
         "a new one; read at start",
     ),
-    "max_connections_per_source": _integer(1).about(
+    "max_connections_per_source": integer(1).about(
         "admin connections from one client address: a newcomer over it closes that "
         "address's oldest one still reading its request, else it is refused; read at start",
     ),
 }
 
-_REDIS_FIELDS: dict[str, Converter] = {
-    "url": _redis_url.about(
+REDIS_FIELDS: dict[str, Converter] = {
+    "url": redis_url.about(
         "the Redis (or Valkey) the instances share: `redis://HOST:PORT/DB`, "
         "`rediss://HOST:PORT/DB` (TLS; options `ssl_ca_certs`, `ssl_cert_reqs`, "
         "`ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`) or `unix:///PATH` (option "
         "`db`); a user name may be given (`redis://lb@host:6379/0`), a password may not",
         default="required",
     ),
-    "password_file": _secret_file.about(
+    "password_file": secret_file.about(
         "file holding the password (`AUTH`), read at every connection attempt (a rotated "
         "password is picked up while `user` can read it); owned by root or lbproxy's user "
         "and readable by no one else; none: no `AUTH`",
         default="none",
     ),
-    "key_prefix": _redis_key_prefix.about(
+    "key_prefix": redis_key_prefix.about(
         "every key and channel starts with `PREFIX:`; several clusters may share one Redis "
         "with their own prefixes"
     ),
-    "name": _member_name.about(
+    "name": member_name.about(
         "this instance's member name; with `workers: N` each worker is a member, `NAME-wI`",
         default="the host name",
     ),
 }
 
-_CLUSTER_FIELDS: dict[str, Converter] = {
-    "key_file": _secret_file.about(
+CLUSTER_FIELDS: dict[str, Converter] = {
+    "key_file": secret_file.about(
         "file holding the key every message and value written to Redis is signed with "
         "(HMAC-SHA256): its content without trailing whitespace, at least 32 bytes (e.g. "
         "`openssl rand -hex 32`); the same on every instance; read with the configuration",
         default="required",
     ),
-    "max_entries": _integer(1).about(
+    "max_entries": integer(1).about(
         "persistence entries a resync reads from Redis, at most (the rest are counted "
         "in `lbproxy_cluster_skipped_total` and not read); a resync reads at most "
         "10,000 fields of the state hash too"
     ),
 }
 
-_VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
-    "name": _name.about("unique name (it appears in API paths and metric labels)"),
-    "protocol": _choice("tcp", "udp").about(
+VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
+    "name": plain_name.about("unique name (it appears in API paths and metric labels)"),
+    "protocol": choice("tcp", "udp").about(
         "`tcp`, or `udp`: datagrams in sessions per client address (see UDP virtual "
         "servers); a TCP and a UDP virtual server may share an address and port"
     ),
-    "listen": _vs_listen.about(
+    "listen": vs_listen.about(
         "an address or a list of them; `none`: locator only, nothing is bound"
     ),
     "scheduler": _scheduler.about("how a real server is picked (see Schedulers)"),
-    "quiesce": _boolean.about(
+    "quiesce": boolean.about(
         "reset the connection table when a real server comes online",
         read_by=schedulers.reading("quiesce"),
     ),
-    "load_source": _choice("connections", "snmp", "report").about(
+    "load_source": choice("connections", "snmp", "report").about(
         "`connections` (connections / `max_connections`), `snmp` (value / "
         "`snmp.max_value`) or `report` (pushed by the servers, `PUT .../load`)",
         read_by=schedulers.reading("load_source"),
     ),
-    "load_poll_interval": _duration(positive=True).about(
+    "load_poll_interval": duration(positive=True).about(
         "with `load_source: connections`: how often the load is sampled",
         read_by=schedulers.reading("load_poll_interval"),
     ),
-    "slow_start": _duration(positive=False).about(
+    "slow_start": duration(positive=False).about(
         "ramp a server coming online from 10 % to its full weight over this time"
     ),
-    "connect_timeout": _duration(positive=True).about(
+    "connect_timeout": duration(positive=True).about(
         "connecting to a real server; also how long an `accept_proxy` header may take, and "
         "(on an SNI address, the first virtual server's) how long the PROXY header and the "
         "TLS ClientHello may take together"
     ),
-    "idle_timeout": _duration(positive=True).about(
+    "idle_timeout": duration(positive=True).about(
         "close when neither side sent anything for this long (also bounds half-closed connections)"
     ),
-    "retries": _integer(0).about("on connect failure, try up to N *other* real servers"),
-    "max_connections": _integer(0).about(
+    "retries": integer(0).about("on connect failure, try up to N *other* real servers"),
+    "max_connections": integer(0).about(
         "concurrent client connections for this virtual server (0 = unlimited); more are "
         'closed and counted (`reason="max_connections"`)'
     ),
-    "allow": _networks.about("client networks allowed"),
-    "deny": _networks.about('client networks refused; deny wins over allow (`reason="acl"`)'),
-    "send_proxy": _choice("none", "v1", "v2").about(
+    "allow": networks.about("client networks allowed"),
+    "deny": networks.about('client networks refused; deny wins over allow (`reason="acl"`)'),
+    "send_proxy": choice("none", "v1", "v2").about(
         "`v1` or `v2`: send a PROXY protocol header to the real server first"
     ),
-    "accept_proxy": _boolean.about(
+    "accept_proxy": boolean.about(
         "expect a PROXY v1/v2 header from an upstream balancer; its client address is the "
         "one the ACL checks and `send_proxy` passes on"
     ),
-    "accept_proxy_from": _networks.about(
+    "accept_proxy_from": networks.about(
         "with `accept_proxy`: the peers (the upstream balancers) whose PROXY header is "
         "believed; a connection from any other is closed before a byte is read "
         '(`reason="proxy_untrusted"`)',
@@ -282,7 +282,7 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     ),
     # Each scheduler's own keys (maglev's `table_size`, `hash_key`), accepted only with it.
     **schedulers.option_fields(),
-    "sni": _sni_names.about(
+    "sni": sni_names.about(
         "TLS server names routed here from a listen address it shares with other virtual "
         "servers: exact names or `*.example.com` (one label), case-insensitive",
         default="none",
@@ -290,203 +290,203 @@ _VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
 }
 
 # Keys of one scheduler's own: an error with any other (not silently unused).
-_SCHEDULER_OPTION_KEYS = tuple(schedulers.option_fields())
+SCHEDULER_OPTION_KEYS = tuple(schedulers.option_fields())
 
-_REAL_SERVER_FIELDS: dict[str, Converter] = {
-    "name": _name.about("unique within the virtual server"),
-    "address": _address(listen=False).about(
+REAL_SERVER_FIELDS: dict[str, Converter] = {
+    "name": plain_name.about("unique within the virtual server"),
+    "address": address(listen=False).about(
         "`HOST:PORT` (host names are resolved once, when first used)"
     ),
-    "weight": _integer(0, MAX_WEIGHT).about(
+    "weight": integer(0, MAX_WEIGHT).about(
         "static weight (ipvsadm's range); 0 = no new connections"
     ),
-    "max_connections": _integer(0).about(
+    "max_connections": integer(0).about(
         "concurrent connections to this server (0 = unlimited); `least-load` with "
         "`load_source: connections` needs it > 0"
     ),
-    "load_factor": _number(above=0).about(
+    "load_factor": number(above=0).about(
         "added to the accumulated load per connection; higher = weaker server",
         read_by=schedulers.reading("load_factor"),
     ),
-    "state": _choice("enabled", "drain", "disabled").about("at start-up (and after each reload)"),
-    "backup": _boolean.about(
+    "state": choice("enabled", "drain", "disabled").about("at start-up (and after each reload)"),
+    "backup": boolean.about(
         "a backup server: new connections only while no primary server is available"
         " (every primary down, drained, disabled or at its max_connections)"
     ),
 }
 
-_HEALTH_CHECK_FIELDS: dict[str, Converter] = {
-    "type": _choice("tcp", "send_expect", "http", "udp", "dns", "none").about(
+HEALTH_CHECK_FIELDS: dict[str, Converter] = {
+    "type": choice("tcp", "send_expect", "http", "udp", "dns", "none").about(
         "`tcp` (connect), `send_expect`, `http`, or `none` (passive health only); on a "
         "UDP virtual server `udp` (a datagram, a reply) or `dns` (a query, NOERROR)"
     ),
-    "interval": _duration(positive=True).about(
+    "interval": duration(positive=True).about(
         "time between checks (each server starts at a random offset)"
     ),
-    "timeout": _duration(positive=True).about("per check"),
-    "rise": _integer(1).about("good checks in a row to come back up"),
-    "fall": _integer(1).about("failures in a row to go down"),
-    "send": _string.about(
+    "timeout": duration(positive=True).about("per check"),
+    "rise": integer(1).about("good checks in a row to come back up"),
+    "fall": integer(1).about("failures in a row to go down"),
+    "send": string.about(
         "`send_expect`: bytes to send (`\\r\\n` escapes work); `udp`: the datagram "
         "(none: an empty one)",
         default="none",
     ),
-    "expect": _regex.about(
+    "expect": regex.about(
         "`send_expect` (required there): a regular expression searched in the first 4 KiB "
         "of the answer; `udp`: searched in the reply (none: any reply)",
         default="none",
     ),
-    "query": _dns_name.about("`dns` (required there): the name asked for", default="none"),
-    "query_type": _choice(*DNS_QUERY_TYPES).about(
+    "query": dns_name.about("`dns` (required there): the name asked for", default="none"),
+    "query_type": choice(*DNS_QUERY_TYPES).about(
         "`dns`: the record type asked for; healthy when the answer is NOERROR"
     ),
-    "path": _http_path.about("`http`: the path to GET"),
-    "expect_status": _status_codes.about("`http`: the accepted status codes"),
-    "on_down": _choice("keep", "close").about(
+    "path": http_path.about("`http`: the path to GET"),
+    "expect_status": status_codes.about("`http`: the accepted status codes"),
+    "on_down": choice("keep", "close").about(
         "`keep` or `close` the established connections of a server that goes down"
     ),
 }
 
-_SNMP_FIELDS: dict[str, Converter] = {
-    "oid": _oid.about("the OID to GET (default: UCD-SNMP-MIB 1-minute load average × 100)"),
-    "version": _snmp_version.about('`2c`, `3` or `"3"`'),
-    "community": _string.about("v2c community"),
-    "user": _string.about("v3 user (required with version 3)", default="none"),
-    "auth_protocol": _choice("SHA", "SHA256", "MD5").about("v3 authentication protocol"),
-    "auth_key_file": _secret_file.about(
+SNMP_FIELDS: dict[str, Converter] = {
+    "oid": oid.about("the OID to GET (default: UCD-SNMP-MIB 1-minute load average × 100)"),
+    "version": snmp_version.about('`2c`, `3` or `"3"`'),
+    "community": string.about("v2c community"),
+    "user": string.about("v3 user (required with version 3)", default="none"),
+    "auth_protocol": choice("SHA", "SHA256", "MD5").about("v3 authentication protocol"),
+    "auth_key_file": secret_file.about(
         "v3: file holding the authentication passphrase (authNoPriv with this file only); "
         "owned by root or lbproxy's user and readable by no one else",
         default="none",
     ),
-    "priv_protocol": _choice("AES", "AES256", "DES").about("v3 privacy protocol"),
-    "priv_key_file": _secret_file.about(
+    "priv_protocol": choice("AES", "AES256", "DES").about("v3 privacy protocol"),
+    "priv_key_file": secret_file.about(
         "v3: file holding the privacy passphrase (authPriv with both files); owned by root "
         "or lbproxy's user and readable by no one else",
         default="none",
     ),
-    "host": _host.about("where the agent is", default="the real server's host"),
-    "port": _integer(1, 65535).about("the agent's UDP port"),
-    "interval": _duration(positive=True).about("poll period"),
-    "timeout": _duration(positive=True).about("per transmission"),
-    "retries": _integer(0).about("retransmissions within one poll"),
-    "on_no_answer": _choice("zero", "hold", "static").about(
+    "host": host.about("where the agent is", default="the real server's host"),
+    "port": integer(1, 65535).about("the agent's UDP port"),
+    "interval": duration(positive=True).about("poll period"),
+    "timeout": duration(positive=True).about("per transmission"),
+    "retries": integer(0).about("retransmissions within one poll"),
+    "on_no_answer": choice("zero", "hold", "static").about(
         "the dynamic weight after a failed poll: `zero`, `hold` (the last value for "
         "`stale_after`, then 0) or `static` (the configured weight)"
     ),
-    "stale_after": _duration(positive=True).about(
+    "stale_after": duration(positive=True).about(
         "`hold`: how long the last value is kept", default="3 × interval"
     ),
-    "smoothing": _number(above=0, at_most=1).about("exponential moving average factor (1 = none)"),
-    "max_value": _integer(1).about(
+    "smoothing": number(above=0, at_most=1).about("exponential moving average factor (1 = none)"),
+    "max_value": integer(1).about(
         "`dwr`: weight = max_value − value; `least-load`: load = value / max_value"
     ),
 }
 
-_THROTTLE_FIELDS: dict[str, Converter] = {
-    "max_connections": _integer(1).about(
+THROTTLE_FIELDS: dict[str, Converter] = {
+    "max_connections": integer(1).about(
         "concurrent client connections that make load 1", default="none"
     ),
-    "max_rate": _number(above=0).about(
+    "max_rate": number(above=0).about(
         "new connections per second that make load 1 (at least one of the two)",
         default="none",
     ),
-    "digg_factor": _number(above=1).about("the load at which new connections are refused"),
-    "high_idle_timeout": _duration(positive=True).about("idle timeout imposed at load 1"),
-    "min_idle_timeout": _duration(positive=True).about(
+    "digg_factor": number(above=1).about("the load at which new connections are refused"),
+    "high_idle_timeout": duration(positive=True).about("idle timeout imposed at load 1"),
+    "min_idle_timeout": duration(positive=True).about(
         "idle timeout imposed at `digg_factor` and in digg (at most `high_idle_timeout`)"
     ),
-    "interval": _duration(positive=True).about(
+    "interval": duration(positive=True).about(
         "how often the monitor re-evaluates while busy (stepping down; going up happens at "
         "the arrival that reaches a threshold)"
     ),
 }
 
-_PERSISTENCE_FIELDS: dict[str, Converter] = {
-    "timeout": _duration(positive=True).about(
+PERSISTENCE_FIELDS: dict[str, Converter] = {
+    "timeout": duration(positive=True).about(
         "an entry expires this long after the client's last connection ended"
     ),
-    "max_entries": _integer(1).about("beyond this, the least recently used clients are evicted"),
+    "max_entries": integer(1).about("beyond this, the least recently used clients are evicted"),
 }
 
-_DNS_LOCATOR_FIELDS: dict[str, Converter] = {
-    "listen": _listen_address.about("the DNS locator, UDP and TCP"),
-    "zone": _dns_zone.about(
+DNS_LOCATOR_FIELDS: dict[str, Converter] = {
+    "listen": listen_address.about("the DNS locator, UDP and TCP"),
+    "zone": dns_zone.about(
         "the zone it answers for (`VS.ZONE`, `_VS._tcp.ZONE`); any other name is REFUSED"
     ),
-    "ttl": _integer(0, 2**31 - 1).about("TTL of every answer, seconds (0 = ask again each time)"),
-    "allow": _networks.about(
+    "ttl": integer(0, 2**31 - 1).about("TTL of every answer, seconds (0 = ask again each time)"),
+    "allow": networks.about(
         "source networks that may ask; any other source is answered REFUSED over UDP (no "
         "pick is made) and closed before a byte is read over TCP",
         default="`127.0.0.0/8`, `::1/128`, `10.0.0.0/8`, `172.16.0.0/12`, "
         "`192.168.0.0/16`, `fc00::/7`",
     ),
-    "tcp_clients_per_source": _integer(1).about(
+    "tcp_clients_per_source": integer(1).about(
         "concurrent TCP clients from one source prefix, /24 for IPv4 and /56 for IPv6 as "
         "rate limiting counts them (beside the limit of 64 in all); more are closed at "
         "once, before a byte is read"
     ),
-    "tcp_idle_timeout": _duration(positive=True).about(
+    "tcp_idle_timeout": duration(positive=True).about(
         "a TCP client must send each whole query within this, and the next one within "
         "this after an answer (BIND's and Unbound's `tcp-idle-timeout`)"
     ),
-    "tcp_lifetime": _duration(positive=True).about(
+    "tcp_lifetime": duration(positive=True).about(
         "a TCP client is closed this long after it connected, however busy (its answer "
         "in progress cut): no client holds one of the 64 places for ever"
     ),
 }
 
-_DNS_RATE_LIMIT_FIELDS: dict[str, Converter] = {
-    "responses_per_second": _integer(0).about(
+DNS_RATE_LIMIT_FIELDS: dict[str, Converter] = {
+    "responses_per_second": integer(0).about(
         "UDP answers per second to one source prefix (/24 for IPv4, /56 for IPv6); over "
         "it a query is dropped without a pick (`0`: no limit)"
     ),
-    "slip": _integer(0).about(
+    "slip": integer(0).about(
         "every `slip`-th dropped query is answered empty with TC=1, so a real client asks "
         "again over TCP (`0`: drop them all)"
     ),
 }
 
-_CONDITIONING_FIELDS: dict[str, Converter] = {
-    "interval": _duration(positive=True).about("time between rounds"),
-    "idle_for": _duration(positive=False).about(
+CONDITIONING_FIELDS: dict[str, Converter] = {
+    "interval": duration(positive=True).about("time between rounds"),
+    "idle_for": duration(positive=False).about(
         "a connection is a candidate only after this long without a byte either way"
     ),
-    "max_per_interval": _integer(1).about("closed per round, at most"),
-    "threshold": _number(above=0).about(
+    "max_per_interval": integer(1).about("closed per round, at most"),
+    "threshold": number(above=0).about(
         "imbalance, in per-connection steps, that starts rebalancing (also used by `?current=`)"
     ),
 }
 
-_DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
-    "name": _dns_name.about(
+DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
+    "name": dns_name.about(
         "the name to resolve, always as an absolute name (no search domains; a trailing "
         "dot is optional)"
     ),
-    "type": _record_type.about("the record type to ask for"),
-    "port": _integer(1, 65535).about(
+    "type": record_type.about("the record type to ask for"),
+    "port": integer(1, 65535).about(
         "`A`/`AAAA` only, and required there: the port of every address (SRV records "
         "carry their own)",
         default="none",
     ),
-    "resolvers": _resolvers.about(
+    "resolvers": resolvers.about(
         "where to ask; without it `/etc/resolv.conf` is read again each round",
         default="the system's",
     ),
-    "interval": _duration(positive=True).about("time between the starts of two rounds"),
-    "hold": _duration(positive=False).about(
+    "interval": duration(positive=True).about("time between the starts of two rounds"),
+    "hold": duration(positive=False).about(
         "how long the name must answer empty or NXDOMAIN before its servers are removed "
         "(`0s`: at once)"
     ),
-    "timeout": _duration(positive=True).about(
+    "timeout": duration(positive=True).about(
         "one round (the query, retries, a second resolver, the address lookups of SRV "
         "targets) gives up after this; a silent resolver delays nothing else"
     ),
-    "max_servers": _integer(1).about(
+    "max_servers": integer(1).about(
         "the most servers taken from one answer; beyond it those of the lowest SRV "
         "priority, then the highest weight, then the name are kept (A/AAAA: the lowest "
         "addresses), and a warning is logged once per change"
     ),
-    "allow_addresses": _networks.about(
+    "allow_addresses": networks.about(
         "networks whose loopback, link-local, unspecified or multicast addresses an "
         "answer may name (e.g. `[127.0.0.0/8]` for real servers on this host); others of "
         "those are refused and counted, and an address of one of lbproxy's own listeners "
@@ -495,27 +495,27 @@ _DNS_DISCOVERY_FIELDS: dict[str, Converter] = {
     ),
 }
 
-_UDP_FIELDS: dict[str, Converter] = {
-    "idle_timeout": _duration(positive=True).about(
+UDP_FIELDS: dict[str, Converter] = {
+    "idle_timeout": duration(positive=True).about(
         "a session ends after this long without a datagram either way"
     ),
-    "responses": _responses.about(
+    "responses": responses.about(
         "replies per request a client gets: the session ends once they all came (`1` for "
         "DNS); `0`: none expected, replies are dropped (syslog); `none`: unlimited",
         default="none",
     ),
-    "max_sessions": _integer(1).about(
+    "max_sessions": integer(1).about(
         'sessions in the table; a new client beyond it is dropped (`reason="max_sessions"`)'
     ),
-    "max_sessions_per_source": _integer(1).about(
+    "max_sessions_per_source": integer(1).about(
         "sessions the client addresses of one source prefix (`source_prefix`) may hold; "
         'beyond: dropped (`reason="per_source"`)'
     ),
 }
 
-_SOURCE_PREFIX_FIELDS: dict[str, Converter] = {
-    "v4": _integer(1, 32).about("prefix length of an IPv4 source (32: each address)"),
-    "v6": _integer(1, 128).about(
+SOURCE_PREFIX_FIELDS: dict[str, Converter] = {
+    "v4": integer(1, 32).about("prefix length of an IPv4 source (32: each address)"),
+    "v6": integer(1, 128).about(
         "prefix length of an IPv6 source (64: a host or a site usually holds a whole /64)"
     ),
 }
@@ -531,9 +531,9 @@ TCP_ONLY_KEYS = (
     "retries",
 )
 
-_QUEUE_FIELDS: dict[str, Converter] = {
-    "max": _integer(1).about("waiting clients; one more is refused (`queue_full`)"),
-    "timeout": _duration(positive=True).about(
+QUEUE_FIELDS: dict[str, Converter] = {
+    "max": integer(1).about("waiting clients; one more is refused (`queue_full`)"),
+    "timeout": duration(positive=True).about(
         "how long a client may wait for a free slot (`queue_timeout`)"
     ),
 }
@@ -567,7 +567,7 @@ class Section:
 
 
 _SNMP = Section(
-    _SNMP_FIELDS,
+    SNMP_FIELDS,
     SnmpConfig,
     "the SNMP poller that feeds `dwd`, `dwr` and `least-load` with `load_source: snmp`",
     page="concepts/dynamic-weights.md",
@@ -580,12 +580,12 @@ SECTIONS = Section(
     "A file holds a `global:` section (only one file may), a `virtual_servers:` list, or both.",
     sections={
         "global": Section(
-            _GLOBAL_FIELDS,
+            GLOBAL_FIELDS,
             GlobalConfig,
             "process-wide settings",
             sections={
                 "admin": Section(
-                    _ADMIN_FIELDS,
+                    ADMIN_FIELDS,
                     AdminConfig,
                     "the admin endpoint: API, `/metrics`, `/healthz`, `/readyz`, dashboard",
                     page="reference/admin-api.md",
@@ -596,13 +596,13 @@ SECTIONS = Section(
                     "the locator's other faces",
                     sections={
                         "dns": Section(
-                            _DNS_LOCATOR_FIELDS,
+                            DNS_LOCATOR_FIELDS,
                             DnsLocatorConfig,
                             "the DNS locator (only with this block); changing it takes a restart",
                             page="concepts/locator.md",
                             sections={
                                 "rate_limit": Section(
-                                    _DNS_RATE_LIMIT_FIELDS,
+                                    DNS_RATE_LIMIT_FIELDS,
                                     DnsRateLimitConfig,
                                     "response rate limiting of UDP answers per source "
                                     "prefix, as BIND's `rate-limit`",
@@ -614,14 +614,14 @@ SECTIONS = Section(
                     page="concepts/locator.md",
                 ),
                 "cluster": Section(
-                    _CLUSTER_FIELDS,
+                    CLUSTER_FIELDS,
                     None,
                     "several instances as one, through a shared Redis; changing it takes a restart",
                     required=("redis", "key_file"),
                     page="howto/several-instances.md",
                     sections={
                         "redis": Section(
-                            _REDIS_FIELDS,
+                            REDIS_FIELDS,
                             RedisConfig,
                             "the Redis server: runtime changes, load reports, persistence "
                             "entries and members are shared through it",
@@ -633,7 +633,7 @@ SECTIONS = Section(
             },
         ),
         "virtual_servers": Section(
-            _VIRTUAL_SERVER_FIELDS,
+            VIRTUAL_SERVER_FIELDS,
             VirtualServerConfig,
             "what clients connect to: listen addresses, a scheduler and real servers",
             required=("name", "listen"),
@@ -643,7 +643,7 @@ SECTIONS = Section(
             page="concepts/servers.md",
             sections={
                 "health_check": Section(
-                    _HEALTH_CHECK_FIELDS,
+                    HEALTH_CHECK_FIELDS,
                     HealthCheckConfig,
                     "active health checks of every real server",
                     page="concepts/health.md",
@@ -666,7 +666,7 @@ SECTIONS = Section(
                 ),
                 "snmp": _SNMP,
                 "throttle": Section(
-                    _THROTTLE_FIELDS,
+                    THROTTLE_FIELDS,
                     ThrottleConfig,
                     "admission control (low, high, digg); needs `max_connections` or `max_rate`",
                     page="concepts/throttle.md",
@@ -675,33 +675,33 @@ SECTIONS = Section(
                     ),
                 ),
                 "persistence": Section(
-                    _PERSISTENCE_FIELDS,
+                    PERSISTENCE_FIELDS,
                     PersistenceConfig,
                     "client persistence: a client goes back to its last real server",
                     page="concepts/affinity.md",
                 ),
                 "queue": Section(
-                    _QUEUE_FIELDS,
+                    QUEUE_FIELDS,
                     QueueConfig,
                     "clients wait for a server held back by `max_connections` instead of "
                     "being refused; `queue:` alone takes the defaults",
                     page="concepts/front-door.md",
                 ),
                 "conditioning": Section(
-                    _CONDITIONING_FIELDS,
+                    CONDITIONING_FIELDS,
                     ConditioningConfig,
                     "move idle long-lived connections toward the least-loaded server",
                     page="concepts/conditioning.md",
                     only=schedulers.with_load(),
                 ),
                 "udp": Section(
-                    _UDP_FIELDS,
+                    UDP_FIELDS,
                     UdpConfig,
                     "the session table of a virtual server with `protocol: udp`",
                     page="concepts/udp.md",
                     sections={
                         "source_prefix": Section(
-                            _SOURCE_PREFIX_FIELDS,
+                            SOURCE_PREFIX_FIELDS,
                             SourcePrefixConfig,
                             "the prefixes `max_sessions_per_source` counts by, e.g. "
                             "`{v4: 32, v6: 64}`",
@@ -710,7 +710,7 @@ SECTIONS = Section(
                     },
                 ),
                 "real_servers": Section(
-                    _REAL_SERVER_FIELDS,
+                    REAL_SERVER_FIELDS,
                     RealServerConfig,
                     "the servers connections go to (may be empty or left out with `discovery`)",
                     many=True,
@@ -718,7 +718,7 @@ SECTIONS = Section(
                     page="concepts/servers.md",
                     sections={
                         "snmp": Section(
-                            _SNMP_FIELDS,
+                            SNMP_FIELDS,
                             SnmpConfig,
                             "overrides of the virtual server's `snmp` block, key by key, "
                             "e.g. `{host: 10.0.0.11, port: 1161}`",
@@ -735,7 +735,7 @@ SECTIONS = Section(
                     page="concepts/discovery.md",
                     sections={
                         "dns": Section(
-                            _DNS_DISCOVERY_FIELDS,
+                            DNS_DISCOVERY_FIELDS,
                             DnsDiscoveryConfig,
                             "SRV, A or AAAA records, re-resolved every `interval`",
                             required=("name",),
@@ -760,21 +760,19 @@ SECTIONS = Section(
 
 _VIRTUAL_SERVER = SECTIONS.sections["virtual_servers"]
 # Schedulers without a load to balance (SPEC §11): they reject a `conditioning:` block.
-_UNCONDITIONED_SCHEDULERS = schedulers.without_load()
+UNCONDITIONED_SCHEDULERS = schedulers.without_load()
 
-_TOP_LEVEL_SECTIONS = tuple(SECTIONS.sections)
-_GLOBAL_SECTIONS = tuple(SECTIONS.sections["global"].sections)
-_LOCATOR_SECTIONS = tuple(SECTIONS.sections["global"].sections["locator"].sections)
-_DNS_LOCATOR_SECTIONS = tuple(
+TOP_LEVEL_SECTIONS = tuple(SECTIONS.sections)
+GLOBAL_SECTIONS = tuple(SECTIONS.sections["global"].sections)
+LOCATOR_SECTIONS = tuple(SECTIONS.sections["global"].sections["locator"].sections)
+DNS_LOCATOR_SECTIONS = tuple(
     SECTIONS.sections["global"].sections["locator"].sections["dns"].sections
 )
-_CLUSTER_SECTIONS = tuple(SECTIONS.sections["global"].sections["cluster"].sections)
-_VIRTUAL_SERVER_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections)
-_REAL_SERVER_SECTIONS = tuple(
-    SECTIONS.sections["virtual_servers"].sections["real_servers"].sections
-)
-_DISCOVERY_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["discovery"].sections)
-_UDP_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["udp"].sections)
+CLUSTER_SECTIONS = tuple(SECTIONS.sections["global"].sections["cluster"].sections)
+VIRTUAL_SERVER_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections)
+REAL_SERVER_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["real_servers"].sections)
+DISCOVERY_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["discovery"].sections)
+UDP_SECTIONS = tuple(SECTIONS.sections["virtual_servers"].sections["udp"].sections)
 
 
 def walk(section: Section = SECTIONS, path: str = "") -> Iterator[tuple[str, Section]]:

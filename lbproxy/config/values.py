@@ -2,7 +2,7 @@
 
 PURE. `parse_duration` and `parse_address` are public (the CLI and the simulator use them);
 a converter takes a YAML node and the key as the user wrote it, and returns the value or
-raises `_Invalid` with a message that names what to fix.
+raises `Invalid` with a message that names what to fix.
 
 A converter also says what it accepts, in words (`accepts`: the messages and the
 configuration reference) and as a JSON Schema fragment (`schema`: `lbproxy schema`),
@@ -132,7 +132,7 @@ def _finite_float(value: float) -> float | None:
 
 
 # --------------------------------------------------------------------------------------
-# Converters: (value node, label) -> Python value, or raise _Invalid
+# Converters: (value node, label) -> Python value, or raise Invalid
 # --------------------------------------------------------------------------------------
 # A converter checks one YAML value. `label` is the key as the user wrote it, qualified by
 # its section ("health_check.timeout"), so that messages name what to fix.
@@ -214,9 +214,7 @@ class Converter:
         )
 
 
-def _accepting(
-    accepts: str, schema: Schema | Callable[[], Schema]
-) -> Callable[[Reader], Converter]:
+def accepting(accepts: str, schema: Schema | Callable[[], Schema]) -> Callable[[Reader], Converter]:
     """Decorator: a reader function becomes a Converter that accepts `accepts`."""
 
     def wrap(read: Reader) -> Converter:
@@ -239,10 +237,10 @@ def _one_or_list_schema(item: Schema) -> Schema:
     return {"anyOf": [item, {"type": "array", "items": item, "minItems": 1}]}
 
 
-_NOT_SCALAR = object()  # what `_scalar` gives for a list or a mapping: fails every check
+_NOT_SCALAR = object()  # what `scalar` gives for a list or a mapping: fails every check
 
 
-class _Invalid(Exception):
+class Invalid(Exception):
     """A value is wrong; reported at the line of `node` (or of the value being read)."""
 
     def __init__(self, message: str, node: yaml.Node | None = None):
@@ -251,7 +249,7 @@ class _Invalid(Exception):
         self.node = node
 
 
-def _scalar(node: yaml.Node, label: str) -> Any:
+def scalar(node: yaml.Node, label: str) -> Any:
     """The Python value of a scalar node as YAML resolves it (`yes` -> True, `5` -> 5)."""
     if not isinstance(node, yaml.ScalarNode):
         return _NOT_SCALAR
@@ -259,10 +257,10 @@ def _scalar(node: yaml.Node, label: str) -> Any:
         return yaml.constructor.SafeConstructor().construct_object(node)
     except Exception:  # explicit tags (`!!int x`, `!foo`) fail in many different ways
         tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-        raise _Invalid(f"{label}: cannot read {node.value!r} tagged {tag}") from None
+        raise Invalid(f"{label}: cannot read {node.value!r} tagged {tag}") from None
 
 
-def _shown(node: yaml.Node) -> str:
+def shown(node: yaml.Node) -> str:
     """The value of `node` as the user wrote it, for a message."""
     if isinstance(node, yaml.MappingNode):
         return "a mapping"
@@ -277,12 +275,12 @@ def _shown(node: yaml.Node) -> str:
     return repr(value) if isinstance(value, str) else node.value
 
 
-def _expected(label: str, requirement: str, node: yaml.Node, detail: str = "") -> _Invalid:
-    message = f"{label} must be {requirement}, got {_shown(node)}"
-    return _Invalid(f"{message} ({detail})" if detail else message, node)
+def _expected(label: str, requirement: str, node: yaml.Node, detail: str = "") -> Invalid:
+    message = f"{label} must be {requirement}, got {shown(node)}"
+    return Invalid(f"{message} ({detail})" if detail else message, node)
 
 
-def _did_you_mean(word: object, options: Iterable[str]) -> str:
+def did_you_mean(word: object, options: Iterable[str]) -> str:
     close = difflib.get_close_matches(str(word), list(options), n=1)
     return f"did you mean {close[0]!r}?" if close else ""
 
@@ -295,14 +293,14 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _integer(minimum: int, maximum: int | None = None) -> Converter:
+def integer(minimum: int, maximum: int | None = None) -> Converter:
     if maximum is None:
         requirement = f"an integer >= {minimum}"
     else:
         requirement = f"an integer from {minimum} to {maximum}"
 
     def convert(node: yaml.Node, label: str) -> int:
-        value = _scalar(node, label)
+        value = scalar(node, label)
         if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
             raise _expected(label, requirement, node)
         return value
@@ -313,12 +311,12 @@ def _integer(minimum: int, maximum: int | None = None) -> Converter:
     return Converter(convert, requirement, schema)
 
 
-def _number(above: float, at_most: float | None = None) -> Converter:
+def number(above: float, at_most: float | None = None) -> Converter:
     """A finite number > `above` (and <= `at_most`), as a float."""
     requirement = f"a number > {above:g}" + (f" and <= {at_most:g}" if at_most is not None else "")
 
     def convert(node: yaml.Node, label: str) -> float:
-        value = _scalar(node, label)
+        value = scalar(node, label)
         number = _finite_float(value) if _is_number(value) else None
         if number is None or number <= above or (at_most is not None and number > at_most):
             raise _expected(label, requirement, node)
@@ -330,12 +328,12 @@ def _number(above: float, at_most: float | None = None) -> Converter:
     return Converter(convert, requirement, schema)
 
 
-def _duration(*, positive: bool) -> Converter:
+def duration(*, positive: bool) -> Converter:
     requirement = "a duration (250ms, 5s, 2m, 1h or seconds) " + ("> 0" if positive else ">= 0")
 
     def convert(node: yaml.Node, label: str) -> float:
         try:
-            seconds = parse_duration(_scalar(node, label))
+            seconds = parse_duration(scalar(node, label))
         except ValueError:
             raise _expected(label, requirement, node) from None
         if positive and seconds == 0:
@@ -351,29 +349,29 @@ def _duration(*, positive: bool) -> Converter:
     return Converter(convert, requirement, {"anyOf": [number, {"type": "string", "pattern": text}]})
 
 
-def _choice(*options: str) -> Converter:
+def choice(*options: str) -> Converter:
     requirement = "one of " + ", ".join(options)
 
     def convert(node: yaml.Node, label: str) -> str:
-        value = _scalar(node, label)
+        value = scalar(node, label)
         if value not in options:
-            raise _expected(label, requirement, node, _did_you_mean(value, options))
+            raise _expected(label, requirement, node, did_you_mean(value, options))
         return cast(str, value)  # one of `options`
 
     return Converter(convert, requirement, {"enum": list(options)})
 
 
-@_accepting("true or false", {"type": "boolean"})
-def _boolean(node: yaml.Node, label: str) -> bool:
-    value = _scalar(node, label)
+@accepting("true or false", {"type": "boolean"})
+def boolean(node: yaml.Node, label: str) -> bool:
+    value = scalar(node, label)
     if not isinstance(value, bool):
         raise _expected(label, "true or false", node)
     return value
 
 
-@_accepting("a non-empty string", {"type": "string", "minLength": 1})
-def _string(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+@accepting("a non-empty string", {"type": "string", "minLength": 1})
+def string(node: yaml.Node, label: str) -> str:
+    value = scalar(node, label)
     if not isinstance(value, str) or not value:
         raise _expected(label, "a non-empty string", node)
     return value
@@ -381,8 +379,8 @@ def _string(node: yaml.Node, label: str) -> str:
 
 # A path to a file holding a secret (a token, a password, a key): read as a string; the
 # reader checks its owner and mode (secret_files.py), where it knows `global.user`.
-_secret_file = Converter(
-    _string.read,
+secret_file = Converter(
+    string.read,
     "a path to a file only root or lbproxy's user may read",
     {"type": "string", "minLength": 1},
     secret=True,
@@ -394,7 +392,7 @@ def _account(lookup: Callable[[str], object], what: str) -> Converter:
     requirement = f"a {what} name or a numeric id"
 
     def convert(node: yaml.Node, label: str) -> str:
-        value = _scalar(node, label)
+        value = scalar(node, label)
         if _is_int(value) and value >= 0:
             value = str(value)
         if not isinstance(value, str) or not value:
@@ -402,7 +400,7 @@ def _account(lookup: Callable[[str], object], what: str) -> Converter:
         try:
             lookup(value)
         except AccountError as exc:
-            raise _Invalid(f"{label}: {exc}", node) from None
+            raise Invalid(f"{label}: {exc}", node) from None
         return value
 
     schema: Schema = {
@@ -411,27 +409,27 @@ def _account(lookup: Callable[[str], object], what: str) -> Converter:
     return Converter(convert, requirement, schema)
 
 
-_user = _account(user_ids, "user")
-_group = _account(group_id, "group")
+user = _account(user_ids, "user")
+group = _account(group_id, "group")
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
-@_accepting(
+@accepting(
     "a name of letters, digits, '.', '_' or '-'", {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"}
 )
-def _name(node: yaml.Node, label: str) -> str:
+def plain_name(node: yaml.Node, label: str) -> str:
     # Names appear in API paths, CLI arguments and metric labels: keep them plain.
-    value = _scalar(node, label)
+    value = scalar(node, label)
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise _expected(label, "a name of letters, digits, '.', '_' or '-'", node)
     return value
 
 
-def _address(*, listen: bool) -> Converter:
+def address(*, listen: bool) -> Converter:
     def convert(node: yaml.Node, label: str) -> Address:
-        value = _scalar(node, label)
+        value = scalar(node, label)
         try:
             return parse_address(value, listen=listen)
         except ValueError as exc:
@@ -441,7 +439,7 @@ def _address(*, listen: bool) -> Converter:
     return Converter(convert, what, _ADDRESS_SCHEMA)
 
 
-_listen_address = _address(listen=True)
+listen_address = address(listen=True)
 
 
 def _one_or_list(convert: Converter, what: str) -> Converter:
@@ -451,7 +449,7 @@ def _one_or_list(convert: Converter, what: str) -> Converter:
         if not isinstance(node, yaml.SequenceNode):
             return (convert(node, label),)
         if not node.value:
-            raise _Invalid(f"{label} must name at least one {what}", node)
+            raise Invalid(f"{label} must name at least one {what}", node)
         return tuple(convert(item, label) for item in node.value)
 
     return Converter(
@@ -459,17 +457,17 @@ def _one_or_list(convert: Converter, what: str) -> Converter:
     )
 
 
-_listen_addresses = _one_or_list(_listen_address, "address")
+_listen_addresses = _one_or_list(listen_address, "address")
 
 
-@_accepting(
+@accepting(
     "a host name like api.example.com or a wildcard like *.example.com",
     {"type": "string", "pattern": r"^(?:\*\.)?[A-Za-z0-9_.-]+$"},
 )
 def _sni_name(node: yaml.Node, label: str) -> str:
     # An exact host name, or `*.` and a host name: the wildcard stands for exactly one
     # label (as nginx's and HAProxy's SNI maps, and certificates, RFC 6125 §6.4.3).
-    value = _scalar(node, label)
+    value = scalar(node, label)
     requirement = "a host name like api.example.com or a wildcard like *.example.com"
     if not isinstance(value, str):
         raise _expected(label, requirement, node)
@@ -482,12 +480,12 @@ def _sni_name(node: yaml.Node, label: str) -> str:
     return name
 
 
-_sni_names = _one_or_list(_sni_name, "name")
+sni_names = _one_or_list(_sni_name, "name")
 
 
-@_accepting("a host name like lb.example.com", {"type": "string", "pattern": r"^[A-Za-z0-9_.-]+$"})
+@accepting("a host name like lb.example.com", {"type": "string", "pattern": r"^[A-Za-z0-9_.-]+$"})
 def _host_name(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+    value = scalar(node, label)
     requirement = "a host name like lb.example.com"
     if not isinstance(value, str):
         raise _expected(label, requirement, node)
@@ -497,18 +495,18 @@ def _host_name(node: yaml.Node, label: str) -> str:
     return name
 
 
-_host_names = _one_or_list(_host_name, "host name")
+host_names = _one_or_list(_host_name, "host name")
 
 
-@_accepting(
+@accepting(
     "IP:PORT, [IPv6]:PORT, localhost:PORT or none",
     {"anyOf": [{"type": "null"}, {"const": "none"}, _ADDRESS_SCHEMA]},
 )
-def _admin_listen(node: yaml.Node, label: str) -> Address | None:
+def admin_listen(node: yaml.Node, label: str) -> Address | None:
     # `listen: none` (or an empty value) turns the admin endpoint off.
-    if _scalar(node, label) in (None, "none"):
+    if scalar(node, label) in (None, "none"):
         return None
-    address: Address = _listen_address(node, label)
+    address: Address = listen_address(node, label)
     return address
 
 
@@ -516,13 +514,13 @@ def _admin_listen(node: yaml.Node, label: str) -> Address | None:
 MAX_SOCKET_PATH = 107
 
 
-@_accepting(
+@accepting(
     "an absolute path or none",
     {"anyOf": [{"type": "null"}, {"const": "none"}, {"type": "string", "pattern": "^/"}]},
 )
-def _admin_socket(node: yaml.Node, label: str) -> str | None:
+def admin_socket(node: yaml.Node, label: str) -> str | None:
     # `socket: none` (or an empty value): no admin socket, only the TCP endpoint.
-    value = _scalar(node, label)
+    value = scalar(node, label)
     if value in (None, "none"):
         return None
     if not isinstance(value, str) or not value.startswith("/"):
@@ -534,21 +532,21 @@ def _admin_socket(node: yaml.Node, label: str) -> str | None:
     return value
 
 
-@_accepting(
+@accepting(
     "an address (IP:PORT, [IPv6]:PORT), a list of them, or none",
     {"anyOf": [{"const": "none"}, _one_or_list_schema(_ADDRESS_SCHEMA)]},
 )
-def _vs_listen(node: yaml.Node, label: str) -> tuple[Address, ...]:
+def vs_listen(node: yaml.Node, label: str) -> tuple[Address, ...]:
     # `listen: none`: a locator-only virtual server (SPEC §10) binds nothing.
-    if _scalar(node, label) == "none":
+    if scalar(node, label) == "none":
         return ()
     addresses: tuple[Address, ...] = _listen_addresses(node, label)
     return addresses
 
 
-@_accepting("a DNS zone like lb.internal.", {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"})
-def _dns_zone(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+@accepting("a DNS zone like lb.internal.", {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"})
+def dns_zone(node: yaml.Node, label: str) -> str:
+    value = scalar(node, label)
     text = value.rstrip(".") if isinstance(value, str) else ""
     if not text or not _HOST_NAME.fullmatch(text):
         raise _expected(label, "a DNS zone like lb.internal.", node)
@@ -558,17 +556,17 @@ def _dns_zone(node: yaml.Node, label: str) -> str:
 _NETWORK_SCHEMA: Schema = {"type": "string", "pattern": r"^\s*[0-9A-Fa-f:.]+(?:/[0-9.]+)?\s*$"}
 
 
-@_accepting(
+@accepting(
     "a list of CIDR networks like 10.0.0.0/8 (a bare IP is a /32 or /128)",
     {"anyOf": [_NETWORK_SCHEMA, {"type": "array", "items": _NETWORK_SCHEMA}]},
 )
-def _networks(node: yaml.Node, label: str) -> tuple[IPNetwork, ...]:
+def networks(node: yaml.Node, label: str) -> tuple[IPNetwork, ...]:
     """A list of CIDR networks (a single one is accepted too); a bare IP is a /32 or /128."""
     items = node.value if isinstance(node, yaml.SequenceNode) else [node]
     networks = []
     for item in items:
         try:
-            networks.append(_parse_network(_scalar(item, label)))
+            networks.append(_parse_network(scalar(item, label)))
         except ValueError as exc:
             raise _expected(
                 label, "a list of CIDR networks like 10.0.0.0/8", item, str(exc)
@@ -576,9 +574,9 @@ def _networks(node: yaml.Node, label: str) -> tuple[IPNetwork, ...]:
     return tuple(networks)
 
 
-@_accepting("a regular expression", {"type": "string", "minLength": 1, "format": "regex"})
-def _regex(node: yaml.Node, label: str) -> str:
-    pattern: str = _string(node, label)
+@accepting("a regular expression", {"type": "string", "minLength": 1, "format": "regex"})
+def regex(node: yaml.Node, label: str) -> str:
+    pattern: str = string(node, label)
     try:
         re.compile(pattern)
     except re.error as exc:
@@ -586,7 +584,7 @@ def _regex(node: yaml.Node, label: str) -> str:
     return pattern
 
 
-_status_codes = _one_or_list(_integer(100, 599), "status code")
+status_codes = _one_or_list(integer(100, 599), "status code")
 
 MAX_TABLE_SIZE = 1000003  # a rebuild costs ~M log M probes in Python: ~2 s at this size
 
@@ -604,13 +602,13 @@ def _is_prime(n: int) -> bool:
     return True
 
 
-@_accepting(
+@accepting(
     f"a prime from 101 to {MAX_TABLE_SIZE}",
     {"type": "integer", "minimum": 101, "maximum": MAX_TABLE_SIZE},
 )
-def _table_size(node: yaml.Node, label: str) -> int:
+def table_size(node: yaml.Node, label: str) -> int:
     # Maglev's permutations (offset + j * skip) mod M visit every slot only when M is prime.
-    value = _scalar(node, label)
+    value = scalar(node, label)
     requirement = f"a prime from 101 to {MAX_TABLE_SIZE} (e.g. 65537, 131071 or 1000003)"
     if not _is_int(value) or not 101 <= value <= MAX_TABLE_SIZE:
         raise _expected(label, requirement, node)
@@ -619,12 +617,12 @@ def _table_size(node: yaml.Node, label: str) -> int:
     return value
 
 
-@_accepting(
+@accepting(
     "a DNS name like _web._tcp.service.consul",
     {"type": "string", "pattern": r"^\s*[A-Za-z0-9_.-]+\s*$"},
 )
-def _dns_name(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+def dns_name(node: yaml.Node, label: str) -> str:
+    value = scalar(node, label)
     if not isinstance(value, str) or not value.strip():
         raise _expected(label, "a DNS name like _web._tcp.service.consul", node)
     value = value.strip()
@@ -642,21 +640,21 @@ def _dns_name(node: yaml.Node, label: str) -> str:
 _DISCOVERY_TYPES = ("SRV", "A", "AAAA")
 
 
-@_accepting(
+@accepting(
     "SRV, A or AAAA (any case)",
     {"type": "string", "pattern": "^(?:[Ss][Rr][Vv]|[Aa]|[Aa][Aa][Aa][Aa])$"},
 )
-def _record_type(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+def record_type(node: yaml.Node, label: str) -> str:
+    value = scalar(node, label)
     if isinstance(value, str) and value.upper() in _DISCOVERY_TYPES:
         return value.upper()  # `srv` or `a` is what a user means; DNS types are uppercase
     raise _expected(label, "one of SRV, A, AAAA", node)
 
 
-@_accepting("an IP address, IP:PORT or [IPv6]:PORT (port 53 by default)", {"type": "string"})
+@accepting("an IP address, IP:PORT or [IPv6]:PORT (port 53 by default)", {"type": "string"})
 def _resolver(node: yaml.Node, label: str) -> Address:
     """A resolver: an IP address with an optional port (53), `IP:PORT` or `[v6]:PORT`."""
-    value = _scalar(node, label)
+    value = scalar(node, label)
     requirement = "an IP address or IP:PORT, [IPv6]:PORT"
     if not isinstance(value, str):
         raise _expected(label, requirement, node)
@@ -676,53 +674,53 @@ def _resolver(node: yaml.Node, label: str) -> Address:
     return address
 
 
-_resolvers = _one_or_list(_resolver, "resolver")
+resolvers = _one_or_list(_resolver, "resolver")
 
 
-@_accepting(
+@accepting(
     "an integer >= 1 or auto", {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]}
 )
-def _workers(node: yaml.Node, label: str) -> int:
-    if _scalar(node, label) == "auto":
+def workers(node: yaml.Node, label: str) -> int:
+    if scalar(node, label) == "auto":
         return os.cpu_count() or 1
     try:
-        return cast(int, _integer(1)(node, label))
-    except _Invalid:
+        return cast(int, integer(1)(node, label))
+    except Invalid:
         raise _expected(label, "an integer >= 1 or auto", node) from None
 
 
-@_accepting(
+@accepting(
     "an integer >= 1 or auto",
     {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]},
 )
-def _max_clients(node: yaml.Node, label: str) -> int | None:
+def max_clients(node: yaml.Node, label: str) -> int | None:
     # `auto` (None): derived from the open-file limit at start (lbproxy/net/descriptors.py).
-    if _scalar(node, label) == "auto":
+    if scalar(node, label) == "auto":
         return None
     try:
-        return cast(int, _integer(1)(node, label))
-    except _Invalid:
+        return cast(int, integer(1)(node, label))
+    except Invalid:
         raise _expected(label, "an integer >= 1 or auto", node) from None
 
 
-@_accepting(
+@accepting(
     "an integer >= 0 or none",
     {"anyOf": [{"type": "null"}, {"const": "none"}, {"type": "integer", "minimum": 0}]},
 )
-def _responses(node: yaml.Node, label: str) -> int | None:
+def responses(node: yaml.Node, label: str) -> int | None:
     # `responses: none` (or empty): replies are not counted, the session ends when idle.
-    if _scalar(node, label) in (None, "none"):
+    if scalar(node, label) in (None, "none"):
         return None
     try:
-        return cast(int, _integer(0)(node, label))
-    except _Invalid:
+        return cast(int, integer(0)(node, label))
+    except Invalid:
         raise _expected(label, "an integer >= 0 or none", node) from None
 
 
-@_accepting("2c or 3", {"enum": ["2c", "3", 3]})
-def _snmp_version(node: yaml.Node, label: str) -> str:
+@accepting("2c or 3", {"enum": ["2c", "3", 3]})
+def snmp_version(node: yaml.Node, label: str) -> str:
     # YAML reads `version: 3` as an int and `version: 2c` as a string; both are fine.
-    value = _scalar(node, label)
+    value = scalar(node, label)
     if value in ("2c", "3") or (_is_int(value) and value == 3):
         return str(value)
     raise _expected(label, "2c or 3", node)
@@ -731,20 +729,20 @@ def _snmp_version(node: yaml.Node, label: str) -> str:
 _OID = re.compile(r"\.?[0-9]+(?:\.[0-9]+)+")
 
 
-@_accepting(
+@accepting(
     "a dotted numeric OID like 1.3.6.1.4.1.2021.10.1.5.1",
     {"type": "string", "pattern": r"^\.?[0-9]+(?:\.[0-9]+)+$"},
 )
-def _oid(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+def oid(node: yaml.Node, label: str) -> str:
+    value = scalar(node, label)
     if not isinstance(value, str) or not _OID.fullmatch(value):
         raise _expected(label, "a dotted numeric OID like 1.3.6.1.4.1.2021.10.1.5.1", node)
     return value.lstrip(".")
 
 
-@_accepting("a host name or IP address", {"type": "string", "minLength": 1})
-def _host(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+@accepting("a host name or IP address", {"type": "string", "minLength": 1})
+def host(node: yaml.Node, label: str) -> str:
+    value = scalar(node, label)
     try:
         if not isinstance(value, str):
             raise ValueError("a host must be a string")
@@ -755,9 +753,9 @@ def _host(node: yaml.Node, label: str) -> str:
         raise _expected(label, "a host name or IP address", node, str(exc)) from None
 
 
-@_accepting("a path starting with /", {"type": "string", "pattern": "^/"})
-def _http_path(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+@accepting("a path starting with /", {"type": "string", "pattern": "^/"})
+def http_path(node: yaml.Node, label: str) -> str:
+    value = scalar(node, label)
     if not isinstance(value, str) or not value.startswith("/"):
         raise _expected(label, "a path starting with /", node)
     return value
@@ -769,15 +767,15 @@ _TLS_QUERY = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile", "s
 _REDIS_URL_EXAMPLE = "redis://HOST:6379/0, rediss://HOST:6379/0 or unix:///PATH"
 
 
-@_accepting(
+@accepting(
     _REDIS_URL_EXAMPLE,
     {"type": "string", "pattern": "^(?:[Rr][Ee][Dd][Ii][Ss][Ss]?|[Uu][Nn][Ii][Xx])://"},
 )
-def _redis_url(node: yaml.Node, label: str) -> str:
+def redis_url(node: yaml.Node, label: str) -> str:
     """A Redis URL as coredis reads it, checked here so that a typo is a FILE:LINE error,
     not a failure at run time. No password in it: URLs are shown in logs and summaries
     (a user name may be given, for Redis 6 ACLs; the password goes in password_file)."""
-    value = _scalar(node, label)
+    value = scalar(node, label)
     if not isinstance(value, str) or not value:
         raise _expected(label, _REDIS_URL_EXAMPLE, node)
     parts = urllib.parse.urlsplit(value)
@@ -789,7 +787,7 @@ def _redis_url(node: yaml.Node, label: str) -> str:
     except ValueError:
         raise _expected(label, _REDIS_URL_EXAMPLE, node, "the port is not a number") from None
     if password:
-        raise _Invalid(
+        raise Invalid(
             f"{label}: put the password in password_file, not in the URL "
             "(a URL is shown in logs and in `lbproxy check`)",
             node,
@@ -798,7 +796,7 @@ def _redis_url(node: yaml.Node, label: str) -> str:
     for key in urllib.parse.parse_qs(parts.query, keep_blank_values=True):
         if key not in allowed:
             options = ", ".join(allowed) or "none"
-            raise _Invalid(f"{label}: unknown URL option {key!r} (options: {options})", node)
+            raise Invalid(f"{label}: unknown URL option {key!r} (options: {options})", node)
     if scheme == "unix":
         if parts.netloc.rpartition("@")[2] or not parts.path.startswith("/"):
             raise _expected(label, "unix:///ABSOLUTE/PATH", node)
@@ -816,13 +814,13 @@ def _redis_url(node: yaml.Node, label: str) -> str:
 _KEY_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
-@_accepting(
+@accepting(
     "up to 64 letters, digits, '.', '_', ':' or '-'",
     {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
 )
-def _redis_key_prefix(node: yaml.Node, label: str) -> str:
+def redis_key_prefix(node: yaml.Node, label: str) -> str:
     # Keys are matched with SCAN patterns: no glob characters (* ? [ ]) and no spaces.
-    value = _scalar(node, label)
+    value = scalar(node, label)
     if not isinstance(value, str) or not _KEY_PREFIX.fullmatch(value):
         raise _expected(label, "up to 64 letters, digits, '.', '_', ':' or '-'", node)
     return value
@@ -831,12 +829,12 @@ def _redis_key_prefix(node: yaml.Node, label: str) -> str:
 _MEMBER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-@_accepting(
+@accepting(
     "up to 64 letters, digits, '.', '_' or '-'",
     {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
 )
-def _member_name(node: yaml.Node, label: str) -> str:
-    value = _scalar(node, label)
+def member_name(node: yaml.Node, label: str) -> str:
+    value = scalar(node, label)
     if not isinstance(value, str) or not _MEMBER_NAME.fullmatch(value):
         raise _expected(label, "up to 64 letters, digits, '.', '_' or '-'", node)
     return value

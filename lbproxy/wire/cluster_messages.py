@@ -70,7 +70,7 @@ REASONS = ("oversized", "garbage", "invalid", "signature")
 MAX_AHEAD = 60.0
 KIND_CHANGE, KIND_ENTRIES, KIND_MEMBER = "change", "entries", "member"
 
-# Names as the configuration allows them (config/values.py `_name`, `_member_name`).
+# Names as the configuration allows them (config/values.py `plain_name`, `member_name`).
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 MEMBER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lbproxy.config.tables import walk
-from lbproxy.config.values import _Invalid
+from lbproxy.config.values import Invalid
 
 KEYS = [
     (f"{path}.{key}", converter)
@@ -83,7 +83,7 @@ def _accepted(converter, value) -> bool:
     node = yaml.compose(yaml.safe_dump(value))
     try:
         converter(node, "key")
-    except _Invalid:
+    except Invalid:
         return False
     return True
 

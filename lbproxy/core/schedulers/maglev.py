@@ -53,7 +53,7 @@ from hashlib import blake2b
 from typing import TYPE_CHECKING, Any, ClassVar
 from zlib import crc32
 
-from lbproxy.config.values import _choice, _table_size
+from lbproxy.config.values import choice, table_size
 from lbproxy.core.schedulers import CLIENT, Scheduler, register
 
 if TYPE_CHECKING:
@@ -183,11 +183,11 @@ class Maglev(Scheduler):
     reads = frozenset({CLIENT})
     Options = MaglevOptions
     options: ClassVar[Mapping[str, Converter]] = {
-        "table_size": _table_size.about(
+        "table_size": table_size.about(
             "slots of the lookup table; more slots, finer shares (keep it above 100 × the "
             "number of real servers)"
         ),
-        "hash_key": _choice("source", "source_port").about(
+        "hash_key": choice("source", "source_port").about(
             "hash the client address (`source`) or address and port (`source_port`)"
         ),
     }

@@ -213,7 +213,7 @@ def test_lbproxy_schema_prints_the_schema(tmp_path):
 
 def test_the_scheduler_options_follow_the_registry():
     """What the reference says each scheduler reads is what the schedulers declare."""
-    from lbproxy.config.tables import _SNMP_SCHEDULERS, _UNCONDITIONED_SCHEDULERS
+    from lbproxy.config.tables import SNMP_SCHEDULERS, UNCONDITIONED_SCHEDULERS
     from lbproxy.core import schedulers
 
     vs = SECTIONS.sections["virtual_servers"]
@@ -221,9 +221,9 @@ def test_the_scheduler_options_follow_the_registry():
     resets = {n for n in names if schedulers.get(n).quiesce_resets}
     assert set(vs.fields["quiesce"].read_by) == resets
     dynamic = {n for n in names if schedulers.get(n).dynamic_weights}
-    assert set(_SNMP_SCHEDULERS) == dynamic <= set(vs.sections["snmp"].read_by)
+    assert set(SNMP_SCHEDULERS) == dynamic <= set(vs.sections["snmp"].read_by)
     conditioned = set(vs.sections["conditioning"].only)
-    assert conditioned | set(_UNCONDITIONED_SCHEDULERS) == set(names)
-    assert not conditioned & set(_UNCONDITIONED_SCHEDULERS)
+    assert conditioned | set(UNCONDITIONED_SCHEDULERS) == set(names)
+    assert not conditioned & set(UNCONDITIONED_SCHEDULERS)
     for key in ("table_size", "hash_key"):
         assert vs.fields[key].only == ("maglev",)

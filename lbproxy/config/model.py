@@ -15,7 +15,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
-from lbproxy.core.schedulers import DEFAULT as DEFAULT_SCHEDULER
+from lbproxy.core.schedulers.default import DEFAULT as DEFAULT_SCHEDULER
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 

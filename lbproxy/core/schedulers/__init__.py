@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+# DEFAULT: the scheduler of a virtual server without a `scheduler:` key (re-exported)
+from lbproxy.core.schedulers.default import DEFAULT as DEFAULT
 from lbproxy.core.schedulers.heap import KeyedHeap
 
 if TYPE_CHECKING:
@@ -35,9 +37,6 @@ if TYPE_CHECKING:
     from lbproxy.core.pool import Pool, RealServer
 
 _REGISTRY: dict[str, type[Scheduler]] = {}
-
-# The scheduler of a virtual server without a `scheduler:` key.
-DEFAULT = "wlc"
 
 # What a scheduler may read besides the pool's own counts (`Scheduler.reads`).
 SNMP = "snmp"  # values polled from each server's SNMP agent (the `snmp:` block)
@@ -111,7 +110,10 @@ def option_owner(key: str) -> str | None:
 
 
 def _load_builtins() -> None:
-    # Imported for their @register side effect; late, so the modules can import this one.
+    # Imported for their @register side effect; late, so the modules can import this one,
+    # and so importing this package loads no algorithm: the configuration model reads
+    # default.py, which runs this file first, and maglev reads config/values.py, which
+    # reads the model.
     from lbproxy.core.schedulers import dynamic, first, lc, least_load, maglev, rr, sap  # noqa: F401
 
 

@@ -330,7 +330,7 @@ class Handler:
         idle queue or none, a server whose address is cached -- runs `_begin`,
         `_admit`, `_pick`, `_connect` and `_start_connect`'s C connect inline, in this
         one frame, with the same states, counts and decisions (issue 26: seven Python
-        frames and an Address hash fewer per connection, scripts/bench_handler.py);
+        frames and an Address hash fewer per connection, bench/bench_handler.py);
         anything else goes through the steps."""
         self._spawn = spawn
         pool = self.pool

@@ -421,7 +421,7 @@ static PyObject *s_closed, *s_cancelled, *s_idle_timeout_o, *s_client_reset, *s_
  * (_Direction._wrote). The flow is a Flow (pump.py) or, in production, its subclass
  * ClientConnection: attributes in __slots__, so each is a pointer at a fixed offset
  * that PyObject_GetAttr / PyObject_SetAttr find through the type's member descriptor.
- * Measured with callgrind (scripts/bench_reactor.py --callgrind --new-pump --pumps 32
+ * Measured with callgrind (bench/bench_reactor.py --callgrind --new-pump --pumps 32
  * --rounds 100): that generic get + add + set + set was 895 instructions per event of
  * the 1,222 the C batch spent on one. So the offsets are learnt per flow type, here,
  * and read and written directly -- only where that is exactly what the generic path

@@ -147,7 +147,7 @@ splice_enabled: bool = hasattr(os, "splice")
 _SPLICE_FLAGS: Final = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
 
 #: Pipe capacity asked for with F_SETPIPE_SZ (the kernel default is 64 KiB). Measured with
-#: scripts/pump_bench.py on loopback: 64 KiB pipes cost ~0.75 CPU-s/GB in this process,
+#: bench/pump_bench.py on loopback: 64 KiB pipes cost ~0.75 CPU-s/GB in this process,
 #: 128 KiB ~0.48, 256 KiB no better than 128. Bigger is not free: every pipe, pooled or
 #: busy, counts against the user's /proc/sys/fs/pipe-user-pages-soft (16384 pages by
 #: default); past it the kernel hands out 2-page pipes and refuses F_SETPIPE_SZ (EPERM,

@@ -2,7 +2,7 @@
 
 Eisenbud et al., NSDI 2016, §3.4 and §5.3: with M = 65537 every server of equal weight
 holds 1/N of the table; removing a server moves its own slots and few others; adding it
-back gives the same table. Measured here (scripts/bench_schedulers.py prints the same):
+back gives the same table. Measured here (bench/bench_schedulers.py prints the same):
 removing one of N servers moves 0.01-0.9 % of the other servers' slots on average. The
 paper's figure is an average, not a bound on every pool: a few name sets move more (10 %
 of the others for ['9t5vo', 't', 'ri'], 3.6 % for one random set of 10 in 100), so the

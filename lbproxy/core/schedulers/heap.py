@@ -9,7 +9,7 @@ documentation: re-keying pushes a fresh entry and leaves the old one in the heap
 stale; stale entries are dropped when they reach the top, and the heap is rebuilt when
 they outnumber the live ones. A sift in C costs about the same for 10 servers as for
 10,000, where an indexed heap sifting in Python cost 2-4x more at 10,000
-(scripts/bench_schedulers.py).
+(bench/bench_schedulers.py).
 
 Entries are (*key, tick, item) tuples (a key is a tuple, compared element by element;
 flat, so C compares one tuple instead of a tuple in a tuple): the tick, unique and

@@ -40,7 +40,7 @@ rebuild).
 
 Cost: a rebuild is O(M log M) probes on average (the paper's bound; about 12 M probes
 for M = 65537, whatever the number of servers), plus O(M log N) for the weighted turn
-order; scripts/bench_schedulers.py measures it. A pick is O(1).
+order; bench/bench_schedulers.py measures it. A pick is O(1).
 """
 
 from __future__ import annotations

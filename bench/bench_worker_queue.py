@@ -1,7 +1,7 @@
 """`workers: 2`: CPU and system calls per new connection with the supervisor's shared
 listening sockets (issue 23 item 3), against an older tree (SO_REUSEPORT per worker).
 
-    .venv/bin/python scripts/bench_worker_queue.py [ROOT]
+    .venv/bin/python bench/bench_worker_queue.py [ROOT]
 
 ROOT (default: this tree) is the lbproxy tree to run (`git archive COMMIT | tar -x -C
 DIR` gives an older one). nginx answers `ok` on loopback; lbproxy (`workers: 2`, `rr`, no

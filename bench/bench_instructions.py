@@ -1,6 +1,6 @@
 """User-space instructions per new connection, under callgrind (issue 26; not a test).
 
-    .venv/bin/python scripts/bench_instructions.py [--connections 1000] [--modes compiled,pure]
+    .venv/bin/python bench/bench_instructions.py [--connections 1000] [--modes compiled,pure]
 
 CPU time per connection is what the benchmark reports (scripts/bench --syscalls), but
 on a shared 2-core virtual machine it moves with the other jobs (steal and cache time

@@ -1,6 +1,6 @@
 """Instructions per pump lifecycle, compiled against pure (issue 26; not a test).
 
-    .venv/bin/python scripts/bench_pump_lifecycle.py [--pumps 32] [--rounds 20]
+    .venv/bin/python bench/bench_pump_lifecycle.py [--pumps 32] [--rounds 20]
 
 What a connection costs the pump from the moment both descriptors are connected to the
 report of its end, and nothing else: ``new_pump(client, server, flow, close_sockets=True)``,

@@ -1129,7 +1129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-schedulers",
         dest="schedulers",
         action="store_false",
-        help="skip scripts/bench_schedulers.py",
+        help="skip bench/bench_schedulers.py",
     )
     p.add_argument(
         "--wait-quiet",
@@ -1156,20 +1156,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="instead of the comparison: profile lbproxy with py-spy (scripts/bench_profile.py)",
+        help="instead of the comparison: profile lbproxy with py-spy (bench/bench_profile.py)",
     )
     p.add_argument(
         "--syscalls",
         action="store_true",
         help="instead of the comparison: CPU per new connection split into user and system"
         " time, and system calls per connection by name under strace"
-        " (scripts/bench_syscalls.py; default proxies lbproxy,haproxy)",
+        " (bench/bench_syscalls.py; default proxies lbproxy,haproxy)",
     )
     p.add_argument(
         "--kernel",
         action="store_true",
         help="instead of the comparison: where the system time of a new connection goes,"
-        " by system call and in waking the peers, from perf (scripts/bench_kernel.py;"
+        " by system call and in waking the peers, from perf (bench/bench_kernel.py;"
         " default proxies lbproxy,haproxy)",
     )
     p.add_argument(
@@ -1387,7 +1387,7 @@ def run_scheduler_bench(args: argparse.Namespace, work: Path) -> dict[str, Any] 
     out = work / "schedulers.json"
     argv = [
         str(ROOT / ".venv" / "bin" / "python"),
-        str(ROOT / "scripts" / "bench_schedulers.py"),
+        str(ROOT / "bench" / "bench_schedulers.py"),
         "--json",
         str(out),
     ]

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What SNI routing costs per new connection: lbproxy's CPU time, next to plain TCP.
 
-    .venv/bin/python scripts/bench_sni.py               # 5 rounds of 3000 connections
-    .venv/bin/python scripts/bench_sni.py --connections 1000 --rounds 3
+    .venv/bin/python bench/bench_sni.py               # 5 rounds of 3000 connections
+    .venv/bin/python bench/bench_sni.py --connections 1000 --rounds 3
 
 One `lbproxy run` with two listen addresses in front of the same echo server (another
 process): a plain one (one virtual server, no `sni`) and an SNI one (two virtual

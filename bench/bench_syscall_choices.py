@@ -1,6 +1,6 @@
 """Two system-call choices on the connection path, measured (issue 26; not a test).
 
-    .venv/bin/python scripts/bench_syscall_choices.py [--rounds 5] [--n 20000]
+    .venv/bin/python bench/bench_syscall_choices.py [--rounds 5] [--n 20000]
 
 1. accept: ``accept4(SOCK_NONBLOCK)`` (the compiled path, lbproxy.net._cpump.accept)
    against ``accept`` + ``fcntl(F_SETFL, O_NONBLOCK)`` (the pure path: socket._accept

@@ -1,6 +1,6 @@
 """What a DNS discovery round costs on the event loop, by the number of servers.
 
-    .venv/bin/python scripts/bench_discovery.py
+    .venv/bin/python bench/bench_discovery.py
 
 The usual round brings the same answer again; a changed round (one address in, the
 previous newcomer out) converts the answer, merges it with the static servers and applies

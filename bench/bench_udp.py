@@ -1,7 +1,7 @@
 """lbproxy's UDP virtual server against nginx stream UDP, in one run (issue 25).
 
-    .venv/bin/python scripts/bench_udp.py [--duration 5] [--window 32] [--idle 5000]
-    .venv/bin/python scripts/bench_udp.py --generator dnsperf   # dnsperf against dnsmasq
+    .venv/bin/python bench/bench_udp.py [--duration 5] [--window 32] [--idle 5000]
+    .venv/bin/python bench/bench_udp.py --generator dnsperf   # dnsperf against dnsmasq
     scripts/bench --udp [...]                                   # the same, by scripts/bench
 
 Python standard library only; every party is its own process. The real server is a UDP

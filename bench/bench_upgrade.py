@@ -1,6 +1,6 @@
 """How long `lbproxy upgrade` takes, and what it costs new connections (issue 23).
 
-    .venv/bin/python scripts/bench_upgrade.py [--idle 1000] [--rounds 3] [--drain 2]
+    .venv/bin/python bench/bench_upgrade.py [--idle 1000] [--rounds 3] [--drain 2]
 
 An echo server (a child process of this script, asyncio) behind one `lbproxy run` (rr,
 no checks, the admin endpoint on). Each round:

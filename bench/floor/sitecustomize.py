@@ -1,8 +1,8 @@
 """The floor under lbproxy's CPU per new connection (issue 26): a measurement, not a
 feature. Nothing here is part of lbproxy; it only runs when a benchmark asks for it:
 
-    LBPROXY_FLOOR=decisions PYTHONPATH=scripts/floor scripts/bench --syscalls
-    LBPROXY_FLOOR=c-only    PYTHONPATH=scripts/floor scripts/bench --syscalls
+    LBPROXY_FLOOR=decisions PYTHONPATH=bench/floor scripts/bench --syscalls
+    LBPROXY_FLOOR=c-only    PYTHONPATH=bench/floor scripts/bench --syscalls
 
 Python imports this file at start-up (``sitecustomize``, from PYTHONPATH) in every
 process of the run; with LBPROXY_FLOOR set it replaces ``Handler.accept`` (the data

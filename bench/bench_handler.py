@@ -1,6 +1,6 @@
 """CPU and Python calls per new connection through the handler, A/B in one process.
 
-    .venv/bin/python scripts/bench_handler.py --base DIR [--connections 4000]
+    .venv/bin/python bench/bench_handler.py --base DIR [--connections 4000]
 
 For a change to lbproxy/dataplane/connection.py (issue 22's lifecycle) on a machine
 too busy for `scripts/bench --syscalls` to tell 3 % apart: this process loads the

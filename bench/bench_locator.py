@@ -1,6 +1,6 @@
 """Locator answers per second per core: DNS (UDP) and HTTP (`GET .../locate`, keep-alive).
 
-    .venv/bin/python scripts/bench_locator.py [--seconds 5] [--servers 10] [--window 32]
+    .venv/bin/python bench/bench_locator.py [--seconds 5] [--servers 10] [--window 32]
     scripts/bench --locator ...           (the same)
 
 Starts one `lbproxy run` (locator only: a `listen: none` virtual server, `least-load`

@@ -1,6 +1,6 @@
 """Throughput check for lbproxy.net.pump over loopback (not a test).
 
-    .venv/bin/python scripts/pump_bench.py [--size-mb 1024] [--both] [--mode splice|fallback|all]
+    .venv/bin/python bench/pump_bench.py [--size-mb 1024] [--both] [--mode splice|fallback|all]
 
 The pump runs in this process under trio. A helper process (this script with
 ``--endpoints``) plays the client and the real server with plain blocking sockets and

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What `global.cluster` costs (SPEC §18), measured against a real redis-server.
 
-    flock /tmp/lbproxy-bench.lock .venv/bin/python scripts/bench_cluster.py
-    ... scripts/bench_cluster.py --connections 2000 --rounds 3 --changes 100
+    flock /tmp/lbproxy-bench.lock .venv/bin/python bench/bench_cluster.py
+    ... bench/bench_cluster.py --connections 2000 --rounds 3 --changes 100
 
 Three lbproxy processes in front of one echo server, each with `persistence` and
 `accept_proxy` (every client sends a PROXY v1 header with a source address of its own, so

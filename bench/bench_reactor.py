@@ -1,9 +1,9 @@
 """The reactor's cost per event, compiled against pure (issue 26; not a test).
 
-    .venv/bin/python scripts/bench_reactor.py [--pumps 64] [--rounds 2000] [--repeat 3]
-    .venv/bin/python scripts/bench_reactor.py --callgrind    # instructions, exact
-    .venv/bin/python scripts/bench_reactor.py --callgrind --keep /tmp/cg  # and the profiles
-    .venv/bin/python scripts/bench_reactor.py --callgrind --new-pump  # production's pumps
+    .venv/bin/python bench/bench_reactor.py [--pumps 64] [--rounds 2000] [--repeat 3]
+    .venv/bin/python bench/bench_reactor.py --callgrind    # instructions, exact
+    .venv/bin/python bench/bench_reactor.py --callgrind --keep /tmp/cg  # and the profiles
+    .venv/bin/python bench/bench_reactor.py --callgrind --new-pump  # production's pumps
 
 P pumps between real loopback TCP connections in one trio run; each round writes a
 100-byte chunk into every client socket, then reads it at every server socket, then

@@ -1,7 +1,7 @@
 """CPU per new connection with `workers: 1` against `workers: 2` (issue 15's last goal).
 
-    .venv/bin/python scripts/bench_workers.py [--rounds 3] [--seconds 4]
-    flock /tmp/lbproxy-bench.lock .venv/bin/python scripts/bench_workers.py --pin --rounds 6
+    .venv/bin/python bench/bench_workers.py [--rounds 3] [--seconds 4]
+    flock /tmp/lbproxy-bench.lock .venv/bin/python bench/bench_workers.py --pin --rounds 6
 
 nginx answers `ok` on loopback; lbproxy (`rr`, no checks, no admin endpoint) runs in
 front of it with 1 and 2 workers; wrk opens new connections (`Connection: close`, 20 at a

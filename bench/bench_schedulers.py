@@ -1,6 +1,6 @@
 """Micro-benchmark of the scheduling hot path: Pool.pick + take + drop, per scheduler.
 
-    .venv/bin/python scripts/bench_schedulers.py [--sizes 10,100,1000,10000]
+    .venv/bin/python bench/bench_schedulers.py [--sizes 10,100,1000,10000]
                                                  [--ops 20000] [--repeat 5] [--json FILE]
 
 For every registered scheduler (lbproxy.core.schedulers.available()) and every pool size n it

@@ -1,4 +1,4 @@
-"""scripts/floor, issue 26's measurement of the floor under a connection's CPU: an lbproxy
+"""bench/floor, issue 26's measurement of the floor under a connection's CPU: an lbproxy
 started with it (a real process, as scripts/bench starts it) serves connections through
 the floor, not through the lifecycle -- so the figures docs/benchmarks.md gives for it are
 figures of the floor."""
@@ -41,7 +41,7 @@ def start(tmp_path: Path, port: int, admin: int, server: NameServer, floor: str 
     env = dict(os.environ)
     env.pop("LBPROXY_FLOOR", None)
     if floor is not None:
-        env.update(PYTHONPATH=str(ROOT / "scripts" / "floor"), LBPROXY_FLOOR=floor)
+        env.update(PYTHONPATH=str(ROOT / "bench" / "floor"), LBPROXY_FLOOR=floor)
     return subprocess.Popen(
         [sys.executable, "-m", "lbproxy", "run", str(path), "--log-level", "warning"],
         env=env,

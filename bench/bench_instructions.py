@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_proxies as bp
+from peers import lbproxy_conf, nginx_http_conf
 
 ROOT = Path(__file__).resolve().parent.parent
 WARM = 200
@@ -62,7 +62,7 @@ def connections(port: int, n: int) -> None:
 def instructions(work: Path, port: int, server_port: int, n: int, pure: bool) -> int:
     """Ir of one lbproxy run under callgrind that serves `n` connections."""
     conf = work / "lbproxy.yaml"
-    conf.write_text(bp.lbproxy_conf([(port, server_port)]))
+    conf.write_text(lbproxy_conf([(port, server_port)]))
     out = work / f"callgrind.{'pure' if pure else 'compiled'}.{n}"
     env = dict(os.environ)
     env.pop("LBPROXY_PURE", None)
@@ -97,7 +97,7 @@ def main() -> None:
         work = Path(tmp)
         server_port = free_port()
         nginx_conf = work / "nginx.conf"
-        nginx_conf.write_text(bp.nginx_http_conf(work, server_port))
+        nginx_conf.write_text(nginx_http_conf(work, server_port))
         nginx = subprocess.Popen(["nginx", "-c", str(nginx_conf)], stderr=subprocess.DEVNULL)
         try:
             wait_port(server_port, time.monotonic() + 30)

@@ -30,8 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_proxies as bp
 from bench_syscalls import untraced
+from common import Processes, attached
+from harness import Bench, traced_bench
+from peers import Proxy, tool_versions
 
 #: Kernel functions read inclusively (perf report --children), by the row they give.
 ENTRIES = {
@@ -88,16 +90,14 @@ def perf_shares(data: Path) -> dict[str, float]:
     return shares
 
 
-def profiled(
-    bench: bp.Bench, proxy: bp.Proxy, port: int, conns: int, seconds: float, work: Path
-) -> dict:
+def profiled(bench: Bench, proxy: Proxy, port: int, conns: int, seconds: float, work: Path) -> dict:
     assert proxy.proc is not None
     data = work / f"perf-{proxy.name}-{conns}.data"
 
     perf = ["perf", "record", "-F", "2999", "-g", "-o", str(data), "-p", str(proxy.proc.pid)]
 
     def body() -> dict[str, Any]:
-        with bp.attached(perf, settle=0.5, timeout=60):
+        with attached(perf, settle=0.5, timeout=60):
             return bench.wrk(port, "/small", conns, seconds, close=True)
 
     m = bench.window(proxy, body)
@@ -110,8 +110,8 @@ def profiled(
     }
 
 
-def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
-    bench, proxies = bp.traced_bench(args, procs, work, "perf", "linux-perf")
+def run(args: Any, procs: Processes, work: Path) -> dict[str, Any]:
+    bench, proxies = traced_bench(args, procs, work, "perf", "linux-perf")
     out: dict[str, Any] = {}
     for conns in args.conns:
         for proxy in proxies:
@@ -127,7 +127,7 @@ def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
     report(out)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"versions": bp.tool_versions(), "results": out}, indent=1) + "\n")
+    path.write_text(json.dumps({"versions": tool_versions(), "results": out}, indent=1) + "\n")
     print(f"\nwrote {path}")
     return out
 

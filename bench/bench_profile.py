@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_proxies as bp
+from common import ROOT, BenchError, Processes, run_client
+from harness import Bench
 
 # Phase of a sample, by the frames on its stack (first match wins).
 PHASES: list[tuple[str, tuple[str, ...]]] = [
@@ -108,14 +109,14 @@ def analyse(raw: Path, top: int = 15) -> dict[str, Any]:
     }
 
 
-def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
-    py_spy = bp.ROOT / ".venv" / "bin" / "py-spy"
+def run(args: Any, procs: Processes, work: Path) -> dict[str, Any]:
+    py_spy = ROOT / ".venv" / "bin" / "py-spy"
     if not py_spy.exists():
         found = shutil.which("py-spy")
         if found is None:
-            raise bp.BenchError("py-spy is not installed (.venv/bin/pip install py-spy)")
+            raise BenchError("py-spy is not installed (.venv/bin/pip install py-spy)")
         py_spy = Path(found)
-    bench = bp.Bench(args, procs, work)
+    bench = Bench(args, procs, work)
     bench.start_real_servers()
     proxy = next(p for p in bench.proxies() if p.name == "lbproxy")
     http, _ = bench.start_proxy(proxy)
@@ -146,7 +147,7 @@ def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
                 )
                 try:
                     time.sleep(1)
-                    bp.run_client(
+                    run_client(
                         [
                             *bench.pin_load,
                             str(py_spy),

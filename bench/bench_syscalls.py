@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_proxies as bp
+from common import BenchError, Processes, attached, loadavg, print_table
+from harness import Bench, traced_bench
+from peers import Proxy, tool_versions
 
 #: wrk connections for the new-connection load (issue 15 measured with -c20).
 CONNS = 20
@@ -54,19 +56,19 @@ def parse_strace_summary(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def traced(bench: bp.Bench, proxy: bp.Proxy, port: int, seconds: float, work: Path) -> dict:
+def traced(bench: Bench, proxy: Proxy, port: int, seconds: float, work: Path) -> dict:
     """System calls by name per accepted connection, under new-connection load."""
     assert proxy.proc is not None
     target = work / f"strace-{proxy.name}.txt"
     strace = ["strace", "-c", "-f", "-q", "-o", str(target), "-p", str(proxy.proc.pid)]
-    with bp.attached(strace, settle=1.0):  # 1 s: attached to every thread
+    with attached(strace, settle=1.0):  # 1 s: attached to every thread
         load = bench.wrk(port, "/small", CONNS, seconds, close=True)
     calls = parse_strace_summary(target.read_text())
     accepted = sum(
         c["calls"] - c["errors"] for name, c in calls.items() if name in ("accept", "accept4")
     )
     if not accepted:
-        raise bp.BenchError(f"{proxy.name}: no accepted connection seen by strace")
+        raise BenchError(f"{proxy.name}: no accepted connection seen by strace")
     per_conn = {
         name: {
             "calls": round(c["calls"] / accepted, 2),
@@ -79,13 +81,11 @@ def traced(bench: bp.Bench, proxy: bp.Proxy, port: int, seconds: float, work: Pa
         "wrk_requests": load.get("requests"),
         "per_conn": per_conn,
         "total_per_conn": round(sum(c["calls"] for c in calls.values()) / accepted, 2),
-        "loadavg": bp.loadavg(),
+        "loadavg": loadavg(),
     }
 
 
-def untraced(
-    bench: bp.Bench, proxy: bp.Proxy, port: int, seconds: float, conns: int = CONNS
-) -> dict:
+def untraced(bench: Bench, proxy: Proxy, port: int, seconds: float, conns: int = CONNS) -> dict:
     """New conn/s and CPU per connection, user and system, without a tracer."""
     m = bench.measured(proxy, lambda: bench.wrk(port, "/small", conns, seconds, close=True))
     n = max(1, m.get("requests") or 1)
@@ -99,12 +99,12 @@ def untraced(
         "sys_us": round(m["cpu_sys_s"] / n * 1e6, 1),
         "cpu_us": round(m["cpu_s"] / n * 1e6, 1),
         "others": m.get("others"),
-        "loadavg": bp.loadavg(),
+        "loadavg": loadavg(),
     }
 
 
-def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
-    bench, proxies = bp.traced_bench(args, procs, work, "strace", "strace")
+def run(args: Any, procs: Processes, work: Path) -> dict[str, Any]:
+    bench, proxies = traced_bench(args, procs, work, "strace", "strace")
     d = args.duration
     out: dict[str, Any] = {p.name: {"runs": [], "strace": []} for p in proxies}
     for r in range(args.rounds):
@@ -122,8 +122,7 @@ def run(args: Any, procs: bp.Processes, work: Path) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"syscalls-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(
-        json.dumps({"versions": bp.tool_versions(), "conns": CONNS, "results": out}, indent=1)
-        + "\n"
+        json.dumps({"versions": tool_versions(), "conns": CONNS, "results": out}, indent=1) + "\n"
     )
     print(f"\nwrote {path}")
     return out
@@ -161,7 +160,7 @@ def report(out: dict[str, Any]) -> None:
                 _range(loads, "{:.1f}"),
             ]
         )
-    bp.print_table(
+    print_table(
         f"New connections (wrk -c{CONNS}, Connection: close; median (min–max) of rounds)",
         [
             "proxy",
@@ -190,7 +189,7 @@ def report(out: dict[str, Any]) -> None:
     ]
     totals = [_median([t["total_per_conn"] for t in out[n]["strace"]]) or 0.0 for n in names]
     rows.append(["total", *[f"{v:.2f}" for v in totals]])
-    bp.print_table(
+    print_table(
         "System calls per accepted connection (strace -c -f -p PID; median of rounds)",
         ["syscall", *names],
         rows,

@@ -26,65 +26,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-sys.path.insert(0, str(ROOT))
-
-from lbproxy.admin.client import connect  # noqa: E402
-from lbproxy.wire.proxy_protocol import encode_v1  # noqa: E402
-
-ECHO = textwrap.dedent(
-    """
-    import socket, threading
-    s = socket.create_server(("127.0.0.1", 0), backlog=1024)
-    print(s.getsockname()[1], flush=True)
-    def serve(c):
-        with c:
-            while data := c.recv(65536):
-                c.sendall(data)
-    while True:
-        c, _ = s.accept()
-        threading.Thread(target=serve, args=(c,), daemon=True).start()
-    """
+from common import (
+    Processes,
+    cpu_seconds,
+    entry,
+    free_port,
+    in_threads,
+    need,
+    percentile,
+    round_trip,
+    start_echo,
+    start_lbproxy,
+    wait_for,
+    wait_port,
 )
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu(pid: int) -> tuple[float, float]:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK  # utime, stime
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+from lbproxy.admin.client import connect
+from lbproxy.wire.proxy_protocol import encode_v1
 
 
 def get(url: str) -> dict:
@@ -126,18 +93,9 @@ class Clients:
         def work() -> None:
             for _ in range(per_thread):
                 header = encode_v1(self.source(), ("127.0.0.1", port))
-                with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
-                    c.sendall(header + b"x")
-                    if c.recv(10) != b"x":
-                        raise RuntimeError("no echo")
+                round_trip(port, header + b"x", 1)  # the proxy passes on the byte only
 
-        workers = [threading.Thread(target=work) for _ in range(threads)]
-        started = time.monotonic()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        return time.monotonic() - started
+        return in_threads(work, threads)
 
 
 def main() -> int:
@@ -147,24 +105,18 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--changes", type=int, default=200)
     args = parser.parse_args()
-    redis_server = shutil.which("redis-server")
-    if redis_server is None:
-        print("redis-server is not installed", file=sys.stderr)
-        return 1
-
-    work = Path(tempfile.mkdtemp(prefix="lbproxy-bench-cluster-"))
-    processes: list[subprocess.Popen] = []
-    try:
+    redis_server = need("redis-server")
+    with (
+        tempfile.TemporaryDirectory(prefix="lbproxy-bench-cluster-") as folder,
+        Processes() as procs,
+    ):
+        work = Path(folder)
         redis_port = free_port()
-        processes.append(subprocess.Popen(
-            [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(work)],
-            stdout=subprocess.DEVNULL,
-        ))  # fmt: skip
-        echo = subprocess.Popen([sys.executable, "-c", ECHO], stdout=subprocess.PIPE, text=True)
-        processes.append(echo)
-        echo_port = int(echo.stdout.readline())
-        wait_port(redis_port)
+        redis_argv = [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1"]
+        redis_argv += ["--save", "", "--appendonly", "no", "--dir", str(work)]
+        redis = procs.start("redis-server", redis_argv, work / "redis.log")
+        echo_port = start_echo(procs)
+        wait_port(redis_port, redis)
         instances = {}
         key = work / "cluster.key"
         key.write_text(secrets.token_hex(32) + "\n")
@@ -186,18 +138,10 @@ def main() -> int:
                 f"     real_servers: [{{name: a, address: 127.0.0.1:{echo_port}}},\n"
                 f"                    {{name: b, address: 127.0.0.1:{echo_port}}}]}}\n"
             )
-            path = work / f"{name}.yaml"
-            path.write_text(config)
-            log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "lbproxy", "run", str(path)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-            )  # fmt: skip
-            processes.append(proc)
+            proc = start_lbproxy(procs, work, config, name=name, log_level=None)
             instances[name] = (proc.pid, port, admin)
-        for _, port, admin in instances.values():
-            wait_port(port)
-            wait_port(admin)
+            for listen in (port, admin):
+                wait_port(listen, proc, work / f"{name}.log")
         clients = Clients()
         for name in ("alone", "member"):  # warm up
             clients.run(instances[name][1], 300, args.threads)
@@ -208,22 +152,21 @@ def main() -> int:
         for _ in range(args.rounds):
             for name in ("alone", "member"):
                 pid, port, _ = instances[name]
-                before, peer_before = cpu(pid), cpu(peer_pid)
+                before, peer_before = cpu_seconds([pid]), cpu_seconds([peer_pid])
                 had = entries(peer_admin)
                 wall = clients.run(port, args.connections, args.threads)
                 ended = time.monotonic()
                 n = args.connections // args.threads * args.threads
                 if name == "member":
-                    while entries(peer_admin) < had + n and time.monotonic() - ended < 30:
-                        time.sleep(0.005)
+                    wait_for(lambda had=had, n=n: entries(peer_admin) >= had + n, 30, 0.005)
                     catch_up.append(time.monotonic() - ended)
                     rates.append(n / wall)
                     time.sleep(0.2)  # let the peer finish before its CPU is read
-                    after = cpu(peer_pid)
+                    after = cpu_seconds([peer_pid])
                     results["peer"].append(
                         tuple((a - b) / n * 1e6 for a, b in zip(after, peer_before, strict=True))
                     )
-                after = cpu(pid)
+                after = cpu_seconds([pid])
                 user, system = ((a - b) / n * 1e6 for a, b in zip(after, before, strict=True))
                 results[name].append((user, system))
                 total = user + system
@@ -250,28 +193,15 @@ def main() -> int:
             weight = 2 + i % 50
             started = time.monotonic()
             patch(f"{member_url}/api/v1/virtual-servers/web/real-servers/a", {"weight": weight})
-            while get(peer_url)["weight"]["static"] != weight:
-                if time.monotonic() - started > 5:
-                    raise RuntimeError("the change did not arrive")
+            if not wait_for(lambda w=weight: get(peer_url)["weight"]["static"] == w, 5, 0):
+                raise RuntimeError("the change did not arrive")
             delays.append(time.monotonic() - started)
-        delays.sort()
-        p50 = delays[len(delays) // 2]
-        p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))]
+        p50, p99 = percentile(delays, 50), percentile(delays, 99)
         print(f"change to effect: p50 {1000 * p50:.1f} ms, p99 {1000 * p99:.1f} ms, "
-              f"max {1000 * delays[-1]:.1f} ms over {len(delays)} changes (PATCH round trip "
+              f"max {1000 * max(delays):.1f} ms over {len(delays)} changes (PATCH round trip "
               f"and the polling GETs included)")  # fmt: skip
-    finally:
-        for proc in reversed(processes):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+from common import entry
+
 from lbproxy.config.model import Address, DnsDiscoveryConfig, VirtualServerConfig
 from lbproxy.control.discovery import LastAnswer
 from lbproxy.core.discovery_model import DiscoveryState, resolution, servers_from_addresses
@@ -59,4 +61,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

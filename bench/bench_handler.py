@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 
 import trio
+from common import ROOT, entry
 
 from lbproxy.config.model import Address, HealthCheckConfig, RealServerConfig, VirtualServerConfig
 from lbproxy.core.pool import Pool
 from lbproxy.dataplane.virtual_server import VirtualServer
 
-ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = 200
 MODULE = "lbproxy/dataplane/connection.py"
 
@@ -129,4 +129,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -17,38 +17,26 @@ the count. Needs valgrind and nginx (Debian: apt-get install valgrind nginx).
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from peers import lbproxy_conf, nginx_http_conf
+from common import (
+    Processes,
+    callgrind,
+    callgrind_count,
+    entry,
+    free_port,
+    path_env,
+    start_lbproxy,
+    start_nginx,
+    wait_port,
+)
+from peers import lbproxy_conf
 
-ROOT = Path(__file__).resolve().parent.parent
 WARM = 200
 REQUEST = b"GET /small HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"nothing listens on {port}")
 
 
 def connections(port: int, n: int) -> None:
@@ -59,30 +47,21 @@ def connections(port: int, n: int) -> None:
                 pass
 
 
-def instructions(work: Path, port: int, server_port: int, n: int, pure: bool) -> int:
+def instructions(procs: Processes, work: Path, server_port: int, n: int, mode: str) -> int:
     """Ir of one lbproxy run under callgrind that serves `n` connections."""
-    conf = work / "lbproxy.yaml"
-    conf.write_text(lbproxy_conf([(port, server_port)]))
-    out = work / f"callgrind.{'pure' if pure else 'compiled'}.{n}"
-    env = dict(os.environ)
-    env.pop("LBPROXY_PURE", None)
-    if pure:
-        env["LBPROXY_PURE"] = "1"
-    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--cache-sim=no"]
-    argv += [sys.executable, "-m", "lbproxy", "run", str(conf)]
-    proc = subprocess.Popen(
-        argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    port = free_port()
+    name = f"lbproxy-{mode}-{n}"
+    prefix = callgrind(work / f"callgrind.{mode}.{n}")
+    config = lbproxy_conf([(port, server_port)])
+    proc = start_lbproxy(
+        procs, work, config, name=name, prefix=prefix, log_level=None, env=path_env(mode)
     )
     try:
-        wait_port(port, time.monotonic() + 300)
+        wait_port(port, proc, work / f"{name}.log", timeout=300)
         connections(port, n)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=300)
-    match = re.search(r"Collected : (\d+)", err)
-    if not match:
-        raise SystemExit(f"no callgrind summary:\n{err[-2000:]}")
-    return int(match.group(1))
+        procs.stop(proc, timeout=300)
+    return callgrind_count((work / f"{name}.log").read_text())
 
 
 def main() -> None:
@@ -93,30 +72,19 @@ def main() -> None:
         "--keep", type=Path, help="copy the callgrind files here (for callgrind_annotate)"
     )
     a = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="lbproxy-ir-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lbproxy-ir-") as tmp, Processes() as procs:
         work = Path(tmp)
-        server_port = free_port()
-        nginx_conf = work / "nginx.conf"
-        nginx_conf.write_text(nginx_http_conf(work, server_port))
-        nginx = subprocess.Popen(["nginx", "-c", str(nginx_conf)], stderr=subprocess.DEVNULL)
-        try:
-            wait_port(server_port, time.monotonic() + 30)
-            for mode in a.modes.split(","):
-                pure = mode == "pure"
-                port = free_port()
-                base = instructions(work, port, server_port, WARM, pure)
-                port = free_port()
-                full = instructions(work, port, server_port, WARM + a.connections, pure)
-                per = (full - base) / a.connections
-                if a.keep is not None:
-                    a.keep.mkdir(parents=True, exist_ok=True)
-                    for f in work.glob(f"callgrind.{mode}.*"):
-                        shutil.copy(f, a.keep / f.name)
-                print(f"{mode:9s} {per:12,.0f} instructions per connection (user space)")
-        finally:
-            nginx.send_signal(signal.SIGTERM)
-            nginx.wait(timeout=30)
+        server_port, _ = start_nginx(procs, work)
+        for mode in a.modes.split(","):
+            base = instructions(procs, work, server_port, WARM, mode)
+            full = instructions(procs, work, server_port, WARM + a.connections, mode)
+            per = (full - base) / a.connections
+            if a.keep is not None:
+                a.keep.mkdir(parents=True, exist_ok=True)
+                for f in work.glob(f"callgrind.{mode}.*"):
+                    shutil.copy(f, a.keep / f.name)
+            print(f"{mode:9s} {per:12,.0f} instructions per connection (user space)")
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -23,15 +23,13 @@ Debian (``apt-get install linux-perf``).
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 from bench_syscalls import untraced
-from common import Processes, attached
+from common import Processes, attached, save_result
 from harness import Bench, traced_bench
 from peers import Proxy, tool_versions
 
@@ -125,10 +123,7 @@ def run(args: Any, procs: Processes, work: Path) -> dict[str, Any]:
             finally:
                 bench.stop_proxy(proxy)
     report(out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernel-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"versions": tool_versions(), "results": out}, indent=1) + "\n")
-    print(f"\nwrote {path}")
+    save_result(args.out, "kernel", {"versions": tool_versions(), "results": out})
     return out
 
 

@@ -26,11 +26,7 @@ import argparse
 import json
 import os
 import selectors
-import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -38,33 +34,25 @@ from functools import partial
 from pathlib import Path
 
 import dns.message
+from common import (
+    BenchError,
+    Processes,
+    can_pin,
+    cpu_seconds,
+    entry,
+    free_port,
+    start_lbproxy,
+    tail,
+    taskset,
+    wait_for,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lbproxy.admin.client import connect  # noqa: E402
+from lbproxy.admin.client import connect
 
 LOCATE_PATH = "/api/v1/virtual-servers/db/locate"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_times(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of a process, from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / ticks, int(fields[12]) / ticks  # utime, stime
-
-
-def cpu_seconds(pid: int) -> float:
-    return sum(cpu_times(pid))
-
-
-def start(servers: int, admin_port: int, dns_port: int, folder: str) -> subprocess.Popen:
+def start(procs: Processes, servers: int, admin_port: int, dns_port: int, work: Path):
     lines = [
         "global:",
         f"  admin: {{listen: 127.0.0.1:{admin_port}}}",
@@ -79,23 +67,23 @@ def start(servers: int, admin_port: int, dns_port: int, folder: str) -> subproce
         "    real_servers:",
     ]
     lines += [f"      - {{name: s{i}, address: 127.0.0.1:{20000 + i}}}" for i in range(servers)]
-    path = Path(folder) / "locator.yaml"
-    path.write_text("\n".join(lines) + "\n")
-    command = [sys.executable, "-m", "lbproxy", "run", str(path), "--log-level", "warning"]
-    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
-        command = ["taskset", "-c", "0", *command]
+    pin = None
+    if (os.cpu_count() or 1) >= 2 and can_pin({0, 1}):
+        pin = taskset(0)
         os.sched_setaffinity(0, {1})
-    proc = subprocess.Popen(command, cwd=ROOT)
-    deadline = time.monotonic() + 15
-    while True:
+    proc = start_lbproxy(procs, work, "\n".join(lines) + "\n", name="locator", prefix=pin)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise BenchError(f"lbproxy exited: {tail(work / 'locator.log')}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/readyz", timeout=1):
-                break
+                return True
         except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise SystemExit("lbproxy did not start") from None
-            time.sleep(0.05)
+            return False
+
+    if not wait_for(ready, 15):
+        raise BenchError(f"lbproxy not ready after 15 s: {tail(work / 'locator.log')}")
     for i in range(servers):  # every server reports: the pick is a real least-load pick
         # through the admin socket: over TCP a change needs the token
         connect(f"http://127.0.0.1:{admin_port}").request(
@@ -191,44 +179,37 @@ def main() -> None:
     parser.add_argument("--max", type=int, default=500_000, help="answers, at most")
     args = parser.parse_args()
     admin_port, dns_port = free_port(), free_port()
-    with tempfile.TemporaryDirectory() as folder:
-        proc = start(args.servers, admin_port, dns_port, folder)
-        try:
-            results = {}
-            healthz = partial(bench_http, path="/healthz")  # the HTTP server's own floor
-            for name, run, port in (
-                ("dns", bench_dns, dns_port),
-                ("http", bench_http, admin_port),
-                ("http /healthz", healthz, admin_port),
-            ):
-                (user0, system0), wall0 = cpu_times(proc.pid), time.monotonic()
-                answered = run(port, args.seconds, args.window, args.max)
-                user, system = cpu_times(proc.pid)
-                user, system = user - user0, system - system0
-                wall, cpu = time.monotonic() - wall0, user + system
-                results[name] = {
-                    "answers": answered,
-                    "per_second": round(answered / wall),
-                    "per_cpu_second": round(answered / cpu) if cpu else None,
-                    "lbproxy_cpu": round(cpu / wall, 2),
-                    "system_share": round(system / cpu, 2) if cpu else None,
-                    "load_average": round(os.getloadavg()[0], 2),  # the machine is shared
-                }
-                print(
-                    f"{name:13} {answered:8d} answers in {wall:.1f} s: "
-                    f"{answered / wall:8.0f}/s, {answered / cpu if cpu else 0:8.0f} per "
-                    f"lbproxy CPU-second (lbproxy at {cpu / wall:.0%} of a core, "
-                    f"{system / cpu if cpu else 0:.0%} of it system, "
-                    f"load average {os.getloadavg()[0]:.2f})"
-                )
-            print(json.dumps(results))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with tempfile.TemporaryDirectory() as folder, Processes() as procs:
+        proc = start(procs, args.servers, admin_port, dns_port, Path(folder))
+        results = {}
+        healthz = partial(bench_http, path="/healthz")  # the HTTP server's own floor
+        for name, run, port in (
+            ("dns", bench_dns, dns_port),
+            ("http", bench_http, admin_port),
+            ("http /healthz", healthz, admin_port),
+        ):
+            (user0, system0), wall0 = cpu_seconds([proc.pid]), time.monotonic()
+            answered = run(port, args.seconds, args.window, args.max)
+            user, system = cpu_seconds([proc.pid])
+            user, system = user - user0, system - system0
+            wall, cpu = time.monotonic() - wall0, user + system
+            results[name] = {
+                "answers": answered,
+                "per_second": round(answered / wall),
+                "per_cpu_second": round(answered / cpu) if cpu else None,
+                "lbproxy_cpu": round(cpu / wall, 2),
+                "system_share": round(system / cpu, 2) if cpu else None,
+                "load_average": round(os.getloadavg()[0], 2),  # the machine is shared
+            }
+            print(
+                f"{name:13} {answered:8d} answers in {wall:.1f} s: "
+                f"{answered / wall:8.0f}/s, {answered / cpu if cpu else 0:8.0f} per "
+                f"lbproxy CPU-second (lbproxy at {cpu / wall:.0%} of a core, "
+                f"{system / cpu if cpu else 0:.0%} of it system, "
+                f"load average {os.getloadavg()[0]:.2f})"
+            )
+        print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

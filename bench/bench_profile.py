@@ -20,12 +20,11 @@ from __future__ import annotations
 import collections
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, BenchError, Processes, run_client
+from common import ROOT, BenchError, Processes, run_client, wrk_argv
 from harness import Bench
 
 # Phase of a sample, by the frames on its stack (first match wins).
@@ -137,13 +136,10 @@ def run(args: Any, procs: Processes, work: Path) -> dict[str, Any]:
             }
             for fmt, suffix in (("flamegraph", "svg"), ("raw", "txt")):
                 target = args.out / f"profile-{label}-{stamp}.{suffix}"
-                load = subprocess.Popen(
-                    [*bench.pin_load, "wrk", "-t1", "-c50", f"-d{d + 3}s"]
-                    + (["-H", "Connection: close"] if close else [])
-                    + [f"http://127.0.0.1:{http}/small"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
+                load = procs.start(
+                    "wrk",
+                    wrk_argv(http, "/small", 50, d + 3, close, bench.pin_load),
+                    work / "wrk.log",
                 )
                 try:
                     time.sleep(1)
@@ -166,8 +162,7 @@ def run(args: Any, procs: Processes, work: Path) -> dict[str, Any]:
                         timeout=d + 60,
                     )
                 finally:
-                    load.kill()
-                    load.wait(10)
+                    procs.stop(load)
                 result[suffix] = str(target)
             result.update(analyse(Path(result["txt"])))
             out[label] = result

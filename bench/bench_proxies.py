@@ -54,7 +54,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, BenchError, Processes, run_client, time_limit
+from common import (
+    ROOT,
+    BenchError,
+    Processes,
+    can_pin,
+    entry,
+    run_client,
+    save_result,
+    taskset,
+    time_limit,
+)
 from harness import Bench
 from noise import (
     busy_processes,
@@ -181,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    if args.pin and (
-        shutil.which("taskset") is None
-        or not {args.load_core, args.proxy_core} <= os.sched_getaffinity(0)
-    ):
+    if args.pin and not can_pin({args.load_core, args.proxy_core}):
         print("note: cannot pin to the requested cores; running unpinned")
         args.pin = False
     # Hold N idle connections (+ the proxy's 2N): raise the soft descriptor limit to
@@ -284,10 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if "schedulers" in result:
         print_schedulers(result["schedulers"])
     result["finished"] = dt.datetime.now().isoformat(timespec="seconds")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench-{started:%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {path}")
+    save_result(args.out, "bench", result, started)
     return 0
 
 
@@ -305,7 +309,7 @@ def run_scheduler_bench(args: argparse.Namespace, work: Path) -> dict[str, Any] 
         else ["--ops", "5000", "--repeat", "3"]
     )
     if args.pin:
-        argv = ["taskset", "-c", str(args.proxy_core), *argv]
+        argv = [*taskset(args.proxy_core), *argv]
     print("scheduler micro-benchmark ...", flush=True)
     try:
         run_client(argv, timeout=300)
@@ -316,4 +320,4 @@ def run_scheduler_bench(args: argparse.Namespace, work: Path) -> dict[str, Any] 
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry(main)

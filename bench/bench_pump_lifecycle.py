@@ -17,12 +17,13 @@ at import).
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import socket
 import subprocess
 import sys
 import tempfile
+from functools import partial
+
+from common import callgrind, callgrind_count, entry, path_env, tcp_pair
 
 
 def child(pumps: int, rounds: int, control: bool) -> None:
@@ -34,15 +35,7 @@ def child(pumps: int, rounds: int, control: bool) -> None:
     # main before the C pump had only the class (a --base tree, PYTHONPATH)
     new_pump = getattr(pump_module, "new_pump", pump_module.Pump)
 
-    def pair() -> tuple[socket.socket, socket.socket]:
-        with socket.socket() as listener:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(1)
-            a = socket.create_connection(listener.getsockname())
-            b, _ = listener.accept()
-        a.setblocking(False)
-        b.setblocking(False)
-        return a, b
+    pair = partial(tcp_pair, blocking=False)
 
     async def main() -> None:
         ended: list[object] = []
@@ -84,19 +77,14 @@ def child(pumps: int, rounds: int, control: bool) -> None:
 
 
 def run(mode: str, pumps: int, rounds: int, control: bool) -> int:
-    env = dict(os.environ)
-    env.pop("LBPROXY_PURE", None)
-    if mode == "pure":
-        env["LBPROXY_PURE"] = "1"
+    env = path_env(mode)
     argv = [sys.executable, __file__, "--child", "--pumps", str(pumps), "--rounds", str(rounds)]
     if control:
         argv.append("--control")
     with tempfile.TemporaryDirectory() as tmp:
-        vg = ["valgrind", "--tool=callgrind", "--cache-sim=no", f"--callgrind-out-file={tmp}/o"]
+        vg = callgrind(f"{tmp}/o")
         out = subprocess.run(vg + argv, env=env, capture_output=True, text=True, check=True)
-    match = re.search(r"Collected : (\d+)", out.stderr)
-    assert match, out.stderr[-2000:]
-    return int(match.group(1))
+    return callgrind_count(out.stderr)
 
 
 def main() -> None:
@@ -119,4 +107,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

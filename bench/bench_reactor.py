@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import resource
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
+
+from common import callgrind_count, entry, own_cpu, path_env, tcp_pair
 
 PAYLOAD = b"x" * 100
 
@@ -42,16 +42,7 @@ def child(pumps: int, rounds: int, new_pump: bool) -> None:
     from lbproxy.net.pump import Flow, Pump
     from lbproxy.net.pump import new_pump as make_pump
 
-    def pair() -> tuple[socket.socket, socket.socket]:
-        with socket.socket() as listener:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(1)
-            a = socket.create_connection(listener.getsockname())
-            b, _ = listener.accept()
-        for s in (a, b):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.setblocking(False)
-        return a, b
+    pair = partial(tcp_pair, nodelay=True, blocking=False)
 
     async def main() -> None:
         ends = []
@@ -63,7 +54,7 @@ def child(pumps: int, rounds: int, new_pump: bool) -> None:
             p.start()
             ends.append((client, server, proxy_client, proxy_server))
         await trio.sleep(0.01)
-        u0, s0 = cpu()
+        u0, s0 = own_cpu()
         for _ in range(rounds):
             for a, b in ((0, 1), (1, 0)):
                 for e in ends:
@@ -75,7 +66,7 @@ def child(pumps: int, rounds: int, new_pump: bool) -> None:
                             got += len(e[b].recv(65536))
                         except BlockingIOError:
                             await trio.lowlevel.wait_readable(e[b])
-        u1, s1 = cpu()
+        u1, s1 = own_cpu()
         events = max(1, rounds * 2 * pumps)
         print(
             f"{compiled.IMPLEMENTATION} {(u1 - u0) / events * 1e6:.3f} "
@@ -83,11 +74,6 @@ def child(pumps: int, rounds: int, new_pump: bool) -> None:
         )
 
     trio.run(main)
-
-
-def cpu() -> tuple[float, float]:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime, r.ru_stime
 
 
 def run(
@@ -98,10 +84,7 @@ def run(
     keep: str | None = None,
     new_pump: bool = False,
 ) -> tuple[float, ...]:
-    env = dict(os.environ)
-    env.pop("LBPROXY_PURE", None)
-    if mode == "pure":
-        env["LBPROXY_PURE"] = "1"
+    env = path_env(mode)
     argv = [sys.executable, __file__, "--child", "--pumps", str(pumps), "--rounds", str(rounds)]
     if new_pump:
         argv.append("--new-pump")
@@ -112,11 +95,9 @@ def run(
         return float(user), float(system)
     with tempfile.TemporaryDirectory() as tmp:
         where = f"{keep}/{mode}-{rounds}.out" if keep else f"{tmp}/o"
-        vg = ["valgrind", "--tool=callgrind", "--cache-sim=no", f"--callgrind-out-file={where}"]
+        vg = callgrind(where)
         out = subprocess.run(vg + argv, env=env, capture_output=True, text=True, check=True)
-    match = re.search(r"Collected : (\d+)", out.stderr)
-    assert match, out.stderr[-2000:]
-    return (float(match.group(1)),)
+    return (float(callgrind_count(out.stderr)),)
 
 
 def main() -> None:
@@ -162,4 +143,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

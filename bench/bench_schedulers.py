@@ -44,14 +44,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
 from collections import deque
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import entry, print_table, write_json
 
 from lbproxy.config.model import (
     Address,
@@ -265,17 +264,6 @@ def measure(scheduler: str, n: int, ops: int, repeat: int) -> dict[str, float]:
     return result
 
 
-def print_table(head: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    for cells in [head, *rows]:
-        print(
-            "  ".join(
-                c.ljust(w) if i < 2 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-            )
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,100,1000,10000")
@@ -309,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 + [f"{ratio:.2f}x", "met" if ratio <= 2.0 else "NOT met"]
             )
     print(f"ns per connection (pick + take + drop); median of {args.repeat} runs of {args.ops}")
-    print_table(head, rows)
+    print_table(None, head, rows, left=2)
     extra = None if args.no_affinity else affinity(args.ops, args.repeat)
     if extra is not None:
         print_affinity(extra)
@@ -323,10 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                 name: {str(n): v for n, v in per_n.items()} for name, per_n in results.items()
             },
         } | ({"affinity": extra} if extra is not None else {})
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(Path(args.json_path), payload)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry(main)

@@ -18,34 +18,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
 import ssl
 import statistics
-import subprocess
-import sys
 import tempfile
 import textwrap
-import threading
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-ECHO = textwrap.dedent(
-    """
-    import socket, sys, threading
-    s = socket.create_server(("127.0.0.1", 0), backlog=1024)
-    print(s.getsockname()[1], flush=True)
-    def serve(c):
-        with c:
-            while data := c.recv(65536):
-                c.sendall(data)
-    while True:
-        c, _ = s.accept()
-        threading.Thread(target=serve, args=(c,), daemon=True).start()
-    """
+from common import (
+    Processes,
+    cpu_seconds,
+    entry,
+    free_port,
+    in_threads,
+    round_trip,
+    start_echo,
+    start_lbproxy,
+    wait_port,
 )
 
 
@@ -60,51 +48,15 @@ def client_hello() -> bytes:
     return outgoing.read()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def run_clients(port: int, hello: bytes, total: int, threads: int) -> float:
     """`total` connections from `threads` threads; returns the wall time."""
     per_thread = total // threads
 
     def work() -> None:
         for _ in range(per_thread):
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
-                c.sendall(hello)
-                got = 0
-                while got < len(hello):
-                    chunk = c.recv(65536)
-                    if not chunk:
-                        raise RuntimeError("closed early")
-                    got += len(chunk)
+            round_trip(port, hello, len(hello))
 
-    workers = [threading.Thread(target=work) for _ in range(threads)]
-    started = time.monotonic()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return time.monotonic() - started
+    return in_threads(work, threads)
 
 
 def main() -> int:
@@ -115,10 +67,8 @@ def main() -> int:
     args = parser.parse_args()
 
     hello = client_hello()
-    echo = subprocess.Popen([sys.executable, "-c", ECHO], stdout=subprocess.PIPE, text=True)
-    proxy = None
-    try:
-        echo_port = int(echo.stdout.readline())
+    with tempfile.TemporaryDirectory(prefix="lbproxy-bench-sni-") as folder, Processes() as procs:
+        echo_port = start_echo(procs)
         plain, sni = free_port(), free_port()
         rs = f"[{{name: echo, address: 127.0.0.1:{echo_port}}}]"
         config = textwrap.dedent(
@@ -133,25 +83,18 @@ def main() -> int:
                  health_check: {{type: none}}, real_servers: {rs}}}
             """
         )
-        work = Path(tempfile.mkdtemp(prefix="lbproxy-bench-sni-"))
-        (work / "lbproxy.yaml").write_text(config)
-        log = open(work / "lbproxy.log", "wb")  # noqa: SIM115 - closed with the process
-        proxy = subprocess.Popen(
-            [sys.executable, "-m", "lbproxy", "run", str(work / "lbproxy.yaml")],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-        wait_port(plain)
-        wait_port(sni)
+        work = Path(folder)
+        proxy = start_lbproxy(procs, work, config, log_level=None)
+        wait_port(plain, proxy, work / "lbproxy.log")
+        wait_port(sni, proxy, work / "lbproxy.log")
         run_clients(plain, hello, 300, args.threads)  # warm up both paths
         run_clients(sni, hello, 300, args.threads)
         results: dict[str, list[float]] = {"plain": [], "sni": []}
         for _ in range(args.rounds):
             for name, port in (("plain", plain), ("sni", sni)):
-                before = cpu_ticks(proxy.pid)
+                before = sum(cpu_seconds([proxy.pid]))
                 wall = run_clients(port, hello, args.connections, args.threads)
-                used = (cpu_ticks(proxy.pid) - before) / CLK_TCK
+                used = sum(cpu_seconds([proxy.pid])) - before
                 n = args.connections // args.threads * args.threads
                 results[name].append(used / n * 1e6)
                 print(f"{name:5}  {used / n * 1e6:7.1f} us CPU/conn  {n / wall:7.0f} conn/s")
@@ -161,17 +104,8 @@ def main() -> int:
             f"SNI routing +{medians['sni'] - medians['plain']:.1f} us per new connection "
             f"({len(hello)}-byte ClientHello, {args.rounds} rounds of {args.connections})"
         )
-    finally:
-        for proc in (proxy, echo):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -23,24 +23,20 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
-import resource
 import socket
 import statistics
+
+from common import entry, own_cpu, tcp_pair
 
 from lbproxy.net import compiled
 
 FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 
 
-def cpu() -> tuple[float, float]:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime, r.ru_stime
-
-
 def timed(fn, n: int) -> tuple[float, float]:
-    u0, s0 = cpu()
+    u0, s0 = own_cpu()
     fn(n)
-    u1, s1 = cpu()
+    u1, s1 = own_cpu()
     return (u1 - u0) / n * 1e6, (s1 - s0) / n * 1e6
 
 
@@ -70,21 +66,10 @@ def accept_variants(listener: socket.socket):
     return {"accept + fcntl": fcntl_way, "accept4(SOCK_NONBLOCK)": accept4_way}
 
 
-def pair() -> tuple[socket.socket, socket.socket]:
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        a = socket.create_connection(listener.getsockname())
-        b, _ = listener.accept()
-    a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    b.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return a, b
-
-
 def chunk_variants(size: int):
     # writer -> src ... (moved by the method) ... dst -> reader
-    writer, src = pair()
-    dst, reader = pair()
+    writer, src = tcp_pair(nodelay=True)
+    dst, reader = tcp_pair(nodelay=True)
     payload = b"x" * size
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     buf = memoryview(bytearray(1 << 18))
@@ -152,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -23,37 +23,24 @@ root when ``--syscalls`` is given.
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from common import BenchError, Processes, attached, loadavg, print_table
+from common import (
+    BenchError,
+    Processes,
+    attached,
+    loadavg,
+    parse_strace_summary,
+    print_table,
+    save_result,
+)
 from harness import Bench, traced_bench
 from peers import Proxy, tool_versions
 
 #: wrk connections for the new-connection load (issue 15 measured with -c20).
 CONNS = 20
-
-
-def parse_strace_summary(text: str) -> dict[str, dict[str, int]]:
-    """``strace -c`` table -> {syscall: {"calls": n, "errors": n}} (no "total" row)."""
-    out: dict[str, dict[str, int]] = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 5 or parts[0].startswith(("%", "-")) or parts[-1] == "total":
-            continue
-        try:
-            float(parts[0])
-            numbers = [int(x) for x in parts[3:-1]]
-        except ValueError:
-            continue
-        if not numbers:
-            continue
-        calls, errors = numbers[0], (numbers[1] if len(numbers) > 1 else 0)
-        out[parts[-1]] = {"calls": calls, "errors": errors}
-    return out
 
 
 def traced(bench: Bench, proxy: Proxy, port: int, seconds: float, work: Path) -> dict:
@@ -119,12 +106,7 @@ def run(args: Any, procs: Processes, work: Path) -> dict[str, Any]:
             finally:
                 bench.stop_proxy(proxy)
     report(out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"syscalls-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(
-        json.dumps({"versions": tool_versions(), "conns": CONNS, "results": out}, indent=1) + "\n"
-    )
-    print(f"\nwrote {path}")
+    save_result(args.out, "syscalls", {"versions": tool_versions(), "conns": CONNS, "results": out})
     return out
 
 

@@ -30,48 +30,45 @@ from __future__ import annotations
 import argparse
 import contextlib
 import getpass
-import os
 import re
-import shutil
+import selectors
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing import Process
 from pathlib import Path
 
-NGINX_STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
-TICK = os.sysconf("SC_CLK_TCK")
+from common import (
+    BenchError,
+    Processes,
+    cpu_seconds,
+    entry,
+    free_port,
+    need,
+    nginx_preamble,
+    percentile,
+    rss_kb,
+    run_client,
+    start_lbproxy,
+)
+from peers import NGINX_STREAM_MODULE
+
+UDP_ECHO = """
+import socket, sys
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+sock.bind(("127.0.0.1", int(sys.argv[1])))
+buf = bytearray(65536)
+while True:
+    n, peer = sock.recvfrom_into(buf)
+    sock.sendto(memoryview(buf)[:n], peer)
+"""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def echo(port: int) -> None:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    sock.bind(("127.0.0.1", port))
-    buf = bytearray(65536)
-    while True:
-        n, peer = sock.recvfrom_into(buf)
-        sock.sendto(memoryview(buf)[:n], peer)
-
-
-def cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+def udp_port() -> int:
+    return free_port(socket.SOCK_DGRAM)
 
 
 def dns_query(name: str) -> bytes:
@@ -95,8 +92,6 @@ def wait_answering(port: int) -> None:
 
 def load(port: int, duration: float, window: int) -> tuple[int, float, float]:
     """Closed loop: `window` requests in flight, one reply each; (answered, p50, p99)."""
-    import selectors
-
     socks = []
     for _ in range(32):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -136,38 +131,32 @@ def load(port: int, duration: float, window: int) -> tuple[int, float, float]:
                     latencies.append(now - sent_at[s].pop(0))
                 s.send(payload)
                 sent_at[s].append(now)
-    latencies.sort()
-    n = len(latencies)
     for s in socks:
         s.close()
-    return n, latencies[n // 2] * 1000, latencies[int(n * 0.99)] * 1000
+    return len(latencies), percentile(latencies, 50) * 1000, percentile(latencies, 99) * 1000
 
 
 NAMES = 100  # b0.bench.test .. b99.bench.test, each with one A record
 
 
-def dnsmasq(work: Path, port: int) -> subprocess.Popen:
+def dnsmasq(procs: Processes, work: Path, port: int) -> subprocess.Popen:
     """A real dnsmasq on 127.0.0.1:port answering A queries for NAMES names from a file."""
     hosts = work / "bench.hosts"
     hosts.write_text("".join(f"192.0.2.{i % 250 + 1} b{i}.bench.test\n" for i in range(NAMES)))
-    dnsmasq_bin = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
-    return subprocess.Popen(
-        [
-            dnsmasq_bin,
-            "--no-daemon",
-            f"--port={port}",
-            "--listen-address=127.0.0.1",
-            "--bind-interfaces",
-            "--no-resolv",
-            "--no-hosts",
-            "--local=/test/",
-            f"--addn-hosts={hosts}",
-            f"--pid-file={work / 'dnsmasq.pid'}",
-            f"--user={getpass.getuser()}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(work / "dnsmasq.log").open("wb"),  # what it says if it does not answer
-    )
+    argv = [
+        need("dnsmasq", "dnsmasq-base"),
+        "--no-daemon",
+        f"--port={port}",
+        "--listen-address=127.0.0.1",
+        "--bind-interfaces",
+        "--no-resolv",
+        "--no-hosts",
+        "--local=/test/",
+        f"--addn-hosts={hosts}",
+        f"--pid-file={work / 'dnsmasq.pid'}",
+        f"--user={getpass.getuser()}",
+    ]
+    return procs.start("dnsmasq", argv, work / "dnsmasq.log")  # says why if it does not answer
 
 
 def dnsperf(work: Path, port: int, duration: float, window: int) -> tuple[int, float, float]:
@@ -176,12 +165,7 @@ def dnsperf(work: Path, port: int, duration: float, window: int) -> tuple[int, f
     queries.write_text("".join(f"b{i}.bench.test A\n" for i in range(NAMES)))
     target = ["-s", "127.0.0.1", "-p", str(port), "-d", str(queries)]
     command = ["dnsperf", *target, "-l", f"{duration:g}", "-c", "32", "-q", str(window), "-t", "2"]
-    out = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=duration + 30,
-    ).stdout
+    out = run_client(command, timeout=duration + 30)
     completed = re.search(r"Queries completed:\s+(\d+)", out)
     latency = re.search(r"Average Latency \(s\):\s+([\d.]+) \(min [\d.]+, max ([\d.]+)\)", out)
     if completed is None or latency is None:
@@ -190,7 +174,7 @@ def dnsperf(work: Path, port: int, duration: float, window: int) -> tuple[int, f
 
 
 def idle_sessions(pid: int, port: int, count: int) -> float:
-    before = rss_kib(pid)
+    before = rss_kb(pid)
     socks = []
     for _ in range(count):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -204,15 +188,16 @@ def idle_sessions(pid: int, port: int, count: int) -> float:
             s.recv(100)
             answered += 1
     print(f"  {answered}/{count} idle sessions answered", file=sys.stderr)
-    after = rss_kib(pid)
+    after = rss_kb(pid)
     for s in socks:
         s.close()
     return (after - before) * 1024 / count
 
 
-def lbproxy(work: Path, port: int, upstream: int, responses: str) -> subprocess.Popen:
-    conf = work / f"lbproxy-{port}.yaml"
-    conf.write_text(
+def lbproxy(
+    procs: Processes, work: Path, port: int, upstream: int, responses: str
+) -> subprocess.Popen:
+    config = (
         "global: {admin: {listen: none}, drain_timeout: 1s}\n"
         "virtual_servers:\n  - name: bench\n    protocol: udp\n"
         f"    listen: 127.0.0.1:{port}\n    scheduler: rr\n"
@@ -220,24 +205,22 @@ def lbproxy(work: Path, port: int, upstream: int, responses: str) -> subprocess.
         " max_sessions_per_source: 100000}\n"
         f"    real_servers:\n      - {{name: a, address: 127.0.0.1:{upstream}}}\n"
     )
-    return subprocess.Popen(
-        [sys.executable, "-m", "lbproxy", "run", str(conf), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL,
-    )
+    return start_lbproxy(procs, work, config, name=f"lbproxy-{port}")
 
 
-def nginx(work: Path, port: int, upstream: int, responses: str) -> subprocess.Popen:
+def nginx(
+    procs: Processes, work: Path, port: int, upstream: int, responses: str
+) -> subprocess.Popen:
     t = work / f"nginx-{port}"
     t.mkdir()
     answers = f"proxy_responses {responses};" if responses != "none" else ""
     (t / "nginx.conf").write_text(
-        f"load_module {NGINX_STREAM_MODULE};\ndaemon off;\nmaster_process off;\n"
-        f"worker_processes 1;\nworker_rlimit_nofile 30000;\npid {t}/nginx.pid;\n"
-        f"error_log {t}/error.log warn;\nevents {{ worker_connections 20000; }}\n"
+        f"load_module {NGINX_STREAM_MODULE};{nginx_preamble(t, 20000)}\n"
         f"stream {{ server {{ listen 127.0.0.1:{port} udp; proxy_pass 127.0.0.1:{upstream};"
         f" {answers} proxy_timeout 30s; }} }}\n"
     )
-    return subprocess.Popen(["nginx", "-c", str(t / "nginx.conf"), "-p", str(t)])
+    argv = [need("nginx"), "-c", str(t / "nginx.conf"), "-p", str(t)]
+    return procs.start(f"nginx-{port}", argv, t / "nginx.log")
 
 
 def main() -> None:
@@ -254,52 +237,44 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.generator == "dnsperf":
-        for tool in ("dnsperf", "dnsmasq"):
-            if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
-                sys.exit(f"--generator dnsperf needs {tool} (apt-get install {tool})")
-    upstream = free_port()  # the echo: the idle sessions' server, and the load's by default
-    server = Process(target=echo, args=(upstream,), daemon=True)
-    server.start()
+        need("dnsperf")
+        need("dnsmasq", "dnsmasq-base")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
         work = Path(tmp)
+        upstream = udp_port()  # the echo: the idle sessions' server, and the load's by default
+        procs.start("udp-echo", [sys.executable, "-c", UDP_ECHO, str(upstream)])
         resolver = None
         busy_upstream = upstream
         if args.generator == "dnsperf":
-            busy_upstream = free_port()
-            resolver = dnsmasq(work, busy_upstream)
-        try:
-            if resolver is not None:
-                try:
-                    wait_answering(busy_upstream)
-                except RuntimeError as exc:
-                    said = (work / "dnsmasq.log").read_text(errors="replace").strip()
-                    sys.exit(f"dnsmasq: {exc} (exit status {resolver.poll()}): {said}")
-            for name, start in (("lbproxy", lbproxy), ("nginx", nginx)):
-                port, idle_port = free_port(), free_port()
-                busy = start(work, port, busy_upstream, "1")
-                idle = start(work, idle_port, upstream, "none")
-                try:
-                    wait_answering(port)
-                    wait_answering(idle_port)
-                    cpu0, t0 = cpu(busy.pid), time.perf_counter()
-                    if resolver is None:
-                        answered, lat1, lat2 = load(port, args.duration, args.window)
-                    else:
-                        answered, lat1, lat2 = dnsperf(work, port, args.duration, args.window)
-                    cpu_s, wall = cpu(busy.pid) - cpu0, time.perf_counter() - t0
-                    per_session = idle_sessions(idle.pid, idle_port, args.idle)
-                    rate, per_cpu, util = answered / wall, answered / cpu_s, cpu_s / wall
-                    rows.append((name, rate, per_cpu, util, lat1, lat2, per_session))
-                finally:
-                    for proc in (busy, idle):
-                        proc.terminate()
-                        proc.wait(10)
-        finally:
-            if resolver is not None:
-                resolver.terminate()
-                resolver.wait(10)
-    server.terminate()
+            busy_upstream = udp_port()
+            resolver = dnsmasq(procs, work, busy_upstream)
+            try:
+                wait_answering(busy_upstream)
+            except RuntimeError as exc:
+                said = (work / "dnsmasq.log").read_text(errors="replace").strip()
+                raise BenchError(
+                    f"dnsmasq: {exc} (exit status {resolver.poll()}): {said}"
+                ) from None
+        for name, start in (("lbproxy", lbproxy), ("nginx", nginx)):
+            port, idle_port = udp_port(), udp_port()
+            busy = start(procs, work, port, busy_upstream, "1")
+            idle = start(procs, work, idle_port, upstream, "none")
+            try:
+                wait_answering(port)
+                wait_answering(idle_port)
+                cpu0, t0 = sum(cpu_seconds([busy.pid])), time.perf_counter()
+                if resolver is None:
+                    answered, lat1, lat2 = load(port, args.duration, args.window)
+                else:
+                    answered, lat1, lat2 = dnsperf(work, port, args.duration, args.window)
+                cpu_s, wall = sum(cpu_seconds([busy.pid])) - cpu0, time.perf_counter() - t0
+                per_session = idle_sessions(idle.pid, idle_port, args.idle)
+                rate, per_cpu, util = answered / wall, answered / cpu_s, cpu_s / wall
+                rows.append((name, rate, per_cpu, util, lat1, lat2, per_session))
+            finally:
+                for proc in (busy, idle):
+                    procs.stop(proc, 10)
     latencies = "p50 ms  p99 ms" if resolver is None else "avg ms  max ms"
     print(f"generator: {args.generator}")
     print(f"proxy     dgram/s  per CPU-s  util  {latencies}  B/idle session")
@@ -311,4 +286,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

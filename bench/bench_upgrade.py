@@ -23,64 +23,28 @@ every process started is stopped by PID; loopback only.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import (
+    Processes,
+    alive,
+    entry,
+    free_port,
+    percentile,
+    round_trip,
+    start_echo,
+    start_lbproxy,
+    stop_pid,
+    wait_for,
+    wait_port,
+)
 
-from lbproxy.admin.client import connect  # noqa: E402
-
-ECHO = """
-import asyncio, sys
-async def echo(reader, writer):
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except OSError:
-        pass
-    writer.close()
-async def main():
-    server = await asyncio.start_server(echo, "127.0.0.1", int(sys.argv[1]), backlog=4096)
-    async with server:
-        await server.serve_forever()
-asyncio.run(main())
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+from lbproxy.admin.client import connect
 
 
 class Loop:
@@ -105,20 +69,11 @@ class Loop:
         while not self._stop.is_set():
             began = time.perf_counter()
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
-                    s.sendall(b"x")
-                    if s.recv(1) != b"x":
-                        self.failures.append("no echo")
-                        continue
+                round_trip(self.port, b"x", 1)
             except OSError as exc:
                 self.failures.append(type(exc).__name__)
                 continue
             self.latencies.append(time.perf_counter() - began)
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
 
 
 def upgrade(admin: int) -> dict:
@@ -137,78 +92,66 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=6.0, help="seconds per loop window")
     args = parser.parse_args()
 
-    backend, port, admin = free_port(), free_port(), free_port()
-    tmp = Path(tempfile.mkdtemp(prefix="lbproxy-bench-upgrade-"))
-    config = tmp / "lbproxy.yaml"
-    config.write_text(
-        "global:\n"
-        f"  admin: {{listen: 127.0.0.1:{admin}}}\n"
-        f"  drain_timeout: {args.drain}s\n"
-        "virtual_servers:\n"
-        "  - name: web\n"
-        f"    listen: 127.0.0.1:{port}\n"
-        "    scheduler: rr\n"
-        "    real_servers:\n"
-        f"      - {{name: echo, address: 127.0.0.1:{backend}}}\n"
-    )
-    log = open(tmp / "lbproxy.log", "wb")  # noqa: SIM115 - closed at the end
-    echo = subprocess.Popen([sys.executable, "-c", ECHO, str(backend)])
-    first = subprocess.Popen(
-        [sys.executable, "-m", "lbproxy", "run", str(config), "--log-level", "warning"],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    pids = [first.pid]
+    port, admin = free_port(), free_port()
     results = []
-    try:
-        wait_port(backend)
-        wait_port(port)
-        wait_port(admin)
-        for n in range(args.rounds):
-            idle = []
-            for _ in range(args.idle):
-                s = socket.create_connection(("127.0.0.1", port), timeout=10)
-                s.sendall(b"i")
-                assert s.recv(1) == b"i"
-                idle.append(s)
-            baseline = Loop(port).start()
-            time.sleep(args.window)
-            baseline.stop()
-            during = Loop(port).start()
-            time.sleep(1.0)
-            old = pids[-1]
-            began = time.perf_counter()
-            answer = upgrade(admin)
-            ready = time.perf_counter() - began
-            pids.append(answer["pid"])
-            while alive(old) and time.perf_counter() - began < args.drain + 60:
-                time.sleep(0.005)
-            exited = time.perf_counter() - began
-            time.sleep(max(0.0, args.window - 1.0 - exited))
-            during.stop()
-            for s in idle:
-                s.close()
-            results.append((baseline, during, ready, exited))
-            print(
-                f"round {n + 1}: ready {ready * 1000:.0f} ms, old exited {exited * 1000:.0f} ms;"
-                f" p99 {percentile(baseline.latencies, 99) * 1000:.2f} ms without,"
-                f" {percentile(during.latencies, 99) * 1000:.2f} ms with;"
-                f" failures {len(baseline.failures) + len(during.failures)}",
-                flush=True,
-            )
-    finally:
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGTERM)
-        for pid in pids:
-            deadline = time.monotonic() + args.drain + 10
-            while alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        first.wait(5)
-        echo.terminate()
-        echo.wait(5)
-        log.close()
+    with (
+        tempfile.TemporaryDirectory(prefix="lbproxy-bench-upgrade-") as folder,
+        Processes() as procs,
+    ):
+        work = Path(folder)
+        backend = start_echo(procs)
+        config = (
+            "global:\n"
+            f"  admin: {{listen: 127.0.0.1:{admin}}}\n"
+            f"  drain_timeout: {args.drain}s\n"
+            "virtual_servers:\n"
+            "  - name: web\n"
+            f"    listen: 127.0.0.1:{port}\n"
+            "    scheduler: rr\n"
+            "    real_servers:\n"
+            f"      - {{name: echo, address: 127.0.0.1:{backend}}}\n"
+        )
+        first = start_lbproxy(procs, work, config)
+        pids = [first.pid]
+        try:
+            wait_port(port, first, work / "lbproxy.log")
+            wait_port(admin, first, work / "lbproxy.log")
+            for n in range(args.rounds):
+                idle = []
+                for _ in range(args.idle):
+                    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                    s.sendall(b"i")
+                    assert s.recv(1) == b"i"
+                    idle.append(s)
+                baseline = Loop(port).start()
+                time.sleep(args.window)
+                baseline.stop()
+                during = Loop(port).start()
+                time.sleep(1.0)
+                old = pids[-1]
+                began = time.perf_counter()
+                answer = upgrade(admin)
+                ready = time.perf_counter() - began
+                pids.append(answer["pid"])
+                wait_for(lambda old=old: not alive(old), args.drain + 60, 0.005)
+                exited = time.perf_counter() - began
+                time.sleep(max(0.0, args.window - 1.0 - exited))
+                during.stop()
+                for s in idle:
+                    s.close()
+                results.append((baseline, during, ready, exited))
+                print(
+                    f"round {n + 1}: ready {ready * 1000:.0f} ms,"
+                    f" old exited {exited * 1000:.0f} ms;"
+                    f" p99 {percentile(baseline.latencies, 99) * 1000:.2f} ms without,"
+                    f" {percentile(during.latencies, 99) * 1000:.2f} ms with;"
+                    f" failures {len(baseline.failures) + len(during.failures)}",
+                    flush=True,
+                )
+        finally:
+            # the upgrades' processes are not this script's children: stopped by PID
+            for pid in pids[1:]:
+                stop_pid(pid, args.drain + 10)
 
     def ms(values: list[float]) -> str:
         low, mid, high = (v * 1000 for v in (min(values), statistics.median(values), max(values)))
@@ -232,4 +175,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

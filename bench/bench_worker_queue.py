@@ -17,116 +17,81 @@ Rates and CPU depend on the machine's load (printed); the counts do not. Bounded
 from __future__ import annotations
 
 import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-WRK = ["wrk", "-t1", "-c20", "-d4s", "-H", "Connection: close"]
+from common import (
+    ROOT,
+    BenchError,
+    Processes,
+    attached,
+    cpu_seconds,
+    descendants,
+    entry,
+    free_port,
+    need,
+    parse_strace_summary,
+    start_lbproxy,
+    start_nginx,
+    wait_for,
+    wait_port,
+    wrk,
+)
+
+CONFIG = """\
+global:
+  admin: {{listen: none}}
+  workers: 2
+virtual_servers:
+  - name: web
+    listen: 127.0.0.1:{port}
+    scheduler: rr
+    health_check: {{type: none}}
+    real_servers:
+      - {{name: n, address: 127.0.0.1:{backend}}}
+"""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def workers_of(pid: int) -> list[str]:
-    tasks = Path(f"/proc/{pid}/task")
-    return [k for t in tasks.iterdir() for k in (t / "children").read_text().split()]
-
-
-def cpu(pids: list[str]) -> tuple[int, int]:
-    """utime and stime (ticks) of `pids` together."""
-    user = system = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        user, system = user + int(fields[11]), system + int(fields[12])
-    return user, system
-
-
-def wait_ready(port: int) -> None:
-    for _ in range(200):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
-                c.sendall(b"GET / HTTP/1.0\r\n\r\n")
-                if c.recv(100):
-                    return
-        except OSError:
-            time.sleep(0.1)
-
-
-def measure(root: str, tmp: Path) -> None:
-    nginx_port, port = free_port(), free_port()
-    (tmp / "nginx.conf").write_text(
-        f"daemon off; worker_processes 1; error_log {tmp}/e.log; pid {tmp}/n.pid;\n"
-        "events {} http { access_log off; "
-        f"server {{ listen 127.0.0.1:{nginx_port}; location / {{ return 200 ok; }} }} }}\n"
-    )
-    (tmp / "lb.yaml").write_text(
-        "global:\n  admin: {listen: none}\n  workers: 2\nvirtual_servers:\n"
-        f"  - name: web\n    listen: 127.0.0.1:{port}\n    scheduler: rr\n"
-        "    health_check: {type: none}\n"
-        f"    real_servers:\n      - {{name: n, address: 127.0.0.1:{nginx_port}}}\n"
-    )
-    nginx = subprocess.Popen(["nginx", "-c", str(tmp / "nginx.conf"), "-p", str(tmp)])
-    command = [sys.executable, "-m", "lbproxy", "run", str(tmp / "lb.yaml")]
-    lb = subprocess.Popen([*command, "--log-level", "warning"], cwd=root)
-    try:
-        time.sleep(3)
-        wait_ready(port)
-        time.sleep(3)  # both workers up
-        kids = workers_of(lb.pid)
-        assert len(kids) == 2, kids
-        tick = os.sysconf("SC_CLK_TCK")
+def measure(root: Path, work: Path) -> None:
+    need("strace")
+    with Processes() as procs:
+        backend, _ = start_nginx(procs, work)
+        port = free_port()
+        lb = start_lbproxy(procs, work, CONFIG.format(port=port, backend=backend), root=root)
+        wait_port(port, lb, work / "lbproxy.log")
+        if not wait_for(lambda: len(descendants(lb.pid)) == 2, 20):
+            raise BenchError(f"not two workers: {descendants(lb.pid)}")
+        kids = descendants(lb.pid)
+        wrk(port, "/", 20, 1, close=True)  # warm-up: both workers accept
         for _ in range(2):
-            before = cpu(kids)
-            out = subprocess.run(
-                [*WRK, f"http://127.0.0.1:{port}/"], capture_output=True, text=True
-            )
-            after = cpu(kids)
-            n = int(re.search(r"(\d+) requests", out.stdout).group(1))
-            user, system = ((after[i] - before[i]) / tick / n * 1e6 for i in (0, 1))
+            user0, system0 = cpu_seconds(kids)
+            n = wrk(port, "/", 20, 4, close=True)["requests"]
+            user1, system1 = cpu_seconds(kids)
+            user, system = ((user1 - user0) / n * 1e6, (system1 - system0) / n * 1e6)
             print(
                 f"no tracer: {n} connections, {user:.0f} us user + {system:.0f} us system"
                 f" per connection; load {os.getloadavg()[0]:.1f}"
             )
-        trace = tmp / "strace.txt"
-        pids = [arg for k in kids for arg in ("-p", k)]
-        strace = subprocess.Popen(["strace", "-c", "-f", "-o", str(trace), *pids])
-        time.sleep(1)
-        subprocess.run([*WRK, f"http://127.0.0.1:{port}/"], capture_output=True)
-        strace.send_signal(signal.SIGINT)
-        strace.wait(10)
-        rows = {}
-        for line in trace.read_text().splitlines():
-            m = re.match(r"\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(\d+)?\s*(\w+)$", line)
-            if m:
-                rows[m.group(3)] = (int(m.group(1)), int(m.group(2) or 0))
-        calls, errors = rows.get("accept4", (0, 0))
-        accepted = calls - errors
-        print(f"under strace: {accepted} connections accepted")
-        for name in ("accept4", "epoll_wait", "epoll_ctl"):
-            c, e = rows.get(name, (0, 0))
-            print(f"  {name:12s} {c / accepted:6.2f} per connection ({e / accepted:.2f} errors)")
-        print(f"  {'all calls':12s} {sum(c for c, _ in rows.values()) / accepted:6.2f}")
-    finally:
-        for process in (lb, nginx):
-            process.send_signal(signal.SIGTERM)
-        lb.wait(20)
-        nginx.wait(10)
+        trace = work / "strace.txt"
+        pids = [arg for k in kids for arg in ("-p", str(k))]
+        with attached(["strace", "-c", "-f", "-o", str(trace), *pids], settle=1.0, timeout=10):
+            wrk(port, "/", 20, 4, close=True)
+    rows = parse_strace_summary(trace.read_text())
+    calls, errors = (rows.get("accept4", {}).get(k, 0) for k in ("calls", "errors"))
+    accepted = calls - errors
+    print(f"under strace: {accepted} connections accepted")
+    for name in ("accept4", "epoll_wait", "epoll_ctl"):
+        c, e = (rows.get(name, {}).get(k, 0) for k in ("calls", "errors"))
+        print(f"  {name:12s} {c / accepted:6.2f} per connection ({e / accepted:.2f} errors)")
+    print(f"  {'all calls':12s} {sum(r['calls'] for r in rows.values()) / accepted:6.2f}")
 
 
 def main() -> None:
-    root = sys.argv[1] if len(sys.argv) > 1 else str(ROOT)
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT
     with tempfile.TemporaryDirectory(prefix="lbproxy-bench-") as tmp:
         measure(root, Path(tmp))
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

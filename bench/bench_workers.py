@@ -25,63 +25,30 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_tree(pid: int) -> list[int]:
-    children = subprocess.run(
-        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True
-    ).stdout.split()
-    return [pid] + [p for child in children for p in process_tree(int(child))]
-
-
-def cpu_split(pids: list[int]) -> tuple[float, float]:
-    """(user, system) CPU seconds of these processes so far."""
-    user = system = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        user += int(fields[11])  # utime
-        system += int(fields[12])  # stime
-    return user / TICK, system / TICK
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    return sum(cpu_split(pids))
-
-
-def wait_port(port: int, seconds: float = 10) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"nothing listens on 127.0.0.1:{port}")
+from common import (
+    Processes,
+    cpu_seconds,
+    descendants,
+    entry,
+    free_port,
+    need,
+    start_lbproxy,
+    start_nginx,
+    taskset,
+    wait_for,
+    wait_port,
+    wrk,
+)
 
 
 def measure(
-    workdir: Path,
+    procs: Processes,
+    work: Path,
     backend: int,
     workers: int,
     seconds: int,
@@ -91,8 +58,7 @@ def measure(
 ) -> dict:
     """One round: a fresh lbproxy with `workers`, new-connection load, CPU per process."""
     port = free_port()
-    config = workdir / f"lbproxy-{workers}.yaml"
-    config.write_text(
+    config = (
         "global:\n  admin: {listen: none}\n"
         f"  workers: {workers}\n"
         "virtual_servers:\n  - name: web\n"
@@ -100,35 +66,23 @@ def measure(
         "    scheduler: rr\n    health_check: {type: none}\n"
         f"    real_servers:\n      - {{name: n, address: 127.0.0.1:{backend}}}\n"
     )
-    proxy = subprocess.Popen(
-        [*pin, sys.executable, "-m", "lbproxy", "run", str(config), "--log-level", "warning"],
-        cwd=ROOT,
-    )
+    name = f"lbproxy-{workers}"
+    proxy = start_lbproxy(procs, work, config, name=name, prefix=pin)
     try:
-        wait_port(port)
-        time.sleep(1)  # every worker up
-        pids = process_tree(proxy.pid)
-        if len(pids) != (1 if workers == 1 else 1 + workers):
-            time.sleep(1)
-            pids = process_tree(proxy.pid)
-        wrk = [*load, "wrk", "-t1", f"-c{connections}", "-H", "Connection: close"]
-        subprocess.run([*wrk, "-d1s", f"http://127.0.0.1:{port}/"], capture_output=True)
-        before = [cpu_seconds([pid]) for pid in pids]
-        split0 = cpu_split(pids)
+        wait_port(port, proxy, work / f"{name}.log")
+        expected = 1 if workers == 1 else 1 + workers
+        wait_for(lambda: len([proxy.pid, *descendants(proxy.pid)]) == expected, 10)
+        pids = [proxy.pid, *descendants(proxy.pid)]
+        wrk(port, "/", connections, 1, close=True, pin=load)  # warm-up: every worker up
+        before = [sum(cpu_seconds([pid])) for pid in pids]
+        split0 = cpu_seconds(pids)
         t0 = time.monotonic()
-        out = subprocess.run(
-            [*wrk, f"-d{seconds}s", f"http://127.0.0.1:{port}/"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        requests = wrk(port, "/", connections, seconds, close=True, pin=load)["requests"]
         wall = time.monotonic() - t0
-        used = [cpu_seconds([pid]) - b for pid, b in zip(pids, before, strict=True)]
-        split1 = cpu_split(pids)
-        requests = int(re.search(r"(\d+) requests in", out).group(1))
+        used = [sum(cpu_seconds([pid])) - b for pid, b in zip(pids, before, strict=True)]
+        split1 = cpu_seconds(pids)
     finally:
-        proxy.send_signal(signal.SIGTERM)
-        proxy.wait(30)
+        procs.stop(proxy, 30)
     total = sum(used)
     return {
         "workers": workers,
@@ -146,8 +100,6 @@ def measure(
 
 
 def report(results: list[dict]) -> None:
-    import statistics
-
     for workers in (1, 2):
         runs = [r for r in results if r["workers"] == workers]
         if not runs:
@@ -183,12 +135,10 @@ def main() -> None:
         "--connections", type=int, default=20, help="wrk's concurrent connections (-c)"
     )
     args = parser.parse_args()
-    tools = ("wrk", "nginx", "taskset") if args.pin else ("wrk", "nginx")
-    for tool in tools:
-        if shutil.which(tool) is None:
-            raise SystemExit(f"{tool} is missing (scripts/bench installs it as root)")
-    pin = ["taskset", "-c", str(args.proxy_core)] if args.pin else []
-    load = ["taskset", "-c", str(args.load_core)] if args.pin else []
+    for tool in ("wrk", "nginx", "taskset") if args.pin else ("wrk", "nginx"):
+        need(tool, "util-linux" if tool == "taskset" else tool)
+    pin = taskset(args.proxy_core) if args.pin else []
+    load = taskset(args.load_core) if args.pin else []
     # Alternating (1, 2, 2, 1, ...) when pinned; all of 1 then all of 2 otherwise, as
     # this script always did.
     if args.pin:
@@ -197,38 +147,25 @@ def main() -> None:
     else:
         settings = [1] * args.rounds + [2] * args.rounds
     results = []
-    with tempfile.TemporaryDirectory(prefix="lbproxy-workers-") as tmp:
-        workdir = Path(tmp)
-        backend = free_port()
-        (workdir / "nginx.conf").write_text(
-            "worker_processes 1;\ndaemon off;\n"
-            f"pid {workdir}/nginx.pid;\nerror_log {workdir}/nginx.err;\n"
-            "events { worker_connections 4096; }\n"
-            "http { access_log off; server { listen 127.0.0.1:%d; "
-            'location / { return 200 "ok\\n"; } } }\n' % backend
-        )
-        nginx = subprocess.Popen([*load, "nginx", "-c", str(workdir / "nginx.conf"), "-p", tmp])
-        try:
-            wait_port(backend)
-            for workers in settings:
-                r = measure(workdir, backend, workers, args.seconds, pin, load, args.connections)
-                results.append(r)
-                split = ""
-                if r["supervisor_us"] is not None:
-                    split = f" (supervisor {r['supervisor_us']:.1f}, workers {r['workers_us']:.0f})"
-                print(
-                    f"workers {workers}: {r['us']:4.0f} us CPU per connection{split} (all "
-                    f"lbproxy processes; user {r['user_us']:.0f} + system {r['sys_us']:.0f}), "
-                    f"{r['rate']:,.0f} connections/s, "
-                    f"{r['per_cpu_s']:,.0f} per CPU-second, util {r['util']:.2f}, "
-                    f"load average {r['load']:.2f}",
-                    flush=True,
-                )
-        finally:
-            nginx.terminate()
-            nginx.wait(10)
+    with tempfile.TemporaryDirectory(prefix="lbproxy-workers-") as tmp, Processes() as procs:
+        work = Path(tmp)
+        backend, _ = start_nginx(procs, work, load)
+        for workers in settings:
+            r = measure(procs, work, backend, workers, args.seconds, pin, load, args.connections)
+            results.append(r)
+            split = ""
+            if r["supervisor_us"] is not None:
+                split = f" (supervisor {r['supervisor_us']:.1f}, workers {r['workers_us']:.0f})"
+            print(
+                f"workers {workers}: {r['us']:4.0f} us CPU per connection{split} (all "
+                f"lbproxy processes; user {r['user_us']:.0f} + system {r['sys_us']:.0f}), "
+                f"{r['rate']:,.0f} connections/s, "
+                f"{r['per_cpu_s']:,.0f} per CPU-second, util {r['util']:.2f}, "
+                f"load average {r['load']:.2f}",
+                flush=True,
+            )
     report(results)
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import socket
 import time
@@ -20,13 +19,18 @@ from common import (
     ROOT,
     BenchError,
     Processes,
+    core_times,
     cpu_split,
-    cpu_times,
     fd_count,
     free_port,
+    lbproxy_argv,
+    need,
     rss_kb,
     run_client,
+    start_nginx,
+    taskset,
     wait_port,
+    wrk,
 )
 from noise import others_between, process_ticks
 from peers import (
@@ -34,40 +38,8 @@ from peers import (
     Proxy,
     haproxy_conf,
     lbproxy_conf,
-    nginx_http_conf,
     nginx_stream_conf,
 )
-
-# ------------------------------------------------------------------ measurements
-
-_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}
-
-
-def _ms(text: str) -> float:
-    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
-    if not m:
-        raise BenchError(f"cannot read wrk latency {text!r}")
-    return float(m[1]) * _UNITS[m[2]]
-
-
-def parse_wrk(text: str) -> dict[str, Any]:
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", text)
-    if not rps:
-        raise BenchError(f"no Requests/sec in wrk output: {text[-400:]}")
-    out: dict[str, Any] = {"rps": float(rps[1])}
-    for pct in ("50", "99"):
-        m = re.search(rf"^\s+{pct}%\s+(\S+)", text, re.M)
-        out[f"p{pct}_ms"] = _ms(m[1]) if m else None
-    m = re.search(r"(\d+) requests in ([\d.]+)(\w+), ([\d.]+)(\w+) read", text)
-    if m:
-        out["requests"] = int(m[1])
-        scale = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
-        out["bytes_read"] = float(m[4]) * scale.get(m[5], 1)
-    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
-    out["socket_errors"] = sum(int(x) for x in m.groups()) if m else 0
-    m = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
-    out["non_2xx"] = int(m[1]) if m else 0
-    return out
 
 
 class Bench:
@@ -77,21 +49,14 @@ class Bench:
         self.work = work
         self.load_core = args.load_core
         self.proxy_core = args.proxy_core
-        self.pin_load = ["taskset", "-c", str(self.load_core)] if args.pin else []
-        self.pin_proxy = ["taskset", "-c", str(self.proxy_core)] if args.pin else []
+        self.pin_load = taskset(self.load_core) if args.pin else []
+        self.pin_proxy = taskset(self.proxy_core) if args.pin else []
 
     # -- real servers ------------------------------------------------------------
 
     def start_real_servers(self) -> None:
-        self.http_port = free_port()
-        conf = self.work / "nginx-http.conf"
-        conf.write_text(nginx_http_conf(self.work, self.http_port))
-        log = self.work / "nginx-http.log"
-        proc = self.procs.start(
-            "nginx-http", [*self.pin_load, "nginx", "-c", str(conf), "-p", str(self.work)], log
-        )
-        wait_port(self.http_port, proc, log)
-        self.load_pids = [proc.pid]  # the real servers (on the load core)
+        self.http_port, nginx = start_nginx(self.procs, self.work, self.pin_load)
+        self.load_pids = [nginx.pid]  # the real servers (on the load core)
         self.iperf_port = free_port()
         log = self.work / "iperf3-server.log"
         proc = self.procs.start(
@@ -118,7 +83,7 @@ class Bench:
         want = self.args.proxies
         python = str(ROOT / ".venv" / "bin" / "python")
         table = {
-            "lbproxy": lambda c: [python, "-m", "lbproxy", "run", c, "--log-level", "warning"],
+            "lbproxy": lambda c: lbproxy_argv(Path(c), python),
             "haproxy": lambda c: ["haproxy", "-db", "-f", c],
             "haproxy-splice": lambda c: ["haproxy", "-db", "-f", c],
             "nginx": lambda c: ["nginx", "-c", c, "-p", str(self.work)],
@@ -182,9 +147,9 @@ class Bench:
         pids = proxy.pids
         ours = {*pids, *self.load_pids, os.getpid()}
         p0 = process_ticks()
-        c0, s0, t0 = cpu_split(pids), cpu_times(), time.monotonic()
+        c0, s0, t0 = cpu_split(pids), core_times(), time.monotonic()
         out = body()
-        c1, s1, t1 = cpu_split(pids), cpu_times(), time.monotonic()
+        c1, s1, t1 = cpu_split(pids), core_times(), time.monotonic()
         p1 = process_ticks()
         wall = t1 - t0
         user, system = (c1[0] - c0[0]) / CLK_TCK, (c1[1] - c0[1]) / CLK_TCK
@@ -243,12 +208,7 @@ class Bench:
         return best
 
     def wrk(self, port: int, path: str, conns: int, duration: float, close: bool) -> dict:
-        argv = [*self.pin_load, "wrk", "-t1", f"-c{conns}", f"-d{round(duration)}s", "--latency"]
-        argv += ["--timeout", "5s"]
-        if close:
-            argv += ["-H", "Connection: close"]
-        argv.append(f"http://127.0.0.1:{port}{path}")
-        return parse_wrk(run_client(argv, timeout=duration + 30))
+        return wrk(port, path, conns, duration, close, pin=self.pin_load)
 
     def iperf(self, port: int, duration: float) -> dict:
         argv = [
@@ -353,8 +313,7 @@ def traced_bench(
 ) -> tuple[Bench, list[Proxy]]:
     """The set-up of a run under a tracer (--syscalls: strace, --kernel: perf): the tool
     is installed, the real servers run; the proxies that are installed."""
-    if shutil.which(tool) is None:
-        raise BenchError(f"{tool} is not installed (apt-get install {package})")
+    need(tool, package)
     bench = Bench(args, procs, work)
     bench.start_real_servers()
     return bench, [p for p in bench.proxies() if p.argv is not None]

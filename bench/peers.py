@@ -1,21 +1,13 @@
-"""The proxies under test and the real servers behind them: their configurations, as
-equivalent as each allows, and their versions."""
+"""The proxies under test: their configurations, as equivalent as each allows, and the
+versions of the peers and load generators."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from common import ROOT
-
-SMALL_BODY = b"lbproxy bench: a small response body of 64 bytes.".ljust(63, b".") + b"\n"
-assert len(SMALL_BODY) == 64
-BIG_SIZE = 1 << 20
-
-
-# ------------------------------------------------------------------------- peers
+from common import ROOT, nginx_preamble
 
 
 def tool_versions() -> dict[str, str]:
@@ -39,39 +31,6 @@ def tool_versions() -> dict[str, str]:
 
 
 NGINX_STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
-
-
-def nginx_http_conf(work: Path, port: int) -> str:
-    www = work / "www"
-    www.mkdir(exist_ok=True)
-    (www / "small").write_bytes(SMALL_BODY)
-    (www / "1m").write_bytes(os.urandom(BIG_SIZE))
-    t = work / "nginx-http"
-    t.mkdir(exist_ok=True)
-    return f"""
-daemon off;
-master_process off;
-worker_processes 1;
-worker_rlimit_nofile 30000;
-pid {t}/nginx.pid;
-error_log {t}/error.log warn;
-events {{ worker_connections 12000; }}
-http {{
-    access_log off;
-    client_body_temp_path {t}/body; proxy_temp_path {t}/proxy;
-    fastcgi_temp_path {t}/fastcgi; uwsgi_temp_path {t}/uwsgi; scgi_temp_path {t}/scgi;
-    default_type application/octet-stream;
-    sendfile on;
-    tcp_nodelay on;
-    keepalive_requests 100000000;
-    keepalive_timeout 300s;
-    client_header_timeout 300s;
-    server {{
-        listen 127.0.0.1:{port} backlog=4096;
-        root {www};
-    }}
-}}
-"""
 
 
 def haproxy_conf(routes: list[tuple[int, int]], splice: bool) -> str:
@@ -112,14 +71,7 @@ def nginx_stream_conf(work: Path, routes: list[tuple[int, int]]) -> str:
         for listen, server in routes
     )
     return f"""
-load_module {NGINX_STREAM_MODULE};
-daemon off;
-master_process off;
-worker_processes 1;
-worker_rlimit_nofile 30000;
-pid {t}/nginx.pid;
-error_log {t}/error.log warn;
-events {{ worker_connections 12000; }}
+load_module {NGINX_STREAM_MODULE};{nginx_preamble(t)}
 stream {{{servers}
 }}
 """

@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from common import entry
+
 CHUNK = 1 << 20
 
 
@@ -127,4 +129,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

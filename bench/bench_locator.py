@@ -57,7 +57,10 @@ def start(procs: Processes, servers: int, admin_port: int, dns_port: int, work: 
         "global:",
         f"  admin: {{listen: 127.0.0.1:{admin_port}}}",
         "  locator:",
-        f"    dns: {{listen: 127.0.0.1:{dns_port}, zone: lb.internal.}}",
+        # One source asks everything: the per-source rate limit (100 answers a second by
+        # default) would measure itself, not the locator.
+        f"    dns: {{listen: 127.0.0.1:{dns_port}, zone: lb.internal.,",
+        "          rate_limit: {responses_per_second: 0}}",
         "virtual_servers:",
         "  - name: db",
         "    listen: none",
@@ -122,7 +125,8 @@ def bench_dns(port: int, seconds: float, window: int, limit: int) -> int:
 
 def bench_http(port: int, seconds: float, window: int, limit: int, path: str = LOCATE_PATH) -> int:
     """Responses received over `window` keep-alive connections, one request in flight each."""
-    request = f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
+    # The admin endpoint answers to its address (a Host it does not know gets 421).
+    request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
     selector = selectors.DefaultSelector()
     buffers: dict[socket.socket, bytearray] = {}
 

@@ -10,6 +10,7 @@ address lists the resolver would give (lbproxy.control.discovery.resolve does th
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from common import entry
@@ -54,6 +55,7 @@ def bench(n: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     print("servers  unchanged round  changed round")
     for n in (10, 100, 1000, 5000):
         unchanged, changed = bench(n)

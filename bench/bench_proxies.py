@@ -84,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="scripts/bench",
         description="lbproxy against HAProxy and nginx stream on loopback, in one run.",
+        epilog="The other benchmarks, each with its own options (scripts/bench SUB --help;"
+        " bench/README.md): --locator, --udp, --cluster, --sni, --upgrade, --workers,"
+        " --worker-queue, --schedulers, --discovery, --handler, --instructions, --reactor,"
+        " --pump-lifecycle, --pump, --syscall-choices, --floor decisions|c-only.",
     )
     p.add_argument(
         "--quick",

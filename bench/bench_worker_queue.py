@@ -16,8 +16,8 @@ Rates and CPU depend on the machine's load (printed); the counts do not. Bounded
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -88,9 +88,13 @@ def measure(root: Path, work: Path) -> None:
 
 
 def main() -> None:
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "root", nargs="?", type=Path, default=ROOT, help="the lbproxy tree to run (default: this)"
+    )
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="lbproxy-bench-") as tmp:
-        measure(root, Path(tmp))
+        measure(args.root, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ every connection makes a new persistence entry, the case that writes to Redis mo
 3. Time from a change to its effect: a PATCH of a weight on `member`, then the peer's
    API polled until it shows it; p50 and p99 over --changes changes.
 
-docs/benchmarks.md has the results.
+docs/development/benchmark-journal.md has the results.
 """
 
 from __future__ import annotations

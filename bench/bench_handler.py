@@ -13,7 +13,8 @@ two checkpoints let the reactor see the ends. Measured per connection: the threa
 time (user + system, CLOCK_THREAD_CPUTIME_ID) of `Handler.accept` and of the two
 checkpoints -- admission, pick, connect, pump start, the pump's end and `end()` -- and,
 in a second pass under `sys.setprofile`, the Python and C calls made there. A warm-up
-resolves the address first. Medians are printed; results go to docs/benchmarks.md by hand.
+resolves the address first. Medians are printed; results go to
+docs/development/benchmark-journal.md by hand.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Reported: answers per second of wall time, and per CPU-second of the lbproxy pro
 `http /healthz` is the same HTTP load on a route that does nothing: the HTTP server's own
 cost per request (lbproxy/admin/http_server.py), the ceiling of HTTP locate. The share of the CPU
 spent in the kernel (stime) is printed beside each figure. Everything listens on
-127.0.0.1; the process is stopped by PID at the end. Results go to docs/benchmarks.md by hand.
+127.0.0.1; the process is stopped by PID at the end. Results go to
+docs/development/benchmark-journal.md by hand.
 """
 
 from __future__ import annotations

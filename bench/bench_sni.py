@@ -11,7 +11,7 @@ Every client sends the same real TLS ClientHello (made by Python's ssl with
 server_hostname api.example.com, ~500 bytes), reads it back and closes, from a few
 client threads. The figure is lbproxy's own CPU time (utime + stime from /proc) per
 connection; rounds alternate plain and SNI so that drift in the machine's load hits
-both. docs/benchmarks.md has the results.
+both. docs/development/benchmark-journal.md has the results.
 """
 
 from __future__ import annotations

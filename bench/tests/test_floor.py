@@ -1,7 +1,7 @@
 """bench/floor, issue 26's measurement of the floor under a connection's CPU: an lbproxy
 started with it (a real process, as scripts/bench starts it) serves connections through
-the floor, not through the lifecycle -- so the figures docs/benchmarks.md gives for it are
-figures of the floor."""
+the floor, not through the lifecycle -- so the figures the benchmark journal
+(docs/development/benchmark-journal.md) gives for it are figures of the floor."""
 
 from __future__ import annotations
 

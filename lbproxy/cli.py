@@ -78,7 +78,7 @@ def main() -> None:
     default="info",
     show_default=True,
 )
-@click.option("--worker-fd", type=int, hidden=True)  # a worker of `workers: N` (workers.py)
+@click.option("--worker-fd", type=int, hidden=True)  # a worker of `workers: N` (runtime/workers/)
 @click.option("--upgrade-fd", type=int, hidden=True)  # started by an upgrade (upgrade.py)
 def run(
     config: tuple[str, ...], log_level: str, worker_fd: int | None, upgrade_fd: int | None

@@ -62,7 +62,7 @@ class ProxyControl(Protocol):
     """What the admin app reads and changes: a small interface, not the `Server` class.
 
     `lbproxy.runtime.server.Server` is one (a worker or a single process); the supervisor of
-    lbproxy/runtime/workers.py is another. The admin app imports neither.
+    lbproxy/runtime/workers/ is another. The admin app imports neither.
     """
 
     ready: bool

@@ -1,7 +1,7 @@
 """The metric families lbproxy exports: the one table of names, types, help and labels.
 
 `admin/metrics.py` builds every family it yields from this table (`family(name)`), and
-the supervisor of `workers: N` (runtime/workers.py) reads it to merge its workers'
+the supervisor of `workers: N` (runtime/workers/merge.py) reads it to merge its workers'
 families: `merge` says how. SUM (counters, histograms, amounts such as open connections)
 adds the workers' samples up; MAX takes the highest, for gauges that say what a state is
 rather than how much there is (a real server is up when any worker sees it up; weights
@@ -293,7 +293,7 @@ FAMILIES: dict[str, Family] = {
             "DNS locator queries, by rcode answered.",
             ("rcode",),
         ),
-        # The supervisor's own (runtime/workers.py), beside the workers' merged ones.
+        # The supervisor's own (runtime/workers/supervisor.py), beside the workers' merged ones.
         Family(
             "lbproxy_workers_ready",
             GAUGE,

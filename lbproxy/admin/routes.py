@@ -1,7 +1,7 @@
 """The admin endpoint's routes: one table for both apps that answer them.
 
 A single process answers them from its live pools (api.py's `AdminApp`); the supervisor
-of `workers: N` answers the same routes from its workers (runtime/workers.py's
+of `workers: N` answers the same routes from its workers (runtime/workers/app.py's
 `SupervisorApp`, a subclass). Each app has one handler per route it answers, named
 `on_<route>`; the matching, the method check and the authorization rule are written
 once, here and in `AdminApp._route`:

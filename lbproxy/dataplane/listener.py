@@ -273,7 +273,7 @@ def listen_socket(address: Address, reuse_port: bool = False) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             # workers > 1: every worker binds its own socket on the address and the
-            # kernel spreads new connections across them (lbproxy/runtime/workers.py)
+            # kernel spreads new connections across them (lbproxy/runtime/workers/)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             # one socket per family, as trio's open_tcp_listeners: [::]:80 and

@@ -5,7 +5,7 @@ once every listener is bound and every secret read (lbproxy/config/secret_files.
 becomes the configured account for good, as OpenSSH's privilege separation and HAProxy's
 `user`/`group` do. `drop()` is called by the one process that binds: the Server just
 after binding (lbproxy/runtime/server.py), the supervisor of `workers: N` before it
-starts a worker (lbproxy/runtime/workers.py). Its steps, in this order (each one needs
+starts a worker (lbproxy/runtime/workers/). Its steps, in this order (each one needs
 the privilege the next one gives up):
 
     chown        the paths created as root that the account must own afterwards

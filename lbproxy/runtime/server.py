@@ -78,7 +78,7 @@ class Server:
     ) -> None:
         self.config = config
         self.admin_token = admin_token
-        # A worker (lbproxy/runtime/workers.py): listeners shared with SO_REUSEPORT, and the
+        # A worker (lbproxy/runtime/workers/worker.py): listeners shared with SO_REUSEPORT, and the
         # admin endpoint on this bound socket instead of global.admin.listen.
         self.reuse_port = reuse_port
         self.admin_sock = admin_sock
@@ -644,7 +644,7 @@ class Server:
         try:
             return self._reload(config_paths or self.config_paths)
         finally:  # READY=1 ends the reload for systemd, whether applied or refused
-            self.inherited.close_unused_previous()  # a worker's, sent for it (workers.py)
+            self.inherited.close_unused_previous()  # a worker's, sent for it (runtime/workers/)
             self.notifier.ready(self.status_line())
 
     def _reload(self, config_paths: Sequence[str]) -> tuple[bool, list[str]]:

@@ -138,13 +138,13 @@ def python_command() -> list[str]:
     `python -m` would otherwise import from the folder lbproxy was started in before the
     installed package, so a `lbproxy/` planted there would run as the service. `-I` would
     do that too but also ignore PYTHONPATH, which a deployment (and the workers' own
-    PYTHONPATH, workers.py) may rely on."""
+    PYTHONPATH, runtime/workers/supervisor.py) may rely on."""
     return [sys.executable, "-P", "-m", "lbproxy"]
 
 
 class HandsOver(Protocol):
     """What an upgrade needs of the old process: the Server (`workers: 1`) or the
-    Supervisor of lbproxy/runtime/workers.py."""
+    Supervisor of lbproxy/runtime/workers/supervisor.py."""
 
     notifier: Notifier
 

@@ -1,65 +1,11 @@
-"""`global.workers: N` (N > 1): a supervisor process and N proxy workers (SPEC §2, §9).
-
-    supervisor (`run`, the process `lbproxy run` started)
-      signals         SIGHUP: validate the files, then reload every worker; SIGTERM and
-                      SIGINT: passed on to every worker, exit 0 once all have exited
-      one task per worker slot
-                      start `python -m lbproxy run --worker-fd FD -- CONFIG...`, send it
-                      the configuration, wait for "ready", wait for its exit, restart it
-                      (at once after a crash, with a growing delay when it keeps crashing)
-      admin endpoint  on global.admin.listen and the admin socket (SupervisorApp, the
-                      routes and the authorization of AdminApp):
-                      /metrics adds up the workers' metrics, /api/v1 merges their
-                      documents, a PATCH or a reload goes to every worker
-
-    worker (`run_worker`)
-      the ordinary Server on the supervisor's TCP listening sockets (below); UDP
-      listeners and the DNS locator bound with SO_REUSEPORT (the kernel spreads
-      datagrams across the workers' sockets by source, so a client's session stays in
-      one worker); its admin endpoint on a private Unix socket in a folder only this
-      user can enter (mode 0700)
-
-The supervisor owns the TCP listening sockets (issue 23 item 3; nginx's master and
-HAProxy's master-worker do the same): it binds every TCP `listen` address of the
-configuration once, before any worker starts, and every worker inherits the same
-sockets (pass_fds) and accepts from them. So there is one accept queue per address,
-which outlives any worker: a worker that dies, even by SIGKILL, takes only the
-connections it had accepted (they are reset; docs/concepts/workers.md counts them); the
-connections still queued are accepted by the other workers, and by its replacement.
-With SO_REUSEPORT each worker had a queue of its own, and the kernel resets every
-connection waiting in the queue of a socket that is closed (net.ipv4.tcp_migrate_req
-would move them instead, but it is a host-wide sysctl that needs root, and off by
-default). The cost: every worker waiting in epoll is woken by each new connection and
-one wins the accept (the others see EAGAIN), so the spread across workers follows who
-is idle rather than a hash. The supervisor closes its copy of a socket when a reload
-drops its address, and all of them when it stops, so a stop refuses at once as before.
-An address a reload adds is bound by the supervisor too, before any worker reloads,
-and sent to every running worker over its channel (SCM_RIGHTS, "listeners KEY...\\n",
-answered "taken\\n"); a worker started later inherits it as the others. So it has the
-same single accept queue as the addresses present at start. After an upgrade, before
-its SIGTERM, each old worker is told "upgraded\\n" (answered "taken\\n"): it closes its
-UDP sockets at once (Server.close_udp_listeners), so they leave the SO_REUSEPORT group
-and no datagram of a new client goes to a draining worker.
-
-Supervisor and worker talk over a socketpair the worker inherits: the supervisor sends
-the running configuration (pickled: a restarted worker runs what the others run, even
-when the files were edited since), the worker answers "ready\\n" once every listener is
-bound, and reads on until end of file, which means the supervisor is gone (killed, even
-with SIGKILL): it then stops accepting and drains, so no orphan keeps the ports.
-
-Merging rules (docs/concepts/workers.md; each family's in admin/metric_families.py):
-counters and histograms are added up, and so is `lbproxy_active_connections`; the
-state-like gauges (MAX) take the highest value (a real server is up when any worker
-sees it up; weights are the same in every worker); `lbproxy_config_reloads_total` counts
-the supervisor's reloads (OWN). A worker that exits keeps its last scraped counters in
-the sums, so they do not go backwards.
-"""
+"""The supervisor: one task per worker slot, the TCP listening sockets, reloads,
+upgrades and the merged admin answers (the package header,
+lbproxy/runtime/workers/__init__.py)."""
 
 from __future__ import annotations
 
 import array
 import contextlib
-import copy
 import http.client
 import json
 import logging
@@ -71,7 +17,7 @@ import socket
 import sys
 import tempfile
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -81,56 +27,46 @@ from zlib import crc32
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
-from lbproxy.admin import dashboard
 from lbproxy.admin.api import (
     CLIENT_HEADER,
-    AdminApp,
-    Answer,
     TokenError,
     json_body,
     parse_patch,
-    read_body,
     read_token,
     serve_asgi,
 )
 from lbproxy.admin.client import UnixHTTPConnection
-from lbproxy.admin.metric_families import MAX, OWN, merged_by
 from lbproxy.admin.metric_families import counter as counter_family
 from lbproxy.admin.metric_families import gauge as gauge_family
 from lbproxy.admin.metrics import RELOAD_RESULTS
-from lbproxy.admin.routes import HTTPError, Request
+from lbproxy.admin.routes import HTTPError
 from lbproxy.config.model import Address, Config
 from lbproxy.config.secret_files import SECRETS
-from lbproxy.control.cluster import member_name
 from lbproxy.core.persistence import client_key
 from lbproxy.runtime import logs, privileges
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
-from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
+from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
-from lbproxy.runtime.server import BindError, Server, listen_socket, load_for_reload
+from lbproxy.runtime.server import BindError, listen_socket, load_for_reload
 from lbproxy.runtime.upgrade import Outcome, Upgrade, python_command
+from lbproxy.runtime.workers.app import SupervisorApp
+from lbproxy.runtime.workers.merge import (
+    COUNTER_TYPES,
+    MetricSums,
+    merge_documents,
+    merge_real_servers,
+    parse_metrics,
+)
+from lbproxy.runtime.workers.protocol import MAX_GIVEN
 
 log = logging.getLogger("lbproxy.workers")
-
-# How each family merges: the one table (admin/metric_families.py). Gauges that say what
-# a state is rather than how much there is take the highest value; the supervisor's own
-# families replace the workers'.
-MAX_FAMILIES = merged_by(MAX)
-OWN_FAMILIES = merged_by(OWN)
-COUNTER_TYPES = ("counter", "histogram")
 
 WORKER_TIMEOUT = 10.0  # seconds for one admin request to a worker
 STABLE_AFTER = 10.0  # a worker that ran this long before exiting is restarted at once
 RESTART_DELAY = 0.5  # then 1, 2, 4 ... seconds while it keeps exiting within STABLE_AFTER
 RESTART_DELAY_MAX = 30.0
 KILL_GRACE = 5.0  # after drain_timeout, a worker still running gets SIGKILL
-
-THROTTLE_ORDER = {"low": 0, "high": 1, "digg": 2}
-VS_SUMS = ("active_connections", "clients", "queued")
-RS_SUMS = ("active_connections", "connections_total", "bytes_in", "bytes_out")
-
 
 # -- HTTP to a worker's Unix socket (http.client in a thread) ---------------------------
 
@@ -152,104 +88,6 @@ def _http(
         return response.status, response.read()
     finally:
         connection.close()
-
-
-# -- merging ---------------------------------------------------------------------------
-
-
-class MetricSums:
-    """Metric families added up across workers (state-like gauges: the maximum)."""
-
-    def __init__(self) -> None:
-        # family name -> (help, type, {(sample name, labels): (sample name, labels, value)})
-        self.families: dict[str, tuple[str, str, dict[tuple, tuple[str, dict, float]]]] = {}
-
-    def add(self, families: Iterable[Metric], *, existing_only: bool = False) -> None:
-        """Add samples in; with `existing_only`, only to samples already present."""
-        for family in families:
-            entry = self.families.get(family.name)
-            if entry is None:
-                if existing_only:
-                    continue
-                entry = self.families[family.name] = (family.documentation, family.type, {})
-            values = entry[2]
-            highest = family.name in MAX_FAMILIES
-            for sample in family.samples:
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                old = values.get(key)
-                if old is None:
-                    if not existing_only:
-                        values[key] = (sample.name, sample.labels, sample.value)
-                    continue
-                value = max(old[2], sample.value) if highest else old[2] + sample.value
-                values[key] = (sample.name, old[1], value)
-
-    def metrics(self) -> list[Metric]:
-        merged = []
-        for name, (documentation, kind, values) in self.families.items():
-            metric = Metric(name, documentation, kind)
-            for sample_name, labels, value in values.values():
-                metric.add_sample(sample_name, labels, value)
-            merged.append(metric)
-        return merged
-
-
-def parse_metrics(text: str) -> list[Metric]:
-    """A worker's /metrics, without the families the supervisor reports itself."""
-    return [f for f in text_string_to_metric_families(text) if f.name not in OWN_FAMILIES]
-
-
-def _merge_real_server(rs: dict[str, Any], other: dict[str, Any]) -> None:
-    for key in RS_SUMS:
-        rs[key] = rs.get(key, 0) + other.get(key, 0)
-    if other.get("health") == "up":
-        rs["health"] = "up"  # as lbproxy_real_server_up: up when any worker sees it up
-
-
-def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
-    for key in VS_SUMS:
-        if key in vs:
-            vs[key] += other.get(key, 0)
-    for reason, count in (other.get("rejected") or {}).items():
-        vs.setdefault("rejected", {})[reason] = vs["rejected"].get(reason, 0) + count
-    if THROTTLE_ORDER.get(other.get("throttle_mode", ""), 0) > THROTTLE_ORDER.get(
-        vs.get("throttle_mode", ""), 0
-    ):
-        vs["throttle_mode"] = other["throttle_mode"]
-    if other.get("dynamic_weight_fallback"):
-        vs["dynamic_weight_fallback"] = True
-    udp, other_udp = vs.get("udp"), other.get("udp")
-    if udp and other_udp:  # SPEC §19: each worker's own sessions and datagrams
-        for key in ("datagrams_in", "datagrams_out", "sessions_total"):
-            udp[key] = udp.get(key, 0) + other_udp.get(key, 0)
-        for reason, count in (other_udp.get("dropped") or {}).items():
-            udp.setdefault("dropped", {})[reason] = udp["dropped"].get(reason, 0) + count
-    by_name = {rs["name"]: rs for rs in other.get("real_servers", [])}
-    for rs in vs.get("real_servers", []):
-        if rs["name"] in by_name:
-            _merge_real_server(rs, by_name[rs["name"]])
-
-
-def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
-    """The workers' /api/v1/virtual-servers documents as one: counts and bytes added up,
-    names, states and weights from the first worker, health up when any sees it up."""
-    merged = copy.deepcopy(documents[0])
-    for document in documents[1:]:
-        cluster = document.get("cluster")
-        if merged.get("cluster") and cluster:  # each worker is a member of its own
-            merged["cluster"]["connected"] &= bool(cluster.get("connected"))
-        by_name = {vs["name"]: vs for vs in document.get("virtual_servers", [])}
-        for vs in merged.get("virtual_servers", []):
-            if vs["name"] in by_name:
-                _merge_virtual_server(vs, by_name[vs["name"]])
-    return merged
-
-
-def merge_real_servers(documents: list[dict[str, Any]]) -> dict[str, Any]:
-    merged = copy.deepcopy(documents[0])
-    for document in documents[1:]:
-        _merge_real_server(merged, document)
-    return merged
 
 
 def _totals(document: dict[str, Any]) -> tuple[int, int]:
@@ -282,7 +120,7 @@ class Worker:
     restarts: int = 0
     counters: list[Metric] = field(default_factory=list)  # last scraped counter families
     error: str | None = None  # why the process could not start, as it said
-    # The supervisor's end of the channel (module header), the listener keys this process
+    # The supervisor's end of the channel (package header), the listener keys this process
     # has (inherited at start or sent since), and the answer to the last sockets sent
     stream: trio.SocketStream | None = None
     given: set[str] = field(default_factory=set)
@@ -306,7 +144,7 @@ class Supervisor:
         listeners: dict[str, socket.socket] | None = None,
     ) -> None:
         self.config = config
-        # The TCP listening sockets every worker accepts from (module header), by address.
+        # The TCP listening sockets every worker accepts from (package header), by address.
         self.listeners = listeners if listeners is not None else {}
         # systemd's sockets (a reload that drops one keeps it for a re-add, runtime/inherit.py)
         self.inherited = Inherited(())
@@ -532,7 +370,7 @@ class Supervisor:
             *python_command(), "run", "--worker-fd", str(theirs.fileno()),
             "--log-level", self.log_level, "--", *self.config_paths,
         ]  # fmt: skip
-        package_root = str(Path(__file__).resolve().parents[2])
+        package_root = str(Path(__file__).resolve().parents[3])
         pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         try:
             process = await trio.lowlevel.open_process(
@@ -889,7 +727,7 @@ class Supervisor:
                 )
             errors: list[str] = []
             changes: list[str] | None = None
-            # A TCP address the reload adds: bound here, sent to every worker (header).
+            # A TCP address the reload adds: bound here, sent to every worker (package header).
             added: dict[str, socket.socket] = {}
             try:
                 for key, address in tcp_listen(new).items():
@@ -958,107 +796,6 @@ def _who(worker: Worker) -> tuple[int, int]:
     return worker.index, worker.pid or 0
 
 
-# -- the supervisor's admin endpoint ---------------------------------------------------
-
-
-class SupervisorApp(AdminApp):
-    """AdminApp's routes (admin/routes.py), answered from the workers, and the workers'
-    own routes besides. The matching, the method check and the authorization are
-    AdminApp's; each handler here replaces the single process's."""
-
-    def __init__(
-        self, supervisor: Supervisor, token: str | None, socket_path: str | None = None
-    ) -> None:
-        # Not a ProxyControl: its changes are async, sent to every worker. Each handler
-        # that would call a ProxyControl method is replaced below; what AdminApp's own
-        # code still reads (config, config_paths; upgrade and admin_sock through
-        # getattr) it has.
-        self.server = supervisor  # type: ignore[assignment]  # see above
-        self.supervisor = supervisor
-        self.token = token
-        self.socket_path = socket_path
-
-    # /api/v1/upgrade: AdminApp's handler, through Supervisor.upgrade.
-
-    async def on_dashboard(self, request: Request) -> Answer:
-        return 200, dashboard.page(), "html"  # the same page, fed by the merged document
-
-    async def on_metrics(self, request: Request) -> Answer:
-        return 200, await self.supervisor.metrics(), "metrics"
-
-    async def on_readyz(self, request: Request) -> Answer:
-        supervisor = self.supervisor
-        workers = supervisor.workers
-        if supervisor.draining:
-            return 503, b"draining\n", "text"
-        if all(w.ever_ready for w in workers) and any(w.ready for w in workers):
-            return 200, b"ready\n", "text"
-        return 503, b"starting\n", "text"
-
-    async def on_workers(self, request: Request) -> Answer:
-        return 200, json_body(await self.supervisor.workers_document()), "json"
-
-    async def on_worker(self, request: Request) -> Answer:
-        index = request.params[0]
-        if not index.isdigit():
-            raise HTTPError(404, f"no such path: {request.path}")
-        return 200, json_body(await self.supervisor.worker_document(int(index))), "json"
-
-    async def on_virtual_servers(self, request: Request) -> Answer:
-        return 200, json_body(await self.supervisor.merged_document()), "json"
-
-    async def on_virtual_server(self, request: Request) -> Answer:
-        document = await self.supervisor.merged_document()
-        return 200, json_body(_find(document, request.params[0])), "json"
-
-    async def on_real_server(self, request: Request) -> Answer:
-        vs_name, rs_name = request.params
-        supervisor = self.supervisor
-        if request.method == "GET":
-            vs = _find(await supervisor.merged_document(), vs_name)
-            for rs in vs["real_servers"]:
-                if rs["name"] == rs_name:
-                    return 200, json_body(rs), "json"
-            raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
-        status, answer = await supervisor.patch(vs_name, rs_name, await read_body(request.receive))
-        return status, answer, "json"
-
-    async def on_reload(self, request: Request) -> Answer:
-        paths = await self._config_paths(request)
-        ok, messages = await self.supervisor.reload(paths)
-        if ok:
-            return 200, json_body({"result": "ok", "changes": messages}), "json"
-        messages = self._shown_errors(request, messages)
-        return 400, json_body({"error": "invalid configuration", "errors": messages}), "json"
-
-    async def on_locate(self, request: Request) -> Answer:
-        (vs_name,) = request.params
-        query = request.scope.get("query_string", b"").decode("latin-1")
-        target = f"/api/v1/virtual-servers/{urllib.parse.quote(vs_name, safe='')}/locate"
-        client = request.scope.get("client")
-        status, answer = await self.supervisor.locate(
-            target + (f"?{query}" if query else ""),
-            vs_name,
-            None if client is None else tuple(client),
-        )
-        return status, answer, "json"
-
-    async def on_load(self, request: Request) -> Answer:
-        body = await read_body(request.receive)  # over 64 KiB: 413, as a PATCH
-        quoted = [urllib.parse.quote(name, safe="") for name in request.params]
-        status, answer = await self.supervisor.report_load(
-            f"/api/v1/virtual-servers/{quoted[0]}/real-servers/{quoted[1]}/load", body
-        )
-        return status, answer, "json"
-
-
-def _find(document: dict[str, Any], name: str) -> dict[str, Any]:
-    for vs in document.get("virtual_servers", []):
-        if vs["name"] == name:
-            return vs
-    raise HTTPError(404, f"no virtual server {name!r}")
-
-
 def run(
     config: Config,
     *,
@@ -1098,7 +835,7 @@ def run(
             admin_sock = inherited.take(key, admin.listen, udp=False, names=["admin"])
             admin_sock = admin_sock or _bind(inherited, admin.listen)
         admin_socket = open_admin_socket(config.global_, inherited)
-        for vs in config.virtual_servers:  # the workers' TCP sockets (module header)
+        for vs in config.virtual_servers:  # the workers' TCP sockets (package header)
             if vs.protocol == "tcp":
                 for address in vs.listen:
                     key = str(address)
@@ -1189,155 +926,3 @@ def tcp_addresses(config: Config) -> set[str]:
         if vs.protocol == "tcp"
         for address in vs.listen
     }
-
-
-# -- the worker ------------------------------------------------------------------------
-
-
-class _WorkerTag(logging.Filter):
-    """Tags a worker's log lines: `lbproxy.server[w2]: listening on ...`."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self.tag = f"[w{index}]"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.endswith(self.tag):
-            record.name += self.tag
-        return True
-
-
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise EOFError("the supervisor closed the connection")
-        data += chunk
-    return data
-
-
-def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
-    """A worker: its configuration comes from the supervisor over the inherited socket."""
-    channel = socket.socket(fileno=fd)
-    try:
-        size = int.from_bytes(_receive_exactly(channel, 4), "big")
-        init = pickle.loads(_receive_exactly(channel, size))
-    except (OSError, EOFError, pickle.UnpicklingError) as exc:
-        print(f"lbproxy worker: no configuration from the supervisor: {exc}", file=sys.stderr)
-        return 1
-    config: Config = init["config"]
-    SECRETS.remember(init.get("secrets", {}))
-    logs.configure(config.global_.log_format, log_level)
-    for handler in logging.getLogger("lbproxy").handlers:
-        handler.addFilter(_WorkerTag(init["index"]))
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(init["admin"])  # left by the process this one replaces
-        admin_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        admin_sock.bind(init["admin"])
-        admin_sock.listen(64)
-    except OSError as exc:
-        log.error("cannot listen on %s: %s", init["admin"], exc.strerror)
-        return 1
-    redis = config.global_.cluster.redis
-    # Each worker has its own tables, so each is a member of the cluster of its own.
-    cluster_name = f"{member_name(redis)[:58]}-w{init['index']}" if redis is not None else None
-    server = Server(
-        config,
-        config_paths,
-        reuse_port=True,
-        admin_sock=admin_sock,
-        cluster_name=cluster_name,
-        admin_socket=False,  # the supervisor serves global.admin.socket
-    )
-    server.freeze_heap = True
-    # global.state_file: worker 1 writes it, worker k > 1 its part STATE_FILE.wK (its own
-    # persistence entries); every worker reads the file and all the parts at start
-    # (lbproxy/runtime/state.py).
-    index = init["index"]
-    server.state_writer.suffix = "" if index == 1 else f".w{index}"
-    server.state_writer.merges_parts = False
-    # The supervisor's TCP sockets, matched by address as an upgrade's are; one that the
-    # configuration no longer names is closed (check_all_used).
-    passed = []
-    for key, fd in init.get("listeners", {}).items():
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(False)
-        passed.append(Passed(sock, key, PREVIOUS))
-    server.inherited = Inherited(passed)
-    failures: list[Exception] = []
-    orphaned = False
-    try:
-        orphaned = trio.run(_worker_main, server, channel)
-    except* (BindError, privileges.PrivilegeError) as group:
-        failures.extend(group.exceptions)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(init["admin"])
-    if orphaned:  # the supervisor could not remove its folder: the last worker out does
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(init["admin"]))
-    for failure in failures:
-        log.error("%s", failure)
-    if failures:
-        with contextlib.suppress(OSError):  # the supervisor repeats it when it stops
-            channel.sendall(f"error {failures[0]}\n".encode())
-    return 1 if failures else 0
-
-
-async def _worker_main(server: Server, channel: socket.socket) -> bool:
-    """Serve until stopped; True when stopped because the supervisor is gone."""
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(channel))
-    async with trio.open_nursery() as nursery:
-
-        async def serve(
-            task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
-        ) -> None:
-            try:
-                await server.serve(task_status=task_status)
-            finally:
-                nursery.cancel_scope.cancel()  # drained: stop watching the supervisor
-
-        orphaned = False
-        await nursery.start(serve)
-        try:
-            await stream.send_all(b"ready\n")
-            await _receive_listeners(server, stream)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        log.warning("the supervisor is gone; stopping")
-        server.stop()
-        orphaned = True
-    return orphaned
-
-
-async def _receive_listeners(server: Server, stream: trio.SocketStream) -> None:
-    """Until the supervisor's end of file: the TCP listening sockets a reload adds
-    ("listeners KEY\\tKEY...\\n" with their descriptors, Supervisor._give), kept for the
-    reload that follows, which takes them as those inherited at start."""
-    size = socket.CMSG_SPACE(MAX_GIVEN * array.array("i").itemsize)
-    while True:
-        data, ancdata, _flags, _address = await stream.socket.recvmsg(4096, size)
-        if not data:
-            return
-        fds = array.array("i")
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-        keys: list[str] = []
-        for line in data.decode(errors="replace").splitlines():
-            if line == "upgraded":  # a new supervisor serves (Supervisor.upgrade)
-                server.close_udp_listeners()
-            elif line.startswith("listeners "):
-                keys.extend(line.removeprefix("listeners ").split("\t"))
-        for key, fd in zip(keys, fds, strict=False):
-            sock = socket.socket(fileno=fd)
-            sock.setblocking(False)
-            server.inherited.passed.append(Passed(sock, key, PREVIOUS))
-        for fd in fds[len(keys) :]:
-            os.close(fd)
-        await stream.send_all(b"taken\n")  # the sockets are kept, or UDP released
-
-
-MAX_GIVEN = 256  # listening sockets one reload may add

@@ -1,0 +1,111 @@
+"""The supervisor's admin endpoint (the package header, lbproxy/runtime/workers/__init__.py)."""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import TYPE_CHECKING, Any
+
+from lbproxy.admin import dashboard
+from lbproxy.admin.api import AdminApp, Answer, json_body, read_body
+from lbproxy.admin.routes import HTTPError, Request
+
+if TYPE_CHECKING:
+    from lbproxy.runtime.workers.supervisor import Supervisor
+
+
+class SupervisorApp(AdminApp):
+    """AdminApp's routes (admin/routes.py), answered from the workers, and the workers'
+    own routes besides. The matching, the method check and the authorization are
+    AdminApp's; each handler here replaces the single process's."""
+
+    def __init__(
+        self, supervisor: Supervisor, token: str | None, socket_path: str | None = None
+    ) -> None:
+        # Not a ProxyControl: its changes are async, sent to every worker. Each handler
+        # that would call a ProxyControl method is replaced below; what AdminApp's own
+        # code still reads (config, config_paths; upgrade and admin_sock through
+        # getattr) it has.
+        self.server = supervisor  # type: ignore[assignment]  # see above
+        self.supervisor = supervisor
+        self.token = token
+        self.socket_path = socket_path
+
+    # /api/v1/upgrade: AdminApp's handler, through Supervisor.upgrade.
+
+    async def on_dashboard(self, request: Request) -> Answer:
+        return 200, dashboard.page(), "html"  # the same page, fed by the merged document
+
+    async def on_metrics(self, request: Request) -> Answer:
+        return 200, await self.supervisor.metrics(), "metrics"
+
+    async def on_readyz(self, request: Request) -> Answer:
+        supervisor = self.supervisor
+        workers = supervisor.workers
+        if supervisor.draining:
+            return 503, b"draining\n", "text"
+        if all(w.ever_ready for w in workers) and any(w.ready for w in workers):
+            return 200, b"ready\n", "text"
+        return 503, b"starting\n", "text"
+
+    async def on_workers(self, request: Request) -> Answer:
+        return 200, json_body(await self.supervisor.workers_document()), "json"
+
+    async def on_worker(self, request: Request) -> Answer:
+        index = request.params[0]
+        if not index.isdigit():
+            raise HTTPError(404, f"no such path: {request.path}")
+        return 200, json_body(await self.supervisor.worker_document(int(index))), "json"
+
+    async def on_virtual_servers(self, request: Request) -> Answer:
+        return 200, json_body(await self.supervisor.merged_document()), "json"
+
+    async def on_virtual_server(self, request: Request) -> Answer:
+        document = await self.supervisor.merged_document()
+        return 200, json_body(_find(document, request.params[0])), "json"
+
+    async def on_real_server(self, request: Request) -> Answer:
+        vs_name, rs_name = request.params
+        supervisor = self.supervisor
+        if request.method == "GET":
+            vs = _find(await supervisor.merged_document(), vs_name)
+            for rs in vs["real_servers"]:
+                if rs["name"] == rs_name:
+                    return 200, json_body(rs), "json"
+            raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
+        status, answer = await supervisor.patch(vs_name, rs_name, await read_body(request.receive))
+        return status, answer, "json"
+
+    async def on_reload(self, request: Request) -> Answer:
+        paths = await self._config_paths(request)
+        ok, messages = await self.supervisor.reload(paths)
+        if ok:
+            return 200, json_body({"result": "ok", "changes": messages}), "json"
+        messages = self._shown_errors(request, messages)
+        return 400, json_body({"error": "invalid configuration", "errors": messages}), "json"
+
+    async def on_locate(self, request: Request) -> Answer:
+        (vs_name,) = request.params
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        target = f"/api/v1/virtual-servers/{urllib.parse.quote(vs_name, safe='')}/locate"
+        client = request.scope.get("client")
+        status, answer = await self.supervisor.locate(
+            target + (f"?{query}" if query else ""),
+            vs_name,
+            None if client is None else tuple(client),
+        )
+        return status, answer, "json"
+
+    async def on_load(self, request: Request) -> Answer:
+        body = await read_body(request.receive)  # over 64 KiB: 413, as a PATCH
+        quoted = [urllib.parse.quote(name, safe="") for name in request.params]
+        status, answer = await self.supervisor.report_load(
+            f"/api/v1/virtual-servers/{quoted[0]}/real-servers/{quoted[1]}/load", body
+        )
+        return status, answer, "json"
+
+
+def _find(document: dict[str, Any], name: str) -> dict[str, Any]:
+    for vs in document.get("virtual_servers", []):
+        if vs["name"] == name:
+            return vs
+    raise HTTPError(404, f"no virtual server {name!r}")

@@ -1,0 +1,121 @@
+"""Merging the workers' metrics and documents into the supervisor's (the merging rules:
+the package header, lbproxy/runtime/workers/__init__.py)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from lbproxy.admin.metric_families import MAX, OWN, merged_by
+
+# How each family merges: the one table (admin/metric_families.py). Gauges that say what
+# a state is rather than how much there is take the highest value; the supervisor's own
+# families replace the workers'.
+MAX_FAMILIES = merged_by(MAX)
+OWN_FAMILIES = merged_by(OWN)
+COUNTER_TYPES = ("counter", "histogram")
+
+THROTTLE_ORDER = {"low": 0, "high": 1, "digg": 2}
+VS_SUMS = ("active_connections", "clients", "queued")
+RS_SUMS = ("active_connections", "connections_total", "bytes_in", "bytes_out")
+
+# -- merging ---------------------------------------------------------------------------
+
+
+class MetricSums:
+    """Metric families added up across workers (state-like gauges: the maximum)."""
+
+    def __init__(self) -> None:
+        # family name -> (help, type, {(sample name, labels): (sample name, labels, value)})
+        self.families: dict[str, tuple[str, str, dict[tuple, tuple[str, dict, float]]]] = {}
+
+    def add(self, families: Iterable[Metric], *, existing_only: bool = False) -> None:
+        """Add samples in; with `existing_only`, only to samples already present."""
+        for family in families:
+            entry = self.families.get(family.name)
+            if entry is None:
+                if existing_only:
+                    continue
+                entry = self.families[family.name] = (family.documentation, family.type, {})
+            values = entry[2]
+            highest = family.name in MAX_FAMILIES
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                old = values.get(key)
+                if old is None:
+                    if not existing_only:
+                        values[key] = (sample.name, sample.labels, sample.value)
+                    continue
+                value = max(old[2], sample.value) if highest else old[2] + sample.value
+                values[key] = (sample.name, old[1], value)
+
+    def metrics(self) -> list[Metric]:
+        merged = []
+        for name, (documentation, kind, values) in self.families.items():
+            metric = Metric(name, documentation, kind)
+            for sample_name, labels, value in values.values():
+                metric.add_sample(sample_name, labels, value)
+            merged.append(metric)
+        return merged
+
+
+def parse_metrics(text: str) -> list[Metric]:
+    """A worker's /metrics, without the families the supervisor reports itself."""
+    return [f for f in text_string_to_metric_families(text) if f.name not in OWN_FAMILIES]
+
+
+def _merge_real_server(rs: dict[str, Any], other: dict[str, Any]) -> None:
+    for key in RS_SUMS:
+        rs[key] = rs.get(key, 0) + other.get(key, 0)
+    if other.get("health") == "up":
+        rs["health"] = "up"  # as lbproxy_real_server_up: up when any worker sees it up
+
+
+def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
+    for key in VS_SUMS:
+        if key in vs:
+            vs[key] += other.get(key, 0)
+    for reason, count in (other.get("rejected") or {}).items():
+        vs.setdefault("rejected", {})[reason] = vs["rejected"].get(reason, 0) + count
+    if THROTTLE_ORDER.get(other.get("throttle_mode", ""), 0) > THROTTLE_ORDER.get(
+        vs.get("throttle_mode", ""), 0
+    ):
+        vs["throttle_mode"] = other["throttle_mode"]
+    if other.get("dynamic_weight_fallback"):
+        vs["dynamic_weight_fallback"] = True
+    udp, other_udp = vs.get("udp"), other.get("udp")
+    if udp and other_udp:  # SPEC §19: each worker's own sessions and datagrams
+        for key in ("datagrams_in", "datagrams_out", "sessions_total"):
+            udp[key] = udp.get(key, 0) + other_udp.get(key, 0)
+        for reason, count in (other_udp.get("dropped") or {}).items():
+            udp.setdefault("dropped", {})[reason] = udp["dropped"].get(reason, 0) + count
+    by_name = {rs["name"]: rs for rs in other.get("real_servers", [])}
+    for rs in vs.get("real_servers", []):
+        if rs["name"] in by_name:
+            _merge_real_server(rs, by_name[rs["name"]])
+
+
+def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' /api/v1/virtual-servers documents as one: counts and bytes added up,
+    names, states and weights from the first worker, health up when any sees it up."""
+    merged = copy.deepcopy(documents[0])
+    for document in documents[1:]:
+        cluster = document.get("cluster")
+        if merged.get("cluster") and cluster:  # each worker is a member of its own
+            merged["cluster"]["connected"] &= bool(cluster.get("connected"))
+        by_name = {vs["name"]: vs for vs in document.get("virtual_servers", [])}
+        for vs in merged.get("virtual_servers", []):
+            if vs["name"] in by_name:
+                _merge_virtual_server(vs, by_name[vs["name"]])
+    return merged
+
+
+def merge_real_servers(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    merged = copy.deepcopy(documents[0])
+    for document in documents[1:]:
+        _merge_real_server(merged, document)
+    return merged

@@ -44,7 +44,6 @@ them (lbproxy/config/secret_files.py), used only where it cannot read a file its
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -60,9 +59,12 @@ import trio
 from lbproxy.config.model import Config, ConfigError
 from lbproxy.config.reader import load
 from lbproxy.config.secret_files import SECRETS
+from lbproxy.net import fd_channel
+from lbproxy.net.fd_channel import close_all
 from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import PREVIOUS, Passed
 from lbproxy.runtime.notify import Notifier
+from lbproxy.wire.fd_frames import FrameError, FrameReader, decode_document, encode_document
 
 if TYPE_CHECKING:
     from lbproxy.runtime.server import Server
@@ -70,8 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("lbproxy.upgrade")
 
 START_TIMEOUT = 60.0  # seconds for the new process to become ready
-MAX_FDS = 1024  # descriptors in one hand-over (Linux's SCM_MAX_FD is 253 per message)
-FDS_PER_MESSAGE = 250
 STDERR = "stderr"  # the name of the old process's stderr among the descriptors
 TAIL_LINES = 20  # the new process's last stderr lines kept for the reason of a failure
 
@@ -92,41 +92,25 @@ class Outcome:
         return {"error": self.error, "errors": self.errors, "exit": self.exit}
 
 
-# -- the wire: length-prefixed JSON, descriptors alongside ------------------------------
-
-
-def _frame(document: dict[str, Any]) -> bytes:
-    body = json.dumps(document).encode()
-    return len(body).to_bytes(4, "big") + body
+# -- the wire: JSON documents in frames with descriptors (lbproxy/net/fd_channel.py) ----
 
 
 def send_message(sock: socket.socket, document: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    """One message on a blocking socket. The descriptors ride on its first bytes, at most
-    FDS_PER_MESSAGE per sendmsg (the kernel takes 253 at most): one byte per batch, the
-    rest of the frame with the last."""
-    data = _frame(document)
-    batches = [list(fds[i : i + FDS_PER_MESSAGE]) for i in range(0, len(fds), FDS_PER_MESSAGE)]
-    for i, batch in enumerate(batches):
-        last = i == len(batches) - 1
-        chunk, data = (data, b"") if last else (data[:1], data[1:])
-        sent = socket.send_fds(sock, [chunk], batch)
-        sock.sendall(chunk[sent:])
-    if data:
-        sock.sendall(data)
+    """One document, and `fds` with it, on a blocking socket."""
+    fd_channel.send(sock, encode_document(document), fds)
 
 
 def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the descriptors that came with it; (None, fds) at end of file."""
-    received = bytearray()
-    fds: list[int] = []
-    while len(received) < 4 or len(received) < 4 + int.from_bytes(received[:4], "big"):
-        data, more, _, _ = socket.recv_fds(sock, 1 << 16, MAX_FDS)
-        fds.extend(more)
-        if not data:
-            return None, fds
-        received += data
-    size = int.from_bytes(received[:4], "big")
-    return json.loads(received[4 : 4 + size]), fds
+    """One document and the descriptors that came with it; (None, []) at end of file.
+    FrameError (a ValueError) for anything else, its descriptors closed."""
+    received = fd_channel.receive(sock, FrameReader())
+    if received is None:
+        return None, []
+    try:
+        return decode_document(received.body), received.fds
+    except FrameError:
+        close_all(received.fds)
+        raise
 
 
 # -- the old process --------------------------------------------------------------------
@@ -254,11 +238,10 @@ class Upgrade:
             answer, stray = await trio.to_thread.run_sync(
                 receive_message, ours, abandon_on_cancel=True
             )
-        except OSError as exc:
+        except (OSError, FrameError) as exc:
             answer, stray = None, []
             log.debug("upgrade channel: %s", exc)
-        for fd in stray:
-            os.close(fd)
+        close_all(stray)
         if answer is not None and answer.get("ready"):
             return Outcome(True, pid=process.pid)
         if answer is not None and answer.get("errors"):

@@ -26,6 +26,7 @@ from tests.integration.harness import (
     ROOT,
     NameServer,
     alive,
+    ask_name,
     free_port,
     local_http,
     run_cli,
@@ -338,6 +339,30 @@ def test_with_workers_the_supervisor_hands_over_its_sockets(tmp_path):
     assert proxy.log().count("upgraded: pid") == 2
     assert counts["refused"] == counts["reset"] == counts["error"] == 0, (counts, loop.errors)
     assert counts["mismatch"] == 0 and counts["ok"] > 100, counts
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_upgrade_hands_over_more_sockets_than_one_sendmsg_carries(tmp_path, workers):
+    """300 listening sockets: the hand-over carries more descriptors than the kernel takes
+    in one sendmsg (SCM_MAX_FD, 253). The new process serves every port once the old one
+    has exited (it could not have bound them itself while the old one held them)."""
+    ports = [free_port() for _ in range(300)]
+    admin = free_port()
+    with NameServer("echo") as backend:
+        listen = ", ".join(f"127.0.0.1:{p}" for p in ports)
+        yaml = config(ports[0], admin, backend.port).replace(
+            f"listen: 127.0.0.1:{ports[0]}", f"listen: [{listen}]"
+        )
+        yaml = yaml.replace("global:\n", f"global:\n  workers: {workers}\n", 1)
+        proxy = Proxy(tmp_path, yaml, admin)
+        try:
+            old = proxy.pid
+            proxy.upgrade()
+            wait_for(lambda: not alive(old), 20, "the old process to exit")
+            assert [ask_name(p) for p in ports] == ["echo"] * len(ports)
+        finally:
+            proxy.stop()
+    assert "took over from pid" in proxy.log()
 
 
 @pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1), (2, 2)])

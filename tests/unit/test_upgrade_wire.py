@@ -7,12 +7,13 @@ import os
 import socket
 import threading
 
-from lbproxy.runtime.upgrade import FDS_PER_MESSAGE, receive_message, send_message
+from lbproxy.runtime.upgrade import receive_message, send_message
+from lbproxy.wire.fd_frames import SCM_MAX_FD
 
 
 def test_a_message_with_more_descriptors_than_one_sendmsg_carries():
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    pipes = [os.pipe() for _ in range(FDS_PER_MESSAGE + 50)]
+    pipes = [os.pipe() for _ in range(SCM_MAX_FD + 50)]
     document = {"sockets": [f"s{i}" for i in range(len(pipes))], "state": "x" * 300_000}
     try:
         # A large state: the sender blocks until the receiver reads, as in an upgrade.

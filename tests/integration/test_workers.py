@@ -204,6 +204,23 @@ def test_workers_stop_when_the_supervisor_is_killed(two_workers):
         s.bind(("127.0.0.1", port))
 
 
+def test_a_reload_adds_more_listeners_than_one_sendmsg_carries(two_workers):
+    """300 TCP listen addresses added by one reload: the supervisor binds them and sends
+    them to each worker over its channel, more descriptors than the kernel takes in one
+    sendmsg (SCM_MAX_FD, 253); the reload succeeds and every new port is served."""
+    proxy, _, port, admin_port = two_workers
+    added = [free_port() for _ in range(300)]
+    listen = ", ".join(f"127.0.0.1:{p}" for p in [port, *added])
+    config = proxy.config_path.read_text()
+    proxy.config_path.write_text(config.replace(f"listen: 127.0.0.1:{port}", f"listen: [{listen}]"))
+    status, body = local_http("POST", f"http://127.0.0.1:{admin_port}/api/v1/reload", {})
+    assert status == 200, body
+    for index in (1, 2):  # each worker reloaded, on the sockets it was sent
+        document = get_json(admin_port, f"/api/v1/workers/{index}/virtual-servers")
+        assert len(document["virtual_servers"][0]["listen"]) == 301
+    assert {ask_name(p) for p in [port, *added]} <= set(NAMES)
+
+
 def test_an_address_in_use_stops_everything_with_exit_1(name_servers, tmp_path):
     servers = name_servers(*NAMES)
     port, admin_port = free_port(), free_port()

@@ -34,18 +34,17 @@ one wins the accept (the others see EAGAIN), so the spread across workers follow
 is idle rather than a hash. The supervisor closes its copy of a socket when a reload
 drops its address, and all of them when it stops, so a stop refuses at once as before.
 An address a reload adds is bound by the supervisor too, before any worker reloads,
-and sent to every running worker over its channel (SCM_RIGHTS, "listeners KEY...\\n",
-answered "taken\\n"); a worker started later inherits it as the others. So it has the
+and sent to every running worker over its channel ("listeners", with the descriptors,
+answered "taken"); a worker started later inherits it as the others. So it has the
 same single accept queue as the addresses present at start. After an upgrade, before
-its SIGTERM, each old worker is told "upgraded\\n" (answered "taken\\n"): it closes its
+its SIGTERM, each old worker is told "upgraded" (answered "taken"): it closes its
 UDP sockets at once (Server.close_udp_listeners), so they leave the SO_REUSEPORT group
 and no datagram of a new client goes to a draining worker.
 
-Supervisor and worker talk over a socketpair the worker inherits: the supervisor sends
-the running configuration (pickled: a restarted worker runs what the others run, even
-when the files were edited since), the worker answers "ready\\n" once every listener is
-bound, and reads on until end of file, which means the supervisor is gone (killed, even
-with SIGKILL): it then stops accepting and drains, so no orphan keeps the ports.
+Supervisor and worker talk over a socketpair the worker inherits (protocol.py: every
+message each way): the supervisor sends the running configuration, the worker answers
+"ready" once every listener is bound, and reads on until end of file, which means the
+supervisor is gone: it then stops accepting and drains, so no orphan keeps the ports.
 
 Merging rules (docs/concepts/workers.md; each family's in admin/metric_families.py):
 counters and histograms are added up, and so is `lbproxy_active_connections`; the

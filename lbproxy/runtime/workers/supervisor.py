@@ -4,13 +4,11 @@ lbproxy/runtime/workers/__init__.py)."""
 
 from __future__ import annotations
 
-import array
 import contextlib
 import http.client
 import json
 import logging
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -44,12 +42,14 @@ from lbproxy.admin.routes import HTTPError
 from lbproxy.config.model import Address, Config
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.persistence import client_key
+from lbproxy.net.fd_channel import Channel, close_all
 from lbproxy.runtime import logs, privileges
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.runtime.server import BindError, listen_socket, load_for_reload
 from lbproxy.runtime.upgrade import Outcome, Upgrade, python_command
+from lbproxy.runtime.workers import protocol
 from lbproxy.runtime.workers.app import SupervisorApp
 from lbproxy.runtime.workers.merge import (
     COUNTER_TYPES,
@@ -58,7 +58,15 @@ from lbproxy.runtime.workers.merge import (
     merge_real_servers,
     parse_metrics,
 )
-from lbproxy.runtime.workers.protocol import MAX_GIVEN
+from lbproxy.runtime.workers.protocol import (
+    ERROR,
+    LISTENERS,
+    TAKEN,
+    UPGRADED,
+    Init,
+    encode_init,
+)
+from lbproxy.wire.fd_frames import MAX_FDS, FrameError
 
 log = logging.getLogger("lbproxy.workers")
 
@@ -120,9 +128,9 @@ class Worker:
     restarts: int = 0
     counters: list[Metric] = field(default_factory=list)  # last scraped counter families
     error: str | None = None  # why the process could not start, as it said
-    # The supervisor's end of the channel (package header), the listener keys this process
+    # The supervisor's end of the channel (protocol.py), the listener keys this process
     # has (inherited at start or sent since), and the answer to the last sockets sent
-    stream: trio.SocketStream | None = None
+    channel: Channel | None = None
     given: set[str] = field(default_factory=set)
     taken: trio.Event | None = None
 
@@ -261,11 +269,11 @@ class Supervisor:
         return outcome
 
     async def _release_udp(self, worker: Worker) -> None:
-        if worker.stream is None:
+        if worker.channel is None:
             return
         worker.taken = taken = trio.Event()
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await worker.stream.send_all(b"upgraded\n")
+        with contextlib.suppress(OSError, trio.ClosedResourceError):
+            await protocol.send(worker.channel, UPGRADED)
             await taken.wait()
 
     def stop(self) -> None:
@@ -390,79 +398,74 @@ class Supervisor:
         if self._stop.is_set():
             self._terminate(worker)
         log.info("worker %d started (pid %d)", worker.index, process.pid)
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        channel = Channel(trio.socket.from_stdlib_socket(ours))
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._talk, worker, stream)
+                nursery.start_soon(self._talk, worker, channel)
                 code = await process.wait()
                 # _talk ends on the end of file that follows the exit; it may still have
-                # to read the worker's last words ("error ...")
+                # to read the worker's last words ("error")
                 nursery.cancel_scope.deadline = trio.current_time() + 1.0
         finally:
             worker.ready = False
             worker.process = None
-            worker.stream = None
-            ours.close()
+            worker.channel = None
+            channel.close()
             self.retired.add(worker.counters)  # its counts stay in the sums
             worker.counters = []
         return code
 
-    async def _talk(self, worker: Worker, stream: trio.SocketStream) -> None:
+    async def _talk(self, worker: Worker, channel: Channel) -> None:
         """Send the configuration, wait for "ready", bring the worker up to date."""
         generation = self.generation
-        payload = pickle.dumps(
-            {
-                "config": self.config,
-                "index": worker.index,
-                "admin": worker.admin_path,
-                # the same descriptor numbers in the worker (pass_fds keeps them)
-                "listeners": {key: sock.fileno() for key, sock in self.listeners.items()},
-                # the secret files read before the drop, which the worker may not read
-                # now (lbproxy/config/secret_files.py)
-                "secrets": SECRETS.contents(),
-            }
+        init = Init(
+            config=self.config,
+            index=worker.index,
+            admin=worker.admin_path,
+            # the same descriptor numbers in the worker (pass_fds keeps them)
+            listeners={key: sock.fileno() for key, sock in self.listeners.items()},
+            # the secret files read before the drop, which the worker may not read
+            # now (lbproxy/config/secret_files.py)
+            secrets=SECRETS.contents(),
         )
         try:
-            await stream.send_all(len(payload).to_bytes(4, "big") + payload)
-            answer = b""
-            while not answer.endswith(b"\n"):
-                chunk = await stream.receive_some(4096)
-                if not chunk:
-                    return  # it exited; _run_once sees the code
-                answer += chunk
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await channel.send(encode_init(init))
+            answer = await protocol.receive(channel)
+        except (OSError, trio.ClosedResourceError, FrameError):
             return
-        if answer.startswith(b"error "):  # it cannot start: "error MESSAGE\n", then exit 1
-            worker.error = answer[6:].decode(errors="replace").strip()
+        if answer is None:
+            return  # it exited; _run_once sees the code
+        close_all(answer.fds)  # a worker sends none
+        if answer.says(ERROR):  # it cannot start: "error", then exit 1
+            worker.error = answer.error.strip()
             return
-        worker.stream = stream
+        worker.channel = channel
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._read_channel, worker, stream)
+            nursery.start_soon(self._read_channel, worker, channel)
             await self._ready(worker, generation)
 
-    async def _read_channel(self, worker: Worker, stream: trio.SocketStream) -> None:
+    async def _read_channel(self, worker: Worker, channel: Channel) -> None:
         """Our end stays open: closing it stops the worker; the end of file here means
-        the worker has exited. "taken\n" answers sockets sent (_give)."""
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            while data := await stream.receive_some(4096):
-                if b"taken\n" in data and worker.taken is not None:
+        the worker has exited. "taken" answers sockets sent (_give) and "upgraded"."""
+        with contextlib.suppress(OSError, trio.ClosedResourceError, FrameError):
+            while (received := await protocol.receive(channel)) is not None:
+                close_all(received.fds)
+                if received.says(TAKEN) and worker.taken is not None:
                     worker.taken.set()
 
     async def _give(self, worker: Worker, socks: dict[str, socket.socket]) -> None:
         """Send `socks` (TCP listeners a reload adds) to a running worker, and wait until
         it has them: its reload takes them as it takes those inherited at start."""
         socks = {key: sock for key, sock in socks.items() if key not in worker.given}
-        stream = worker.stream
-        if not socks or stream is None:
+        channel = worker.channel
+        if not socks or channel is None:
             return
         items = list(socks.items())
-        for start in range(0, len(items), MAX_GIVEN):  # one message holds MAX_GIVEN at most
-            chunk = dict(items[start : start + MAX_GIVEN])
+        for start in range(0, len(items), MAX_FDS):  # one frame holds MAX_FDS at most
+            chunk = dict(items[start : start + MAX_FDS])
             worker.taken = trio.Event()
-            message = ("listeners " + "\t".join(chunk) + "\n").encode()
-            fds = array.array("i", [sock.fileno() for sock in chunk.values()])
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())]
-            await stream.socket.sendmsg([message], rights)
+            fds = [sock.fileno() for sock in chunk.values()]
+            await protocol.send(channel, LISTENERS, list(chunk), fds)
             with trio.move_on_after(WORKER_TIMEOUT):
                 await worker.taken.wait()
             if not worker.taken.is_set():
@@ -476,7 +479,7 @@ class Supervisor:
         async def one(worker: Worker) -> None:
             try:
                 await self._give(worker, socks)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            except (OSError, trio.ClosedResourceError) as exc:
                 failures.append(str(exc) or f"worker {worker.index}: the channel is closed")
 
         async with trio.open_nursery() as nursery:

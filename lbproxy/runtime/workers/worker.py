@@ -3,7 +3,6 @@ channel (the package header, lbproxy/runtime/workers/__init__.py)."""
 
 from __future__ import annotations
 
-import array
 import contextlib
 import logging
 import os
@@ -13,13 +12,16 @@ import sys
 
 import trio
 
-from lbproxy.config.model import Config
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.cluster import member_name
+from lbproxy.net import fd_channel
+from lbproxy.net.fd_channel import Channel, close_all
 from lbproxy.runtime import logs, privileges
 from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
 from lbproxy.runtime.server import BindError, Server
-from lbproxy.runtime.workers.protocol import MAX_GIVEN
+from lbproxy.runtime.workers import protocol
+from lbproxy.runtime.workers.protocol import ERROR, READY, TAKEN, UPGRADED, decode_init, message
+from lbproxy.wire.fd_frames import FrameError, FrameReader
 
 log = logging.getLogger("lbproxy.workers")
 
@@ -39,42 +41,35 @@ class _WorkerTag(logging.Filter):
         return True
 
 
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise EOFError("the supervisor closed the connection")
-        data += chunk
-    return data
-
-
 def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     """A worker: its configuration comes from the supervisor over the inherited socket."""
     channel = socket.socket(fileno=fd)
+    reader = FrameReader()  # what came after the Init stays in it, for _worker_main
     try:
-        size = int.from_bytes(_receive_exactly(channel, 4), "big")
-        init = pickle.loads(_receive_exactly(channel, size))
-    except (OSError, EOFError, pickle.UnpicklingError) as exc:
+        received = fd_channel.receive(channel, reader)
+        if received is None:
+            raise EOFError("the supervisor closed the connection")
+        init = decode_init(received.body)
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
         print(f"lbproxy worker: no configuration from the supervisor: {exc}", file=sys.stderr)
         return 1
-    config: Config = init["config"]
-    SECRETS.remember(init.get("secrets", {}))
+    config = init.config
+    SECRETS.remember(init.secrets)
     logs.configure(config.global_.log_format, log_level)
     for handler in logging.getLogger("lbproxy").handlers:
-        handler.addFilter(_WorkerTag(init["index"]))
+        handler.addFilter(_WorkerTag(init.index))
     try:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(init["admin"])  # left by the process this one replaces
+            os.unlink(init.admin)  # left by the process this one replaces
         admin_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        admin_sock.bind(init["admin"])
+        admin_sock.bind(init.admin)
         admin_sock.listen(64)
     except OSError as exc:
-        log.error("cannot listen on %s: %s", init["admin"], exc.strerror)
+        log.error("cannot listen on %s: %s", init.admin, exc.strerror)
         return 1
     redis = config.global_.cluster.redis
     # Each worker has its own tables, so each is a member of the cluster of its own.
-    cluster_name = f"{member_name(redis)[:58]}-w{init['index']}" if redis is not None else None
+    cluster_name = f"{member_name(redis)[:58]}-w{init.index}" if redis is not None else None
     server = Server(
         config,
         config_paths,
@@ -87,13 +82,13 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     # global.state_file: worker 1 writes it, worker k > 1 its part STATE_FILE.wK (its own
     # persistence entries); every worker reads the file and all the parts at start
     # (lbproxy/runtime/state.py).
-    index = init["index"]
+    index = init.index
     server.state_writer.suffix = "" if index == 1 else f".w{index}"
     server.state_writer.merges_parts = False
     # The supervisor's TCP sockets, matched by address as an upgrade's are; one that the
     # configuration no longer names is closed (check_all_used).
     passed = []
-    for key, fd in init.get("listeners", {}).items():
+    for key, fd in init.listeners.items():
         sock = socket.socket(fileno=fd)
         sock.setblocking(False)
         passed.append(Passed(sock, key, PREVIOUS))
@@ -101,26 +96,26 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     failures: list[Exception] = []
     orphaned = False
     try:
-        orphaned = trio.run(_worker_main, server, channel)
+        orphaned = trio.run(_worker_main, server, channel, reader)
     except* (BindError, privileges.PrivilegeError) as group:
         failures.extend(group.exceptions)
     finally:
         with contextlib.suppress(OSError):
-            os.unlink(init["admin"])
+            os.unlink(init.admin)
     if orphaned:  # the supervisor could not remove its folder: the last worker out does
         with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(init["admin"]))
+            os.rmdir(os.path.dirname(init.admin))
     for failure in failures:
         log.error("%s", failure)
     if failures:
         with contextlib.suppress(OSError):  # the supervisor repeats it when it stops
-            channel.sendall(f"error {failures[0]}\n".encode())
+            fd_channel.send(channel, message(ERROR, str(failures[0])))
     return 1 if failures else 0
 
 
-async def _worker_main(server: Server, channel: socket.socket) -> bool:
+async def _worker_main(server: Server, sock: socket.socket, reader: FrameReader) -> bool:
     """Serve until stopped; True when stopped because the supervisor is gone."""
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(channel))
+    channel = Channel(trio.socket.from_stdlib_socket(sock), reader)
     async with trio.open_nursery() as nursery:
 
         async def serve(
@@ -134,9 +129,9 @@ async def _worker_main(server: Server, channel: socket.socket) -> bool:
         orphaned = False
         await nursery.start(serve)
         try:
-            await stream.send_all(b"ready\n")
-            await _receive_listeners(server, stream)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await protocol.send(channel, READY)
+            await _receive_messages(server, channel)
+        except (OSError, trio.ClosedResourceError, FrameError):
             pass
         log.warning("the supervisor is gone; stopping")
         server.stop()
@@ -144,29 +139,17 @@ async def _worker_main(server: Server, channel: socket.socket) -> bool:
     return orphaned
 
 
-async def _receive_listeners(server: Server, stream: trio.SocketStream) -> None:
+async def _receive_messages(server: Server, channel: Channel) -> None:
     """Until the supervisor's end of file: the TCP listening sockets a reload adds
-    ("listeners KEY\\tKEY...\\n" with their descriptors, Supervisor._give), kept for the
-    reload that follows, which takes them as those inherited at start."""
-    size = socket.CMSG_SPACE(MAX_GIVEN * array.array("i").itemsize)
-    while True:
-        data, ancdata, _flags, _address = await stream.socket.recvmsg(4096, size)
-        if not data:
-            return
-        fds = array.array("i")
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-        keys: list[str] = []
-        for line in data.decode(errors="replace").splitlines():
-            if line == "upgraded":  # a new supervisor serves (Supervisor.upgrade)
-                server.close_udp_listeners()
-            elif line.startswith("listeners "):
-                keys.extend(line.removeprefix("listeners ").split("\t"))
-        for key, fd in zip(keys, fds, strict=False):
+    (Supervisor._give), kept for the reload that follows, which takes them as those
+    inherited at start; "upgraded" (Supervisor.upgrade): a new supervisor serves."""
+    while (received := await protocol.receive(channel)) is not None:
+        if received.says(UPGRADED):
+            server.close_udp_listeners()
+        keys = received.listener_keys
+        for key, fd in zip(keys, received.fds, strict=False):
             sock = socket.socket(fileno=fd)
             sock.setblocking(False)
             server.inherited.passed.append(Passed(sock, key, PREVIOUS))
-        for fd in fds[len(keys) :]:
-            os.close(fd)
-        await stream.send_all(b"taken\n")  # the sockets are kept, or UDP released
+        close_all(received.fds[len(keys) :])
+        await protocol.send(channel, TAKEN)  # the sockets are kept, or UDP released

@@ -96,9 +96,9 @@ def run(
 
         sys.exit(workers.run_worker(worker_fd, list(config), log_level))
     if upgrade_fd is not None:  # started by `lbproxy upgrade`: takes over the sockets
-        from lbproxy.runtime import upgrade
+        from lbproxy.runtime import takeover
 
-        sys.exit(upgrade.run_new(upgrade_fd, list(config), log_level))
+        sys.exit(takeover.run_new(upgrade_fd, list(config), log_level))
     cfg = _load_or_exit(config)
     if cfg.global_.workers > 1:
         from lbproxy.runtime import workers

@@ -45,7 +45,7 @@ from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
-from lbproxy.runtime.upgrade import Outcome, Upgrade, server_sockets, server_state
+from lbproxy.runtime.upgrade import Outcome, Upgrade
 from lbproxy.wire.cluster_messages import Change, EntryBatch
 
 log = logging.getLogger("lbproxy.server")
@@ -247,10 +247,15 @@ class Server:
         return named
 
     def handover_sockets(self) -> list[tuple[str, socket.socket]]:
-        return server_sockets(self)
+        """The listening sockets an upgrade hands over: the listeners, the admin
+        endpoint, the DNS locator (runtime/upgrade.py's HandsOver)."""
+        named = [(str(address), listener.sock) for address, listener in self.listeners.items()]
+        named.extend(self.endpoint_sockets())
+        return named
 
     def handover_state(self) -> dict[str, Any]:
-        return server_state(self)
+        """lbproxy/runtime/state.py's snapshot, as the state file holds it (JSON text)."""
+        return {"state": runtime_state.snapshot(self).decode()}
 
     async def upgrade(self, config_paths: Sequence[str] = ()) -> Outcome:
         """`lbproxy upgrade`, SIGUSR2: start the lbproxy on disk now with this process's
@@ -528,12 +533,14 @@ class Server:
         error = state_error(state)
         if error:
             return error
-        self._apply_state(pool, rs, state)  # type: ignore[arg-type]  # state_error(): a str
+        self.apply_state(pool, rs, state)  # type: ignore[arg-type]  # state_error(): a str
         if self.cluster is not None:
             self.cluster.publish("state", pool.name, rs.name, state)
         return None
 
-    def _apply_state(self, pool: Pool, rs: RealServer, state: str, via: str = "") -> None:
+    def apply_state(self, pool: Pool, rs: RealServer, state: str, via: str = "") -> None:
+        """Set a valid state, logged with `via` (where it came from), not published:
+        set_state's step, and how the cluster and the state file apply theirs."""
         old = rs.state
         closed = close_leases(pool.set_state(rs, state, trio.current_time()))
         if old != state or closed:
@@ -556,14 +563,14 @@ class Server:
         if isinstance(found, str):
             return found
         pool, rs = found
-        error = self._apply_weight(pool, rs, weight)
+        error = self.apply_weight(pool, rs, weight)
         if error is None and self.cluster is not None:
             self.cluster.publish("weight", pool.name, rs.name, weight)
         return error
 
-    def _apply_weight(
-        self, pool: Pool, rs: RealServer, weight: object, via: str = ""
-    ) -> str | None:
+    def apply_weight(self, pool: Pool, rs: RealServer, weight: object, via: str = "") -> str | None:
+        """Set a static weight, logged with `via`, not published; an error or None (as
+        apply_state, for set_weight, the cluster and the state file)."""
         old = rs.static_weight
         error = pool.set_weight(rs, weight, trio.current_time())
         if error is None and old != rs.static_weight:
@@ -598,9 +605,9 @@ class Server:
         pool, rs = found
         via = f" (cluster: from {change.origin})"
         if change.kind == "state":
-            self._apply_state(pool, rs, change.value, via)
+            self.apply_state(pool, rs, change.value, via)
         elif change.kind == "weight":
-            self._apply_weight(pool, rs, change.value, via)
+            self.apply_weight(pool, rs, change.value, via)
         else:
             pool.locator.report_load(rs, change.value, change.per_connection)
         return True

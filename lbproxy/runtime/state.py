@@ -66,7 +66,7 @@ import os
 import stat
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -82,13 +82,31 @@ from lbproxy.wire.state_file import (
 )
 
 if TYPE_CHECKING:
-    from lbproxy.core.pool import Pool
-    from lbproxy.runtime.server import Server
+    from lbproxy.config.model import Config
+    from lbproxy.core.pool import Pool, RealServer
 
 log = logging.getLogger("lbproxy.state")
 
 INTERVAL = 1.0  # seconds between two looks at the state: at most one write per second
 VIA = " (state file)"
+
+
+class Server(Protocol):
+    """What the state file reads and restores: lbproxy/runtime/server.py's Server."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def initial_state(self) -> bytes | None: ...
+
+    def pools(self) -> list[Pool]: ...
+
+    def apply_state(self, pool: Pool, rs: RealServer, state: str, via: str = "") -> None: ...
+
+    def apply_weight(
+        self, pool: Pool, rs: RealServer, weight: object, via: str = ""
+    ) -> str | None: ...
 
 
 # -- snapshot ---------------------------------------------------------------------------
@@ -159,14 +177,15 @@ def restore(
         return False
     wall, now = time.time(), trio.current_time()
     counts = {"changes": 0, "loads": 0, "entries": 0, "expired": 0}
+    pools = {pool.name: pool for pool in server.pools()}
     for vs_state in state.virtual_servers:
-        vs = server.virtual_servers.get(vs_state.name)
-        if vs is None:
+        pool = pools.get(vs_state.name)
+        if pool is None:
             log.info(
                 "%s: virtual server %s is no longer configured; skipped", source, vs_state.name
             )
             continue
-        _restore_pool(server, vs.pool, vs_state, wall, now, counts, source, entries_only)
+        _restore_pool(server, pool, vs_state, wall, now, counts, source, entries_only)
     log.info(
         "restored from %s (written %.0fs ago): %d state/weight change(s), %d load report(s), "
         "%d persistence entries%s",
@@ -206,9 +225,9 @@ def _restore_pool(
         if entries_only:
             continue
         if saved.state is not None:
-            server._apply_state(pool, rs, saved.state, VIA)
+            server.apply_state(pool, rs, saved.state, VIA)
             counts["changes"] += 1
-        if saved.weight is not None and server._apply_weight(pool, rs, saved.weight, VIA) is None:
+        if saved.weight is not None and server.apply_weight(pool, rs, saved.weight, VIA) is None:
             counts["changes"] += 1
         if saved.load is not None and pool.locator.report_load(rs, *saved.load) is None:
             pool.locator.report_counts[rs.name] -= 1  # restored, not received

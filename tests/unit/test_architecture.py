@@ -70,3 +70,27 @@ def test_the_default_scheduler_module_imports_nothing():
     tree = ast.parse((ROOT / "lbproxy" / "core" / "schedulers" / "default.py").read_text())
     imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
     assert imports == []
+
+
+def private_names_used(path: Path) -> list[str]:
+    """`from X import _name`, and `obj._name` on anything but self or cls, in one file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            names = [alias.name for alias in node.names]
+            found += [f"{path}:{node.lineno}: from {node.module} import {n}" for n in names]
+        elif isinstance(node, ast.Attribute):
+            owner = node.value
+            if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return [f for f in found if re.search(r"[ .]_(?!_)\w*$", f)]
+
+
+def test_the_runtime_layer_uses_no_other_modules_private_names():
+    # import-linter cannot see names; a private one is free to change under its module.
+    used = [
+        f
+        for path in sorted((ROOT / "lbproxy/runtime").rglob("*.py"))
+        for f in private_names_used(path)
+    ]
+    assert used == []

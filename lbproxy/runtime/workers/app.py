@@ -3,14 +3,49 @@
 from __future__ import annotations
 
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from lbproxy.admin import dashboard
 from lbproxy.admin.api import AdminApp, Answer, json_body, read_body
 from lbproxy.admin.routes import HTTPError, Request
 
-if TYPE_CHECKING:
-    from lbproxy.runtime.workers.supervisor import Supervisor
+
+class WorkerSlot(Protocol):
+    @property
+    def ready(self) -> bool: ...  # its process has bound every listener and caught up
+
+    @property
+    def ever_ready(self) -> bool: ...  # some process of the slot was ready once
+
+
+class Supervisor(Protocol):
+    """What the app asks of the supervisor (supervisor.py's Supervisor): its workers'
+    states, and the merged answers and changes it gets from them."""
+
+    @property
+    def workers(self) -> Sequence[WorkerSlot]: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    async def metrics(self) -> bytes: ...
+
+    async def workers_document(self) -> dict[str, Any]: ...
+
+    async def worker_document(self, index: int) -> dict[str, Any]: ...
+
+    async def merged_document(self) -> dict[str, Any]: ...
+
+    async def patch(self, vs_name: str, rs_name: str, body: bytes) -> tuple[int, bytes]: ...
+
+    async def reload(self, config_paths: list[str] | None = None) -> tuple[bool, list[str]]: ...
+
+    async def locate(
+        self, path: str, vs_name: str = "", client: tuple | None = None
+    ) -> tuple[int, bytes]: ...
+
+    async def report_load(self, path: str, body: bytes) -> tuple[int, bytes]: ...
 
 
 class SupervisorApp(AdminApp):

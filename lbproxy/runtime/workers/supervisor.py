@@ -42,12 +42,13 @@ from lbproxy.admin.routes import HTTPError
 from lbproxy.config.model import Address, Config
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.persistence import client_key
+from lbproxy.dataplane.listener import BindError, listen_socket
 from lbproxy.net.fd_channel import Channel, close_all
 from lbproxy.runtime import logs, privileges
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
-from lbproxy.runtime.server import BindError, listen_socket, load_for_reload
+from lbproxy.runtime.server import load_for_reload
 from lbproxy.runtime.upgrade import Outcome, Upgrade, python_command
 from lbproxy.runtime.workers import protocol
 from lbproxy.runtime.workers.app import SupervisorApp

@@ -23,8 +23,6 @@ THROTTLE_ORDER = {"low": 0, "high": 1, "digg": 2}
 VS_SUMS = ("active_connections", "clients", "queued")
 RS_SUMS = ("active_connections", "connections_total", "bytes_in", "bytes_out")
 
-# -- merging ---------------------------------------------------------------------------
-
 
 class MetricSums:
     """Metric families added up across workers (state-like gauges: the maximum)."""

@@ -26,8 +26,6 @@ from lbproxy.wire.fd_frames import FrameError, FrameReader
 
 log = logging.getLogger("lbproxy.workers")
 
-# -- the worker ------------------------------------------------------------------------
-
 
 class _WorkerTag(logging.Filter):
     """Tags a worker's log lines: `lbproxy.server[w2]: listening on ...`."""

@@ -1,4 +1,4 @@
-"""Runtime state that survives a restart: `global.state_file` (SPEC §17, issue 23 item 4).
+"""Runtime state that survives a restart: `global.state_file` (SPEC §17).
 
 What is kept is what the configuration files cannot say (HAProxy's `server-state-file`
 is the model): a real server's state and static weight where they differ from its

@@ -29,8 +29,8 @@ weight still drops to 0 three seconds later; a loaded demo (someone benchmarking
 that misses one poll keeps its weights instead of flickering to 0.
 
 Output (SPEC §1, §9): the first line on stdout is `lbproxy demo: connect to HOST:PORT`
-(the contract scripts read), the second `dashboard: http://127.0.0.1:PORT/` (issue 27:
-the dashboard's URL before anything else the demo says), then the dwd address and the
+(the contract scripts read), the second `dashboard: http://127.0.0.1:PORT/`
+(the dashboard's URL before anything else the demo says), then the dwd address and the
 control command, then how to try it, then a per-server
 table of both virtual servers read from `pool.statistics(now)` -- a `rich.live.Live` view
 on a terminal, one plain line per server and virtual server every second otherwise

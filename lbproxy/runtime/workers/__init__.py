@@ -19,7 +19,7 @@
       one worker); its admin endpoint on a private Unix socket in a folder only this
       user can enter (mode 0700)
 
-The supervisor owns the TCP listening sockets (issue 23 item 3; nginx's master and
+The supervisor owns the TCP listening sockets (nginx's master and
 HAProxy's master-worker do the same): it binds every TCP `listen` address of the
 configuration once, before any worker starts, and every worker inherits the same
 sockets (pass_fds) and accepts from them. So there is one accept queue per address,

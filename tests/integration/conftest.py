@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import Lbproxy, NameServer, free_port, stop_all
+from tests.integration.harness import Lbproxy, NameServer, stop_all
 
 
 @pytest.fixture
@@ -35,29 +35,3 @@ def lbproxy(tmp_path):
 
     yield make
     stop_all(started)  # fails the test on an unexpected exit, status or traceback
-
-
-def vs_config(port: int, servers, scheduler: str = "rr", extra: str = "", rs_extra=None) -> str:
-    """YAML for one virtual server in front of NameServers (admin endpoint off)."""
-    rs_extra = rs_extra or {}
-    lines = [
-        "global:",
-        "  admin: {listen: none}",
-        "  drain_timeout: 5s",
-        "virtual_servers:",
-        "  - name: web",
-        f"    listen: 127.0.0.1:{port}",
-        f"    scheduler: {scheduler}",
-    ]
-    lines += [f"    {line}" for line in extra.strip().splitlines() if line.strip()]
-    lines.append("    real_servers:")
-    for server in servers:
-        more = rs_extra.get(server.name, "")
-        lines.append(
-            f"      - {{name: {server.name}, address: 127.0.0.1:{server.port}"
-            f"{', ' + more if more else ''}}}"
-        )
-    return "\n".join(lines) + "\n"
-
-
-__all__ = ["free_port", "vs_config"]

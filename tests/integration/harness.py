@@ -1,22 +1,45 @@
-"""Real things for the integration tests: name-saying servers, lbproxy processes, clients."""
+"""Real things for the integration tests, in one place: free ports and bounded waits,
+name-saying TCP servers and UDP echo servers, `lbproxy` processes (one, under a descriptor
+limit, across upgrades), configurations, the admin endpoint over HTTP (the API's documents,
+/metrics), a systemd notify socket, the UDP relay in process, and the CLI."""
 
 from __future__ import annotations
 
-import http.client
+import contextlib
 import json
 import os
 import random
+import re
+import resource
 import signal
 import socket
 import socketserver
+import struct
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
+from http.client import HTTPConnection
 from pathlib import Path
+
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from lbproxy.config.model import (
+    Address,
+    HealthCheckConfig,
+    RealServerConfig,
+    UdpConfig,
+    VirtualServerConfig,
+)
+from lbproxy.core.pool import Pool
+from lbproxy.dataplane.udp import UdpRelay
+from tests import tools
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -397,7 +420,7 @@ def admin_socket_path(admin_port: int) -> str:
     return os.path.join(folder, f"admin-{admin_port}.sock")
 
 
-class _UnixConnection(http.client.HTTPConnection):
+class _UnixConnection(HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
         self.path = path
@@ -477,3 +500,447 @@ def stop_pids(pids: list[int], timeout: float = 15.0) -> None:
             time.sleep(0.02)
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# -- configurations ---------------------------------------------------------------------
+
+
+def vs_config(port: int, servers, scheduler: str = "rr", extra: str = "", rs_extra=None) -> str:
+    """YAML for one virtual server in front of NameServers (admin endpoint off)."""
+    rs_extra = rs_extra or {}
+    lines = [
+        "global:",
+        "  admin: {listen: none}",
+        "  drain_timeout: 5s",
+        "virtual_servers:",
+        "  - name: web",
+        f"    listen: 127.0.0.1:{port}",
+        f"    scheduler: {scheduler}",
+    ]
+    lines += [f"    {line}" for line in extra.strip().splitlines() if line.strip()]
+    lines.append("    real_servers:")
+    for server in servers:
+        more = rs_extra.get(server.name, "")
+        lines.append(
+            f"      - {{name: {server.name}, address: 127.0.0.1:{server.port}"
+            f"{', ' + more if more else ''}}}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def with_admin(config: str, admin_port: int, token_file=None, socket=None) -> str:
+    admin = f"{{listen: 127.0.0.1:{admin_port}"
+    admin += f", token_file: {token_file}" if token_file else ""
+    admin += f", socket: {socket}}}" if socket else "}"
+    return config.replace("admin: {listen: none}", f"admin: {admin}")
+
+
+def workers_config(port: int, servers, admin_port: int, workers: int = 2, rs_extra=None) -> str:
+    config = with_admin(
+        vs_config(port, servers, "rr", "health_check: {type: none}", rs_extra), admin_port
+    )
+    return config.replace("global:\n", f"global:\n  workers: {workers}\n", 1)
+
+
+def sni_config(port: int, groups, admin_port: int | None = None, extra: str = "") -> str:
+    """Virtual servers sharing 127.0.0.1:`port`; groups: (name, sni list or None, servers)."""
+    lines = [
+        "global:",
+        f"  admin: {{listen: {'127.0.0.1:' + str(admin_port) if admin_port else 'none'}}}",
+        "  drain_timeout: 2s",
+        "virtual_servers:",
+    ]
+    for name, sni, servers in groups:
+        lines += [f"  - name: {name}", f"    listen: 127.0.0.1:{port}"]
+        if sni:
+            lines.append(f"    sni: [{', '.join(repr(n) for n in sni)}]")
+        lines += [f"    {line}" for line in extra.strip().splitlines() if line.strip()]
+        lines.append("    health_check: {type: none}")
+        lines.append("    real_servers:")
+        lines += [f"      - {{name: {s.name}, address: 127.0.0.1:{s.port}}}" for s in servers]
+    return "\n".join(lines) + "\n"
+
+
+# -- the admin endpoint: HTTP, /metrics, the API's documents ----------------------------
+
+
+def http(method: str, url: str, body=None, token=None) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def metrics(admin_port: int) -> dict[tuple, float]:
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/metrics")
+    assert status == 200
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples, name, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def get_json(admin_port: int, path: str):
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}{path}")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def ready(admin_port: int) -> bool:
+    try:
+        return http("GET", f"http://127.0.0.1:{admin_port}/readyz")[0] == 200
+    except OSError:
+        return False
+
+
+def workers(admin_port: int) -> list[dict]:
+    return get_json(admin_port, "/api/v1/workers")["workers"]
+
+
+def worker_servers(admin_port: int, index: int) -> dict[str, dict]:
+    document = get_json(admin_port, f"/api/v1/workers/{index}/virtual-servers")
+    (vs,) = document["virtual_servers"]
+    return {rs["name"]: rs for rs in vs["real_servers"]}
+
+
+def virtual_server_document(admin_port: int) -> dict:
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers")
+    assert status == 200
+    return json.loads(body)["virtual_servers"][0]
+
+
+def servers_of(admin_port: int) -> dict[str, dict]:
+    return {rs["name"]: rs for rs in virtual_server_document(admin_port)["real_servers"]}
+
+
+# -- the admin endpoint's HTTP server, byte by byte -------------------------------------
+
+
+# Over TCP every change needs the bearer token (SPEC §21): the changes below carry it.
+HTTP_SERVER_TOKEN = "http-server-token"
+
+
+def http_server_config(admin: str, folder) -> str:
+    token_file = folder / "admin.token"
+    token_file.write_text(HTTP_SERVER_TOKEN)
+    token_file.chmod(0o600)
+    return f"""
+global:
+  admin: {{listen: "{admin}", token_file: {token_file}}}
+virtual_servers:
+  - name: db
+    listen: none
+    scheduler: least-load
+    load_source: report
+    health_check: {{type: none}}
+    real_servers:
+      - {{name: a, address: 127.0.0.1:1}}
+      - {{name: b, address: 127.0.0.1:2}}
+"""
+
+
+def read_answer(sock: socket.socket, buffer: bytearray) -> tuple[int, dict[str, str], bytes]:
+    """One answer (status, headers, body) framed by Content-Length, from `buffer` and
+    the socket; what follows it stays in `buffer`."""
+    while b"\r\n\r\n" not in buffer:
+        data = sock.recv(65536)
+        assert data, f"closed before an answer; got {bytes(buffer)!r}"
+        buffer += data
+    head, _, rest = bytes(buffer).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", 0))
+    while len(rest) < length:
+        data = sock.recv(65536)
+        assert data, "closed in the middle of a body"
+        rest += data
+    buffer[:] = rest[length:]
+    return status, headers, rest[:length]
+
+
+def http_server_healthy(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        return read_answer(s, bytearray())[:1] == (200,)
+
+
+# -- lbproxy processes beyond Lbproxy ---------------------------------------------------
+
+
+def wait_for_log(proxy: Lbproxy, pattern: str, timeout: float = 10.0, after: int = 0) -> float:
+    """Poll the log until `pattern` (a regular expression) appears past offset `after`;
+    returns the monotonic time it was seen."""
+    regex = re.compile(pattern)
+    deadline = time.monotonic() + timeout
+    while True:
+        if regex.search(proxy.log()[after:]):
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{pattern!r} not in the log within {timeout}s:\n{proxy.log()}")
+        time.sleep(0.005)
+
+
+class LimitedLbproxy(Lbproxy):
+    """`lbproxy run` under `ulimit -n LIMIT`."""
+
+    def __init__(self, *args, limit: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit = limit
+
+    def start(self, wait_ports=(), timeout: float = 15.0) -> LimitedLbproxy:
+        limit = self.limit
+
+        def lower_limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = Process(  # harness.Process: the teardown knows who stopped it
+            [sys.executable, "-m", "lbproxy", "run", str(self.config_path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            preexec_fn=lower_limit,
+        )
+        wait_for_log(self, "listening on", timeout)
+        return self
+
+
+class UpgradableLbproxy:
+    """The first `lbproxy run` and whichever process serves after each upgrade."""
+
+    def __init__(self, tmp_path: Path, yaml: str, admin: int, env=None, cwd=ROOT) -> None:
+        self.path = tmp_path / "lbproxy.yaml"
+        self.path.write_text(yaml)
+        self.admin = admin
+        self.log_path = tmp_path / "lbproxy.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.first = subprocess.Popen(
+            [sys.executable, "-m", "lbproxy", "run", str(self.path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        )
+        self.pids = [self.first.pid]
+        wait_for(lambda: "listening on" in self.log() or self.first.poll() is not None, 20)
+        assert self.first.poll() is None, self.log()
+
+    @property
+    def pid(self) -> int:
+        return self.pids[-1]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def upgrade(self) -> dict:
+        """POST /api/v1/upgrade (what `lbproxy upgrade` sends: through the admin socket,
+        as over TCP a change needs the token), the answer."""
+        url = f"http://127.0.0.1:{self.admin}/api/v1/upgrade"
+        status, body = local_http("POST", url, b"{}", timeout=90)
+        assert status == 200, body
+        answer = json.loads(body)
+        assert answer["old_pid"] == self.pid
+        self.pids.append(answer["pid"])
+        return answer
+
+    def stop(self) -> None:
+        stop_pids(self.pids)
+        self.first.wait(5)
+        self._log.close()
+
+
+def front_door_proxy(name_servers, lbproxy, queued: int = 2):
+    """A real proxy whose virtual server `web` has a primary and a backup server with
+    one slot each and a queue: one connection holds the primary's slot, the next the
+    backup's (every primary full: the backup serves), and `queued` clients wait.
+    Returns (port, admin_port, the open sockets); the caller closes them."""
+    primary, backup = name_servers("primary", "standby")
+    port, admin_port = free_port(), free_port()
+    config = with_admin(
+        "global:\n"
+        "  admin: {listen: none}\n"
+        "virtual_servers:\n"
+        "  - name: web\n"
+        f"    listen: 127.0.0.1:{port}\n"
+        "    scheduler: rr\n"
+        "    health_check: {type: none}\n"
+        "    queue: {max: 10, timeout: 30s}\n"
+        "    real_servers:\n"
+        f"      - {{name: primary, address: 127.0.0.1:{primary.port}, max_connections: 1}}\n"
+        f"      - {{name: standby, address: 127.0.0.1:{backup.port}, backup: true,"
+        " max_connections: 1}\n",
+        admin_port,
+    )
+    lbproxy(config, [port])
+    admin = f"http://127.0.0.1:{admin_port}"
+
+    def web() -> dict:
+        out = run_cli("status", "--json", "--admin", admin)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["virtual_servers"][0]
+
+    # the start-up probe of the listen port took the one slot for a moment
+    _until(lambda: web()["real_servers"][0]["active_connections"] == 0, "the probe to end")
+    holder, name = open_and_read_name(port)
+    opened = [holder]
+    assert name == "primary"
+    holder, name = open_and_read_name(port)
+    opened.append(holder)
+    assert name == "standby"  # the primary is full: the backup serves (SPEC §3, §13)
+    for n in range(1, queued + 1):
+        opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        _until(lambda n=n: web()["queued"] == n, f"{n} queued")
+    return port, admin_port, opened
+
+
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# -- UDP: echo real servers, clients, dig, the relay in process -------------------------
+
+
+class Echo:
+    """A UDP real server in a thread: answers each datagram with `reply` + the payload."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data, peer = self.sock.recvfrom(70000)
+                self.sock.sendto(self.reply + data, peer)
+
+    def close(self) -> None:
+        """Nothing listens on the port any more: the kernel answers ICMP port unreachable."""
+        self.sock.close()
+
+
+def udp_client(source: str = "127.0.0.1", timeout: float = 2.0) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((source, 0))
+    sock.settimeout(timeout)
+    return sock
+
+
+def udp_ask(sock: socket.socket, port: int, payload: bytes) -> bytes | None:
+    sock.sendto(payload, ("127.0.0.1", port))
+    try:
+        return sock.recvfrom(70000)[0]
+    except TimeoutError:
+        return None
+
+
+requires_dig = tools.requires("dig", package="bind9-dnsutils")
+
+
+def dig(port: int, name: str) -> str:
+    out = subprocess.run(
+        ["dig", "@127.0.0.1", "-p", str(port), "+short", "+notcp", "+tries=1", "+time=3", name],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return out.stdout.strip()
+
+
+OPEN_UDP_SOCKETS: list[socket.socket] = []
+
+
+def udp_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    OPEN_UDP_SOCKETS.append(sock)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock
+
+
+def relay_for(servers: dict[str, socket.socket], **udp) -> UdpRelay:
+    config = VirtualServerConfig(
+        name="dns",
+        listen=(Address("127.0.0.1", 0),),
+        real_servers=tuple(
+            RealServerConfig(name, Address("127.0.0.1", sock.getsockname()[1]))
+            for name, sock in servers.items()
+        ),
+        scheduler="rr",
+        protocol="udp",
+        udp=UdpConfig(**udp),
+        health_check=HealthCheckConfig(type="none"),
+    )
+    return UdpRelay(Pool(config, trio.current_time()), udp_socket())
+
+
+# -- systemd's notify socket ------------------------------------------------------------
+
+
+class NotifySocket:
+    """What systemd binds: an AF_UNIX datagram socket that records every message."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        target = b"\0" + address[1:].encode() if address.startswith("@") else address
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.bind(target)
+        self.messages: list[tuple[int, dict[str, str]]] = []  # (sender pid, fields)
+
+    def _receive(self, timeout: float) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
+        except TimeoutError:
+            return False
+        pid = -1
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid, _, _ = struct.unpack("3i", payload[:12])
+        fields = dict(line.split("=", 1) for line in data.decode().splitlines())
+        self.messages.append((pid, fields))
+        return True
+
+    def wait_for(self, key: str, timeout: float = 10.0) -> dict[str, str]:
+        """The next message (after those seen) that has `key`."""
+        seen = len(self.messages)
+        deadline = time.monotonic() + timeout
+        while True:
+            for _, fields in self.messages[seen:]:
+                if key in fields:
+                    return fields
+            seen = len(self.messages)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {key} message; got {self.messages}")
+            self._receive(left)
+
+    def drain(self, quiet: float = 0.3) -> None:
+        while self._receive(quiet):
+            pass
+
+    def events(self) -> list[str]:
+        """The state changes in order (STATUS-only updates left out)."""
+        names = ("READY", "RELOADING", "STOPPING")
+        return [key for _, fields in self.messages for key in names if key in fields]
+
+    def close(self) -> None:
+        self.sock.close()

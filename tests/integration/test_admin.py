@@ -7,54 +7,22 @@ import re
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests import tools
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ask_name,
     free_port,
+    http,
     local_http,
+    metrics,
     open_and_read_name,
     run_cli,
+    sample,
+    vs_config,
+    with_admin,
 )
-
-
-def with_admin(config: str, admin_port: int, token_file=None, socket=None) -> str:
-    admin = f"{{listen: 127.0.0.1:{admin_port}"
-    admin += f", token_file: {token_file}" if token_file else ""
-    admin += f", socket: {socket}}}" if socket else "}"
-    return config.replace("admin: {listen: none}", f"admin: {admin}")
-
-
-def http(method: str, url: str, body=None, token=None) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def metrics(admin_port: int) -> dict[tuple, float]:
-    status, body = http("GET", f"http://127.0.0.1:{admin_port}/metrics")
-    assert status == 200
-    samples = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def sample(samples, name, **labels) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 @pytest.fixture

@@ -19,41 +19,30 @@ import time
 import pytest
 
 from lbproxy.admin.http_server import MAX_BODY, MAX_HEAD, REQUEST_TIMEOUT
-from tests.integration.conftest import vs_config
-from tests.integration.harness import Lbproxy, ask_name, free_port, wait_for
-from tests.integration.test_admin import http, with_admin
+from tests.integration.harness import (
+    HTTP_SERVER_TOKEN,
+    Lbproxy,
+    ask_name,
+    free_port,
+    http,
+    http_server_config,
+    http_server_healthy,
+    read_answer,
+    vs_config,
+    wait_for,
+    with_admin,
+)
 
 LOAD = "/api/v1/virtual-servers/db/real-servers/a/load"
 PATCH = "/api/v1/virtual-servers/db/real-servers/a"
-# Over TCP every change needs the bearer token (SPEC §21): the changes below carry it.
-TOKEN = "http-server-token"
-AUTH = f"Authorization: Bearer {TOKEN}\r\n"
-
-
-def config(admin: str, folder) -> str:
-    token_file = folder / "admin.token"
-    token_file.write_text(TOKEN)
-    token_file.chmod(0o600)
-    return f"""
-global:
-  admin: {{listen: "{admin}", token_file: {token_file}}}
-virtual_servers:
-  - name: db
-    listen: none
-    scheduler: least-load
-    load_source: report
-    health_check: {{type: none}}
-    real_servers:
-      - {{name: a, address: 127.0.0.1:1}}
-      - {{name: b, address: 127.0.0.1:2}}
-"""
+AUTH = f"Authorization: Bearer {HTTP_SERVER_TOKEN}\r\n"
 
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
     port = free_port()
     folder = tmp_path_factory.mktemp("admin-http")
-    proxy = Lbproxy(folder, config(f"127.0.0.1:{port}", folder))
+    proxy = Lbproxy(folder, http_server_config(f"127.0.0.1:{port}", folder))
     proxy.start([port])
     yield proxy, port
     proxy.stop()
@@ -64,26 +53,6 @@ def connect(port: int, host: str = "127.0.0.1") -> socket.socket:
     return socket.create_connection((host, port), timeout=10)
 
 
-def read_answer(sock: socket.socket, buffer: bytearray) -> tuple[int, dict[str, str], bytes]:
-    """One answer (status, headers, body) framed by Content-Length, from `buffer` and
-    the socket; what follows it stays in `buffer`."""
-    while b"\r\n\r\n" not in buffer:
-        data = sock.recv(65536)
-        assert data, f"closed before an answer; got {bytes(buffer)!r}"
-        buffer += data
-    head, _, rest = bytes(buffer).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    length = int(headers.get("content-length", 0))
-    while len(rest) < length:
-        data = sock.recv(65536)
-        assert data, "closed in the middle of a body"
-        rest += data
-    buffer[:] = rest[length:]
-    return status, headers, rest[:length]
-
-
 def closed(sock: socket.socket, buffer: bytearray | None = None) -> bool:
     """True when the endpoint closes the connection (nothing more was in `buffer`)."""
     assert not buffer
@@ -91,12 +60,6 @@ def closed(sock: socket.socket, buffer: bytearray | None = None) -> bool:
         return sock.recv(65536) == b""
     except ConnectionResetError:
         return True
-
-
-def healthy(port: int) -> bool:
-    with connect(port) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        return read_answer(s, bytearray())[:1] == (200,)
 
 
 def test_pipelined_requests_are_answered_in_order_on_one_connection(endpoint):
@@ -224,7 +187,7 @@ def test_a_head_over_16_kib_is_431_and_closed(endpoint):
             "error": f"request head too large (over {MAX_HEAD // 1024} KiB)"
         }
         assert closed(s, buffer)
-    assert healthy(port)
+    assert http_server_healthy(port)
 
 
 @pytest.mark.parametrize(
@@ -245,7 +208,7 @@ def test_garbage_is_400_and_closed(endpoint, garbage):
         assert status == 400 and headers["connection"] == "close"
         assert json.loads(answer)["error"].startswith("bad request: ")
         assert closed(s, buffer)
-    assert healthy(port)
+    assert http_server_healthy(port)
 
 
 def test_an_http_version_other_than_1_0_and_1_1_is_505(endpoint):
@@ -329,7 +292,7 @@ def test_clients_vanishing_mid_request_and_mid_answer(endpoint):
             s.sendall(partial)
             time.sleep(0.02)
             s.close()
-    assert healthy(port)
+    assert http_server_healthy(port)
     time.sleep(0.2)
     assert proxy.proc.poll() is None
     assert "Traceback" not in proxy.log() and "ERROR" not in proxy.log()
@@ -352,7 +315,7 @@ def test_head_requests_get_the_head_only(endpoint):
 
 def test_an_ipv6_listen_address(tmp_path):
     port = free_port("::1")
-    with Lbproxy(tmp_path, config(f"[::1]:{port}", tmp_path)).start() as proxy:
+    with Lbproxy(tmp_path, http_server_config(f"[::1]:{port}", tmp_path)).start() as proxy:
         with connect(port, "::1") as s:
             buffer = bytearray()
             s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")

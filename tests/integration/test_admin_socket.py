@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ROOT,
     Lbproxy,
@@ -27,12 +26,15 @@ from tests.integration.harness import (
     ask_name,
     free_port,
     local_http,
+    ready,
     run_cli,
     unix_http,
+    vs_config,
     wait_for,
+    with_admin,
+    worker_servers,
+    workers_config,
 )
-from tests.integration.test_admin import with_admin
-from tests.integration.test_workers import ready, worker_servers, workers_config
 
 pytestmark = pytest.mark.integration
 

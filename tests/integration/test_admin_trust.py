@@ -16,18 +16,20 @@ from pathlib import Path
 import pytest
 
 from tests import tools
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     Lbproxy,
     admin_socket_path,
     ask_name,
     free_port,
+    http,
     local_http,
+    ready,
     run_cli,
+    vs_config,
     wait_for,
+    with_admin,
+    workers_config,
 )
-from tests.integration.test_admin import http, with_admin
-from tests.integration.test_workers import ready, workers_config
 
 pytestmark = pytest.mark.integration
 

@@ -10,10 +10,21 @@ from collections import Counter
 import pytest
 
 from lbproxy.wire.proxy_protocol import encode_v1
-from tests.integration.conftest import vs_config
-from tests.integration.harness import Lbproxy, NameServer, free_port, read_name, stop_all, wait_for
-from tests.integration.test_admin import http, metrics, sample, with_admin
-from tests.integration.test_workers import ready, worker_servers
+from tests.integration.harness import (
+    Lbproxy,
+    NameServer,
+    free_port,
+    http,
+    metrics,
+    read_name,
+    ready,
+    sample,
+    stop_all,
+    vs_config,
+    wait_for,
+    with_admin,
+    worker_servers,
+)
 
 FAST_HEALTH = "health_check: {type: tcp, interval: 200ms, timeout: 200ms, rise: 1, fall: 1}"
 

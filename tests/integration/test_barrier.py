@@ -19,8 +19,7 @@ from lbproxy.control import checks
 from lbproxy.core.pool import Pool
 from lbproxy.net.barrier import internal_errors
 from lbproxy.runtime.server import Server
-from tests.integration.conftest import free_port, vs_config
-from tests.integration.harness import NameServer
+from tests.integration.harness import NameServer, free_port, vs_config
 
 
 class Injected(Exception):

@@ -8,13 +8,13 @@ import socket
 import time
 
 import lbproxy
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ROOT,
     compiled_path_expected,
     free_port,
     open_and_read_name,
     run_cli,
+    vs_config,
 )
 
 SAP = """\

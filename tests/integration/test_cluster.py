@@ -16,9 +16,19 @@ from typing import Self
 import pytest
 
 from lbproxy.wire.proxy_protocol import encode_v1
-from tests.integration.harness import Lbproxy, free_port, local_http, read_name, run_cli, wait_for
+from tests.integration.harness import (
+    Lbproxy,
+    UpgradableLbproxy,
+    free_port,
+    http,
+    local_http,
+    metrics,
+    read_name,
+    run_cli,
+    sample,
+    wait_for,
+)
 from tests.integration.redis_server import RedisServer, requires_redis
-from tests.integration.test_admin import http, metrics, sample
 
 pytestmark = [pytest.mark.integration, requires_redis]
 
@@ -762,12 +772,12 @@ def test_a_state_hash_of_12000_fields_is_read_up_to_10000(redis, cluster):
 
 
 def test_an_upgraded_instance_stays_in_the_cluster(redis, cluster, tmp_path):
-    from tests.integration.test_upgrade import Proxy
-
     lb2 = cluster.instance(redis, "lb2", start=True)
     port, admin = free_port(), free_port()
     (tmp_path / "lb1").mkdir()
-    lb1 = Proxy(tmp_path / "lb1", cluster_config(redis, "lb1", port, admin, cluster.servers), admin)
+    lb1 = UpgradableLbproxy(
+        tmp_path / "lb1", cluster_config(redis, "lb1", port, admin, cluster.servers), admin
+    )
     try:
         wait_for(lambda: "joined through Redis" in lb1.log(), 10.0, "lb1 joined")
         lb2.patch("a", {"weight": 4})

@@ -17,8 +17,16 @@ import time
 
 import pytest
 
-from tests.integration.harness import NameServer, free_port, local_http, read_name, wait_for
-from tests.integration.test_admin import http, metrics, sample
+from tests.integration.harness import (
+    NameServer,
+    free_port,
+    http,
+    local_http,
+    metrics,
+    read_name,
+    sample,
+    wait_for,
+)
 
 
 class Client(threading.Thread):

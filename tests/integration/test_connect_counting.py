@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import json
 
-from tests.integration.conftest import vs_config
-from tests.integration.harness import ask_name, free_port, run_cli, wait_for
-from tests.integration.test_admin import http, metrics, sample, with_admin
+from tests.integration.harness import (
+    ask_name,
+    free_port,
+    http,
+    metrics,
+    run_cli,
+    sample,
+    vs_config,
+    wait_for,
+    with_admin,
+)
 
 
 class Refusing:

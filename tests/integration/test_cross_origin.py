@@ -14,10 +14,16 @@ import json
 
 import pytest
 
-from tests.integration.conftest import vs_config
-from tests.integration.harness import free_port, wait_for
-from tests.integration.test_admin import metrics, sample, with_admin
-from tests.integration.test_workers import ready, workers_config
+from tests.integration.harness import (
+    free_port,
+    metrics,
+    ready,
+    sample,
+    vs_config,
+    wait_for,
+    with_admin,
+    workers_config,
+)
 
 TOKEN = "cross-origin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # a change over TCP needs it (SPEC §21)

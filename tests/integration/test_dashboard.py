@@ -28,12 +28,21 @@ from pathlib import Path
 import pytest
 
 from tests import tools
-from tests.integration.conftest import vs_config
-from tests.integration.harness import ROOT, ask_name, free_port, open_and_read_name, wait_for
-from tests.integration.test_admin import http, with_admin
-from tests.integration.test_status_output import front_door_proxy
-from tests.integration.test_udp_health import Echo
-from tests.integration.test_workers import ready, worker_servers, workers_config
+from tests.integration.harness import (
+    ROOT,
+    Echo,
+    ask_name,
+    free_port,
+    front_door_proxy,
+    http,
+    open_and_read_name,
+    ready,
+    vs_config,
+    wait_for,
+    with_admin,
+    worker_servers,
+    workers_config,
+)
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
 TOKEN = "dashboard-token-42"

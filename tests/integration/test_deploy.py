@@ -22,17 +22,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lbproxy.config.reader import load
 from tests import tools
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ROOT,
     free_port,
+    http,
     local_http,
     open_and_read_name,
+    ready,
     run_cli,
+    vs_config,
     wait_for,
+    with_admin,
 )
-from tests.integration.test_admin import http, with_admin
-from tests.integration.test_workers import ready
 
 CONTRIB = ROOT / "contrib"
 REFERENCE_METRICS = {

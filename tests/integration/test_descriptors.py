@@ -25,8 +25,7 @@ import threading
 import pytest
 
 from lbproxy.net.pump import MAX_IDLE_PIPES
-from tests.integration.harness import free_port, read_name, wait_for
-from tests.integration.test_admin import metrics, sample
+from tests.integration.harness import free_port, metrics, read_name, sample, wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

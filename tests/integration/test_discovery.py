@@ -21,11 +21,15 @@ from tests.integration.harness import (
     NameServer,
     ask_name,
     free_port,
+    http,
+    metrics,
     open_and_read_name,
     run_cli,
+    sample,
+    servers_of,
+    virtual_server_document,
     wait_for,
 )
-from tests.integration.test_admin import http, metrics, sample
 
 pytestmark = [pytest.mark.integration, requires_dnsmasq]
 
@@ -86,16 +90,6 @@ def config(
         lines.append("    real_servers:")
         lines += [f"      - {{name: {s.name}, address: 127.0.0.1:{s.port}}}" for s in static]
     return "\n".join(lines) + "\n"
-
-
-def document(admin_port: int) -> dict:
-    status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers")
-    assert status == 200
-    return json.loads(body)["virtual_servers"][0]
-
-
-def servers_of(admin_port: int) -> dict[str, dict]:
-    return {rs["name"]: rs for rs in document(admin_port)["real_servers"]}
 
 
 def wait_for_names(admin_port: int, names: set[str], timeout: float = 10.0) -> dict[str, dict]:
@@ -226,7 +220,10 @@ def test_discovered_names_in_patch_status_and_reload(name_servers, lbproxy, dnsm
         f"b.node.test:{b.port}": "yes",
     }
     as_json = json.loads(run_cli("status", "--json", "--admin", admin).stdout)
-    assert as_json["virtual_servers"][0]["real_servers"] == document(admin_port)["real_servers"]
+    assert (
+        as_json["virtual_servers"][0]["real_servers"]
+        == virtual_server_document(admin_port)["real_servers"]
+    )
 
 
 # -- A records: hold, outage, start-up -------------------------------------------------------

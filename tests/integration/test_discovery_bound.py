@@ -25,8 +25,7 @@ import dns.rrset
 from dns.rdtypes.IN.A import A
 from dns.rdtypes.IN.SRV import SRV
 
-from tests.integration.harness import free_port, wait_for
-from tests.integration.test_discovery import servers_of
+from tests.integration.harness import free_port, servers_of, wait_for
 
 SRV_NAME = "_web._tcp.svc.test."
 RECORDS = [(i % 3, (i * 7) % 11, 10000 + i, f"t{i % 100}.svc.test.") for i in range(2000)]

@@ -20,8 +20,7 @@ import dns.rcode
 import pytest
 
 from tests import tools
-from tests.integration.harness import ask_name, free_port, wait_for
-from tests.integration.test_admin import metrics, sample
+from tests.integration.harness import ask_name, free_port, metrics, sample, wait_for
 
 DIG = shutil.which("dig")
 

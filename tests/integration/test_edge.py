@@ -21,17 +21,20 @@ import struct
 import pytest
 
 from lbproxy.wire.proxy_protocol import V2_SIGNATURE, encode_v1
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
+    LimitedLbproxy,
     NameServer,
     ask_name,
     free_port,
+    http,
+    metrics,
     read_name,
+    sample,
+    sni_config,
+    vs_config,
     wait_for,
+    with_admin,
 )
-from tests.integration.test_admin import http, metrics, sample, with_admin
-from tests.integration.test_front_door import sni_config
-from tests.integration.test_lifecycle import LimitedLbproxy
 from tests.unit.wire.test_client_hello import real_hello
 
 REJECTED = "lbproxy_rejected_connections_total"

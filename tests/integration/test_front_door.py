@@ -23,16 +23,20 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests import tools
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     NameServer,
     ask_name,
     free_port,
+    http,
+    metrics,
     open_and_read_name,
     read_name,
+    sample,
+    sni_config,
+    vs_config,
     wait_for,
+    with_admin,
 )
-from tests.integration.test_admin import http, metrics, sample, with_admin
 
 FAST_CHECKS = "health_check: {type: tcp, interval: 0.1s, timeout: 0.5s, rise: 1, fall: 1}"
 
@@ -396,25 +400,6 @@ def tls_servers(tmp_path):
     yield make
     for server in made:
         server.stop()
-
-
-def sni_config(port: int, groups, admin_port: int | None = None, extra: str = "") -> str:
-    """Virtual servers sharing 127.0.0.1:`port`; groups: (name, sni list or None, servers)."""
-    lines = [
-        "global:",
-        f"  admin: {{listen: {'127.0.0.1:' + str(admin_port) if admin_port else 'none'}}}",
-        "  drain_timeout: 2s",
-        "virtual_servers:",
-    ]
-    for name, sni, servers in groups:
-        lines += [f"  - name: {name}", f"    listen: 127.0.0.1:{port}"]
-        if sni:
-            lines.append(f"    sni: [{', '.join(repr(n) for n in sni)}]")
-        lines += [f"    {line}" for line in extra.strip().splitlines() if line.strip()]
-        lines.append("    health_check: {type: none}")
-        lines.append("    real_servers:")
-        lines += [f"      - {{name: {s.name}, address: 127.0.0.1:{s.port}}}" for s in servers]
-    return "\n".join(lines) + "\n"
 
 
 def tls_name(port: int, server_name: str | None, pems, verify: bool = True) -> str:

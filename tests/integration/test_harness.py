@@ -11,8 +11,13 @@ import threading
 
 import pytest
 
-from tests.integration.conftest import vs_config
-from tests.integration.harness import Lbproxy, closed_without_a_byte, free_port, tracebacks
+from tests.integration.harness import (
+    Lbproxy,
+    closed_without_a_byte,
+    free_port,
+    tracebacks,
+    vs_config,
+)
 
 LOG = """\
 2026-12-03 07:00:00,000 INFO lbproxy.server: listening on 127.0.0.1:1

@@ -11,11 +11,9 @@ import functools
 import os
 import random
 import re
-import resource
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -28,32 +26,18 @@ from lbproxy.config.model import Address, HealthCheckConfig
 from lbproxy.config.reader import load
 from lbproxy.control.checks import decode_send, host_header, probe
 from lbproxy.runtime.server import Server
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
-    ROOT,
-    Lbproxy,
+    LimitedLbproxy,
     NameServer,
-    Process,
     ask_name,
     free_port,
     open_and_read_name,
+    vs_config,
+    wait_for_log,
     wait_port,
 )
 
 FAST_CHECKS = "health_check: {type: tcp, interval: 200ms, timeout: 200ms, rise: 2, fall: 3}"
-
-
-def wait_for_log(proxy: Lbproxy, pattern: str, timeout: float = 10.0, after: int = 0) -> float:
-    """Poll the log until `pattern` (a regular expression) appears past offset `after`;
-    returns the monotonic time it was seen."""
-    regex = re.compile(pattern)
-    deadline = time.monotonic() + timeout
-    while True:
-        if regex.search(proxy.log()[after:]):
-            return time.monotonic()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{pattern!r} not in the log within {timeout}s:\n{proxy.log()}")
-        time.sleep(0.005)
 
 
 def restart(server: NameServer) -> NameServer:
@@ -515,31 +499,6 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class LimitedLbproxy(Lbproxy):
-    """`lbproxy run` under `ulimit -n LIMIT`."""
-
-    def __init__(self, *args, limit: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.limit = limit
-
-    def start(self, wait_ports=(), timeout: float = 15.0) -> LimitedLbproxy:
-        limit = self.limit
-
-        def lower_limit() -> None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = Process(  # harness.Process: the teardown knows who stopped it
-            [sys.executable, "-m", "lbproxy", "run", str(self.config_path)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            preexec_fn=lower_limit,
-        )
-        wait_for_log(self, "listening on", timeout)
-        return self
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -26,10 +26,12 @@ from tests.integration.harness import (
     admin_socket_path,
     ask_name,
     free_port,
+    http,
     local_http,
+    metrics,
     run_cli,
+    sample,
 )
-from tests.integration.test_admin import http, metrics, sample
 
 DIG = shutil.which("dig")
 needs_dig = tools.requires("dig", package="bind9-dnsutils")

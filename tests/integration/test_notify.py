@@ -9,70 +9,22 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import struct
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import vs_config
-from tests.integration.harness import free_port, local_http, open_and_read_name
-from tests.integration.test_admin import with_admin
-from tests.integration.test_workers import workers, workers_config
-
-
-class NotifySocket:
-    """What systemd binds: an AF_UNIX datagram socket that records every message."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        target = b"\0" + address[1:].encode() if address.startswith("@") else address
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.sock.bind(target)
-        self.messages: list[tuple[int, dict[str, str]]] = []  # (sender pid, fields)
-
-    def _receive(self, timeout: float) -> bool:
-        self.sock.settimeout(timeout)
-        try:
-            data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
-        except TimeoutError:
-            return False
-        pid = -1
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                pid, _, _ = struct.unpack("3i", payload[:12])
-        fields = dict(line.split("=", 1) for line in data.decode().splitlines())
-        self.messages.append((pid, fields))
-        return True
-
-    def wait_for(self, key: str, timeout: float = 10.0) -> dict[str, str]:
-        """The next message (after those seen) that has `key`."""
-        seen = len(self.messages)
-        deadline = time.monotonic() + timeout
-        while True:
-            for _, fields in self.messages[seen:]:
-                if key in fields:
-                    return fields
-            seen = len(self.messages)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {key} message; got {self.messages}")
-            self._receive(left)
-
-    def drain(self, quiet: float = 0.3) -> None:
-        while self._receive(quiet):
-            pass
-
-    def events(self) -> list[str]:
-        """The state changes in order (STATUS-only updates left out)."""
-        names = ("READY", "RELOADING", "STOPPING")
-        return [key for _, fields in self.messages for key in names if key in fields]
-
-    def close(self) -> None:
-        self.sock.close()
+from tests.integration.harness import (
+    NotifySocket,
+    free_port,
+    local_http,
+    open_and_read_name,
+    vs_config,
+    with_admin,
+    workers,
+    workers_config,
+)
 
 
 @pytest.fixture

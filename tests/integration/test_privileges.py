@@ -22,10 +22,12 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import (
+    Echo,
     NameServer,
     alive,
     ask_name,
     free_port,
+    http,
     run_cli,
     stop_pids,
     wait_for,
@@ -36,8 +38,6 @@ from tests.integration.service_user import (
     service_python,
     status_ids,
 )
-from tests.integration.test_admin import http
-from tests.integration.test_udp_health import Echo
 
 pytestmark = [
     pytest.mark.integration,

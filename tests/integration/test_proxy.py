@@ -13,15 +13,17 @@ from collections import Counter
 import pytest
 
 from lbproxy.wire import proxy_protocol
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     ask_name,
     assert_rejected,
     free_port,
+    metrics,
     open_and_read_name,
+    sample,
+    vs_config,
     wait_for,
+    with_admin,
 )
-from tests.integration.test_admin import metrics, sample, with_admin
 
 
 def rejected(admin_port: int, reason: str, vs: str = "web") -> float:

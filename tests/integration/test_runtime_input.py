@@ -12,10 +12,18 @@ import urllib.request
 
 import pytest
 
-from tests.integration.conftest import vs_config
-from tests.integration.harness import ask_name, free_port, local_http, run_cli, wait_for
-from tests.integration.test_admin import with_admin
-from tests.integration.test_workers import ready, worker_servers, workers_config
+from tests.integration.harness import (
+    ask_name,
+    free_port,
+    local_http,
+    ready,
+    run_cli,
+    vs_config,
+    wait_for,
+    with_admin,
+    worker_servers,
+    workers_config,
+)
 
 WEIGHT_RULE = "weight must be an integer from 0 to 65535, got "
 STATE_RULE = "state must be one of enabled, drain, disabled, got "

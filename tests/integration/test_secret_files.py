@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ask_name, closed_without_a_byte, free_port, run_cli
-from tests.integration.test_admin import http
+from tests.integration.harness import ask_name, closed_without_a_byte, free_port, http, run_cli
 
 pytestmark = pytest.mark.integration
 

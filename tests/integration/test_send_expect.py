@@ -20,9 +20,7 @@ from hypothesis import strategies as st
 
 from lbproxy.config.model import Address, HealthCheckConfig
 from lbproxy.control.checks import EXCERPT_LIMIT, describe_received, probe
-from tests.integration.conftest import vs_config
-from tests.integration.harness import free_port
-from tests.integration.test_admin import metrics, sample, with_admin
+from tests.integration.harness import free_port, metrics, sample, vs_config, with_admin
 
 
 class _Answer(socketserver.BaseRequestHandler):

@@ -18,9 +18,17 @@ from __future__ import annotations
 import json
 import time
 
-from tests.integration.conftest import vs_config
-from tests.integration.harness import NameServer, ask_name, free_port, run_cli
-from tests.integration.test_admin import http, metrics, sample, with_admin
+from tests.integration.harness import (
+    NameServer,
+    ask_name,
+    free_port,
+    http,
+    metrics,
+    run_cli,
+    sample,
+    vs_config,
+    with_admin,
+)
 
 RAMP = 4.0
 EXTRA = (

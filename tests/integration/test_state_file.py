@@ -12,9 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Lbproxy, free_port, local_http, read_name, wait_for
-from tests.integration.test_admin import http, metrics, sample
-from tests.integration.test_workers import ready, worker_servers, workers_config
+from tests.integration.harness import (
+    Lbproxy,
+    free_port,
+    http,
+    local_http,
+    metrics,
+    read_name,
+    ready,
+    sample,
+    wait_for,
+    worker_servers,
+    workers_config,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,6 @@ import os
 import pty
 import re
 import select
-import socket
 import struct
 import subprocess
 import sys
@@ -18,8 +17,14 @@ import time
 
 import pytest
 
-from tests.integration.harness import ROOT, ask_name, free_port, open_and_read_name, run_cli
-from tests.integration.test_admin import with_admin
+from tests.integration.harness import (
+    ROOT,
+    ask_name,
+    free_port,
+    front_door_proxy,
+    run_cli,
+    with_admin,
+)
 
 VS_NAME = "web-frontend-production-eu-w01"  # 30 characters
 NAMES = (
@@ -223,57 +228,6 @@ def test_a_wide_terminal_shows_the_table_with_every_value_whole(status_setup):
 
 
 # -- backup servers and the queue (SPEC §13) ---------------------------------------------
-
-
-def front_door_proxy(name_servers, lbproxy, queued: int = 2):
-    """A real proxy whose virtual server `web` has a primary and a backup server with
-    one slot each and a queue: one connection holds the primary's slot, the next the
-    backup's (every primary full: the backup serves), and `queued` clients wait.
-    Returns (port, admin_port, the open sockets); the caller closes them."""
-    primary, backup = name_servers("primary", "standby")
-    port, admin_port = free_port(), free_port()
-    config = with_admin(
-        "global:\n"
-        "  admin: {listen: none}\n"
-        "virtual_servers:\n"
-        "  - name: web\n"
-        f"    listen: 127.0.0.1:{port}\n"
-        "    scheduler: rr\n"
-        "    health_check: {type: none}\n"
-        "    queue: {max: 10, timeout: 30s}\n"
-        "    real_servers:\n"
-        f"      - {{name: primary, address: 127.0.0.1:{primary.port}, max_connections: 1}}\n"
-        f"      - {{name: standby, address: 127.0.0.1:{backup.port}, backup: true,"
-        " max_connections: 1}\n",
-        admin_port,
-    )
-    lbproxy(config, [port])
-    admin = f"http://127.0.0.1:{admin_port}"
-
-    def web() -> dict:
-        out = run_cli("status", "--json", "--admin", admin)
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)["virtual_servers"][0]
-
-    # the start-up probe of the listen port took the one slot for a moment
-    _until(lambda: web()["real_servers"][0]["active_connections"] == 0, "the probe to end")
-    holder, name = open_and_read_name(port)
-    opened = [holder]
-    assert name == "primary"
-    holder, name = open_and_read_name(port)
-    opened.append(holder)
-    assert name == "standby"  # the primary is full: the backup serves (SPEC §3, §13)
-    for n in range(1, queued + 1):
-        opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        _until(lambda n=n: web()["queued"] == n, f"{n} queued")
-    return port, admin_port, opened
-
-
-def _until(condition, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_status_shows_the_backup_mark_and_the_queued_clients(name_servers, lbproxy):

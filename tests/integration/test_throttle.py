@@ -22,12 +22,12 @@ import socket
 import threading
 import time
 
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     closed_without_a_byte,
     free_port,
     open_and_read_name,
     run_cli,
+    vs_config,
 )
 
 THROTTLE = """
@@ -296,7 +296,7 @@ def _with_admin(config: str, admin_port: int) -> str:
 
 
 def _metric(admin_port: int, name: str, **labels) -> float:
-    from tests.integration.test_admin import metrics, sample
+    from tests.integration.harness import metrics, sample
 
     return sample(metrics(admin_port), name, virtual_server="web", **labels)
 

@@ -6,34 +6,23 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import subprocess
 import threading
 
 import pytest
 
-from tests import tools
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 from tests.integration.harness import (
     Lbproxy,
     NameServer,
     ask_name,
+    dig,
     free_port,
+    metrics,
+    requires_dig,
     run_cli,
+    sample,
     wait_for,
 )
-from tests.integration.test_admin import metrics, sample
-
-requires_dig = tools.requires("dig", package="bind9-dnsutils")
-
-
-def dig(port: int, name: str) -> str:
-    out = subprocess.run(
-        ["dig", "@127.0.0.1", "-p", str(port), "+short", "+notcp", "+tries=1", "+time=3", name],
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
-    return out.stdout.strip()
 
 
 @requires_dnsmasq

@@ -4,14 +4,19 @@ ICMP port unreachable on a session's socket as a passive failure that moves sess
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
 
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
-from tests.integration.harness import Lbproxy, free_port, wait_for
-from tests.integration.test_admin import metrics, sample
-from tests.integration.test_udp import dig, requires_dig
+from tests.integration.harness import (
+    Echo,
+    Lbproxy,
+    dig,
+    free_port,
+    metrics,
+    requires_dig,
+    sample,
+    wait_for,
+)
 
 FAST_CHECK = "interval: 100ms, timeout: 300ms, rise: 1, fall: 1"
 
@@ -23,28 +28,6 @@ def up(admin: int, vs: str, rs: str) -> float:
 def checked(admin: int, name: str, vs: str, rs: str, result: str) -> float:
     labels = (("real_server", rs), ("result", result), ("virtual_server", vs))
     return metrics(admin).get((name, labels), 0)
-
-
-class Echo:
-    """A UDP real server in a thread: answers each datagram with `reply` + the payload."""
-
-    def __init__(self, reply: bytes) -> None:
-        self.reply = reply
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                data, peer = self.sock.recvfrom(70000)
-                self.sock.sendto(self.reply + data, peer)
-
-    def close(self) -> None:
-        """Nothing listens on the port any more: the kernel answers ICMP port unreachable."""
-        self.sock.close()
 
 
 @requires_dnsmasq

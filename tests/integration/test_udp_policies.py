@@ -11,10 +11,17 @@ import pytest
 
 from lbproxy.core.schedulers import available
 from lbproxy.core.udp_stats import DROP_REASONS
-from tests.integration.harness import Lbproxy, free_port, run_cli, wait_for
-from tests.integration.test_admin import metrics, sample
-from tests.integration.test_udp_health import Echo
-from tests.integration.test_udp_sessions import ask, client
+from tests.integration.harness import (
+    Echo,
+    Lbproxy,
+    free_port,
+    metrics,
+    run_cli,
+    sample,
+    udp_ask,
+    udp_client,
+    wait_for,
+)
 
 # What each scheduler needs beyond its name to run with no agent or report around.
 EXTRA = {
@@ -48,18 +55,18 @@ def test_every_scheduler_opens_sessions_and_keeps_each_client_on_its_server(tmp_
                 for rs, echo in servers.items()
             )
         )
-    clients = [client(f"127.0.0.{20 + i}") for i in range(6)]
+    clients = [udp_client(f"127.0.0.{20 + i}") for i in range(6)]
     try:
         with Lbproxy(tmp_path, text).start():
             for name, port in ports.items():
                 picked = []
                 for i, sock in enumerate(clients):
-                    first = ask(sock, port, b"%d-0" % i)
+                    first = udp_ask(sock, port, b"%d-0" % i)
                     assert first is not None and first[2:] == b"%d-0" % i, (name, first)
                     server = first[:2]
                     # Later datagrams of the client: the same session, the same server.
                     for j in (1, 2):
-                        assert ask(sock, port, b"%d-%d" % (i, j)) == server + b"%d-%d" % (i, j)
+                        assert udp_ask(sock, port, b"%d-%d" % (i, j)) == server + b"%d-%d" % (i, j)
                     picked.append(server)
                 shares = sorted((picked.count(b"a:"), picked.count(b"b:")))
                 if name in ("rr", "wrr", "lc", "wlc", "sap"):
@@ -103,14 +110,14 @@ def test_persistence_sends_a_source_address_back_to_its_server(tmp_path):
         with Lbproxy(tmp_path, config).start():
             first = {}
             for host in hosts:
-                sock = client(host)
-                first[host] = ask(sock, port, b"q")[:2]
+                sock = udp_client(host)
+                first[host] = udp_ask(sock, port, b"q")[:2]
                 sock.close()
             assert sorted(first.values()) == [b"a:", b"a:", b"b:", b"b:"]  # rr's own picks
             for _ in range(3):
                 for host in hosts:
-                    sock = client(host)  # a new source port: a new session
-                    assert ask(sock, port, b"again")[:2] == first[host], host
+                    sock = udp_client(host)  # a new source port: a new session
+                    assert udp_ask(sock, port, b"again")[:2] == first[host], host
                     sock.close()
             samples = metrics(admin)
 
@@ -149,9 +156,9 @@ def test_max_connections_counts_sessions_and_drops_are_counted_by_reason(tmp_pat
             for rs, echo in servers.items()
         )
     )
-    held = [client() for _ in range(4)]
-    late = client(timeout=0.3)
-    denied = client("127.0.0.9", timeout=0.3)
+    held = [udp_client() for _ in range(4)]
+    late = udp_client(timeout=0.3)
+    denied = udp_client("127.0.0.9", timeout=0.3)
     url = f"http://127.0.0.1:{admin}"
     try:
         with Lbproxy(tmp_path, config).start():
@@ -160,10 +167,10 @@ def test_max_connections_counts_sessions_and_drops_are_counted_by_reason(tmp_pat
                 assert sample(
                     samples, "lbproxy_udp_dropped_total", virtual_server="game", reason=reason
                 ) == 0, reason  # fmt: skip
-            answers = sorted(ask(sock, port, b"hi") for sock in held)
+            answers = sorted(udp_ask(sock, port, b"hi") for sock in held)
             assert answers == [b"a:hi", b"a:hi", b"b:hi", b"b:hi"]
-            assert ask(late, port, b"hi") is None  # both servers hold their 2 sessions
-            assert ask(denied, port, b"hi") is None  # deny: 127.0.0.9
+            assert udp_ask(late, port, b"hi") is None  # both servers hold their 2 sessions
+            assert udp_ask(denied, port, b"hi") is None  # deny: 127.0.0.9
             samples = metrics(admin)
             dropped = {
                 reason: sample(
@@ -177,7 +184,9 @@ def test_max_connections_counts_sessions_and_drops_are_counted_by_reason(tmp_pat
                 assert sample(samples, "lbproxy_udp_active_sessions", **labels) == 2
                 assert sample(samples, "lbproxy_active_connections", **labels) == 2
             # The held sessions still relay.
-            assert sorted(ask(sock, port, b"on") for sock in held) == [b"a:on"] * 2 + [b"b:on"] * 2
+            assert (
+                sorted(udp_ask(sock, port, b"on") for sock in held) == [b"a:on"] * 2 + [b"b:on"] * 2
+            )
             document = json.loads(run_cli("status", "--admin", url, "--json").stdout)
             (vs,) = document["virtual_servers"]
             assert vs["udp"]["dropped"] == dropped
@@ -244,16 +253,16 @@ def test_max_sessions_per_source_counts_by_source_prefix(tmp_path):
             metrics(admin), "lbproxy_udp_dropped_total", virtual_server="game", reason="per_source"
         )
 
-    two, three, four = client("127.0.0.2"), client("127.0.0.3"), client("127.0.0.4")
-    other = client("127.0.1.5")
+    two, three, four = udp_client("127.0.0.2"), udp_client("127.0.0.3"), udp_client("127.0.0.4")
+    other = udp_client("127.0.1.5")
     try:
         with Lbproxy(tmp_path, config).start():
-            assert ask(two, port, b"hi") == b"a:hi"
-            assert ask(three, port, b"hi") == b"a:hi"
+            assert udp_ask(two, port, b"hi") == b"a:hi"
+            assert udp_ask(three, port, b"hi") == b"a:hi"
             four.sendto(b"hi", ("127.0.0.1", port))
             wait_for(lambda: per_source() == 1, what="127.0.0.4 dropped per_source")
-            assert ask(other, port, b"hi") == b"a:hi"  # another /24
-            assert ask(two, port, b"again") == b"a:again"  # its session goes on
+            assert udp_ask(other, port, b"hi") == b"a:hi"  # another /24
+            assert udp_ask(two, port, b"again") == b"a:again"  # its session goes on
             assert per_source() == 1
     finally:
         for sock in (two, three, four, other):

@@ -8,25 +8,8 @@ import socket
 
 import trio
 
-from lbproxy.config.model import (
-    Address,
-    HealthCheckConfig,
-    RealServerConfig,
-    UdpConfig,
-    VirtualServerConfig,
-)
-from lbproxy.core.pool import Pool
 from lbproxy.dataplane.udp import UdpRelay
-
-OPEN: list[socket.socket] = []
-
-
-def udp_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    OPEN.append(sock)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-    return sock
+from tests.integration.harness import OPEN_UDP_SOCKETS, relay_for, udp_socket
 
 
 async def echo(sock: socket.socket, name: bytes, copies: int = 1) -> None:
@@ -36,22 +19,6 @@ async def echo(sock: socket.socket, name: bytes, copies: int = 1) -> None:
         data, peer = await tsock.recvfrom(70000)
         for _ in range(copies):
             await tsock.sendto(name + data, peer)
-
-
-def relay_for(servers: dict[str, socket.socket], **udp) -> UdpRelay:
-    config = VirtualServerConfig(
-        name="dns",
-        listen=(Address("127.0.0.1", 0),),
-        real_servers=tuple(
-            RealServerConfig(name, Address("127.0.0.1", sock.getsockname()[1]))
-            for name, sock in servers.items()
-        ),
-        scheduler="rr",
-        protocol="udp",
-        udp=UdpConfig(**udp),
-        health_check=HealthCheckConfig(type="none"),
-    )
-    return UdpRelay(Pool(config, trio.current_time()), udp_socket())
 
 
 async def ask(relay: UdpRelay, payload: bytes, client: trio.socket.SocketType) -> bytes:
@@ -65,8 +32,8 @@ def run(test) -> None:
     try:
         trio.run(test)
     finally:
-        while OPEN:
-            OPEN.pop().close()
+        while OPEN_UDP_SOCKETS:
+            OPEN_UDP_SOCKETS.pop().close()
 
 
 def client_socket() -> trio.socket.SocketType:

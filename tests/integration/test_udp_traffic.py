@@ -10,9 +10,7 @@ import socket
 import threading
 from collections import Counter
 
-from tests.integration.harness import Lbproxy, free_port, wait_for
-from tests.integration.test_admin import metrics, sample
-from tests.integration.test_udp_health import Echo
+from tests.integration.harness import Echo, Lbproxy, free_port, metrics, sample, wait_for
 
 
 class Collector:

@@ -13,10 +13,8 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -24,17 +22,16 @@ from tests import tools
 from tests.integration.client_loop import ClientLoop
 from tests.integration.harness import (
     ROOT,
+    Echo,
     NameServer,
+    NotifySocket,
     alive,
     ask_name,
     free_port,
-    local_http,
     run_cli,
-    stop_pids,
     wait_for,
 )
-from tests.integration.test_notify import NotifySocket
-from tests.integration.test_udp_health import Echo
+from tests.integration.harness import UpgradableLbproxy as Proxy
 
 pytestmark = pytest.mark.integration
 
@@ -55,50 +52,6 @@ def config(port: int, admin: int, backend: int, drain: str = "10s", spare: bool 
               - {{name: echo, address: 127.0.0.1:{backend}}}
         """
     ) + (f"      - {{name: spare, address: 127.0.0.1:{backend}}}\n" if spare else "")
-
-
-class Proxy:
-    """The first `lbproxy run` and whichever process serves after each upgrade."""
-
-    def __init__(self, tmp_path: Path, yaml: str, admin: int, env=None, cwd=ROOT) -> None:
-        self.path = tmp_path / "lbproxy.yaml"
-        self.path.write_text(yaml)
-        self.admin = admin
-        self.log_path = tmp_path / "lbproxy.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.first = subprocess.Popen(
-            [sys.executable, "-m", "lbproxy", "run", str(self.path)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-        )
-        self.pids = [self.first.pid]
-        wait_for(lambda: "listening on" in self.log() or self.first.poll() is not None, 20)
-        assert self.first.poll() is None, self.log()
-
-    @property
-    def pid(self) -> int:
-        return self.pids[-1]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def upgrade(self) -> dict:
-        """POST /api/v1/upgrade (what `lbproxy upgrade` sends: through the admin socket,
-        as over TCP a change needs the token), the answer."""
-        url = f"http://127.0.0.1:{self.admin}/api/v1/upgrade"
-        status, body = local_http("POST", url, b"{}", timeout=90)
-        assert status == 200, body
-        answer = json.loads(body)
-        assert answer["old_pid"] == self.pid
-        self.pids.append(answer["pid"])
-        return answer
-
-    def stop(self) -> None:
-        stop_pids(self.pids)
-        self.first.wait(5)
-        self._log.close()
 
 
 def transfer(sock: socket.socket, size: int) -> bytes | None:

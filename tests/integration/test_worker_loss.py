@@ -13,8 +13,17 @@ import time
 import pytest
 
 from tests.integration.client_loop import ClientLoop
-from tests.integration.harness import Lbproxy, NameServer, free_port, local_http, wait_for
-from tests.integration.test_workers import get_json, ready, workers, workers_config
+from tests.integration.harness import (
+    Lbproxy,
+    NameServer,
+    free_port,
+    get_json,
+    local_http,
+    ready,
+    wait_for,
+    workers,
+    workers_config,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -12,49 +12,25 @@ import pytest
 
 from lbproxy.runtime.workers import MetricSums, merge_documents, parse_metrics
 from tests import tools
-from tests.integration.conftest import vs_config
 from tests.integration.harness import (
     alive,
     ask_name,
     free_port,
+    get_json,
+    http,
     local_http,
+    metrics,
     open_and_read_name,
+    ready,
     run_cli,
+    sample,
     wait_for,
+    worker_servers,
+    workers,
+    workers_config,
 )
-from tests.integration.test_admin import http, metrics, sample, with_admin
 
 NAMES = "abc"
-
-
-def workers_config(port: int, servers, admin_port: int, workers: int = 2, rs_extra=None) -> str:
-    config = with_admin(
-        vs_config(port, servers, "rr", "health_check: {type: none}", rs_extra), admin_port
-    )
-    return config.replace("global:\n", f"global:\n  workers: {workers}\n", 1)
-
-
-def get_json(admin_port: int, path: str):
-    status, body = http("GET", f"http://127.0.0.1:{admin_port}{path}")
-    assert status == 200, body
-    return json.loads(body)
-
-
-def ready(admin_port: int) -> bool:
-    try:
-        return http("GET", f"http://127.0.0.1:{admin_port}/readyz")[0] == 200
-    except OSError:
-        return False
-
-
-def workers(admin_port: int) -> list[dict]:
-    return get_json(admin_port, "/api/v1/workers")["workers"]
-
-
-def worker_servers(admin_port: int, index: int) -> dict[str, dict]:
-    document = get_json(admin_port, f"/api/v1/workers/{index}/virtual-servers")
-    (vs,) = document["virtual_servers"]
-    return {rs["name"]: rs for rs in vs["real_servers"]}
 
 
 @pytest.fixture

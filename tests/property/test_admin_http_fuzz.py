@@ -12,8 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.harness import Lbproxy, admin_socket_path, free_port
-from tests.integration.test_admin_http import TOKEN, config, healthy
+from tests.integration.harness import (
+    HTTP_SERVER_TOKEN,
+    Lbproxy,
+    admin_socket_path,
+    free_port,
+    http_server_config,
+    http_server_healthy,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +55,7 @@ HEADERS = [
     b"Upgrade: h2c",
     b"X-Lbproxy-Client: 1.2.3.4 99",
     b"Origin: http://elsewhere",
-    b"Authorization: Bearer " + TOKEN.encode(),  # a change over TCP needs it
+    b"Authorization: Bearer " + HTTP_SERVER_TOKEN.encode(),  # a change over TCP needs it
     b"Authorization: Bearer wrong",
     b"Authorization: Basic eDp5",
     b"X: " + b"y" * 200,
@@ -112,7 +118,7 @@ EXPECTED = {
 def endpoint(tmp_path_factory):
     port = free_port()
     folder = tmp_path_factory.mktemp("admin-fuzz")
-    proxy = Lbproxy(folder, config(f"127.0.0.1:{port}", folder))
+    proxy = Lbproxy(folder, http_server_config(f"127.0.0.1:{port}", folder))
     proxy.start([port])
     yield proxy, port
     proxy.stop()
@@ -159,4 +165,4 @@ def test_any_bytes_get_answers_or_a_close_and_others_are_served(endpoint, transp
         assert received.startswith(b"HTTP/1.1 "), received[:100]
     assert set(STATUS.findall(received)) <= EXPECTED, received[:300]
     assert proxy.proc.poll() is None
-    assert healthy(port)
+    assert http_server_healthy(port)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lbproxy.dataplane.udp import MAX_DATAGRAM
-from tests.integration.test_udp_relay import OPEN, relay_for, udp_socket
+from tests.integration.harness import OPEN_UDP_SOCKETS, relay_for, udp_socket
 
 BUFFER = 1 << 20  # each burst must fit in a socket buffer: UDP has no flow control
 BURST_BYTES = 120_000
@@ -98,8 +98,8 @@ def run(plan, seed, copies, responses) -> None:
     try:
         trio.run(relay_bursts, plan, seed, copies, responses)
     finally:
-        while OPEN:
-            OPEN.pop().close()
+        while OPEN_UDP_SOCKETS:
+            OPEN_UDP_SOCKETS.pop().close()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import Lbproxy, NameServer, stop_all
+from tests.integration.harness import Lbproxies, NameServer
 
 
 @pytest.fixture
@@ -23,15 +23,10 @@ def name_servers():
 
 @pytest.fixture
 def lbproxy(tmp_path):
-    """lbproxy(yaml_text) -> a started `lbproxy run` process; stopped after the test, which
-    then fails if the process ended by itself, exited non-zero or logged a traceback
-    (see harness.Lbproxy for how a test declares one it expects)."""
-    started: list[Lbproxy] = []
-
-    def make(config: str, wait_ports=(), start=True) -> Lbproxy:
-        proxy = Lbproxy(tmp_path, config)
-        started.append(proxy)
-        return proxy.start(list(wait_ports)) if start else proxy
-
-    yield make
-    stop_all(started)  # fails the test on an unexpected exit, status or traceback
+    """lbproxy(yaml_text, ...) -> a started `lbproxy run` process (harness.Lbproxies says
+    what else it takes); stopped after the test, which then fails if the process ended by
+    itself, exited non-zero or logged a traceback (see harness.Lbproxy for how a test
+    declares one it expects)."""
+    proxies = Lbproxies(tmp_path)
+    yield proxies
+    proxies.stop_all()  # fails the test on an unexpected exit, status or traceback

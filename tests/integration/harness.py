@@ -240,6 +240,8 @@ class Lbproxy:
         proxy.expected_tracebacks = ("RuntimeError: injected",)  # a traceback is fine
                                               # when it contains one of these texts
         proxy.may_exit = True                 # it may end before stop() (e.g. handed over)
+
+    `nofile_limit` runs it under `ulimit -n` that many descriptors.
     """
 
     def __init__(
@@ -251,6 +253,7 @@ class Lbproxy:
         expected_exit: int | None = 0,
         expected_tracebacks: tuple[str, ...] = (),
         may_exit: bool = False,
+        nofile_limit: int | None = None,
     ):
         self.config_path = tmp_path / name
         self.config_path.write_text(textwrap.dedent(config))
@@ -260,7 +263,9 @@ class Lbproxy:
         self.expected_exit = expected_exit
         self.expected_tracebacks = expected_tracebacks
         self.may_exit = may_exit
+        self.nofile_limit = nofile_limit
         self._start_failed = False
+        self._checked = False
 
     def start(self, wait_ports: list[int] = (), timeout: float = 15.0) -> Lbproxy:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -269,6 +274,7 @@ class Lbproxy:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            preexec_fn=self._lower_nofile if self.nofile_limit is not None else None,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -283,6 +289,11 @@ class Lbproxy:
         for port in wait_ports:
             wait_port(port, deadline - time.monotonic())
         return self
+
+    def _lower_nofile(self) -> None:
+        """In the child, before exec."""
+        assert self.nofile_limit is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile_limit, self.nofile_limit))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -304,9 +315,12 @@ class Lbproxy:
             time.sleep(0.02)
 
     def stop(self, timeout: float = 15.0, check: bool = True) -> int:
-        """SIGTERM, wait, and (with `check`) fail on what the class docstring lists."""
+        """SIGTERM, wait, and (with `check`) fail on what the class docstring lists. Once
+        checked, a second stop() (a fixture's teardown after the test's own) does nothing."""
         if self.proc is None:
             return 0
+        if self._checked:
+            return self.proc.returncode
         ended_alone = self.proc.poll() is not None and not getattr(self.proc, "signalled", True)
         killed = False
         if self.proc.poll() is None:
@@ -319,6 +333,7 @@ class Lbproxy:
                 killed = True
         self._log.close()
         if check:
+            self._checked = True
             self.check(ended_alone, killed, timeout)
         return self.proc.returncode
 
@@ -354,6 +369,42 @@ class Lbproxy:
         # After a failure inside the block, stop without checking: the test's own
         # error is the one to report.
         self.stop(check=exc_type is None)
+
+
+class Lbproxies:
+    """Starts `lbproxy run` processes, each on its configuration in `folder` (or in a folder
+    of its own), and stops them all at the end: the `lbproxy` fixture, and a module's
+    fixture that shares one process among its tests.
+
+        proxy = lbproxy(config)                    # started: every listener bound
+        proxy = lbproxy(config, [port])            # ... and `port` accepts a connection
+        proxy = lbproxy(config, start=False)       # to start (or see fail) in the test
+        proxy = lbproxy(config, folder=tmp_path / "two", args=("--log-level", "debug"),
+                        expected_exit=None, nofile_limit=64)   # any Lbproxy option
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.started: list[Lbproxy] = []
+
+    def __call__(
+        self,
+        config: str,
+        wait_ports=(),
+        start: bool = True,
+        *,
+        folder: Path | None = None,
+        args: tuple[str, ...] = (),
+        **options,
+    ) -> Lbproxy:
+        folder = self.folder if folder is None else folder
+        folder.mkdir(parents=True, exist_ok=True)
+        proxy = Lbproxy(folder, config, *args, **options)
+        self.started.append(proxy)
+        return proxy.start(list(wait_ports)) if start else proxy
+
+    def stop_all(self) -> None:
+        stop_all(self.started)
 
 
 def stop_all(proxies) -> None:
@@ -692,28 +743,10 @@ def wait_for_log(proxy: Lbproxy, pattern: str, timeout: float = 10.0, after: int
 
 
 class LimitedLbproxy(Lbproxy):
-    """`lbproxy run` under `ulimit -n LIMIT`."""
+    """`lbproxy run` under `ulimit -n LIMIT` (the `lbproxy` fixture's `nofile_limit=`)."""
 
     def __init__(self, *args, limit: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.limit = limit
-
-    def start(self, wait_ports=(), timeout: float = 15.0) -> LimitedLbproxy:
-        limit = self.limit
-
-        def lower_limit() -> None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = Process(  # harness.Process: the teardown knows who stopped it
-            [sys.executable, "-m", "lbproxy", "run", str(self.config_path)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            preexec_fn=lower_limit,
-        )
-        wait_for_log(self, "listening on", timeout)
-        return self
+        super().__init__(*args, nofile_limit=limit, **kwargs)
 
 
 class UpgradableLbproxy:

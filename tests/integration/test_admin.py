@@ -270,28 +270,23 @@ def test_world_readable_token_file_refuses_to_start(name_servers, tmp_path):
     assert f"admin.token_file {token_file} is open to other users (mode 0644" in out.stderr
 
 
-def test_access_log_and_decision_explain_lines(name_servers, tmp_path):
-    from tests.integration.harness import Lbproxy
-
+def test_access_log_and_decision_explain_lines(name_servers, lbproxy):
     servers = name_servers("a", "b")
     port = free_port()
     config = vs_config(port, servers, "wlc").replace(
         "  drain_timeout: 5s", "  drain_timeout: 5s\n  access_log: true"
     )
-    proxy = Lbproxy(tmp_path, config, "--log-level", "debug").start()
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            assert s.recv(2) == b"a\n"
-            s.sendall(b"hello")
-            s.shutdown(socket.SHUT_WR)
-            while s.recv(100):
-                pass
-        deadline = time.monotonic() + 5
-        while "lbproxy.access" not in proxy.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        log = proxy.log()
-    finally:
-        proxy.stop()
+    proxy = lbproxy(config, args=("--log-level", "debug"))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        assert s.recv(2) == b"a\n"
+        s.sendall(b"hello")
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(100):
+            pass
+    deadline = time.monotonic() + 5
+    while "lbproxy.access" not in proxy.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = proxy.log()
     # one access line: client, virtual server, real server, bytes each way, how it ended
     assert re.search(
         r"lbproxy\.access: 127\.0\.0\.1:\d+ vs=web rs=a in=5 out=7 duration=\d+\.\d{3}s end=closed",

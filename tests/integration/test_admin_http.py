@@ -21,7 +21,7 @@ import pytest
 from lbproxy.admin.http_server import MAX_BODY, MAX_HEAD, REQUEST_TIMEOUT
 from tests.integration.harness import (
     HTTP_SERVER_TOKEN,
-    Lbproxy,
+    Lbproxies,
     ask_name,
     free_port,
     http,
@@ -42,10 +42,10 @@ AUTH = f"Authorization: Bearer {HTTP_SERVER_TOKEN}\r\n"
 def endpoint(tmp_path_factory):
     port = free_port()
     folder = tmp_path_factory.mktemp("admin-http")
-    proxy = Lbproxy(folder, http_server_config(f"127.0.0.1:{port}", folder))
-    proxy.start([port])
+    proxies = Lbproxies(folder)  # one process for the module: every test leaves it as it was
+    proxy = proxies(http_server_config(f"127.0.0.1:{port}", folder), [port])
     yield proxy, port
-    proxy.stop()
+    proxies.stop_all()
     assert "Traceback" not in proxy.log(), proxy.log()
 
 
@@ -313,9 +313,9 @@ def test_head_requests_get_the_head_only(endpoint):
         assert heads[1].startswith(b"HTTP/1.1 200") and heads[2] == b"ok\n"
 
 
-def test_an_ipv6_listen_address(tmp_path):
+def test_an_ipv6_listen_address(tmp_path, lbproxy):
     port = free_port("::1")
-    with Lbproxy(tmp_path, http_server_config(f"[::1]:{port}", tmp_path)).start() as proxy:
+    with lbproxy(http_server_config(f"[::1]:{port}", tmp_path)) as proxy:
         with connect(port, "::1") as s:
             buffer = bytearray()
             s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")

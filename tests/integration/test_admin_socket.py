@@ -21,7 +21,6 @@ import pytest
 
 from tests.integration.harness import (
     ROOT,
-    Lbproxy,
     admin_socket_path,
     ask_name,
     free_port,
@@ -124,7 +123,9 @@ def test_another_user_is_refused_even_when_the_file_mode_lets_it_connect(
     assert status == 200 and json.loads(body)["state"] == "enabled"
 
 
-def test_a_stale_socket_file_is_replaced_and_anything_else_is_left_alone(name_servers, tmp_path):
+def test_a_stale_socket_file_is_replaced_and_anything_else_is_left_alone(
+    name_servers, tmp_path, lbproxy
+):
     """A socket file nobody answers on (its process died): removed, the new one made.
     One that answers (a live process), or a path that is not a socket: the start fails
     (exit 1, naming the path), and the file is left as it was."""
@@ -136,7 +137,8 @@ def test_a_stale_socket_file_is_replaced_and_anything_else_is_left_alone(name_se
     dead.bind(str(path))
     dead.close()  # the file stays, nothing listens: what a SIGKILLed process leaves
     port, admin_port = free_port(), free_port()
-    with _proxy(tmp_path / "stale", config(port, servers, admin_port, str(path))) as proxy:
+    text = config(port, servers, admin_port, str(path))
+    with lbproxy(text, folder=tmp_path / "stale") as proxy:
         assert "removed the one a stopped process left" in proxy.log()
         assert unix_http(str(path), "GET", "/healthz")[0] == 200
 
@@ -162,11 +164,6 @@ def test_a_stale_socket_file_is_replaced_and_anything_else_is_left_alone(name_se
     assert path.read_text() == "not a socket\n"
 
 
-def _proxy(folder: Path, text: str) -> Lbproxy:
-    folder.mkdir(parents=True, exist_ok=True)
-    return Lbproxy(folder, text)
-
-
 def _run_briefly(folder: Path, text: str) -> subprocess.CompletedProcess:
     """`lbproxy run` of a configuration expected to fail at start."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -179,13 +176,15 @@ def _run_briefly(folder: Path, text: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_two_processes_with_different_admin_ports_each_have_their_own(name_servers, tmp_path):
+def test_two_processes_with_different_admin_ports_each_have_their_own(
+    name_servers, tmp_path, lbproxy
+):
     one_servers = name_servers("a")
     two_servers = name_servers("b")
     (p1, a1), (p2, a2) = (free_port(), free_port()), (free_port(), free_port())
     with (
-        _proxy(tmp_path / "1", config(p1, one_servers, a1)).start(),
-        _proxy(tmp_path / "2", config(p2, two_servers, a2)).start(),
+        lbproxy(config(p1, one_servers, a1), folder=tmp_path / "1"),
+        lbproxy(config(p2, two_servers, a2), folder=tmp_path / "2"),
     ):
         assert admin_socket_path(a1) != admin_socket_path(a2)
         assert all(os.path.exists(admin_socket_path(a)) for a in (a1, a2))
@@ -199,7 +198,7 @@ def test_two_processes_with_different_admin_ports_each_have_their_own(name_serve
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_an_upgrade_hands_the_socket_over_and_no_client_is_refused(name_servers, tmp_path, workers):
+def test_an_upgrade_hands_the_socket_over_and_no_client_is_refused(name_servers, lbproxy, workers):
     """`lbproxy upgrade` through the admin socket while a client asks through it
     without pause: every request is answered (200), the new process answers on the
     same socket once the old one has exited, and the file is kept by the old one's exit
@@ -211,9 +210,7 @@ def test_an_upgrade_hands_the_socket_over_and_no_client_is_refused(name_servers,
         if workers == 2
         else config(port, servers, admin_port)
     )
-    proxy = _proxy(tmp_path, text)
-    proxy.may_exit = True  # the upgrade ends the first process
-    proxy.start()
+    proxy = lbproxy(text, may_exit=True)  # the upgrade ends the first process
     path = admin_socket_path(admin_port)
     wait_for(lambda: ready(admin_port), what="/readyz")
     failures: list[str] = []

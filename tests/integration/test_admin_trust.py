@@ -17,7 +17,6 @@ import pytest
 
 from tests import tools
 from tests.integration.harness import (
-    Lbproxy,
     admin_socket_path,
     ask_name,
     free_port,
@@ -215,30 +214,27 @@ def test_an_error_in_a_file_outside_the_running_configuration_is_not_quoted_over
     folder = tmp_path / "conf"
     folder.mkdir()
     text = with_admin(vs_config(port, servers, "rr"), admin_port, token_file(tmp_path))
-    proxy = Lbproxy(tmp_path, text, name="conf/web.yaml")
+    proxy = lbproxy(text, start=False, name="conf/web.yaml")
     proxy.config_path = folder  # `lbproxy run conf/`
     proxy.start()
-    try:
-        secret = tmp_path / "secret.txt"
-        secret.write_text(SECRET + "\n")
-        planted = folder / "zz.yaml"
-        planted.symlink_to(secret)
-        reload_url = admin_url(admin_port, "/api/v1/reload")
-        status, body = http("POST", reload_url, {}, token=TOKEN)
-        assert status == 400, body
-        errors = json.loads(body)["errors"]
-        assert any(e.startswith(f"{planted}:1: invalid") for e in errors), errors
-        assert "SECRETHASH" not in body.decode() and "root:" not in body.decode()
-        status, body = http("POST", admin_url(admin_port, "/api/v1/upgrade"), {}, token=TOKEN)
-        assert status == 400, body
-        assert json.loads(body)["exit"] == 2
-        assert "SECRETHASH" not in body.decode() and "root:" not in body.decode()
-        # Through the socket the operator reads the reader's own message.
-        status, body = local_http("POST", reload_url, {})
-        assert status == 400 and "SECRETHASH" in body.decode()
-        assert ask_name(port) == "a"  # still serving the old configuration
-    finally:
-        proxy.stop()
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET + "\n")
+    planted = folder / "zz.yaml"
+    planted.symlink_to(secret)
+    reload_url = admin_url(admin_port, "/api/v1/reload")
+    status, body = http("POST", reload_url, {}, token=TOKEN)
+    assert status == 400, body
+    errors = json.loads(body)["errors"]
+    assert any(e.startswith(f"{planted}:1: invalid") for e in errors), errors
+    assert "SECRETHASH" not in body.decode() and "root:" not in body.decode()
+    status, body = http("POST", admin_url(admin_port, "/api/v1/upgrade"), {}, token=TOKEN)
+    assert status == 400, body
+    assert json.loads(body)["exit"] == 2
+    assert "SECRETHASH" not in body.decode() and "root:" not in body.decode()
+    # Through the socket the operator reads the reader's own message.
+    status, body = local_http("POST", reload_url, {})
+    assert status == 400 and "SECRETHASH" in body.decode()
+    assert ask_name(port) == "a"  # still serving the old configuration
 
 
 # -- the CLI ------------------------------------------------------------------------------

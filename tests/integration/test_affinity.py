@@ -19,7 +19,6 @@ from tests.integration.harness import (
     read_name,
     ready,
     sample,
-    stop_all,
     vs_config,
     wait_for,
     with_admin,
@@ -60,19 +59,13 @@ def lookups(admin_port: int) -> dict[str, float]:
 
 
 @pytest.fixture
-def processes(tmp_path):
+def processes(tmp_path, lbproxy):
     """start(config, name) -> a started `lbproxy run` in a folder of its own."""
-    started: list[Lbproxy] = []
 
     def start(config: str, name: str, wait_ports=()) -> Lbproxy:
-        folder = tmp_path / name
-        folder.mkdir()
-        proxy = Lbproxy(folder, config)
-        started.append(proxy)
-        return proxy.start(list(wait_ports))
+        return lbproxy(config, wait_ports, folder=tmp_path / name)
 
-    yield start
-    stop_all(started)
+    return start
 
 
 def test_persistence_keeps_moves_and_forgets_clients_by_source_address(name_servers, processes):

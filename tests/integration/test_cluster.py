@@ -62,10 +62,9 @@ def redis(tmp_path):
 class Instance:
     """One `lbproxy run` of the cluster: its proxy port, admin port and process."""
 
-    def __init__(self, folder: Path, name: str, config: str, port: int, admin: int):
-        folder.mkdir(parents=True, exist_ok=True)
+    def __init__(self, proxy: Lbproxy, name: str, port: int, admin: int):
         self.name, self.port, self.admin = name, port, admin
-        self.proxy = Lbproxy(folder, config)
+        self.proxy = proxy
 
     def start(self) -> Instance:
         self.proxy.start([self.admin])
@@ -102,7 +101,7 @@ class Instance:
 
 
 @pytest.fixture
-def cluster(tmp_path, name_servers):
+def cluster(tmp_path, name_servers, lbproxy):
     """cluster(redis, n, ...) -> n instances in front of the same name servers a, b, c."""
     started: list[Instance] = []
     servers = name_servers("a", "b", "c")
@@ -116,7 +115,8 @@ def cluster(tmp_path, name_servers):
     def instance(redis: RedisServer, name: str, start: bool = False, **options) -> Instance:
         port, admin = free_port(), free_port()
         config = cluster_config(redis, name, port, admin, servers, **options)
-        one = Instance(tmp_path / name, name, config, port, admin)
+        proxy = lbproxy(config, start=False, folder=tmp_path / name)
+        one = Instance(proxy, name, port, admin)
         started.append(one)
         return one.start() if start else one
 

@@ -558,10 +558,9 @@ def test_the_cluster_example_agrees_with_the_configuration_it_mounts(tmp_path):
         assert seconds(service["stop_grace_period"]) > config.global_.drain_timeout
 
 
-def test_the_cluster_example_runs_as_a_cluster(tmp_path):
+def test_the_cluster_example_runs_as_a_cluster(tmp_path, lbproxy):
     """Its files with a real redis-server and two `lbproxy run`: the addresses that
     compose resolves replaced by loopback ones, everything else as shipped."""
-    from tests.integration.harness import Lbproxy
     from tests.integration.redis_server import REDIS_SERVER, RedisServer
 
     if REDIS_SERVER is None:
@@ -590,9 +589,7 @@ def test_the_cluster_example_runs_as_a_cluster(tmp_path):
                 )
                 for app in ("app-1", "app-2", "app-3"):
                     text = text.replace(f"{app}:8000", f"127.0.0.1:{free_port()}")
-                folder = tmp_path / name
-                folder.mkdir()
-                proxy = Lbproxy(folder, text).start([admin])
+                proxy = lbproxy(text, [admin], folder=tmp_path / name)
                 instances.append((proxy, admin))
 
             def document(admin: int) -> dict:

@@ -22,7 +22,6 @@ import pytest
 
 from lbproxy.wire.proxy_protocol import V2_SIGNATURE, encode_v1
 from tests.integration.harness import (
-    LimitedLbproxy,
     NameServer,
     ask_name,
     free_port,
@@ -223,7 +222,7 @@ def up(admin: int) -> float:
 
 
 def test_beyond_max_clients_new_clients_are_closed_and_the_reserve_keeps_the_rest_working(
-    name_servers, tmp_path
+    name_servers, lbproxy
 ):
     """lbproxy under RLIMIT_NOFILE 400 (auto max_clients: a few dozen): the first
     max_clients clients are served and held; 400 more (more than the process has
@@ -234,7 +233,7 @@ def test_beyond_max_clients_new_clients_are_closed_and_the_reserve_keeps_the_res
     port, admin = free_port(), free_port()
     checks = "health_check: {type: tcp, interval: 100ms, timeout: 1s, rise: 1, fall: 1}"
     config = with_admin(vs_config(port, [server], extra=checks), admin)
-    proxy = LimitedLbproxy(tmp_path, config, limit=NOFILE).start()
+    proxy = lbproxy(config, nofile_limit=NOFILE)
     held: list[socket.socket] = []
     refused: list[socket.socket] = []
     try:

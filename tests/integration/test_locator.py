@@ -22,7 +22,6 @@ import pytest
 
 from tests import tools
 from tests.integration.harness import (
-    Lbproxy,
     admin_socket_path,
     ask_name,
     free_port,
@@ -405,12 +404,12 @@ def test_workers_share_reports_and_locate(name_servers, lbproxy):
     assert [r.port for r in resolver.resolve("_db._tcp.lb.internal.", "SRV")] == [backends[0].port]
 
 
-def test_dns_port_in_use_is_exit_1_naming_it(name_servers, tmp_path):
+def test_dns_port_in_use_is_exit_1_naming_it(name_servers, lbproxy):
     backends = name_servers("a", "b")
     admin_port, dns_port, proxy_port = free_port(), free_port(), free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
         taken.bind(("127.0.0.1", dns_port))
-        proxy = Lbproxy(tmp_path, locator_config(admin_port, dns_port, proxy_port, backends))
+        proxy = lbproxy(locator_config(admin_port, dns_port, proxy_port, backends), start=False)
         with pytest.raises(RuntimeError, match="exited 1"):
             proxy.start()
         assert f"cannot listen on 127.0.0.1:{dns_port} (DNS locator)" in proxy.log()

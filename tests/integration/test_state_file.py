@@ -82,21 +82,16 @@ def api(admin_port: int, method: str, path: str, body) -> None:
 
 
 @pytest.fixture
-def setup(tmp_path, name_servers):
+def setup(tmp_path, name_servers, lbproxy):
     servers = name_servers("a", "b", "c")
     port, admin_port = free_port(), free_port()
     state_file = tmp_path / "state.json"
     text = config(port, admin_port, servers, state_file)
 
     def start() -> Lbproxy:
-        proxy = Lbproxy(tmp_path, text)
-        started.append(proxy)
-        return proxy.start([port, admin_port])
+        return lbproxy(text, [port, admin_port])
 
-    started: list[Lbproxy] = []
-    yield start, port, admin_port, state_file
-    for proxy in started:
-        proxy.stop()
+    return start, port, admin_port, state_file
 
 
 def test_drain_weight_load_and_entries_survive_a_restart(setup):
@@ -209,7 +204,7 @@ def test_an_untrusted_state_file_is_one_warning_and_a_start_from_the_files(
     assert "Traceback" not in log
 
 
-def test_gone_and_moved_servers_are_skipped_and_logged(setup, tmp_path, name_servers):
+def test_gone_and_moved_servers_are_skipped_and_logged(setup, name_servers, lbproxy):
     start, port, admin_port, state_file = setup
     proxy = start()
     api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
@@ -224,38 +219,32 @@ def test_gone_and_moved_servers_are_skipped_and_logged(setup, tmp_path, name_ser
     )
     text = text.replace(f"address: {old_c}", f"address: 127.0.0.1:{other.port}")
     lines = [line for line in text.splitlines() if "name: b," not in line]
-    proxy = Lbproxy(tmp_path, "\n".join(lines) + "\n").start([port, admin_port])
-    try:
-        log = proxy.log()
-        assert "web/b is no longer configured; skipped" in log, log
-        assert "web/c is now" in log and "its runtime state is reset" in log, log
-        assert servers_of(admin_port, "web")["c"]["state"] == "enabled"
-    finally:
-        proxy.stop()
+    proxy = lbproxy("\n".join(lines) + "\n", [port, admin_port])
+    log = proxy.log()
+    assert "web/b is no longer configured; skipped" in log, log
+    assert "web/c is now" in log and "its runtime state is reset" in log, log
+    assert servers_of(admin_port, "web")["c"]["state"] == "enabled"
 
 
-def test_with_workers_every_worker_restores_what_worker_1_wrote(tmp_path, name_servers):
+def test_with_workers_every_worker_restores_what_worker_1_wrote(tmp_path, name_servers, lbproxy):
     servers = name_servers("a", "b")
     port, admin_port = free_port(), free_port()
     state_file = tmp_path / "state.json"
     text = workers_config(port, servers, admin_port).replace(
         "global:\n", f"global:\n  state_file: {state_file}\n", 1
     )
-    proxy = Lbproxy(tmp_path, text).start([port, admin_port])
-    try:
-        wait_for(lambda: ready(admin_port), 20, "both workers ready")
-        api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
-        api(admin_port, "PATCH", "virtual-servers/web/real-servers/a", {"weight": 7})
-        assert proxy.stop() == 0
-        proxy = Lbproxy(tmp_path, text).start([port, admin_port])
-        wait_for(lambda: ready(admin_port), 20, "both workers ready again")
-        for index in (1, 2):
-            restored = worker_servers(admin_port, index)
-            assert restored["b"]["state"] == "drain", index
-            assert restored["a"]["weight"]["static"] == 7, index
-        assert proxy.log().count("restored from state file") == 2, proxy.log()
-    finally:
-        proxy.stop()
+    proxy = lbproxy(text, [port, admin_port])
+    wait_for(lambda: ready(admin_port), 20, "both workers ready")
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/b", {"state": "drain"})
+    api(admin_port, "PATCH", "virtual-servers/web/real-servers/a", {"weight": 7})
+    assert proxy.stop() == 0
+    proxy = lbproxy(text, [port, admin_port])
+    wait_for(lambda: ready(admin_port), 20, "both workers ready again")
+    for index in (1, 2):
+        restored = worker_servers(admin_port, index)
+        assert restored["b"]["state"] == "drain", index
+        assert restored["a"]["weight"]["static"] == 7, index
+    assert proxy.log().count("restored from state file") == 2, proxy.log()
 
 
 def test_the_state_crosses_an_upgrade_and_the_old_process_stops_writing(setup):
@@ -307,7 +296,9 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def test_with_workers_every_workers_persistence_entries_survive_a_restart(tmp_path, name_servers):
+def test_with_workers_every_workers_persistence_entries_survive_a_restart(
+    tmp_path, name_servers, lbproxy
+):
     """Each worker has its own persistence table; the saved state holds all of them (worker
     k's part in STATE_FILE.wK beside the file) and every worker restores all of them."""
     servers = name_servers("a", "b", "c")
@@ -318,32 +309,29 @@ def test_with_workers_every_workers_persistence_entries_survive_a_restart(tmp_pa
         .replace("global:\n", "global:\n  workers: 2\n", 1)
         .replace("  - name: grid", "  - name: grid-unused", 1)
     )
-    proxy = Lbproxy(tmp_path, text).start([port, admin_port])
-    try:
-        wait_for(lambda: ready(admin_port), 20, "both workers ready")
-        placed = {client: name_from(port, client) for client in clients()}
-        assert proxy.stop() == 0
-        assert (tmp_path / "state.json.w2").stat().st_mode & 0o777 == 0o600  # worker 2's part
-        proxy = Lbproxy(tmp_path, text).start([port, admin_port])
-        wait_for(lambda: ready(admin_port), 20, "both workers ready again")
-        # Whichever worker accepts a client now, the client goes back to its server.
-        moved = [
-            client
-            for client, name in placed.items()
-            for _ in range(3)
-            if name_from(port, client) != name
-        ]
-        assert moved == [], (len(moved), moved[:10])
-        assert "Traceback" not in proxy.log()
-        assert proxy.stop() == 0
-        # Back to one process: it restores both parts, merges them into its file and
-        # removes worker 2's part.
-        proxy = Lbproxy(tmp_path, text.replace("  workers: 2\n", "")).start([port, admin_port])
-        wait_for(lambda: not (tmp_path / "state.json.w2").exists(), 5, "the part removed")
-        assert [c for c, name in placed.items() if name_from(port, c) != name] == []
-        assert proxy.stop() == 0
-        proxy = Lbproxy(tmp_path, text).start([port, admin_port])  # from the merged file
-        wait_for(lambda: ready(admin_port), 20, "both workers ready a third time")
-        assert [c for c, name in placed.items() if name_from(port, c) != name] == []
-    finally:
-        proxy.stop()
+    proxy = lbproxy(text, [port, admin_port])
+    wait_for(lambda: ready(admin_port), 20, "both workers ready")
+    placed = {client: name_from(port, client) for client in clients()}
+    assert proxy.stop() == 0
+    assert (tmp_path / "state.json.w2").stat().st_mode & 0o777 == 0o600  # worker 2's part
+    proxy = lbproxy(text, [port, admin_port])
+    wait_for(lambda: ready(admin_port), 20, "both workers ready again")
+    # Whichever worker accepts a client now, the client goes back to its server.
+    moved = [
+        client
+        for client, name in placed.items()
+        for _ in range(3)
+        if name_from(port, client) != name
+    ]
+    assert moved == [], (len(moved), moved[:10])
+    assert "Traceback" not in proxy.log()
+    assert proxy.stop() == 0
+    # Back to one process: it restores both parts, merges them into its file and
+    # removes worker 2's part.
+    proxy = lbproxy(text.replace("  workers: 2\n", ""), [port, admin_port])
+    wait_for(lambda: not (tmp_path / "state.json.w2").exists(), 5, "the part removed")
+    assert [c for c, name in placed.items() if name_from(port, c) != name] == []
+    assert proxy.stop() == 0
+    proxy = lbproxy(text, [port, admin_port])  # from the merged file
+    wait_for(lambda: ready(admin_port), 20, "both workers ready a third time")
+    assert [c for c, name in placed.items() if name_from(port, c) != name] == []

@@ -12,7 +12,6 @@ import pytest
 
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 from tests.integration.harness import (
-    Lbproxy,
     NameServer,
     ask_name,
     dig,
@@ -27,15 +26,14 @@ from tests.integration.harness import (
 
 @requires_dnsmasq
 @requires_dig
-def test_dig_through_udp_to_two_dnsmasq_rr_and_one_answer_per_session(tmp_path):
+def test_dig_through_udp_to_two_dnsmasq_rr_and_one_answer_per_session(tmp_path, lbproxy):
     one = Dnsmasq(tmp_path / "one").start(hosts={"svc.test": ["192.0.2.1"]})
     two = Dnsmasq(tmp_path / "two").start(hosts={"svc.test": ["192.0.2.2"]})
     port, admin = free_port(), free_port()
     try:
         with (
             NameServer("tcp-a") as tcp_a,
-            Lbproxy(
-                tmp_path,
+            lbproxy(
                 f"""
             global:
               admin: {{listen: 127.0.0.1:{admin}}}
@@ -54,7 +52,8 @@ def test_dig_through_udp_to_two_dnsmasq_rr_and_one_answer_per_session(tmp_path):
                 real_servers:
                   - {{name: a, address: 127.0.0.1:{tcp_a.server_address[1]}}}
             """,
-            ).start(wait_ports=[port]) as lb,
+                [port],
+            ) as lb,
         ):
             answers = [dig(port, "svc.test") for _ in range(6)]
             assert sorted(answers) == ["192.0.2.1"] * 3 + ["192.0.2.2"] * 3
@@ -118,7 +117,7 @@ def echo_server(name: bytes) -> tuple[socket.socket, threading.Thread]:
     return sock, thread
 
 
-def test_reload_keeps_sessions_and_acl_drops(tmp_path):
+def test_reload_keeps_sessions_and_acl_drops(lbproxy):
     a, _ = echo_server(b"a")
     b, _ = echo_server(b"b")
     port, admin = free_port(), free_port()
@@ -141,7 +140,7 @@ def test_reload_keeps_sessions_and_acl_drops(tmp_path):
     client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     client.settimeout(3)
     try:
-        with Lbproxy(tmp_path, config.format(deny="10.0.0.0/8", **values)).start() as lb:
+        with lbproxy(config.format(deny="10.0.0.0/8", **values)) as lb:
             client.sendto(b"1", ("127.0.0.1", port))
             first = client.recvfrom(100)[0]
             lb.reload(config.format(deny="192.0.2.0/24", **values))

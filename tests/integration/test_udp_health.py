@@ -9,7 +9,6 @@ import socket
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 from tests.integration.harness import (
     Echo,
-    Lbproxy,
     dig,
     free_port,
     metrics,
@@ -32,7 +31,7 @@ def checked(admin: int, name: str, vs: str, rs: str, result: str) -> float:
 
 @requires_dnsmasq
 @requires_dig
-def test_dns_check_takes_a_stopped_or_nxdomain_server_out_and_back(tmp_path):
+def test_dns_check_takes_a_stopped_or_nxdomain_server_out_and_back(tmp_path, lbproxy):
     one = Dnsmasq(tmp_path / "one").start(hosts={"svc.test": ["192.0.2.1"]})
     two = Dnsmasq(tmp_path / "two").start(hosts={"svc.test": ["192.0.2.2"]})
     empty = Dnsmasq(tmp_path / "empty").start(hosts={})  # svc.test: NXDOMAIN
@@ -54,7 +53,7 @@ def test_dns_check_takes_a_stopped_or_nxdomain_server_out_and_back(tmp_path):
               - {{name: empty, address: {empty.address}}}
         """
     try:
-        with Lbproxy(tmp_path, config).start():
+        with lbproxy(config):
             wait_for(lambda: up(admin, "dns", "empty") == 0, what="NXDOMAIN: empty down")
             assert up(admin, "dns", "one") == up(admin, "dns", "two") == 1
             samples = metrics(admin)
@@ -79,7 +78,7 @@ def test_dns_check_takes_a_stopped_or_nxdomain_server_out_and_back(tmp_path):
         empty.stop()
 
 
-def test_udp_check_takes_a_wrong_or_silent_server_out_and_back(tmp_path):
+def test_udp_check_takes_a_wrong_or_silent_server_out_and_back(lbproxy):
     a, b = Echo(b"pong "), Echo(b"pong ")
     port, admin = free_port(), free_port()
     config = f"""
@@ -108,7 +107,7 @@ def test_udp_check_takes_a_wrong_or_silent_server_out_and_back(tmp_path):
         return out
 
     try:
-        with Lbproxy(tmp_path, config).start():
+        with lbproxy(config):
             checks = ("lbproxy_health_checks_total", "game", "a", "ok")
             wait_for(lambda: checked(admin, *checks), what="a first check of a")
             a.reply = b"busy "  # a wrong answer: expect is not found
@@ -125,7 +124,7 @@ def test_udp_check_takes_a_wrong_or_silent_server_out_and_back(tmp_path):
         b.close()
 
 
-def test_icmp_port_unreachable_is_a_passive_failure_and_sessions_move(tmp_path):
+def test_icmp_port_unreachable_is_a_passive_failure_and_sessions_move(lbproxy):
     a, b = Echo(b"a:"), Echo(b"b:")
     port, admin = free_port(), free_port()
     config = f"""
@@ -143,7 +142,7 @@ def test_icmp_port_unreachable_is_a_passive_failure_and_sessions_move(tmp_path):
         """
     clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
     try:
-        with Lbproxy(tmp_path, config).start():
+        with lbproxy(config):
             first = {}
             for client in clients:
                 client.settimeout(2)

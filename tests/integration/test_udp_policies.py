@@ -13,7 +13,6 @@ from lbproxy.core.schedulers import available
 from lbproxy.core.udp_stats import DROP_REASONS
 from tests.integration.harness import (
     Echo,
-    Lbproxy,
     free_port,
     metrics,
     run_cli,
@@ -32,7 +31,7 @@ EXTRA = {
 }
 
 
-def test_every_scheduler_opens_sessions_and_keeps_each_client_on_its_server(tmp_path):
+def test_every_scheduler_opens_sessions_and_keeps_each_client_on_its_server(lbproxy):
     """One process, one UDP virtual server per scheduler in the registry, two echo real
     servers: six client addresses each get every answer byte-exact from one server
     (the session), and the schedulers that share by count or turn share 3 and 3."""
@@ -57,7 +56,7 @@ def test_every_scheduler_opens_sessions_and_keeps_each_client_on_its_server(tmp_
         )
     clients = [udp_client(f"127.0.0.{20 + i}") for i in range(6)]
     try:
-        with Lbproxy(tmp_path, text).start():
+        with lbproxy(text):
             for name, port in ports.items():
                 picked = []
                 for i, sock in enumerate(clients):
@@ -89,7 +88,7 @@ def test_every_scheduler_opens_sessions_and_keeps_each_client_on_its_server(tmp_
             echo.close()
 
 
-def test_persistence_sends_a_source_address_back_to_its_server(tmp_path):
+def test_persistence_sends_a_source_address_back_to_its_server(lbproxy):
     """`persistence` keys on the client's address: a new session from another port of
     the same host (here each DNS-like session ends with its one reply) goes back to the
     server the host used, where rr alone would alternate."""
@@ -107,7 +106,7 @@ def test_persistence_sends_a_source_address_back_to_its_server(tmp_path):
     )
     hosts = [f"127.0.0.{40 + i}" for i in range(4)]
     try:
-        with Lbproxy(tmp_path, config).start():
+        with lbproxy(config):
             first = {}
             for host in hosts:
                 sock = udp_client(host)
@@ -140,7 +139,7 @@ def test_persistence_sends_a_source_address_back_to_its_server(tmp_path):
             echo.close()
 
 
-def test_max_connections_counts_sessions_and_drops_are_counted_by_reason(tmp_path):
+def test_max_connections_counts_sessions_and_drops_are_counted_by_reason(lbproxy):
     """`max_connections: 2` on each of two servers: four sessions fill them, a fifth
     client gets nothing (`no_server`), a denied source gets nothing (`acl`), and every
     reason is in /metrics, the JSON document and `lbproxy status`."""
@@ -161,7 +160,7 @@ def test_max_connections_counts_sessions_and_drops_are_counted_by_reason(tmp_pat
     denied = udp_client("127.0.0.9", timeout=0.3)
     url = f"http://127.0.0.1:{admin}"
     try:
-        with Lbproxy(tmp_path, config).start():
+        with lbproxy(config):
             samples = metrics(admin)
             for reason in DROP_REASONS:  # every reason exported from the start
                 assert sample(
@@ -233,7 +232,7 @@ def test_tcp_only_keys_refused_at_file_and_line_tcp_and_udp_share_a_port(tmp_pat
         assert "dns-tcp" in out.stdout and "udp " in out.stdout
 
 
-def test_max_sessions_per_source_counts_by_source_prefix(tmp_path):
+def test_max_sessions_per_source_counts_by_source_prefix(lbproxy):
     """`source_prefix: {v4: 24}`, `max_sessions_per_source: 2`: clients on 127.0.0.2 and
     127.0.0.3 take the two sessions of 127.0.0.0/24, a third address of that /24 is
     dropped (`per_source`), one of 127.0.1.0/24 is not. (IPv6's /64 default is a unit
@@ -256,7 +255,7 @@ def test_max_sessions_per_source_counts_by_source_prefix(tmp_path):
     two, three, four = udp_client("127.0.0.2"), udp_client("127.0.0.3"), udp_client("127.0.0.4")
     other = udp_client("127.0.1.5")
     try:
-        with Lbproxy(tmp_path, config).start():
+        with lbproxy(config):
             assert udp_ask(two, port, b"hi") == b"a:hi"
             assert udp_ask(three, port, b"hi") == b"a:hi"
             four.sendto(b"hi", ("127.0.0.1", port))

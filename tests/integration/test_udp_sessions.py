@@ -10,7 +10,6 @@ import pytest
 
 from tests.integration.harness import (
     Echo,
-    Lbproxy,
     free_port,
     metrics,
     run_cli,
@@ -38,13 +37,13 @@ def dropped(admin: int, reason: str) -> float:
     return sample(metrics(admin), "lbproxy_udp_dropped_total", virtual_server="echo", reason=reason)
 
 
-def test_drain_keeps_sessions_disable_moves_them(tmp_path):
+def test_drain_keeps_sessions_disable_moves_them(tmp_path, lbproxy):
     servers = {"a": Echo(b"a:"), "b": Echo(b"b:")}
     port, admin = free_port(), free_port()
     clients = [udp_client() for _ in range(4)]
     url = f"http://127.0.0.1:{admin}"
     try:
-        with Lbproxy(tmp_path, echo_config(admin, port, servers)).start():
+        with lbproxy(echo_config(admin, port, servers)):
             on_a = [c for c in clients[:2] if udp_ask(c, port, b"1").startswith(b"a:")]
             assert len(on_a) == 1  # rr: one of the first two on a
             (stays,) = on_a
@@ -64,14 +63,14 @@ def test_drain_keeps_sessions_disable_moves_them(tmp_path):
             echo.close()
 
 
-def test_stop_lets_open_sessions_finish_and_opens_no_new_one(tmp_path):
+def test_stop_lets_open_sessions_finish_and_opens_no_new_one(lbproxy):
     servers = {"a": Echo(b"a:")}
     port, admin = free_port(), free_port()
     config = echo_config(admin, port, servers, "    udp: {idle_timeout: 1s}\n")
     config = config.replace("drain_timeout: 1s", "drain_timeout: 20s")
     old, new = udp_client(), udp_client(timeout=0.3)
     try:
-        lb = Lbproxy(tmp_path, config).start()
+        lb = lbproxy(config)
         assert udp_ask(old, port, b"before") == b"a:before"
         lb.signal(signal.SIGTERM)
         wait_for(lambda: "draining 1 connection" in lb.log(), what="the drain")
@@ -89,14 +88,14 @@ def test_stop_lets_open_sessions_finish_and_opens_no_new_one(tmp_path):
         servers["a"].close()
 
 
-def test_max_sessions_and_per_source_cap_drop_and_count(tmp_path):
+def test_max_sessions_and_per_source_cap_drop_and_count(lbproxy):
     servers = {"a": Echo(b"a:")}
     port, admin = free_port(), free_port()
     extra = "    udp: {max_sessions: 3, max_sessions_per_source: 2}\n"
     first = [udp_client("127.0.0.1", 0.3) for _ in range(3)]
     second = [udp_client("127.0.0.2", 0.3) for _ in range(2)]
     try:
-        with Lbproxy(tmp_path, echo_config(admin, port, servers, extra)).start():
+        with lbproxy(echo_config(admin, port, servers, extra)):
             answered = [udp_ask(c, port, b"x") for c in first]
             assert answered == [b"a:x", b"a:x", None]  # 127.0.0.1 holds its 2
             answered = [udp_ask(c, port, b"y") for c in second]
@@ -112,13 +111,13 @@ def test_max_sessions_and_per_source_cap_drop_and_count(tmp_path):
 
 
 @pytest.mark.serial  # ten sessions within one second: a loaded machine could spread them
-def test_throttle_counts_new_sessions_per_second(tmp_path):
+def test_throttle_counts_new_sessions_per_second(lbproxy):
     servers = {"a": Echo(b"a:")}
     port, admin = free_port(), free_port()
     extra = "    throttle: {max_rate: 5}\n"
     clients = [udp_client(timeout=0.3) for _ in range(15)]
     try:
-        with Lbproxy(tmp_path, echo_config(admin, port, servers, extra)).start() as lb:
+        with lbproxy(echo_config(admin, port, servers, extra)) as lb:
             answers = [udp_ask(c, port, b"q") for c in clients]
             # digg_factor 2: the arrival that finds 10 in the last second is refused,
             # and so is every one after it within that second.

@@ -10,7 +10,7 @@ import socket
 import threading
 from collections import Counter
 
-from tests.integration.harness import Echo, Lbproxy, free_port, metrics, sample, wait_for
+from tests.integration.harness import Echo, free_port, metrics, sample, wait_for
 
 
 class Collector:
@@ -51,7 +51,7 @@ def udp_config(admin: int, port: int, scheduler: str, ports: dict[str, int], udp
     )
 
 
-def test_syslog_10000_datagrams_from_100_clients_all_arrive_spread_then_expire(tmp_path):
+def test_syslog_10000_datagrams_from_100_clients_all_arrive_spread_then_expire(lbproxy):
     collectors = {name: Collector() for name in ("c1", "c2", "c3")}
     port, admin = free_port(), free_port()
     ports = {name: c.port for name, c in collectors.items()}
@@ -60,7 +60,7 @@ def test_syslog_10000_datagrams_from_100_clients_all_arrive_spread_then_expire(t
     clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(100)]
     total = lambda: sum(len(c.received) for c in collectors.values())  # noqa: E731
     try:
-        with Lbproxy(tmp_path, config).start() as lb:
+        with lbproxy(config) as lb:
             sent = []
             for seq in range(100):
                 for i, client in enumerate(clients):
@@ -131,7 +131,7 @@ def test_syslog_10000_datagrams_from_100_clients_all_arrive_spread_then_expire(t
             collector.close()
 
 
-def test_1000_concurrent_sessions_byte_exact_both_ways(tmp_path):
+def test_1000_concurrent_sessions_byte_exact_both_ways(lbproxy):
     servers = {"a": Echo(b""), "b": Echo(b"")}
     port, admin = free_port(), free_port()
     ports = {name: e.port for name, e in servers.items()}
@@ -142,7 +142,7 @@ def test_1000_concurrent_sessions_byte_exact_both_ways(tmp_path):
     for c in clients:
         c.settimeout(5)
     try:
-        with Lbproxy(tmp_path, config).start():
+        with lbproxy(config):
             for _round in range(2):
                 # 50 at a time in flight; every session stays open between the rounds.
                 for start in range(0, 1000, 50):
@@ -172,11 +172,9 @@ def test_1000_concurrent_sessions_byte_exact_both_ways(tmp_path):
             echo.close()
 
 
-def test_maglev_two_processes_agree_on_every_client(tmp_path):
+def test_maglev_two_processes_agree_on_every_client(tmp_path, lbproxy):
     servers = {name: Echo(name.encode() + b":") for name in ("a", "b", "c", "d")}
     ports = {name: e.port for name, e in servers.items()}
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
     port1, port2 = free_port(), free_port()
     config1 = udp_config(free_port(), port1, "maglev", ports, "{responses: 1}")
     config2 = udp_config(free_port(), port2, "maglev", ports, "{responses: 1}")
@@ -187,7 +185,10 @@ def test_maglev_two_processes_agree_on_every_client(tmp_path):
         sock.settimeout(3)
         clients.append(sock)
     try:
-        with Lbproxy(tmp_path / "one", config1).start(), Lbproxy(tmp_path / "two", config2).start():
+        with (
+            lbproxy(config1, folder=tmp_path / "one"),
+            lbproxy(config2, folder=tmp_path / "two"),
+        ):
             picks = []
             for sock in clients:
                 answers = []
@@ -234,7 +235,7 @@ class Triple:
         self.sock.close()
 
 
-def test_responses_1_0_none_pass_on_at_most_what_was_asked_no_amplification(tmp_path):
+def test_responses_1_0_none_pass_on_at_most_what_was_asked_no_amplification(lbproxy):
     """One real server answering each request three times, behind three virtual servers:
     `responses: 1` passes on one reply per request (the first, byte for byte), `none`
     all three, `0` none; no client ever gets a byte the server did not send."""
@@ -262,7 +263,7 @@ def test_responses_1_0_none_pass_on_at_most_what_was_asked_no_amplification(tmp_
         return got
 
     try:
-        with Lbproxy(tmp_path, config).start():
+        with lbproxy(config):
             got = {}
             for name, sock in clients.items():
                 got[name] = []

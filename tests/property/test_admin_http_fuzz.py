@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.integration.harness import (
     HTTP_SERVER_TOKEN,
-    Lbproxy,
+    Lbproxies,
     admin_socket_path,
     free_port,
     http_server_config,
@@ -118,10 +118,10 @@ EXPECTED = {
 def endpoint(tmp_path_factory):
     port = free_port()
     folder = tmp_path_factory.mktemp("admin-fuzz")
-    proxy = Lbproxy(folder, http_server_config(f"127.0.0.1:{port}", folder))
-    proxy.start([port])
+    proxies = Lbproxies(folder)
+    proxy = proxies(http_server_config(f"127.0.0.1:{port}", folder), [port])
     yield proxy, port
-    proxy.stop()
+    proxies.stop_all()
     log = proxy.log()
     assert "Traceback" not in log and " ERROR " not in log, log
 

@@ -28,6 +28,7 @@ from http.client import HTTPConnection
 from pathlib import Path
 
 import trio
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from lbproxy.config.model import (
@@ -242,6 +243,16 @@ class Lbproxy:
         proxy.may_exit = True                 # it may end before stop() (e.g. handed over)
 
     `nofile_limit` runs it under `ulimit -n` that many descriptors.
+
+    `start()` returns once the process says it is ready, as a user's tooling would learn
+    it: `GET /readyz` answers 200 when the configuration has an admin endpoint (in
+    every worker, with `workers: N`); without one, lbproxy's `READY=1` on a NOTIFY_SOCKET
+    the harness listens on. `reload()` waits the same way: the reload counter
+    (`lbproxy_config_reloads_total`, applied or refused) moves on, or RELOADING=1 is
+    followed by READY=1. Where the harness cannot listen on NOTIFY_SOCKET (the test sets
+    its own, or `nofile_limit` counts the process's descriptors to the one, and lbproxy's
+    notify socket would take one), it waits until the process catches SIGHUP and SIGTERM,
+    which lbproxy sets up last before it is ready (one process; not for `workers: N`).
     """
 
     def __init__(
@@ -266,29 +277,56 @@ class Lbproxy:
         self.nofile_limit = nofile_limit
         self._start_failed = False
         self._checked = False
+        self.admin: tuple[str, int] | None = None  # the admin endpoint it was started with
+        self.notifications: Notifications | None = None  # the harness's NOTIFY_SOCKET
 
-    def start(self, wait_ports: list[int] = (), timeout: float = 15.0) -> Lbproxy:
+    def start(self, wait_ports: list[int] = (), timeout: float = 30.0) -> Lbproxy:
+        """Start the process and return once it is ready (see the class docstring) and
+        each of `wait_ports` accepts a connection; RuntimeError when it exits first."""
+        self.admin = admin_address(self.config_path)
+        env = None
+        if self.admin is None and "NOTIFY_SOCKET" not in os.environ and not self.nofile_limit:
+            self.notifications = Notifications()
+            env = {**os.environ, "NOTIFY_SOCKET": self.notifications.address}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = Process(
             [sys.executable, "-m", "lbproxy", "run", str(self.config_path), *self.args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            env=env,
             preexec_fn=self._lower_nofile if self.nofile_limit is not None else None,
         )
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while not self._ready():
             if self.proc.poll() is not None:
                 self._start_failed = True  # reported here: stop() checks only the log
                 raise RuntimeError(f"lbproxy exited {self.proc.returncode}:\n{self.log()}")
-            if "listening on" in self.log():
-                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"lbproxy did not start within {timeout:g}s:\n{self.log()}")
             time.sleep(0.02)
-        else:
-            raise RuntimeError(f"lbproxy did not start:\n{self.log()}")
         for port in wait_ports:
             wait_port(port, deadline - time.monotonic())
         return self
+
+    def _ready(self) -> bool:
+        if self.admin is not None:
+            host, port = self.admin
+            return ready(port, host)
+        if self.notifications is not None:
+            return self.notifications.count("READY") > 0
+        assert self.proc is not None
+        return catches_reload_and_stop(self.proc.pid)
+
+    def reloads(self) -> int:
+        """Reloads done, applied or refused: the reload counter, or the READY=1 that
+        ended each RELOADING=1 on the harness's NOTIFY_SOCKET."""
+        if self.admin is not None:
+            host, port = self.admin
+            return reloads_done(port, host)
+        if self.notifications is not None:
+            return self.notifications.reloads()
+        raise RuntimeError("no admin endpoint and no NOTIFY_SOCKET of the harness's")
 
     def _lower_nofile(self) -> None:
         """In the child, before exec."""
@@ -303,15 +341,16 @@ class Lbproxy:
         self.proc.send_signal(signum)
 
     def reload(self, config: str | None = None, timeout: float = 10.0) -> None:
-        """Rewrite the configuration (if given), send SIGHUP, wait for the log line."""
-        before = self.log().count("reload")
+        """Rewrite the configuration (if given), send SIGHUP, and wait until the process
+        has applied or refused it (see the class docstring)."""
+        before = self.reloads()
         if config is not None:
             self.config_path.write_text(textwrap.dedent(config))
         self.signal(signal.SIGHUP)
         deadline = time.monotonic() + timeout
-        while self.log().count("reload") == before:
+        while self.reloads() == before:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no reload in the log:\n{self.log()}")
+                raise RuntimeError(f"no reload within {timeout:g}s:\n{self.log()}")
             time.sleep(0.02)
 
     def stop(self, timeout: float = 15.0, check: bool = True) -> int:
@@ -332,6 +371,8 @@ class Lbproxy:
                 self.proc.wait()
                 killed = True
         self._log.close()
+        if self.notifications is not None:
+            self.notifications.close()
         if check:
             self._checked = True
             self.check(ended_alone, killed, timeout)
@@ -458,6 +499,87 @@ def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what} ({timeout:g}s)")
         time.sleep(0.02)
+
+
+def admin_address(config_path: Path) -> tuple[str, int] | None:
+    """(host, port) a client reaches the admin endpoint at, as `global.admin.listen` in
+    the configuration file names it; None for `listen: none`, for a file that names none
+    (lbproxy's default, 127.0.0.1:9100, is no test's own port), or for a folder."""
+    if not config_path.is_file():
+        return None
+    try:
+        document = yaml.safe_load(config_path.read_text())
+    except yaml.YAMLError:
+        return None
+    section = document.get("global") if isinstance(document, dict) else None
+    admin = section.get("admin") if isinstance(section, dict) else None
+    listen = admin.get("listen") if isinstance(admin, dict) else None
+    if not isinstance(listen, str) or ":" not in listen:
+        return None
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host), int(port)
+
+
+def catches_reload_and_stop(pid: int) -> bool:
+    """Process `pid` has handlers for SIGHUP and SIGTERM (SigCgt in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(line.split()[1] for line in status.splitlines() if line[:7] == "SigCgt:")
+    wanted = (1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGTERM - 1))
+    return int(caught, 16) & wanted == wanted
+
+
+class Notifications:
+    """What systemd would bind for lbproxy's NOTIFY_SOCKET (sd_notify(3)): an abstract
+    AF_UNIX datagram socket (no file, so a process that dropped its privileges can send
+    too), read by a thread of its own so that its small queue never fills."""
+
+    def __init__(self) -> None:
+        self.address = f"@lbproxy-harness/{os.getpid()}/{random.getrandbits(64):016x}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(b"\0" + self.address[1:].encode())
+        self.messages: list[dict[str, str]] = []
+        self._open = True
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except OSError:
+                return
+            if not self._open:  # close()'s wake-up datagram
+                return
+            lines = data.decode(errors="replace").splitlines()
+            self.messages.append(dict(line.split("=", 1) for line in lines if "=" in line))
+
+    def count(self, key: str) -> int:
+        return sum(key in fields for fields in list(self.messages))
+
+    def starts(self) -> int:
+        """READY=1 messages that were no reload's end: one per process that started."""
+        return self.count("READY") - self.reloads()
+
+    def reloads(self) -> int:
+        """RELOADING=1 messages a READY=1 has followed."""
+        done, reloading = 0, False
+        for fields in list(self.messages):
+            if "RELOADING" in fields:
+                reloading = True
+            elif "READY" in fields and reloading:
+                done, reloading = done + 1, False
+        return done
+
+    def close(self) -> None:
+        self._open = False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:
+            waker.sendto(b"", b"\0" + self.address[1:].encode())
+        self._reader.join(5)
+        self.sock.close()
 
 
 def admin_socket_path(admin_port: int) -> str:
@@ -647,11 +769,25 @@ def get_json(admin_port: int, path: str):
     return json.loads(body)
 
 
-def ready(admin_port: int) -> bool:
+def ready(admin_port: int, host: str = "127.0.0.1") -> bool:
+    """`GET /readyz` answers 200: every listener is bound (every worker ready)."""
     try:
-        return http("GET", f"http://127.0.0.1:{admin_port}/readyz")[0] == 200
+        return http("GET", f"http://{url_host(host)}:{admin_port}/readyz")[0] == 200
     except OSError:
         return False
+
+
+def reloads_done(admin_port: int, host: str = "127.0.0.1") -> int:
+    """lbproxy_config_reloads_total, applied and refused, from /metrics."""
+    status, body = http("GET", f"http://{url_host(host)}:{admin_port}/metrics")
+    assert status == 200, body
+    prefix = "lbproxy_config_reloads_total{"
+    lines = body.decode().splitlines()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix)))
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def workers(admin_port: int) -> list[dict]:
@@ -766,7 +902,7 @@ class UpgradableLbproxy:
             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         )
         self.pids = [self.first.pid]
-        wait_for(lambda: "listening on" in self.log() or self.first.poll() is not None, 20)
+        wait_for(lambda: ready(admin) or self.first.poll() is not None, 20, "/readyz")
         assert self.first.poll() is None, self.log()
 
     @property

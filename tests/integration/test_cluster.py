@@ -240,7 +240,7 @@ def test_an_instance_started_later_begins_with_the_cluster_state(redis, cluster)
     assert {ask(lb3.port) for _ in range(6)} == {"a", "b"}
     # a reload applies the file, and the cluster's changes again on top
     lb3.proxy.reload()
-    wait_for(lambda: "reloaded" in lb3.log(), 5.0, "reload")
+    assert sample(metrics(lb3.admin), "lbproxy_config_reloads_total", result="ok") == 1
     assert lb3.server("a")["weight"]["static"] == 5
     assert lb3.server("c")["state"] == "disabled"
 

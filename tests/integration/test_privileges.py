@@ -24,10 +24,12 @@ import pytest
 from tests.integration.harness import (
     Echo,
     NameServer,
+    Notifications,
     alive,
     ask_name,
     free_port,
     http,
+    ready,
     run_cli,
     stop_pids,
     wait_for,
@@ -109,8 +111,9 @@ class Service:
         )
         self.pids = [self.first.pid]
 
-    def wait_ready(self, text: str = "listening on") -> None:
-        wait_for(lambda: text in self.log() or self.first.poll() is not None, 30, text)
+    def wait_ready(self) -> None:
+        """Until /readyz answers 200 (with `workers: N`, once every worker is ready)."""
+        wait_for(lambda: ready(self.admin) or self.first.poll() is not None, 30, "/readyz")
         assert self.first.poll() is None, self.log()
 
     @property
@@ -239,7 +242,7 @@ def test_every_worker_runs_as_nobody(python, folder):
             write_config(folder, text + udp_server)
             service = Service([str(python), "-m", "lbproxy"], folder, admin, cwd=Path("/"))
             try:
-                service.wait_ready("all 2 workers ready")
+                service.wait_ready()
                 workers = json.loads(http("GET", f"{service.url}/api/v1/workers")[1])
                 pids = [service.pid, *(w["pid"] for w in workers["workers"])]
                 assert len(set(pids)) == 3
@@ -260,7 +263,7 @@ def test_started_as_root_without_user_warns_once(lbproxy, name_servers):
     servers = name_servers("a")
     port = free_port()
     rs = f"{{name: a, address: 127.0.0.1:{servers[0].port}}}"
-    proxy = lbproxy(
+    proxy = lbproxy(  # ready: READY=1 once both workers are
         f"""
 global:
   admin: {{listen: none}}
@@ -270,7 +273,6 @@ virtual_servers:
 """,
         wait_ports=[port],
     )
-    wait_for(lambda: "all 2 workers ready" in proxy.log(), 20, "the workers")
     assert ask_name(port) == "a"
     warnings = [line for line in proxy.log().splitlines() if "running as root" in line]
     assert len(warnings) == 1, proxy.log()
@@ -296,12 +298,12 @@ def test_children_never_import_from_the_working_directory(tmp_path, folder):
         command = [str(Path(sys.executable).with_name("lbproxy"))]
         service = Service(command, folder, admin, cwd=folder)
         try:
-            service.wait_ready("all 2 workers ready")
+            service.wait_ready()
             assert ask_name(port) == "a"
             old = service.pid
             service.upgrade(folder / "admin.token")
             wait_for(lambda: not alive(old), 15, "the old process to exit")
-            wait_for(lambda: service.log().count("all 2 workers ready") == 2, 20, "new workers")
+            wait_for(lambda: ready(admin), 20, "the new process's workers")
             assert ask_name(port) == "a"
             assert not marker.exists(), service.log()
         finally:
@@ -317,6 +319,7 @@ def test_without_the_capability_a_reload_onto_a_low_port_fails_and_keeps_serving
     with NameServer("a") as backend:
         write_config(folder, config(folder, None, [f"127.0.0.1:{port}"], backend.port))
         log_path = folder / "lbproxy.log"
+        notifications = Notifications()  # no admin endpoint: READY=1 says it is ready
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 [str(python), "-m", "lbproxy", "run", str(folder / "lbproxy.yaml")],
@@ -326,15 +329,17 @@ def test_without_the_capability_a_reload_onto_a_low_port_fails_and_keeps_serving
                 user=account.pw_uid,
                 group=account.pw_gid,
                 extra_groups=[],
+                env={**os.environ, "NOTIFY_SOCKET": notifications.address},
             )
         try:
-            wait_for(lambda: "listening on" in log_path.read_text(), 30, "the start")
+            wait_for(lambda: notifications.starts() == 1, 30, "the start")
             assert status_ids(process.pid)["CapEff"] == [0]
             listen = [f"127.0.0.1:{port}", f"127.0.0.1:{low}"]
             write_config(folder, config(folder, None, listen, backend.port))
             process.send_signal(signal.SIGHUP)
-            wait_for(lambda: "reload failed" in log_path.read_text(), 15, "the reload")
+            wait_for(lambda: notifications.reloads() == 1, 15, "the reload")
             text = log_path.read_text()
+            assert "reload failed" in text, text
             assert (
                 f"cannot listen on 127.0.0.1:{low}: Permission denied (a port below 1024 "
                 "needs root or CAP_NET_BIND_SERVICE" in text
@@ -344,3 +349,4 @@ def test_without_the_capability_a_reload_onto_a_low_port_fails_and_keeps_serving
         finally:
             process.terminate()
             process.wait(15)
+            notifications.close()

@@ -23,7 +23,7 @@ import pytest
 
 from tests import tools
 from tests.integration.client_loop import ClientLoop
-from tests.integration.harness import ROOT, NameServer, free_port, wait_for
+from tests.integration.harness import ROOT, NameServer, Notifications, free_port, wait_for
 
 pytestmark = [
     pytest.mark.integration,
@@ -63,7 +63,14 @@ class Activated:
             f' exec {sys.executable} -m lbproxy run lbproxy.yaml ); echo "exit $?";'
             " done"
         )
-        command = [tools.need("systemd-socket-activate", "systemd")]
+        # no admin endpoint: each lbproxy's READY=1 says it is ready, RELOADING=1 and
+        # READY=1 that a reload is over (systemd-socket-activate passes on only the
+        # environment -E names)
+        self.notifications = Notifications()
+        command = [
+            tools.need("systemd-socket-activate", "systemd"),
+            f"-ENOTIFY_SOCKET={self.notifications.address}",
+        ]
         for address in listen:
             command += ["-l", address]
         if fdnames:
@@ -85,9 +92,9 @@ class Activated:
         return int(text) if text else 0
 
     def wait_started(self, count: int, timeout: float = 20.0) -> None:
-        """Until the count-th lbproxy said it listens."""
+        """Until the count-th lbproxy is ready (READY=1; every worker, with workers)."""
         wait_for(
-            lambda: self.log().count("listening on") >= count or self.proc.poll() is not None,
+            lambda: self.notifications.starts() >= count or self.proc.poll() is not None,
             timeout,
             f"lbproxy run #{count}",
         )
@@ -104,6 +111,7 @@ class Activated:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self.notifications.close()
 
 
 def first_connection(port: int) -> None:
@@ -228,7 +236,7 @@ def test_with_workers_the_supervisor_takes_the_passed_socket(tmp_path):
         run = Activated(tmp_path, yaml, [f"127.0.0.1:{port}"], "web")
         try:
             first_connection(port)
-            wait_for(lambda: "all 2 workers ready" in run.log(), 20, "the workers")
+            run.wait_started(1)
             for _ in range(10):
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                     assert s.recv(100) == b"echo\n"
@@ -273,15 +281,15 @@ def test_a_reload_that_adds_back_a_passed_address_takes_the_socket_again(tmp_pat
         run = Activated(tmp_path, full, [f"127.0.0.1:{port}"], "web")
         try:
             first_connection(port)
-            run.wait_started(1)
-            if workers > 1:
-                wait_for(lambda: f"all {workers} workers ready" in run.log(), 20, "the workers")
+            run.wait_started(1)  # with workers, once every worker is ready
 
             def reload(text: str, wanted: str) -> None:
                 (tmp_path / "lbproxy.yaml").write_text(text)
+                before = run.notifications.reloads()
                 os.kill(run.pid(), signal.SIGHUP)
-                wait_for(lambda: wanted in run.log() or "reload failed" in run.log(), 10, wanted)
+                wait_for(lambda: run.notifications.reloads() > before, 10, "the reload")
                 assert "reload failed" not in run.log(), run.log()
+                assert wanted in run.log(), run.log()
 
             reload(without_web, "removed virtual server web")
             reload(full, "web: listening on 127.0.0.1:")

@@ -9,6 +9,8 @@ import threading
 import time
 from collections import Counter
 
+from tests.integration.harness import wait_for
+
 
 class ClientLoop:
     """`clients` threads, each connecting to `port` again and again until stopped: send
@@ -44,11 +46,13 @@ class ClientLoop:
     def wait_for(self, ok: int, timeout: float = 10.0) -> None:
         """Until `ok` more exchanges succeeded (the loop is running through the proxy)."""
         target = self.counts["ok"] + ok
-        deadline = time.monotonic() + timeout
-        while self.counts["ok"] < target:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"client loop stalled: {dict(self.counts)} {self.errors}")
-            time.sleep(0.01)
+        wait_for(
+            lambda: self.counts["ok"] >= target,
+            timeout,
+            f"{ok} more exchanges",
+            0.01,
+            details=lambda: f"client loop stalled: {dict(self.counts)} {self.errors}",
+        )
 
     def _count(self, what: str, detail: str = "") -> None:
         with self._lock:

@@ -19,14 +19,13 @@ import contextlib
 import getpass
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import dns.message
 import dns.query
 
 from tests import tools
-from tests.integration.harness import free_port
+from tests.integration.harness import free_port, wait_for
 
 DNSMASQ = tools.find("dnsmasq")
 
@@ -101,16 +100,17 @@ class Dnsmasq:
 
     def _wait_answering(self, timeout: float = 10.0) -> None:
         query = dns.message.make_query("ready.test.", "A")
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def answers() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"dnsmasq exited {self.proc.returncode}:\n{self.log()}")
             try:
                 dns.query.udp(query, "127.0.0.1", port=self.port, timeout=0.2)
-                return
             except (dns.exception.Timeout, OSError):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"dnsmasq does not answer:\n{self.log()}") from None
+                return False
+            return True
+
+        wait_for(answers, timeout, "dnsmasq to answer", details=self.log)
 
     def set_hosts(self, hosts: dict[str, list[str]], timeout: float = 5.0) -> None:
         """New A/AAAA records: dnsmasq re-reads the hosts file on SIGHUP; returns once
@@ -119,11 +119,12 @@ class Dnsmasq:
         self._write_hosts(hosts)
         assert self.proc is not None
         self.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + timeout
-        while any(self.addresses(name) != set(hosts.get(name, ())) for name in {*old, *hosts}):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"dnsmasq did not take the new hosts:\n{self.log()}")
-            time.sleep(0.01)
+
+        def taken() -> bool:
+            names = {*old, *hosts}
+            return all(self.addresses(name) == set(hosts.get(name, ())) for name in names)
+
+        wait_for(taken, timeout, "dnsmasq to take the new hosts", 0.01, details=self.log)
 
     def addresses(self, name: str) -> set[str]:
         """What dnsmasq answers now for `name`, A and AAAA together."""

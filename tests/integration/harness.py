@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from http.client import HTTPConnection
 from pathlib import Path
 
@@ -298,13 +299,17 @@ class Lbproxy:
             preexec_fn=self._lower_nofile if self.nofile_limit is not None else None,
         )
         deadline = time.monotonic() + timeout
-        while not self._ready():
+
+        def ready_or_exited() -> bool:
+            assert self.proc is not None
+            if self._ready():
+                return True
             if self.proc.poll() is not None:
                 self._start_failed = True  # reported here: stop() checks only the log
                 raise RuntimeError(f"lbproxy exited {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"lbproxy did not start within {timeout:g}s:\n{self.log()}")
-            time.sleep(0.02)
+            return False
+
+        wait_for(ready_or_exited, timeout, "lbproxy to be ready", details=self.log)
         for port in wait_ports:
             wait_port(port, deadline - time.monotonic())
         return self
@@ -347,11 +352,7 @@ class Lbproxy:
         if config is not None:
             self.config_path.write_text(textwrap.dedent(config))
         self.signal(signal.SIGHUP)
-        deadline = time.monotonic() + timeout
-        while self.reloads() == before:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no reload within {timeout:g}s:\n{self.log()}")
-            time.sleep(0.02)
+        wait_for(lambda: self.reloads() != before, timeout, "the reload", details=self.log)
 
     def stop(self, timeout: float = 15.0, check: bool = True) -> int:
         """SIGTERM, wait, and (with `check`) fail on what the class docstring lists. Once
@@ -477,28 +478,60 @@ def tracebacks(log: str) -> list[str]:
 
 
 def wait_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+    """Until `port` accepts a connection (closed at once: through a proxy, one client)."""
+
+    def accepts() -> bool:
         try:
             with socket.create_connection((host, port), timeout=1):
-                return
+                return True
         except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+            return False
+
+    wait_for(accepts, timeout, f"{host}:{port} to accept a connection")
 
 
-def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
-    """Poll `condition` until it returns something true (returned), or fail after
-    `timeout` seconds naming `what`. Bounded in time; polls every 20 ms."""
+def wait_for(
+    condition,
+    timeout: float = 10.0,
+    what: str = "condition",
+    interval: float = 0.02,
+    details: Callable[[], str] | None = None,
+):
+    """Poll `condition` every `interval` seconds until it returns something true (which
+    is returned), or fail after `timeout` seconds naming `what`, and adding `details()`
+    (a log, say) when given. Bounded in time."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} ({timeout:g}s)")
-        time.sleep(0.02)
+            more = f"\n{details()}" if details is not None else ""
+            raise AssertionError(f"timed out waiting for {what} ({timeout:g}s){more}")
+        time.sleep(interval)
+
+
+def listening(port: int) -> bool:
+    """A TCP socket listens on `port` (any address): the kernel's table, no connection."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+def accept_queue(port: int) -> int:
+    """Connections the kernel has made on listening `port` that no accept() took yet."""
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    waiting += int(fields[4].split(":")[1], 16)  # rx_queue: the accept queue
+    return waiting
 
 
 def admin_address(config_path: Path) -> tuple[str, int] | None:
@@ -668,10 +701,9 @@ def stop_pids(pids: list[int], timeout: float = 15.0) -> None:
         if alive(pid):
             os.kill(pid, signal.SIGTERM)
     for pid in pids:
-        deadline = time.monotonic() + timeout
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if alive(pid):
+        try:
+            wait_for(lambda pid=pid: not alive(pid), timeout, f"pid {pid} to exit")
+        except AssertionError:
             os.kill(pid, signal.SIGKILL)
 
 
@@ -777,6 +809,17 @@ def ready(admin_port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def counted(admin_port: int, name: str, **labels) -> float:
+    """The sum of metric `name` over its samples that have `labels` (every `result` of a
+    counter, say): how many health checks, discovery rounds, polls, ... there were."""
+    wanted = set(labels.items())
+    return sum(
+        value
+        for (sample_name, sample_labels), value in metrics(admin_port).items()
+        if sample_name == name and wanted <= set(sample_labels)
+    )
+
+
 def reloads_done(admin_port: int, host: str = "127.0.0.1") -> int:
     """lbproxy_config_reloads_total, applied and refused, from /metrics."""
     status, body = http("GET", f"http://{url_host(host)}:{admin_port}/metrics")
@@ -869,13 +912,11 @@ def wait_for_log(proxy: Lbproxy, pattern: str, timeout: float = 10.0, after: int
     """Poll the log until `pattern` (a regular expression) appears past offset `after`;
     returns the monotonic time it was seen."""
     regex = re.compile(pattern)
-    deadline = time.monotonic() + timeout
-    while True:
-        if regex.search(proxy.log()[after:]):
-            return time.monotonic()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{pattern!r} not in the log within {timeout}s:\n{proxy.log()}")
-        time.sleep(0.005)
+
+    def seen() -> float | None:
+        return time.monotonic() if regex.search(proxy.log()[after:]) else None
+
+    return wait_for(seen, timeout, f"{pattern!r} in the log", interval=0.005, details=proxy.log)
 
 
 class LimitedLbproxy(Lbproxy):
@@ -960,7 +1001,7 @@ def front_door_proxy(name_servers, lbproxy, queued: int = 2):
         return json.loads(out.stdout)["virtual_servers"][0]
 
     # the start-up probe of the listen port took the one slot for a moment
-    _until(lambda: web()["real_servers"][0]["active_connections"] == 0, "the probe to end")
+    wait_for(lambda: web()["real_servers"][0]["active_connections"] == 0, what="the probe to end")
     holder, name = open_and_read_name(port)
     opened = [holder]
     assert name == "primary"
@@ -969,15 +1010,8 @@ def front_door_proxy(name_servers, lbproxy, queued: int = 2):
     assert name == "standby"  # the primary is full: the backup serves (SPEC §3, §13)
     for n in range(1, queued + 1):
         opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        _until(lambda n=n: web()["queued"] == n, f"{n} queued")
+        wait_for(lambda n=n: web()["queued"] == n, what=f"{n} queued")
     return port, admin_port, opened
-
-
-def _until(condition, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 # -- UDP: echo real servers, clients, dig, the relay in process -------------------------

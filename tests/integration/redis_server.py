@@ -14,11 +14,10 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from tests import tools
-from tests.integration.harness import free_port
+from tests.integration.harness import free_port, wait_for
 
 REDIS_SERVER = tools.find("redis-server")
 REDIS_CLI = tools.find("redis-cli")
@@ -60,18 +59,22 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [REDIS_SERVER, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def answers() -> bool:
+            assert self.proc is not None
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(100):  # +PONG, or -NOAUTH with a password: up either way
-                        return self
+                        return True
             except OSError:
                 pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server did not start: {self.log()}")
-            time.sleep(0.02)
+            return False
+
+        wait_for(answers, timeout, "redis-server to answer", details=self.log)
+        return self
 
     def log(self) -> str:
         path = self.folder / "redis.log"

@@ -25,10 +25,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests import tools
+from tests.integration.harness import wait_for
 
 # NET-SNMP-MIB::netSnmpPlaypen, the subtree net-snmp reserves for experiments.
 BASE_OID = "1.3.6.1.4.1.8072.9999.1"
@@ -188,14 +188,20 @@ class SnmpAgent:
 
     def wait_ready(self, timeout: float = 10.0) -> SnmpAgent:
         assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while not self._answers():
+
+        def answers() -> bool:
+            assert self.proc is not None
+            if self._answers():
+                return True
             if self.proc.poll() is not None:
                 raise RuntimeError(f"snmpd exited {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"snmpd did not answer on port {self.port}:\n{self.log()}")
-            time.sleep(0.02)
+            return False
+
+        try:
+            wait_for(answers, timeout, f"snmpd to answer on port {self.port}", details=self.log)
+        except AssertionError:
+            self.stop()
+            raise
         return self
 
     def _answers(self) -> bool:

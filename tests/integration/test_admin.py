@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import select
 import socket
 import subprocess
 import time
@@ -13,6 +14,7 @@ import pytest
 from tests import tools
 from tests.integration.harness import (
     ask_name,
+    counted,
     free_port,
     http,
     local_http,
@@ -21,6 +23,7 @@ from tests.integration.harness import (
     run_cli,
     sample,
     vs_config,
+    wait_for,
     with_admin,
 )
 
@@ -57,7 +60,11 @@ def test_metrics_count_connections_bytes_and_active(proxied):
             sent += len(payload)
             received += len(greeting) + len(echo)
     held = [open_and_read_name(port) for _ in range(4)]
-    time.sleep(0.2)
+
+    def held_alone_active() -> bool:  # the 30 are over in the proxy too (and counted)
+        return counted(admin_port, "lbproxy_active_connections", virtual_server="web") == 4
+
+    wait_for(held_alone_active, what="only the 4 held connections active")
     samples = metrics(admin_port)
     for name in "abc":
         assert (
@@ -283,9 +290,7 @@ def test_access_log_and_decision_explain_lines(name_servers, lbproxy):
         s.shutdown(socket.SHUT_WR)
         while s.recv(100):
             pass
-    deadline = time.monotonic() + 5
-    while "lbproxy.access" not in proxy.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: "lbproxy.access" in proxy.log(), 5, "the access line", details=proxy.log)
     log = proxy.log()
     # one access line: client, virtual server, real server, bytes each way, how it ended
     assert re.search(
@@ -323,9 +328,7 @@ def test_json_log_format_writes_one_object_per_line(name_servers, lbproxy):
     )
     proxy = lbproxy(config)
     assert ask_name(port) == "a"
-    deadline = time.monotonic() + 5
-    while "lbproxy.access" not in proxy.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: "lbproxy.access" in proxy.log(), 5, "the access line", details=proxy.log)
     proxy.stop()
     records = [json.loads(line) for line in proxy.log().splitlines() if line.strip()]
     assert {"time", "level", "logger", "message"} <= set(records[0])
@@ -349,7 +352,8 @@ def test_disable_while_connecting_closes_the_client_and_frees_the_slot(lbproxy):
             filler.setblocking(False)
             filler.connect_ex(hole.getsockname())
             fillers.append(filler)
-        time.sleep(0.2)
+        # the first handshake is complete: the queue is full, so SYNs to `hole` are dropped
+        wait_for(lambda: select.select([], fillers[:1], [], 0)[1], 5, "the accept queue full")
 
         class Hole:
             name = "h"
@@ -366,18 +370,13 @@ def test_disable_while_connecting_closes_the_client_and_frees_the_slot(lbproxy):
             return json.loads(body)["active_connections"]
 
         with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
-            deadline = time.monotonic() + 5
-            while active() != 1:  # counted from the SYN on, as IPVS does
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            # counted from the SYN on, as IPVS does
+            wait_for(lambda: active() == 1, 5, "the connecting connection counted")
             started = time.monotonic()
             assert local_http("PATCH", f"{url}/real-servers/h", {"state": "disabled"})[0] == 200
             assert client.recv(100) == b""  # closed, not left hanging for 30 s
             assert time.monotonic() - started < 2
-        deadline = time.monotonic() + 2
-        while active() != 0:
-            assert time.monotonic() < deadline, "the connection's slot was never given back"
-            time.sleep(0.05)
+        wait_for(lambda: active() == 0, 2, "the connection's slot given back")
         assert proxy.proc.poll() is None
     finally:
         for filler in fillers:

@@ -241,7 +241,7 @@ def test_a_slow_head_is_closed_while_another_client_is_served(endpoint):
             while not stop.is_set() and len(served) < 2000:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 served.append(read_answer(s, buffer)[0])
-                time.sleep(0.005)
+                time.sleep(0.005)  # the keep-alive client's pace
 
     thread = threading.Thread(target=other)
     thread.start()
@@ -290,10 +290,10 @@ def test_clients_vanishing_mid_request_and_mid_answer(endpoint):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, rst)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.sendall(partial)
-            time.sleep(0.02)
+            time.sleep(0.02)  # on purpose: the endpoint has begun on it when the client goes
             s.close()
     assert http_server_healthy(port)
-    time.sleep(0.2)
+    time.sleep(0.2)  # on purpose: time to log an error or die over them (it must not)
     assert proxy.proc.poll() is None
     assert "Traceback" not in proxy.log() and "ERROR" not in proxy.log()
 

@@ -12,9 +12,11 @@ from tests.integration.harness import (
     ROOT,
     compiled_path_expected,
     free_port,
+    listening,
     open_and_read_name,
     run_cli,
     vs_config,
+    wait_for,
 )
 
 SAP = """\
@@ -153,7 +155,7 @@ def test_sigterm_stops_accepting_and_lets_held_connections_finish(name_servers, 
     sock, name = open_and_read_name(port)
     assert name == "a"
     proxy.signal(signal.SIGTERM)
-    time.sleep(0.5)
+    wait_for(lambda: not listening(port), 5, "the listener closed")
     try:  # no new connections
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
         raise AssertionError("a new connection was accepted while draining")

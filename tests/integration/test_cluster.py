@@ -222,7 +222,7 @@ def test_two_conflicting_weight_changes_settle_on_the_later_everywhere(redis, cl
     lb2.patch("b", {"weight": 7})  # later: it wins, wherever the earlier one arrives last
     for one in (lb1, lb2, lb3):
         wait_for(lambda o=one: o.server("b")["weight"]["static"] == 7, 2.0, f"{one.name}: 7")
-    time.sleep(0.3)  # nothing flips it back afterwards
+    time.sleep(0.3)  # on purpose: time for a late message to flip it back (none may)
     assert [one.server("b")["weight"]["static"] for one in (lb1, lb2, lb3)] == [7, 7, 7]
     stored = stored_change(redis, "weight/web/b")
     assert (stored["value"], stored["origin"]) == (7, "lb2")
@@ -421,7 +421,7 @@ class ConnectionLoop(InThread):
                     self.served += 1
                 else:
                     self.failures.append(f"{port}: answered {name!r}")
-            time.sleep(0.005)
+            time.sleep(0.005)  # the loop's pace
 
 
 @pytest.mark.serial  # its deadline (SPEC §18) is measured time
@@ -643,7 +643,7 @@ class Latencies(InThread):
             if name not in ("a", "b", "c"):
                 self.failures.append(f"answered {name!r}")
             self.samples.append((started, time.monotonic() - started))
-            time.sleep(0.001)
+            time.sleep(0.001)  # the loop's pace
 
     def p99(self, since: float, until: float) -> tuple[float, int]:
         """The 99th percentile of the connections started in [since, until], and their count."""

@@ -60,9 +60,9 @@ class Client(threading.Thread):
                         if not data:
                             self.closed_by_peer += 1
                             break
-                        time.sleep(0.1)
+                        time.sleep(0.1)  # the client's pace
             except OSError:
-                time.sleep(0.05)
+                time.sleep(0.05)  # the client's pace before it connects again
 
 
 def config(port: int, admin_port: int, servers: dict[str, int], conditioning: str) -> str:
@@ -126,7 +126,7 @@ def test_without_conditioning_the_rejoined_server_stays_empty(lbproxy, name_serv
     _, admin, clients, stop, c = rejoin(lbproxy, name_servers, "")
     cleanup.append((stop, clients, c))
     for _ in range(6):  # 3 s: as long as you like, nothing moves
-        time.sleep(0.5)
+        time.sleep(0.5)  # on purpose: time goes by
         assert split(admin) == {"a": 15, "b": 15, "c": 0}
     assert sum(client.closed_by_peer for client in clients) == 0
 
@@ -136,7 +136,7 @@ def test_conditioning_moves_idle_connections_to_the_rejoined_server(lbproxy, nam
     proxy, admin, clients, stop, c = rejoin(lbproxy, name_servers, conditioning)
     cleanup.append((stop, clients, c))
     wait_for(lambda: split(admin) == {"a": 10, "b": 10, "c": 10}, 8, "10/10/10")
-    time.sleep(1.5)  # balanced: the next round moves nothing
+    time.sleep(1.5)  # on purpose: balanced, the next round moves nothing
     assert split(admin) == {"a": 10, "b": 10, "c": 10}
     rounds = [int(n) for n in re.findall(r"conditioning closed (\d+) connection", proxy.log())]
     assert rounds and all(n <= 5 for n in rounds) and sum(rounds) == 10, proxy.log()
@@ -177,5 +177,5 @@ def test_conditioning_leaves_draining_servers_alone(lbproxy, name_servers, clean
     cleanup.append((stop, clients, c))
     # a and c balance; b's connections stay where they are
     wait_for(lambda: split(admin) == {"a": 3, "b": 6, "c": 3}, 8, "3/6/3")
-    time.sleep(1.0)
+    time.sleep(1.0)  # on purpose: two more rounds move nothing
     assert split(admin) == {"a": 3, "b": 6, "c": 3}

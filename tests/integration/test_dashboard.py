@@ -21,7 +21,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -174,17 +173,19 @@ def chart_points(driver, vs: str, rs: str) -> int:
 
 
 def wait_until(condition, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
+    """wait_for, for the page: an exception (the page is still building: the element is
+    not there yet) or a list (mismatches) is not there yet, and is shown at the timeout."""
     last = None
-    while time.monotonic() < deadline:
+
+    def met():
+        nonlocal last
         try:
             last = condition()
-        except Exception as exc:  # the page is still building: element not there yet
+        except Exception as exc:
             last = exc
-        if last is True or (last and not isinstance(last, list | Exception)):
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}: {last!r}")
+        return last if last is True or (last and not isinstance(last, list | Exception)) else None
+
+    return wait_for(met, timeout, what, interval=0.1, details=lambda: repr(last))
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from lbproxy.config.reader import load
 from tests import tools
 from tests.integration.harness import (
     ROOT,
+    counted,
     free_port,
     http,
     local_http,
@@ -220,7 +220,20 @@ def test_unit_sandbox_allows_every_system_call_and_socket_family_lbproxy_uses(
         url = f"{base}/api/v1/virtual-servers/web/real-servers/a"
         assert local_http("PATCH", url, {"state": "drain"})[0] == 200  # the admin socket
         assert local_http("POST", f"{base}/api/v1/reload", {})[0] == 200
-        time.sleep(0.5)  # a few health checks and SNMP polls more
+
+        def checks_and_polls() -> tuple[float, float]:
+            return (
+                counted(admin_port, "lbproxy_health_checks_total"),
+                counted(admin_port, "lbproxy_snmp_polls_total"),
+            )
+
+        checks, polls = checks_and_polls()
+
+        def a_few_more() -> bool:  # a few health checks and SNMP polls more
+            checks_now, polls_now = checks_and_polls()
+            return checks_now >= checks + 2 and polls_now >= polls + 2
+
+        wait_for(a_few_more, 30, "two more health checks and SNMP polls")
         (child,) = Path(f"/proc/{tracer.pid}/task/{tracer.pid}/children").read_text().split()
         os.kill(int(child), signal.SIGTERM)
         assert tracer.wait(30) == 0

@@ -20,6 +20,7 @@ from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 from tests.integration.harness import (
     NameServer,
     ask_name,
+    counted,
     free_port,
     http,
     metrics,
@@ -119,6 +120,16 @@ def glue_for(*servers: NameServer) -> dict[str, list[str]]:
     return {f"{s.name}.node.test": ["127.0.0.1"] for s in servers}
 
 
+def rounds_go_by(admin_port: int, rounds: int) -> None:
+    """Until `rounds` more discovery rounds are over (lbproxy_discovery_resolutions_total)."""
+
+    def done() -> float:
+        return counted(admin_port, "lbproxy_discovery_resolutions_total")
+
+    start = done()
+    wait_for(lambda: done() >= start + rounds, 10, f"{rounds} more discovery rounds")
+
+
 def picks(port: int, n: int) -> Counter:
     return Counter(ask_name(port) for _ in range(n))
 
@@ -197,7 +208,7 @@ def test_discovered_names_in_patch_status_and_reload(name_servers, lbproxy, dnsm
     status, body = http("GET", f"{admin}/api/v1/virtual-servers/web/real-servers/{quoted}")
     assert status == 200 and json.loads(body)["state"] == "drain"
 
-    time.sleep(0.6)  # several discovery rounds: the PATCHed state stays
+    rounds_go_by(admin_port, 3)  # the PATCHed state stays
     assert servers_of(admin_port)[name_a]["state"] == "drain"
     proxy.reload()  # a file reload keeps the discovered set and the PATCHed state
     found = wait_for_names(admin_port, {"s", name_a, f"b.node.test:{b.port}"})
@@ -251,7 +262,7 @@ def test_a_records_change_at_once_but_go_only_after_hold(lbproxy, dnsmasq):
         dns.set_hosts({})  # NXDOMAIN: the servers stay for `hold` (2 s)
         gone_at = time.monotonic()
         wait_for(lambda: "NXDOMAIN; its 1 server(s) go in 2s" in proxy.log(), what="log")
-        time.sleep(0.5)
+        rounds_go_by(admin_port, 2)  # NXDOMAIN again, within `hold`
         assert set(servers_of(admin_port)) == {n2}
         assert ask_name(port) == "n2"
         wait_for_names(admin_port, set(), timeout=5)
@@ -341,7 +352,7 @@ def test_connections_to_a_removed_server_finish_undisturbed(name_servers, lbprox
     for i in range(5):
         held.sendall(f"still here {i}\n".encode())
         assert held.recv(100) == f"still here {i}\n".encode()
-    time.sleep(0.4)  # rounds go by: it stays while its connection is open
+    rounds_go_by(admin_port, 2)  # it stays while its connection is open
     assert name_a in servers_of(admin_port)
     held.close()
     wait_for_names(admin_port, {name_b}, timeout=3)
@@ -393,7 +404,7 @@ def test_churn_of_the_record_set_breaks_no_connection(lbproxy, dnsmasq):
             assert sock.recv(100) == b"ping %d\n" % change
             echoed += 1
             assert ask_name(port) in {"n2", "n3", "n4"}  # new connections find a server
-            time.sleep(0.1)
+            rounds_go_by(admin_port, 1)  # a round has seen the change
         for i, sock in enumerate(held):
             sock.sendall(b"last %d\n" % i)
             assert sock.recv(100) == b"last %d\n" % i
@@ -424,7 +435,7 @@ def test_an_aaaa_server_named_in_brackets_through_the_cli(lbproxy, dnsmasq):
         admin = f"http://127.0.0.1:{admin_port}"
         out = run_cli("set-weight", "web", name, "4", "--admin", admin)
         assert out.returncode == 0, out.stderr
-        time.sleep(0.4)  # rounds go by with the same answer: the PATCHed weight stays
+        rounds_go_by(admin_port, 2)  # the same answer: the PATCHed weight stays
         assert servers_of(admin_port)[name]["weight"]["static"] == 4
         labels = {"virtual_server": "web", "real_server": name}
         assert sample(metrics(admin_port), "lbproxy_connections_total", **labels) == 1

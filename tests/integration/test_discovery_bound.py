@@ -25,7 +25,7 @@ import dns.rrset
 from dns.rdtypes.IN.A import A
 from dns.rdtypes.IN.SRV import SRV
 
-from tests.integration.harness import free_port, servers_of, wait_for
+from tests.integration.harness import counted, free_port, servers_of, wait_for
 
 SRV_NAME = "_web._tcp.svc.test."
 RECORDS = [(i % 3, (i * 7) % 11, 10000 + i, f"t{i % 100}.svc.test.") for i in range(2000)]
@@ -70,7 +70,7 @@ class Responder:
                 self.in_flight += 1
                 self.most_in_flight = max(self.most_in_flight, self.in_flight)
                 self.lookups[host] += 1
-            time.sleep(LOOKUP_DELAY)
+            time.sleep(LOOKUP_DELAY)  # on purpose: a slow answer, to count the lookups in flight
             with self.lock:
                 self.in_flight -= 1
             number = int(host.split(".", 1)[0][1:])
@@ -161,7 +161,12 @@ virtual_servers:
                 f"{len(servers_of(admin))} servers\n{proxy.log()[-3000:]}"
             ) from None
         first_round = sum(responder.lookups.values())
-        time.sleep(2.5)  # two more rounds, with the same answer
+        rounds = counted(admin, "lbproxy_discovery_resolutions_total")
+        wait_for(  # two more rounds, with the same answer
+            lambda: counted(admin, "lbproxy_discovery_resolutions_total") >= rounds + 2,
+            20,
+            "two more discovery rounds",
+        )
         servers = servers_of(admin)
         assert len(servers) == 1000 and set(servers) == wanted
         # each kept target looked up once per round, at most 16 at a time

@@ -165,7 +165,7 @@ def test_a_flood_from_many_sources_is_held_to_the_rate_per_prefix(name_servers, 
     def connect_through() -> None:  # proxied connections keep flowing during the flood
         while not stop.is_set() and len(proxied) < 200:
             proxied.append(ask_name(proxy))
-            time.sleep(0.01)
+            time.sleep(0.01)  # the connections' pace
 
     connector = threading.Thread(target=connect_through, daemon=True)
     connector.start()
@@ -175,10 +175,10 @@ def test_a_flood_from_many_sources_is_held_to_the_rate_per_prefix(name_servers, 
             for _ in range(per_source // rounds):  # interleaved: no source sent last
                 for sock in socks:
                     sock.send(wire)
-            time.sleep(0.03)
+            time.sleep(0.03)  # the flood's pace
             drain()
             assert time.monotonic() - started < 30
-        time.sleep(0.5)
+        time.sleep(0.5)  # on purpose: answers still on their way come in (no count to wait for)
         drain()
         elapsed = time.monotonic() - started
     finally:

@@ -43,17 +43,15 @@ FAST_CHECKS = "health_check: {type: tcp, interval: 0.1s, timeout: 0.5s, rise: 1,
 
 def names_until(port: int, wanted: str, timeout: float = 10.0) -> str:
     """Ask for names until `wanted` answers (the health checks need a moment)."""
-    deadline = time.monotonic() + timeout
-    name = ""
-    while time.monotonic() < deadline:
+
+    def answered() -> str | None:
         try:
             name = ask_name(port, timeout=2.0)
         except OSError:
-            name = ""
-        if name == wanted:
-            return name
-        time.sleep(0.05)
-    return name
+            return None
+        return name if name == wanted else None
+
+    return wait_for(answered, timeout, f"{wanted} to answer", interval=0.05)
 
 
 # -- backup servers ---------------------------------------------------------------------
@@ -491,7 +489,7 @@ def test_not_tls_a_silent_client_and_a_slow_one_go_to_the_default(name_servers, 
         with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
             for byte in b"\x16\x03\x01\x02":
                 client.sendall(bytes([byte]))
-                time.sleep(0.3)
+                time.sleep(0.3)  # the slow client's pace
             answer = b""
             for _ in range(10):  # the greeting, then the echo of those very bytes
                 answer += client.recv(100)

@@ -12,7 +12,6 @@ import re
 import socket
 import socketserver
 import threading
-import time
 
 import trio
 from hypothesis import given
@@ -20,7 +19,15 @@ from hypothesis import strategies as st
 
 from lbproxy.config.model import Address, HealthCheckConfig
 from lbproxy.control.checks import EXCERPT_LIMIT, describe_received, probe
-from tests.integration.harness import free_port, metrics, sample, vs_config, with_admin
+from tests.integration.harness import (
+    counted,
+    free_port,
+    metrics,
+    sample,
+    vs_config,
+    wait_for,
+    with_admin,
+)
 
 
 class _Answer(socketserver.BaseRequestHandler):
@@ -66,14 +73,10 @@ CHECK = (
 
 
 def _wait_log(proxy, pattern: str, timeout: float = 10.0) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while True:
-        match = re.search(pattern, proxy.log())
-        if match:
-            return match
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{pattern!r} not in the log:\n{proxy.log()}")
-        time.sleep(0.02)
+    def found() -> re.Match | None:
+        return re.search(pattern, proxy.log())
+
+    return wait_for(found, timeout, f"{pattern!r} in the log", details=proxy.log)
 
 
 def test_wrong_answer_is_fail_silence_is_timeout(lbproxy):
@@ -90,7 +93,14 @@ def test_wrong_answer_is_fail_silence_is_timeout(lbproxy):
         wrong_answer = "send_expect check: '^PONG' not found in 6 bytes \"NOPE\\r\\n\" within 0.25s"
         assert nope[1] == wrong_answer
         assert silent[1] == "send_expect check: nothing received within 0.25s"
-        time.sleep(0.5)  # a few more checks each
+
+        def checks(name: str) -> float:
+            return counted(admin_port, "lbproxy_health_checks_total", real_server=name)
+
+        wait_for(  # a few more checks each
+            lambda: all(checks(name) >= 2 for name in ("good", "nope", "silent")),
+            what="two checks of each server",
+        )
         samples = metrics(admin_port)
 
         def results(name: str) -> dict[str, float]:

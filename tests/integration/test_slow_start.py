@@ -27,6 +27,7 @@ from tests.integration.harness import (
     run_cli,
     sample,
     vs_config,
+    wait_for,
     with_admin,
 )
 
@@ -51,24 +52,24 @@ def _gauge(admin_port: int, name: str, rs: str = "b", **labels) -> float:
 
 
 def _wait_gauge(admin_port: int, name: str, value: float, rs: str = "b", **labels) -> None:
-    deadline = time.monotonic() + 10
-    while _gauge(admin_port, name, rs, **labels) != value:
-        assert time.monotonic() < deadline, (name, rs, value)
-        time.sleep(0.02)
+    wait_for(lambda: _gauge(admin_port, name, rs, **labels) == value, 10, f"{name} {rs} {value}")
 
 
 def _bring_up(admin_port: int, name_servers, port: int) -> tuple[NameServer, tuple[float, float]]:
     """Start b on `port`; returns it and when its health came back: within [up_at[0],
     up_at[1]] (monotonic seconds), as the metric shows it."""
     (b,) = name_servers("b", port=port)
-    before = time.monotonic()
-    while True:
+    before = time.monotonic()  # the last poll that saw it down
+
+    def up_within() -> tuple[float, float] | None:
+        nonlocal before
         polled = time.monotonic()
         if _gauge(admin_port, "lbproxy_real_server_up") == 1:
-            return b, (before, time.monotonic())
-        assert polled - before < 10
+            return before, time.monotonic()
         before = polled
-        time.sleep(0.01)
+        return None
+
+    return b, wait_for(up_within, 10, "b up", interval=0.01)
 
 
 def _bracket(up_at: tuple[float, float], read_at: tuple[float, float]) -> tuple[float, float]:
@@ -90,12 +91,12 @@ def test_slow_start_is_shown_live_and_followed_second_by_second(name_servers, lb
     proxy = lbproxy(with_admin(config, admin_port), [port])
     # b is down; a's own start-up ramp (servers ramp at start-up too) is over.
     _wait_gauge(admin_port, "lbproxy_real_server_up", 0)
-    time.sleep(max(0.0, started + RAMP + 0.1 - time.monotonic()))
+    time.sleep(max(0.0, started + RAMP + 0.1 - time.monotonic()))  # on purpose: a's ramp ends
 
     # 1. The weight shown, with no connection arriving during the ramp.
     b, up_at = _bring_up(admin_port, name_servers, absent.port)
     seen = []  # (where, shown, lowest allowed, highest allowed)
-    time.sleep(max(0.0, up_at[1] + 1.6 - time.monotonic()))
+    time.sleep(max(0.0, up_at[1] + 1.6 - time.monotonic()))  # on purpose: 1.6 s into b's ramp
     read_at = time.monotonic()
     shown = _gauge(admin_port, "lbproxy_real_server_weight", kind="effective")
     seen.append(("/metrics", shown, *_bracket(up_at, (read_at, time.monotonic()))))
@@ -135,7 +136,7 @@ def test_slow_start_is_shown_live_and_followed_second_by_second(name_servers, lb
         if at - up_at[1] >= RAMP:
             break
         picks.append((at - up_at[0], ask_name(port)))
-        time.sleep(max(0.0, at + 0.02 - time.monotonic()))
+        time.sleep(max(0.0, at + 0.02 - time.monotonic()))  # the connections' pace
     shares, expected = [], []
     for second in range(int(RAMP)):
         names = [name for t, name in picks if second <= t < second + 1]

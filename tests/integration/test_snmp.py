@@ -23,7 +23,9 @@ import pytest
 from tests.integration.harness import (
     ask_name,
     free_port,
+    metrics,
     open_and_read_name,
+    wait_for,
 )
 from tests.integration.snmpd import (
     V3_AUTH_KEY,
@@ -94,14 +96,12 @@ def config(
 
 def wait_log(proxy, pattern: str, count: int = 1, timeout: float = 10.0) -> str:
     """Wait until `pattern` (a regular expression) matches `count` times in the log."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def matched() -> str | None:
         log = proxy.log()
-        if len(re.findall(pattern, log)) >= count:
-            return log
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{pattern!r} x{count} not in the log:\n{log}")
-        time.sleep(0.05)
+        return log if len(re.findall(pattern, log)) >= count else None
+
+    return wait_for(matched, timeout, f"{pattern!r} x{count} in the log", details=proxy.log)
 
 
 def answers(name: str) -> str:
@@ -414,11 +414,20 @@ def test_polling_two_hundred_servers_does_not_disturb_latency(
         ]
     )
     proxy.reload(base + polled_vs)
-    time.sleep(1.5)  # every poller has started (random offsets within 1 s)
+
+    def every_server_polled() -> bool:  # each poller starts at a random offset within 1 s
+        polled = {
+            dict(labels).get("real_server")
+            for (name, labels), value in metrics(admin).items()
+            if name == "lbproxy_snmp_polls_total" and value
+        }
+        return polled >= {f"r{i}" for i in range(200)}
+
+    wait_for(every_server_polled, 10, "a poll of each of the 200 servers")
 
     # CPU per poll: a quiet window (no connections) with 200 polls/s
     polls0, cpu0, t0 = _polls(admin), _cpu_seconds(proxy.proc.pid), time.monotonic()
-    time.sleep(3.0)
+    time.sleep(3.0)  # on purpose: the window measured
     polls1, cpu1, t1 = _polls(admin), _cpu_seconds(proxy.proc.pid), time.monotonic()
     with_polls = _latencies(port, 400)
 

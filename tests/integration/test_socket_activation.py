@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -117,15 +116,15 @@ class Activated:
 def first_connection(port: int) -> None:
     """systemd-socket-activate starts its command on the first connection (as systemd
     does without a service already running)."""
-    deadline = time.monotonic() + 5
-    while True:
+
+    def connected() -> bool:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
-            return
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+        except ConnectionRefusedError:  # systemd-socket-activate has not bound it yet
+            return False
+        return True
+
+    wait_for(connected, 5, "systemd-socket-activate's socket")
 
 
 def test_restarts_under_a_connection_loop_refuse_none(tmp_path):

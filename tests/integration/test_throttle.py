@@ -28,6 +28,7 @@ from tests.integration.harness import (
     open_and_read_name,
     run_cli,
     vs_config,
+    wait_for,
 )
 
 THROTTLE = """
@@ -105,9 +106,8 @@ def test_low_high_digg_and_back(name_servers, lbproxy):
     timeline: list[tuple[float, str, str, float, str]] = []
 
     def wait_mode(mode: str, timeout: float = 3.0) -> tuple[str, str, float, str]:
-        nonlocal seen
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def changed_to_mode() -> tuple[str, str, float, str] | None:
+            nonlocal seen
             lines = MODE_LINE.findall(proxy.log())
             while seen < len(lines):
                 old, new, load, idle = lines[seen]
@@ -115,8 +115,9 @@ def test_low_high_digg_and_back(name_servers, lbproxy):
                 timeline.append((time.monotonic() - t0, old, new, float(load), idle))
                 if new == mode:
                     return old, new, float(load), idle
-            time.sleep(0.02)
-        raise AssertionError(f"no throttle -> {mode} within {timeout}s:\n{proxy.log()}")
+            return None
+
+        return wait_for(changed_to_mode, timeout, f"throttle -> {mode}", details=proxy.log)
 
     talkers = Talkers(port)
     try:
@@ -162,8 +163,8 @@ def test_low_high_digg_and_back(name_servers, lbproxy):
         sock.close()
         assert name == "a"
         exchanges_before = talkers.exchanges
-        time.sleep(0.3)
-        assert talkers.exchanges > exchanges_before  # still talking after it all
+        # still talking after it all
+        wait_for(lambda: talkers.exchanges > exchanges_before, 5, "the talkers to talk on")
         assert not talkers.errors, talkers.errors
         assert len(talkers.socks) == 8
     finally:
@@ -183,11 +184,10 @@ def _closed_within(sock: socket.socket, timeout: float) -> bool:
 
 
 def _wait_log(proxy, pattern: str, count: int = 1, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(re.findall(pattern, proxy.log())) < count:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{pattern!r} x{count} not in the log:\n{proxy.log()}")
-        time.sleep(0.02)
+    def seen() -> bool:
+        return len(re.findall(pattern, proxy.log())) >= count
+
+    wait_for(seen, timeout, f"{pattern!r} x{count} in the log", details=proxy.log)
 
 
 RELOADED_THROTTLE = """
@@ -229,7 +229,7 @@ def test_reload_adds_and_removes_the_throttle(name_servers, lbproxy):
     proxy.reload(plain)
     _wait_log(proxy, r"web: throttle high -> low \(load [\d.]+, idle timeout own\)", count=2)
     assert re.search(r"reloaded: .*web: throttle removed", proxy.log())
-    time.sleep(max(0.0, opened + 4.5 - time.monotonic()))  # past the 3.25 s imposed
+    time.sleep(max(0.0, opened + 4.5 - time.monotonic()))  # on purpose: past the 3.25 s
     assert not any(_closed_within(sock, 0.05) for sock in held)
     for sock in held:
         sock.close()
@@ -245,7 +245,7 @@ def test_imposed_idle_timeout_already_exceeded_closes_at_once(name_servers, lbpr
     throttled = vs_config(port, [server], extra=RELOADED_THROTTLE)
     proxy = lbproxy(plain, wait_ports=[port])
     held = [open_and_read_name(port)[0] for _ in range(3)]
-    time.sleep(3.6)  # idle longer than the 3.25 s the throttle is about to impose
+    time.sleep(3.6)  # on purpose: idle longer than the 3.25 s the throttle will impose
     proxy.reload(throttled)
     _wait_log(proxy, re.escape("web: throttle low -> high (load 1.50, idle timeout 3.25s)"))
     for sock in held:
@@ -322,7 +322,7 @@ def test_rate_only_reaches_digg_during_the_burst(name_servers, lbproxy):
     port, admin_port = free_port(), free_port()
     extra = "throttle: {max_rate: 5, interval: 500ms}"
     proxy = lbproxy(_with_admin(vs_config(port, [server], extra=extra), admin_port), [port])
-    time.sleep(1.1)  # wait_port's probe has left the rate window
+    time.sleep(1.1)  # on purpose: wait_port's probe leaves the one-second rate window
     talkers = Talkers(port)
     try:
         talkers.open(2)
@@ -355,10 +355,11 @@ def test_connections_only_reaches_digg_without_waiting_for_the_interval(name_ser
     port, admin_port = free_port(), free_port()
     extra = "throttle: {max_connections: 4, interval: 10s}"
     proxy = lbproxy(_with_admin(vs_config(port, [server], extra=extra), admin_port), [port])
-    deadline = time.monotonic() + 5  # wait_port's probe connection has ended
-    while _metric(admin_port, "lbproxy_active_connections", real_server="a"):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(
+        lambda: not _metric(admin_port, "lbproxy_active_connections", real_server="a"),
+        5,
+        "wait_port's probe connection to end",
+    )
     held = [open_and_read_name(port) for _ in range(8)]
     try:
         assert [name for _, name in held] == ["a"] * 8
@@ -379,12 +380,12 @@ def test_connections_and_rate_together(name_servers, lbproxy):
     port, admin_port = free_port(), free_port()
     extra = "throttle: {max_connections: 10, max_rate: 10, interval: 300ms}"
     proxy = lbproxy(_with_admin(vs_config(port, [server], extra=extra), admin_port), [port])
-    time.sleep(1.1)  # wait_port's probe has left the rate window
+    time.sleep(1.1)  # on purpose: wait_port's probe leaves the one-second rate window
     talkers = Talkers(port)
     try:
         for _ in range(12):  # 6 per second: the rate alone stays low
             talkers.open(1)
-            time.sleep(0.16)
+            time.sleep(0.16)  # the arrivals' pace
         _wait_log(proxy, r"web: throttle low -> high")
         assert "-> digg" not in proxy.log()
         served, refused, rate = _burst(port, 60)
@@ -395,7 +396,7 @@ def test_connections_and_rate_together(name_servers, lbproxy):
         assert served <= 16 and refused == 60 - served, proxy.log()
         assert _metric(admin_port, "lbproxy_throttle_mode") == 2
         _wait_log(proxy, r"web: throttle digg -> high", timeout=5)
-        time.sleep(0.7)  # two more evaluations: 12 open keep it high (load 1.2)
+        time.sleep(0.7)  # on purpose: two more evaluations; 12 open keep it high (load 1.2)
         assert "high -> low" not in proxy.log()
         assert _metric(admin_port, "lbproxy_throttle_mode") == 1
         assert not talkers.errors and len(talkers.socks) == 12

@@ -385,12 +385,11 @@ def test_disable_while_connecting_closes_the_client_and_frees_the_slot(lbproxy):
 
 
 def test_a_keep_alive_connection_is_not_recycled_after_1000_requests(proxied):
-    """hypercorn's default ends a keep-alive connection after 1,000 requests, and that
-    recycle could log "Error in ASGI Framework" (trio.BusyResourceError); a client pool
-    keeps its one connection instead. 1,200 requests, each sent as soon as the previous
+    """A client pool keeps its one connection: 1,200 requests (more than the 1,000 after
+    which some servers end a keep-alive connection), each sent as soon as the previous
     answer's body is in, over one socket: every one answered, none with
-    `Connection: close`, nothing logged."""
-    proxy, _, _, admin_port = proxied
+    `Connection: close`."""
+    _, _, _, admin_port = proxied
     request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     with socket.create_connection(("127.0.0.1", admin_port), timeout=10) as s:
         buffer = b""
@@ -403,5 +402,3 @@ def test_a_keep_alive_connection_is_not_recycled_after_1000_requests(proxied):
             head, _, buffer = buffer.partition(b"ok\n")
             assert head.startswith(b"HTTP/1.1 200")
             assert b"connection: close" not in head.lower()
-    time.sleep(0.2)
-    assert "Error in ASGI" not in proxy.log()

@@ -45,8 +45,7 @@ def endpoint(tmp_path_factory):
     proxies = Lbproxies(folder)  # one process for the module: every test leaves it as it was
     proxy = proxies(http_server_config(f"127.0.0.1:{port}", folder), [port])
     yield proxy, port
-    proxies.stop_all()
-    assert "Traceback" not in proxy.log(), proxy.log()
+    proxies.stop_all()  # fails on a traceback in the log
 
 
 def connect(port: int, host: str = "127.0.0.1") -> socket.socket:

@@ -26,6 +26,7 @@ from tests.integration.harness import (
     read_name,
     run_cli,
     sample,
+    stop_all,
     wait_for,
 )
 from tests.integration.redis_server import RedisServer, requires_redis
@@ -123,11 +124,9 @@ def cluster(tmp_path, name_servers, lbproxy):
     make.instance = instance  # type: ignore[attr-defined]
     make.servers = servers  # type: ignore[attr-defined]
     yield make
-    codes = {one.name: one.stop() for one in started}
-    # SIGTERM with a cluster session open (or retrying) is a clean exit, whatever Redis does
-    assert codes == dict.fromkeys(codes, 0), codes
-    for one in started:
-        assert "Traceback" not in one.log(), one.log()
+    # SIGTERM with a cluster session open (or retrying) is a clean exit, whatever Redis
+    # does: stop() fails on another exit status or a traceback in the log
+    stop_all([one.proxy for one in started])
 
 
 def cluster_config(

@@ -162,10 +162,11 @@ virtual_servers:
             ) from None
         first_round = sum(responder.lookups.values())
         rounds = counted(admin, "lbproxy_discovery_resolutions_total")
-        wait_for(  # two more rounds, with the same answer
+        wait_for(  # two more rounds, with the same answer (a page of 1,000 servers: 5 a second)
             lambda: counted(admin, "lbproxy_discovery_resolutions_total") >= rounds + 2,
             20,
             "two more discovery rounds",
+            interval=0.2,
         )
         servers = servers_of(admin)
         assert len(servers) == 1000 and set(servers) == wanted

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
+
+import pytest
 
 from lbproxy.config.model import Address, RealServerConfig, SnmpConfig, VirtualServerConfig
 from lbproxy.core import schedulers
@@ -32,3 +35,15 @@ def virtual_server(scheduler: str, servers: dict[str, dict[str, Any]], **options
 
 
 SNMP = SnmpConfig()
+
+
+def real_hello(server_name: str | None = "api.example.com") -> bytes:
+    """The first flight of a real TLS client (Python's ssl, OpenSSL), no network."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname=server_name)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()

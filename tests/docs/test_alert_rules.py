@@ -10,7 +10,7 @@ import subprocess
 import yaml
 
 from tests import tools
-from tests.docs.test_site import ROOT, _metric_families
+from tests.docs.support import ROOT, metric_families
 
 RULES = ROOT / "contrib" / "prometheus" / "lbproxy-rules.yaml"
 TESTS = ROOT / "contrib" / "prometheus" / "tests" / "lbproxy-rules.test.yaml"
@@ -76,7 +76,7 @@ def test_the_unit_tests_make_every_alert_fire():
 
 
 def test_the_rules_name_only_metrics_lbproxy_exports():
-    exported = _metric_families()
+    exported = metric_families()
     used = set()
     for rule in ALERTS.values():
         used |= set(re.findall(r"\blbproxy_\w+", rule["expr"]))

@@ -14,10 +14,9 @@ import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
-from lbproxy.admin.metric_families import FAMILIES
 from lbproxy.admin.routes import ROUTES
+from tests.docs.support import ROOT, metric_families
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
@@ -62,19 +61,8 @@ def test_the_front_page_is_the_readme():
     assert (DOCS / "index.md").read_text() == expected
 
 
-def _metric_families() -> set[str]:
-    """Every family lbproxy serves, from the one table (admin/metric_families.py), and any
-    family built outside it."""
-    families = {f.name + "_total" if f.kind == "counter" else f.name for f in FAMILIES.values()}
-    for source in (ROOT / "lbproxy").rglob("*.py"):
-        text = source.read_text()
-        for kind, name in re.findall(r"(\w+)MetricFamily\(\s*\"(lbproxy_\w+)\"", text):
-            families.add(name + "_total" if kind == "Counter" else name)
-    return families
-
-
 def test_every_metric_family_is_in_the_metrics_reference():
-    families = _metric_families()
+    families = metric_families()
     assert "lbproxy_connections_total" in families and "lbproxy_throttle_mode" in families
     reference = (DOCS / "reference" / "metrics.md").read_text()
     documented = set(re.findall(r"`(lbproxy_\w+)`", reference))

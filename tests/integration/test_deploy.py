@@ -514,14 +514,14 @@ def test_the_cluster_example_agrees_with_the_configuration_it_mounts(tmp_path):
     folder = with_key_file(shipped, tmp_path)
     check = run_cli("check", str(folder))
     assert check.returncode == 0, check.stdout + check.stderr
-    from tests.unit.config.test_schema import _validator
+    from tests.unit.config.support import schema_validator
 
     for path in sorted(shipped.glob("*.yaml")):  # and editors that read the schema agree
         assert path.read_text().startswith(
             "# yaml-language-server: $schema=../../../docs/lbproxy.schema.json\n"
         )
         assert (path.parent / "../../../docs/lbproxy.schema.json").resolve().exists()
-        assert list(_validator().iter_errors(yaml.safe_load(path.read_text()))) == []
+        assert list(schema_validator().iter_errors(yaml.safe_load(path.read_text()))) == []
     config = load([str(folder)])
     redis = config.global_.cluster.redis
     assert redis is not None and redis.name is None  # the member name is the host name

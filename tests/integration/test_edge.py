@@ -21,6 +21,7 @@ import struct
 import pytest
 
 from lbproxy.wire.proxy_protocol import V2_SIGNATURE, encode_v1
+from tests.factories import real_hello
 from tests.integration.harness import (
     NameServer,
     ask_name,
@@ -34,7 +35,6 @@ from tests.integration.harness import (
     wait_for,
     with_admin,
 )
-from tests.unit.wire.test_client_hello import real_hello
 
 REJECTED = "lbproxy_rejected_connections_total"
 

@@ -585,7 +585,7 @@ def test_fuzzed_first_bytes_never_hurt_the_process(name_servers, lbproxy):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from tests.unit.wire.test_client_hello import real_hello
+    from tests.factories import real_hello
 
     (plain,) = name_servers("plain")
     api = NameServer("api")
@@ -625,7 +625,7 @@ def test_accept_proxy_reads_the_header_before_the_hello_and_its_source_counts(
     name_servers, lbproxy
 ):
     from lbproxy.wire.proxy_protocol import encode_v1, encode_v2
-    from tests.unit.wire.test_client_hello import real_hello
+    from tests.factories import real_hello
 
     api, plain = name_servers("api", "plain")
     port, admin_port = free_port(), free_port()

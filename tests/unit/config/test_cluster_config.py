@@ -11,7 +11,7 @@ import pytest
 from lbproxy.config.model import ClusterConfig, RedisConfig
 from lbproxy.config.reader import load
 from lbproxy.config.summary import summary
-from tests.unit.config.test_config import messages, problems, write
+from tests.unit.config.support import messages, problems, write
 
 VS = """
 virtual_servers:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from lbproxy.config.model import (
 from lbproxy.config.reader import load
 from lbproxy.config.summary import summary
 from lbproxy.config.values import parse_address, parse_duration
+from tests.unit.config.support import messages, problems, write
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 SCHEDULER_FILES = [
@@ -45,26 +45,6 @@ virtual_servers:
     real_servers:
       - {name: a, address: 127.0.0.1:9001}
 """
-
-
-def write(folder: Path, name: str, text: str) -> str:
-    path = folder / name
-    path.write_text(textwrap.dedent(text))
-    return str(path)
-
-
-def problems(paths: list[str]) -> list[str]:
-    """The `FILE:LINE: message` lines `load` reports, in its order."""
-    with pytest.raises(ConfigError) as info:
-        load(paths)
-    return [str(problem) for problem in info.value.problems]
-
-
-def messages(paths: list[str]) -> list[str]:
-    """The problems without `FILE:LINE: `, for tests about the wording."""
-    with pytest.raises(ConfigError) as info:
-        load(paths)
-    return [problem.message for problem in info.value.problems]
 
 
 # --------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 from lbproxy.config.model import Address, DnsDiscoveryConfig
 from lbproxy.config.reader import load
 from lbproxy.config.summary import summary
-from tests.unit.config.test_config import problems, write
+from tests.unit.config.support import problems, write
 
 CONSUL = """\
 virtual_servers:

@@ -8,7 +8,7 @@ from pathlib import Path
 from lbproxy.config.model import QueueConfig
 from lbproxy.config.reader import load
 from lbproxy.config.summary import summary
-from tests.unit.config.test_config import problems, write
+from tests.unit.config.support import problems, write
 
 SHARED = """\
 virtual_servers:

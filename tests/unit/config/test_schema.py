@@ -21,16 +21,13 @@ from lbproxy.config import reference, schema
 from lbproxy.config.model import ConfigError
 from lbproxy.config.reader import load
 from lbproxy.config.tables import SECTIONS, walk
+from tests.unit.config.support import schema_validator
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 # Fields of the model that are not keys of their section: where a value was read, what
 # the reader computes, and the nested sections (their own tables).
 NOT_KEYS = {"line", "file", "discovered", "files", "global_"}
-
-
-def _validator() -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(schema.json_schema())
 
 
 def test_the_schema_is_a_valid_draft_2020_12_schema():
@@ -121,7 +118,7 @@ def test_every_shipped_configuration_validates_and_names_the_schema(path):
     match = re.fullmatch(r"# yaml-language-server: \$schema=(\S+)", first)
     assert match, f"{path.name} must start with the yaml-language-server line"
     assert (path.parent / match[1]).resolve() == ROOT / "docs" / "lbproxy.schema.json"
-    errors = list(_validator().iter_errors(yaml.safe_load(text)))
+    errors = list(schema_validator().iter_errors(yaml.safe_load(text)))
     assert errors == [], [e.message for e in errors]
 
 
@@ -170,14 +167,14 @@ def test_bad_input_is_refused_by_the_schema_and_by_check_alike(tmp_path, what, l
     config.write_text(text)
     with pytest.raises(ConfigError):
         load([config])
-    assert not _validator().is_valid(yaml.safe_load(text)), f"schema accepts {what}"
+    assert not schema_validator().is_valid(yaml.safe_load(text)), f"schema accepts {what}"
 
 
 def test_the_valid_base_is_accepted_by_both(tmp_path):
     config = tmp_path / "good.yaml"
     config.write_text(VALID)
     load([config])
-    assert _validator().is_valid(yaml.safe_load(VALID))
+    assert schema_validator().is_valid(yaml.safe_load(VALID))
 
 
 GOOD = [
@@ -196,7 +193,7 @@ def test_good_input_is_accepted_by_both(tmp_path, line):
     config = tmp_path / "good.yaml"
     config.write_text(text)
     load([config])
-    errors = list(_validator().iter_errors(yaml.safe_load(text)))
+    errors = list(schema_validator().iter_errors(yaml.safe_load(text)))
     assert errors == [], [e.message for e in errors]
 
 

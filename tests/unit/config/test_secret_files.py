@@ -13,7 +13,7 @@ import pytest
 
 from lbproxy.config.reader import load
 from lbproxy.config.secret_files import SecretFiles
-from tests.unit.config.test_config import messages, problems, write
+from tests.unit.config.support import messages, problems, write
 
 VS = """
 virtual_servers:

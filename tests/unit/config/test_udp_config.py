@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lbproxy.config.model import SourcePrefixConfig, UdpConfig
 from lbproxy.config.reader import load
-from tests.unit.config.test_config import problems, write
+from tests.unit.config.support import problems, write
 
 RS = "    real_servers: [{name: a, address: 127.0.0.1:5301}]\n"
 

@@ -4,7 +4,7 @@ instance's entry, through the real Pool on a fake clock."""
 
 from __future__ import annotations
 
-from tests.unit.core.test_persistence import connect, lookups, sticky_pool
+from tests.unit.core.support import connect, lookups, sticky_pool
 
 
 def shared_pool(timeout: float = 10.0):

@@ -3,7 +3,6 @@ cut and re-framed every way, and fuzzed with hypothesis."""
 
 from __future__ import annotations
 
-import ssl
 from dataclasses import replace
 
 import pytest
@@ -11,18 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbproxy.wire.client_hello import LIMIT, NOT_TLS, ClientHelloReader, Hello, parse_hello_body
-
-
-def real_hello(server_name: str | None = "api.example.com") -> bytes:
-    """The first flight of a real TLS client (Python's ssl, OpenSSL), no network."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = context.wrap_bio(incoming, outgoing, server_hostname=server_name)
-    with pytest.raises(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
+from tests.factories import real_hello
 
 
 def read(*chunks: bytes):

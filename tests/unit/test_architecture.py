@@ -94,3 +94,18 @@ def test_the_runtime_layer_uses_no_other_modules_private_names():
         for f in private_names_used(path)
     ]
     assert used == []
+
+
+def test_no_test_module_imports_another():
+    # Shared helpers live in harness.py, factories.py and the support modules: a test
+    # module is free to change without breaking another.
+    imports = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.startswith("tests.")
+        and node.module.rsplit(".", 1)[-1].startswith("test_")
+    ]
+    assert imports == []

@@ -24,7 +24,8 @@ import trio
 from lbproxy.config.model import Address, HealthCheckConfig, QueueConfig
 from lbproxy.core.pool import Pool
 from lbproxy.dataplane import connection
-from lbproxy.dataplane.connection import (
+from lbproxy.dataplane.connection import ClientConnection, Handler
+from lbproxy.dataplane.lifecycle import (
     ADMITTED,
     CLOSING,
     CONNECTING,
@@ -35,8 +36,6 @@ from lbproxy.dataplane.connection import (
     QUEUED,
     STATES,
     TRANSITIONS,
-    ClientConnection,
-    Handler,
 )
 from lbproxy.dataplane.queue import Queue
 from lbproxy.dataplane.virtual_server import VirtualServer

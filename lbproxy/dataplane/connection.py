@@ -60,6 +60,7 @@ from lbproxy.dataplane.lifecycle import (
     PREREAD,
     QUEUED,
     STATES,
+    enter,
 )
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
@@ -200,11 +201,12 @@ class ClientConnection(Flow):
         `rejected` reason, if any), write the access log (`how` is its `end=`; None:
         no line, as for a bad PROXY header or the drain's cancellation), give the lease
         back, uncount it from pool.clients and close what it still owns. Idempotent;
-        never raises (a bug in the counting is the barrier's `connection_end`)."""
+        never raises (a bug in the counting is the barrier's `connection_end`; every
+        live state may close, and closing end, in TRANSITIONS)."""
         was = self.state
         if was >= CLOSING:
             return
-        self.state = CLOSING
+        enter(self, CLOSING)
         handler = self.handler
         try:
             handler._ended(self, was, how, rejected)
@@ -214,7 +216,7 @@ class ClientConnection(Flow):
             self.lease = None
             handler.pool.clients -= 1
             _clients.open -= 1
-            self.state = ENDED
+            enter(self, ENDED)
             if self.fd >= 0 or self.sock is not None:  # not once established: the pump's
                 self._release()
 
@@ -330,7 +332,7 @@ class Handler:
                 return
             queue = vs.queue
             if queue is not None and queue.must_wait():
-                c.state = QUEUED
+                enter(c, QUEUED)
                 spawn(self._waiting, c, self._queued)
                 return
             # _pick, a first one: at the accept's time (nothing waited since)
@@ -342,7 +344,7 @@ class Handler:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s", explain_pick(pool, rs, []))
             c.lease = pool.take(rs, now, c, peer)
-            c.state = PICKED
+            enter(c, PICKED)
             # _connect: the C connect to the cached struct sockaddr
             target = self._targets.get(rs)
             if target is None or target[0] is not rs.address:
@@ -352,7 +354,7 @@ class Handler:
                     if wait is not None:
                         spawn(self._waiting, c, wait)
                     return
-            c.state = CONNECTING
+            enter(c, CONNECTING)
             fd, err = _c_connect(target[2])  # type: ignore[misc]  # not None: _see
             if fd >= 0 and not err:
                 self._establish(c, fd)
@@ -470,7 +472,7 @@ class Handler:
             c.reject("throttle")
             return None
         if proxied:
-            c.state = PREREAD
+            enter(c, PREREAD)
             return self._preread
         return self._admit(c)
 
@@ -492,7 +494,7 @@ class Handler:
         if queue is not None and queue.must_wait():
             # A busy queue (someone waiting, or no server free): wait in it. An idle one
             # costs nothing.
-            c.state = QUEUED
+            enter(c, QUEUED)
             return self._queued
         return self._pick(c)
 
@@ -518,14 +520,19 @@ class Handler:
         # concurrent arrivals then see this one and spread out. `source` (the PROXY
         # header's with accept_proxy) is for persistence and maglev.
         c.lease = pool.take(rs, now, c, c.source)
-        c.state = PICKED
+        enter(c, PICKED)
         return self._connect(c)
 
     def _connect(self, c: ClientConnection) -> Wait | None:
         """-> connecting: a non-blocking connect to the picked server; established at
         once if it completes before connect() returns, else a wait (a name to resolve,
         the connect in progress); a failure gives the lease back and picks again."""
-        c.state = CONNECTING
+        enter(c, CONNECTING)
+        return self._dial(c)
+
+    def _dial(self, c: ClientConnection) -> Wait | None:
+        """connecting: the connect itself, or the wait for the server's name first
+        (`_resolving`, which comes back here in the same state)."""
         assert c.lease is not None
         cached = self._resolved.get(c.lease.server.address)
         if cached is None:
@@ -587,19 +594,19 @@ class Handler:
         queue = self.vs.queue
         if queue is not None and queue.waiting:
             queue.kick()  # the slot is taken: the next waiter, if room is left
-        c.state = ESTABLISHED
         client = c.fd
         c.fd = -1
         config = c.config
         header = b""
         try:
+            enter(c, ESTABLISHED)  # raises only for a bug: both descriptors closed below
             send_proxy = config.send_proxy  # none | v1 | v2 (the configuration checked)
             if send_proxy != "none":
                 encode = (
                     proxy_protocol.encode_v1 if send_proxy == "v1" else proxy_protocol.encode_v2
                 )
                 header = encode(c.source, _local_address(client))
-        except Exception as exc:  # OSError: the client reset before getsockname()
+        except Exception as exc:  # OSError: the client reset before getsockname(); a bug
             os.close(server)
             os.close(client)
             self._start_failed(c, exc)
@@ -706,7 +713,7 @@ class Handler:
             await self._resolve(c.lease.server.address)
         except ConnectError as exc:
             return self._attempt_failed(c, exc)
-        return self._connect(c)
+        return self._dial(c)
 
     async def _connecting(self, c: ClientConnection) -> Wait | None:
         """connecting: the connect in progress, within connect_timeout; close() cancels

@@ -1,10 +1,22 @@
-"""A client connection's states and the transitions between them, as data.
+"""A client connection's states, the transitions between them as data, and `enter`,
+the one way a connection changes state.
 
-The lifecycle itself -- what each state does, and when it waits -- is
-dataplane/connection.py's; this is its table.
+    admitted -> preread -> queued -> picked -> connecting -> established -> closing -> ended
+
+h11's `_state.py` is the model: the table says which transitions exist, and a state
+change that is not in it raises (`IllegalTransition`) instead of going unnoticed. In
+production that exception is a bug in the lifecycle's code: the connection's exception
+barrier (dataplane/connection.py) counts it in `lbproxy_internal_errors_total{where=
+"connection"}` and ends that connection only. What each state does, and when it waits,
+is dataplane/connection.py's; the states are `Handler`'s steps there.
+
+`enter` runs a few times per connection (five on the way from admitted to ended), so the
+check is one tuple index and one frozenset membership, with no allocation.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 # -- the states ----------------------------------------------------------------------
 #
@@ -42,3 +54,34 @@ TRANSITIONS: dict[int, frozenset[int]] = {
     CLOSING: frozenset({ENDED}),
     ENDED: frozenset(),
 }
+
+# The states that may wait, each in the connection's task (a connection that waits for
+# nothing has no task): the PROXY header, a free server, a name or a connect in progress.
+WAITING = frozenset({PREREAD, QUEUED, CONNECTING})
+
+# TRANSITIONS indexed by state: what `enter` reads (a tuple index, not a dict lookup).
+_ALLOWED: tuple[frozenset[int], ...] = tuple(TRANSITIONS[state] for state in range(len(STATES)))
+
+
+class Stateful(Protocol):
+    state: int
+
+
+class IllegalTransition(RuntimeError):
+    """A state change TRANSITIONS does not allow: a bug in the lifecycle's code."""
+
+    def __init__(self, old: int, new: int) -> None:
+        super().__init__(f"{STATES[old]} -> {STATES[new]} is not in TRANSITIONS")
+        self.old = old
+        self.new = new
+
+
+def enter(c: Stateful, new: int) -> None:
+    """Move `c` to state `new`, if TRANSITIONS allows it from the state it is in; else
+    raise IllegalTransition and leave `c` as it was. The caller's exception barrier
+    counts that as a bug."""
+    old = c.state
+    if new in _ALLOWED[old]:
+        c.state = new
+    else:
+        raise IllegalTransition(old, new)

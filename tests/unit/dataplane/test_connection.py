@@ -23,7 +23,7 @@ import trio
 
 from lbproxy.config.model import Address, HealthCheckConfig, QueueConfig
 from lbproxy.core.pool import Pool
-from lbproxy.dataplane import connection
+from lbproxy.dataplane import connection, lifecycle
 from lbproxy.dataplane.connection import ClientConnection, Handler
 from lbproxy.dataplane.lifecycle import (
     ADMITTED,
@@ -36,6 +36,7 @@ from lbproxy.dataplane.lifecycle import (
     QUEUED,
     STATES,
     TRANSITIONS,
+    WAITING,
 )
 from lbproxy.dataplane.queue import Queue
 from lbproxy.dataplane.virtual_server import VirtualServer
@@ -91,11 +92,17 @@ _state_slot = ClientConnection.state  # the slot's descriptor, wrapped below
 
 
 class Recorded(ClientConnection):
-    """A ClientConnection that records its states and checks each step against
-    TRANSITIONS (the production class stores the state in a plain slot)."""
+    """A ClientConnection that records every state written to its slot, wherever the
+    write comes from (the production class stores it in a plain slot): the first,
+    __init__'s admitted, then each change, which must be made by `enter` -- the one
+    state-change function, which checks it against TRANSITIONS. A write that is not
+    enter's, or not in the table, is a violation, failing the test at its end (an
+    assertion here would be caught by the connection's own exception barrier)."""
 
     __slots__ = ("journey",)
     journeys: ClassVar[list[list[int]]] = []
+    violations: ClassVar[list[str]] = []
+    entering: ClassVar[ClientConnection | None] = None  # what enter() is changing now
 
     @property
     def state(self) -> int:  # type: ignore[override]
@@ -106,14 +113,27 @@ class Recorded(ClientConnection):
         try:
             old = _state_slot.__get__(self)
         except AttributeError:  # the first: __init__
-            assert new == ADMITTED
+            if new != ADMITTED:
+                self.violations.append(f"began as {STATES[new]}")
             self.journey = [new]
             self.journeys.append(self.journey)
         else:
-            if new != old:
-                assert new in TRANSITIONS[old], f"{STATES[old]} -> {STATES[new]}"
-                self.journey.append(new)
+            change = f"{STATES[old]} -> {STATES[new]}"
+            if Recorded.entering is not self:
+                self.violations.append(f"{change}, not made by enter()")
+            if new not in TRANSITIONS[old]:
+                self.violations.append(f"{change}, not in TRANSITIONS")
+            self.journey.append(new)
         _state_slot.__set__(self, new)
+
+
+def entering(c: ClientConnection, new: int) -> None:
+    """connection.enter, the one state-change function, instrumented: the same call."""
+    Recorded.entering = c
+    try:
+        lifecycle.enter(c, new)
+    finally:
+        Recorded.entering = None
 
 
 _opened: list = []  # the test's own sockets, closed at the end of its trio run
@@ -122,8 +142,11 @@ _opened: list = []  # the test's own sockets, closed at the end of its trio run
 @pytest.fixture(autouse=True)
 def recorded(monkeypatch):
     Recorded.journeys = []
+    Recorded.violations = []
     monkeypatch.setattr(connection, "ClientConnection", Recorded)
-    return Recorded.journeys
+    monkeypatch.setattr(connection, "enter", entering)
+    yield Recorded.journeys
+    assert Recorded.violations == []
 
 
 async def echo(stream: trio.SocketStream) -> None:
@@ -155,6 +178,8 @@ class Rig:
 
     def spawn(self, fn, *args) -> None:
         self.spawned.append(fn.__name__)
+        if fn.__name__ == "_waiting" and args[0].state not in WAITING:  # a task to wait
+            Recorded.violations.append(f"a task for a connection {args[0].state_name}")
         self.nursery.start_soon(fn, *args)
 
     async def client(self) -> tuple[trio.socket.SocketType, int, tuple]:
@@ -598,7 +623,52 @@ def test_a_bug_in_a_step_ends_that_connection_only(recorded, monkeypatch, scenar
         assert internal_errors().counts["connection"] == before + 1
         monkeypatch.undo()
         monkeypatch.setattr(connection, "ClientConnection", Recorded)
+        monkeypatch.setattr(connection, "enter", entering)
         client = await r.accept()  # and the next one is served
+        assert await round_trip(client) == b"ping"
+        client.close()
+        await settled(r)
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    ("path", "step", "wrong", "journey"),
+    [
+        ("accept", "_dial", QUEUED, [A, P, C, CL, EN]),  # connecting -> queued
+        ("waiting", "_admit", ESTABLISHED, [A, PR, CL, EN]),  # preread -> established
+    ],
+)
+def test_a_transition_missing_from_the_table_is_a_bug_counted_by_the_barrier(
+    recorded, monkeypatch, caplog, path, step, wrong, journey
+):
+    """A step that makes a state change TRANSITIONS lacks: enter() raises, and the
+    barrier of the accept (no task) or of the connection's task counts it and ends that
+    connection only, lease and descriptors given back; the next one is served."""
+
+    def wrong_step(self, c):
+        connection.enter(c, wrong)
+
+    async def body(nursery):
+        r = await rig(nursery, accept_proxy=path == "waiting")
+        before = internal_errors().counts["connection"]
+        monkeypatch.setattr(Handler, step, wrong_step)
+        client = await r.accept()
+        if path == "waiting":
+            await client.send(b"PROXY TCP4 192.0.2.7 127.0.0.1 5555 80\r\n")
+        assert await closed(client)
+        await settled(r)
+        assert recorded == [journey]
+        assert r.pool.clients == 0 and r.pool.active == 0
+        assert internal_errors().counts["connection"] == before + 1
+        change = f"{STATES[journey[-3]]} -> {STATES[wrong]}"
+        assert f"IllegalTransition: {change} is not in TRANSITIONS" in caplog.text
+        monkeypatch.undo()
+        monkeypatch.setattr(connection, "ClientConnection", Recorded)
+        monkeypatch.setattr(connection, "enter", entering)
+        client = await r.accept()  # and the next one is served
+        if path == "waiting":
+            await client.send(b"PROXY TCP4 192.0.2.7 127.0.0.1 5555 80\r\n")
         assert await round_trip(client) == b"ping"
         client.close()
         await settled(r)

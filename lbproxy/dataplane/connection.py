@@ -9,13 +9,13 @@ a step that has to wait returns the wait instead (`_preread`: a PROXY header;
 `_queued`: the queue; `_resolving`: a name; `_connecting`: a connect in progress), and
 only then is a task spawned (`_waiting`), which awaits it and goes on with the steps. A
 connection that waits for nothing -- no PROXY header, no queue, a cached address and a
-near server that completes the connect before connect() returns -- runs from admitted
-to established in the accept loop's call, with no task at all: a task costs more user
-time than all of HAProxy's work for a connection (issue 15, docs/benchmarks.md). On the
-compiled path, the common case of those steps runs inline in `Handler.accept` (one frame
-for admission, pick and connect, setting the same states; issue 26). Once established,
-the pump (the reactor, net/pump.py) moves the bytes and reports the end; the task-less
-connections of a handler are drained through one guardian task (`Handler._guard`).
+near server that completes the connect before connect() returns -- runs the same steps
+from admitted to established in the accept loop's call, with no task at all: a task
+costs more user time than all of HAProxy's work for a connection (docs/benchmarks.md).
+Every state change is `lifecycle.enter`, which checks it against the table
+(dataplane/lifecycle.py). Once established, the pump (the reactor, net/pump.py) moves
+the bytes and reports the end; the task-less connections of a handler are drained
+through one guardian task (`Handler._guard`).
 
 `ClientConnection.end()` is the one way out of every state: idempotent, it counts the
 connection, writes the access log, gives the lease back, adds the byte counts and
@@ -258,18 +258,16 @@ class Handler:
     def __init__(self, vs: VirtualServer) -> None:
         self.vs = vs
         self.pool = vs.pool
-        # Address -> (family, sockaddr, the C struct sockaddr or None: see _start_connect)
+        # Address -> (family, sockaddr, the C struct sockaddr or None: see _resolve)
         self._resolved: dict[Address, tuple[int, tuple, bytes | None]] = {}
-        # The fast path's (accept) view of that cache: RealServer -> (the Address it was
-        # for, family, C struct sockaddr), for the servers the C connect serves. Keyed by
-        # the server (an identity hash in C): the Address key costs its dataclass
-        # __hash__, a Python frame per connection; valid while `rs.address` is that very
-        # object (a reload that moves a server gives it another).
-        self._targets: dict[RealServer, tuple[Address, int, bytes]] = {}
-        # The configuration the fast path was last judged for, and the verdict (_see);
-        # its ACL and its trusted PROXY senders, each remembering its verdict per address.
+        # The connect's view of that cache: RealServer -> (the Address it was for,
+        # family, sockaddr, C struct sockaddr or None). Keyed by the server (an identity
+        # hash in C): the Address key costs its dataclass __hash__, a Python frame per
+        # connection; valid while `rs.address` is that very object (a reload that moves
+        # a server gives it another).
+        self._targets: dict[RealServer, tuple[Address, int, tuple, bytes | None]] = {}
+        # The configuration last seen (_see): its ACL and its trusted PROXY senders.
         self._seen: VirtualServerConfig | None = None
-        self._fast = False
         self._acl: SourceFilter
         self._proxy_peers: SourceFilter
         self._see(self.pool.config)
@@ -300,86 +298,27 @@ class Handler:
         """Serve a client the accept loop just accepted (its non-blocking descriptor):
         its lifecycle runs here, with no task, as far as it goes without waiting; a wait
         (PROXY header, queue, a name, a connect in progress) goes on in a task in
-        `spawn`'s nursery. The connection closes the descriptor in the end.
-
-        The common case -- compiled, no PROXY header, no throttle, the default ACL, an
-        idle queue or none, a server whose address is cached -- runs `_begin`,
-        `_admit`, `_pick`, `_connect` and `_start_connect`'s C connect inline, in this
-        one frame, with the same states, counts and decisions (issue 26: seven Python
-        frames and an Address hash fewer per connection, scripts/bench_handler.py);
-        anything else goes through the steps."""
+        `spawn`'s nursery. The connection closes the descriptor in the end."""
         self._spawn = spawn
-        pool = self.pool
-        config = pool.config
         try:
-            c = ClientConnection(self, client, peer, config, self._clock())
+            c = ClientConnection(self, client, peer, self.pool.config, self._clock())
         except BaseException:
             os.close(client)
             raise
         try:
-            if config is not self._seen:
-                self._see(config)
-            vs = self.vs
-            if not self._fast or vs.throttle is not None:
-                wait = self._begin(c)
-                if wait is not None:
-                    spawn(self._waiting, c, wait)
-                return
-            # _admit: the ACL is the default (_see), so max_connections, then the queue
-            max_connections = config.max_connections
-            if max_connections and pool.clients > max_connections:
-                c.reject("max_connections")
-                return
-            queue = vs.queue
-            if queue is not None and queue.must_wait():
-                enter(c, QUEUED)
-                spawn(self._waiting, c, self._queued)
-                return
-            # _pick, a first one: at the accept's time (nothing waited since)
-            now = c.started
-            rs = pool.pick(now, (), peer)
-            if rs is None:
-                self._no_server(c, "no_server")
-                return
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s", explain_pick(pool, rs, []))
-            c.lease = pool.take(rs, now, c, peer)
-            enter(c, PICKED)
-            # _connect: the C connect to the cached struct sockaddr
-            target = self._targets.get(rs)
-            if target is None or target[0] is not rs.address:
-                target = self._target(rs)
-                if target is None:  # not resolved yet, or not for the C connect
-                    wait = self._connect(c)
-                    if wait is not None:
-                        spawn(self._waiting, c, wait)
-                    return
-            enter(c, CONNECTING)
-            fd, err = _c_connect(target[2])  # type: ignore[misc]  # not None: _see
-            if fd >= 0 and not err:
-                self._establish(c, fd)
-                return
-            wait = self._connect_started(c, target[1], fd, err)
+            wait = self._begin(c)
             if wait is not None:
                 spawn(self._waiting, c, wait)
         except Exception as exc:  # the barrier: a bug ends this connection only
-            record("connection", exc, pool.name)
+            record("connection", exc, self.pool.name)
             c.end()
 
     def _see(self, config: VirtualServerConfig) -> None:
-        """Judge a configuration (the first, or a reload's) for accept's fast path:
-        compiled, and nothing in _begin or _admit that only the steps do (a PROXY
-        header to read, an ACL to check). The throttle and the queue are the virtual
-        server's, looked at per connection."""
+        """Remember a configuration's (the first, or a reload's) ACL and trusted PROXY
+        senders, each of which remembers its verdict per address."""
         self._seen = config
         self._acl = SourceFilter(config.allow, config.deny)
         self._proxy_peers = SourceFilter(config.accept_proxy_from)
-        self._fast = (
-            _c_connect is not None
-            and _c_pump is not None
-            and not config.accept_proxy
-            and self._acl.everyone
-        )
 
     def _filters(self, config: VirtualServerConfig) -> tuple[SourceFilter, SourceFilter]:
         """The ACL and the trusted PROXY senders of `config` (a connection's, as it was
@@ -392,26 +331,18 @@ class Handler:
             self._see(config)
         return self._acl, self._proxy_peers
 
-    def _target(self, rs: RealServer) -> tuple[Address, int, bytes] | None:
-        """The fast path's entry for `rs` from the resolved addresses, if the C connect
-        serves it (None: not resolved yet, or not AF_INET/AF_INET6)."""
+    def _target(self, rs: RealServer) -> tuple[Address, int, tuple, bytes | None] | None:
+        """`rs`'s entry in `_targets`, made from the resolved addresses (None: not
+        resolved yet)."""
         address = rs.address
         cached = self._resolved.get(address)
-        if cached is None or cached[2] is None:
+        if cached is None:
             return None
         targets = self._targets
         if len(targets) > 2 * len(self.pool.servers) + 16:  # removed servers: forget them
             targets.clear()
-        target = targets[rs] = (address, cached[0], cached[2])
+        target = targets[rs] = (address, cached[0], cached[1], cached[2])
         return target
-
-    def _connect_started(self, c: ClientConnection, family: int, fd: int, err: int) -> Wait | None:
-        """The fast path's C connect did not complete at once: in progress (a wait for
-        it), or failed (another pick), as `_connect` and `_start_connect` do."""
-        if fd >= 0:  # in progress: a socket object for the wait and SO_ERROR
-            c.sock = _new_socket(family, _CONNECT_TYPE, 0, fd)
-            return self._connecting
-        return self._attempt_failed(c, _c_connect_error(fd, err))
 
     async def handle(self, client: int, peer: tuple, preread: bytes | None = None) -> None:
         """Serve a client in the calling task (a shared address's route): the same
@@ -533,16 +464,26 @@ class Handler:
     def _dial(self, c: ClientConnection) -> Wait | None:
         """connecting: the connect itself, or the wait for the server's name first
         (`_resolving`, which comes back here in the same state)."""
-        assert c.lease is not None
-        cached = self._resolved.get(c.lease.server.address)
-        if cached is None:
-            return self._resolving
-        try:
-            fd, err = self._start_connect(*cached)
-        except (LocalCapacityError, ConnectError) as exc:
-            return self._attempt_failed(c, exc)
+        lease = c.lease
+        assert lease is not None
+        rs = lease.server
+        target = self._targets.get(rs)
+        if target is None or target[0] is not rs.address:
+            target = self._target(rs)
+            if target is None:
+                return self._resolving
+        packed = target[3]
+        if packed is not None:  # compiled: one C call (see _c_connect)
+            fd, err = _c_connect(packed)  # type: ignore[misc]  # packed: compiled
+            if fd < 0:
+                return self._attempt_failed(c, _c_connect_error(fd, err))
+        else:
+            try:
+                fd, err = self._start_connect(target[1], target[2])
+            except (LocalCapacityError, ConnectError) as exc:
+                return self._attempt_failed(c, exc)
         if err:  # in progress: a socket object for the wait and SO_ERROR (no system call)
-            c.sock = _new_socket(cached[0], _CONNECT_TYPE, 0, fd)
+            c.sock = _new_socket(target[1], _CONNECT_TYPE, 0, fd)
             return self._connecting
         self._establish(c, fd)
         return None
@@ -843,15 +784,10 @@ class Handler:
             end,
         )
 
-    def _start_connect(self, family: int, sockaddr: tuple, packed: bytes | None) -> tuple[int, int]:
-        """socket() and a non-blocking connect: (descriptor, 0) connected already, or
-        (descriptor, EINPROGRESS). Raises LocalCapacityError or ConnectError (closed).
-        `packed`: the C struct sockaddr, for the compiled path's one call."""
-        if packed is not None and _c_connect is not None:
-            fd, err = _c_connect(packed)
-            if fd >= 0:
-                return fd, err
-            raise _c_connect_error(fd, err)
+    def _start_connect(self, family: int, sockaddr: tuple) -> tuple[int, int]:
+        """socket() and a non-blocking connect, in Python (the compiled path makes it
+        one C call, `_c_connect`): (descriptor, 0) connected already, or (descriptor,
+        EINPROGRESS). Raises LocalCapacityError or ConnectError (closed)."""
         try:
             # A plain non-blocking socket: trio's wrapper costs a checkpoint, an address
             # re-resolution and an ioctl per connect, and socket.socket's Python layer

@@ -713,12 +713,11 @@ def test_a_client_connection_starts_as_a_flow_does():
     trio.run(main)
 
 
-# -- accept()'s fast path (issue 26): the same states and counts as the steps ------------
+# -- the fast path: admitted to established within accept() -----------------------------
 #
-# With the address cached (after a warm-up), a connection to a virtual server that needs
-# no PROXY header, no throttle and no ACL runs admission, pick and the C connect inline
-# in accept(); these drive each of its branches, on both paths (the pure one takes the
-# steps: the same journeys).
+# With the address cached (after a warm-up), a connection that waits for nothing runs
+# every step in accept()'s call, with no task; these drive each branch of the steps there
+# (max_connections, a failed connect, the C connect, a reload), on both paths.
 
 compiled_only = pytest.mark.skipif(
     connection._c_connect is None, reason="the C connect: the compiled path only"

@@ -89,40 +89,12 @@ _c_connect = cpump.connect if cpump is not None else None
 _c_pump = cpump.Pump if cpump is not None else None
 
 
-class Connection:
-    """A pool lease's handle for a flow made elsewhere: live byte counts, and a way to
-    close it. The handler's own connections are `ClientConnection`s, which are their
-    own flow; this is the same interface for any other caller (tools, tests)."""
-
-    __slots__ = ("connecting", "flow", "own_idle_timeout")
-
-    def __init__(self, flow: Flow) -> None:
-        self.flow = flow
-        # The scope of a connect that is waiting for the real server's answer, if any.
-        self.connecting: trio.CancelScope | None = None
-        # The virtual server's idle_timeout when the connection started: the throttle
-        # imposes min(own, imposed) under load and gives this back in low mode.
-        self.own_idle_timeout = flow.idle_timeout
-
-    @property
-    def bytes_in(self) -> int:
-        return self.flow.bytes_in
-
-    @property
-    def bytes_out(self) -> int:
-        return self.flow.bytes_out
-
-    def close(self) -> None:
-        self.flow.close()
-        if self.connecting is not None:
-            self.connecting.cancel()
-
-
 class ClientConnection(Flow):
     """One client connection from accept to close: its state, what it owns (the
     client's descriptor until the pump has it, a connecting socket, the lease), the
     flow the pump moves (byte counts, idle timeout, close) and the handle its pool lease
-    carries (`Connection`'s interface) -- one object per connection, not two.
+    carries (the byte counts, `flow`, `own_idle_timeout` and `close()`, read by the
+    control plane) -- one object per connection, not two.
     """
 
     __slots__ = (

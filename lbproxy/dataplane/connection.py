@@ -399,10 +399,11 @@ class Handler:
             # costs nothing.
             enter(c, QUEUED)
             return self._queued
-        return self._pick(c)
+        return self._pick(c, c.started)  # nothing has waited since: the admission's time
 
-    def _pick(self, c: ClientConnection) -> Wait | None:
-        """-> picked: a server picked and taken, never one whose connect failed."""
+    def _pick(self, c: ClientConnection, now: float) -> Wait | None:
+        """-> picked: a server picked (at `now`, the caller's time) and taken, never one
+        whose connect failed."""
         pool = self.pool
         tried = c.tried
         if tried is not None:  # a retry
@@ -412,7 +413,6 @@ class Handler:
             if c.closing:  # closed while the failed attempt was waiting
                 c.end("cancelled")
                 return None
-        now = self._clock()
         rs = pool.pick(now, tried or (), c.source)
         if rs is None:
             self._no_server(c, "connect_failed" if tried else "no_server")
@@ -424,21 +424,16 @@ class Handler:
         # header's with accept_proxy) is for persistence and maglev.
         c.lease = pool.take(rs, now, c, c.source)
         enter(c, PICKED)
-        return self._connect(c)
+        return self._connect(c, rs)
 
-    def _connect(self, c: ClientConnection) -> Wait | None:
-        """-> connecting: a non-blocking connect to the picked server; established at
-        once if it completes before connect() returns, else a wait (a name to resolve,
-        the connect in progress); a failure gives the lease back and picks again."""
-        enter(c, CONNECTING)
-        return self._dial(c)
-
-    def _dial(self, c: ClientConnection) -> Wait | None:
-        """connecting: the connect itself, or the wait for the server's name first
-        (`_resolving`, which comes back here in the same state)."""
-        lease = c.lease
-        assert lease is not None
-        rs = lease.server
+    def _connect(self, c: ClientConnection, rs: RealServer) -> Wait | None:
+        """-> connecting: a non-blocking connect to `rs`, the server picked; established
+        at once if it completes before connect() returns, else a wait (a name to
+        resolve, the connect in progress); a failure gives the lease back and picks
+        again. `_resolving` comes back here once the name is resolved: in the connecting
+        state already, which is no change of state."""
+        if c.state != CONNECTING:
+            enter(c, CONNECTING)
         target = self._targets.get(rs)
         if target is None or target[0] is not rs.address:
             target = self._target(rs)
@@ -483,7 +478,7 @@ class Handler:
             return None
         rs.counters.connect_failures[exc.reason] += 1
         record_health(pool, rs, False, now, f"connect {exc.reason}")
-        return self._pick(c)
+        return self._pick(c, now)
 
     def _no_server(self, c: ClientConnection, rejected: str) -> None:
         """No server to connect to (none available, or every attempt failed)."""
@@ -617,16 +612,17 @@ class Handler:
         if reason is not None:
             c.reject(reason)
             return None
-        return self._pick(c)
+        return self._pick(c, self._clock())
 
     async def _resolving(self, c: ClientConnection) -> Wait | None:
         """connecting: the server's address, resolved once per handler."""
-        assert c.lease is not None
+        lease = c.lease
+        assert lease is not None
         try:
-            await self._resolve(c.lease.server.address)
+            await self._resolve(lease.server.address)
         except ConnectError as exc:
             return self._attempt_failed(c, exc)
-        return self._dial(c)
+        return self._connect(c, lease.server)
 
     async def _connecting(self, c: ClientConnection) -> Wait | None:
         """connecting: the connect in progress, within connect_timeout; close() cancels

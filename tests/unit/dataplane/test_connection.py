@@ -635,7 +635,7 @@ def test_a_bug_in_a_step_ends_that_connection_only(recorded, monkeypatch, scenar
 @pytest.mark.parametrize(
     ("path", "step", "wrong", "journey"),
     [
-        ("accept", "_dial", QUEUED, [A, P, C, CL, EN]),  # connecting -> queued
+        ("accept", "_connect", QUEUED, [A, P, CL, EN]),  # picked -> queued
         ("waiting", "_admit", ESTABLISHED, [A, PR, CL, EN]),  # preread -> established
     ],
 )
@@ -646,7 +646,7 @@ def test_a_transition_missing_from_the_table_is_a_bug_counted_by_the_barrier(
     barrier of the accept (no task) or of the connection's task counts it and ends that
     connection only, lease and descriptors given back; the next one is served."""
 
-    def wrong_step(self, c):
+    def wrong_step(self, c, *args):
         connection.enter(c, wrong)
 
     async def body(nursery):

@@ -12,10 +12,11 @@ connection that waits for nothing -- no PROXY header, no queue, a cached address
 near server that completes the connect before connect() returns -- runs the same steps
 from admitted to established in the accept loop's call, with no task at all: a task
 costs more user time than all of HAProxy's work for a connection (docs/benchmarks.md).
-Every state change is `lifecycle.enter`, which checks it against the table
-(dataplane/lifecycle.py). Once established, the pump (the reactor, net/pump.py) moves
-the bytes and reports the end; the task-less connections of a handler are drained
-through one guardian task (`Handler._guard`).
+Every state change is `c.state = INTO[new][c.state]`, a lookup in the table
+(dataplane/lifecycle.py) that raises for a transition the table lacks. Once
+established, the pump (the reactor, net/pump.py) moves the bytes and reports the end;
+the task-less connections of a handler are drained through one guardian task
+(`Handler._guard`).
 
 `ClientConnection.end()` is the one way out of every state: idempotent, it counts the
 connection, writes the access log, gives the lease back, adds the byte counts and
@@ -56,11 +57,11 @@ from lbproxy.dataplane.lifecycle import (
     CONNECTING,
     ENDED,
     ESTABLISHED,
+    INTO,
     PICKED,
     PREREAD,
     QUEUED,
     STATES,
-    enter,
 )
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
@@ -178,7 +179,7 @@ class ClientConnection(Flow):
         was = self.state
         if was >= CLOSING:
             return
-        enter(self, CLOSING)
+        self.state = INTO[CLOSING][was]
         handler = self.handler
         try:
             handler._ended(self, was, how, rejected)
@@ -188,7 +189,7 @@ class ClientConnection(Flow):
             self.lease = None
             handler.pool.clients -= 1
             _clients.open -= 1
-            enter(self, ENDED)
+            self.state = INTO[ENDED][self.state]
             if self.fd >= 0 or self.sock is not None:  # not once established: the pump's
                 self._release()
 
@@ -375,7 +376,7 @@ class Handler:
             c.reject("throttle")
             return None
         if proxied:
-            enter(c, PREREAD)
+            c.state = INTO[PREREAD][c.state]
             return self._preread
         return self._admit(c)
 
@@ -397,7 +398,7 @@ class Handler:
         if queue is not None and queue.must_wait():
             # A busy queue (someone waiting, or no server free): wait in it. An idle one
             # costs nothing.
-            enter(c, QUEUED)
+            c.state = INTO[QUEUED][c.state]
             return self._queued
         return self._pick(c, c.started)  # nothing has waited since: the admission's time
 
@@ -423,7 +424,7 @@ class Handler:
         # concurrent arrivals then see this one and spread out. `source` (the PROXY
         # header's with accept_proxy) is for persistence and maglev.
         c.lease = pool.take(rs, now, c, c.source)
-        enter(c, PICKED)
+        c.state = INTO[PICKED][c.state]
         return self._connect(c, rs)
 
     def _connect(self, c: ClientConnection, rs: RealServer) -> Wait | None:
@@ -433,7 +434,7 @@ class Handler:
         again. `_resolving` comes back here once the name is resolved: in the connecting
         state already, which is no change of state."""
         if c.state != CONNECTING:
-            enter(c, CONNECTING)
+            c.state = INTO[CONNECTING][c.state]
         target = self._targets.get(rs)
         if target is None or target[0] is not rs.address:
             target = self._target(rs)
@@ -507,7 +508,7 @@ class Handler:
         config = c.config
         header = b""
         try:
-            enter(c, ESTABLISHED)  # raises only for a bug: both descriptors closed below
+            c.state = INTO[ESTABLISHED][c.state]  # a bug raises: both closed below
             send_proxy = config.send_proxy  # none | v1 | v2 (the configuration checked)
             if send_proxy != "none":
                 encode = (

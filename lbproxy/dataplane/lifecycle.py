@@ -1,23 +1,30 @@
-"""A client connection's states, the transitions between them as data, and `enter`,
-the one way a connection changes state.
+"""A client connection's states, the transitions between them as data, and `INTO`, the
+one way a connection changes state.
 
     admitted -> preread -> queued -> picked -> connecting -> established -> closing -> ended
 
 h11's `_state.py` is the model: the table says which transitions exist, and a state
-change that is not in it raises (`IllegalTransition`) instead of going unnoticed. In
-production that exception is a bug in the lifecycle's code: the connection's exception
-barrier (dataplane/connection.py) counts it in `lbproxy_internal_errors_total{where=
-"connection"}` and ends that connection only. What each state does, and when it waits,
-is dataplane/connection.py's; the states are `Handler`'s steps there.
+change that is not in it raises instead of going unnoticed. Every state change is
 
-`enter` runs five times per connection on the way from admitted to ended, so its check
-is two tuple indexes into a matrix of booleans made from the table once: no allocation,
-and cheaper than a frozenset membership test.
+    c.state = INTO[new][c.state]
+
+`INTO[new]` maps each state TRANSITIONS lets into `new` to `new`, so a transition the
+table lacks raises KeyError (the state the connection was in) on the line that names the
+state it was to enter. In production that is a bug in the lifecycle's code: the
+connection's exception barrier (dataplane/connection.py) counts it in
+`lbproxy_internal_errors_total{where="connection"}` and ends that connection only. What
+each state does, and when it waits, is dataplane/connection.py's; the states are
+`Handler`'s steps there.
+
+Why a lookup and not a function: a connection changes state five times from admitted to
+ended, on the path every connection takes, and in CPython a call to a Python function
+costs several times this lookup before its body has even run; measured, the calls alone
+were most of what the lifecycle may cost a connection (the figures are in the commit
+that made this change). A lookup in a plain dict is specialized by the interpreter and
+allocates nothing.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 # -- the states ----------------------------------------------------------------------
 #
@@ -60,30 +67,9 @@ TRANSITIONS: dict[int, frozenset[int]] = {
 # nothing has no task): the PROXY header, a free server, a name or a connect in progress.
 WAITING = frozenset({PREREAD, QUEUED, CONNECTING})
 
-# TRANSITIONS as a matrix, _ALLOWED[old][new]: what `enter` reads.
-_ALLOWED: tuple[tuple[bool, ...], ...] = tuple(
-    tuple(new in TRANSITIONS[old] for new in range(len(STATES))) for old in range(len(STATES))
+# INTO[new][old] is `new` for every transition old -> new in TRANSITIONS; any other old
+# is missing (KeyError).
+INTO: tuple[dict[int, int], ...] = tuple(
+    {old: new for old in range(len(STATES)) if new in TRANSITIONS[old]}
+    for new in range(len(STATES))
 )
-
-
-class Stateful(Protocol):
-    state: int
-
-
-class IllegalTransition(RuntimeError):
-    """A state change TRANSITIONS does not allow: a bug in the lifecycle's code."""
-
-    def __init__(self, old: int, new: int) -> None:
-        super().__init__(f"{STATES[old]} -> {STATES[new]} is not in TRANSITIONS")
-        self.old = old
-        self.new = new
-
-
-def enter(c: Stateful, new: int) -> None:
-    """Move `c` to state `new`, if TRANSITIONS allows it from the state it is in; else
-    raise IllegalTransition and leave `c` as it was. The caller's exception barrier
-    counts that as a bug."""
-    if _ALLOWED[c.state][new]:
-        c.state = new
-    else:
-        raise IllegalTransition(c.state, new)

@@ -391,7 +391,7 @@ def test_monitor_evaluates_while_busy_applies_timeouts_and_sleeps_when_empty():
     from lbproxy.control.throttle_monitor import Throttles
     from lbproxy.core.pool import Pool
     from lbproxy.dataplane.connection import ClientConnection, Handler
-    from lbproxy.dataplane.lifecycle import PICKED, enter
+    from lbproxy.dataplane.lifecycle import INTO, PICKED
     from lbproxy.dataplane.virtual_server import VirtualServer
 
     config = ThrottleConfig(
@@ -412,7 +412,7 @@ def test_monitor_evaluates_while_busy_applies_timeouts_and_sleeps_when_empty():
                 c.end()
                 return False
             c.lease = pool.take(rs, trio.current_time(), c, c.source)
-            enter(c, PICKED)
+            c.state = INTO[PICKED][c.state]
             leases.append(c.lease)
             flows.append(c)
             return True

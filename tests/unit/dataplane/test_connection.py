@@ -94,15 +94,15 @@ _state_slot = ClientConnection.state  # the slot's descriptor, wrapped below
 class Recorded(ClientConnection):
     """A ClientConnection that records every state written to its slot, wherever the
     write comes from (the production class stores it in a plain slot): the first,
-    __init__'s admitted, then each change, which must be made by `enter` -- the one
-    state-change function, which checks it against TRANSITIONS. A write that is not
-    enter's, or not in the table, is a violation, failing the test at its end (an
-    assertion here would be caught by the connection's own exception barrier)."""
+    __init__'s admitted, then each change, which must be made through the table --
+    `c.state = INTO[new][c.state]`, the lookup just before the write (`Looked`). A
+    write that is not the table's, or not in TRANSITIONS, is a violation, failing the
+    test at its end (an assertion here would be caught by the connection's own
+    exception barrier)."""
 
     __slots__ = ("journey",)
     journeys: ClassVar[list[list[int]]] = []
     violations: ClassVar[list[str]] = []
-    entering: ClassVar[ClientConnection | None] = None  # what enter() is changing now
 
     @property
     def state(self) -> int:  # type: ignore[override]
@@ -119,21 +119,29 @@ class Recorded(ClientConnection):
             self.journeys.append(self.journey)
         else:
             change = f"{STATES[old]} -> {STATES[new]}"
-            if Recorded.entering is not self:
-                self.violations.append(f"{change}, not made by enter()")
+            if Looked.last != (old, new):
+                self.violations.append(f"{change}, not looked up in INTO")
             if new not in TRANSITIONS[old]:
                 self.violations.append(f"{change}, not in TRANSITIONS")
             self.journey.append(new)
+        Looked.last = None
         _state_slot.__set__(self, new)
 
 
-def entering(c: ClientConnection, new: int) -> None:
-    """connection.enter, the one state-change function, instrumented: the same call."""
-    Recorded.entering = c
-    try:
-        lifecycle.enter(c, new)
-    finally:
-        Recorded.entering = None
+class Looked(dict):
+    """One of INTO's tables, as the connection module sees it in these tests: the same
+    mapping, remembering the last transition looked up (and raising KeyError for a
+    missing one, as the plain dict does)."""
+
+    last: ClassVar[tuple[int, int] | None] = None
+
+    def __getitem__(self, old: int) -> int:
+        new = dict.__getitem__(self, old)
+        Looked.last = (old, new)
+        return new
+
+
+LOOKED = tuple(Looked(table) for table in lifecycle.INTO)
 
 
 _opened: list = []  # the test's own sockets, closed at the end of its trio run
@@ -143,8 +151,9 @@ _opened: list = []  # the test's own sockets, closed at the end of its trio run
 def recorded(monkeypatch):
     Recorded.journeys = []
     Recorded.violations = []
+    Looked.last = None
     monkeypatch.setattr(connection, "ClientConnection", Recorded)
-    monkeypatch.setattr(connection, "enter", entering)
+    monkeypatch.setattr(connection, "INTO", LOOKED)
     yield Recorded.journeys
     assert Recorded.violations == []
 
@@ -623,7 +632,7 @@ def test_a_bug_in_a_step_ends_that_connection_only(recorded, monkeypatch, scenar
         assert internal_errors().counts["connection"] == before + 1
         monkeypatch.undo()
         monkeypatch.setattr(connection, "ClientConnection", Recorded)
-        monkeypatch.setattr(connection, "enter", entering)
+        monkeypatch.setattr(connection, "INTO", LOOKED)
         client = await r.accept()  # and the next one is served
         assert await round_trip(client) == b"ping"
         client.close()
@@ -642,12 +651,13 @@ def test_a_bug_in_a_step_ends_that_connection_only(recorded, monkeypatch, scenar
 def test_a_transition_missing_from_the_table_is_a_bug_counted_by_the_barrier(
     recorded, monkeypatch, caplog, path, step, wrong, journey
 ):
-    """A step that makes a state change TRANSITIONS lacks: enter() raises, and the
-    barrier of the accept (no task) or of the connection's task counts it and ends that
-    connection only, lease and descriptors given back; the next one is served."""
+    """A step that makes a state change TRANSITIONS lacks: the table's lookup raises
+    (KeyError: the state it was in), and the barrier of the accept (no task) or of the
+    connection's task counts it and ends that connection only, lease and descriptors
+    given back; the next one is served."""
 
     def wrong_step(self, c, *args):
-        connection.enter(c, wrong)
+        c.state = connection.INTO[wrong][c.state]
 
     async def body(nursery):
         r = await rig(nursery, accept_proxy=path == "waiting")
@@ -661,11 +671,12 @@ def test_a_transition_missing_from_the_table_is_a_bug_counted_by_the_barrier(
         assert recorded == [journey]
         assert r.pool.clients == 0 and r.pool.active == 0
         assert internal_errors().counts["connection"] == before + 1
-        change = f"{STATES[journey[-3]]} -> {STATES[wrong]}"
-        assert f"IllegalTransition: {change} is not in TRANSITIONS" in caplog.text
+        (error,) = [r for r in caplog.records if r.name == "lbproxy.internal"]
+        assert error.exc_info is not None and error.exc_info[0] is KeyError
+        assert error.exc_info[1].args == (journey[-3],)  # the state it was in
         monkeypatch.undo()
         monkeypatch.setattr(connection, "ClientConnection", Recorded)
-        monkeypatch.setattr(connection, "enter", entering)
+        monkeypatch.setattr(connection, "INTO", LOOKED)
         client = await r.accept()  # and the next one is served
         if path == "waiting":
             await client.send(b"PROXY TCP4 192.0.2.7 127.0.0.1 5555 80\r\n")

@@ -9,13 +9,14 @@ a step that has to wait returns the wait instead (`_preread`: a PROXY header;
 `_queued`: the queue; `_resolving`: a name; `_connecting`: a connect in progress), and
 only then is a task spawned (`_waiting`), which awaits it and goes on with the steps. A
 connection that waits for nothing -- no PROXY header, no queue, a cached address and a
-near server that completes the connect before connect() returns -- runs from admitted
-to established in the accept loop's call, with no task at all: a task costs more user
-time than all of HAProxy's work for a connection (issue 15, docs/benchmarks.md). On the
-compiled path, the common case of those steps runs inline in `Handler.accept` (one frame
-for admission, pick and connect, setting the same states; issue 26). Once established,
-the pump (the reactor, net/pump.py) moves the bytes and reports the end; the task-less
-connections of a handler are drained through one guardian task (`Handler._guard`).
+near server that completes the connect before connect() returns -- runs the same steps
+from admitted to established in the accept loop's call, with no task at all: a task
+costs more user time than all of HAProxy's work for a connection (docs/benchmarks.md).
+Every state change is `c.state = INTO[new][c.state]`, a lookup in the table
+(dataplane/lifecycle.py) that raises for a transition the table lacks. Once
+established, the pump (the reactor, net/pump.py) moves the bytes and reports the end;
+the task-less connections of a handler are drained through one guardian task
+(`Handler._guard`).
 
 `ClientConnection.end()` is the one way out of every state: idempotent, it counts the
 connection, writes the access log, gives the lease back, adds the byte counts and
@@ -50,6 +51,18 @@ from lbproxy.config.model import Address, VirtualServerConfig
 from lbproxy.core.client_address import SourceFilter
 from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
+from lbproxy.dataplane.lifecycle import (
+    ADMITTED,
+    CLOSING,
+    CONNECTING,
+    ENDED,
+    ESTABLISHED,
+    INTO,
+    PICKED,
+    PREREAD,
+    QUEUED,
+    STATES,
+)
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net import pump as _pump_module
@@ -76,78 +89,13 @@ _c_connect = cpump.connect if cpump is not None else None
 # ... and the pump is made by its C type directly (new_pump's frame saved).
 _c_pump = cpump.Pump if cpump is not None else None
 
-# -- the states ----------------------------------------------------------------------
-#
-# Small ints (a state is stored and compared on every connection: no enum lookups).
-ADMITTED = 0  # accepted and counted in pool.clients; the throttle asked
-PREREAD = 1  # waiting for the PROXY header (accept_proxy); then the ACL, max_connections
-QUEUED = 2  # waiting in the virtual server's queue for a free server
-PICKED = 3  # a real server picked and its lease taken
-CONNECTING = 4  # resolving its address or connecting; a failure goes back to a pick
-ESTABLISHED = 5  # connected: the pump moves the bytes (no task) until it ends
-CLOSING = 6  # end() is running: counting, the access log, the lease, the descriptors
-ENDED = 7  # counted once; nothing left
-
-STATES = (
-    "admitted",
-    "preread",
-    "queued",
-    "picked",
-    "connecting",
-    "established",
-    "closing",
-    "ended",
-)
-
-# Every transition a connection may make, as data (h11's `_state.py` is the model); the
-# unit tests drive each one and check every step a connection takes against this table.
-# Any live state may end (-> closing): a rejection, no server, a drain, a bug.
-TRANSITIONS: dict[int, frozenset[int]] = {
-    ADMITTED: frozenset({PREREAD, QUEUED, PICKED, CLOSING}),
-    PREREAD: frozenset({QUEUED, PICKED, CLOSING}),
-    QUEUED: frozenset({PICKED, CLOSING}),
-    PICKED: frozenset({CONNECTING, CLOSING}),
-    CONNECTING: frozenset({PICKED, ESTABLISHED, CLOSING}),  # -> picked: a retry
-    ESTABLISHED: frozenset({CLOSING}),
-    CLOSING: frozenset({ENDED}),
-    ENDED: frozenset(),
-}
-
-
-class Connection:
-    """A pool lease's handle for a flow made elsewhere: live byte counts, and a way to
-    close it. The handler's own connections are `ClientConnection`s, which are their
-    own flow; this is the same interface for any other caller (tools, tests)."""
-
-    __slots__ = ("connecting", "flow", "own_idle_timeout")
-
-    def __init__(self, flow: Flow) -> None:
-        self.flow = flow
-        # The scope of a connect that is waiting for the real server's answer, if any.
-        self.connecting: trio.CancelScope | None = None
-        # The virtual server's idle_timeout when the connection started: the throttle
-        # imposes min(own, imposed) under load and gives this back in low mode.
-        self.own_idle_timeout = flow.idle_timeout
-
-    @property
-    def bytes_in(self) -> int:
-        return self.flow.bytes_in
-
-    @property
-    def bytes_out(self) -> int:
-        return self.flow.bytes_out
-
-    def close(self) -> None:
-        self.flow.close()
-        if self.connecting is not None:
-            self.connecting.cancel()
-
 
 class ClientConnection(Flow):
     """One client connection from accept to close: its state, what it owns (the
     client's descriptor until the pump has it, a connecting socket, the lease), the
     flow the pump moves (byte counts, idle timeout, close) and the handle its pool lease
-    carries (`Connection`'s interface) -- one object per connection, not two.
+    carries (the byte counts, `flow`, `own_idle_timeout` and `close()`, read by the
+    control plane) -- one object per connection, not two.
     """
 
     __slots__ = (
@@ -226,11 +174,12 @@ class ClientConnection(Flow):
         `rejected` reason, if any), write the access log (`how` is its `end=`; None:
         no line, as for a bad PROXY header or the drain's cancellation), give the lease
         back, uncount it from pool.clients and close what it still owns. Idempotent;
-        never raises (a bug in the counting is the barrier's `connection_end`)."""
+        never raises (a bug in the counting is the barrier's `connection_end`; every
+        live state may close, and closing end, in TRANSITIONS)."""
         was = self.state
         if was >= CLOSING:
             return
-        self.state = CLOSING
+        self.state = INTO[CLOSING][was]
         handler = self.handler
         try:
             handler._ended(self, was, how, rejected)
@@ -240,7 +189,7 @@ class ClientConnection(Flow):
             self.lease = None
             handler.pool.clients -= 1
             _clients.open -= 1
-            self.state = ENDED
+            self.state = INTO[ENDED][self.state]
             if self.fd >= 0 or self.sock is not None:  # not once established: the pump's
                 self._release()
 
@@ -282,18 +231,16 @@ class Handler:
     def __init__(self, vs: VirtualServer) -> None:
         self.vs = vs
         self.pool = vs.pool
-        # Address -> (family, sockaddr, the C struct sockaddr or None: see _start_connect)
+        # Address -> (family, sockaddr, the C struct sockaddr or None: see _resolve)
         self._resolved: dict[Address, tuple[int, tuple, bytes | None]] = {}
-        # The fast path's (accept) view of that cache: RealServer -> (the Address it was
-        # for, family, C struct sockaddr), for the servers the C connect serves. Keyed by
-        # the server (an identity hash in C): the Address key costs its dataclass
-        # __hash__, a Python frame per connection; valid while `rs.address` is that very
-        # object (a reload that moves a server gives it another).
-        self._targets: dict[RealServer, tuple[Address, int, bytes]] = {}
-        # The configuration the fast path was last judged for, and the verdict (_see);
-        # its ACL and its trusted PROXY senders, each remembering its verdict per address.
+        # The connect's view of that cache: RealServer -> (the Address it was for,
+        # family, sockaddr, C struct sockaddr or None). Keyed by the server (an identity
+        # hash in C): the Address key costs its dataclass __hash__, a Python frame per
+        # connection; valid while `rs.address` is that very object (a reload that moves
+        # a server gives it another).
+        self._targets: dict[RealServer, tuple[Address, int, tuple, bytes | None]] = {}
+        # The configuration last seen (_see): its ACL and its trusted PROXY senders.
         self._seen: VirtualServerConfig | None = None
-        self._fast = False
         self._acl: SourceFilter
         self._proxy_peers: SourceFilter
         self._see(self.pool.config)
@@ -324,86 +271,27 @@ class Handler:
         """Serve a client the accept loop just accepted (its non-blocking descriptor):
         its lifecycle runs here, with no task, as far as it goes without waiting; a wait
         (PROXY header, queue, a name, a connect in progress) goes on in a task in
-        `spawn`'s nursery. The connection closes the descriptor in the end.
-
-        The common case -- compiled, no PROXY header, no throttle, the default ACL, an
-        idle queue or none, a server whose address is cached -- runs `_begin`,
-        `_admit`, `_pick`, `_connect` and `_start_connect`'s C connect inline, in this
-        one frame, with the same states, counts and decisions (issue 26: seven Python
-        frames and an Address hash fewer per connection, bench/bench_handler.py);
-        anything else goes through the steps."""
+        `spawn`'s nursery. The connection closes the descriptor in the end."""
         self._spawn = spawn
-        pool = self.pool
-        config = pool.config
         try:
-            c = ClientConnection(self, client, peer, config, self._clock())
+            c = ClientConnection(self, client, peer, self.pool.config, self._clock())
         except BaseException:
             os.close(client)
             raise
         try:
-            if config is not self._seen:
-                self._see(config)
-            vs = self.vs
-            if not self._fast or vs.throttle is not None:
-                wait = self._begin(c)
-                if wait is not None:
-                    spawn(self._waiting, c, wait)
-                return
-            # _admit: the ACL is the default (_see), so max_connections, then the queue
-            max_connections = config.max_connections
-            if max_connections and pool.clients > max_connections:
-                c.reject("max_connections")
-                return
-            queue = vs.queue
-            if queue is not None and queue.must_wait():
-                c.state = QUEUED
-                spawn(self._waiting, c, self._queued)
-                return
-            # _pick, a first one: at the accept's time (nothing waited since)
-            now = c.started
-            rs = pool.pick(now, (), peer)
-            if rs is None:
-                self._no_server(c, "no_server")
-                return
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s", explain_pick(pool, rs, []))
-            c.lease = pool.take(rs, now, c, peer)
-            c.state = PICKED
-            # _connect: the C connect to the cached struct sockaddr
-            target = self._targets.get(rs)
-            if target is None or target[0] is not rs.address:
-                target = self._target(rs)
-                if target is None:  # not resolved yet, or not for the C connect
-                    wait = self._connect(c)
-                    if wait is not None:
-                        spawn(self._waiting, c, wait)
-                    return
-            c.state = CONNECTING
-            fd, err = _c_connect(target[2])  # type: ignore[misc]  # not None: _see
-            if fd >= 0 and not err:
-                self._establish(c, fd)
-                return
-            wait = self._connect_started(c, target[1], fd, err)
+            wait = self._begin(c)
             if wait is not None:
                 spawn(self._waiting, c, wait)
         except Exception as exc:  # the barrier: a bug ends this connection only
-            record("connection", exc, pool.name)
+            record("connection", exc, self.pool.name)
             c.end()
 
     def _see(self, config: VirtualServerConfig) -> None:
-        """Judge a configuration (the first, or a reload's) for accept's fast path:
-        compiled, and nothing in _begin or _admit that only the steps do (a PROXY
-        header to read, an ACL to check). The throttle and the queue are the virtual
-        server's, looked at per connection."""
+        """Remember a configuration's (the first, or a reload's) ACL and trusted PROXY
+        senders, each of which remembers its verdict per address."""
         self._seen = config
         self._acl = SourceFilter(config.allow, config.deny)
         self._proxy_peers = SourceFilter(config.accept_proxy_from)
-        self._fast = (
-            _c_connect is not None
-            and _c_pump is not None
-            and not config.accept_proxy
-            and self._acl.everyone
-        )
 
     def _filters(self, config: VirtualServerConfig) -> tuple[SourceFilter, SourceFilter]:
         """The ACL and the trusted PROXY senders of `config` (a connection's, as it was
@@ -416,26 +304,18 @@ class Handler:
             self._see(config)
         return self._acl, self._proxy_peers
 
-    def _target(self, rs: RealServer) -> tuple[Address, int, bytes] | None:
-        """The fast path's entry for `rs` from the resolved addresses, if the C connect
-        serves it (None: not resolved yet, or not AF_INET/AF_INET6)."""
+    def _target(self, rs: RealServer) -> tuple[Address, int, tuple, bytes | None] | None:
+        """`rs`'s entry in `_targets`, made from the resolved addresses (None: not
+        resolved yet)."""
         address = rs.address
         cached = self._resolved.get(address)
-        if cached is None or cached[2] is None:
+        if cached is None:
             return None
         targets = self._targets
         if len(targets) > 2 * len(self.pool.servers) + 16:  # removed servers: forget them
             targets.clear()
-        target = targets[rs] = (address, cached[0], cached[2])
+        target = targets[rs] = (address, cached[0], cached[1], cached[2])
         return target
-
-    def _connect_started(self, c: ClientConnection, family: int, fd: int, err: int) -> Wait | None:
-        """The fast path's C connect did not complete at once: in progress (a wait for
-        it), or failed (another pick), as `_connect` and `_start_connect` do."""
-        if fd >= 0:  # in progress: a socket object for the wait and SO_ERROR
-            c.sock = _new_socket(family, _CONNECT_TYPE, 0, fd)
-            return self._connecting
-        return self._attempt_failed(c, _c_connect_error(fd, err))
 
     async def handle(self, client: int, peer: tuple, preread: bytes | None = None) -> None:
         """Serve a client in the calling task (a shared address's route): the same
@@ -496,7 +376,7 @@ class Handler:
             c.reject("throttle")
             return None
         if proxied:
-            c.state = PREREAD
+            c.state = INTO[PREREAD][c.state]
             return self._preread
         return self._admit(c)
 
@@ -518,12 +398,13 @@ class Handler:
         if queue is not None and queue.must_wait():
             # A busy queue (someone waiting, or no server free): wait in it. An idle one
             # costs nothing.
-            c.state = QUEUED
+            c.state = INTO[QUEUED][c.state]
             return self._queued
-        return self._pick(c)
+        return self._pick(c, c.started)  # nothing has waited since: the admission's time
 
-    def _pick(self, c: ClientConnection) -> Wait | None:
-        """-> picked: a server picked and taken, never one whose connect failed."""
+    def _pick(self, c: ClientConnection, now: float) -> Wait | None:
+        """-> picked: a server picked (at `now`, the caller's time) and taken, never one
+        whose connect failed."""
         pool = self.pool
         tried = c.tried
         if tried is not None:  # a retry
@@ -533,7 +414,6 @@ class Handler:
             if c.closing:  # closed while the failed attempt was waiting
                 c.end("cancelled")
                 return None
-        now = self._clock()
         rs = pool.pick(now, tried or (), c.source)
         if rs is None:
             self._no_server(c, "connect_failed" if tried else "no_server")
@@ -544,24 +424,34 @@ class Handler:
         # concurrent arrivals then see this one and spread out. `source` (the PROXY
         # header's with accept_proxy) is for persistence and maglev.
         c.lease = pool.take(rs, now, c, c.source)
-        c.state = PICKED
-        return self._connect(c)
+        c.state = INTO[PICKED][c.state]
+        return self._connect(c, rs)
 
-    def _connect(self, c: ClientConnection) -> Wait | None:
-        """-> connecting: a non-blocking connect to the picked server; established at
-        once if it completes before connect() returns, else a wait (a name to resolve,
-        the connect in progress); a failure gives the lease back and picks again."""
-        c.state = CONNECTING
-        assert c.lease is not None
-        cached = self._resolved.get(c.lease.server.address)
-        if cached is None:
-            return self._resolving
-        try:
-            fd, err = self._start_connect(*cached)
-        except (LocalCapacityError, ConnectError) as exc:
-            return self._attempt_failed(c, exc)
+    def _connect(self, c: ClientConnection, rs: RealServer) -> Wait | None:
+        """-> connecting: a non-blocking connect to `rs`, the server picked; established
+        at once if it completes before connect() returns, else a wait (a name to
+        resolve, the connect in progress); a failure gives the lease back and picks
+        again. `_resolving` comes back here once the name is resolved: in the connecting
+        state already, which is no change of state."""
+        if c.state != CONNECTING:
+            c.state = INTO[CONNECTING][c.state]
+        target = self._targets.get(rs)
+        if target is None or target[0] is not rs.address:
+            target = self._target(rs)
+            if target is None:
+                return self._resolving
+        packed = target[3]
+        if packed is not None:  # compiled: one C call (see _c_connect)
+            fd, err = _c_connect(packed)  # type: ignore[misc]  # packed: compiled
+            if fd < 0:
+                return self._attempt_failed(c, _c_connect_error(fd, err))
+        else:
+            try:
+                fd, err = self._start_connect(target[1], target[2])
+            except (LocalCapacityError, ConnectError) as exc:
+                return self._attempt_failed(c, exc)
         if err:  # in progress: a socket object for the wait and SO_ERROR (no system call)
-            c.sock = _new_socket(cached[0], _CONNECT_TYPE, 0, fd)
+            c.sock = _new_socket(target[1], _CONNECT_TYPE, 0, fd)
             return self._connecting
         self._establish(c, fd)
         return None
@@ -589,7 +479,7 @@ class Handler:
             return None
         rs.counters.connect_failures[exc.reason] += 1
         record_health(pool, rs, False, now, f"connect {exc.reason}")
-        return self._pick(c)
+        return self._pick(c, now)
 
     def _no_server(self, c: ClientConnection, rejected: str) -> None:
         """No server to connect to (none available, or every attempt failed)."""
@@ -613,19 +503,19 @@ class Handler:
         queue = self.vs.queue
         if queue is not None and queue.waiting:
             queue.kick()  # the slot is taken: the next waiter, if room is left
-        c.state = ESTABLISHED
         client = c.fd
         c.fd = -1
         config = c.config
         header = b""
         try:
+            c.state = INTO[ESTABLISHED][c.state]  # a bug raises: both closed below
             send_proxy = config.send_proxy  # none | v1 | v2 (the configuration checked)
             if send_proxy != "none":
                 encode = (
                     proxy_protocol.encode_v1 if send_proxy == "v1" else proxy_protocol.encode_v2
                 )
                 header = encode(c.source, _local_address(client))
-        except Exception as exc:  # OSError: the client reset before getsockname()
+        except Exception as exc:  # OSError: the client reset before getsockname(); a bug
             os.close(server)
             os.close(client)
             self._start_failed(c, exc)
@@ -723,16 +613,17 @@ class Handler:
         if reason is not None:
             c.reject(reason)
             return None
-        return self._pick(c)
+        return self._pick(c, self._clock())
 
     async def _resolving(self, c: ClientConnection) -> Wait | None:
         """connecting: the server's address, resolved once per handler."""
-        assert c.lease is not None
+        lease = c.lease
+        assert lease is not None
         try:
-            await self._resolve(c.lease.server.address)
+            await self._resolve(lease.server.address)
         except ConnectError as exc:
             return self._attempt_failed(c, exc)
-        return self._connect(c)
+        return self._connect(c, lease.server)
 
     async def _connecting(self, c: ClientConnection) -> Wait | None:
         """connecting: the connect in progress, within connect_timeout; close() cancels
@@ -862,15 +753,10 @@ class Handler:
             end,
         )
 
-    def _start_connect(self, family: int, sockaddr: tuple, packed: bytes | None) -> tuple[int, int]:
-        """socket() and a non-blocking connect: (descriptor, 0) connected already, or
-        (descriptor, EINPROGRESS). Raises LocalCapacityError or ConnectError (closed).
-        `packed`: the C struct sockaddr, for the compiled path's one call."""
-        if packed is not None and _c_connect is not None:
-            fd, err = _c_connect(packed)
-            if fd >= 0:
-                return fd, err
-            raise _c_connect_error(fd, err)
+    def _start_connect(self, family: int, sockaddr: tuple) -> tuple[int, int]:
+        """socket() and a non-blocking connect, in Python (the compiled path makes it
+        one C call, `_c_connect`): (descriptor, 0) connected already, or (descriptor,
+        EINPROGRESS). Raises LocalCapacityError or ConnectError (closed)."""
         try:
             # A plain non-blocking socket: trio's wrapper costs a checkpoint, an address
             # re-resolution and an ioctl per connect, and socket.socket's Python layer

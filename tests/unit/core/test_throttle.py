@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -389,34 +390,37 @@ def test_monitor_evaluates_while_busy_applies_timeouts_and_sleeps_when_empty():
 
     from lbproxy.control.throttle_monitor import Throttles
     from lbproxy.core.pool import Pool
-    from lbproxy.dataplane.connection import Connection
+    from lbproxy.dataplane.connection import ClientConnection, Handler
+    from lbproxy.dataplane.lifecycle import INTO, PICKED
     from lbproxy.dataplane.virtual_server import VirtualServer
-    from lbproxy.net.pump import Flow
 
     config = ThrottleConfig(
         max_connections=2, interval=0.5, high_idle_timeout=10.0, min_idle_timeout=1.0
     )
 
     async def main() -> None:
-        vs = VirtualServer(Pool(_vs(config), 0.0))
+        vs = VirtualServer(Pool(dataclasses.replace(_vs(config), idle_timeout=60.0), 0.0))
         pool, rs = vs.pool, vs.pool.servers[0]
+        handler = Handler(vs)
         leases, flows = [], []
 
         def connect() -> bool:
-            pool.clients += 1  # as the handler does, before asking the throttle
+            # The handler's connection (no descriptor): counted in pool.clients as it is
+            # made, before the throttle is asked; its lease's handle, its own flow.
+            c = ClientConnection(handler, -1, ("192.0.2.1", 40000), pool.config, 0.0)
             if vs.throttle.arrival():
-                pool.clients -= 1
+                c.end()
                 return False
-            flow = Flow(60.0)
-            leases.append(pool.take(rs, trio.current_time(), Connection(flow)))
-            flows.append(flow)
+            c.lease = pool.take(rs, trio.current_time(), c, c.source)
+            c.state = INTO[PICKED][c.state]
+            leases.append(c.lease)
+            flows.append(c)
             return True
 
         def disconnect(n: int) -> None:
             for _ in range(n):
-                pool.drop(leases.pop(0), trio.current_time())
-                flows.pop(0)
-                pool.clients -= 1
+                leases.pop(0)
+                flows.pop(0).end()  # gives the lease back, uncounts it from pool.clients
 
         throttles = Throttles()
         async with trio.open_nursery() as nursery:

@@ -23,8 +23,9 @@ import trio
 
 from lbproxy.config.model import Address, HealthCheckConfig, QueueConfig
 from lbproxy.core.pool import Pool
-from lbproxy.dataplane import connection
-from lbproxy.dataplane.connection import (
+from lbproxy.dataplane import connection, lifecycle
+from lbproxy.dataplane.connection import ClientConnection, Handler
+from lbproxy.dataplane.lifecycle import (
     ADMITTED,
     CLOSING,
     CONNECTING,
@@ -35,8 +36,7 @@ from lbproxy.dataplane.connection import (
     QUEUED,
     STATES,
     TRANSITIONS,
-    ClientConnection,
-    Handler,
+    WAITING,
 )
 from lbproxy.dataplane.queue import Queue
 from lbproxy.dataplane.virtual_server import VirtualServer
@@ -92,11 +92,17 @@ _state_slot = ClientConnection.state  # the slot's descriptor, wrapped below
 
 
 class Recorded(ClientConnection):
-    """A ClientConnection that records its states and checks each step against
-    TRANSITIONS (the production class stores the state in a plain slot)."""
+    """A ClientConnection that records every state written to its slot, wherever the
+    write comes from (the production class stores it in a plain slot): the first,
+    __init__'s admitted, then each change, which must be made through the table --
+    `c.state = INTO[new][c.state]`, the lookup just before the write (`Looked`). A
+    write that is not the table's, or not in TRANSITIONS, is a violation, failing the
+    test at its end (an assertion here would be caught by the connection's own
+    exception barrier)."""
 
     __slots__ = ("journey",)
     journeys: ClassVar[list[list[int]]] = []
+    violations: ClassVar[list[str]] = []
 
     @property
     def state(self) -> int:  # type: ignore[override]
@@ -107,14 +113,35 @@ class Recorded(ClientConnection):
         try:
             old = _state_slot.__get__(self)
         except AttributeError:  # the first: __init__
-            assert new == ADMITTED
+            if new != ADMITTED:
+                self.violations.append(f"began as {STATES[new]}")
             self.journey = [new]
             self.journeys.append(self.journey)
         else:
-            if new != old:
-                assert new in TRANSITIONS[old], f"{STATES[old]} -> {STATES[new]}"
-                self.journey.append(new)
+            change = f"{STATES[old]} -> {STATES[new]}"
+            if Looked.last != (old, new):
+                self.violations.append(f"{change}, not looked up in INTO")
+            if new not in TRANSITIONS[old]:
+                self.violations.append(f"{change}, not in TRANSITIONS")
+            self.journey.append(new)
+        Looked.last = None
         _state_slot.__set__(self, new)
+
+
+class Looked(dict):
+    """One of INTO's tables, as the connection module sees it in these tests: the same
+    mapping, remembering the last transition looked up (and raising KeyError for a
+    missing one, as the plain dict does)."""
+
+    last: ClassVar[tuple[int, int] | None] = None
+
+    def __getitem__(self, old: int) -> int:
+        new = dict.__getitem__(self, old)
+        Looked.last = (old, new)
+        return new
+
+
+LOOKED = tuple(Looked(table) for table in lifecycle.INTO)
 
 
 _opened: list = []  # the test's own sockets, closed at the end of its trio run
@@ -123,8 +150,12 @@ _opened: list = []  # the test's own sockets, closed at the end of its trio run
 @pytest.fixture(autouse=True)
 def recorded(monkeypatch):
     Recorded.journeys = []
+    Recorded.violations = []
+    Looked.last = None
     monkeypatch.setattr(connection, "ClientConnection", Recorded)
-    return Recorded.journeys
+    monkeypatch.setattr(connection, "INTO", LOOKED)
+    yield Recorded.journeys
+    assert Recorded.violations == []
 
 
 async def echo(stream: trio.SocketStream) -> None:
@@ -156,6 +187,8 @@ class Rig:
 
     def spawn(self, fn, *args) -> None:
         self.spawned.append(fn.__name__)
+        if fn.__name__ == "_waiting" and args[0].state not in WAITING:  # a task to wait
+            Recorded.violations.append(f"a task for a connection {args[0].state_name}")
         self.nursery.start_soon(fn, *args)
 
     async def client(self) -> tuple[trio.socket.SocketType, int, tuple]:
@@ -599,7 +632,54 @@ def test_a_bug_in_a_step_ends_that_connection_only(recorded, monkeypatch, scenar
         assert internal_errors().counts["connection"] == before + 1
         monkeypatch.undo()
         monkeypatch.setattr(connection, "ClientConnection", Recorded)
+        monkeypatch.setattr(connection, "INTO", LOOKED)
         client = await r.accept()  # and the next one is served
+        assert await round_trip(client) == b"ping"
+        client.close()
+        await settled(r)
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    ("path", "step", "wrong", "journey"),
+    [
+        ("accept", "_connect", QUEUED, [A, P, CL, EN]),  # picked -> queued
+        ("waiting", "_admit", ESTABLISHED, [A, PR, CL, EN]),  # preread -> established
+    ],
+)
+def test_a_transition_missing_from_the_table_is_a_bug_counted_by_the_barrier(
+    recorded, monkeypatch, caplog, path, step, wrong, journey
+):
+    """A step that makes a state change TRANSITIONS lacks: the table's lookup raises
+    (KeyError: the state it was in), and the barrier of the accept (no task) or of the
+    connection's task counts it and ends that connection only, lease and descriptors
+    given back; the next one is served."""
+
+    def wrong_step(self, c, *args):
+        c.state = connection.INTO[wrong][c.state]
+
+    async def body(nursery):
+        r = await rig(nursery, accept_proxy=path == "waiting")
+        before = internal_errors().counts["connection"]
+        monkeypatch.setattr(Handler, step, wrong_step)
+        client = await r.accept()
+        if path == "waiting":
+            await client.send(b"PROXY TCP4 192.0.2.7 127.0.0.1 5555 80\r\n")
+        assert await closed(client)
+        await settled(r)
+        assert recorded == [journey]
+        assert r.pool.clients == 0 and r.pool.active == 0
+        assert internal_errors().counts["connection"] == before + 1
+        (error,) = [r for r in caplog.records if r.name == "lbproxy.internal"]
+        assert error.exc_info is not None and error.exc_info[0] is KeyError
+        assert error.exc_info[1].args == (journey[-3],)  # the state it was in
+        monkeypatch.undo()
+        monkeypatch.setattr(connection, "ClientConnection", Recorded)
+        monkeypatch.setattr(connection, "INTO", LOOKED)
+        client = await r.accept()  # and the next one is served
+        if path == "waiting":
+            await client.send(b"PROXY TCP4 192.0.2.7 127.0.0.1 5555 80\r\n")
         assert await round_trip(client) == b"ping"
         client.close()
         await settled(r)
@@ -644,12 +724,11 @@ def test_a_client_connection_starts_as_a_flow_does():
     trio.run(main)
 
 
-# -- accept()'s fast path (issue 26): the same states and counts as the steps ------------
+# -- the fast path: admitted to established within accept() -----------------------------
 #
-# With the address cached (after a warm-up), a connection to a virtual server that needs
-# no PROXY header, no throttle and no ACL runs admission, pick and the C connect inline
-# in accept(); these drive each of its branches, on both paths (the pure one takes the
-# steps: the same journeys).
+# With the address cached (after a warm-up), a connection that waits for nothing runs
+# every step in accept()'s call, with no task; these drive each branch of the steps there
+# (max_connections, a failed connect, the C connect, a reload), on both paths.
 
 compiled_only = pytest.mark.skipif(
     connection._c_connect is None, reason="the C connect: the compiled path only"

@@ -54,7 +54,7 @@ from typing import Any
 import outcome
 import trio
 
-__all__ = ["TrioWait", "install"]
+__all__ = ["TrioWait", "clock_offset", "install"]
 
 # A batch: block up to this many milliseconds (0: do not block) for the reactor's
 # events, handle them, return how many there were.
@@ -247,3 +247,17 @@ def install(
     except (ImportError, AttributeError):  # outside a run, or another trio
         return None
     return TrioWait(runner, batch, fins, send_fins, epoll, readers, compiled_wait, SystemClock)
+
+
+def clock_offset(clock: object) -> float | None:
+    """The offset of trio's own SystemClock (its time is that plus
+    time.perf_counter(), which the C reactor computes itself), None for any other
+    clock (a test's MockClock), which must be called."""
+    try:
+        from trio._core._run import SystemClock
+    except ImportError:  # another trio: call the clock
+        return None
+    if type(clock) is not SystemClock:
+        return None
+    offset = clock.offset
+    return offset if type(offset) is float else None

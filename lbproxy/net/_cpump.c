@@ -845,25 +845,27 @@ CClock_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject
 static PyObject *
 CClock_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"current_time", NULL};
-    PyObject *fn;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O:Clock", names, &fn))
+    static char *names[] = {"current_time", "offset", NULL};
+    PyObject *fn, *offset = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:Clock", names, &fn, &offset))
         return NULL;
     if (!PyCallable_Check(fn)) {
         PyErr_SetString(PyExc_TypeError, "Clock() takes a callable");
         return NULL;
     }
-    double offset = 0.0;
-    int native = cp_native_clock(fn, &offset);
-    if (native < 0)
-        return NULL;
+    double off = 0.0;
+    if (offset != Py_None) {
+        off = PyFloat_AsDouble(offset);
+        if (off == -1.0 && PyErr_Occurred())
+            return NULL;
+    }
     CClock *c = (CClock *)type->tp_alloc(type, 0);
     if (c == NULL)
         return NULL;
     Py_INCREF(fn);
     c->fn = fn;
-    c->offset = offset;
-    c->native = native;
+    c->offset = off;
+    c->native = offset != Py_None;
     c->vectorcall = CClock_vectorcall;
     return (PyObject *)c;
 }
@@ -900,8 +902,9 @@ static PyTypeObject CClock_Type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lbproxy.net._cpump.Clock",
     .tp_basicsize = sizeof(CClock),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "Clock(current_time): current_time() with no Python frame (trio's\n"
-              "SystemClock computed in C, any other clock called).",
+    .tp_doc = "Clock(current_time, offset=None): current_time() with no Python frame: with\n"
+              "an offset (trio's SystemClock's), offset + CLOCK_MONOTONIC computed here;\n"
+              "without, current_time called.",
     .tp_new = CClock_new,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(CClock, vectorcall),

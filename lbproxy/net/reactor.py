@@ -168,15 +168,24 @@ def start(impl: ModuleType, clock: Callable[[], float] | None = None) -> Reactor
 
 
 async def _serve(r: Reactor) -> None:
-    """Serve `r`'s set until the run ends (then close it)."""
+    """Serve `r`'s set until the run ends (then close it): from trio's loop where
+    trio_wait can hook it, else (or once a batch has raised past the barrier) here."""
     fd = r.fileno()
+    waiter = trio_wait.install(r.dispatch, r.listen, r.unlisten, getattr(r, "wait", None))
     try:
+        if waiter is not None:
+            try:
+                await waiter.parked()  # returns only if the hook gave the set back
+            except Exception as exc:  # a batch raised past the per-connection barrier
+                record("pump", exc, "a reactor batch (its task serves the set from now on)")
         while True:
             await wait_readable(fd)
             for _ in range(REPOLL_ROUNDS):
                 if not r.dispatch(0):
                     break
     finally:  # the run is over (system tasks are cancelled last)
+        if waiter is not None:
+            waiter.close()  # before the set it reads is closed
         trio.lowlevel.notify_closing(fd)
         r.close()
 

@@ -1,20 +1,23 @@
-/* lbproxy.net._cpump: the reactor's inner loop in C (issue 26), optional.
+/* lbproxy.net._cpump: the connection path in C, optional (lbproxy/net/compiled.py).
  *
- * What every connection and every chunk goes through, and nothing else: one batch of
- * the reactor (epoll_wait, the pump of each ready descriptor, its event), the pump of a
- * connection (the Pump type below: pump.py's Pump, state machine for state machine,
- * with the same splice-auto policy -- small chunks copied with recv/send, bulk ones
- * spliced socket -> pipe -> socket through a pipe from pump.py's pool), and accept4 with
- * SOCK_NONBLOCK for the accept loop. The decisions stay Python (the reactor's dict and
- * deadline heap, the pool, the Flow, on_end): the pure-Python path (LBPROXY_PURE=1;
- * lbproxy/net/compiled.py chooses) and this one behave alike.
+ * What every connection and every chunk goes through: the pump and its reactor (one
+ * epoll set per trio run, its batches, its wait in trio's place; each pump's two
+ * directions with HAProxy's splice-auto -- small chunks copied with recv/send, bulk
+ * ones spliced socket -> pipe -> socket through a pipe from a pool), accept4 for the
+ * accept loop, the connect to a real server, and the run's clock. The pump's API is
+ * lbproxy/net/reactor.py's `Reactor` and `Pump` protocols; lbproxy/net/pure_pump.py is
+ * the same API in Python, and tests/integration/test_pump_differential.py checks that
+ * both behave alike.
  *
- * No error here may take the process down: every Python exception met while handling
- * one pump's event goes to the reactor's `_crashed(pump, exc)` (the exception barrier,
- * lbproxy_internal_errors_total{where="pump"}), as the pure loop does; only a
- * BaseException that is not an Exception (KeyboardInterrupt, trio's Cancelled) leaves.
+ * Python is reached only through what it passes in: callables (a pump's on_end, the
+ * reactor's record, wake and splice_refused, a listener's callback, the accept loop's
+ * owner), never an attribute looked up by name on a pump's behalf. No error here may
+ * take the process down: a Python exception met while handling one pump's event ends
+ * that pump ("error") and is counted (record("pump", exc): the exception barrier,
+ * lbproxy_internal_errors_total{where="pump"}); only a BaseException that is not an
+ * Exception (KeyboardInterrupt, trio's Cancelled) leaves a batch.
  */
-#define _GNU_SOURCE /* splice, accept4 */
+#define _GNU_SOURCE /* splice, accept4, pipe2 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -27,117 +30,32 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <arpa/inet.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
-/* pump.py's constants (pump.py checks them against its own before setup()). */
-#define READING 0
-#define WRITING 1
-#define DONE 2
-#define HELD 3
-#define MOVED 0
-#define BLOCKED 1
-#define EOF_ 2
-#define SOURCE_FAILED 3
-#define DESTINATION_FAILED 4
-#define BURST 2
-#define BIG_CHUNK (1 << 16)
-#define SPLICE_CHUNK (1 << 24)
 /* splice-auto, as HAProxy's: a direction copies its chunks (one recv, one send: no pipe)
  * until a read fills this buffer (HAProxy's bufsize), the sign of a bulk transfer; from
  * then on it splices (socket -> pipe -> socket, zero copy). */
 #define COPY_CHUNK (1 << 14)
-#define MAX_BATCH 1024
+/* A spliced read asks for more than any pipe holds: it stops at what the pipe takes. */
+#define SPLICE_CHUNK (1 << 24)
+/* Chunks moved per readiness report at most, while they are big (a splice of BIG_CHUNK,
+ * a copy that filled COPY_CHUNK): reading the next at once saves a wait; the bound keeps
+ * one busy connection from holding the batch. */
+#define BURST 2
+#define BIG_CHUNK (1 << 16)
+/* Events handled per batch at most. */
+#define MAX_BATCH 256
 
 #define IN_OR_FAILED (EPOLLIN | EPOLLERR | EPOLLHUP)
 #define OUT_OR_FAILED (EPOLLOUT | EPOLLERR | EPOLLHUP)
 #define FAILED (EPOLLERR | EPOLLHUP)
 
-/* Set by setup(): the pump module's globals (the pipe pool, its bound, the helpers,
- * looked up at each use so a change to them applies as on the pure path) and the type
- * whose moves run here. */
-static PyObject *module_dict = NULL;
-static PyTypeObject *splice_type = NULL;
-
-static PyObject *s_client_fd, *s_up, *s_down, *s_outcome, *s_state, *s_src_fd, *s_dst_fd,
-    *s_last_read, *s_error, *s_pipe, *s_pending, *s_spliced, *s_flow, *s_to_server,
-    *s_clock, *s_bytes_in, *s_bytes_out, *s_last_activity, *s_after, *s_write_initial,
-    *s_unwatched_event, *s_finish, *s_move, *s_write_out, *s_idle_pipes, *s_max_idle_pipes,
-    *s_new_pipe, *s_discard_pipe, *s_on_event;
-
-/* -- attributes ----------------------------------------------------------------------
- *
- * Pump and _Direction keep their state in __slots__: a slot is a pointer at a
- * fixed offset in the object, which PyObject_GetAttr finds through the type's
- * descriptor (~175 instructions, measured with callgrind; most of what a batch cost
- * here). For exactly those two types (not a subclass, which could override a name) the
- * offsets are read once, in setup(), and used directly; any other object goes through
- * PyObject_GetAttr as before (the flow's slots have their own cache: flow_get, flow_set). */
-
-#define MAX_SLOTS 32
-static struct slot {
-    PyTypeObject *type;
-    PyObject *name; /* interned: compared by pointer */
-    Py_ssize_t offset;
-} slots[MAX_SLOTS];
-static int n_slots = 0;
-static PyTypeObject *pump_type = NULL;
-
-static PyObject **
-slot_of(PyObject *obj, PyObject *name)
-{
-    PyTypeObject *t = Py_TYPE(obj);
-    if (t != pump_type && t != splice_type)
-        return NULL;
-    for (int i = 0; i < n_slots; i++)
-        if (slots[i].name == name && slots[i].type == t)
-            return (PyObject **)((char *)obj + slots[i].offset);
-    return NULL;
-}
-
-/* A new reference, or NULL with AttributeError (an unset slot) or another error. */
-static PyObject *
-get_attr(PyObject *obj, PyObject *name)
-{
-    PyObject **p = slot_of(obj, name);
-    if (p == NULL)
-        return PyObject_GetAttr(obj, name);
-    if (*p == NULL) {
-        PyErr_SetObject(PyExc_AttributeError, name);
-        return NULL;
-    }
-    Py_INCREF(*p);
-    return *p;
-}
-
-/* Record `name`'s slot offset on `type`; 0 if it is not a plain object slot (then the
- * generic path serves it). */
-static int
-learn_slot(PyTypeObject *type, PyObject *name)
-{
-    PyObject *descr = PyObject_GetAttr((PyObject *)type, name);
-    if (descr == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    if (Py_IS_TYPE(descr, &PyMemberDescr_Type) && n_slots < MAX_SLOTS) {
-        PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
-        if (m->type == T_OBJECT_EX && !(m->flags & READONLY) &&
-            PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
-            slots[n_slots].type = type;
-            slots[n_slots].name = name;
-            slots[n_slots].offset = m->offset;
-            n_slots++;
-        }
-    }
-    Py_DECREF(descr);
-    return 0;
-}
-
-/* -- small helpers ------------------------------------------------------------------ */
+/* -- small helpers ---------------------------------------------------------------------- */
 
 static int
 as_int(PyObject *v)
@@ -152,95 +70,12 @@ as_int(PyObject *v)
     return (int)r;
 }
 
-/* An int attribute; -1 with an exception set on failure (no attribute here is -1). */
-static long
-get_long(PyObject *obj, PyObject *name)
-{
-    PyObject *v = get_attr(obj, name);
-    if (v == NULL)
-        return -1;
-    long r = PyLong_AsLong(v);
-    Py_DECREF(v);
-    return r;
-}
-
 /* An OSError for errno `code` (the subclass os.splice would raise: OSError's own
  * constructor picks it). */
 static PyObject *
 os_error(int code)
 {
     return PyObject_CallFunction(PyExc_OSError, "is", code, strerror(code));
-}
-
-static PyObject *
-module_global(PyObject *name)
-{
-    PyObject *v = PyDict_GetItemWithError(module_dict, name); /* borrowed */
-    if (v == NULL && !PyErr_Occurred())
-        PyErr_SetObject(PyExc_NameError, name);
-    return v;
-}
-
-/* _put_pipe(pipe): an EMPTY pipe back to the pool, or closed when the pool is full. */
-static int
-put_pipe(PyObject *pipe)
-{
-    PyObject *pool = module_global(s_idle_pipes);
-    if (pool == NULL)
-        return -1;
-    PyObject *limit = module_global(s_max_idle_pipes);
-    if (limit == NULL)
-        return -1;
-    Py_ssize_t max = PyLong_AsSsize_t(limit);
-    if (max == -1 && PyErr_Occurred())
-        return -1;
-    if (PyList_Check(pool) && PyList_GET_SIZE(pool) < max)
-        return PyList_Append(pool, pipe);
-    PyObject *discard = module_global(s_discard_pipe);
-    if (discard == NULL)
-        return -1;
-    PyObject *r = PyObject_CallOneArg(discard, pipe);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
-/* A pipe from the pool, else a new one (_new_pipe). NULL with an exception set. */
-static PyObject *
-take_pipe(void)
-{
-    PyObject *pool = module_global(s_idle_pipes);
-    if (pool == NULL)
-        return NULL;
-    if (PyList_Check(pool) && PyList_GET_SIZE(pool) > 0) {
-        Py_ssize_t last = PyList_GET_SIZE(pool) - 1;
-        PyObject *pipe = PyList_GET_ITEM(pool, last);
-        Py_INCREF(pipe);
-        if (PyList_SetSlice(pool, last, last + 1, NULL) < 0) {
-            Py_DECREF(pipe);
-            return NULL;
-        }
-        return pipe;
-    }
-    PyObject *make = module_global(s_new_pipe);
-    if (make == NULL)
-        return NULL;
-    return PyObject_CallNoArgs(make);
-}
-
-static int
-pipe_fds(PyObject *pipe, int *r, int *w)
-{
-    if (!PyTuple_Check(pipe) || PyTuple_GET_SIZE(pipe) != 2) {
-        PyErr_SetString(PyExc_TypeError, "a pipe is a tuple of two descriptors");
-        return -1;
-    }
-    *r = as_int(PyTuple_GET_ITEM(pipe, 0));
-    *w = as_int(PyTuple_GET_ITEM(pipe, 1));
-    if ((*r == -1 || *w == -1) && PyErr_Occurred())
-        return -1;
-    return 0;
 }
 
 /* splice(2), retried on EINTR (as os.splice, which runs signal handlers meanwhile).
@@ -259,454 +94,39 @@ do_splice(int in, int out, size_t len)
     }
 }
 
-/* reader.move(), the direction's own Python method: a Python Pump's chunks are moved
- * by its Python code (the C Pump moves its own, below). */
-static int
-move(PyObject *d)
+/* recv(2) / send(2), retried on EINTR; -1 with errno set, or -2 with a Python exception
+ * from a signal handler. Non-blocking sockets: the GIL is kept. */
+static ssize_t
+do_recv(int fd, char *buf, size_t len)
 {
-    PyObject *r = PyObject_CallMethodNoArgs(d, s_move);
-    if (r == NULL)
-        return -1;
-    long status = PyLong_AsLong(r);
-    Py_DECREF(r);
-    return (int)status;
-}
-
-static int
-call_method(PyObject *obj, PyObject *name, PyObject *a, PyObject *b)
-{
-    PyObject *r;
-    if (a == NULL)
-        r = PyObject_CallMethodNoArgs(obj, name);
-    else if (b == NULL)
-        r = PyObject_CallMethodOneArg(obj, name, a);
-    else
-        r = PyObject_CallMethodObjArgs(obj, name, a, b, NULL);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
-/* -- Pump.on_event(fd, events), line for line ------------------------------------------ */
-
-static int
-on_event(PyObject *p, int fd, uint32_t events)
-{
-    int result = -1;
-    PyObject *reader = NULL, *writer = NULL, *st = NULL, *outcome = NULL;
-    long client_fd = get_long(p, s_client_fd);
-    if (client_fd == -1 && PyErr_Occurred())
-        return -1;
-    int client_side = fd == client_fd;
-    reader = get_attr(p, client_side ? s_up : s_down);
-    if (reader == NULL)
-        goto out;
-    writer = get_attr(p, client_side ? s_down : s_up);
-    if (writer == NULL)
-        goto out;
-    int watched = 0;
-    long state = get_long(reader, s_state);
-    if (state == -1 && PyErr_Occurred())
-        goto out;
-    if (state == READING && (events & IN_OR_FAILED)) {
-        watched = 1;
-        int status = move(reader);
-        if (status < 0) {
-            if (PyErr_Occurred())
-                goto out;
-        }
-        else if (status) {
-            st = PyLong_FromLong(status);
-            if (st == NULL || call_method(p, s_after, reader, st) < 0)
-                goto out;
-            Py_CLEAR(st);
-        }
+    for (;;) {
+        ssize_t n = recv(fd, buf, len, 0);
+        if (n >= 0 || errno != EINTR)
+            return n;
+        if (PyErr_CheckSignals() < 0)
+            return -2;
     }
-    state = get_long(writer, s_state);
-    if (state == -1 && PyErr_Occurred())
-        goto out;
-    if (state == WRITING && (events & OUT_OR_FAILED)) {
-        watched = 1;
-        outcome = get_attr(p, s_outcome);
-        if (outcome == NULL)
-            goto out;
-        if (outcome == Py_None) {
-            PyObject *r = PyObject_CallMethodNoArgs(writer, s_write_out);
-            if (r == NULL)
-                goto out;
-            int ok = call_method(p, s_after, writer, r);
-            Py_DECREF(r);
-            if (ok < 0)
-                goto out;
-        }
-        Py_CLEAR(outcome);
-    }
-    else if (state == HELD && (events & OUT_OR_FAILED)) {
-        watched = 1;
-        if (call_method(p, s_write_initial, NULL, NULL) < 0)
-            goto out;
-    }
-    if (!watched && (events & FAILED)) {
-        PyObject *fdo = PyLong_FromLong(fd);
-        if (fdo == NULL)
-            goto out;
-        int ok = call_method(p, s_unwatched_event, fdo, client_side ? Py_True : Py_False);
-        Py_DECREF(fdo);
-        if (ok < 0)
-            goto out;
-    }
-    outcome = get_attr(p, s_outcome);
-    if (outcome == NULL)
-        goto out;
-    if (outcome != Py_None && call_method(p, s_finish, NULL, NULL) < 0)
-        goto out;
-    result = 0;
-out:
-    Py_XDECREF(reader);
-    Py_XDECREF(writer);
-    Py_XDECREF(st);
-    Py_XDECREF(outcome);
-    return result;
 }
 
-/* -- the Pump type: one connection's pump in C (issue 26, step 2) ---------------------
- *
- * pump.py's Pump and its two _Direction, as one C object: the same states, the same
- * transitions, method for method (the Python names are in the comments), so the pure
- * path (LBPROXY_PURE=1) and this one behave alike.
- * What it saves per connection: the three Python objects and their __init__ frames, the
- * start, the FINs (passed on at the batch's end inside dispatch()), the close and the
- * end -- Python is called back once, with on_end(pump). The reactor (epoll set, the
- * descriptor -> pump dict, the deadline heap and its sweep, the pipe pool) stays
- * pump.py's: this object registers in it as a Python Pump does. */
-
-typedef struct {
-    int state;       /* READING, WRITING, DONE, HELD */
-    int fin_pending; /* its FIN waits for the end of the batch */
-    int spliced;     /* a splice succeeded: EINVAL is no longer "cannot splice" */
-    int bulk;        /* a read filled COPY_CHUNK: the next reads splice */
-    int copy_only;   /* never splice (use_splice=False, or the kernel refused it) */
-    int err;         /* the errno behind SOURCE_FAILED / DESTINATION_FAILED */
-    ssize_t pending; /* bytes in `pipe` (or `buf`) not yet written to dst */
-    ssize_t last_read;
-    PyObject *pipe;  /* the borrowed (r, w) tuple while a spliced chunk waits, else NULL */
-    char *buf;       /* the rest of a copied chunk dst did not take at once, else NULL */
-    ssize_t buf_off; /* where in `buf` the `pending` bytes start */
-} cdir;
-
-typedef struct {
-    PyObject_HEAD
-    int client_fd, server_fd;
-    int client_mask, server_mask; /* -1: not in the epoll set */
-    int epfd;
-    int open_directions;
-    int registered;
-    int in_batch_fins; /* queued in the current batch's FIN list */
-    cdir up, down;
-    Py_ssize_t initial_uncounted;
-    PyObject *flow, *reactor, *outcome, *error, *on_end, *alarm, *initial, *sockets;
-} CPump;
-
-static PyTypeObject CPump_Type;
-
-static PyObject *s_closed, *s_cancelled, *s_idle_timeout_o, *s_client_reset, *s_server_reset,
-    *s_error_o, *s_closing, *s_pump_slot, *s_idle_timeout_attr, *s_pumps, *s_young,
-    *s_sweeping, *s_defer, *s_deadlines, *s_at, *s_cancel, *s_deferred, *s_reactor_fn,
-    *s_epfd, *s_record, *s_connection_end, *s_fileno, *s_close, *s_splice_refused;
-
-/* -- the flow's attributes ----------------------------------------------------------
- *
- * Every chunk adds to the flow's bytes_in or bytes_out and stores its last_activity
- * (_Direction._wrote). The flow is a Flow (pump.py) or, in production, its subclass
- * ClientConnection: attributes in __slots__, so each is a pointer at a fixed offset
- * that PyObject_GetAttr / PyObject_SetAttr find through the type's member descriptor.
- * Measured with callgrind (scripts/bench_reactor.py --callgrind --new-pump --pumps 32
- * --rounds 100): that generic get + add + set + set was 895 instructions per event of
- * the 1,222 the C batch spent on one. So the offsets are learnt per flow type, here,
- * and read and written directly -- only where that is exactly what the generic path
- * does: the type's tp_getattro and tp_setattro are the generic ones (not a class with
- * __getattribute__, __getattr__ or __setattr__), the name resolves (_PyType_Lookup,
- * the MRO walk PyObject_GenericGetAttr makes) to a writable, unrestricted
- * T_OBJECT_EX member descriptor (a __slots__ entry: not a property, not shadowed by
- * a subclass), and the type has not changed since: CPython's own attribute cache
- * test, the type's version tag, which any assignment to the class or a base
- * invalidates (PyType_Modified). An unset slot is read through the generic path, for
- * its AttributeError. Anything else -- another object, a class with a property named
- * bytes_in -- goes through PyObject_GetAttr / PyObject_SetAttr as before. */
-
-enum { F_BYTES_IN, F_BYTES_OUT, F_LAST_ACTIVITY, F_ERROR, F_PUMP, F_IDLE_TIMEOUT, F_CLOSING, F_N };
-
-static PyObject **const flow_names[F_N] = {&s_bytes_in, &s_bytes_out, &s_last_activity,
-                                           &s_error, &s_pump_slot, &s_idle_timeout_attr,
-                                           &s_closing};
-
-/* Two types: production has one (ClientConnection); tests meet Flow and subclasses. */
-#define FLOW_TYPES 2
-static struct flow_layout {
-    PyTypeObject *type;    /* a strong reference: its address is not reused meanwhile */
-    unsigned int version;  /* its tp_version_tag when learnt */
-    int tagged;            /* the tag was valid then; untagged: every offset is 0 */
-    Py_ssize_t offset[F_N]; /* 0: the generic path (no slot is at offset 0) */
-} flow_layouts[FLOW_TYPES];
-
-static int
-flow_layout_valid(struct flow_layout *l, PyTypeObject *t)
+static ssize_t
+do_send(int fd, const char *buf, size_t len)
 {
-    if (l->type != t)
-        return 0;
-    if (!l->tagged) /* all generic: right whatever became of the type */
-        return 1;
-    return (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && t->tp_version_tag == l->version;
-}
-
-static Py_ssize_t
-flow_member_offset(PyTypeObject *t, PyObject *name)
-{
-    PyObject *descr = _PyType_Lookup(t, name); /* borrowed; never sets an exception */
-    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type))
-        return 0;
-    PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
-    if (m->type != T_OBJECT_EX || m->flags != 0 || m->offset <= 0 ||
-        !PyType_IsSubtype(t, PyDescr_TYPE(descr)))
-        return 0;
-    return m->offset;
-}
-
-/* flow_offset() for any type but the one learnt last (or an untagged one). */
-static Py_ssize_t
-flow_offset_slow(PyObject *flow, int f)
-{
-    PyTypeObject *t = Py_TYPE(flow);
-    for (int i = 0; i < FLOW_TYPES; i++)
-        if (flow_layout_valid(&flow_layouts[i], t))
-            return flow_layouts[i].offset[f];
-    struct flow_layout learnt;
-    memset(&learnt, 0, sizeof learnt);
-    if (t->tp_getattro == PyObject_GenericGetAttr && t->tp_setattro == PyObject_GenericSetAttr) {
-        /* The tag _PyType_Lookup gives the type (unless none is left for it), before
-         * and after: the layout holds only if nothing changed the type meanwhile. */
-        (void)_PyType_Lookup(t, *flow_names[0]);
-        unsigned int before = t->tp_version_tag;
-        int tagged = (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) != 0;
-        for (int i = 0; i < F_N; i++)
-            learnt.offset[i] = flow_member_offset(t, *flow_names[i]);
-        if (tagged && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) &&
-            t->tp_version_tag == before) {
-            learnt.tagged = 1;
-            learnt.version = before;
-        }
-        else
-            memset(learnt.offset, 0, sizeof learnt.offset);
+    for (;;) {
+        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
+        if (n >= 0 || errno != EINTR)
+            return n;
+        if (PyErr_CheckSignals() < 0)
+            return -2;
     }
-    /* Into the first entry, the last one dropped: no Python code runs until the
-     * drop, which may (the type's deallocation) and so is last. */
-    Py_INCREF(t);
-    learnt.type = t;
-    PyTypeObject *dropped = flow_layouts[FLOW_TYPES - 1].type;
-    for (int i = FLOW_TYPES - 1; i > 0; i--)
-        flow_layouts[i] = flow_layouts[i - 1];
-    flow_layouts[0] = learnt;
-    Py_XDECREF(dropped);
-    for (int i = 0; i < FLOW_TYPES; i++)
-        if (flow_layout_valid(&flow_layouts[i], t))
-            return flow_layouts[i].offset[f];
-    return 0;
 }
 
-/* The offset of attribute `f` in `flow`, or 0: use PyObject_GetAttr / SetAttr. The
- * type learnt last is tested inline (a call and the loop were 34 instructions). */
-static inline Py_ssize_t
-flow_offset(PyObject *flow, int f)
-{
-    PyTypeObject *t = Py_TYPE(flow);
-    struct flow_layout *l = &flow_layouts[0];
-    if (l->type == t && l->tagged && (t->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) &&
-        t->tp_version_tag == l->version)
-        return l->offset[f];
-    return flow_offset_slow(flow, f);
-}
+/* -- the run's clock ------------------------------------------------------------------ */
 
-/* A new reference to flow.<f>, or NULL with the exception PyObject_GetAttr raises. */
-static PyObject *
-flow_get(PyObject *flow, int f)
-{
-    Py_ssize_t off = flow_offset(flow, f);
-    if (off) {
-        PyObject *v = *(PyObject **)((char *)flow + off);
-        if (v != NULL) {
-            Py_INCREF(v);
-            return v;
-        }
-    }
-    return PyObject_GetAttr(flow, *flow_names[f]);
-}
-
-/* flow.<f> = v */
-static int
-flow_set(PyObject *flow, int f, PyObject *v)
-{
-    Py_ssize_t off = flow_offset(flow, f);
-    if (!off)
-        return PyObject_SetAttr(flow, *flow_names[f], v);
-    PyObject **slot = (PyObject **)((char *)flow + off);
-    PyObject *old = *slot;
-    Py_INCREF(v);
-    *slot = v;
-    Py_XDECREF(old);
-    return 0;
-}
-
-/* flow.<f> += n (n >= 0): a counter, a Python int. */
-static int
-flow_add(PyObject *flow, int f, Py_ssize_t n)
-{
-    Py_ssize_t off = flow_offset(flow, f);
-    if (off) {
-        PyObject **slot = (PyObject **)((char *)flow + off);
-        PyObject *old = *slot;
-        if (old != NULL && PyLong_CheckExact(old)) {
-            /* what int.__add__ makes, without the generic number protocol: an exact
-             * int that fits a long long (a counter always does) */
-            int overflow;
-            long long v = PyLong_AsLongLongAndOverflow(old, &overflow);
-            if (!overflow && v <= LLONG_MAX - n) {
-                PyObject *sum = PyLong_FromLongLong(v + n);
-                if (sum == NULL)
-                    return -1;
-                *slot = sum; /* no Python code ran since `old` was read */
-                Py_DECREF(old);
-                return 0;
-            }
-        }
-    }
-    PyObject *old = flow_get(flow, f);
-    if (old == NULL)
-        return -1;
-    PyObject *add = PyLong_FromSsize_t(n);
-    PyObject *sum = add ? PyNumber_Add(old, add) : NULL;
-    Py_DECREF(old);
-    Py_XDECREF(add);
-    if (sum == NULL)
-        return -1;
-    int r = flow_set(flow, f, sum);
-    Py_DECREF(sum);
-    return r;
-}
-
-/* -- descriptor keys ----------------------------------------------------------------
- *
- * The reactor's dict `pumps` maps a descriptor, a Python int, to its pump; each event
- * looks its descriptor up there. An int made for it afresh is a new object above 256
- * (the small ints end there) that the dict compares by value with its own key, and
- * frees after: measured with callgrind (bench_reactor.py --callgrind --new-pump --pumps
- * 128 --rounds 25: descriptors up to ~520), 183 instructions per lookup plus 49 to
- * make the int and its deallocation. So one int per descriptor number is made once and
- * kept; the C pumps register under it, and the lookup finds that very key (identity,
- * the dict's first test). The cost: a pointer per descriptor number up to the highest
- * seen (at most MAX_FD_KEYS), and the int itself, which the dict shares while the
- * descriptor is registered. */
-
-#define MAX_FD_KEYS (1 << 20)
-static PyObject **fd_keys = NULL; /* fd_keys[fd]: the int fd, or NULL not made yet */
-static int n_fd_keys = 0;
-
-/* fd_key() the first time for `fd`: made, and kept when it can be. */
-static PyObject *
-fd_key_new(int fd)
-{
-    PyObject *key = PyLong_FromLong(fd);
-    if (key == NULL || fd < 0 || fd >= MAX_FD_KEYS)
-        return key;
-    if (fd >= n_fd_keys) {
-        int n = n_fd_keys ? n_fd_keys : 1024;
-        while (n <= fd)
-            n *= 2;
-        PyObject **grown = PyMem_Realloc(fd_keys, (size_t)n * sizeof *grown);
-        if (grown == NULL) /* not kept: still the right key */
-            return key;
-        memset(grown + n_fd_keys, 0, (size_t)(n - n_fd_keys) * sizeof *grown);
-        fd_keys = grown;
-        n_fd_keys = n;
-    }
-    Py_INCREF(key);
-    fd_keys[fd] = key;
-    return key;
-}
-
-/* A new reference to the int `fd`; NULL with an exception. */
-static inline PyObject *
-fd_key(int fd)
-{
-    if (fd >= 0 && fd < n_fd_keys && fd_keys[fd] != NULL) {
-        Py_INCREF(fd_keys[fd]);
-        return fd_keys[fd];
-    }
-    return fd_key_new(fd);
-}
-
-/* The FINs read in the current dispatch() batch, passed on at its end (Pump._pass_fin). */
-static struct {
-    CPump *p;
-    int up;
-} batch_fins[MAX_BATCH];
-static int n_batch_fins = 0;
-static int in_batch = 0;
-
-#define DIR_SRC(p, d) ((d) == &(p)->up ? (p)->client_fd : (p)->server_fd)
-#define DIR_DST(p, d) ((d) == &(p)->up ? (p)->server_fd : (p)->client_fd)
-#define DIR_TO_SERVER(p, d) ((d) == &(p)->up)
-
-/* The run's clock. trio's SystemClock.current_time is `self.offset + perf_counter()`
- * (a Python frame, ~930 instructions); perf_counter is clock_gettime(CLOCK_MONOTONIC)
- * on Linux, so for a reactor whose clock is exactly that bound method the same sum is
- * made here, as Python makes it (integer nanoseconds, then seconds as a double), and
- * the result is the same clock. Any other clock (trio.testing.MockClock in the tests,
- * a subclass) is called as before. The reactor last seen is held, so its address is
- * not reused while it is cached; SystemClock is frozen, so its offset cannot change. */
-static PyObject *clock_reactor = NULL;
-static PyObject *system_clock_type = NULL;
-static PyObject *system_clock_fn = NULL;
-static int clock_native = 0;
-static double clock_offset = 0.0;
-
-/* 1 if `clock` is trio's SystemClock.current_time bound to a SystemClock (its offset
- * into *offset), 0 if it is any other callable, -1 on an error. */
-static int
-cp_native_clock(PyObject *clock, double *offset)
-{
-    if (system_clock_type == NULL) {
-        PyObject *mod = PyImport_ImportModule("trio._core._run");
-        if (mod == NULL)
-            return -1;
-        system_clock_type = PyObject_GetAttrString(mod, "SystemClock");
-        Py_DECREF(mod);
-        if (system_clock_type == NULL)
-            return -1;
-        system_clock_fn = PyObject_GetAttrString(system_clock_type, "current_time");
-        if (system_clock_fn == NULL) {
-            Py_CLEAR(system_clock_type);
-            return -1;
-        }
-    }
-    int native = 0;
-    if (PyMethod_Check(clock) && PyMethod_GET_FUNCTION(clock) == system_clock_fn &&
-        (PyObject *)Py_TYPE(PyMethod_GET_SELF(clock)) == system_clock_type) {
-        PyObject *o = PyObject_GetAttrString(PyMethod_GET_SELF(clock), "offset");
-        if (o == NULL)
-            return -1;
-        if (PyFloat_CheckExact(o)) {
-            *offset = PyFloat_AS_DOUBLE(o);
-            native = 1;
-        }
-        Py_DECREF(o);
-    }
-    return native;
-}
-
-/* SystemClock.current_time(), as Python computes it: perf_counter's integer
- * nanoseconds as seconds (a double), plus the offset, into *now: 0; or -1, no
- * exception set: the clock could not be read (then the caller calls the Python clock). */
+/* trio's SystemClock.current_time(), as Python computes it (`offset + perf_counter()`,
+ * perf_counter being CLOCK_MONOTONIC on Linux): integer nanoseconds as seconds (a
+ * double), plus the offset, into *now: 0; or -1, no exception set: the clock could not
+ * be read (then the caller calls the Python clock). The same clock, with no Python
+ * frame (~930 instructions a call). */
 static int
 cp_native_seconds(double offset, double *now)
 {
@@ -730,90 +150,10 @@ cp_native_now(double offset)
     return PyFloat_FromDouble(now);
 }
 
-static int
-cp_learn_clock(PyObject *reactor)
-{
-    PyObject *clock = PyObject_GetAttr(reactor, s_clock);
-    if (clock == NULL)
-        return -1;
-    double offset = 0.0;
-    int native = cp_native_clock(clock, &offset);
-    Py_DECREF(clock);
-    if (native < 0)
-        return -1;
-    Py_INCREF(reactor);
-    Py_XSETREF(clock_reactor, reactor);
-    clock_native = native;
-    clock_offset = offset;
-    return 0;
-}
-
-/* The reactor's clock read here when it is trio's SystemClock (see above): 1 with the
- * time in *now; 0 when it must be called; -1 with an exception. */
-static int
-cp_clock_native(CPump *p, double *now)
-{
-    if (p->reactor != clock_reactor && cp_learn_clock(p->reactor) < 0)
-        return -1;
-    if (clock_native) {
-        if (cp_native_seconds(clock_offset, now) == 0)
-            return 1;
-    }
-    return 0;
-}
-
-/* A new reference to the reactor's clock(), a float. */
-static PyObject *
-cp_clock(CPump *p)
-{
-    double d;
-    int native = cp_clock_native(p, &d);
-    if (native < 0)
-        return NULL;
-    if (native)
-        return PyFloat_FromDouble(d);
-    PyObject *clock = PyObject_GetAttr(p->reactor, s_clock);
-    if (clock == NULL)
-        return NULL;
-    PyObject *now = PyObject_CallNoArgs(clock);
-    Py_DECREF(clock);
-    return now;
-}
-
-/* flow.last_activity = clock(), once per chunk. When the float there is the one this
- * code stored (an exact float, in the flow's slot, that nothing else references: any
- * Python code that read it holds a reference of its own) it takes the new time in
- * place: no one can tell, and making a float and freeing the old one was 65
- * instructions per chunk (callgrind, bench_reactor.py --callgrind --new-pump). Else, or
- * on a clock that must be called, a new float is stored as before. */
-static int
-cp_clock_into_flow(CPump *p)
-{
-#ifndef Py_GIL_DISABLED /* reference counts are exact only with the GIL */
-    /* the clock learnt already: reading it runs no Python code, `old` stays alone */
-    if (p->reactor == clock_reactor && clock_native) {
-        Py_ssize_t off = flow_offset(p->flow, F_LAST_ACTIVITY);
-        PyObject *old = off ? *(PyObject **)((char *)p->flow + off) : NULL;
-        double d;
-        if (old != NULL && PyFloat_CheckExact(old) && Py_REFCNT(old) == 1 &&
-            cp_clock_native(p, &d) == 1) {
-            ((PyFloatObject *)old)->ob_fval = d;
-            return 0;
-        }
-    }
-#endif
-    PyObject *now = cp_clock(p);
-    if (now == NULL)
-        return -1;
-    int r = flow_set(p->flow, F_LAST_ACTIVITY, now);
-    Py_DECREF(now);
-    return r;
-}
-
-/* Clock(current_time): a callable with no Python frame that returns what
- * current_time() returns -- computed here for trio's SystemClock (as cp_clock does for
- * the reactor), else by calling it (trio.testing.MockClock). For the connection
- * handler, which reads its run's clock twice per connection (issue 26). */
+/* Clock(current_time, offset=None): a callable with no Python frame that returns what
+ * current_time() returns -- computed here for trio's SystemClock (the caller passes its
+ * offset), else by calling it (trio.testing.MockClock). For the connection handler,
+ * which reads its run's clock twice per connection. */
 typedef struct {
     PyObject_HEAD
     PyObject *fn;
@@ -914,1808 +254,6 @@ static PyTypeObject CClock_Type = {
     .tp_members = CClock_members,
 };
 
-static double
-cp_now(CPump *p)
-{
-    PyObject *now = cp_clock(p);
-    if (now == NULL)
-        return -1.0;
-    double r = PyFloat_AsDouble(now);
-    Py_DECREF(now);
-    return r;
-}
-
-/* _Direction._wrote(n): the counter, and last_activity */
-static int
-cp_count(CPump *p, cdir *d, ssize_t n)
-{
-    if (flow_add(p->flow, DIR_TO_SERVER(p, d) ? F_BYTES_IN : F_BYTES_OUT, n) < 0)
-        return -1;
-    return cp_clock_into_flow(p);
-}
-
-/* recv(2) / send(2), retried on EINTR; -1 with errno set, or -2 with a Python exception
- * from a signal handler. Non-blocking sockets: the GIL is kept. */
-static ssize_t
-do_recv(int fd, char *buf, size_t len)
-{
-    for (;;) {
-        ssize_t n = recv(fd, buf, len, 0);
-        if (n >= 0 || errno != EINTR)
-            return n;
-        if (PyErr_CheckSignals() < 0)
-            return -2;
-    }
-}
-
-static ssize_t
-do_send(int fd, const char *buf, size_t len)
-{
-    for (;;) {
-        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
-        if (n >= 0 || errno != EINTR)
-            return n;
-        if (PyErr_CheckSignals() < 0)
-            return -2;
-    }
-}
-
-/* Where a copied chunk is read: one buffer for every pump (the chunk is written out
- * before anything else runs, and what dst does not take is copied into the direction). */
-static char copy_buf[COPY_CHUNK];
-
-/* Keep the `len` bytes at `data` that dst did not take, for write_out(). */
-static int
-cp_hold(cdir *d, const char *data, ssize_t len)
-{
-    char *b = PyMem_Malloc((size_t)len);
-    if (b == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    memcpy(b, data, (size_t)len);
-    d->buf = b;
-    d->buf_off = 0;
-    d->pending = len;
-    return 0;
-}
-
-/* _Direction.write_out(): the rest of the chunk, from the pipe or the buffer */
-static int
-cp_write_out(CPump *p, cdir *d)
-{
-    int dst = DIR_DST(p, d);
-    int copied = d->pipe == NULL; /* a copied chunk's rest is in d->buf */
-    int pr = -1, pw;
-    if (!copied && pipe_fds(d->pipe, &pr, &pw) < 0)
-        return -1;
-    while (d->pending) {
-        ssize_t n = copied ? do_send(dst, d->buf + d->buf_off, (size_t)d->pending)
-                           : do_splice(pr, dst, (size_t)d->pending);
-        if (n == -2)
-            return -1;
-        if (n < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
-                return BLOCKED;
-            d->err = errno;
-            return DESTINATION_FAILED;
-        }
-        d->pending -= n;
-        if (copied)
-            d->buf_off += n;
-        if (cp_count(p, d, n) < 0)
-            return -1;
-    }
-    if (copied) {
-        PyMem_Free(d->buf);
-        d->buf = NULL;
-        d->buf_off = 0;
-        return MOVED;
-    }
-    PyObject *pipe = d->pipe;
-    d->pipe = NULL;
-    int r = put_pipe(pipe);
-    Py_DECREF(pipe);
-    return r < 0 ? -1 : MOVED;
-}
-
-/* The kernel refused to splice this socket (EINVAL, ENOSYS before any splice worked):
- * nothing was read, so the direction copies from now on, and pump.py's
- * _splice_refused() makes later pumps copy only. */
-static int
-cp_splice_refused(cdir *d, int code)
-{
-    d->copy_only = 1;
-    d->bulk = 0;
-    PyObject *f = module_global(s_splice_refused);
-    if (f == NULL)
-        return -1;
-    PyObject *exc = os_error(code);
-    if (exc == NULL)
-        return -1;
-    PyObject *r = PyObject_CallOneArg(f, exc);
-    Py_DECREF(exc);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
-/* One chunk copied: recv into copy_buf, send it on. Sets *big when the read filled the
- * buffer (then the direction splices from the next read on, unless copy_only). */
-static int
-cp_copy_one(CPump *p, cdir *d, int *big)
-{
-    int src = DIR_SRC(p, d), dst = DIR_DST(p, d);
-    ssize_t n = do_recv(src, copy_buf, COPY_CHUNK);
-    if (n == -2)
-        return -1;
-    if (n < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK)
-            return MOVED; /* readiness can be stale by the time we read */
-        d->err = errno;
-        return SOURCE_FAILED;
-    }
-    if (n == 0)
-        return EOF_;
-    d->last_read = n;
-    if (n == COPY_CHUNK) {
-        *big = 1;
-        if (!d->copy_only)
-            d->bulk = 1;
-    }
-    ssize_t m = do_send(dst, copy_buf, (size_t)n);
-    if (m == -2)
-        return -1;
-    if (m < 0) {
-        int code = errno;
-        if (code == EAGAIN || code == EWOULDBLOCK)
-            return cp_hold(d, copy_buf, n) < 0 ? -1 : BLOCKED;
-        d->err = code;
-        return DESTINATION_FAILED;
-    }
-    if (m < n && cp_hold(d, copy_buf + m, n - m) < 0)
-        return -1;
-    if (cp_count(p, d, m) < 0)
-        return -1;
-    return m < n ? cp_write_out(p, d) : MOVED;
-}
-
-/* _Direction.move(): up to BURST chunks while they are big, each copied or spliced */
-static int
-cp_move(CPump *p, cdir *d)
-{
-    int src = DIR_SRC(p, d), dst = DIR_DST(p, d);
-    int left = BURST;
-    for (;;) {
-        d->last_read = 0;
-        if (!d->bulk) {
-            int big = 0;
-            int status = cp_copy_one(p, d, &big);
-            if (status < 0)
-                return -1;
-            left -= 1;
-            if (status || !left || !big)
-                return status;
-            continue;
-        }
-        PyObject *pipe = take_pipe();
-        if (pipe == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_OSError))
-                return -1;
-            /* EMFILE, ENFILE: no descriptor left for a pipe -- ends this connection */
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            int code = EMFILE;
-            if (value != NULL) {
-                PyObject *e = PyObject_GetAttrString(value, "errno");
-                if (e != NULL && PyLong_Check(e))
-                    code = (int)PyLong_AsLong(e);
-                Py_XDECREF(e);
-                PyErr_Clear();
-            }
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            d->err = code;
-            return SOURCE_FAILED;
-        }
-        int pr, pw;
-        if (pipe_fds(pipe, &pr, &pw) < 0) {
-            Py_DECREF(pipe);
-            return -1;
-        }
-        ssize_t n = do_splice(src, pw, SPLICE_CHUNK);
-        if (n == -2) {
-            int r = put_pipe(pipe);
-            Py_DECREF(pipe);
-            (void)r;
-            return -1;
-        }
-        if (n < 0) {
-            int code = errno;
-            int r = put_pipe(pipe);
-            Py_DECREF(pipe);
-            if (r < 0)
-                return -1;
-            if (code == EAGAIN || code == EWOULDBLOCK)
-                return MOVED;
-            if (!d->spliced && (code == EINVAL || code == ENOSYS)) {
-                if (cp_splice_refused(d, code) < 0)
-                    return -1;
-                continue; /* the same read, copied */
-            }
-            d->err = code;
-            return SOURCE_FAILED;
-        }
-        d->spliced = 1;
-        if (n == 0) {
-            int r = put_pipe(pipe);
-            Py_DECREF(pipe);
-            return r < 0 ? -1 : EOF_;
-        }
-        d->last_read = n;
-        ssize_t m = do_splice(pr, dst, (size_t)n);
-        if (m < 0) {
-            d->pipe = pipe; /* still holding the chunk: release() discards it */
-            d->pending = n;
-            if (m == -2)
-                return -1;
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
-                return BLOCKED;
-            d->err = errno;
-            return DESTINATION_FAILED;
-        }
-        int status;
-        if (m == n) {
-            int r = put_pipe(pipe);
-            Py_DECREF(pipe);
-            if (r < 0)
-                return -1;
-            if (cp_count(p, d, m) < 0)
-                return -1;
-            status = MOVED;
-        }
-        else {
-            d->pipe = pipe;
-            d->pending = n - m;
-            if (cp_count(p, d, m) < 0)
-                return -1;
-            status = cp_write_out(p, d);
-            if (status < 0)
-                return -1;
-        }
-        left -= 1;
-        if (status || !left || n < BIG_CHUNK)
-            return status;
-    }
-}
-
-/* _Direction.release() */
-static void
-cp_release(cdir *d)
-{
-    if (d->buf != NULL) {
-        PyMem_Free(d->buf);
-        d->buf = NULL;
-        d->buf_off = 0;
-    }
-    PyObject *pipe = d->pipe;
-    d->pipe = NULL;
-    if (pipe == NULL)
-        return;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    if (d->pending) {
-        int r, w;
-        if (pipe_fds(pipe, &r, &w) == 0) {
-            close(r);
-            close(w);
-        }
-    }
-    else if (put_pipe(pipe) < 0) {
-        PyErr_Clear();
-    }
-    PyErr_Clear();
-    PyErr_Restore(type, value, tb);
-    Py_DECREF(pipe);
-}
-
-static int
-cp_set_outcome(CPump *p, PyObject *o)
-{
-    Py_INCREF(o);
-    Py_SETREF(p->outcome, o);
-    return 0;
-}
-
-/* Pump._failed(client_side, exc) */
-static int
-cp_failed(CPump *p, int client_side, int code)
-{
-    int reset = code == ECONNRESET || code == EPIPE || code == ENOTCONN || code == ECONNABORTED;
-    cp_set_outcome(p, reset ? (client_side ? s_client_reset : s_server_reset) : s_error_o);
-    PyObject *exc = os_error(code);
-    if (exc == NULL)
-        return -1;
-    int r = flow_set(p->flow, F_ERROR, exc);
-    Py_DECREF(exc);
-    return r;
-}
-
-static int
-cp_epoll(CPump *p, int op, int fd, int mask)
-{
-    struct epoll_event ev;
-    memset(&ev, 0, sizeof ev);
-    ev.events = (uint32_t)mask;
-    ev.data.fd = fd;
-    if (epoll_ctl(p->epfd, op, fd, &ev) < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
-    return 0;
-}
-
-/* Pump._watch(fd, mask, current) -> the new mask, or -2 with an exception */
-static int
-cp_watch(CPump *p, int fd, int mask, int current)
-{
-    if (current != -1) {
-        if (cp_epoll(p, EPOLL_CTL_MOD, fd, mask) < 0)
-            return -2;
-    }
-    else if (mask) {
-        if (cp_epoll(p, EPOLL_CTL_ADD, fd, mask) < 0)
-            return -2;
-    }
-    else
-        return -1;
-    return mask;
-}
-
-/* Pump._update_interest() */
-static int
-cp_update_interest(CPump *p)
-{
-    int client = (p->up.state == READING ? EPOLLIN : 0) | (p->down.state == WRITING ? EPOLLOUT : 0);
-    int server = (p->down.state == READING ? EPOLLIN : 0) |
-                 (p->up.state == WRITING || p->up.state == HELD ? EPOLLOUT : 0);
-    if (client != p->client_mask) {
-        int m = cp_watch(p, p->client_fd, client, p->client_mask);
-        if (m == -2)
-            return -1;
-        p->client_mask = m;
-    }
-    if (server != p->server_mask) {
-        int m = cp_watch(p, p->server_fd, server, p->server_mask);
-        if (m == -2)
-            return -1;
-        p->server_mask = m;
-    }
-    return 0;
-}
-
-/* Pump._write_initial() */
-static int
-cp_write_initial(CPump *p)
-{
-    while (p->initial != NULL && PyBytes_GET_SIZE(p->initial) > 0) {
-        Py_ssize_t len = PyBytes_GET_SIZE(p->initial);
-        ssize_t n;
-        for (;;) {
-            n = write(p->server_fd, PyBytes_AS_STRING(p->initial), (size_t)len);
-            if (n >= 0 || errno != EINTR)
-                break;
-            if (PyErr_CheckSignals() < 0)
-                return -1;
-        }
-        if (n < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                if (p->up.state != HELD) {
-                    p->up.state = HELD;
-                    return cp_update_interest(p);
-                }
-                return 0;
-            }
-            return cp_failed(p, 0, errno);
-        }
-        PyObject *rest = PyBytes_FromStringAndSize(PyBytes_AS_STRING(p->initial) + n, len - n);
-        if (rest == NULL)
-            return -1;
-        Py_SETREF(p->initial, rest);
-        Py_ssize_t counted = n - p->initial_uncounted;
-        p->initial_uncounted = counted < 0 ? -counted : 0;
-        if (counted > 0 && flow_add(p->flow, F_BYTES_IN, counted) < 0)
-            return -1;
-        if (cp_clock_into_flow(p) < 0)
-            return -1;
-    }
-    if (p->up.state == HELD) {
-        p->up.state = READING;
-        return cp_update_interest(p);
-    }
-    return 0;
-}
-
-/* Pump._disarm() */
-static int
-cp_disarm(CPump *p)
-{
-    PyObject *alarm = p->alarm;
-    p->alarm = Py_None;
-    Py_INCREF(Py_None);
-    int r = 0;
-    PyObject *deferred = module_global(s_deferred);
-    if (deferred == NULL) {
-        Py_DECREF(alarm);
-        return -1;
-    }
-    if (alarm == deferred) {
-        PyObject *young = PyObject_GetAttr(p->reactor, s_young);
-        if (young == NULL)
-            r = -1;
-        else {
-            r = PyObject_DelItem(young, (PyObject *)p);
-            Py_DECREF(young);
-        }
-    }
-    else if (alarm != Py_None) {
-        PyObject *x = PyObject_CallMethodNoArgs(alarm, s_cancel);
-        if (x == NULL)
-            r = -1;
-        Py_XDECREF(x);
-    }
-    Py_DECREF(alarm);
-    return r;
-}
-
-/* Pump.close(): stop watching, give pipes back; close the descriptors if owned. */
-static int
-cp_close(CPump *p)
-{
-    int result = 0;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    if (p->flow != NULL) {
-        PyObject *cur = flow_get(p->flow, F_PUMP);
-        if (cur == NULL)
-            PyErr_Clear();
-        else {
-            if (cur == (PyObject *)p && flow_set(p->flow, F_PUMP, Py_None) < 0)
-                result = -1;
-            Py_DECREF(cur);
-        }
-    }
-    if (result == 0 && p->alarm != Py_None && cp_disarm(p) < 0)
-        result = -1;
-    int owned = p->sockets != Py_None;
-    if (p->registered) {
-        p->registered = 0;
-        PyObject *pumps = PyObject_GetAttr(p->reactor, s_pumps);
-        if (pumps == NULL)
-            result = -1;
-        else {
-            int fds[2] = {p->client_fd, p->server_fd};
-            int masks[2] = {p->client_mask, p->server_mask};
-            for (int i = 0; i < 2; i++) {
-                PyObject *key = fd_key(fds[i]);
-                if (key == NULL) {
-                    result = -1;
-                    continue;
-                }
-                PyObject *cur = PyDict_GetItemWithError(pumps, key);
-                if (cur == (PyObject *)p) { /* the caller may have closed and reused it */
-                    if (PyDict_DelItem(pumps, key) < 0)
-                        result = -1;
-                    if (!owned && masks[i] != -1) {
-                        struct epoll_event ev;
-                        epoll_ctl(p->epfd, EPOLL_CTL_DEL, fds[i], &ev); /* closed: gone */
-                    }
-                }
-                Py_DECREF(key);
-            }
-            Py_DECREF(pumps);
-        }
-    }
-    cdir *ds[2] = {&p->up, &p->down};
-    for (int i = 0; i < 2; i++) {
-        cdir *d = ds[i];
-        if (d->fin_pending) { /* ended within the batch that read this EOF */
-            d->fin_pending = 0;
-            if (!owned) /* else close() below sends it */
-                shutdown(DIR_DST(p, d), SHUT_WR);
-        }
-        cp_release(d);
-    }
-    if (owned) {
-        PyObject *sockets = p->sockets;
-        p->sockets = Py_None;
-        Py_INCREF(Py_None);
-        for (int i = 0; i < 2; i++) {
-            PyObject *s = PyTuple_GET_ITEM(sockets, i);
-            if (PyLong_CheckExact(s)) {
-                close(i == 0 ? p->client_fd : p->server_fd);
-            }
-            else {
-                PyObject *r = PyObject_CallMethodNoArgs(s, s_close);
-                if (r == NULL)
-                    result = -1;
-                Py_XDECREF(r);
-            }
-        }
-        Py_DECREF(sockets);
-    }
-    if (result < 0) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-    }
-    else
-        PyErr_Restore(type, value, tb);
-    return result;
-}
-
-static void
-cp_record(PyObject *where, PyObject *exc)
-{
-    PyObject *record = module_global(s_record);
-    if (record == NULL) {
-        PyErr_Clear();
-        return;
-    }
-    PyObject *r = PyObject_CallFunctionObjArgs(record, where, exc, NULL);
-    Py_XDECREF(r);
-    PyErr_Clear();
-}
-
-/* Pump._finish(): clean up, then on_end(pump), once; its exceptions are recorded. */
-static int
-cp_finish(CPump *p)
-{
-    if (cp_close(p) < 0)
-        return -1;
-    if (p->on_end != Py_None) {
-        PyObject *on_end = p->on_end;
-        p->on_end = Py_None;
-        Py_INCREF(Py_None);
-        PyObject *r = PyObject_CallOneArg(on_end, (PyObject *)p);
-        Py_DECREF(on_end);
-        if (r == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_Exception))
-                return -1;
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            if (tb != NULL && value != NULL)
-                PyException_SetTraceback(value, tb);
-            cp_record(s_connection_end, value ? value : Py_None);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-        }
-        Py_XDECREF(r);
-    }
-    return 0;
-}
-
-/* Pump._arm() */
-static int
-cp_arm(CPump *p)
-{
-    if (p->alarm != Py_None && cp_disarm(p) < 0)
-        return -1;
-    PyObject *last = flow_get(p->flow, F_LAST_ACTIVITY);
-    if (last == NULL)
-        return -1;
-    PyObject *timeout = flow_get(p->flow, F_IDLE_TIMEOUT);
-    if (timeout == NULL) {
-        Py_DECREF(last);
-        return -1;
-    }
-    double when = PyFloat_AsDouble(last) + PyFloat_AsDouble(timeout);
-    Py_DECREF(last);
-    Py_DECREF(timeout);
-    if (PyErr_Occurred())
-        return -1;
-    if (when == Py_HUGE_VAL)
-        return 0;
-    PyObject *heap = PyObject_GetAttr(p->reactor, s_deadlines);
-    if (heap == NULL)
-        return -1;
-    PyObject *w = PyFloat_FromDouble(when);
-    PyObject *alarm = w ? PyObject_CallMethodObjArgs(heap, s_at, w, (PyObject *)p, NULL) : NULL;
-    Py_XDECREF(w);
-    Py_DECREF(heap);
-    if (alarm == NULL)
-        return -1;
-    Py_SETREF(p->alarm, alarm);
-    return 0;
-}
-
-/* Pump._end(result) */
-static int
-cp_end(CPump *p, PyObject *result)
-{
-    cp_set_outcome(p, result);
-    return cp_finish(p);
-}
-
-/* Pump.rearm() */
-static int
-cp_rearm(CPump *p)
-{
-    if (p->outcome != Py_None)
-        return 0;
-    double now = cp_now(p);
-    if (now == -1.0 && PyErr_Occurred())
-        return -1;
-    PyObject *last = flow_get(p->flow, F_LAST_ACTIVITY);
-    if (last == NULL)
-        return -1;
-    PyObject *timeout = flow_get(p->flow, F_IDLE_TIMEOUT);
-    if (timeout == NULL) {
-        Py_DECREF(last);
-        return -1;
-    }
-    double due = PyFloat_AsDouble(last) + PyFloat_AsDouble(timeout);
-    Py_DECREF(last);
-    Py_DECREF(timeout);
-    if (PyErr_Occurred())
-        return -1;
-    if (now >= due)
-        return cp_end(p, s_idle_timeout_o);
-    return cp_arm(p);
-}
-
-/* Pump.send_fin(d), at the end of the batch */
-static int
-cp_send_fin(CPump *p, cdir *d)
-{
-    if (!d->fin_pending)
-        return 0;
-    d->fin_pending = 0;
-    if (shutdown(DIR_DST(p, d), SHUT_WR) < 0) {
-        if (cp_failed(p, !DIR_TO_SERVER(p, d), errno) < 0)
-            return -1;
-        return cp_finish(p);
-    }
-    return cp_update_interest(p);
-}
-
-/* Pump._pass_fin(d) */
-static int
-cp_pass_fin(CPump *p, cdir *d)
-{
-    d->state = DONE;
-    p->open_directions -= 1;
-    if (p->open_directions == 0) {
-        if (p->sockets == Py_None) { /* else close() sends it, when the pump ends now */
-            if (shutdown(DIR_DST(p, d), SHUT_WR) < 0)
-                return cp_failed(p, !DIR_TO_SERVER(p, d), errno);
-        }
-        return cp_set_outcome(p, s_closed);
-    }
-    if (cp_clock_into_flow(p) < 0)
-        return -1;
-    d->fin_pending = 1;
-    if (in_batch && n_batch_fins < MAX_BATCH) {
-        Py_INCREF(p);
-        batch_fins[n_batch_fins].p = p;
-        batch_fins[n_batch_fins].up = d == &p->up;
-        n_batch_fins++;
-        return 0;
-    }
-    return cp_send_fin(p, d); /* outside a batch: at once */
-}
-
-/* Pump._unwatched_event(fd, client_side) */
-static int
-cp_unwatched_event(CPump *p, int fd, int client_side)
-{
-    int code = 0;
-    socklen_t len = sizeof code;
-    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &code, &len) < 0)
-        code = errno;
-    if (code)
-        return cp_failed(p, client_side, code);
-    struct epoll_event ev;
-    epoll_ctl(p->epfd, EPOLL_CTL_DEL, fd, &ev);
-    if (client_side)
-        p->client_mask = -1;
-    else
-        p->server_mask = -1;
-    return 0;
-}
-
-/* Pump._after(d, status) */
-static int
-cp_after(CPump *p, cdir *d, int status)
-{
-    switch (status) {
-    case MOVED:
-        if (d->state == WRITING) {
-            d->state = READING;
-            return cp_update_interest(p);
-        }
-        return 0;
-    case BLOCKED:
-        if (d->state == READING) {
-            d->state = WRITING;
-            return cp_update_interest(p);
-        }
-        return 0;
-    case EOF_:
-        return cp_pass_fin(p, d);
-    case SOURCE_FAILED:
-        return cp_failed(p, DIR_TO_SERVER(p, d), d->err);
-    default:
-        return cp_failed(p, !DIR_TO_SERVER(p, d), d->err);
-    }
-}
-
-/* Pump.on_event(fd, events) */
-static int
-cp_on_event(CPump *p, int fd, uint32_t events)
-{
-    int client_side = fd == p->client_fd;
-    cdir *reader = client_side ? &p->up : &p->down;
-    cdir *writer = client_side ? &p->down : &p->up;
-    int watched = 0;
-    if (reader->state == READING && (events & IN_OR_FAILED)) {
-        watched = 1;
-        int status = cp_move(p, reader);
-        if (status < 0)
-            return -1;
-        if (status && cp_after(p, reader, status) < 0)
-            return -1;
-    }
-    if (writer->state == WRITING && (events & OUT_OR_FAILED)) {
-        watched = 1;
-        if (p->outcome == Py_None) {
-            int status = cp_write_out(p, writer);
-            if (status < 0 || cp_after(p, writer, status) < 0)
-                return -1;
-        }
-    }
-    else if (writer->state == HELD && (events & OUT_OR_FAILED)) {
-        watched = 1;
-        if (cp_write_initial(p) < 0)
-            return -1;
-    }
-    if (!watched && (events & FAILED) && cp_unwatched_event(p, fd, client_side) < 0)
-        return -1;
-    if (p->outcome != Py_None)
-        return cp_finish(p);
-    return 0;
-}
-
-/* -- the type's Python face ------------------------------------------------------------ */
-
-static int
-cp_fd_of(PyObject *s)
-{
-    if (PyLong_CheckExact(s))
-        return as_int(s);
-    return PyObject_AsFileDescriptor(s);
-}
-
-static PyObject *
-CPump_new(PyTypeObject *type, PyObject *args, PyObject *kw)
-{
-    static char *names[] = {"client", "server", "flow", "initial", "uncounted", "close_sockets",
-                            "use_splice", "reactor", NULL};
-    PyObject *client, *server, *flow, *initial = NULL, *given_reactor = Py_None;
-    Py_ssize_t uncounted = 0;
-    int close_sockets = 0, use_splice = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|SnppO:Pump", names, &client, &server, &flow,
-                                     &initial, &uncounted, &close_sockets, &use_splice,
-                                     &given_reactor))
-        return NULL;
-    if (module_dict == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
-        return NULL;
-    }
-    CPump *p = (CPump *)type->tp_alloc(type, 0);
-    if (p == NULL)
-        goto fail_owned;
-    p->client_fd = p->server_fd = -1;
-    p->client_mask = p->server_mask = -1;
-    p->epfd = -1;
-    p->open_directions = 2;
-    p->up.state = p->down.state = READING;
-    p->up.copy_only = p->down.copy_only = !use_splice;
-    Py_INCREF(flow);
-    p->flow = flow;
-    p->outcome = Py_None;
-    p->error = Py_None;
-    p->on_end = Py_None;
-    p->alarm = Py_None;
-    p->reactor = Py_None;
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    if (close_sockets) {
-        p->sockets = PyTuple_Pack(2, client, server);
-        if (p->sockets == NULL) {
-            Py_DECREF(p);
-            goto fail_owned;
-        }
-    }
-    else {
-        p->sockets = Py_None;
-        Py_INCREF(Py_None);
-    }
-    if (initial == NULL)
-        initial = PyBytes_FromStringAndSize(NULL, 0);
-    else
-        Py_INCREF(initial);
-    p->initial = initial;
-    p->initial_uncounted = uncounted;
-    if (p->initial == NULL)
-        goto fail;
-    p->client_fd = cp_fd_of(client);
-    if (p->client_fd < 0)
-        goto fail;
-    p->server_fd = cp_fd_of(server);
-    if (p->server_fd < 0)
-        goto fail;
-    PyObject *reactor;
-    if (given_reactor != Py_None) {
-        /* The run's reactor, from a caller that keeps it (the connection handler):
-         * pump._reactor() is three Python frames, a RunVar's get, per connection. */
-        reactor = given_reactor;
-        Py_INCREF(reactor);
-    }
-    else {
-        PyObject *reactor_fn = module_global(s_reactor_fn);
-        if (reactor_fn == NULL)
-            goto fail;
-        reactor = PyObject_CallNoArgs(reactor_fn);
-        if (reactor == NULL)
-            goto fail;
-    }
-    Py_SETREF(p->reactor, reactor);
-    long epfd = get_long(reactor, s_epfd);
-    if (epfd == -1 && PyErr_Occurred())
-        goto fail;
-    p->epfd = (int)epfd;
-    return (PyObject *)p;
-fail:
-    if (p->sockets != Py_None) { /* it owns them from the call on */
-        PyObject *type_, *value, *tb;
-        PyErr_Fetch(&type_, &value, &tb);
-        p->registered = 0;
-        cp_close(p);
-        PyErr_Restore(type_, value, tb);
-    }
-    Py_DECREF(p);
-    return NULL;
-fail_owned:
-    if (close_sockets) {
-        PyObject *type_, *value, *tb;
-        PyErr_Fetch(&type_, &value, &tb);
-        PyObject *both[2] = {client, server};
-        for (int i = 0; i < 2; i++) {
-            if (PyLong_CheckExact(both[i])) {
-                int fd = (int)PyLong_AsLong(both[i]);
-                if (fd >= 0)
-                    close(fd);
-            }
-            else {
-                PyObject *r = PyObject_CallMethodNoArgs(both[i], s_close);
-                Py_XDECREF(r);
-            }
-        }
-        PyErr_Clear();
-        PyErr_Restore(type_, value, tb);
-    }
-    return NULL;
-}
-
-static int
-CPump_traverse(CPump *p, visitproc visit, void *arg)
-{
-    Py_VISIT(p->flow);
-    Py_VISIT(p->reactor);
-    Py_VISIT(p->outcome);
-    Py_VISIT(p->error);
-    Py_VISIT(p->on_end);
-    Py_VISIT(p->alarm);
-    Py_VISIT(p->initial);
-    Py_VISIT(p->sockets);
-    Py_VISIT(p->up.pipe);
-    Py_VISIT(p->down.pipe);
-    return 0;
-}
-
-static int
-CPump_clear(CPump *p)
-{
-    Py_CLEAR(p->flow);
-    Py_CLEAR(p->reactor);
-    Py_CLEAR(p->outcome);
-    Py_CLEAR(p->error);
-    Py_CLEAR(p->on_end);
-    Py_CLEAR(p->alarm);
-    Py_CLEAR(p->initial);
-    Py_CLEAR(p->sockets);
-    return 0;
-}
-
-static void
-CPump_dealloc(CPump *p)
-{
-    PyObject_GC_UnTrack(p);
-    /* a pipe still held here is never reused: it may hold a chunk */
-    cdir *ds[2] = {&p->up, &p->down};
-    for (int i = 0; i < 2; i++) {
-        if (ds[i]->pipe != NULL) {
-            int r, w;
-            if (pipe_fds(ds[i]->pipe, &r, &w) == 0) {
-                close(r);
-                close(w);
-            }
-            else
-                PyErr_Clear();
-            Py_CLEAR(ds[i]->pipe);
-        }
-        PyMem_Free(ds[i]->buf);
-        ds[i]->buf = NULL;
-    }
-    CPump_clear(p);
-    Py_TYPE(p)->tp_free((PyObject *)p);
-}
-
-/* A method's body ran into an exception: NULL; else None. */
-#define RETURN_NONE_OR_NULL(r)                                                               \
-    do {                                                                                     \
-        if ((r) < 0)                                                                         \
-            return NULL;                                                                     \
-        Py_RETURN_NONE;                                                                      \
-    } while (0)
-
-static PyObject *
-CPump_start(CPump *p, PyObject *unused)
-{
-    PyObject *closing = flow_get(p->flow, F_CLOSING);
-    if (closing == NULL)
-        return NULL;
-    int is_closing = PyObject_IsTrue(closing);
-    Py_DECREF(closing);
-    if (is_closing < 0)
-        return NULL;
-    if (is_closing) {
-        cp_set_outcome(p, s_cancelled);
-        Py_RETURN_NONE;
-    }
-    PyObject *pumps = PyObject_GetAttr(p->reactor, s_pumps);
-    if (pumps == NULL)
-        return NULL;
-    PyObject *k1 = fd_key(p->client_fd), *k2 = fd_key(p->server_fd);
-    int r = (k1 && k2) ? PyDict_SetItem(pumps, k1, (PyObject *)p) : -1;
-    if (r == 0)
-        r = PyDict_SetItem(pumps, k2, (PyObject *)p);
-    Py_XDECREF(k1);
-    Py_XDECREF(k2);
-    Py_DECREF(pumps);
-    if (r < 0)
-        return NULL;
-    p->registered = 1;
-    if (flow_set(p->flow, F_PUMP, (PyObject *)p) < 0)
-        return NULL;
-    if (cp_clock_into_flow(p) < 0)
-        return NULL;
-    if (cp_epoll(p, EPOLL_CTL_ADD, p->client_fd, EPOLLIN) < 0)
-        return NULL;
-    p->client_mask = EPOLLIN;
-    if (cp_epoll(p, EPOLL_CTL_ADD, p->server_fd, EPOLLIN) < 0)
-        return NULL;
-    p->server_mask = EPOLLIN;
-    if (PyBytes_GET_SIZE(p->initial) > 0 && cp_write_initial(p) < 0)
-        return NULL;
-    if (p->outcome != Py_None)
-        Py_RETURN_NONE;
-    PyObject *timeout = flow_get(p->flow, F_IDLE_TIMEOUT);
-    if (timeout == NULL)
-        return NULL;
-    double t = PyFloat_AsDouble(timeout);
-    Py_DECREF(timeout);
-    if (t == -1.0 && PyErr_Occurred())
-        return NULL;
-    if (t < 1.0) /* _DEFER_IDLE */
-        RETURN_NONE_OR_NULL(cp_arm(p));
-    /* _Reactor.defer(p), inline while the sweep is armed */
-    PyObject *sweeping = PyObject_GetAttr(p->reactor, s_sweeping);
-    if (sweeping == NULL)
-        return NULL;
-    int armed = sweeping == Py_True;
-    Py_DECREF(sweeping);
-    if (!armed) {
-        PyObject *x = PyObject_CallMethodOneArg(p->reactor, s_defer, (PyObject *)p);
-        if (x == NULL)
-            return NULL;
-        Py_DECREF(x);
-        Py_RETURN_NONE;
-    }
-    PyObject *deferred = module_global(s_deferred);
-    if (deferred == NULL)
-        return NULL;
-    Py_INCREF(deferred);
-    Py_SETREF(p->alarm, deferred);
-    PyObject *young = PyObject_GetAttr(p->reactor, s_young);
-    if (young == NULL)
-        return NULL;
-    r = PyObject_SetItem(young, (PyObject *)p, Py_None);
-    Py_DECREF(young);
-    RETURN_NONE_OR_NULL(r);
-}
-
-static PyObject *
-CPump_close(CPump *p, PyObject *unused)
-{
-    RETURN_NONE_OR_NULL(cp_close(p));
-}
-
-static PyObject *
-CPump_ring(CPump *p, PyObject *unused)
-{
-    Py_INCREF(Py_None);
-    Py_SETREF(p->alarm, Py_None); /* it has rung: nothing left to cancel */
-    RETURN_NONE_OR_NULL(cp_rearm(p));
-}
-
-static PyObject *
-CPump_rearm(CPump *p, PyObject *unused)
-{
-    RETURN_NONE_OR_NULL(cp_rearm(p));
-}
-
-static PyObject *
-CPump_arm(CPump *p, PyObject *unused)
-{
-    RETURN_NONE_OR_NULL(cp_arm(p));
-}
-
-static PyObject *
-CPump_cancel(CPump *p, PyObject *unused)
-{
-    if (p->outcome == Py_None)
-        RETURN_NONE_OR_NULL(cp_end(p, s_cancelled));
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-CPump_crashed(CPump *p, PyObject *exc)
-{
-    if (p->outcome == Py_None) {
-        cp_set_outcome(p, s_error_o);
-        Py_INCREF(exc);
-        Py_SETREF(p->error, exc);
-        RETURN_NONE_OR_NULL(cp_finish(p));
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-CPump_on_event(CPump *p, PyObject *args)
-{
-    int fd;
-    unsigned int events;
-    if (!PyArg_ParseTuple(args, "iI:on_event", &fd, &events))
-        return NULL;
-    RETURN_NONE_OR_NULL(cp_on_event(p, fd, events));
-}
-
-static PyObject *
-CPump_get_pending(CPump *p, void *closure)
-{
-    return Py_BuildValue("(nn)", p->up.pending, p->down.pending);
-}
-
-static PyObject *
-CPump_get_pipes_held(CPump *p, void *closure)
-{
-    return PyLong_FromLong((p->up.pipe != NULL) + (p->down.pipe != NULL));
-}
-
-static PyObject *
-CPump_get_states(CPump *p, void *closure)
-{
-    return Py_BuildValue("(ii)", p->up.state, p->down.state);
-}
-
-static PyMethodDef CPump_methods[] = {
-    {"start", (PyCFunction)CPump_start, METH_NOARGS, "Pump.start()"},
-    {"close", (PyCFunction)CPump_close, METH_NOARGS, "Pump.close()"},
-    {"ring", (PyCFunction)CPump_ring, METH_NOARGS, "Pump.ring(): the idle deadline passed"},
-    {"rearm", (PyCFunction)CPump_rearm, METH_NOARGS, "Pump.rearm()"},
-    {"_arm", (PyCFunction)CPump_arm, METH_NOARGS, "Pump._arm() (the reactor's sweep)"},
-    {"cancel", (PyCFunction)CPump_cancel, METH_NOARGS, "Pump.cancel(): Flow.close()"},
-    {"crashed", (PyCFunction)CPump_crashed, METH_O, "Pump.crashed(exc): the barrier"},
-    {"on_event", (PyCFunction)CPump_on_event, METH_VARARGS, "Pump.on_event(fd, events)"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyMemberDef CPump_members[] = {
-    {"client_fd", T_INT, offsetof(CPump, client_fd), READONLY, NULL},
-    {"server_fd", T_INT, offsetof(CPump, server_fd), READONLY, NULL},
-    {"client_mask", T_INT, offsetof(CPump, client_mask), READONLY, NULL},
-    {"server_mask", T_INT, offsetof(CPump, server_mask), READONLY, NULL},
-    {"open_directions", T_INT, offsetof(CPump, open_directions), READONLY, NULL},
-    {"flow", T_OBJECT, offsetof(CPump, flow), READONLY, NULL},
-    {"reactor", T_OBJECT, offsetof(CPump, reactor), READONLY, NULL},
-    {"outcome", T_OBJECT, offsetof(CPump, outcome), 0, NULL},
-    {"error", T_OBJECT, offsetof(CPump, error), 0, NULL},
-    {"on_end", T_OBJECT, offsetof(CPump, on_end), 0, NULL},
-    {"alarm", T_OBJECT, offsetof(CPump, alarm), 0, NULL},
-    {NULL, 0, 0, 0, NULL},
-};
-
-static PyGetSetDef CPump_getset[] = {
-    {"pending", (getter)CPump_get_pending, NULL, "bytes held (up, down)", NULL},
-    {"pipes_held", (getter)CPump_get_pipes_held, NULL, "pipes borrowed now", NULL},
-    {"states", (getter)CPump_get_states, NULL, "the directions' states (up, down)", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject CPump_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lbproxy.net._cpump.Pump",
-    .tp_basicsize = sizeof(CPump),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Pump(client, server, flow, initial=b'', uncounted=0, close_sockets=False,\n"
-              "use_splice=True, reactor=None): pump.py's Pump in C (see pump.new_pump);\n"
-              "reactor: the run's (pump._reactor(), called when None).",
-    .tp_new = CPump_new,
-    .tp_dealloc = (destructor)CPump_dealloc,
-    .tp_traverse = (traverseproc)CPump_traverse,
-    .tp_clear = (inquiry)CPump_clear,
-    .tp_methods = CPump_methods,
-    .tp_members = CPump_members,
-    .tp_getset = CPump_getset,
-};
-
-/* The FINs of this batch, passed on at its end (the reactor's _send_fins). */
-static int
-cp_batch_fins(PyObject *crashed)
-{
-    int result = 0;
-    for (int i = 0; i < n_batch_fins; i++) {
-        CPump *p = batch_fins[i].p;
-        batch_fins[i].p = NULL;
-        if (result == 0 && cp_send_fin(p, batch_fins[i].up ? &p->up : &p->down) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_Exception))
-                result = -1;
-            else {
-                PyObject *type, *value, *tb;
-                PyErr_Fetch(&type, &value, &tb);
-                PyErr_NormalizeException(&type, &value, &tb);
-                if (tb != NULL && value != NULL)
-                    PyException_SetTraceback(value, tb);
-                PyObject *r = PyObject_CallFunctionObjArgs(crashed, (PyObject *)p,
-                                                           value ? value : Py_None, NULL);
-                Py_XDECREF(type);
-                Py_XDECREF(value);
-                Py_XDECREF(tb);
-                if (r == NULL)
-                    result = -1;
-                Py_XDECREF(r);
-            }
-        }
-        Py_DECREF(p);
-    }
-    n_batch_fins = 0;
-    return result;
-}
-
-/* -- the module's functions ------------------------------------------------------------ */
-
-PyDoc_STRVAR(dispatch_doc,
-    "dispatch(epfd, pumps, maxevents, crashed[, timeout_ms]) -> number of events\n\n"
-    "One batch of the reactor: epoll_wait(epfd, maxevents, timeout_ms: 0 unless given;\n"
-    "the GIL is released while it blocks; a signal ends the wait with 0 events), then for each\n"
-    "ready descriptor the pump `pumps` maps it to (skipped if none: ended earlier in the\n"
-    "batch) handles its event as Pump.on_event does. An Exception met handling one pump\n"
-    "goes to crashed(pump, exc) and the batch goes on.");
-
-/* p.on_event(fd, events) for a reader of the set that is not a pump: the accept loop
- * that shares the reactor's wait (net/accept.py's ReactorAcceptor). 0, or -1 with the
- * exception set. */
-static int
-call_on_event(PyObject *p, int fd, uint32_t events)
-{
-    PyObject *fdo = PyLong_FromLong(fd);
-    PyObject *ev = fdo ? PyLong_FromUnsignedLong(events) : NULL;
-    PyObject *r = ev ? PyObject_CallMethodObjArgs(p, s_on_event, fdo, ev, NULL) : NULL;
-    Py_XDECREF(fdo);
-    Py_XDECREF(ev);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
-/* Handle one batch's events, as Pump.on_event does per ready descriptor (the pump
- * `pumps` maps it to; skipped if none: ended earlier in the batch), an Exception met
- * handling one going to crashed(pump, exc); then the FINs read in it are passed on.
- * An event on `trio_fd` (-1: none) only sets *trio_ready. 0, or -1 with an exception
- * set (not an Exception: Cancelled, KeyboardInterrupt; or crashed() failed). */
-static int
-handle_events(struct epoll_event *evs, int n, PyObject *pumps, PyObject *crashed, int trio_fd,
-              int *trio_ready)
-{
-    in_batch = 1;
-    n_batch_fins = 0;
-    for (int i = 0; i < n; i++) {
-        int fd = evs[i].data.fd;
-        if (fd == trio_fd) { /* trio's own descriptor (wait()): trio's wait takes its events */
-            *trio_ready = 1;
-            continue;
-        }
-        PyObject *key = fd_key(fd);
-        if (key == NULL)
-            goto fail;
-        /* borrowed. hash(fd) is fd (an int from 0 to 2**61 - 2 is its own hash): the hash
-         * PyDict_GetItemWithError would compute, 75 instructions for an int (callgrind) */
-        PyObject *p = fd >= 0 ? _PyDict_GetItem_KnownHash(pumps, key, (Py_hash_t)fd)
-                              : PyDict_GetItemWithError(pumps, key);
-        Py_DECREF(key);
-        if (p == NULL) {
-            if (PyErr_Occurred())
-                goto fail;
-            continue; /* ended earlier in this batch */
-        }
-        Py_INCREF(p);
-        int r;
-        if (Py_IS_TYPE(p, &CPump_Type))
-            r = cp_on_event((CPump *)p, fd, evs[i].events);
-        else if (pump_type != NULL && PyObject_TypeCheck(p, pump_type))
-            r = on_event(p, fd, evs[i].events);
-        else /* another reader of the set (a listening socket's acceptor): its method */
-            r = call_on_event(p, fd, evs[i].events);
-        if (r < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* Cancelled, KeyboardInterrupt */
-                Py_DECREF(p);
-                goto fail;
-            }
-            /* the barrier: a bug ends that connection, not the reactor */
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            if (tb != NULL && value != NULL)
-                PyException_SetTraceback(value, tb);
-            PyObject *rc = PyObject_CallFunctionObjArgs(crashed, p, value ? value : Py_None, NULL);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            if (rc == NULL) {
-                Py_DECREF(p);
-                goto fail;
-            }
-            Py_DECREF(rc);
-        }
-        Py_DECREF(p);
-    }
-    in_batch = 0;
-    return cp_batch_fins(crashed) < 0 ? -1 : 0;
-fail:
-    in_batch = 0;
-    {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (cp_batch_fins(crashed) < 0)
-            PyErr_Clear();
-        PyErr_Restore(type, value, tb);
-    }
-    return -1;
-}
-
-/* The arguments dispatch() and wait() begin with: (epfd, pumps, maxevents, crashed),
- * checked; maxevents clamped to 1..MAX_BATCH. 0, or -1 with an exception set. */
-static int
-batch_args(const char *name, PyObject *const *args, int *epfd, PyObject **pumps,
-           int *maxevents, PyObject **crashed)
-{
-    *epfd = as_int(args[0]);
-    if (*epfd == -1 && PyErr_Occurred())
-        return -1;
-    *pumps = args[1];
-    if (!PyDict_Check(*pumps)) {
-        PyErr_Format(PyExc_TypeError, "%s() argument 2 must be dict, not %.50s", name,
-                     Py_TYPE(*pumps)->tp_name);
-        return -1;
-    }
-    *maxevents = as_int(args[2]);
-    if (*maxevents == -1 && PyErr_Occurred())
-        return -1;
-    *crashed = args[3];
-    if (module_dict == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_cpump.setup() was not called");
-        return -1;
-    }
-    if (*maxevents < 1 || *maxevents > MAX_BATCH)
-        *maxevents = MAX_BATCH;
-    return 0;
-}
-
-static PyObject *
-dispatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    /* METH_FASTCALL, the four arguments checked here: PyArg_ParseTuple's "iO!iO" was
-     * 594 instructions per call, once per batch (callgrind, bench_reactor.py). */
-    if (nargs != 4 && nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "dispatch() takes 4 or 5 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    int timeout_ms = 0;
-    if (nargs == 5) {
-        timeout_ms = as_int(args[4]);
-        if (timeout_ms == -1 && PyErr_Occurred())
-            return NULL;
-    }
-    int epfd, maxevents;
-    PyObject *pumps, *crashed;
-    if (batch_args("dispatch", args, &epfd, &pumps, &maxevents, &crashed) < 0)
-        return NULL;
-    struct epoll_event evs[MAX_BATCH];
-    int n;
-    for (;;) {
-        if (timeout_ms > 0) { /* waiting in trio's place (net/trio_wait.py): as trio does */
-            Py_BEGIN_ALLOW_THREADS
-            n = epoll_wait(epfd, evs, maxevents, timeout_ms);
-            Py_END_ALLOW_THREADS
-        } else
-            n = epoll_wait(epfd, evs, maxevents, 0);
-        if (n >= 0)
-            break;
-        if (errno != EINTR)
-            return PyErr_SetFromErrno(PyExc_OSError);
-        if (PyErr_CheckSignals() < 0)
-            return NULL;
-        if (timeout_ms > 0) { /* a signal: back to the caller (trio sees its wake-up) */
-            n = 0;
-            break;
-        }
-    }
-    int trio_ready = 0;
-    if (handle_events(evs, n, pumps, crashed, -1, &trio_ready) < 0)
-        return NULL;
-    return PyLong_FromLong(n);
-}
-
-PyDoc_STRVAR(wait_doc,
-    "wait(epfd, pumps, maxevents, crashed, trio_fd, timeout, offset, next_deadline, runq,\n"
-    "     fins, send_fins) -> bool\n\n"
-    "The reactor waiting in trio's place (lbproxy/net/trio_wait.py's loop, in C, for trio's\n"
-    "SystemClock: its time is `offset` + CLOCK_MONOTONIC): batches as dispatch() makes them,\n"
-    "each waiting (GIL released) until `timeout` seconds from now or next_deadline(), called\n"
-    "before each, whichever comes first; send_fins() after a batch that left FINs in `fins`.\n"
-    "True as soon as a batch saw `trio_fd` ready; False once the time is over or `runq` is\n"
-    "not empty (a batch made a task runnable).");
-
-static PyObject *
-cp_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 11) {
-        PyErr_Format(PyExc_TypeError, "wait() takes exactly 11 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    int epfd, maxevents;
-    PyObject *pumps, *crashed;
-    if (batch_args("wait", args, &epfd, &pumps, &maxevents, &crashed) < 0)
-        return NULL;
-    int trio_fd = as_int(args[4]);
-    if (trio_fd == -1 && PyErr_Occurred())
-        return NULL;
-    double timeout = PyFloat_AsDouble(args[5]);
-    double offset = PyFloat_AsDouble(args[6]);
-    if (PyErr_Occurred())
-        return NULL;
-    PyObject *next_deadline = args[7], *runq = args[8], *fins = args[9], *send_fins = args[10];
-    if (!PyList_Check(fins)) {
-        PyErr_SetString(PyExc_TypeError, "wait() argument 10 must be a list");
-        return NULL;
-    }
-    struct epoll_event evs[MAX_BATCH];
-    double now;
-    if (cp_native_seconds(offset, &now) < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    double end = now + timeout;
-    for (;;) {
-        /* trio's next deadline, again before every wait: a batch may have moved one */
-        PyObject *d = PyObject_CallNoArgs(next_deadline);
-        if (d == NULL)
-            return NULL;
-        double deadline = PyFloat_AsDouble(d);
-        Py_DECREF(d);
-        if (deadline == -1.0 && PyErr_Occurred())
-            return NULL;
-        if (cp_native_seconds(offset, &now) < 0)
-            return PyErr_SetFromErrno(PyExc_OSError);
-        double left = (deadline < end ? deadline : end) - now;
-        if (!(left > 0))
-            Py_RETURN_FALSE;
-        /* rounded up, as trio's own epoll wait rounds: never back before the deadline */
-        double ms = ceil(left * 1000.0);
-        int timeout_ms = ms > 86400000.0 ? 86400000 : (int)ms;
-        int n;
-        Py_BEGIN_ALLOW_THREADS
-        n = epoll_wait(epfd, evs, maxevents, timeout_ms);
-        Py_END_ALLOW_THREADS
-        if (n < 0) {
-            if (errno != EINTR)
-                return PyErr_SetFromErrno(PyExc_OSError);
-            if (PyErr_CheckSignals() < 0)
-                return NULL;
-            continue; /* the signal's wake-up byte makes trio's descriptor ready */
-        }
-        int trio_ready = 0;
-        if (handle_events(evs, n, pumps, crashed, trio_fd, &trio_ready) < 0)
-            return NULL;
-        if (PyList_GET_SIZE(fins) > 0) {
-            PyObject *r = PyObject_CallNoArgs(send_fins);
-            if (r == NULL)
-                return NULL;
-            Py_DECREF(r);
-        }
-        if (trio_ready)
-            Py_RETURN_TRUE;
-        Py_ssize_t runnable = PyObject_Length(runq);
-        if (runnable < 0)
-            return NULL;
-        if (runnable > 0)
-            Py_RETURN_FALSE;
-    }
-}
-
-PyDoc_STRVAR(accept_doc,
-    "accept(fd) -> (client_fd, address)\n\n"
-    "accept4(fd, SOCK_NONBLOCK | SOCK_CLOEXEC): the descriptor is non-blocking already,\n"
-    "saving the fcntl that socket._accept() needs after it. The address is what\n"
-    "socket.accept() gives: (host, port) for IPv4, (host, port, flowinfo, scope_id) for\n"
-    "IPv6. Raises OSError (BlockingIOError when the backlog is empty) as socket does.");
-
-/* accept4 once: the new descriptor in *client and a new reference to its address in
- * *addr, 0; or -1 with OSError set (BlockingIOError: the backlog is empty). */
-static int
-accept_one(int fd, int *client_out, PyObject **addr_out)
-{
-    struct sockaddr_storage ss;
-    int client;
-    for (;;) {
-        socklen_t len = sizeof ss;
-        /* a non-blocking listening socket: no need to let go of the GIL */
-        client = accept4(fd, (struct sockaddr *)&ss, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (client >= 0)
-            break;
-        if (errno != EINTR) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            return -1;
-        }
-        if (PyErr_CheckSignals() < 0)
-            return -1;
-    }
-    char host[NI_MAXHOST];
-    PyObject *addr = NULL;
-    if (ss.ss_family == AF_INET) {
-        struct sockaddr_in *a = (struct sockaddr_in *)&ss;
-        if (inet_ntop(AF_INET, &a->sin_addr, host, sizeof host) != NULL)
-            addr = Py_BuildValue("(si)", host, ntohs(a->sin_port));
-        else
-            PyErr_SetFromErrno(PyExc_OSError);
-    }
-    else if (ss.ss_family == AF_INET6) {
-        /* getnameinfo, as CPython: a scoped address keeps its "%zone" */
-        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
-        int e = getnameinfo((struct sockaddr *)a, sizeof *a, host, sizeof host, NULL, 0,
-                            NI_NUMERICHOST);
-        if (e == 0)
-            addr = Py_BuildValue("(siII)", host, ntohs(a->sin6_port),
-                                 (unsigned int)ntohl(a->sin6_flowinfo),
-                                 (unsigned int)a->sin6_scope_id);
-        else
-            PyErr_SetString(PyExc_OSError, gai_strerror(e));
-    }
-    else {
-        addr = Py_None;
-        Py_INCREF(addr);
-    }
-    if (addr == NULL) {
-        close(client);
-        return -1;
-    }
-    *client_out = client;
-    *addr_out = addr;
-    return 0;
-}
-
-static PyObject *
-accept_(PyObject *self, PyObject *arg)
-{
-    int fd = as_int(arg);
-    if (fd == -1 && PyErr_Occurred())
-        return NULL;
-    int client;
-    PyObject *addr;
-    if (accept_one(fd, &client, &addr) < 0)
-        return NULL;
-    PyObject *r = Py_BuildValue("(iN)", client, addr);
-    if (r == NULL)
-        close(client);
-    return r;
-}
-
-/* The process's count of open clients and its limit (global.max_clients), shared by
- * the Python side (connection.py raises and lowers `open`) and the accept batch, which
- * compares the two before it hands a client over (net/descriptors.py). */
-typedef struct {
-    PyObject_HEAD
-    Py_ssize_t open;
-    Py_ssize_t limit;
-} ClientCount;
-
-static PyObject *
-ClientCount_new(PyTypeObject *type, PyObject *args, PyObject *kw)
-{
-    if (PyTuple_GET_SIZE(args) || (kw != NULL && PyDict_GET_SIZE(kw))) {
-        PyErr_SetString(PyExc_TypeError, "ClientCount() takes no arguments");
-        return NULL;
-    }
-    ClientCount *c = (ClientCount *)type->tp_alloc(type, 0);
-    if (c == NULL)
-        return NULL;
-    c->open = 0;
-    c->limit = PY_SSIZE_T_MAX;
-    return (PyObject *)c;
-}
-
-static PyMemberDef ClientCount_members[] = {
-    {"open", T_PYSSIZET, offsetof(ClientCount, open), 0, "clients open now"},
-    {"limit", T_PYSSIZET, offsetof(ClientCount, limit), 0, "at most this many"},
-    {NULL},
-};
-
-static PyTypeObject ClientCount_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lbproxy.net._cpump.ClientCount",
-    .tp_basicsize = sizeof(ClientCount),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "ClientCount(): `open` clients, at most `limit` (net/descriptors.py); the\n"
-              "accept batch reads both as C integers.",
-    .tp_new = ClientCount_new,
-    .tp_members = ClientCount_members,
-};
-
-PyDoc_STRVAR(accept_batch_doc,
-    "accept_batch(fd, owner, spawn, most, failed[, clients]) -> number accepted\n\n"
-    "The accept loop's inner part (net/accept.py): up to `most` times, accept4 (as\n"
-    "accept()) and owner.accept_client(client_fd, address, spawn) -- the attribute read\n"
-    "afresh for every client, as a reload may re-route the owner. An Exception raised by\n"
-    "it goes to failed(exc) (the barrier) and the batch goes on. With `clients` (a\n"
-    "ClientCount), a client accepted while `clients.open >= clients.limit` is closed at\n"
-    "once and owner.refuse_client(address) is called instead. Returns how many were\n"
-    "accepted when the backlog is empty, an accept fails after some were, or `most` is\n"
-    "reached; raises the OSError (BlockingIOError: the backlog was empty) when the first\n"
-    "accept fails.");
-
-static PyObject *s_accept_client, *s_refuse_client;
-
-static PyObject *
-accept_batch(PyObject *self, PyObject *args)
-{
-    int fd, most;
-    PyObject *owner, *spawn, *failed, *count = Py_None;
-    if (!PyArg_ParseTuple(args, "iOOiO|O:accept_batch", &fd, &owner, &spawn, &most, &failed,
-                          &count))
-        return NULL;
-    ClientCount *clients = NULL;
-    if (count != Py_None) {
-        if (!PyObject_TypeCheck(count, &ClientCount_Type)) {
-            PyErr_SetString(PyExc_TypeError, "accept_batch: clients must be a ClientCount");
-            return NULL;
-        }
-        clients = (ClientCount *)count;
-    }
-    int n = 0;
-    while (n < most) {
-        int client;
-        PyObject *addr;
-        if (accept_one(fd, &client, &addr) < 0) {
-            if (n == 0)
-                return NULL;
-            PyErr_Clear(); /* the next call meets it again, or the backlog is empty */
-            break;
-        }
-        n++;
-        PyObject *r = NULL;
-        if (clients != NULL && clients->open >= clients->limit) {
-            /* max_clients: closed before a byte is read; the owner counts it */
-            close(client);
-            r = PyObject_CallMethodOneArg(owner, s_refuse_client, addr);
-            Py_DECREF(addr);
-        }
-        else {
-            PyObject *fdo = PyLong_FromLong(client);
-            PyObject *handler = fdo ? PyObject_GetAttr(owner, s_accept_client) : NULL;
-            if (handler != NULL) {
-                PyObject *argv[3] = {fdo, addr, spawn};
-                r = PyObject_Vectorcall(handler, argv, 3, NULL);
-                Py_DECREF(handler);
-            }
-            else
-                close(client); /* nobody owns it yet */
-            Py_XDECREF(fdo);
-            Py_DECREF(addr);
-        }
-        if (r != NULL) {
-            Py_DECREF(r);
-            continue;
-        }
-        if (!PyErr_ExceptionMatches(PyExc_Exception))
-            return NULL; /* Cancelled, KeyboardInterrupt */
-        /* the barrier: the owner closed what it owned */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        if (tb != NULL && value != NULL)
-            PyException_SetTraceback(value, tb);
-        PyObject *x = PyObject_CallOneArg(failed, value ? value : Py_None);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        if (x == NULL)
-            return NULL;
-        Py_DECREF(x);
-    }
-    return PyLong_FromLong(n);
-}
-
-PyDoc_STRVAR(sockaddr_doc,
-    "sockaddr(family, address) -> bytes\n\n"
-    "The struct sockaddr_in / sockaddr_in6 of a numeric address as getaddrinfo gives it:\n"
-    "(host, port) for AF_INET, (host, port[, flowinfo, scope_id]) for AF_INET6 (a\n"
-    "'%zone' suffix is dropped: scope_id says it). Made once per real-server address, for\n"
-    "connect(). ValueError for anything else.");
-
-static PyObject *
-sockaddr_(PyObject *self, PyObject *args)
-{
-    int family;
-    PyObject *address;
-    if (!PyArg_ParseTuple(args, "iO!:sockaddr", &family, &PyTuple_Type, &address))
-        return NULL;
-    const char *host;
-    int port;
-    unsigned int flowinfo = 0, scope_id = 0;
-    if (family == AF_INET) {
-        if (!PyArg_ParseTuple(address, "si:sockaddr", &host, &port))
-            return NULL;
-    }
-    else if (family == AF_INET6) {
-        if (!PyArg_ParseTuple(address, "si|II:sockaddr", &host, &port, &flowinfo, &scope_id))
-            return NULL;
-    }
-    else {
-        PyErr_SetString(PyExc_ValueError, "not an AF_INET or AF_INET6 address");
-        return NULL;
-    }
-    if (port < 0 || port > 65535) {
-        PyErr_SetString(PyExc_ValueError, "port out of range");
-        return NULL;
-    }
-    if (family == AF_INET) {
-        struct sockaddr_in a;
-        memset(&a, 0, sizeof a);
-        a.sin_family = AF_INET;
-        a.sin_port = htons((uint16_t)port);
-        if (inet_pton(AF_INET, host, &a.sin_addr) != 1) {
-            PyErr_SetString(PyExc_ValueError, "not a numeric IPv4 address");
-            return NULL;
-        }
-        return PyBytes_FromStringAndSize((const char *)&a, sizeof a);
-    }
-    char text[INET6_ADDRSTRLEN];
-    size_t len = strcspn(host, "%");
-    if (len >= sizeof text) {
-        PyErr_SetString(PyExc_ValueError, "not a numeric IPv6 address");
-        return NULL;
-    }
-    memcpy(text, host, len);
-    text[len] = 0;
-    struct sockaddr_in6 a;
-    memset(&a, 0, sizeof a);
-    a.sin6_family = AF_INET6;
-    a.sin6_port = htons((uint16_t)port);
-    a.sin6_flowinfo = htonl(flowinfo);
-    a.sin6_scope_id = scope_id;
-    if (inet_pton(AF_INET6, text, &a.sin6_addr) != 1) {
-        PyErr_SetString(PyExc_ValueError, "not a numeric IPv6 address");
-        return NULL;
-    }
-    return PyBytes_FromStringAndSize((const char *)&a, sizeof a);
-}
-
-PyDoc_STRVAR(connect_doc,
-    "connect(sockaddr) -> (fd, err)\n\n"
-    "The connect to a real server, in one call: socket(SOCK_STREAM | SOCK_NONBLOCK |\n"
-    "SOCK_CLOEXEC) of the address's family, TCP_NODELAY, a non-blocking connect to\n"
-    "`sockaddr` (bytes from sockaddr()) and, when it is in progress, one getpeername: a\n"
-    "near server has often completed the handshake before connect() returns. Returns\n"
-    "(fd, 0) connected, (fd, EINPROGRESS) still connecting, (-1, errno) when socket()\n"
-    "failed, (-2, errno) when setsockopt or the connect failed (the socket is closed).\n"
-    "A system call's failure is never raised.");
-
-static PyObject *
-connect_(PyObject *self, PyObject *arg)
-{
-    if (!PyBytes_Check(arg) || PyBytes_GET_SIZE(arg) < (Py_ssize_t)sizeof(sa_family_t) ||
-        PyBytes_GET_SIZE(arg) > (Py_ssize_t)sizeof(struct sockaddr_storage)) {
-        PyErr_SetString(PyExc_TypeError, "connect() takes the bytes sockaddr() made");
-        return NULL;
-    }
-    struct sockaddr_storage ss;
-    socklen_t len = (socklen_t)PyBytes_GET_SIZE(arg);
-    memcpy(&ss, PyBytes_AS_STRING(arg), len);
-    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return Py_BuildValue("(ii)", -1, errno);
-    int one = 1, err = 0;
-    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0)
-        err = errno;
-    else if (connect(fd, (struct sockaddr *)&ss, len) < 0) {
-        err = errno;
-        if (err == EINTR) /* a non-blocking connect goes on in the background */
-            err = EINPROGRESS;
-        if (err == EINPROGRESS) {
-            /* One system call: a peer name means connected; ENOTCONN means still
-             * connecting or failed, and SO_ERROR after the wait tells which. */
-            struct sockaddr_storage peer;
-            socklen_t peer_len = sizeof peer;
-            if (getpeername(fd, (struct sockaddr *)&peer, &peer_len) == 0)
-                err = 0;
-        }
-    }
-    if (err && err != EINPROGRESS) {
-        close(fd);
-        return Py_BuildValue("(ii)", -2, err);
-    }
-    PyObject *r = Py_BuildValue("(ii)", fd, err);
-    if (r == NULL)
-        close(fd);
-    return r;
-}
-
-PyDoc_STRVAR(setup_doc,
-    "setup(pump_module_globals, splice_direction_type, pump_type) -> slots learnt\n\n"
-    "Called once by pump.py: its globals (the pipe pool and its helpers), the type\n"
-    "whose moves run in C, and the pump's type (whose slots, with the direction's, are\n"
-    "read at their offsets).");
-
-static PyObject *
-setup(PyObject *self, PyObject *args)
-{
-    PyObject *d, *t, *pt;
-    if (!PyArg_ParseTuple(args, "O!O!O!:setup", &PyDict_Type, &d, &PyType_Type, &t,
-                          &PyType_Type, &pt))
-        return NULL;
-    Py_INCREF(d);
-    Py_INCREF(t);
-    Py_INCREF(pt);
-    Py_XSETREF(module_dict, d);
-    Py_XSETREF(splice_type, (PyTypeObject *)t);
-    Py_XSETREF(pump_type, (PyTypeObject *)pt);
-    n_slots = 0;
-    PyObject *pump_names[] = {s_client_fd, s_up, s_down, s_outcome};
-    PyObject *direction_names[] = {s_state};
-    for (size_t i = 0; i < sizeof pump_names / sizeof *pump_names; i++)
-        learn_slot(pump_type, pump_names[i]);
-    for (size_t i = 0; i < sizeof direction_names / sizeof *direction_names; i++)
-        learn_slot(splice_type, direction_names[i]);
-    return PyLong_FromLong(n_slots);
-}
-
 /* == The pump, owned by C ===============================================================
  *
  * A Reactor (one per trio run) owns an epoll set, the table of what each descriptor in
@@ -2791,14 +329,10 @@ pipe_discard(int fds[2])
 
 /* -- types ----------------------------------------------------------------------------- */
 
-#ifndef READING /* STEP1-SHIM */
 /* What a direction is doing, which decides what its descriptors are watched for. */
 enum { READING, WRITING, DONE, HELD };
 /* What moving a chunk reports. */
 enum { MOVED, BLOCKED, GOT_EOF, SOURCE_FAILED, DESTINATION_FAILED };
-#else /* STEP1-SHIM */
-#define GOT_EOF EOF_ /* STEP1-SHIM */
-#endif /* STEP1-SHIM */
 
 typedef struct {
     int state;
@@ -4473,14 +2007,330 @@ pump_init(PyObject *m)
     return 0;
 }
 
+
+/* == accept, connect ================================================================= */
+
+PyDoc_STRVAR(accept_doc,
+    "accept(fd) -> (client_fd, address)\n\n"
+    "accept4(fd, SOCK_NONBLOCK | SOCK_CLOEXEC): the descriptor is non-blocking already,\n"
+    "saving the fcntl that socket._accept() needs after it. The address is what\n"
+    "socket.accept() gives: (host, port) for IPv4, (host, port, flowinfo, scope_id) for\n"
+    "IPv6. Raises OSError (BlockingIOError when the backlog is empty) as socket does.");
+
+/* accept4 once: the new descriptor in *client and a new reference to its address in
+ * *addr, 0; or -1 with OSError set (BlockingIOError: the backlog is empty). */
+static int
+accept_one(int fd, int *client_out, PyObject **addr_out)
+{
+    struct sockaddr_storage ss;
+    int client;
+    for (;;) {
+        socklen_t len = sizeof ss;
+        /* a non-blocking listening socket: no need to let go of the GIL */
+        client = accept4(fd, (struct sockaddr *)&ss, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (client >= 0)
+            break;
+        if (errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+    }
+    char host[NI_MAXHOST];
+    PyObject *addr = NULL;
+    if (ss.ss_family == AF_INET) {
+        struct sockaddr_in *a = (struct sockaddr_in *)&ss;
+        if (inet_ntop(AF_INET, &a->sin_addr, host, sizeof host) != NULL)
+            addr = Py_BuildValue("(si)", host, ntohs(a->sin_port));
+        else
+            PyErr_SetFromErrno(PyExc_OSError);
+    }
+    else if (ss.ss_family == AF_INET6) {
+        /* getnameinfo, as CPython: a scoped address keeps its "%zone" */
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
+        int e = getnameinfo((struct sockaddr *)a, sizeof *a, host, sizeof host, NULL, 0,
+                            NI_NUMERICHOST);
+        if (e == 0)
+            addr = Py_BuildValue("(siII)", host, ntohs(a->sin6_port),
+                                 (unsigned int)ntohl(a->sin6_flowinfo),
+                                 (unsigned int)a->sin6_scope_id);
+        else
+            PyErr_SetString(PyExc_OSError, gai_strerror(e));
+    }
+    else {
+        addr = Py_None;
+        Py_INCREF(addr);
+    }
+    if (addr == NULL) {
+        close(client);
+        return -1;
+    }
+    *client_out = client;
+    *addr_out = addr;
+    return 0;
+}
+
+static PyObject *
+accept_(PyObject *self, PyObject *arg)
+{
+    int fd = as_int(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    int client;
+    PyObject *addr;
+    if (accept_one(fd, &client, &addr) < 0)
+        return NULL;
+    PyObject *r = Py_BuildValue("(iN)", client, addr);
+    if (r == NULL)
+        close(client);
+    return r;
+}
+
+/* The process's count of open clients and its limit (global.max_clients), shared by
+ * the Python side (connection.py raises and lowers `open`) and the accept batch, which
+ * compares the two before it hands a client over (net/descriptors.py). */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t open;
+    Py_ssize_t limit;
+} ClientCount;
+
+static PyObject *
+ClientCount_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    if (PyTuple_GET_SIZE(args) || (kw != NULL && PyDict_GET_SIZE(kw))) {
+        PyErr_SetString(PyExc_TypeError, "ClientCount() takes no arguments");
+        return NULL;
+    }
+    ClientCount *c = (ClientCount *)type->tp_alloc(type, 0);
+    if (c == NULL)
+        return NULL;
+    c->open = 0;
+    c->limit = PY_SSIZE_T_MAX;
+    return (PyObject *)c;
+}
+
+static PyMemberDef ClientCount_members[] = {
+    {"open", T_PYSSIZET, offsetof(ClientCount, open), 0, "clients open now"},
+    {"limit", T_PYSSIZET, offsetof(ClientCount, limit), 0, "at most this many"},
+    {NULL},
+};
+
+static PyTypeObject ClientCount_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lbproxy.net._cpump.ClientCount",
+    .tp_basicsize = sizeof(ClientCount),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "ClientCount(): `open` clients, at most `limit` (net/descriptors.py); the\n"
+              "accept batch reads both as C integers.",
+    .tp_new = ClientCount_new,
+    .tp_members = ClientCount_members,
+};
+
+PyDoc_STRVAR(accept_batch_doc,
+    "accept_batch(fd, owner, spawn, most, failed[, clients]) -> number accepted\n\n"
+    "The accept loop's inner part (net/accept.py): up to `most` times, accept4 (as\n"
+    "accept()) and owner.accept_client(client_fd, address, spawn) -- the attribute read\n"
+    "afresh for every client, as a reload may re-route the owner. An Exception raised by\n"
+    "it goes to failed(exc) (the barrier) and the batch goes on. With `clients` (a\n"
+    "ClientCount), a client accepted while `clients.open >= clients.limit` is closed at\n"
+    "once and owner.refuse_client(address) is called instead. Returns how many were\n"
+    "accepted when the backlog is empty, an accept fails after some were, or `most` is\n"
+    "reached; raises the OSError (BlockingIOError: the backlog was empty) when the first\n"
+    "accept fails.");
+
+static PyObject *s_accept_client, *s_refuse_client;
+
+static PyObject *
+accept_batch(PyObject *self, PyObject *args)
+{
+    int fd, most;
+    PyObject *owner, *spawn, *failed, *count = Py_None;
+    if (!PyArg_ParseTuple(args, "iOOiO|O:accept_batch", &fd, &owner, &spawn, &most, &failed,
+                          &count))
+        return NULL;
+    ClientCount *clients = NULL;
+    if (count != Py_None) {
+        if (!PyObject_TypeCheck(count, &ClientCount_Type)) {
+            PyErr_SetString(PyExc_TypeError, "accept_batch: clients must be a ClientCount");
+            return NULL;
+        }
+        clients = (ClientCount *)count;
+    }
+    int n = 0;
+    while (n < most) {
+        int client;
+        PyObject *addr;
+        if (accept_one(fd, &client, &addr) < 0) {
+            if (n == 0)
+                return NULL;
+            PyErr_Clear(); /* the next call meets it again, or the backlog is empty */
+            break;
+        }
+        n++;
+        PyObject *r = NULL;
+        if (clients != NULL && clients->open >= clients->limit) {
+            /* max_clients: closed before a byte is read; the owner counts it */
+            close(client);
+            r = PyObject_CallMethodOneArg(owner, s_refuse_client, addr);
+            Py_DECREF(addr);
+        }
+        else {
+            PyObject *fdo = PyLong_FromLong(client);
+            PyObject *handler = fdo ? PyObject_GetAttr(owner, s_accept_client) : NULL;
+            if (handler != NULL) {
+                PyObject *argv[3] = {fdo, addr, spawn};
+                r = PyObject_Vectorcall(handler, argv, 3, NULL);
+                Py_DECREF(handler);
+            }
+            else
+                close(client); /* nobody owns it yet */
+            Py_XDECREF(fdo);
+            Py_DECREF(addr);
+        }
+        if (r != NULL) {
+            Py_DECREF(r);
+            continue;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL; /* Cancelled, KeyboardInterrupt */
+        /* the barrier: the owner closed what it owned */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL && value != NULL)
+            PyException_SetTraceback(value, tb);
+        PyObject *x = PyObject_CallOneArg(failed, value ? value : Py_None);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        if (x == NULL)
+            return NULL;
+        Py_DECREF(x);
+    }
+    return PyLong_FromLong(n);
+}
+
+PyDoc_STRVAR(sockaddr_doc,
+    "sockaddr(family, address) -> bytes\n\n"
+    "The struct sockaddr_in / sockaddr_in6 of a numeric address as getaddrinfo gives it:\n"
+    "(host, port) for AF_INET, (host, port[, flowinfo, scope_id]) for AF_INET6 (a\n"
+    "'%zone' suffix is dropped: scope_id says it). Made once per real-server address, for\n"
+    "connect(). ValueError for anything else.");
+
+static PyObject *
+sockaddr_(PyObject *self, PyObject *args)
+{
+    int family;
+    PyObject *address;
+    if (!PyArg_ParseTuple(args, "iO!:sockaddr", &family, &PyTuple_Type, &address))
+        return NULL;
+    const char *host;
+    int port;
+    unsigned int flowinfo = 0, scope_id = 0;
+    if (family == AF_INET) {
+        if (!PyArg_ParseTuple(address, "si:sockaddr", &host, &port))
+            return NULL;
+    }
+    else if (family == AF_INET6) {
+        if (!PyArg_ParseTuple(address, "si|II:sockaddr", &host, &port, &flowinfo, &scope_id))
+            return NULL;
+    }
+    else {
+        PyErr_SetString(PyExc_ValueError, "not an AF_INET or AF_INET6 address");
+        return NULL;
+    }
+    if (port < 0 || port > 65535) {
+        PyErr_SetString(PyExc_ValueError, "port out of range");
+        return NULL;
+    }
+    if (family == AF_INET) {
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof a);
+        a.sin_family = AF_INET;
+        a.sin_port = htons((uint16_t)port);
+        if (inet_pton(AF_INET, host, &a.sin_addr) != 1) {
+            PyErr_SetString(PyExc_ValueError, "not a numeric IPv4 address");
+            return NULL;
+        }
+        return PyBytes_FromStringAndSize((const char *)&a, sizeof a);
+    }
+    char text[INET6_ADDRSTRLEN];
+    size_t len = strcspn(host, "%");
+    if (len >= sizeof text) {
+        PyErr_SetString(PyExc_ValueError, "not a numeric IPv6 address");
+        return NULL;
+    }
+    memcpy(text, host, len);
+    text[len] = 0;
+    struct sockaddr_in6 a;
+    memset(&a, 0, sizeof a);
+    a.sin6_family = AF_INET6;
+    a.sin6_port = htons((uint16_t)port);
+    a.sin6_flowinfo = htonl(flowinfo);
+    a.sin6_scope_id = scope_id;
+    if (inet_pton(AF_INET6, text, &a.sin6_addr) != 1) {
+        PyErr_SetString(PyExc_ValueError, "not a numeric IPv6 address");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)&a, sizeof a);
+}
+
+PyDoc_STRVAR(connect_doc,
+    "connect(sockaddr) -> (fd, err)\n\n"
+    "The connect to a real server, in one call: socket(SOCK_STREAM | SOCK_NONBLOCK |\n"
+    "SOCK_CLOEXEC) of the address's family, TCP_NODELAY, a non-blocking connect to\n"
+    "`sockaddr` (bytes from sockaddr()) and, when it is in progress, one getpeername: a\n"
+    "near server has often completed the handshake before connect() returns. Returns\n"
+    "(fd, 0) connected, (fd, EINPROGRESS) still connecting, (-1, errno) when socket()\n"
+    "failed, (-2, errno) when setsockopt or the connect failed (the socket is closed).\n"
+    "A system call's failure is never raised.");
+
+static PyObject *
+connect_(PyObject *self, PyObject *arg)
+{
+    if (!PyBytes_Check(arg) || PyBytes_GET_SIZE(arg) < (Py_ssize_t)sizeof(sa_family_t) ||
+        PyBytes_GET_SIZE(arg) > (Py_ssize_t)sizeof(struct sockaddr_storage)) {
+        PyErr_SetString(PyExc_TypeError, "connect() takes the bytes sockaddr() made");
+        return NULL;
+    }
+    struct sockaddr_storage ss;
+    socklen_t len = (socklen_t)PyBytes_GET_SIZE(arg);
+    memcpy(&ss, PyBytes_AS_STRING(arg), len);
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return Py_BuildValue("(ii)", -1, errno);
+    int one = 1, err = 0;
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0)
+        err = errno;
+    else if (connect(fd, (struct sockaddr *)&ss, len) < 0) {
+        err = errno;
+        if (err == EINTR) /* a non-blocking connect goes on in the background */
+            err = EINPROGRESS;
+        if (err == EINPROGRESS) {
+            /* One system call: a peer name means connected; ENOTCONN means still
+             * connecting or failed, and SO_ERROR after the wait tells which. */
+            struct sockaddr_storage peer;
+            socklen_t peer_len = sizeof peer;
+            if (getpeername(fd, (struct sockaddr *)&peer, &peer_len) == 0)
+                err = 0;
+        }
+    }
+    if (err && err != EINPROGRESS) {
+        close(fd);
+        return Py_BuildValue("(ii)", -2, err);
+    }
+    PyObject *r = Py_BuildValue("(ii)", fd, err);
+    if (r == NULL)
+        close(fd);
+    return r;
+}
+
 static PyMethodDef methods[] = {
-    {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL, dispatch_doc},
-    {"wait", (PyCFunction)(void (*)(void))cp_wait, METH_FASTCALL, wait_doc},
     {"accept", accept_, METH_O, accept_doc},
     {"accept_batch", accept_batch, METH_VARARGS, accept_batch_doc},
     {"connect", connect_, METH_O, connect_doc},
     {"sockaddr", sockaddr_, METH_VARARGS, sockaddr_doc},
-    {"setup", setup, METH_VARARGS, setup_doc},
     {"idle_pipes", idle_pipes, METH_NOARGS,
      "idle_pipes() -> [(read_fd, write_fd)]: the pooled pipes (a copy)"},
     {"close_idle_pipes", close_idle_pipes, METH_NOARGS,
@@ -4494,108 +2344,33 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "lbproxy.net._cpump",
-    "The reactor's inner loop in C (issue 26): see lbproxy/net/compiled.py.", -1, methods,
+    "The connection path in C: see lbproxy/net/compiled.py.", -1, methods,
 };
 
-#define INTERN(var, text)                                                                    \
-    do {                                                                                     \
-        var = PyUnicode_InternFromString(text);                                              \
-        if (var == NULL)                                                                     \
-            return NULL;                                                                     \
-    } while (0)
+static int
+add_type(PyObject *m, const char *name, PyTypeObject *type)
+{
+    if (PyType_Ready(type) < 0)
+        return -1;
+    Py_INCREF(type);
+    if (PyModule_AddObject(m, name, (PyObject *)type) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    return 0;
+}
 
 PyMODINIT_FUNC
 PyInit__cpump(void)
 {
-    INTERN(s_client_fd, "client_fd");
-    INTERN(s_on_event, "on_event");
-    INTERN(s_up, "up");
-    INTERN(s_down, "down");
-    INTERN(s_outcome, "outcome");
-    INTERN(s_state, "state");
-    INTERN(s_src_fd, "src_fd");
-    INTERN(s_dst_fd, "dst_fd");
-    INTERN(s_last_read, "last_read");
-    INTERN(s_error, "error");
-    INTERN(s_pipe, "pipe");
-    INTERN(s_pending, "pending");
-    INTERN(s_spliced, "spliced");
-    INTERN(s_flow, "flow");
-    INTERN(s_to_server, "to_server");
-    INTERN(s_clock, "clock");
-    INTERN(s_bytes_in, "bytes_in");
-    INTERN(s_bytes_out, "bytes_out");
-    INTERN(s_last_activity, "last_activity");
-    INTERN(s_after, "_after");
-    INTERN(s_write_initial, "_write_initial");
-    INTERN(s_unwatched_event, "_unwatched_event");
-    INTERN(s_finish, "_finish");
-    INTERN(s_move, "move");
-    INTERN(s_write_out, "write_out");
-    INTERN(s_idle_pipes, "_idle_pipes");
-    INTERN(s_max_idle_pipes, "MAX_IDLE_PIPES");
-    INTERN(s_new_pipe, "_new_pipe");
-    INTERN(s_discard_pipe, "_discard_pipe");
-    INTERN(s_closed, "closed");
-    INTERN(s_cancelled, "cancelled");
-    INTERN(s_idle_timeout_o, "idle_timeout");
-    INTERN(s_client_reset, "client_reset");
-    INTERN(s_server_reset, "server_reset");
-    INTERN(s_error_o, "error");
-    INTERN(s_closing, "closing");
-    INTERN(s_pump_slot, "_pump");
-    INTERN(s_idle_timeout_attr, "_idle_timeout");
-    INTERN(s_pumps, "pumps");
-    INTERN(s_young, "young");
-    INTERN(s_sweeping, "sweeping");
-    INTERN(s_defer, "defer");
-    INTERN(s_deadlines, "deadlines");
-    INTERN(s_at, "at");
-    INTERN(s_cancel, "cancel");
-    INTERN(s_deferred, "_DEFERRED");
-    INTERN(s_reactor_fn, "_reactor");
-    INTERN(s_epfd, "epfd");
-    INTERN(s_record, "record");
-    INTERN(s_connection_end, "connection_end");
-    INTERN(s_fileno, "fileno");
-    INTERN(s_close, "close");
-    INTERN(s_splice_refused, "_splice_refused");
-    INTERN(s_accept_client, "accept_client");
-    INTERN(s_refuse_client, "refuse_client");
-    if (PyType_Ready(&CPump_Type) < 0 || PyType_Ready(&CClock_Type) < 0 ||
-        PyType_Ready(&ClientCount_Type) < 0)
+    s_accept_client = PyUnicode_InternFromString("accept_client");
+    s_refuse_client = PyUnicode_InternFromString("refuse_client");
+    if (s_accept_client == NULL || s_refuse_client == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&CPump_Type);
-    if (PyModule_AddObject(m, "Pump", (PyObject *)&CPump_Type) < 0) {
-        Py_DECREF(&CPump_Type);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&CClock_Type);
-    if (PyModule_AddObject(m, "Clock", (PyObject *)&CClock_Type) < 0) {
-        Py_DECREF(&CClock_Type);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&ClientCount_Type);
-    if (PyModule_AddObject(m, "ClientCount", (PyObject *)&ClientCount_Type) < 0) {
-        Py_DECREF(&ClientCount_Type);
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddIntConstant(m, "READING", READING) < 0 ||
-        PyModule_AddIntConstant(m, "WRITING", WRITING) < 0 ||
-        PyModule_AddIntConstant(m, "HELD", HELD) < 0 ||
-        PyModule_AddIntConstant(m, "BLOCKED", BLOCKED) < 0 ||
-        PyModule_AddIntConstant(m, "EOF", EOF_) < 0 ||
-        PyModule_AddIntConstant(m, "SOURCE_FAILED", SOURCE_FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "DESTINATION_FAILED", DESTINATION_FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "BURST", BURST) < 0 ||
-        PyModule_AddIntConstant(m, "BIG_CHUNK", BIG_CHUNK) < 0 ||
-        PyModule_AddIntConstant(m, "SPLICE_CHUNK", SPLICE_CHUNK) < 0 ||
+    if (add_type(m, "Clock", &CClock_Type) < 0 || add_type(m, "ClientCount", &ClientCount_Type) < 0 ||
         PyModule_AddIntConstant(m, "COPY_CHUNK", COPY_CHUNK) < 0 || pump_init(m) < 0) {
         Py_DECREF(m);
         return NULL;

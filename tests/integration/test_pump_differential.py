@@ -463,3 +463,15 @@ def test_a_changed_idle_timeout_applies_at_once():
     got = both(script, idle_timeout=3600.0)
     assert got["ended_in_the_assignment"] is True
     assert got["outcome"] == "idle_timeout"
+
+
+@pytest.mark.skipif(_cpump is None, reason="the C extension is not built")
+def test_both_have_the_same_tuning():
+    """splice-auto's threshold and the pipe pool's bound (net/pump.py and
+    net/descriptors.py read them from the pure module)."""
+    assert _cpump is not None
+    assert (_cpump.COPY_CHUNK, _cpump.MAX_IDLE_PIPES, _cpump.PIPE_SIZE) == (
+        pure_pump.COPY_CHUNK,
+        pure_pump.MAX_IDLE_PIPES,
+        pure_pump.PIPE_SIZE,
+    )

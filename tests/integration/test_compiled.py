@@ -150,6 +150,29 @@ def test_the_runs_reactor_is_the_implementations_and_close_closes_both_descripto
     trio.run(main)
 
 
+def test_the_end_of_the_run_ends_its_open_pumps(implementation):
+    """A pump still open when its trio run ends (its reactor closes with the run) ends
+    "cancelled", both descriptors closed, its on_end called: nothing leaks past a run."""
+    client, server, a, b = pump_pair()
+    ended = []
+
+    async def main():
+        pump_module.reactor().open(a, b, b"", 30.0, lambda p: ended.append(p.outcome))
+        client.sendall(b"ping")
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(server)
+        assert server.recv(10) == b"ping"
+
+    try:
+        trio.run(main)
+        assert ended == ["cancelled"]
+        assert _closed(a) and _closed(b)
+        assert server.recv(10) == b""  # closed, as a pump's end closes: a FIN
+    finally:
+        client.close()
+        server.close()
+
+
 def test_initial_bytes_fins_and_end_call_on_end_once_with_both_descriptors_closed(
     implementation,
 ):

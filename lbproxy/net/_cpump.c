@@ -57,6 +57,11 @@
 
 /* -- small helpers ---------------------------------------------------------------------- */
 
+/* Counts the places where Python code may have run since C was called (a callback, a
+ * signal handler, a finalizer at a pump's end): the reactor's wait in trio's place
+ * asks trio for its next deadline again only then, since only Python code moves it. */
+static unsigned long python_ran = 0;
+
 static int
 as_int(PyObject *v)
 {
@@ -89,6 +94,7 @@ do_splice(int in, int out, size_t len)
         ssize_t n = splice(in, NULL, out, NULL, len, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
         if (n >= 0 || errno != EINTR)
             return n;
+        python_ran++;
         if (PyErr_CheckSignals() < 0)
             return -2;
     }
@@ -103,6 +109,7 @@ do_recv(int fd, char *buf, size_t len)
         ssize_t n = recv(fd, buf, len, 0);
         if (n >= 0 || errno != EINTR)
             return n;
+        python_ran++;
         if (PyErr_CheckSignals() < 0)
             return -2;
     }
@@ -115,6 +122,7 @@ do_send(int fd, const char *buf, size_t len)
         ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
         if (n >= 0 || errno != EINTR)
             return n;
+        python_ran++;
         if (PyErr_CheckSignals() < 0)
             return -2;
     }
@@ -410,7 +418,7 @@ struct Reactor {
 static PyTypeObject Reactor_Type;
 static PyTypeObject Pump_Type;
 
-/* -- small helpers ---------------------------------------------------------------------- */
+/* -- the reactor's helpers -------------------------------------------------------------- */
 
 #define DIR_SRC(p, d) ((d) == &(p)->up ? (p)->client_fd : (p)->server_fd)
 #define DIR_DST(p, d) ((d) == &(p)->up ? (p)->server_fd : (p)->client_fd)
@@ -423,6 +431,7 @@ rx_now(Reactor *r, double *now)
 {
     if (r->native && cp_native_seconds(r->offset, now) == 0)
         return 0;
+    python_ran++;
     PyObject *t = PyObject_CallNoArgs(r->clock);
     if (t == NULL)
         return -1;
@@ -438,6 +447,7 @@ static void
 rx_record(Reactor *r, PyObject *where)
 {
     PyObject *type, *value, *tb;
+    python_ran++;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL && value != NULL)
@@ -586,6 +596,7 @@ pm_arm(Pump *p, double due)
     }
     if (due < r->armed) {
         r->armed = due;
+        python_ran++;
         PyObject *when = PyFloat_FromDouble(due);
         PyObject *res = when ? PyObject_CallOneArg(r->wake, when) : NULL;
         Py_XDECREF(when);
@@ -650,6 +661,7 @@ pm_finish(Pump *p)
 {
     Reactor *r = p->reactor;
     Pump *ref = pm_detach(p);
+    python_ran++; /* on_end, and whatever dropping the pump's references runs */
     PyObject *on_end = p->on_end;
     p->on_end = NULL;
     if (on_end != NULL) {
@@ -680,6 +692,7 @@ static void
 pm_crash(Pump *p)
 {
     PyObject *type, *value, *tb;
+    python_ran++;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL && value != NULL)
@@ -843,6 +856,7 @@ pm_move_one(Pump *p, Direction *d, int *big)
             d->bulk = 0;
             if (splice_ok) {
                 splice_ok = 0;
+                python_ran++;
                 PyObject *exc = os_error(code);
                 PyObject *res = exc ? PyObject_CallOneArg(p->reactor->splice_refused, exc) : NULL;
                 Py_XDECREF(exc);
@@ -1161,6 +1175,7 @@ rx_handle(Reactor *r, struct epoll_event *evs, int n, int trio_fd, int *trio_rea
         }
         else {
             PyObject *cb = Py_NewRef(s->obj);
+            python_ran++;
             PyObject *fdo = PyLong_FromLong(fd);
             PyObject *ev = fdo ? PyLong_FromUnsignedLong(evs[i].events) : NULL;
             PyObject *args[2] = {fdo, ev};
@@ -1690,6 +1705,7 @@ rx_epoll_wait(Reactor *r, struct epoll_event *evs, int timeout_ms)
             PyErr_SetFromErrno(PyExc_OSError);
             return -1;
         }
+        python_ran++;
         if (PyErr_CheckSignals() < 0)
             return -1;
         if (timeout_ms != 0)
@@ -1759,18 +1775,23 @@ Reactor_wait(Reactor *r, PyObject *const *args, Py_ssize_t nargs)
     double now;
     if (cp_native_seconds(offset, &now) < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
-    double end = now + timeout;
+    double end = now + timeout, deadline = 0.0;
+    unsigned long asked = python_ran - 1;
     PyObject *result = NULL;
     Py_INCREF(r);
     for (;;) {
-        /* trio's next deadline, again before every wait: a batch may have moved one */
-        PyObject *d = PyObject_CallNoArgs(next_deadline);
-        if (d == NULL)
-            break;
-        double deadline = PyFloat_AsDouble(d);
-        Py_DECREF(d);
-        if (deadline == -1.0 && PyErr_Occurred())
-            break;
+        /* trio's next deadline, again after a batch that may have moved it: one that ran
+         * Python code (only that can) */
+        if (asked != python_ran) {
+            PyObject *d = PyObject_CallNoArgs(next_deadline);
+            if (d == NULL)
+                break;
+            deadline = PyFloat_AsDouble(d);
+            Py_DECREF(d);
+            if (deadline == -1.0 && PyErr_Occurred())
+                break;
+            asked = python_ran;
+        }
         if (cp_native_seconds(offset, &now) < 0) {
             PyErr_SetFromErrno(PyExc_OSError);
             break;

@@ -134,7 +134,7 @@ do_send(int fd, const char *buf, size_t len)
  * perf_counter being CLOCK_MONOTONIC on Linux): integer nanoseconds as seconds (a
  * double), plus the offset, into *now: 0; or -1, no exception set: the clock could not
  * be read (then the caller calls the Python clock). The same clock, with no Python
- * frame (~930 instructions a call). */
+ * frame. */
 static int
 cp_native_seconds(double offset, double *now)
 {

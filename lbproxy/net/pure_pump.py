@@ -10,9 +10,10 @@ mirrored here: this is the plain way to move bytes between two non-blocking sock
 small state machine per direction (reading, or writing out a chunk its destination
 refused: back-pressure).
 
-It is an epoll reactor and not one task per direction because of the cost: one task per
-direction plus a watchdog measured 34 us of CPU per keep-alive request and 269 us per
-new connection, this structure 13 and 145 (docs/benchmarks.md).
+It is an epoll reactor and not one task per direction because of the cost: a trio wait
+per chunk per connection (a task per direction and a watchdog) costs several times the
+CPU per keep-alive request and nearly twice per new connection (docs/benchmarks.md,
+"How it got there").
 """
 
 from __future__ import annotations

@@ -193,9 +193,10 @@ class _Direction:
         transfer: reading the next now saves a wait) the next, up to BURST chunks."""
         left = BURST
         while True:
+            bulk = self.bulk
             # The one place a chunk's size is decided: what a copy takes, or a pipe.
-            limit = SPLICE_CHUNK if self.bulk else COPY_CHUNK
-            if not self.bulk:
+            limit = SPLICE_CHUNK if bulk else COPY_CHUNK
+            if not bulk:
                 try:
                     data = os.read(self.src_fd, limit)
                 except BlockingIOError:  # readiness can be stale by the time we read
@@ -447,7 +448,12 @@ class Pump:
 
     def _on_event(self, fd: int, events: int) -> None:
         client_side = fd == self.client_fd
-        reader, writer = (self.up, self.down) if client_side else (self.down, self.up)
+        if client_side:
+            reader = self.up
+            writer = self.down
+        else:
+            reader = self.down
+            writer = self.up
         watched = False
         if reader.state == _READING and events & _IN_OR_FAILED:
             watched = True
@@ -572,8 +578,6 @@ class Pump:
 
 # ----------------------------------------------------------------------- the reactor
 
-Reader = Pump | Callable[[int, int], object]
-
 
 class Reactor:
     """One epoll set and the pumps in it, for one trio run (see lbproxy/net/reactor.py).
@@ -596,7 +600,9 @@ class Reactor:
         self._wake = wake
         self._splice_refused = splice_refused
         self.epoll = select.epoll()
-        self._readers: dict[int, Reader] = {}
+        # Who reads each descriptor of the set: a pump (both of its own), or a callback.
+        self._pumps: dict[int, Pump] = {}
+        self._callbacks: dict[int, Callable[[int, int], object]] = {}
         self._fins: list[tuple[Pump, _Direction]] = []
         self._in_batch = False
         # Idle deadlines: (due, sequence, pump); an entry whose pump ended or was armed
@@ -624,8 +630,8 @@ class Reactor:
             idle_timeout = float(idle_timeout)
             if math.isnan(idle_timeout):
                 raise ValueError("idle_timeout must be a number of seconds or math.inf")
-            readers = self._readers
-            if client_fd == server_fd or client_fd in readers or server_fd in readers:
+            readers = self._pumps
+            if client_fd == server_fd or self._taken(client_fd) or self._taken(server_fd):
                 raise ValueError("open(): a descriptor already in the reactor")
             now = self.clock()
             p = Pump(self, client_fd, server_fd, idle_timeout, now)
@@ -686,7 +692,7 @@ class Reactor:
 
     def forget(self, p: Pump) -> None:
         """p ended: out of the set (closing its descriptors does that) and the heap."""
-        readers = self._readers
+        readers = self._pumps
         if readers.get(p.client_fd) is p:
             del readers[p.client_fd]
         if readers.get(p.server_fd) is p:
@@ -724,6 +730,9 @@ class Reactor:
         else:
             p.send_fin(d)
 
+    def _taken(self, fd: int) -> bool:
+        return fd in self._pumps or fd in self._callbacks
+
     def refuse_splice(self, exc: OSError) -> None:
         global _splice_ok
         if _splice_ok:
@@ -734,17 +743,17 @@ class Reactor:
 
     def listen(self, fd: int, callback: Callable[[int, int], object]) -> None:
         """callback(fd, events) in the batches while fd is readable."""
-        if fd in self._readers:
+        if self._taken(fd):
             raise ValueError("listen(): the descriptor is in the reactor already")
         self.epoll.register(fd, _IN)
-        self._readers[fd] = callback
+        self._callbacks[fd] = callback
 
     def unlisten(self, fd: int, callback: Callable[[int, int], object]) -> None:
         """Out of the set again, before fd is closed; idempotent."""
-        held = self._readers.get(fd)
-        if held is None or type(held) is Pump or (held is not callback and held != callback):
+        held = self._callbacks.get(fd)
+        if held is None or (held is not callback and held != callback):
             return
-        del self._readers[fd]
+        del self._callbacks[fd]
         with contextlib.suppress(OSError, ValueError):  # closed already: gone from the set
             self.epoll.unregister(fd)
 
@@ -756,23 +765,24 @@ class Reactor:
         if self._in_batch:
             raise RuntimeError("a reactor batch is running")
         ready = self.epoll.poll(timeout_ms / 1000.0 if timeout_ms else 0, MAX_EVENTS)
-        readers = self._readers
+        pumps = self._pumps
         self._in_batch = True
         try:
             for fd, events in ready:
-                reader = readers.get(fd)
-                if reader is None:  # ended earlier in this batch
-                    continue
-                if type(reader) is Pump:
+                p = pumps.get(fd)
+                if p is not None:
                     try:
-                        reader._on_event(fd, events)
+                        p._on_event(fd, events)
                     except Exception as exc:  # a bug: that connection ends, not the reactor
-                        reader._crash(exc)
-                else:
-                    try:
-                        reader(fd, events)  # type: ignore[operator]  # not a Pump: a callback
-                    except Exception as exc:
-                        self.record("pump", exc)
+                        p._crash(exc)
+                    continue
+                callback = self._callbacks.get(fd)
+                if callback is None:  # ended earlier in this batch
+                    continue
+                try:
+                    callback(fd, events)
+                except Exception as exc:
+                    self.record("pump", exc)
         finally:
             self._in_batch = False
             if self._fins:
@@ -790,7 +800,7 @@ class Reactor:
     @property
     def pumps(self) -> int:
         """How many pumps are open."""
-        return len({id(r) for r in self._readers.values() if type(r) is Pump})
+        return len({id(p) for p in self._pumps.values()})
 
     @property
     def closed(self) -> bool:
@@ -798,8 +808,7 @@ class Reactor:
 
     def close(self) -> None:
         """Every open pump ends ("cancelled"), then the set is closed."""
-        for reader in list(self._readers.values()):
-            if type(reader) is Pump:
-                reader.close()
-        self._readers.clear()
+        for p in list(self._pumps.values()):
+            p.close()
+        self._callbacks.clear()
         self.epoll.close()

@@ -3,15 +3,14 @@
     .venv/bin/python bench/bench_pump_lifecycle.py [--pumps 32] [--rounds 20]
 
 What a connection costs the pump from the moment both descriptors are connected to the
-report of its end, and nothing else: ``new_pump(client, server, flow, close_sockets=True)``,
-``on_end``, ``start()`` (both descriptors registered, the idle deadline deferred), the
-two FINs (client and server both shut their write side, in one batch), the end (both
-descriptors closed, the pipes back) and the ``on_end`` call. Each round makes P pairs of
-loopback TCP connections, pumps them and ends them; a control run makes and closes the
-same connections without a pump, and its count is subtracted, so what is left is the
-pump's own work. User-space instructions counted by valgrind's callgrind (exact,
-whatever the machine's load); each measurement is a child process (the path is chosen
-at import).
+report of its end, and nothing else: ``reactor().open(client, server, b"", 60.0,
+on_end)`` (both descriptors registered, the idle deadline armed), the two FINs (client
+and server both shut their write side, in one batch), the end (both descriptors closed,
+the pipes back) and the ``on_end`` call. Each round makes P pairs of loopback TCP
+connections, pumps them and ends them; a control run makes and closes the same
+connections without a pump, and its count is subtracted, so what is left is the pump's
+own work. User-space instructions counted by valgrind's callgrind (exact, whatever the
+machine's load); each measurement is a child process (the path is chosen at import).
 """
 
 from __future__ import annotations
@@ -30,10 +29,16 @@ def child(pumps: int, rounds: int, control: bool) -> None:
     import trio
 
     from lbproxy.net import pump as pump_module
-    from lbproxy.net.pump import Flow
 
-    # main before the C pump had only the class (a --base tree, PYTHONPATH)
-    new_pump = getattr(pump_module, "new_pump", pump_module.Pump)
+    def open_pump(client: int, server: int, on_end: object) -> None:
+        if hasattr(pump_module, "reactor") and hasattr(pump_module.reactor(), "open"):
+            pump_module.reactor().open(client, server, b"", 60.0, on_end)
+            return
+        # an older tree (a --base tree, PYTHONPATH): the pump before its API
+        new_pump = getattr(pump_module, "new_pump", pump_module.Pump)
+        p = new_pump(client, server, pump_module.Flow(60.0), close_sockets=True)
+        p.on_end = on_end
+        p.start()
 
     pair = partial(tcp_pair, blocking=False)
 
@@ -56,11 +61,7 @@ def child(pumps: int, rounds: int, control: bool) -> None:
                     proxy_client.close()
                     proxy_server.close()
                     continue
-                p = new_pump(
-                    proxy_client.detach(), proxy_server.detach(), Flow(60.0), close_sockets=True
-                )
-                p.on_end = on_end
-                p.start()
+                open_pump(proxy_client.detach(), proxy_server.detach(), on_end)
             await trio.sleep(0)
             for client, server in ends:
                 client.shutdown(socket.SHUT_WR)

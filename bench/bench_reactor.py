@@ -15,9 +15,9 @@ paths. Each measurement is a child process (the path is chosen at import), compi
 pure alternating; CPU time from getrusage, or, with --callgrind, the user-space
 instructions valgrind counts (exact, whatever the machine's load), the run with
 --rounds 0 subtracted (start-up, the connections' set-up). --keep DIR keeps valgrind's
-output files there (MODE-ROUNDS.out) for callgrind_annotate. The pumps are pump.py's
-Pump (Python, on both paths: the C batch calls its methods) unless --new-pump asks for
-what production makes, pump.new_pump: the C Pump on the compiled path.
+output files there (MODE-ROUNDS.out) for callgrind_annotate. The pumps are what
+production makes: the run's reactor's (pump.reactor().open), C or pure. (--new-pump is
+accepted for the command lines of older trees, where it chose those.)
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ PAYLOAD = b"x" * 100
 
 
 def child(pumps: int, rounds: int, new_pump: bool) -> None:
+    import math
+
     import trio
 
     from lbproxy.net import compiled
-    from lbproxy.net.pump import Flow, Pump
-    from lbproxy.net.pump import new_pump as make_pump
+    from lbproxy.net.pump import reactor
 
     pair = partial(tcp_pair, nodelay=True, blocking=False)
 
@@ -49,10 +50,8 @@ def child(pumps: int, rounds: int, new_pump: bool) -> None:
         for _ in range(pumps):
             client, proxy_client = pair()
             proxy_server, server = pair()
-            make = make_pump if new_pump else Pump
-            p = make(proxy_client.fileno(), proxy_server.fileno(), Flow())
-            p.start()
-            ends.append((client, server, proxy_client, proxy_server))
+            reactor().open(proxy_client.detach(), proxy_server.detach(), b"", math.inf, None)
+            ends.append((client, server))
         await trio.sleep(0.01)
         u0, s0 = own_cpu()
         for _ in range(rounds):
@@ -108,7 +107,9 @@ def main() -> None:
     p.add_argument("--callgrind", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="with --callgrind: keep valgrind's output here")
     p.add_argument(
-        "--new-pump", action="store_true", help="pumps from pump.new_pump (the C Pump compiled)"
+        "--new-pump",
+        action="store_true",
+        help=argparse.SUPPRESS,  # what older trees needed
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -116,7 +117,7 @@ def main() -> None:
         child(a.pumps, a.rounds, a.new_pump)
         return
     modes = ("compiled", "pure")
-    kind = "pump.new_pump" if a.new_pump else "pump.Pump"
+    kind = "reactor().open"
     print(f"load average {os.getloadavg()[0]:.1f}; {a.pumps} {kind} pumps, {a.rounds} rounds")
     if a.callgrind:
         rounds = min(a.rounds, 200)

@@ -17,9 +17,9 @@ resolved the real server's address the normal way:
     access log, no histogram, no health, queue or throttle: more than any lifecycle
     moved into C could save, so its figure bounds that lever from above.
 ``c-only``
-    No decision at all: every client to the first real server, with one flow object
-    shared by all: one Python call (the accept batch's) per connection. The ceiling of
-    the C path itself.
+    No decision at all: every client to the first real server, its pump with no on_end:
+    one Python call (the accept batch's) per connection. The ceiling of the C path
+    itself.
 
 A connect that does not complete at once (never seen on loopback) closes the client:
 wrk counts it as an error, so a run that had any shows it.
@@ -38,39 +38,27 @@ def _install(variant: str) -> None:
     handler_type = connection.Handler
     normal_accept = handler_type.accept
     c_connect = connection._c_connect
-    c_pump = connection._c_pump
-    if c_connect is None or c_pump is None:
+    if c_connect is None:
         raise SystemExit("LBPROXY_FLOOR needs the compiled path (lbproxy/net/_cpump.c)")
-
-    class FloorFlow(pump.Flow):
-        __slots__ = ("handler", "lease")
-
-    def new_flow(idle_timeout: float) -> FloorFlow:
-        flow = FloorFlow.__new__(FloorFlow)
-        flow.bytes_in = 0
-        flow.bytes_out = 0
-        flow.error = None
-        flow.last_activity = 0.0
-        flow.closing = False
-        flow._pump = None
-        flow._idle_timeout = idle_timeout
-        flow.handler = None
-        flow.lease = None
-        return flow
 
     def ready(self: Any) -> bool:
         """The floor serves this handler once its server's address is resolved (the
         normal way does it, for the first connections): then ``self._floor`` holds the
-        sockaddr, the reactor, the idle timeout and the flow c-only shares."""
+        sockaddr, the reactor, the idle timeout, the leases of the pumps open now (by
+        client descriptor) and the pumps' on_end, which gives one back."""
         if getattr(self, "_floor", None) is not None:
             return True
         target = self._target(self.pool.servers[0])
         if target is None:
             return False
         if self._reactor is None:
-            self._reactor = pump._reactor()
-        idle_timeout = self.pool.config.idle_timeout
-        self._floor = (target[2], self._reactor, idle_timeout, new_flow(idle_timeout))
+            self._reactor = pump.reactor()
+        leases: dict[int, Any] = {}
+
+        def dropped(p: Any) -> None:  # a pump's on_end: its lease back
+            self.pool.drop(leases.pop(p.client_fd), self._clock())
+
+        self._floor = (target[2], self._reactor, self.pool.config.idle_timeout, leases, dropped)
         return True
 
     def connect(self: Any, client: int) -> int | None:
@@ -84,11 +72,6 @@ def _install(variant: str) -> None:
         os.close(client)
         return None
 
-    def dropped(p: Any) -> None:
-        flow = p.flow  # a C pump's flow: a FloorFlow
-        handler = flow.handler
-        handler.pool.drop(flow.lease, handler._clock())
-
     def decisions_accept(self: Any, client: int, peer: tuple, spawn: Any) -> None:
         if not ready(self):
             normal_accept(self, client, peer, spawn)
@@ -98,16 +81,14 @@ def _install(variant: str) -> None:
         pool = self.pool
         now = self._clock()
         rs = pool.pick(now, (), peer)
-        flow = new_flow(self._floor[2])
-        flow.handler = self
-        flow.lease = pool.take(rs, now, flow, peer)
+        lease = pool.take(rs, now, None, peer)
         fd = connect(self, client)
         if fd is None:
-            pool.drop(flow.lease, now)
+            pool.drop(lease, now)
             return
-        p = c_pump(client, fd, flow, b"", 0, True, pump.splice_enabled, self._floor[1])
-        p.on_end = dropped
-        p.start()
+        _, reactor, idle_timeout, leases, dropped = self._floor
+        leases[client] = lease
+        reactor.open(client, fd, b"", idle_timeout, dropped)
 
     def c_only_accept(self: Any, client: int, peer: tuple, spawn: Any) -> None:
         if not ready(self):
@@ -116,7 +97,7 @@ def _install(variant: str) -> None:
         fd = connect(self, client)
         if fd is not None:
             floor = self._floor
-            c_pump(client, fd, floor[3], b"", 0, True, pump.splice_enabled, floor[1]).start()
+            floor[1].open(client, fd, b"", floor[2], None)
 
     accepts = {"decisions": decisions_accept, "c-only": c_only_accept}
     if variant not in accepts:

@@ -65,13 +65,12 @@ from lbproxy.dataplane.lifecycle import (
 )
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
 from lbproxy.dataplane.virtual_server import VirtualServer
-from lbproxy.net import pump as _pump_module
 from lbproxy.net.accept import CAPACITY_ERRNOS as LOCAL_CAPACITY_ERRNOS
 from lbproxy.net.accept import LocalCapacityError
 from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
 from lbproxy.net.descriptors import clients as _clients
-from lbproxy.net.pump import Flow, Pump, new_pump
+from lbproxy.net.pump import Flow, Pump, Reactor, reactor, run_clock
 from lbproxy.wire import proxy_protocol
 
 log = logging.getLogger("lbproxy.proxy")
@@ -86,8 +85,6 @@ _CONNECT_TYPE = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
 # and the getpeername that sees a completed handshake (_cpump.connect), to the struct
 # sockaddr made once per address (_cpump.sockaddr).
 _c_connect = cpump.connect if cpump is not None else None
-# ... and the pump is made by its C type directly (new_pump's frame saved).
-_c_pump = cpump.Pump if cpump is not None else None
 
 
 class ClientConnection(Flow):
@@ -121,12 +118,8 @@ class ClientConnection(Flow):
         # 22); tests/unit/dataplane/test_connection.py checks that every Flow field is
         # set, so the two cannot drift apart. The configuration's idle_timeout is a
         # number of seconds or math.inf already (the setter's check).
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.error: OSError | None = None
-        self.last_activity = 0.0
+        self.pump: Pump | None = None
         self.closing = False
-        self._pump: Pump | None = None
         self._idle_timeout = config.idle_timeout
         self.handler = handler
         self.state = ADMITTED
@@ -244,22 +237,22 @@ class Handler:
         self._acl: SourceFilter
         self._proxy_peers: SourceFilter
         self._see(self.pool.config)
-        # The run's pump reactor, for the C pump (pump._reactor() is three Python frames
-        # per connection, a RunVar's get); a handler lives in one run, as its _clock.
-        self._reactor: object | None = None
-        # Connections established with no task: the pumps, and the guardian task
-        # standing for them in the handlers nursery while there are any.
-        self._live: set[Pump] = set()
+        # The run's pump reactor (reactor() is a RunVar's get, three Python frames, per
+        # connection otherwise); a handler lives in one run, as its _clock.
+        self._reactor: Reactor | None = None
+        # Connections established with no task, by their client's descriptor (theirs
+        # until the pump has ended), and the guardian task standing for them in the
+        # handlers nursery while there are any.
+        self._live: dict[int, ClientConnection] = {}
         self._guarded = False
         self._empty: trio.Event | None = None
         self._spawn: Spawn | None = None
-        # Made once: the reactor's callback for every connection's end.
+        # Made once: the pumps' on_end, for every connection's end.
         self._on_end: Callable[[Pump], None] = self._pumped
         # The run's clock, read directly (trio.current_time() is three Python frames);
-        # compiled, through _cpump.Clock, which reads trio's SystemClock with no Python
-        # frame at all (issue 26: two per connection, at the accept and at the end).
-        clock = trio.lowlevel.current_clock().current_time
-        self._clock: Callable[[], float] = clock if cpump is None else cpump.Clock(clock)
+        # compiled, with no Python frame at all (two per connection, at the accept and
+        # at the end).
+        self._clock: Callable[[], float] = run_clock()
 
     @property
     def name(self) -> str:
@@ -520,68 +513,42 @@ class Handler:
             os.close(client)
             self._start_failed(c, exc)
             return None
-        try:
-            # close_sockets: the pump closes both the moment it ends (or fails to start),
-            # which saves two epoll_ctl and usually a shutdown per connection; it owns
-            # them from here on, even if this raises.
-            if _c_pump is not None:  # new_pump(), inline: the C pump
-                leftover = c.leftover
-                reactor = self._reactor
-                if reactor is None:
-                    reactor = self._reactor = _pump_module._reactor()
-                p = _c_pump(
-                    client,
-                    server,
-                    c,
-                    header + leftover if leftover else header,
-                    len(header),
-                    True,
-                    _pump_module.splice_enabled,
-                    reactor,
-                )
-            else:
-                p = new_pump(
-                    client,
-                    server,
-                    c,
-                    preamble=header,
-                    initial_client_bytes=c.leftover or b"",
-                    close_sockets=True,
-                )
-        except Exception as exc:  # OSError: out of descriptors for a pipe (EMFILE)
-            self._start_failed(c, exc)
-            return None
-        p.on_end = self._on_end
-        self._live.add(p)
+        # The pump owns both descriptors from here on and closes them when it ends (or if
+        # open() raises); its end is reported to _pumped, which finds the connection here.
+        live = self._live
+        live[client] = c
         if not self._guarded:
             self._guarded = True
             assert self._spawn is not None
             self._spawn(self._guard)
+        pumps = self._reactor
+        if pumps is None:
+            pumps = self._reactor = reactor()
+        leftover = c.leftover
         try:
-            p.start()
-        except OSError as exc:  # only this connection ends
-            log.debug("%s: %s", self.pool.name, exc)
-            c.error = exc
-            if p.outcome is None:
-                p.outcome = "error"
-        except Exception as exc:  # the barrier: a bug ends this connection only
-            record("connection", exc, self.pool.name)
-            if p.outcome is None:
-                p.outcome = "error"
-        if p.outcome is not None and p.on_end is not None:  # ended before it began
+            p = pumps.open(
+                client,
+                server,
+                header + leftover if leftover else header,
+                c._idle_timeout,
+                self._on_end,
+                len(header),
+            )
+        except Exception as exc:  # OSError: epoll_ctl refused (ENOMEM, ENOSPC)
+            del live[client]
+            self._start_failed(c, exc)
+            return None
+        c.pump = p
+        if c.closing:  # closed while it was connecting: ends "cancelled"
             p.close()
-            end = p.on_end
-            p.on_end = None
-            end(p)
         return None
 
     def _start_failed(self, c: ClientConnection, exc: Exception) -> None:
         """The pump could not start (its descriptors are closed): the end, as an error."""
         if isinstance(exc, OSError):
-            # Out of descriptors for a pipe (EMFILE), or the client reset before
+            # The epoll set refused the descriptors, or the client reset before
             # getsockname(). The accept loop backs off by itself when descriptors run out.
             log.debug("%s: %s", self.pool.name, exc)
-            c.error = exc
         else:
             record("connection", exc, self.pool.name)
         c.end("error")
@@ -659,15 +626,14 @@ class Handler:
     # -- the end -------------------------------------------------------------------------
 
     def _pumped(self, p: Pump) -> None:
-        """The reactor's report that an established connection is over (both
-        descriptors are closed by then). Called from the reactor, a deadline or
-        Flow.close(): it must not raise (end() does not)."""
+        """The pump's on_end: an established connection is over (both descriptors are
+        closed by then). Called from the reactor, its idle timer, or whoever closed the
+        pump or changed its idle timeout -- or from within open(), before `c.pump` is
+        set, if the pump ended at once: it must not raise (end() does not)."""
         live = self._live
-        live.discard(p)
-        # Pump.flow is a Flow; every pump started here carries a ClientConnection.
-        # (end() and _ended() inline here saved two frames, ~0.2 us a connection, but
-        # made a second copy of the end's counting: one copy it is.)
-        p.flow.end(p.outcome or "error")  # type: ignore[attr-defined]  # see above
+        c = live.pop(p.client_fd)
+        c.pump = p
+        c.end(p.outcome or "error")
         if not live and self._empty is not None:
             self._empty.set()
 
@@ -723,8 +689,8 @@ class Handler:
                 self._empty = trio.Event()
                 await self._empty.wait()
         except BaseException:
-            for p in list(self._live):
-                p.flow.close()  # outcome "cancelled", reported through _pumped
+            for c in list(self._live.values()):
+                c.close()  # outcome "cancelled", reported through _pumped
             raise
         finally:
             self._guarded = False

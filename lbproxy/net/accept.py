@@ -25,7 +25,7 @@ import trio
 from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
 from lbproxy.net.descriptors import ClientCount
-from lbproxy.net.pump import reactor
+from lbproxy.net.reactor import reactor
 
 __all__ = [
     "ACCEPT_BACKOFF",
@@ -234,10 +234,11 @@ class ReactorAcceptor:
     data plane's listeners.
 
     The listening descriptor sits in the reactor's epoll set beside the pumps' sockets
-    (`_Reactor.listen`), so a wake-up that finds clients waiting and bytes to move costs
-    one trio round, not one per task: under new-connection load the accept task's own
-    wake-ups were most of trio's rounds (strace -c: 0.44 of the 2.44 epoll_ctl per
-    connection were trio re-arming the two waits). Each readiness report accepts a
+    (`Reactor.listen`, with `on_event` as its callback), so a wake-up that finds clients
+    waiting and bytes to move costs one trio round, not one per task: under
+    new-connection load the accept task's own wake-ups were most of trio's rounds
+    (strace -c: 0.44 of the 2.44 epoll_ctl per connection were trio re-arming the two
+    waits). Each readiness report accepts a
     batch (``ACCEPT_BATCH`` at most; a backlog left over is reported again, the set is
     level-triggered), each client handed to ``owner.accept_client`` as accept_loop does.
     The back-off stays in a task: an accept that fails for want of capacity takes the
@@ -288,7 +289,7 @@ class ReactorAcceptor:
                 self.failure = None
                 self.wake = trio.Event()
                 try:
-                    self.reactor.listen(self.fd, self)
+                    self.reactor.listen(self.fd, self.on_event)
                 except OSError:  # closed meanwhile (during a back-off), not by stop()
                     return
                 await self.wake.wait()
@@ -302,7 +303,7 @@ class ReactorAcceptor:
 
     def stop(self) -> None:
         """Stop accepting now (idempotent): out of the reactor's set, `serve` returns."""
-        self.reactor.unlisten(self.fd, self)
+        self.reactor.unlisten(self.fd, self.on_event)
         self.wake.set()
 
     def on_event(self, fd: int, events: int) -> None:
@@ -314,7 +315,7 @@ class ReactorAcceptor:
         except BlockingIOError:  # another process's accept took them (workers)
             return
         except OSError as exc:  # out of capacity, or closed: serve() decides
-            self.reactor.unlisten(self.fd, self)
+            self.reactor.unlisten(self.fd, self.on_event)
             self.failure = exc
             self.wake.set()
             return
@@ -323,6 +324,3 @@ class ReactorAcceptor:
             return
         if self.errors.burst:
             self.errors.recovered()
-
-    def crashed(self, exc: BaseException) -> None:
-        """The reactor's barrier (on_event lets nothing through but cancellation)."""

@@ -34,7 +34,7 @@ WHERE = (
     "connection",  # a client connection, before its end (pick, take, connect, PROXY, pump start)
     "connection_end",  # a connection's end: counting, access log, the lease
     "pump",  # the reactor moving a connection's bytes
-    "deadline",  # a deadline's callback (idle timeouts, the sweep)
+    "deadline",  # a deadline's callback (idle timeouts, UDP's sweep, the pumps' idle timer)
     "route",  # the SNI pre-read of a shared address
     "check",  # one health check
     "poll",  # one SNMP poll (the poller restarts)

@@ -1,11 +1,13 @@
 """Which implementation of the connection path runs: compiled (C) or pure Python.
 
-The reactor's inner loop (one epoll batch, a splice direction's move) and the accept
-loop's accept4 have a C version, ``lbproxy.net._cpump`` (lbproxy/net/_cpump.c), built by
+The pump and its reactor (net/reactor.py's `Reactor` and `Pump`: one API, two
+implementations), the accept loop's accept4 batch, the connect to a real server and the
+run's clock have a C version, ``lbproxy.net._cpump`` (lbproxy/net/_cpump.c), built by
 ``pip install`` when a C compiler and the Python headers are there (an optional
-extension: a failed build still installs lbproxy). It works on the pure path's own
-objects and hands every decision back to them, so both behave the same; the C one only
-costs less per connection and per chunk (docs/benchmarks.md, issue 26).
+extension: a failed build still installs lbproxy). The pure one (net/pure_pump.py and
+the pure branches of accept.py and connection.py) behaves the same -- the pump's two
+are checked against each other by tests/integration/test_pump_differential.py; the C one
+only costs less per connection and per chunk (docs/benchmarks.md).
 
 It is used when it imports; ``LBPROXY_PURE=1`` in the environment forces pure Python.
 ``lbproxy --version`` says which one runs.

@@ -2,12 +2,13 @@
 
 A trio cancel scope with a deadline is the usual way to time something out, but one per
 connection costs about 0.7 kB for the connection's whole life and ~6 us to enter and
-leave. The pump (pump.py) needs a deadline per connection -- its idle timeout -- and
-nothing else from a scope, so its deadlines live here instead: a heap of
+leave. A UDP session's idle timeout and a queued client's wait need a deadline each and
+nothing else from a scope, so their deadlines live here instead: a heap of
 ``(deadline, sequence, entry)`` served by one system task per trio run, which calls
 ``target.ring()`` when a deadline passes. Ringing does not cancel anything; the target
-decides what the deadline means (the pump checks whether it really was idle that long,
-and schedules itself again if not).
+decides what the deadline means (a session checks whether it really was idle that long,
+and schedules itself again if not). (The TCP pumps' idle deadlines are their reactor's
+own, the same idea in C: net/reactor.py.)
 
 Cancelling a deadline only marks its entry dead (O(1)); dead entries are dropped when
 they reach the top of the heap, and the heap is rebuilt without them once they are the

@@ -1,7 +1,7 @@
 """The pump reactor waits in trio's place: one epoll_wait when trio has nothing to run.
 
-The reactor (pump.py) keeps every pumped socket in its own epoll set. Served as a trio
-task, each wake-up costs a trio round -- trio's epoll_wait reporting the set's
+The reactor (net/reactor.py) keeps every pumped socket in its own epoll set. Served as
+a trio task, each wake-up costs a trio round -- trio's epoll_wait reporting the set's
 descriptor, rescheduling the task, stepping it, the task's ``epoll_ctl`` to re-arm --
 about 5 us of Python. A proxy that is busy but not saturated goes idle between most
 bursts, so keep-alive traffic paid that round 0.22 times a request, half of lbproxy's
@@ -54,16 +54,16 @@ from typing import Any
 import outcome
 import trio
 
-__all__ = ["TrioWait", "install"]
+__all__ = ["TrioWait", "clock_offset", "install"]
 
 # A batch: block up to this many milliseconds (0: do not block) for the reactor's
-# events, handle them, return how many there were.
+# events, handle them (and pass on the FINs read in it), return how many there were.
 Batch = Callable[[int], int]
-# cpump.wait with the reactor's arguments bound: (trio_fd, timeout, offset,
-# next_deadline, runq, fins, send_fins) -> True if trio's descriptor is ready.
-CompiledWait = Callable[
-    [int, float, float, Callable[[], float], Any, list[Any], Callable[[], None]], bool
-]
+# The C reactor's wait: (trio_fd, timeout, offset, next_deadline, runq) -> True if
+# trio's descriptor is ready.
+CompiledWait = Callable[[int, float, float, Callable[[], float], Any], bool]
+# The reactor's listen / unlisten: (fd, callback(fd, events)).
+Listen = Callable[[int, Callable[[int, int], object]], None]
 
 
 class _TrioReady:
@@ -78,9 +78,6 @@ class _TrioReady:
     def on_event(self, fd: int, events: int) -> None:
         self.fired = True
 
-    def crashed(self, exc: BaseException) -> None:  # an EventReader's; on_event cannot raise
-        pass
-
 
 class TrioWait(trio.abc.Instrument):
     """The hook, installed for one trio run and one reactor (see the module's doc)."""
@@ -89,10 +86,8 @@ class TrioWait(trio.abc.Instrument):
         self,
         runner: Any,
         batch: Batch,
-        fins: list[Any],
-        send_fins: Callable[[], None],
-        epoll: select.epoll,
-        readers: dict[int, Any],
+        listen: Listen,
+        unlisten: Listen,
         compiled_wait: CompiledWait | None,
         system_clock: type,
     ) -> None:
@@ -107,27 +102,21 @@ class TrioWait(trio.abc.Instrument):
         self._offset: float | None = clock.offset if own_clock else None
         self._wake = runner.io_manager.force_wakeup
         self._batch = batch
-        self._fins = fins  # FINs a batch read, passed on after it (pump.py's Pump)
-        self._send_fins = send_fins
-        # _wait's loop in C (cpump.wait), for trio's own clock: no Python frame per batch
-        # but next_deadline's.
+        # _wait's loop in C (the C reactor's wait), for trio's own clock: no Python frame
+        # per batch but next_deadline's.
         self._compiled_wait = compiled_wait if self._offset is not None else None
-        self._epoll = epoll
-        self._readers = readers
+        self._unlisten = unlisten
         self._trio_fd = runner.io_manager._epoll.fileno()
         self._ready = _TrioReady()
         self._task: Any = None  # the reactor's task while it is parked
         self._given_back: outcome.Outcome[None] | None = None
-        epoll.register(self._trio_fd, select.EPOLLIN)
-        readers[self._trio_fd] = self._ready
+        listen(self._trio_fd, self._ready.on_event)
         trio.lowlevel.add_instrument(self)
 
     def before_io_wait(self, timeout: float) -> None:
         try:
             if timeout <= 0:
                 self._batch(0)
-                if self._fins:
-                    self._send_fins()
                 return
             self._wait(timeout)
         except BaseException as exc:  # an instrument that raises is dropped by trio
@@ -135,13 +124,11 @@ class TrioWait(trio.abc.Instrument):
             self._wake()  # the reactor's task is runnable: trio must not block
 
     def _wait(self, timeout: float) -> None:
-        ready, runq, batch, fins = self._ready, self._runq, self._batch, self._fins
+        ready, runq, batch = self._ready, self._runq, self._batch
         next_deadline, offset, now = self._next_deadline, self._offset, time.perf_counter
         if self._compiled_wait is not None:
             assert offset is not None
-            if self._compiled_wait(
-                self._trio_fd, timeout, offset, next_deadline, runq, fins, self._send_fins
-            ):
+            if self._compiled_wait(self._trio_fd, timeout, offset, next_deadline, runq):
                 return  # trio's own wait sees its events at once
             self._woken_after_wait()
             return
@@ -159,8 +146,6 @@ class TrioWait(trio.abc.Instrument):
                 break
             # Rounded up, as trio's own epoll wait rounds: never back before the deadline.
             batch(min(math.ceil(left * 1000.0), 86_400_000))
-            if fins:
-                self._send_fins()
             if ready.fired:
                 return  # trio's own wait sees its events at once
             if runq:
@@ -181,12 +166,10 @@ class TrioWait(trio.abc.Instrument):
             return
         self._given_back = result
         trio.lowlevel.remove_instrument(self)
-        if self._readers.get(self._trio_fd) is self._ready:
-            del self._readers[self._trio_fd]
         # The task will wait on the reactor's descriptor in trio's set: trio's own
         # descriptor must leave the reactor's first (epoll refuses a loop, ELOOP).
         with contextlib.suppress(OSError, ValueError):  # the set is closed already
-            self._epoll.unregister(self._trio_fd)
+            self._unlisten(self._trio_fd, self._ready.on_event)
         if self._task is not None:
             task, self._task = self._task, None
             trio.lowlevel.reschedule(task, result)
@@ -217,16 +200,14 @@ class TrioWait(trio.abc.Instrument):
 
 def install(
     batch: Batch,
-    fins: list[Any],
-    send_fins: Callable[[], None],
-    epoll: select.epoll,
-    readers: dict[int, Any],
+    listen: Listen,
+    unlisten: Listen,
     compiled_wait: CompiledWait | None = None,
 ) -> TrioWait | None:
     """Install the hook for the current trio run, or None where trio's internals are
     not the ones this module reads (then the reactor stays a task). `batch(timeout_ms)`
-    handles one batch; `send_fins()` passes on the FINs it left in `fins`;
-    `compiled_wait`, if any, is the whole wait in C."""
+    handles one batch; `listen` / `unlisten` put trio's own descriptor in the reactor's
+    set and take it out; `compiled_wait`, if any, is the whole wait in C."""
     try:
         # internals, checked here: an ImportError or AttributeError leaves the task
         from trio._core._run import GLOBAL_RUN_CONTEXT, SystemClock
@@ -246,4 +227,18 @@ def install(
         )
     except (ImportError, AttributeError):  # outside a run, or another trio
         return None
-    return TrioWait(runner, batch, fins, send_fins, epoll, readers, compiled_wait, SystemClock)
+    return TrioWait(runner, batch, listen, unlisten, compiled_wait, SystemClock)
+
+
+def clock_offset(clock: object) -> float | None:
+    """The offset of trio's own SystemClock (its time is that plus
+    time.perf_counter(), which the C reactor computes itself), None for any other
+    clock (a test's MockClock), which must be called."""
+    try:
+        from trio._core._run import SystemClock
+    except ImportError:  # another trio: call the clock
+        return None
+    if type(clock) is not SystemClock:
+        return None
+    offset = clock.offset
+    return offset if type(offset) is float else None

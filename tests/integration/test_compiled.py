@@ -1,15 +1,17 @@
-"""The compiled connection path (issue 26, lbproxy/net/_cpump.c) and its pure twin.
+"""The compiled connection path (lbproxy/net/_cpump.c) and its pure twin.
 
-The accept4 tests need the C extension (built by `pip install -e .`). The others run on
-whichever path this process uses -- compiled by default, pure under LBPROXY_PURE=1
-(scripts/test runs this file both ways): a bug met while moving bytes ends that
-connection only, counted by the exception barrier, and the reactor serves the others.
-Real loopback TCP sockets; the bug is a flow whose byte counter raises.
+The accept4 and clock tests need the C extension (built by `pip install -e .`). The
+pump tests run on both implementations of its API (the pure one by making it the one
+new reactors use): a bug met while moving bytes ends that connection only, counted by
+the exception barrier, and the reactor serves the others; the start, the FINs, the end
+and its one on_end; counts on high and reused descriptor numbers. Real loopback TCP
+sockets; the bug is a clock that raises once.
 """
 
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import resource
 import socket
@@ -18,10 +20,11 @@ import pytest
 import trio
 import trio.testing
 
-from lbproxy.net import compiled
+from lbproxy.net import compiled, pure_pump
 from lbproxy.net import pump as pump_module
+from lbproxy.net import reactor as reactor_module
 from lbproxy.net.barrier import internal_errors
-from lbproxy.net.pump import Flow, pump
+from lbproxy.net.pump import Flow
 from tests.integration.harness import compiled_path_expected
 
 pytestmark = pytest.mark.integration
@@ -73,84 +76,16 @@ class Injected(Exception):
     """The bug we inject."""
 
 
-class FaultyFlow(Flow):
-    """A flow whose client -> server counter raises once it would pass `fail_at`."""
-
-    __slots__ = ("_in", "fail_at")
-
-    def __init__(self, fail_at: int) -> None:
-        self.fail_at = fail_at
-        super().__init__()
-
-    @property  # type: ignore[override]
-    def bytes_in(self) -> int:
-        return self._in
-
-    @bytes_in.setter
-    def bytes_in(self, value: int) -> None:
-        if value > self.fail_at:
-            raise Injected(f"bytes_in {value}")
-        self._in = value
-
-
-def test_a_bug_while_moving_bytes_ends_that_connection_only():
-    async def main():
-        errors_before = internal_errors().counts["pump"]
-        bad_client, bad_proxy_side = tcp_pair()
-        bad_server_side, bad_server = tcp_pair()
-        good_client, good_proxy_side = tcp_pair()
-        good_server_side, good_server = tcp_pair()
-        sockets = [bad_client, bad_proxy_side, bad_server_side, bad_server]
-        sockets += [good_client, good_proxy_side, good_server_side, good_server]
-        for s in sockets:
-            s.setblocking(False)
-        try:
-            trio_socket = trio.socket.from_stdlib_socket
-            results: dict[str, object] = {}
-
-            async def run(name, a, b, flow):
-                try:
-                    results[name] = await pump(trio_socket(a), trio_socket(b), flow)
-                except Injected as exc:
-                    results[name] = exc
-
-            good_flow = Flow()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run, "bad", bad_proxy_side, bad_server_side, FaultyFlow(3))
-                nursery.start_soon(run, "good", good_proxy_side, good_server_side, good_flow)
-                await trio.sleep(0.05)
-                bad_client.send(b"0123456789")  # 10 > 3: the counter raises
-                good_client.send(b"ping")
-                with trio.fail_after(5):
-                    await trio.lowlevel.wait_readable(good_server)
-                    assert good_server.recv(10) == b"ping"
-                    while "bad" not in results:
-                        await trio.sleep(0.01)
-                # the other connection still works, both ways, after the bug
-                good_server.send(b"pong")
-                with trio.fail_after(5):
-                    await trio.lowlevel.wait_readable(good_client)
-                    assert good_client.recv(10) == b"pong"
-                good_client.shutdown(socket.SHUT_WR)
-                good_server.shutdown(socket.SHUT_WR)
-            assert isinstance(results["bad"], Injected)
-            assert results["good"] == "closed"
-            assert (good_flow.bytes_in, good_flow.bytes_out) == (4, 4)
-            assert internal_errors().counts["pump"] == errors_before + 1
-        finally:
-            for s in sockets:
-                s.close()
-
-    trio.run(main)
-
-
 def test_the_path_in_use_is_the_one_the_environment_asks_for():
     expected = "compiled" if compiled_path_expected() else "pure"
     assert expected == compiled.IMPLEMENTATION
     assert (compiled.cpump is not None) == (expected == "compiled")
+    assert reactor_module.implementation() is (
+        compiled.cpump if expected == "compiled" else pure_pump
+    )
 
 
-# ------------------------------------------- one pump object per connection (issue 26)
+# -------------------------------------------------- the pump's API, on both implementations
 
 IMPLEMENTATIONS = [
     pytest.param("compiled", marks=needs_c),
@@ -159,11 +94,12 @@ IMPLEMENTATIONS = [
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
-def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which pump new_pump() makes: "pure" hides the C extension from pump.py."""
-    if request.param == "pure":
-        monkeypatch.setattr(pump_module, "cpump", None)
-    return str(request.param)
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """The implementation whose reactor a new run gets ("pure": the pure one even on
+    the compiled path)."""
+    impl = compiled.cpump if request.param == "compiled" else pure_pump
+    monkeypatch.setattr(reactor_module, "_implementation", impl)
+    return impl
 
 
 def _closed(fd: int) -> bool:
@@ -174,49 +110,90 @@ def _closed(fd: int) -> bool:
     return False
 
 
-def test_new_pump_is_one_c_object_on_the_compiled_path(implementation):
+def pump_pair():
+    """(client, server, proxy_client_fd, proxy_server_fd): two connected loopback pairs,
+    the proxy's sides as plain non-blocking descriptors for a pump."""
+    client, proxy_client = tcp_pair()
+    proxy_server, server = tcp_pair()
+    for s in (proxy_client, proxy_server):
+        s.setblocking(False)
+    return client, server, proxy_client.detach(), proxy_server.detach()
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+def test_the_runs_reactor_is_the_implementations_and_close_closes_both_descriptors(
+    implementation,
+):
     async def main():
-        client, proxy_client = tcp_pair()
-        proxy_server, server = tcp_pair()
+        client, server, a, b = pump_pair()
         try:
-            p = pump_module.new_pump(
-                proxy_client.detach(), proxy_server.detach(), Flow(), close_sockets=True
-            )
-            if implementation == "compiled":
-                assert type(p) is compiled.cpump.Pump
-            else:
-                assert type(p) is pump_module.Pump
+            r = pump_module.reactor()
+            assert type(r) is implementation.Reactor
+            assert pump_module.reactor() is r  # one per run
+            ended = []
+            p = r.open(a, b, b"", 30.0, ended.append)
+            assert p.outcome is None and r.pumps == 1
             p.close()
-            assert _closed(p.client_fd) and _closed(p.server_fd)
+            assert ended == [p] and p.outcome == "cancelled" and r.pumps == 0
+            assert _closed(a) and _closed(b)
+            p.close()  # once only
+            assert ended == [p]
         finally:
-            for s in (client, server):
-                s.close()
+            client.close()
+            server.close()
 
     trio.run(main)
 
 
-def test_start_preamble_fins_and_end_call_on_end_once_with_both_descriptors_closed(
-    implementation,
-):
-    """What moved into C: the start (both descriptors watched, the preamble written
-    first and not counted), the two FINs, the close and one on_end -- the same on both."""
+def test_the_end_of_the_run_ends_its_open_pumps(implementation):
+    """A pump still open when its trio run ends (its reactor closes with the run) ends
+    "cancelled", both descriptors closed, its on_end called: nothing leaks past a run."""
+    client, server, a, b = pump_pair()
+    ended = []
 
     async def main():
-        client, proxy_client = tcp_pair()
-        proxy_server, server = tcp_pair()
-        fds = (proxy_client.detach(), proxy_server.detach())
+        pump_module.reactor().open(a, b, b"", 30.0, lambda p: ended.append(p.outcome))
+        client.sendall(b"ping")
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(server)
+        assert server.recv(10) == b"ping"
+
+    try:
+        trio.run(main)
+        assert ended == ["cancelled"]
+        assert _closed(a) and _closed(b)
+        assert server.recv(10) == b""  # closed, as a pump's end closes: a FIN
+    finally:
+        client.close()
+        server.close()
+
+
+def test_initial_bytes_fins_and_end_call_on_end_once_with_both_descriptors_closed(
+    implementation,
+):
+    """The start (both descriptors watched, the initial bytes written first, the PROXY
+    header among them not counted), the two FINs, the end and one on_end."""
+
+    async def main():
+        client, server, a, b = pump_pair()
         ended = []
         try:
+            header = b"PROXY UNKNOWN\r\n"
             flow = Flow(30.0)
-            p = pump_module.new_pump(
-                *fds,
-                flow,
-                preamble=b"PROXY UNKNOWN\r\n",
-                initial_client_bytes=b"early ",
-                close_sockets=True,
+            p = pump_module.reactor().open(
+                a,
+                b,
+                header + b"early ",
+                flow.idle_timeout,
+                lambda q: ended.append((q.outcome, _closed(a), _closed(b))),
+                len(header),
             )
-            p.on_end = lambda q: ended.append((q.outcome, _closed(fds[0]), _closed(fds[1])))
-            p.start()
+            flow.pump = p
             assert p.outcome is None and flow.pumping
             client.sendall(b"request")
             client.shutdown(socket.SHUT_WR)
@@ -228,9 +205,7 @@ def test_start_preamble_fins_and_end_call_on_end_once_with_both_descriptors_clos
             assert got == b"PROXY UNKNOWN\r\nearly request"
             server.sendall(b"response")
             server.shutdown(socket.SHUT_WR)
-            with trio.fail_after(5):
-                while not ended:
-                    await trio.sleep(0.01)
+            await until(lambda: ended)
             assert ended == [("closed", True, True)]
             assert client.recv(100) == b"response"
             assert client.recv(100) == b""  # the FIN passed on
@@ -249,29 +224,21 @@ def test_an_exception_in_on_end_is_recorded_and_the_reactor_goes_on(implementati
 
     async def main():
         before = internal_errors().counts.get("connection_end", 0)
-        pairs = []
-        for _ in range(2):
-            client, proxy_client = tcp_pair()
-            proxy_server, server = tcp_pair()
-            pairs.append((client, server, proxy_client.detach(), proxy_server.detach()))
+        pairs = [pump_pair() for _ in range(2)]
         ended = []
 
         def bad(_):
             raise Injected("on_end")
 
         try:
-            pumps = []
-            for i, (_, _, a, b) in enumerate(pairs):
-                p = pump_module.new_pump(a, b, Flow(), close_sockets=True)
-                p.on_end = bad if i == 0 else ended.append
-                p.start()
-                pumps.append(p)
+            pumps = [
+                pump_module.reactor().open(a, b, b"", math.inf, bad if i == 0 else ended.append)
+                for i, (_, _, a, b) in enumerate(pairs)
+            ]
             for client, server, _, _ in pairs:
                 client.shutdown(socket.SHUT_WR)
                 server.shutdown(socket.SHUT_WR)
-            with trio.fail_after(5):
-                while not ended or pumps[0].outcome is None:
-                    await trio.sleep(0.01)
+            await until(lambda: ended and pumps[0].outcome is not None)
             assert ended == [pumps[1]]
             assert pumps[0].outcome == pumps[1].outcome == "closed"
             assert internal_errors().counts["connection_end"] == before + 1
@@ -291,21 +258,16 @@ def test_flow_close_and_idle_timeout_end_the_pump(implementation):
         outcomes = []
         keep = []
         for how in ("close", "idle"):
-            client, proxy_client = tcp_pair()
-            proxy_server, server = tcp_pair()
+            client, server, a, b = pump_pair()
             keep += [client, server]
             flow = Flow(0.2 if how == "idle" else 30.0)
-            p = pump_module.new_pump(
-                proxy_client.detach(), proxy_server.detach(), flow, close_sockets=True
+            flow.pump = pump_module.reactor().open(
+                a, b, b"", flow.idle_timeout, lambda q: outcomes.append(q.outcome)
             )
-            p.on_end = lambda q: outcomes.append(q.outcome)
-            p.start()
             if how == "close":
                 flow.close()
         try:
-            with trio.fail_after(5):
-                while len(outcomes) < 2:
-                    await trio.sleep(0.01)
+            await until(lambda: len(outcomes) == 2)
             assert outcomes == ["cancelled", "idle_timeout"]
         finally:
             for s in keep:
@@ -314,182 +276,96 @@ def test_flow_close_and_idle_timeout_end_the_pump(implementation):
     trio.run(main)
 
 
-# ------------------------------- the flow's counters, whatever the flow's class (issue 26)
-#
-# The C pump writes a Flow's bytes_in / bytes_out / last_activity straight into its
-# __slots__ when the class lets the generic attribute path do exactly that; these flows
-# do not, or stop doing so halfway, and must still see every byte counted.
+def test_a_bug_while_moving_bytes_ends_that_connection_only(implementation):
+    """A failure met while one connection's bytes move (here: the run's clock raising
+    once, read as a chunk is counted) ends that connection ("error", the exception in
+    pump.error), counted by the barrier in lbproxy_internal_errors_total{where="pump"};
+    the reactor goes on serving the others, both ways."""
+    fault: list[Exception] = []
 
+    async def main():
+        errors_before = internal_errors().counts["pump"]
+        current_time = trio.lowlevel.current_clock().current_time
 
-class PropertyFlow(Flow):
-    """bytes_in and bytes_out are properties over other slots (a subclass may do so)."""
+        def clock() -> float:
+            if fault:
+                raise fault.pop()
+            return current_time()
 
-    __slots__ = ("_in", "_out", "writes")
+        r = reactor_module.start(implementation, clock)
+        bad_client, bad_server, a, b = pump_pair()
+        good_client, good_server, c, d = pump_pair()
+        ended = []
+        try:
+            bad = r.open(a, b, b"", 30.0, ended.append)
+            good = r.open(c, d, b"", 30.0, ended.append)
+            good_client.sendall(b"ping")
+            with trio.fail_after(5):
+                await trio.lowlevel.wait_readable(good_server)
+            assert good_server.recv(10) == b"ping"
+            fault.append(Injected("the clock"))
+            bad_client.sendall(b"0123456789")
+            await until(lambda: bad.outcome is not None)
+            assert (bad.outcome, type(bad.error)) == ("error", Injected)
+            assert ended == [bad]
+            assert internal_errors().counts["pump"] == errors_before + 1
+            # the other connection still works, both ways, after the bug
+            good_server.sendall(b"pong")
+            with trio.fail_after(5):
+                await trio.lowlevel.wait_readable(good_client)
+            assert good_client.recv(10) == b"pong"
+            good_client.shutdown(socket.SHUT_WR)
+            good_server.shutdown(socket.SHUT_WR)
+            await until(lambda: good.outcome is not None)
+            assert good.outcome == "closed" and (good.bytes_in, good.bytes_out) == (4, 4)
+        finally:
+            for s in (bad_client, bad_server, good_client, good_server):
+                s.close()
 
-    def __init__(self) -> None:
-        self.writes = 0
-        super().__init__()
-
-    @property
-    def bytes_in(self) -> int:
-        return self._in
-
-    @bytes_in.setter
-    def bytes_in(self, value: int) -> None:
-        self.writes += 1
-        self._in = value
-
-    @property
-    def bytes_out(self) -> int:
-        return self._out
-
-    @bytes_out.setter
-    def bytes_out(self, value: int) -> None:
-        self.writes += 1
-        self._out = value
-
-
-class SetattrFlow(Flow):
-    """A __setattr__ that sees every assignment, then makes it."""
-
-    __slots__ = ("seen",)
-    seen: dict[str, int]
-
-    def __init__(self) -> None:
-        object.__setattr__(self, "seen", {})
-        super().__init__()
-
-    def __setattr__(self, name: str, value: object) -> None:
-        self.seen[name] = self.seen.get(name, 0) + 1
-        super().__setattr__(name, value)
-
-
-class DictFlow(Flow):
-    """No __slots__ of its own: instances have a __dict__, the counters stay slots."""
-
-
-class LateFlow(Flow):
-    """Gains a bytes_in property once a pump has counted into its slot (see below)."""
-
-    __slots__ = ("_late_in",)
-    _late_in: int
+    trio.run(main)
 
 
 UP = [b"a" * 100, b"b" * 5000, b"c" * 40000]  # the last is more than COPY_CHUNK: spliced
 DOWN = [b"x" * 300, b"y" * 30000, b"z" * 7]
 
 
-async def _pump_both_ways(flow: Flow) -> object:
-    """UP from the client to the server and DOWN back, a chunk at a time, through one
-    pump (new_pump: the C one on the compiled path); then both ends shut. Its outcome,
-    or the exception pump() raised."""
-    client, proxy_client = tcp_pair()
-    proxy_server, server = tcp_pair()
-    ends = [client, proxy_client, proxy_server, server]
-    for s in ends:
-        s.setblocking(False)
-    trio_socket = trio.socket.from_stdlib_socket
-    a, b = trio_socket(client), trio_socket(server)
-    outcome: list[object] = []
+def test_every_byte_is_counted_and_the_time_of_the_last(implementation):
+    """UP from the client to the server and DOWN back, a chunk at a time, then both
+    ends shut: every byte counted once, as an int, and last_activity within the run."""
 
-    async def run(cancel_scope: trio.CancelScope) -> None:
-        try:
-            outcome.append(await pump(trio_socket(proxy_client), trio_socket(proxy_server), flow))
-        except Exception as exc:  # what pump() raised: the outcome, and the end of it
-            outcome.append(exc)
-            cancel_scope.cancel()
-
-    async def relay(src, dst, chunk: bytes) -> None:
-        sent = 0
-        while sent < len(chunk):
-            sent += await src.send(chunk[sent:])
-        got = b""
-        while len(got) < len(chunk):
-            got += await dst.recv(65536)
-        assert got == chunk
-
-    try:
-        with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run, nursery.cancel_scope)
-                await trio.sleep(0.02)
-                for up, down in zip(UP, DOWN, strict=True):
-                    await relay(a, b, up)
-                    await relay(b, a, down)
-                a.shutdown(socket.SHUT_WR)
-                b.shutdown(socket.SHUT_WR)
-    finally:
-        a.close()
-        b.close()
-        for s in ends:
-            s.close()
-    return outcome[0]
-
-
-@pytest.mark.parametrize("flow_type", [Flow, PropertyFlow, SetattrFlow, DictFlow])
-def test_every_byte_is_counted_whatever_the_flows_class(implementation, flow_type):
     async def main():
-        flow = flow_type()
+        client, server, a, b = pump_pair()
+        for s in (client, server):
+            s.setblocking(False)
+        ts = trio.socket.from_stdlib_socket
+        ca, sa = ts(client), ts(server)
         started = trio.current_time()
-        assert await _pump_both_ways(flow) == "closed"
-        assert flow.bytes_in == sum(map(len, UP))
-        assert flow.bytes_out == sum(map(len, DOWN))
-        assert type(flow.bytes_in) is int and type(flow.bytes_out) is int
-        assert started <= flow.last_activity <= trio.current_time()
-        if isinstance(flow, PropertyFlow):  # each chunk went through the setters
-            assert flow.writes >= 2 + len(UP) + len(DOWN)
-        if isinstance(flow, SetattrFlow):  # and through __setattr__
-            assert flow.seen["bytes_in"] >= 1 + len(UP)
-            assert flow.seen["bytes_out"] >= 1 + len(DOWN)
-            assert flow.seen["last_activity"] >= 1 + len(UP) + len(DOWN)
+        p = pump_module.reactor().open(a, b, b"", 30.0, None)
 
-    trio.run(main)
+        async def relay(src, dst, chunk: bytes) -> None:
+            sent = 0
+            while sent < len(chunk):
+                sent += await src.send(chunk[sent:])
+            got = b""
+            while len(got) < len(chunk):
+                got += await dst.recv(65536)
+            assert got == chunk
 
-
-def test_a_flow_class_changed_after_pumping_is_counted_the_new_way(implementation):
-    """A class whose counter slot a pump has used, then given a bytes_in property: the
-    next pump counts through the property (the C pump's layout of the class is stale
-    and must not be used)."""
-    writes: list[int] = []
-
-    def get_in(self: LateFlow) -> int:
-        return self._late_in
-
-    def set_in(self: LateFlow, value: int) -> None:
-        writes.append(value)
-        self._late_in = value
-
-    async def main():
-        first = LateFlow()
-        assert await _pump_both_ways(first) == "closed"
-        assert first.bytes_in == sum(map(len, UP))
-        LateFlow.bytes_in = property(get_in, set_in)
         try:
-            second = LateFlow()
-            assert await _pump_both_ways(second) == "closed"
-            assert second.bytes_in == sum(map(len, UP))
-            assert writes[0] == 0 and writes[-1] == sum(map(len, UP))
-            assert len(writes) >= 1 + len(UP)
-            assert second.bytes_out == sum(map(len, DOWN))
+            with trio.fail_after(10):
+                for up, down in zip(UP, DOWN, strict=True):
+                    await relay(ca, sa, up)
+                    await relay(sa, ca, down)
+                ca.shutdown(socket.SHUT_WR)
+                sa.shutdown(socket.SHUT_WR)
+                await until(lambda: p.outcome is not None)
+            assert p.outcome == "closed"
+            assert (p.bytes_in, p.bytes_out) == (sum(map(len, UP)), sum(map(len, DOWN)))
+            assert type(p.bytes_in) is int and type(p.bytes_out) is int
+            assert started <= p.last_activity <= trio.current_time()
         finally:
-            del LateFlow.bytes_in  # Flow's slot again, for whoever runs next
-
-    trio.run(main)
-
-
-def test_an_unset_counter_ends_that_connection_with_attribute_error(implementation):
-    """A flow whose bytes_in slot was deleted: the first chunk's count raises
-    AttributeError (as `flow.bytes_in += n` does), the barrier ends that connection and
-    counts it; the process goes on."""
-
-    async def main():
-        errors_before = internal_errors().counts["pump"]
-        flow = Flow()
-        del flow.bytes_in
-        outcome = await _pump_both_ways(flow)
-        assert isinstance(outcome, AttributeError) and "bytes_in" in str(outcome)
-        assert flow.bytes_out == 0  # nothing came back: the connection ended
-        assert internal_errors().counts["pump"] == errors_before + 1
+            ca.close()
+            sa.close()
 
     trio.run(main)
 
@@ -506,9 +382,9 @@ def _free_descriptors(count: int, start: int) -> list[int]:
 
 
 def test_pumps_on_high_and_reused_descriptor_numbers_get_their_own_events(implementation):
-    """The reactor finds a descriptor's pump by its number (the C side keeps one int per
-    number, kept after the pump ends): pumps on numbers past 2,000, then two more on the
-    same numbers once the first ones closed them, each move their own bytes."""
+    """The reactor finds a descriptor's pump by its number: pumps on numbers past
+    2,000, then two more on the same numbers once the first ones closed them, each move
+    their own bytes."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 2200:
         pytest.skip(f"RLIMIT_NOFILE {soft}: no descriptor numbers past 2,000")
@@ -525,12 +401,11 @@ def test_pumps_on_high_and_reused_descriptor_numbers_get_their_own_events(implem
                     os.dup2(s.fileno(), fd)
                     os.set_blocking(fd, False)
                     s.close()
-                flow = Flow(30.0)
                 ended: list[object] = []
-                p = pump_module.new_pump(fds[0], fds[1], flow, close_sockets=True)
-                p.on_end = lambda q, ended=ended: ended.append(q.outcome)
-                p.start()
-                pumps.append((client, server, flow, ended, f"{round_}.{i}".encode()))
+                p = pump_module.reactor().open(
+                    fds[0], fds[1], b"", 30.0, lambda q, ended=ended: ended.append(q.outcome)
+                )
+                pumps.append((client, server, p, ended, f"{round_}.{i}".encode()))
             try:
                 for client, server, _, _, tag in pumps:
                     client.sendall(b"up " + tag)
@@ -547,26 +422,29 @@ def test_pumps_on_high_and_reused_descriptor_numbers_get_their_own_events(implem
                         server.shutdown(socket.SHUT_WR)
                     while not all(ended for _, _, _, ended, _ in pumps):
                         await trio.sleep(0.01)
-                for _, _, flow, ended, tag in pumps:
+                for _, _, p, ended, tag in pumps:
                     assert ended == ["closed"]
-                    assert (flow.bytes_in, flow.bytes_out) == (3 + len(tag), 5 + len(tag))
+                    assert (p.bytes_in, p.bytes_out) == (3 + len(tag), 5 + len(tag))
                 assert all(_closed(fd) for fd in numbers)  # free for the next round
             finally:
                 for client, server, *_ in pumps:
                     client.close()
                     server.close()
 
+    trio.run(main)
+
 
 @needs_c
 def test_the_c_clock_reads_the_runs_clock():
-    """_cpump.Clock (the connection handler's clock): trio's SystemClock computed in C,
-    the same clock as current_time(); any other clock (MockClock) called through."""
+    """The connection handler's clock (pump.run_clock(): _cpump.Clock on the compiled
+    path): trio's SystemClock computed in C, the same clock as current_time(); any
+    other clock (MockClock) called through."""
     clock_type = compiled.cpump.Clock
 
     async def system():
         current_time = trio.lowlevel.current_clock().current_time
-        clock = clock_type(current_time)
-        assert clock.native == 1
+        clock = pump_module.run_clock()
+        assert type(clock) is clock_type and clock.native == 1
         readings = []
         for _ in range(100):
             readings += [current_time(), clock()]
@@ -574,7 +452,7 @@ def test_the_c_clock_reads_the_runs_clock():
         assert all(type(r) is float for r in readings)
 
     async def mock():
-        clock = clock_type(trio.lowlevel.current_clock().current_time)
+        clock = pump_module.run_clock()
         assert clock.native == 0
         await trio.sleep(5)
         assert clock() == trio.current_time() == 5.0
@@ -589,51 +467,13 @@ def test_the_c_clock_reads_the_runs_clock():
         clock_type(42)
 
 
-@needs_c
-def test_a_c_pump_given_its_reactor_serves_as_one_that_looks_it_up():
-    """The handler passes the run's reactor to the C pump (no RunVar lookup per
-    connection): the pump is the same reactor's and moves the bytes."""
-
-    async def main():
-        client, proxy_client = tcp_pair()
-        proxy_server, server = tcp_pair()
-        reactor = pump_module._reactor()
-        ended = []
-        try:
-            p = compiled.cpump.Pump(
-                proxy_client.detach(), proxy_server.detach(), Flow(), b"", 0, True, True, reactor
-            )
-            assert p.reactor is reactor
-            p.on_end = ended.append
-            p.start()
-            client.sendall(b"ping")
-            client.shutdown(socket.SHUT_WR)
-            server.shutdown(socket.SHUT_WR)
-            with trio.fail_after(5):
-                while not ended:
-                    await trio.sleep(0.01)
-            assert p.outcome == "closed" and p.flow.bytes_in == 4
-            assert server.recv(100) == b"ping"  # moved by the reactor before it ended
-        finally:
-            client.close()
-            server.close()
-
-    trio.run(main)
-
-
 def test_a_last_activity_read_keeps_its_value_while_the_pump_goes_on(implementation):
-    """The C pump stores each chunk's time in the flow's last_activity, reusing the float
-    there when nothing else holds it; one that Python code read is its own: it keeps
-    its value while later chunks move the flow's on."""
+    """Each chunk's time is the pump's last_activity; a value Python code read is its
+    own: it keeps its value while later chunks move the pump's on."""
 
     async def main():
-        client, proxy_client = tcp_pair()
-        proxy_server, server = tcp_pair()
-        flow = Flow(30.0)
-        p = pump_module.new_pump(
-            proxy_client.detach(), proxy_server.detach(), flow, close_sockets=True
-        )
-        p.start()
+        client, server, a, b = pump_pair()
+        p = pump_module.reactor().open(a, b, b"", 30.0, None)
         try:
             held = []
             with trio.fail_after(5):
@@ -642,11 +482,11 @@ def test_a_last_activity_read_keeps_its_value_while_the_pump_goes_on(implementat
                     await trio.lowlevel.wait_readable(server)
                     assert server.recv(100) == b"tick"
                     if i % 2:  # every other chunk's time, held on to
-                        held.append((flow.last_activity, repr(flow.last_activity)))
+                        held.append((p.last_activity, repr(p.last_activity)))
                     await trio.sleep(0.01)
             assert [repr(value) for value, _ in held] == [text for _, text in held]
-            assert held[0][0] < held[1][0] == flow.last_activity
-            assert flow.bytes_in == 16
+            assert held[0][0] < held[1][0] == p.last_activity
+            assert p.bytes_in == 16
         finally:
             p.close()
             for s in (client, server):

@@ -1,18 +1,14 @@
 """lbproxy.net.pump over real loopback TCP connections, splice and fallback paths.
 
 Each test builds two real connections, (client, proxy_client) and (proxy_server,
-server), runs the pump between the two proxy-side sockets and plays client and server
-itself. Real clock under trio.fail_after; no mocks.
+server), runs a pump between the two proxy-side descriptors as the connection handler
+does (the run's reactor's ``open``, which owns both descriptors and reports the end to
+``on_end``) and plays client and server itself. Real clock under trio.fail_after; no
+mocks.
 
-The pump is used two ways, and the reset, half-close and descriptor tests run both
-(OWNERS): ``pump()`` (the caller closes the sockets after it returns), and the
-connection handler's ``Pump(fd, fd, close_sockets=True)`` with ``on_end`` (the pump
-closes both descriptors itself the moment it ends, and says so by callback).
-
-Every test runs on both implementations (IMPLEMENTATIONS): the C pump
-(``_cpump.Pump``, what ``new_pump`` gives on the compiled path with splice) and the
-pure-Python one, in the same process (the pure one by hiding the extension from
-pump.py); under LBPROXY_PURE=1 only the pure one.
+Every test runs on both implementations (IMPLEMENTATIONS): the C pump (lbproxy/net/
+_cpump.c) and the pure-Python one (lbproxy/net/pure_pump.py), in the same process (the
+pure one by making it the one new reactors use); under LBPROXY_PURE=1 only the pure one.
 """
 
 from __future__ import annotations
@@ -33,9 +29,10 @@ import trio.testing
 from trio.socket import SocketType
 
 from lbproxy.dataplane.proxy_header_io import read_proxy_header
-from lbproxy.net import compiled
+from lbproxy.net import compiled, pure_pump
 from lbproxy.net import pump as pump_mod
-from lbproxy.net.pump import Flow, Pump, close_idle_pipes, pump
+from lbproxy.net import reactor as reactor_mod
+from lbproxy.net.pump import Flow, Pump, close_idle_pipes, idle_pipes
 from lbproxy.wire.proxy_protocol import ProxyProtocolError, encode_v1, encode_v2
 
 pytestmark = pytest.mark.integration
@@ -48,12 +45,6 @@ MODES = [
     ),
     pytest.param(False, id="fallback"),
 ]
-OWNERS = [
-    pytest.param(False, id="pump"),  # pump(): the caller closes both sockets
-    pytest.param(True, id="owned"),  # Pump(close_sockets=True) + on_end: as in production
-]
-
-
 IMPLEMENTATIONS = [
     pytest.param(
         "compiled",
@@ -65,9 +56,9 @@ IMPLEMENTATIONS = [
 
 @pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
 def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which pump runs: "pure" hides the C extension from pump.py for the test."""
+    """Which pump runs: "pure" makes the pure one the one new reactors use."""
     if request.param == "pure":
-        monkeypatch.setattr(pump_mod, "cpump", None)
+        monkeypatch.setattr(reactor_mod, "_implementation", pure_pump)
     return str(request.param)
 
 
@@ -95,11 +86,6 @@ class Rig:
     proxy_server: SocketType
     server: SocketType
 
-    def close_proxy_side(self) -> None:
-        """What the connection handler does once pump has returned."""
-        self.proxy_client.close()
-        self.proxy_server.close()
-
 
 @asynccontextmanager
 async def rig() -> AsyncIterator[Rig]:
@@ -114,66 +100,62 @@ async def rig() -> AsyncIterator[Rig]:
 
 
 class PumpTask:
-    """The pump running in a nursery, its outcome and when it ended.
-
-    close_sockets=False: ``await pump(...)``. True: what the connection handler does --
-    both proxy-side sockets are detached to plain descriptors and handed to
-    ``Pump(close_sockets=True)``, whose ``on_end`` callback reports the end; the
-    callback also records whether both descriptors were closed by then."""
+    """The pump running as the connection handler runs it, its outcome and when it
+    ended: both proxy-side sockets detached to plain descriptors and handed to the
+    run's reactor (``open``), whose ``on_end`` reports the end -- and records whether
+    both descriptors were closed by then. `flow` is the pump's (``flow.pump``), as a
+    connection is. Cancelling run() closes the pump, as the handler's guard does."""
 
     def __init__(
-        self, r: Rig, flow: Flow, use_splice: bool, close_sockets: bool = False, **kw: object
+        self,
+        r: Rig,
+        flow: Flow,
+        use_splice: bool,
+        *,
+        preamble: bytes = b"",
+        initial_client_bytes: bytes = b"",
     ) -> None:
         self.rig = r
         self.flow = flow
-        self.close_sockets = close_sockets
-        self.kw = {"use_splice": use_splice, **kw}
+        self.use_splice = use_splice
+        self.preamble = preamble
+        self.initial = preamble + initial_client_bytes
         self.outcome: str | None = None
         self.started = trio.current_time()
         self.ended: float | None = None
         self.done = trio.Event()
         self.fds: tuple[int, int] | None = None
-        self.closed_at_end: bool | None = None  # owned mode: both fds closed at on_end
+        self.pump: Pump | None = None
+        self.closed_at_end: bool | None = None  # both fds closed at on_end
 
     async def run(self) -> None:
-        if not self.close_sockets:
-            r = self.rig
-            self.outcome = await pump(r.proxy_client, r.proxy_server, self.flow, **self.kw)
-            self._done()
-            return
-        # The connection handler's way (dataplane/connection.py): plain descriptors,
-        # owned by the pump from the constructor on.
         self.fds = (self.rig.proxy_client.detach(), self.rig.proxy_server.detach())
-        p = pump_mod.new_pump(*self.fds, self.flow, close_sockets=True, **self.kw)  # type: ignore[arg-type]
-        p.on_end = self._on_end
+        p = self.pump = pump_mod.reactor().open(
+            *self.fds,
+            self.initial,
+            self.flow.idle_timeout,
+            self._on_end,
+            len(self.preamble),
+            self.use_splice,
+        )
+        self.flow.pump = p
         try:
-            p.start()
-            if p.outcome is not None and p.on_end is not None:  # ended before it began
-                p.close()
-                p.on_end = None
-                self._on_end(p)
             await self.done.wait()
         finally:
-            p.close()  # cancelled: what the handler's guard does; a no-op once ended
+            p.close()  # cancelled: what the handler's guard does; nothing once ended
         assert self.closed_at_end, "on_end was called before both descriptors were closed"
 
     def _on_end(self, p: Pump) -> None:
         assert self.fds is not None
         self.closed_at_end = all(_closed(fd) for fd in self.fds)
-        self.outcome = p.outcome  # type: ignore[assignment]
-        self._done()
-
-    def _done(self) -> None:
+        self.outcome = p.outcome
         self.ended = trio.current_time()
         self.done.set()
 
-    def close_proxy_side(self) -> None:
-        """What the connection handler does once the pump has ended: close both
-        proxy-side sockets -- already closed by the pump in owned mode."""
-        if not self.close_sockets:
-            self.rig.close_proxy_side()
-        else:
-            assert self.closed_at_end, "the pump did not close both descriptors"
+    @property
+    def error(self) -> BaseException | None:
+        assert self.pump is not None
+        return self.pump.error
 
     @property
     def elapsed(self) -> float:
@@ -258,16 +240,13 @@ def test_20mb_both_ways_byte_exact(use_splice: bool) -> None:
         assert got["client"] == down
         assert (flow.bytes_in, flow.bytes_out) == (size, size)
         assert p.outcome == "closed"
-        assert flow.error is None
+        assert p.error is None
 
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_small_chunks_are_copied_and_a_bulk_transfer_is_spliced(
-    use_splice: bool, close_sockets: bool
-) -> None:
+def test_small_chunks_are_copied_and_a_bulk_transfer_is_spliced(use_splice: bool) -> None:
     """splice-auto (issue 26): a request and a response smaller than COPY_CHUNK are
     copied -- no pipe is ever made for them -- and a transfer whose reads fill it goes
     through pipes from then on (they are in the pool afterwards); without splice, never."""
@@ -278,7 +257,7 @@ def test_small_chunks_are_copied_and_a_bulk_transfer_is_spliced(
         close_idle_pipes()
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice, close_sockets)
+            p = PumpTask(r, flow, use_splice)
             with trio.fail_after(20):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -287,7 +266,7 @@ def test_small_chunks_are_copied_and_a_bulk_transfer_is_spliced(
                         assert await recv_exactly(r.server, len(request)) == request
                         await send_all(r.server, response, shut=False)
                         assert await recv_exactly(r.client, len(response)) == response
-                    assert pump_mod._idle_pipes == [], "a pipe was made for small chunks"
+                    assert idle_pipes() == [], "a pipe was made for small chunks"
 
                     async def stream() -> None:
                         await send_all(r.server, bulk, shut=False)
@@ -295,9 +274,9 @@ def test_small_chunks_are_copied_and_a_bulk_transfer_is_spliced(
                     n.start_soon(stream)
                     assert await recv_exactly(r.client, len(bulk)) == bulk
                     if use_splice:
-                        assert pump_mod._idle_pipes, "the bulk transfer was not spliced"
+                        assert idle_pipes(), "the bulk transfer was not spliced"
                     else:
-                        assert pump_mod._idle_pipes == []
+                        assert idle_pipes() == []
                     # back to small chunks: both ways still work, FINs and all
                     await send_all(r.client, request)
                     assert await recv_all(r.server) == request
@@ -313,16 +292,15 @@ def test_small_chunks_are_copied_and_a_bulk_transfer_is_spliced(
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_half_close_then_reply(use_splice: bool, close_sockets: bool) -> None:
+def test_half_close_then_reply(use_splice: bool) -> None:
     request = b"GET /big\r\n\r\n"
     reply = os.urandom(3 << 20)
 
     async def main() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice, close_sockets)
+            p = PumpTask(r, flow, use_splice)
             with trio.fail_after(10):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -340,14 +318,13 @@ def test_half_close_then_reply(use_splice: bool, close_sockets: bool) -> None:
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_half_close_server_first(use_splice: bool, close_sockets: bool) -> None:
+def test_half_close_server_first(use_splice: bool) -> None:
     """The mirror case: the server finishes first, the client keeps sending."""
 
     async def main() -> None:
         async with rig() as r:
-            p = PumpTask(r, Flow(idle_timeout=10), use_splice, close_sockets)
+            p = PumpTask(r, Flow(idle_timeout=10), use_splice)
             with trio.fail_after(10):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -361,11 +338,8 @@ def test_half_close_server_first(use_splice: bool, close_sockets: bool) -> None:
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_upload_after_both_fins_reaches_a_slow_server(
-    use_splice: bool, close_sockets: bool
-) -> None:
+def test_upload_after_both_fins_reaches_a_slow_server(use_splice: bool) -> None:
     """The server half-closes first; the client then uploads a lot and sends its FIN
     while the server reads slowly. When the client's FIN arrives the client socket has
     both halves shut (a hang-up) with upload bytes still unread behind a blocked write:
@@ -375,7 +349,7 @@ def test_upload_after_both_fins_reaches_a_slow_server(
     async def main() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice, close_sockets)
+            p = PumpTask(r, flow, use_splice)
             with trio.fail_after(20):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -395,13 +369,12 @@ def test_upload_after_both_fins_reaches_a_slow_server(
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_server_reset_closes_client_promptly(use_splice: bool, close_sockets: bool) -> None:
+def test_server_reset_closes_client_promptly(use_splice: bool) -> None:
     async def main() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice, close_sockets)
+            p = PumpTask(r, flow, use_splice)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -414,8 +387,8 @@ def test_server_reset_closes_client_promptly(use_splice: bool, close_sockets: bo
                     await p.done.wait()
                     assert trio.current_time() - t0 < 1.0
             assert p.outcome == "server_reset"
-            assert isinstance(flow.error, ConnectionResetError)
-            p.close_proxy_side()
+            assert isinstance(p.error, ConnectionResetError)
+            assert p.closed_at_end
             with trio.fail_after(1):
                 # An orderly close, at once: what the client already has stays valid.
                 assert await r.client.recv(100) == b""
@@ -423,13 +396,12 @@ def test_server_reset_closes_client_promptly(use_splice: bool, close_sockets: bo
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_client_reset_while_server_streams(use_splice: bool, close_sockets: bool) -> None:
+def test_client_reset_while_server_streams(use_splice: bool) -> None:
     async def main() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice, close_sockets)
+            p = PumpTask(r, flow, use_splice)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -447,22 +419,21 @@ def test_client_reset_while_server_streams(use_splice: bool, close_sockets: bool
                     linger0_close(r.client)
                     await p.done.wait()
                     assert p.outcome == "client_reset"
-                    p.close_proxy_side()
+                    assert p.closed_at_end
         assert flow.bytes_out >= 100_000
 
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_reset_after_half_close_is_noticed_at_once(use_splice: bool, close_sockets: bool) -> None:
+def test_reset_after_half_close_is_noticed_at_once(use_splice: bool) -> None:
     """The client sends its request and FIN, the server thinks; then the client resets.
     Nothing is read from the client any more, yet the pump ends at once, well before
     the idle timeout, and the server's socket is closed."""
 
     async def main() -> None:
         async with rig() as r:
-            p = PumpTask(r, Flow(idle_timeout=10), use_splice, close_sockets)
+            p = PumpTask(r, Flow(idle_timeout=10), use_splice)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -477,12 +448,11 @@ def test_reset_after_half_close_is_noticed_at_once(use_splice: bool, close_socke
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_idle_timeout(use_splice: bool, close_sockets: bool) -> None:
+def test_idle_timeout(use_splice: bool) -> None:
     async def main() -> None:
         async with rig() as r:
-            p = PumpTask(r, Flow(idle_timeout=0.3), use_splice, close_sockets)
+            p = PumpTask(r, Flow(idle_timeout=0.3), use_splice)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -539,12 +509,11 @@ def test_last_activity_is_the_runs_clock(use_splice: bool) -> None:
 
 @pytest.mark.parametrize("use_splice", MODES)
 @pytest.mark.parametrize("tick_at", [None, 3.0])
-def test_long_idle_timeout_armed_by_the_sweep_is_exact(use_splice: bool, tick_at) -> None:
-    """A timeout of a second or more is armed by the reactor's sweep of new connections
-    (_Reactor.defer), not when the pump starts; it still counts from the last activity,
-    neither early nor late. Virtual time: the clock jumps whenever every task waits."""
+def test_long_idle_timeout_is_exact(use_splice: bool, tick_at) -> None:
+    """An idle timeout counts from the last activity, neither early nor late, through
+    the reactor's idle timer (a trio deadline: the test clock's autojump sees it).
+    Virtual time: the clock jumps whenever every task waits."""
     timeout = 5.0
-    assert timeout >= pump_mod._DEFER_IDLE
 
     async def main() -> None:
         async with rig() as r:
@@ -565,12 +534,11 @@ def test_long_idle_timeout_armed_by_the_sweep_is_exact(use_splice: bool, tick_at
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_idle_timeout_bounds_half_closed(use_splice: bool, close_sockets: bool) -> None:
+def test_idle_timeout_bounds_half_closed(use_splice: bool) -> None:
     async def main() -> None:
         async with rig() as r:
-            p = PumpTask(r, Flow(idle_timeout=0.3), use_splice, close_sockets)
+            p = PumpTask(r, Flow(idle_timeout=0.3), use_splice)
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     n.start_soon(p.run)
@@ -616,21 +584,19 @@ def test_changing_idle_timeout_takes_effect(
 def test_cancellation_exits_promptly(use_splice: bool) -> None:
     async def main() -> None:
         async with rig() as r:
-            flow = Flow()
+            p = PumpTask(r, Flow(), use_splice)
             t0 = trio.current_time()
             with trio.move_on_after(0.2) as scope:
-                await pump(r.proxy_client, r.proxy_server, flow, use_splice=use_splice)
+                await p.run()
             assert scope.cancelled_caught
             assert trio.current_time() - t0 < 0.5
+            assert p.outcome == "cancelled" and p.closed_at_end
 
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(
-    use_splice: bool, close_sockets: bool
-) -> None:
+def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(use_splice: bool) -> None:
     """The server stops reading; the client keeps sending until everything is full and
     pump holds a chunk it cannot write. Cancelling then must close that pipe (it holds
     bytes), never pool it, and leak nothing."""
@@ -643,7 +609,7 @@ def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(
             flow = Flow()
             with trio.fail_after(10):
                 async with trio.open_nursery() as n:
-                    p = PumpTask(r, flow, use_splice, close_sockets)
+                    p = PumpTask(r, flow, use_splice)
                     n.start_soon(p.run)
 
                     async def flood() -> None:
@@ -659,30 +625,29 @@ def test_cancel_with_bytes_stuck_in_pipe_discards_that_pipe(
                         await trio.sleep(0.3)
                     if use_splice:
                         # One borrowed pipe, still holding the chunk it could not write.
-                        pooled = len(pump_mod._idle_pipes)
+                        pooled = len(idle_pipes())
                         assert fd_count() == baseline + 2 * pooled + 2
                     n.cancel_scope.cancel()
-            assert p.outcome is None  # cancelled, never returned
-            for rfd, _ in pump_mod._idle_pipes:
+            assert p.outcome == "cancelled"  # closed by the cancelled task
+            for rfd, _ in idle_pipes():
                 assert pipe_bytes(rfd) == 0
-            # owned: cancelling closed both proxy-side descriptors too
-            baseline -= 2 if close_sockets else 0
-            assert fd_count() == baseline + 2 * len(pump_mod._idle_pipes)
+            # cancelling closed both proxy-side descriptors too
+            baseline -= 2
+            assert fd_count() == baseline + 2 * len(idle_pipes())
             close_idle_pipes()
             assert fd_count() == baseline
 
     trio.run(main)
 
 
-@pytest.mark.parametrize("close_sockets", OWNERS)
 @pytest.mark.parametrize("use_splice", MODES)
-def test_no_fd_leak_over_many_connections(use_splice: bool, close_sockets: bool) -> None:
+def test_no_fd_leak_over_many_connections(use_splice: bool) -> None:
     payload = os.urandom(300_000)
 
     async def one() -> None:
         async with rig() as r:
             flow = Flow(idle_timeout=10)
-            p = PumpTask(r, flow, use_splice, close_sockets)
+            p = PumpTask(r, flow, use_splice)
             async with trio.open_nursery() as n:
                 n.start_soon(p.run)
                 n.start_soon(send_all, r.client, payload)
@@ -700,11 +665,11 @@ def test_no_fd_leak_over_many_connections(use_splice: bool, close_sockets: bool)
                 async with trio.open_nursery() as n:
                     for _ in range(40):
                         n.start_soon(one)
-                assert len(pump_mod._idle_pipes) <= pump_mod.MAX_IDLE_PIPES
-                assert fd_count() == baseline + 2 * len(pump_mod._idle_pipes)
+                assert len(idle_pipes()) <= pump_mod.MAX_IDLE_PIPES
+                assert fd_count() == baseline + 2 * len(idle_pipes())
         if use_splice:
-            assert pump_mod._idle_pipes, "the pool was never used"
-        for rfd, _ in pump_mod._idle_pipes:
+            assert idle_pipes(), "the pool was never used"
+        for rfd, _ in idle_pipes():
             assert pipe_bytes(rfd) == 0
         close_idle_pipes()
         assert fd_count() == baseline

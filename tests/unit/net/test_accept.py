@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import select
 import socket
 
 import pytest
@@ -148,15 +149,13 @@ def test_the_reactor_acceptor_stops_at_once_and_leaves_a_shared_socket_alone():
             with trio.fail_after(5):
                 await owner.got.wait()  # accepted in the reactor's batch
             reactor = pump.reactor()
-            assert reactor.pumps.get(sock.fileno()) is acceptor
-            fd = sock.fileno()
             acceptor.stop()
             sock.close()
             with trio.fail_after(5):
                 await connect(elsewhere.getsockname()[1])  # queued on the shared file
             await trio.sleep(0.1)  # the reactor's batches would have seen it by now
-            assert fd not in reactor.pumps
-            assert reactor.epoll.poll(0) == []  # nothing reported for the shared file
+            # nothing reported for the shared file
+            assert select.select([reactor.fileno()], [], [], 0)[0] == []
         # serve() returned by itself after stop(): the nursery exited
         assert len(owner.seen) == 1
         client, _ = elsewhere.accept()  # still there, for the socket's other owner
@@ -187,9 +186,8 @@ def test_the_reactor_acceptor_ends_if_its_socket_was_closed_during_a_back_off():
                 nursery.start_soon(acceptor.serve)
                 await trio.sleep(0.01)
                 acceptor.failure = OSError(24, "Too many open files")
-                acceptor.reactor.unlisten(acceptor.fd, acceptor)
+                acceptor.reactor.unlisten(acceptor.fd, acceptor.on_event)
                 acceptor.wake.set()  # as on_event does on EMFILE
-        assert acceptor.fd not in acceptor.reactor.pumps
 
     trio.run(main)
 

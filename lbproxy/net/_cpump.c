@@ -18,6 +18,12 @@
  * Exception (KeyboardInterrupt, trio's Cancelled) leaves a batch.
  */
 #define _GNU_SOURCE /* splice, accept4, pipe2 */
+
+/* What lbproxy/net/compiled.py expects (its C_API): raised with every change to what the
+ * Python side calls, so an extension built from an older source -- an editable install
+ * not rebuilt after a pull -- is set aside for the pure path instead of failing on a
+ * missing name mid-connection. */
+#define C_API 2
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -2392,7 +2398,8 @@ PyInit__cpump(void)
     if (m == NULL)
         return NULL;
     if (add_type(m, "Clock", &CClock_Type) < 0 || add_type(m, "ClientCount", &ClientCount_Type) < 0 ||
-        PyModule_AddIntConstant(m, "COPY_CHUNK", COPY_CHUNK) < 0 || pump_init(m) < 0) {
+        PyModule_AddIntConstant(m, "COPY_CHUNK", COPY_CHUNK) < 0 ||
+        PyModule_AddIntConstant(m, "C_API", C_API) < 0 || pump_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -9,8 +9,10 @@ the pure branches of accept.py and connection.py) behaves the same -- the pump's
 are checked against each other by tests/integration/test_pump_differential.py; the C one
 only costs less per connection and per chunk (docs/benchmarks.md).
 
-It is used when it imports; ``LBPROXY_PURE=1`` in the environment forces pure Python.
-``lbproxy --version`` says which one runs.
+It is used when it imports and was built from this source (its ``C_API`` is this
+module's: an extension left from an older checkout, not rebuilt, would miss names the
+Python side calls); ``LBPROXY_PURE=1`` in the environment forces pure Python.
+``lbproxy --version`` says which one runs, and why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from types import ModuleType
 __all__ = ["IMPLEMENTATION", "PURE_ENV", "cpump", "describe"]
 
 PURE_ENV = "LBPROXY_PURE"
+#: The _cpump interface this Python source calls (_cpump.c's C_API).
+C_API = 2
 
 cpump: ModuleType | None = None
 _why_pure = ""
@@ -31,6 +35,14 @@ else:
         from lbproxy.net import _cpump as cpump  # type: ignore[attr-defined,no-redef]  # built C, no stub
     except ImportError as exc:  # not built (no compiler at install time), or broken
         _why_pure = f"no compiled extension: {exc}"
+    else:
+        built_for = getattr(cpump, "C_API", None)
+        if built_for != C_API:
+            cpump = None
+            _why_pure = (
+                f"the compiled extension is stale (interface {built_for}, this source's "
+                f"{C_API}): rebuild it with pip install -e ."
+            )
 
 IMPLEMENTATION = "compiled" if cpump is not None else "pure"
 

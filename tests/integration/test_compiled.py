@@ -14,7 +14,10 @@ import fcntl
 import math
 import os
 import resource
+import shutil
 import socket
+import subprocess
+import sys
 
 import pytest
 import trio
@@ -25,7 +28,7 @@ from lbproxy.net import pump as pump_module
 from lbproxy.net import reactor as reactor_module
 from lbproxy.net.barrier import internal_errors
 from lbproxy.net.pump import Flow
-from tests.integration.harness import compiled_path_expected
+from tests.integration.harness import ROOT, compiled_path_expected
 
 pytestmark = pytest.mark.integration
 
@@ -493,3 +496,29 @@ def test_a_last_activity_read_keeps_its_value_while_the_pump_goes_on(implementat
                 s.close()
 
     trio.run(main)
+
+
+def test_an_extension_built_from_older_source_is_set_aside_for_the_pure_path(tmp_path):
+    """An editable install not rebuilt after a pull keeps an old _cpump: it imports, but
+    lacks what this source calls. lbproxy runs the pure path and says why, instead of
+    failing on a missing name at the first connection. The stale extension here is a
+    module of that name with an older interface number, in a copy of the package."""
+    copy = tmp_path / "lbproxy"
+    shutil.copytree(ROOT / "lbproxy", copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    (copy / "net" / "_cpump.py").write_text(f"C_API = {compiled.C_API - 1}\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("LBPROXY_PURE", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "lbproxy", "--version"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1] == (
+        "connection path: pure Python (the compiled extension is stale (interface "
+        f"{compiled.C_API - 1}, this source's {compiled.C_API}): rebuild it with "
+        "pip install -e .)"
+    )

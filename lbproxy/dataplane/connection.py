@@ -81,7 +81,7 @@ access_log = logging.getLogger("lbproxy.access")
 # (the pump needs only its descriptor, taken with detach() once connected).
 _new_socket = socket.SocketType
 _CONNECT_TYPE = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
-# On the compiled path (issue 26) the connect is one C call: socket, TCP_NODELAY, connect
+# On the compiled path the connect is one C call: socket, TCP_NODELAY, connect
 # and the getpeername that sees a completed handshake (_cpump.connect), to the struct
 # sockaddr made once per address (_cpump.sockaddr).
 _c_connect = cpump.connect if cpump is not None else None
@@ -114,8 +114,8 @@ class ClientConnection(Flow):
         self, handler: Handler, fd: int, source: tuple, config: VirtualServerConfig, now: float
     ) -> None:
         # Flow.__init__'s fields, set here: its call and its idle_timeout property setter
-        # cost 0.45 us, about 1 % of a connection's user CPU (docs/benchmarks.md, issue
-        # 22); tests/unit/dataplane/test_connection.py checks that every Flow field is
+        # would be a measurable share of a connection's user CPU (docs/benchmarks.md);
+        # tests/unit/dataplane/test_connection.py checks that every Flow field is
         # set, so the two cannot drift apart. The configuration's idle_timeout is a
         # number of seconds or math.inf already (the setter's check).
         self.pump: Pump | None = None
@@ -151,7 +151,7 @@ class ClientConnection(Flow):
         return STATES[self.state]
 
     def close(self) -> None:
-        # No cancel scope of its own (a scope costs ~0.7 kB for the connection's whole
+        # No cancel scope of its own (a scope costs memory for the connection's whole
         # life): while connecting, the connect wait's scope is cancelled and the
         # connection ends ("cancelled"); once established the pump ends ("cancelled").
         Flow.close(self)
@@ -488,7 +488,7 @@ class Handler:
         assert lease is not None
         rs = lease.server
         # Pool.established(lease), inline: one of rs's connections_total (a Python frame
-        # per connection saved, issue 26)
+        # per connection saved)
         rs.counters.connections_total += 1
         if not rs.health.clean:
             # a good connect ends a failure streak (or is a down server's trial)

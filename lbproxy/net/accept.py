@@ -142,7 +142,7 @@ def _accept_batch_for(sock: socket.socket, errors: AcceptErrors) -> _AcceptBatch
     ``clients.open >= clients.limit`` is closed at once and handed to
     ``owner.refuse_client(peer)`` to be counted: one integer compare per client.
 
-    Compiled (issue 26): ``_cpump.accept_batch``, accept4 with SOCK_NONBLOCK, one C call
+    Compiled: ``_cpump.accept_batch``, accept4 with SOCK_NONBLOCK, one C call
     per batch. Pure: `_accept` is socket.accept() without the socket object (Python
     frames, and a getsockname call CPython makes to check the descriptor): the data
     plane works on descriptors, and an owner that wants a socket object makes one.
@@ -230,7 +230,7 @@ async def accept_loop(
 
 
 class ReactorAcceptor:
-    """An accept loop whose accepts run in the pump reactor's batches (issue 26): the
+    """An accept loop whose accepts run in the pump reactor's batches: the
     data plane's listeners.
 
     The listening descriptor sits in the reactor's epoll set beside the pumps' sockets

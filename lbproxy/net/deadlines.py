@@ -1,9 +1,9 @@
 """Deadlines for many connections from one trio task and a heap.
 
 A trio cancel scope with a deadline is the usual way to time something out, but one per
-connection costs about 0.7 kB for the connection's whole life and ~6 us to enter and
-leave. A UDP session's idle timeout and a queued client's wait need a deadline each and
-nothing else from a scope, so their deadlines live here instead: a heap of
+connection costs memory for the connection's whole life and time to enter and leave
+(docs/benchmarks.md). A UDP session's idle timeout and a queued client's wait need a
+deadline each and nothing else from a scope, so their deadlines live here instead: a heap of
 ``(deadline, sequence, entry)`` served by one system task per trio run, which calls
 ``target.ring()`` when a deadline passes. Ringing does not cancel anything; the target
 decides what the deadline means (a session checks whether it really was idle that long,

@@ -3,9 +3,9 @@
 The reactor (net/reactor.py) keeps every pumped socket in its own epoll set. Served as
 a trio task, each wake-up costs a trio round -- trio's epoll_wait reporting the set's
 descriptor, rescheduling the task, stepping it, the task's ``epoll_ctl`` to re-arm --
-about 5 us of Python. A proxy that is busy but not saturated goes idle between most
-bursts, so keep-alive traffic paid that round 0.22 times a request, half of lbproxy's
-user time per request (perf's syscall tracepoints, issue 26; docs/benchmarks.md).
+all of it Python. A proxy that is busy but not saturated goes idle between most bursts,
+so keep-alive traffic would pay that round on a large share of its requests, and it was
+a large share of lbproxy's user time per request (docs/benchmarks.md).
 
 Instead, trio's loop calls `TrioWait.before_io_wait` -- trio's public instrument hook
 (`trio.abc.Instrument`), called just before trio blocks for I/O, with the time it is

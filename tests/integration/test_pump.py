@@ -247,7 +247,7 @@ def test_20mb_both_ways_byte_exact(use_splice: bool) -> None:
 
 @pytest.mark.parametrize("use_splice", MODES)
 def test_small_chunks_are_copied_and_a_bulk_transfer_is_spliced(use_splice: bool) -> None:
-    """splice-auto (issue 26): a request and a response smaller than COPY_CHUNK are
+    """splice-auto: a request and a response smaller than COPY_CHUNK are
     copied -- no pipe is ever made for them -- and a transfer whose reads fill it goes
     through pipes from then on (they are in the pool afterwards); without splice, never."""
     request, response = b"q" * 1000, b"r" * (pump_mod.COPY_CHUNK - 1)
@@ -484,7 +484,7 @@ def test_idle_timeout_counts_from_last_activity(use_splice: bool) -> None:
 @pytest.mark.parametrize("use_splice", MODES)
 def test_last_activity_is_the_runs_clock(use_splice: bool) -> None:
     """A chunk's time, written to the flow by the pump (the C pump reads trio's
-    SystemClock itself, issue 26), is trio.current_time() between the send and the
+    SystemClock itself), is trio.current_time() between the send and the
     receive: the same clock, offset included, so idle deadlines and the sweep agree."""
 
     async def main() -> None:

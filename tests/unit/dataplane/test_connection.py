@@ -1,4 +1,4 @@
-"""The connection lifecycle (issue 22 item 2): every state and every transition, driven
+"""The connection lifecycle: every state and every transition, driven
 through a real handler with real loopback sockets (a client, an echo real server).
 
 Each scenario runs one client through `Handler.accept` (the accept loop's call) or

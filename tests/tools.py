@@ -2,7 +2,7 @@
 
 On a developer's machine a test whose program is missing skips, naming the package. Under
 `CI=true` it fails instead: CI installs every one of them, so a skip there would only hide
-a broken install and let the suite pass without testing what it names (issue 21 item 7).
+a broken install and let the suite pass without testing what it names.
 """
 
 from __future__ import annotations

@@ -676,8 +676,8 @@ def run_cli(*args: str, timeout: float = 60.0, **kwargs) -> subprocess.Completed
 
 def compiled_path_expected() -> bool:
     """Whether this checkout's lbproxy should run the compiled connection path: its C
-    extension is built here (`pip install -e .` builds it in place; a checkout installed
-    before issue 26 has none) and LBPROXY_PURE does not force the pure one. CI
+    extension is built here (`pip install -e .` builds it in place; an install that did
+    not build it has none) and LBPROXY_PURE does not force the pure one. CI
     (CI=true) always builds it: there, a missing extension is a failure."""
     built = any((ROOT / "lbproxy" / "net").glob("_cpump*.so"))
     if not built and os.environ.get("CI") == "true":

@@ -72,7 +72,7 @@ def as_nobody_curl(*args: str) -> tuple[int, str]:
 def test_another_local_user_can_neither_read_a_file_nor_disable_a_server(
     name_servers, lbproxy, workers
 ):
-    """Issue 38's repro, as `nobody` with curl: over TCP without a token the endpoint is
+    """Another local user, `nobody` with curl: over TCP without a token the endpoint is
     read-only. The upgrade naming /etc/shadow and the PATCH to disabled are refused
     (403, naming token_file and the admin socket); nothing of /etc/shadow is quoted, no
     process is started, the server stays enabled."""

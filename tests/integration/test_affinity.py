@@ -102,8 +102,8 @@ def test_persistence_keeps_moves_and_forgets_clients_by_source_address(name_serv
 
 
 def test_a_sticky_client_does_not_move_round_robin(name_servers, processes):
-    # Issue 21 item 6: each sticky connection used to advance its server's rr turn, so
-    # after one client's ten connections to a, three new clients got b, c, b.
+    # A sticky connection must not advance its server's rr turn: were it to, after one
+    # client's ten connections to a, three new clients would get b, c, b.
     servers = name_servers("a", "b", "c")
     port, admin_port = free_port(), free_port()
     extra = f"{FAST_HEALTH}\npersistence: {{timeout: 30s}}"

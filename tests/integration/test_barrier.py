@@ -1,6 +1,6 @@
-"""The exception barrier (issue 21 item 3): a bug in one connection, check or poll
-ends that unit only -- closed, its lease given back, counted in
-lbproxy_internal_errors_total{where} -- and the rest goes on.
+"""The exception barrier: a bug in one connection, check or poll ends that unit only --
+closed, its lease given back, counted in lbproxy_internal_errors_total{where} -- and the
+rest goes on.
 
 In-process runs with real loopback sockets; the bug is injected by patching one
 function to raise on one call.

@@ -190,7 +190,7 @@ def test_python_dash_m_and_version():
 
 def test_version_says_which_connection_path_runs(monkeypatch):
     # `pip install -e .` builds the C extension in place: the compiled path runs unless
-    # LBPROXY_PURE=1 forces the pure one (issue 26).
+    # LBPROXY_PURE=1 forces the pure one.
     monkeypatch.delenv("LBPROXY_PURE", raising=False)
     built = compiled_path_expected()
     compiled = run_cli("--version").stdout.splitlines()

@@ -97,7 +97,7 @@ def test_a_change_from_another_origin_is_refused_and_changes_nothing(
     assert sample(metrics(admin_port), "lbproxy_config_reloads_total", result="ok") == reloads + 1
 
 
-# DNS rebinding (issue 21 item 1): a page on evil.example rebinds its name to 127.0.0.1;
+# DNS rebinding: a page on evil.example rebinds its name to 127.0.0.1;
 # its requests then name evil.example in both Host and Origin, so the Origin check alone
 # passes them. A Host that is no IP literal, not localhost and not listed gets 421.
 def rebound(admin_port: int, name: str = "evil.example") -> dict:

@@ -1,5 +1,5 @@
 """`discovery.dns.max_servers` and the bounded target lookups, against a real
-authoritative responder on loopback built on dnspython (issue 21 item 5).
+authoritative responder on loopback built on dnspython.
 
 The responder serves one SRV name with 2,000 records over 100 targets and no glue, so
 every round must look targets up; it answers each A query after 50 ms on a thread of its

@@ -116,8 +116,8 @@ def full_primaries_proxy(name_servers, lbproxy, queue: str = ""):
 
 
 def test_backups_serve_while_every_primary_is_full(name_servers, lbproxy):
-    # Issue 21 item 6, SPEC §3 and §13: a primary at max_connections is not available.
-    # Today's main refused the third client here and left the backups idle.
+    # SPEC §3 and §13: a primary at max_connections is not available, so the third
+    # client goes to a backup instead of being refused while the backups stay idle.
     proxy, port, admin_port = full_primaries_proxy(name_servers, lbproxy)
     held = []
     try:

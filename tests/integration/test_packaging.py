@@ -81,7 +81,7 @@ def _runs_the_demo_with_its_dashboard(lbproxy_bin: Path, cwd: Path) -> None:
     version = subprocess.run(
         [str(lbproxy_bin), "--version"], capture_output=True, text=True, cwd=cwd, env=CLEAN_ENV
     )
-    # gcc and the Python headers are here: pip built the C connection path (issue 26)
+    # gcc and the Python headers are here: pip built the C connection path
     assert version.stdout.splitlines() == [
         f"lbproxy, version {lbproxy.__version__}",
         "connection path: compiled (lbproxy.net._cpump)",

@@ -16,6 +16,7 @@ from lbproxy.wire import proxy_protocol
 from tests.integration.harness import (
     ask_name,
     assert_rejected,
+    counted,
     free_port,
     metrics,
     open_and_read_name,
@@ -244,7 +245,8 @@ def test_max_connections_per_virtual_and_real_server(name_servers, lbproxy):
     finally:
         for sock, _ in held:
             sock.close()
-    time.sleep(0.2)
+    # the slots come back as lbproxy sees those ends
+    wait_for(lambda: counted(admin_port, "lbproxy_active_connections") == 0, what="no connection")
     assert ask_name(port) in ("a", "b")
 
 

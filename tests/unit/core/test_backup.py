@@ -59,9 +59,9 @@ def test_the_scheduler_applies_among_backups_and_primaries_take_over_again():
 
 
 def test_full_primaries_send_new_connections_to_the_backups():
-    # Issue 21 item 6, SPEC §3 and §13: a primary at its max_connections is not
-    # available, so backups serve while every primary is full (nginx `backup` with
-    # `max_conns`); today's main refused the client instead.
+    # SPEC §3 and §13: a primary at its max_connections is not available, so backups
+    # serve while every primary is full (nginx `backup` with `max_conns`) instead of
+    # the client being refused.
     pool = Pool(
         virtual_server(
             "rr",

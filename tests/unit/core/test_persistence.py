@@ -24,8 +24,8 @@ def test_a_client_keeps_its_server_where_rr_would_rotate():
 
 
 def test_a_persistence_hit_is_not_a_pick_rr_keeps_its_turn():
-    # Issue 21 item 6: ten sticky connections to a used to advance a's turn each, so
-    # the next new clients got b, c, b. A hit bypasses the scheduler (LVS templates,
+    # Were a hit a pick, ten sticky connections to a would advance a's turn each, and
+    # the next new clients would get b, c, b. A hit bypasses the scheduler (LVS templates,
     # HAProxy stick tables): the rotation goes on from where the last pick left it.
     pool = sticky_pool()
     assert [connect(pool, "10.0.0.1", t) for t in range(10)] == ["a"] * 10

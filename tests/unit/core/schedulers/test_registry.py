@@ -1,4 +1,4 @@
-"""The scheduler registry is the one place that knows the algorithms (issue 22 item 3).
+"""The scheduler registry is the one place that knows the algorithms.
 
 Outside lbproxy/core/schedulers no code names a scheduler: config, the pool, the API and
 the metrics ask the registry what an algorithm reads instead. The first test fails when a

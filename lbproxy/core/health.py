@@ -85,14 +85,24 @@ def record_health(
     """Count one health result for `rs`: an active check's, or (`passive`) a client
     connect's, whose success counts only without an active check (pool.record_health).
 
-    Returns the new up/down state on a transition, else None. On a transition, closes
-    what `on_down` / `on_up` say: O(connections closed + backup servers), and only then.
+    Returns the new up/down state on a transition, else None (and on a transition,
+    health_changed closes what `on_down` / `on_up` say).
     """
     changed = pool.record_health(rs, ok, now, reason, passive=passive)
-    if changed is None:
-        return None
+    if changed is not None:
+        health_changed(pool, rs, changed)
+    return changed
+
+
+def health_changed(pool: Pool, rs: RealServer, up: bool) -> None:
+    """`rs`'s health has just turned `up` or down: close what `on_down` / `on_up` say.
+
+    record_health calls it on every transition it counts; a path that sets health
+    another way calls it too, so the closes and their counts stay in one place.
+    O(connections closed + backup servers), and only at a transition.
+    """
     check = pool.config.health_check
-    if changed is False:
+    if not up:
         if check.on_down == "close":
             _close(pool, rs.leases, MARKED_DOWN, f"{rs.name} is down (on_down: close)")
     elif check.on_up == "close_backups" and not rs.backup and rs.online:
@@ -103,7 +113,6 @@ def record_health(
                 BACKUP_RETURNED,
                 f"{backup.name} is a backup and primary {rs.name} is up (on_up: close_backups)",
             )
-    return changed
 
 
 def _close(pool: Pool, leases: Iterable[Lease], reason: str, why: str) -> None:

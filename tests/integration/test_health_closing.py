@@ -23,6 +23,7 @@ from tests.integration.harness import (
     counted,
     free_port,
     open_and_read_name,
+    run_cli,
     servers_of,
     vs_config,
     wait_for,
@@ -235,3 +236,23 @@ def test_on_down_close_with_workers_counts_every_workers_closes(name_servers, lb
         )
     finally:
         close_all(held)
+
+
+def test_bad_on_down_and_on_up_values_are_file_line_errors(tmp_path):
+    path = tmp_path / "lbproxy.yaml"
+    path.write_text(
+        "virtual_servers:\n"
+        "  - name: web\n"
+        "    listen: 127.0.0.1:8080\n"
+        "    health_check:\n"
+        "      on_down: shutdown\n"
+        "      on_up: close\n"
+        "    real_servers: [{name: a, address: 127.0.0.1:9001, backup: true}]\n"
+    )
+    out = run_cli("check", str(path))
+    assert out.returncode == 2, out
+    assert out.stderr.splitlines() == [
+        f"{path}:5: health_check.on_down must be one of keep, close, got 'shutdown'",
+        f"{path}:6: health_check.on_up must be one of keep, close_backups, got 'close'",
+        "lbproxy: configuration invalid (2 problems)",
+    ]

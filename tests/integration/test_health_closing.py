@@ -11,6 +11,8 @@ it.
 
 from __future__ import annotations
 
+import re
+import socket
 import threading
 import time
 from collections import Counter
@@ -29,6 +31,7 @@ from tests.integration.harness import (
     wait_for,
     with_admin,
 )
+from tests.integration.redis_server import RedisServer, requires_redis
 
 CLOSED = "lbproxy_connections_closed_total"
 
@@ -256,3 +259,101 @@ def test_bad_on_down_and_on_up_values_are_file_line_errors(tmp_path):
         f"{path}:6: health_check.on_up must be one of keep, close_backups, got 'close'",
         "lbproxy: configuration invalid (2 problems)",
     ]
+
+
+# -- a real Redis failover -------------------------------------------------------------
+
+
+def redis_role(port: int, sock=None, timeout: float = 5.0) -> str:
+    """`INFO replication` through lbproxy (a new connection, or `sock`): the role that
+    answered, `master` or `slave`."""
+    own = sock is None
+    if own:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        sock.settimeout(timeout)
+        sock.sendall(b"INFO replication\r\n")
+        answer = b""
+        while (found := re.search(rb"role:(\w+)\r\n", answer)) is None:
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionResetError("closed by the proxy")
+            answer += chunk
+        return found.group(1).decode()
+    finally:
+        if own:
+            sock.close()
+
+
+class RedisClients(ClientLoop):
+    def run(self) -> None:
+        while not self.stopped.is_set() and time.monotonic() < self.deadline:
+            try:
+                self.names[redis_role(self.port)] += 1
+            except OSError:
+                self.failures += 1
+
+
+@requires_redis
+def test_redis_failover_under_traffic_closes_the_old_primarys_sessions(tmp_path, lbproxy):
+    """A Redis primary demoted to replica keeps accepting TCP: its `role:master` check
+    fails, it goes down while clients keep connecting, its sessions are closed
+    (`on_down: close`), and clients reach the promoted replica."""
+    one = RedisServer(tmp_path / "one").start()
+    two = RedisServer(tmp_path / "two").start()
+    try:
+        two.cli("REPLICAOF", "127.0.0.1", str(one.port))
+        port, admin_port = free_port(), free_port()
+        check = (
+            'health_check: {type: send_expect, send: "INFO replication\\r\\n", '
+            "expect: 'role:master', interval: 200ms, timeout: 200ms, rise: 2, fall: 2, "
+            "on_down: close}"
+        )
+        config = f"""\
+global:
+  admin: {{listen: 127.0.0.1:{admin_port}}}
+  drain_timeout: 2s
+virtual_servers:
+  - name: cache
+    listen: 127.0.0.1:{port}
+    scheduler: first
+    {check}
+    real_servers:
+      - {{name: one, address: 127.0.0.1:{one.port}}}
+      - {{name: two, address: 127.0.0.1:{two.port}}}
+"""
+        proxy = lbproxy(config)
+        wait_for(lambda: health(admin_port, "two") == "down", what="the replica down")
+        sessions = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+        clients = RedisClients(port)
+        try:
+            assert [redis_role(port, s) for s in sessions] == ["master"] * 3
+            clients.start()
+            wait_for(lambda: clients.names["master"] >= 5, what="clients on the primary")
+            two.cli("REPLICAOF", "NO", "ONE")  # the failover: two promoted, one demoted
+            one.cli("REPLICAOF", "127.0.0.1", str(two.port))
+            began = time.monotonic()
+            wait_for(
+                lambda: health(admin_port, "one") == "down",
+                timeout=15,
+                what="the demoted primary down under traffic",
+                details=proxy.log,
+            )
+            took = time.monotonic() - began
+            for sock in sessions:  # no client stays on the old primary
+                assert closed_by_proxy(sock)
+            wait_for(lambda: health(admin_port, "two") == "up", what="the new primary up")
+            seen = clients.names["master"]
+            wait_for(lambda: clients.names["master"] > seen, what="clients on the new primary")
+        finally:
+            clients.stop()
+            for sock in sessions:
+                sock.close()
+        print(f"the demoted primary was down {took:.2f}s after the failover")
+        assert clients.names["slave"] >= 1  # clients kept reaching it until then
+        assert redis_role(port) == "master"
+        # the held sessions, and any of the loop's still open on the old primary then
+        assert counted(admin_port, CLOSED, virtual_server="cache", reason="marked_down") >= 3
+    finally:
+        one.stop()
+        two.stop()

@@ -290,7 +290,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "lbproxy_connections_closed",
             COUNTER,
-            "Established connections health closed on purpose, by reason: marked_down "
+            "Connections closed on a change of health, by reason: marked_down "
             "(on_down: close), backup_returned (on_up: close_backups).",
             (VS, "reason"),
         ),

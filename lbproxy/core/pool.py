@@ -338,7 +338,7 @@ class Pool:
 
     @property
     def backup_servers(self) -> Collection[RealServer]:
-        """The backup servers (not removed), in configuration order: O(1), no scan."""
+        """The backup servers (not removed): a view of what the pool keeps, no scan."""
         return self._backups.keys()
 
     # -- state changes ------------------------------------------------------------

@@ -288,6 +288,13 @@ FAMILIES: dict[str, Family] = {
             (VS, RS),
         ),
         Family(
+            "lbproxy_connections_closed",
+            COUNTER,
+            "Connections closed on a change of health, by reason: marked_down "
+            "(on_down: close), backup_returned (on_up: close_backups).",
+            (VS, "reason"),
+        ),
+        Family(
             "lbproxy_dns_queries",
             COUNTER,
             "DNS locator queries, by rcode answered.",

@@ -20,6 +20,7 @@ from lbproxy.admin.metric_families import counter, gauge, histogram
 from lbproxy.core.discovery_model import REFUSALS as DISCOVERY_REFUSALS
 from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
+from lbproxy.core.health import CLOSE_REASONS
 from lbproxy.core.histogram import Histogram
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.core.pool import REJECT_REASONS, Pool
@@ -158,6 +159,7 @@ class LbproxyCollector:
         for where in INTERNAL_ERROR_PLACES:
             internal.add_metric([where], counts.get(where, 0))
         yield internal
+        yield from self._closed_on_purpose()
         yield from self._locator_families()
         yield from self._cluster()
         yield from self._udp()
@@ -181,6 +183,14 @@ class LbproxyCollector:
             queue_wait,
             reloads,
         )
+
+    def _closed_on_purpose(self) -> Iterator[Metric]:
+        """SPEC §22: connections closed by `on_down: close` and `on_up: close_backups`."""
+        closed = counter("lbproxy_connections_closed")
+        for pool in self.source.pools():
+            for reason in CLOSE_REASONS:
+                closed.add_metric([pool.name, reason], pool.closed[reason])
+        yield closed
 
     def _discovery(self) -> Iterator[Metric]:
         """SPEC §14; only for virtual servers with `discovery.dns` (none: no families)."""

@@ -158,6 +158,7 @@ class HealthCheckConfig:
     path: str = "/"  # http
     expect_status: tuple[int, ...] = (200,)  # http
     on_down: str = "keep"  # keep | close: what happens to established connections
+    on_up: str = "keep"  # keep | close_backups: a primary back up closes the backups' connections
     query: str | None = None  # dns: the name asked for
     query_type: str = "A"  # dns: one of DNS_QUERY_TYPES
 

@@ -345,6 +345,10 @@ HEALTH_CHECK_FIELDS: dict[str, Converter] = {
     "on_down": choice("keep", "close").about(
         "`keep` or `close` the established connections of a server that goes down"
     ),
+    "on_up": choice("keep", "close_backups").about(
+        "`close_backups`: when a primary server comes back up, close the established "
+        "connections on the backup servers, so their clients reconnect to the primary"
+    ),
 }
 
 SNMP_FIELDS: dict[str, Converter] = {

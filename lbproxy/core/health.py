@@ -4,13 +4,17 @@ PURE. The counter runs from 0 to rise + fall - 1: values below `rise` mean down,
 from `rise` up mean up. While up, a failure takes one step down and a success restores
 the top, so only `fall` failures *in a row* take a server down; while down, a success
 takes one step up and a failure restarts from 0, so `rise` successes in a row bring it
-back. Active checks and passive connect failures feed the same counter.
+back. Active checks and passive connect failures feed the same counter; with an active
+check, a client's successful connect is not fed at all (pool.record_health).
 
 `record_health()` is the one path that feeds a result to it (through
 pool.record_health) for the active checks (control/checks.py) and the data plane's
-passive health (dataplane/connection.py, udp.py), and, when a server goes down and its
-virtual server says `on_down: close`, closes its established connections. It lives here,
-below both, so neither imports the other.
+passive health (dataplane/connection.py, udp.py), and closes connections on purpose at
+a state change: with `on_down: close`, a server's own when it goes down; with
+`on_up: close_backups`, the backup servers' when a primary comes back up (HAProxy's
+`on-marked-down shutdown-sessions` and `on-marked-up shutdown-backup-sessions`). Each
+close is counted in `pool.closed` by reason (CLOSE_REASONS). It lives here, below both
+callers, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ if TYPE_CHECKING:
     from lbproxy.core.pool import Lease, Pool, RealServer
 
 log = logging.getLogger("lbproxy.health")
+
+# Why health closed connections (lbproxy_connections_closed_total{reason}).
+MARKED_DOWN = "marked_down"
+BACKUP_RETURNED = "backup_returned"
+CLOSE_REASONS = (MARKED_DOWN, BACKUP_RETURNED)
 
 
 class Health:
@@ -71,19 +80,46 @@ class Health:
 
 
 def record_health(
-    pool: Pool, rs: RealServer, ok: bool, now: float, reason: str = ""
+    pool: Pool, rs: RealServer, ok: bool, now: float, reason: str = "", *, passive: bool = False
 ) -> bool | None:
-    """Count one health result (active check or passive connect) for `rs`.
+    """Count one health result for `rs`: an active check's, or (`passive`) a client
+    connect's, whose success counts only without an active check (pool.record_health).
 
-    Returns the new up/down state on a transition, else None. With
-    `health_check.on_down: close`, a transition to down closes `rs`'s connections.
+    Returns the new up/down state on a transition, else None (and on a transition,
+    health_changed closes what `on_down` / `on_up` say).
     """
-    changed = pool.record_health(rs, ok, now, reason)
-    if changed is False and pool.config.health_check.on_down == "close":
-        closed = close_leases(rs.leases)
-        if closed:
-            log.info("%s/%s: closed %d connection(s) (on_down: close)", pool.name, rs.name, closed)
+    changed = pool.record_health(rs, ok, now, reason, passive=passive)
+    if changed is not None:
+        health_changed(pool, rs, changed)
     return changed
+
+
+def health_changed(pool: Pool, rs: RealServer, up: bool) -> None:
+    """`rs`'s health has just turned `up` or down: close what `on_down` / `on_up` say.
+
+    record_health calls it on every transition it counts; a path that sets health
+    another way calls it too, so the closes and their counts stay in one place.
+    O(connections closed + backup servers), and only at a transition.
+    """
+    check = pool.config.health_check
+    if not up:
+        if check.on_down == "close":
+            _close(pool, rs.leases, MARKED_DOWN, f"{rs.name} is down (on_down: close)")
+    elif check.on_up == "close_backups" and not rs.backup and rs.online:
+        for backup in list(pool.backup_servers):
+            _close(
+                pool,
+                backup.leases,
+                BACKUP_RETURNED,
+                f"{backup.name} is a backup and primary {rs.name} is up (on_up: close_backups)",
+            )
+
+
+def _close(pool: Pool, leases: Iterable[Lease], reason: str, why: str) -> None:
+    closed = close_leases(leases)
+    if closed:
+        pool.closed[reason] += closed
+        log.info("%s: closed %d connection(s): %s", pool.name, closed, why)
 
 
 def close_leases(leases: Iterable[Lease]) -> int:

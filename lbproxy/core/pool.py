@@ -198,6 +198,8 @@ class Pool:
         self._client_pick = self._pick_for  # with _by_client: what pick calls
         self._configure_affinity()
         self.conditioned: Counter[str] = Counter()  # connections closed by conditioning
+        # connections health closed on purpose, by reason (core/health.py CLOSE_REASONS)
+        self.closed: Counter[str] = Counter()
         self.udp = UdpCounters()  # protocol: udp (SPEC §19): datagrams, drops
         # Servers present at start-up come online together: resetting the (empty)
         # connection table for each of them would only cost O(n²).
@@ -334,17 +336,30 @@ class Pool:
         if rs.max_connections and rs.active == rs.max_connections - 1:
             self._apply(rs, now)
 
+    @property
+    def backup_servers(self) -> Collection[RealServer]:
+        """The backup servers (not removed): a view of what the pool keeps, no scan."""
+        return self._backups.keys()
+
     # -- state changes ------------------------------------------------------------
 
-    def record_health(self, rs: RealServer, ok: bool, now: float, reason: str = "") -> bool | None:
+    def record_health(
+        self, rs: RealServer, ok: bool, now: float, reason: str = "", *, passive: bool = False
+    ) -> bool | None:
         """Feed one active check or passive connect result; returns a new up/down state.
 
         With `health_check.type: none` only passive results arrive, so a down server
         could never come back by itself: `interval` after it went down (or after its
         last failed trial) it becomes available for one trial connection (`_tick`),
         and that connection's successful connect brings it up at once.
+
+        With an active check, a `passive` success changes nothing: the check alone
+        says a server is up, and only it clears its failures (a database that accepts
+        TCP but refuses service must go down under traffic). Passive failures count.
         """
         passive_only = self.config.health_check.type == "none"
+        if passive and ok and not passive_only:
+            return None
         was_trial = rs.trial
         if passive_only and ok and not rs.health.up:
             rs.health.force(True)  # the trial connection got through

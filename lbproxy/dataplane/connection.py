@@ -471,7 +471,7 @@ class Handler:
             self._no_server(c, "connect_failed")
             return None
         rs.counters.connect_failures[exc.reason] += 1
-        record_health(pool, rs, False, now, f"connect {exc.reason}")
+        record_health(pool, rs, False, now, f"connect {exc.reason}", passive=True)
         return self._pick(c, now)
 
     def _no_server(self, c: ClientConnection, rejected: str) -> None:
@@ -491,8 +491,9 @@ class Handler:
         # per connection saved)
         rs.counters.connections_total += 1
         if not rs.health.clean:
-            # a good connect ends a failure streak (or is a down server's trial)
-            record_health(self.pool, rs, True, self._clock(), "connect succeeded")
+            # without an active check, a good connect ends a failure streak (or is a down
+            # server's trial); with one it changes nothing (a call, only while failing)
+            record_health(self.pool, rs, True, self._clock(), "connect succeeded", passive=True)
         queue = self.vs.queue
         if queue is not None and queue.waiting:
             queue.kick()  # the slot is taken: the next waiter, if room is left

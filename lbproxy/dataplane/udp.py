@@ -432,7 +432,7 @@ class UdpRelay:
         """ICMP port unreachable: a passive failure; the session ends, the next datagram
         from this client picks again."""
         session.ended = "refused"
-        record_health(self.pool, session.server, False, now, "udp port unreachable")
+        record_health(self.pool, session.server, False, now, "udp port unreachable", passive=True)
         self._close(session)
 
     def _close(self, session: Session) -> None:

@@ -275,9 +275,11 @@ async def _http(stream: trio.abc.Stream, address: Address, check: HealthCheckCon
                 raise _Failed(f"{asked}: closed before a status line")  # comes EndOfMessage
             # InformationalResponse (1xx): the final status follows
     except h11.RemoteProtocolError as exc:
-        if body or conn.their_state is h11.SEND_BODY:  # the body was cut short
-            raise _Failed(f"{asked}: the body ended early ({exc})") from None
-        raise _Failed(f"{asked}: not an HTTP answer ({exc})") from None
+        # h11 quotes the offending line, which may be 16 KiB long: cut for the log
+        problem = str(exc) if len(str(exc)) <= EXCERPT_LIMIT else str(exc)[:EXCERPT_LIMIT] + "..."
+        if conn.their_state is h11.SEND_BODY:  # the body was cut short
+            raise _Failed(f"{asked}: the body ended early ({problem})") from None
+        raise _Failed(f"{asked}: not an HTTP answer ({problem})") from None
     if not body_matches(check.expect_body or "", bytes(body)):
         received = describe_received(bytes(body))
         raise _Failed(f"{asked}: body did not match {check.expect_body!r} ({received})")

@@ -303,3 +303,23 @@ def test_check_describes_tls_and_https_checks(certs, tmp_path):
         f"  health      https GET /primary expecting 200 (verified by {certs.ca}) every 2s, "
         "rise 2, fall 3"
     ) in result.stdout.splitlines()
+
+
+def test_a_reload_changes_verification_and_a_bad_ca_file_keeps_the_old(certs, servers, lbproxy):
+    own = certs.self_signed("own", "db.example")
+    server = servers(TlsServer("a", own))
+    admin_port = free_port()
+    config = _config(admin_port, [("db", "type: tls, sni: db.example, verify: none", [server])])
+    proxy = lbproxy(config)
+    wait_for(lambda: _checked(admin_port, "db", "a", "ok") >= 2, what="good checks")
+
+    missing = certs.folder / "missing-ca.pem"
+    proxy.reload(config.replace("verify: none", f"verify: {missing}"))
+    assert f"health_check.verify: {missing} does not exist" in proxy.log()
+    ok = _checked(admin_port, "db", "a", "ok")
+    wait_for(lambda: _checked(admin_port, "db", "a", "ok") >= ok + 2, what="checks go on")
+    assert _health(admin_port)[("db", "a")] == "up"
+
+    proxy.reload(config.replace("verify: none", f"verify: {certs.ca}"))
+    reason = _reason_down(proxy, "db", "a")
+    assert reason == "tls: certificate verify failed: self-signed certificate"

@@ -8,7 +8,9 @@ for an HTTPS one. What it checks:
 - `verify: none` (the default): any certificate; `verify: CA-FILE`: the chain must lead
   to a certificate of that file, and the certificate must name `sni`, else the address's
   host (an IP address is matched against the certificate's IP addresses). The CA file is
-  read at each check, so a replaced file is picked up without a reload.
+  looked at (stat) at each check and read again when it changed, so a replaced file is
+  picked up without a reload; a context is made once per setting and file version (a
+  CA bundle takes milliseconds to load, a stat microseconds).
 - `sni`: the server name sent; without it a host name address is sent, an IP never
   (RFC 6066).
 - `alpn`: the protocols offered; the server must pick one of them.
@@ -27,7 +29,9 @@ only the first bytes are kept, to name a server that is not TLS at all.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import os
 import ssl
 
 import trio
@@ -75,20 +79,41 @@ def _is_ip(host: str) -> bool:
 
 
 def _context(check: HealthCheckConfig) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    """The client context of the check: made once per setting and CA file version (a CA
+    bundle takes milliseconds to load; a context serves any number of connections)."""
+    offered = check.alpn or (("http/1.1",) if check.type == "http" else ())
     if check.verify is None:
+        return _made(None, None, offered)
+    try:
+        found = os.stat(check.verify)
+    except OSError as exc:  # removed since the configuration was loaded
+        raise TlsFailed(f"tls: cannot read the CA file {check.verify}: {_describe(exc)}") from None
+    version = (found.st_ino, found.st_size, found.st_mtime_ns)
+    return _made(check.verify, version, offered)
+
+
+@functools.lru_cache(maxsize=64)
+def _made(
+    verify: str | None, version: tuple[int, int, int] | None, offered: tuple[str, ...]
+) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if verify is None:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     else:
         try:
-            context.load_verify_locations(cafile=check.verify)
-        except (OSError, ValueError) as exc:  # removed or replaced since the configuration
-            raise TlsFailed(f"tls: cannot read the CA file {check.verify}: {exc}") from None
-    if check.alpn:
-        context.set_alpn_protocols(list(check.alpn))
-    elif check.type == "http":
-        context.set_alpn_protocols(["http/1.1"])
+            context.load_verify_locations(cafile=verify)
+        except ssl.SSLError:  # an OSError too: first
+            raise TlsFailed(f"tls: the CA file {verify} holds no PEM certificate") from None
+        except OSError as exc:
+            raise TlsFailed(f"tls: cannot read the CA file {verify}: {_describe(exc)}") from None
+    if offered:
+        context.set_alpn_protocols(list(offered))
     return context
+
+
+def _describe(exc: OSError) -> str:
+    return (exc.strerror or str(exc)).lower()
 
 
 def _quoted(data: bytes) -> str:

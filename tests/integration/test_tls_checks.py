@@ -9,6 +9,7 @@ and the check results counted in /metrics.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -323,3 +324,21 @@ def test_a_reload_changes_verification_and_a_bad_ca_file_keeps_the_old(certs, se
     proxy.reload(config.replace("verify: none", f"verify: {certs.ca}"))
     reason = _reason_down(proxy, "db", "a")
     assert reason == "tls: certificate verify failed: self-signed certificate"
+
+
+def test_a_replaced_ca_file_is_read_again_without_a_reload(certs, servers, lbproxy, tmp_path):
+    own_cert = certs.self_signed("pinned", "db.example")
+    server = servers(TlsServer("a", own_cert))
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_text(Path(certs.ca).read_text())
+    admin_port = free_port()
+    check = f"type: tls, sni: db.example, verify: {ca_file}"
+    proxy = lbproxy(_config(admin_port, [("db", check, [server])]))
+    assert _reason_down(proxy, "db", "a") == (
+        "tls: certificate verify failed: self-signed certificate"
+    )
+    replaced = tmp_path / "ca.pem.new"
+    replaced.write_text(Path(own_cert[0]).read_text())  # now trusts the server's own certificate
+    replaced.rename(ca_file)
+    wait_for(lambda: _health(admin_port)[("db", "a")] == "up", what="the server to come up")
+    assert "is up" in proxy.log()

@@ -213,4 +213,4 @@ def describe(check: HealthCheckConfig) -> str | None:
         return None
     if speaks_tls(check):
         details.append(f"verified by {check.verify}" if check.verify else "not verified")
-    return f"{text} ({', '.join(details)})"
+    return f"{text} ({', '.join(details)})" if details else text

@@ -293,9 +293,17 @@ def test_check_describes_tls_and_https_checks(certs, tmp_path):
         "    listen: 127.0.0.1:5442\n"
         f"    health_check: {{type: http, tls: true, path: /primary, verify: {certs.ca}}}\n"
         "    real_servers: [{name: a, address: 127.0.0.1:8008}]\n"
+        "  - name: web\n"
+        "    listen: 127.0.0.1:8080\n"
+        "    health_check: {type: http, method: HEAD, expect_status: [200, 204]}\n"
+        "    real_servers: [{name: a, address: 127.0.0.1:8081}]\n"
     )
     result = run_cli("check", str(path))
     assert result.returncode == 0, result
+    assert (
+        "  health      http HEAD / expecting 200 or 204 every 2s, rise 2, fall 3"
+        in result.stdout.splitlines()
+    )
     assert (
         "  health      tls with SNI db.example (ALPN h2, not verified) every 2s, rise 2, fall 3"
         in result.stdout.splitlines()

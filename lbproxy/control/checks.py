@@ -162,7 +162,7 @@ async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
                 if expects or (check.type == "tls" and check.send):
                     await _send_expect(stream, check, answer)
                 elif check.type == "http":
-                    await _http(stream, address, check)
+                    await _http(stream, address, check, answer)
         return OK, ""
     except trio.TooSlowError:
         within = f"within {check.timeout:g}s"
@@ -171,6 +171,10 @@ async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
         handshake = tls.timeout_reason(check.timeout) if tls is not None else None
         if handshake is not None:
             return (FAIL if handshake.startswith("tls: not") else TIMEOUT), handshake
+        if check.type == "http" and answer:  # half an answer is a wrong one
+            received = describe_received(bytes(answer))
+            asked = f"{check.method} {check.path}"
+            return FAIL, f"http check: {asked}: the answer did not end {within} ({received})"
         if not expects:
             return TIMEOUT, f"{check.type} check: no answer {within}"
         if not answer:
@@ -238,9 +242,12 @@ async def _send_expect(
         answer += chunk
 
 
-async def _http(stream: trio.abc.Stream, address: Address, check: HealthCheckConfig) -> None:
+async def _http(
+    stream: trio.abc.Stream, address: Address, check: HealthCheckConfig, answer: bytearray
+) -> None:
     """The request, then the status line and headers (h11, bounded by its 16 KiB limit on
-    a head), and with `expect_body` at most BODY_LIMIT bytes of the body."""
+    a head), and with `expect_body` at most BODY_LIMIT bytes of the body. The first
+    READ_LIMIT bytes received go to `answer` (the caller's: a timeout names them)."""
     conn = h11.Connection(h11.CLIENT)
     request = h11.Request(
         method=check.method,
@@ -259,7 +266,9 @@ async def _http(stream: trio.abc.Stream, address: Address, check: HealthCheckCon
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                conn.receive_data(bytes(await stream.receive_some(READ_LIMIT)))
+                data = bytes(await stream.receive_some(READ_LIMIT))
+                answer += data[: READ_LIMIT - len(answer)]
+                conn.receive_data(data)
             elif isinstance(event, h11.Response):
                 if event.status_code not in check.expect_status:
                     raise _Failed(f"{asked} answered {event.status_code}")

@@ -213,6 +213,7 @@ def test_https_answers_that_never_end_fail_within_the_timeout(certs, servers, lb
     cert = certs.signed("web", "127.0.0.1")
     body = servers(HttpsServer("body", cert, (200, b""), endless_body=True))
     head = servers(TlsServer("head", cert, answer=b"HTTP/1.1 200 OK\r\nX-Endless: ", endless=True))
+    half = servers(TlsServer("half", cert, answer=b"HTTP/1.1 200 OK\r\nContent-Le"))
     admin_port = free_port()
     check = f"type: http, tls: true, verify: {certs.ca}"
     proxy = lbproxy(
@@ -221,8 +222,13 @@ def test_https_answers_that_never_end_fail_within_the_timeout(certs, servers, lb
             [
                 ("body", f"{check}, expect_body: ready", [body]),
                 ("head", check, [head]),
+                ("half", check, [half]),
             ],
         )
+    )
+    assert _reason_down(proxy, "half", "half") == (
+        'http check: GET /: the answer did not end within 2s (27 bytes "HTTP/1.1 200 OK\\r\\n'
+        'Content-Le")'
     )
     assert _reason_down(proxy, "body", "body").startswith(
         "http check: GET /: body did not match 'ready' (4096 bytes \"     "

@@ -14,9 +14,13 @@ What this module owns:
                  the connect did not complete): "it answered wrongly" and "it did not
                  answer" are different faults, and an operator needs to tell them apart.
                  The reason names what was received (escaped, at most 60 characters).
-    http         `GET path` with Host and `Connection: close`; the status line is
-                 parsed by h11 (strictly, as any HTTP/1.1 client does): its status code
-                 must be one of `expect_status`
+    http         `method path` (GET) with Host (`host`, else the address) and
+                 `Connection: close`; the answer is parsed by h11 (strictly, as any
+                 HTTP/1.1 client does): its status code must be one of `expect_status`
+                 and `expect_body` (if any) found in the body's first 4 KiB. With
+                 `tls: true` over TLS (check_tls.py).
+    tls          a TLS handshake (check_tls.py: `sni`, `alpn`, `verify`), then
+                 `send`/`expect` over TLS as send_expect when given
     udp, dns     (UDP virtual servers, SPEC §19) a datagram (`send`) whose reply must
                  contain `expect`, or a DNS query (`query`, `query_type`) whose answer
                  must be NOERROR; ICMP port unreachable fails at once
@@ -262,6 +266,7 @@ async def _http(
     await stream.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
     asked = f"{check.method} {check.path}"
     body = bytearray()
+    responded = False  # the status line and headers have arrived
     try:
         while True:
             event = conn.next_event()
@@ -274,19 +279,20 @@ async def _http(
                     raise _Failed(f"{asked} answered {event.status_code}")
                 if check.expect_body is None:
                     return
+                responded = True
             elif isinstance(event, h11.Data):
                 body += event.data[: BODY_LIMIT - len(body)]
                 if len(body) >= BODY_LIMIT:
                     break
             elif isinstance(event, h11.EndOfMessage):
                 break
-            elif isinstance(event, h11.ConnectionClosed):  # before a Response: after it
-                raise _Failed(f"{asked}: closed before a status line")  # comes EndOfMessage
+            elif isinstance(event, h11.ConnectionClosed):  # (after a Response: EndOfMessage)
+                raise _Failed(f"{asked}: closed before a status line")
             # InformationalResponse (1xx): the final status follows
     except h11.RemoteProtocolError as exc:
         # h11 quotes the offending line, which may be 16 KiB long: cut for the log
         problem = str(exc) if len(str(exc)) <= EXCERPT_LIMIT else str(exc)[:EXCERPT_LIMIT] + "..."
-        if conn.their_state is h11.SEND_BODY:  # the body was cut short
+        if responded:  # the body was cut short, or its chunks were garbled
             raise _Failed(f"{asked}: the body ended early ({problem})") from None
         raise _Failed(f"{asked}: not an HTTP answer ({problem})") from None
     if not body_matches(check.expect_body or "", bytes(body)):

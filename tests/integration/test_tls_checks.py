@@ -113,6 +113,7 @@ def test_tls_checks_verify_alpn_and_servers_that_are_not_tls(certs, servers, lbp
     ssh = servers(PlainServer("ssh", b"SSH-2.0-OpenSSH_9.2p1\r\n"))
     silent = servers(PlainServer("silent", b""))
     garbage = servers(PlainServer("garbage", b"\x16\x03\x01\x00\x08\xff\x00garbage, not a hello"))
+    mutual = servers(TlsServer("a", good, client_ca=ca))
     admin_port = free_port()
     proxy = lbproxy(
         _config(
@@ -124,6 +125,7 @@ def test_tls_checks_verify_alpn_and_servers_that_are_not_tls(certs, servers, lbp
                 ("othername", f"type: tls, sni: db.example, verify: {ca}", [other_name]),
                 ("alpn", "type: tls, alpn: [h2]", [h2, no_alpn]),
                 ("nottls", "type: tls", [ssh, silent, garbage]),
+                ("mtls", "type: tls", [mutual]),
             ],
         )
     )
@@ -136,6 +138,7 @@ def test_tls_checks_verify_alpn_and_servers_that_are_not_tls(certs, servers, lbp
         ("alpn", "none"): "tls: no ALPN protocol agreed (offered h2; the server chose none)",
         ("nottls", "ssh"): 'tls: not a TLS server (it sent "SSH-2.0-OpenSSH_9.2p1\\r\\n")',
         ("nottls", "silent"): "tls: no answer to the ClientHello within 2s",
+        ("mtls", "a"): "tls: handshake failed: alert 'handshake failure' from the server",
     }
     for (vs, rs), reason in reasons.items():
         assert _reason_down(proxy, vs, rs) == reason

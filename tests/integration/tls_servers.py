@@ -130,7 +130,9 @@ class _Tls(socketserver.BaseRequestHandler):
 
 class TlsServer(_Threaded):
     """A TLS server: a handshake with `cert` (ALPN: `alpn`, None = no ALPN at all), then
-    with `answer` reads the request and sends `answer`; `endless`: sends forever."""
+    with `answer` reads the request and sends `answer`; `endless`: sends forever.
+    `client_ca`: a client certificate signed by that CA is required (TLS 1.2 at most, so
+    that the refusal, an alert, comes within the client's handshake)."""
 
     def __init__(
         self,
@@ -139,8 +141,13 @@ class TlsServer(_Threaded):
         alpn: list[str] | None = None,
         answer: bytes | None = None,
         endless: bool = False,
+        client_ca: str | None = None,
     ) -> None:
         self.context = server_context(cert, alpn)
+        if client_ca is not None:
+            self.context.verify_mode = ssl.CERT_REQUIRED
+            self.context.load_verify_locations(client_ca)
+            self.context.maximum_version = ssl.TLSVersion.TLSv1_2
         self.answer = answer
         self.endless = endless
         self.handshakes: list[str | None] = []  # the ALPN protocol agreed in each

@@ -158,6 +158,8 @@ def test_tls_checks_verify_alpn_and_servers_that_are_not_tls(certs, servers, lbp
         assert _checked(admin_port, vs, rs, "fail") == _checked(admin_port, vs, rs, "timeout") == 0
     assert set(h2.handshakes) == {"h2"}  # the protocol agreed is the one offered
     assert set(verified.handshakes) == {None}  # no ALPN offered without `alpn`
+    assert set(verified.server_names) == {"db.example"}
+    assert set(by_address.server_names) == {None}  # an IP address is never sent as SNI
     assert self_signed.failed_handshakes  # lbproxy ended those handshakes, not the server
 
 

@@ -151,6 +151,8 @@ class TlsServer(_Threaded):
         self.answer = answer
         self.endless = endless
         self.handshakes: list[str | None] = []  # the ALPN protocol agreed in each
+        self.server_names: list[str | None] = []  # the SNI of each ClientHello
+        self.context.sni_callback = lambda _sock, name, _context: self.server_names.append(name)
         self.failed_handshakes: list[Exception] = []
         self.requests: list[bytes] = []
         super().__init__(name, _Tls)

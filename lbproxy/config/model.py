@@ -148,7 +148,7 @@ DNS_QUERY_TYPES = ("A", "AAAA", "CNAME", "MX", "NS", "PTR", "SOA", "SRV", "TXT")
 
 @dataclass(frozen=True, slots=True)
 class HealthCheckConfig:
-    type: str = "tcp"  # tcp | send_expect | http | udp | dns | none
+    type: str = "tcp"  # tcp | send_expect | http | tls | udp | dns | none
     interval: float = 2.0
     timeout: float = 1.0
     rise: int = 2
@@ -161,6 +161,14 @@ class HealthCheckConfig:
     on_up: str = "keep"  # keep | close_backups: a primary back up closes the backups' connections
     query: str | None = None  # dns: the name asked for
     query_type: str = "A"  # dns: one of DNS_QUERY_TYPES
+    # TLS and HTTPS checks (SPEC §22; config/tls_check_keys.py says which type takes which)
+    tls: bool = False  # http: over TLS
+    sni: str | None = None  # tls, https: the server name sent; None: none (an IP) or the host
+    alpn: tuple[str, ...] = ()  # tls: the protocols offered; one must be agreed
+    verify: str | None = None  # tls, https: a CA file; None: any certificate is accepted
+    method: str = "GET"  # http
+    host: str | None = None  # http: the Host header; None: the address
+    expect_body: str | None = None  # http: regular expression searched in the body's 4 KiB
 
 
 @dataclass(frozen=True, slots=True)

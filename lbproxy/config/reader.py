@@ -73,6 +73,7 @@ from lbproxy.config.tables import (
     VIRTUAL_SERVER_FIELDS,
     VIRTUAL_SERVER_SECTIONS,
 )
+from lbproxy.config.tls_check_keys import misplaced_keys
 from lbproxy.config.values import Converter, Invalid, did_you_mean, shown
 from lbproxy.core import schedulers
 
@@ -515,7 +516,7 @@ def _health_keys(vs: _Section) -> set[str]:
 
 
 # Health check types that speak TCP: meaningless against a UDP service.
-_TCP_CHECKS = ("tcp", "send_expect", "http")
+_TCP_CHECKS = ("tcp", "send_expect", "http", "tls")
 # And those that speak UDP (lbproxy/control/checks.py sends them as datagrams).
 _UDP_CHECKS = ("udp", "dns")
 
@@ -581,6 +582,8 @@ def _read_health_check(doc: _Document, vs: _Section, where: str) -> HealthCheckC
         doc.error(section.line_of("type"), "health_check type send_expect needs 'expect'")
     if check.type == "dns" and "query" not in section.nodes:
         doc.error(section.line_of("type"), "health_check type dns needs 'query' (a name)")
+    for key, message in misplaced_keys(check, section.nodes):
+        doc.error(section.line_of(key), message)
     if check.type in _UDP_CHECKS and vs.values.get("protocol", "tcp") != "udp":
         doc.error(
             section.line_of("type"),

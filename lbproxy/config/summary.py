@@ -12,6 +12,7 @@ from lbproxy.config.model import (
     ThrottleConfig,
     VirtualServerConfig,
 )
+from lbproxy.config.tls_check_keys import describe as describe_tls_check
 from lbproxy.core import schedulers
 
 # --------------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ def _conditioning_summary(c: ConditioningConfig) -> str:
 def _health_summary(check: HealthCheckConfig) -> str:
     if check.type == "none":
         return "none"
-    return f"{check.type} every {check.interval:g}s, rise {check.rise}, fall {check.fall}"
+    what = describe_tls_check(check) or check.type
+    return f"{what} every {check.interval:g}s, rise {check.rise}, fall {check.fall}"
 
 
 def _throttle_summary(throttle: ThrottleConfig) -> str:

@@ -35,6 +35,13 @@ from lbproxy.config.model import (
     UdpConfig,
     VirtualServerConfig,
 )
+from lbproxy.config.tls_check_keys import (
+    alpn_protocols,
+    host_header,
+    http_method,
+    server_name,
+    verify_with,
+)
 from lbproxy.config.values import (
     Converter,
     Invalid,
@@ -316,9 +323,10 @@ REAL_SERVER_FIELDS: dict[str, Converter] = {
 }
 
 HEALTH_CHECK_FIELDS: dict[str, Converter] = {
-    "type": choice("tcp", "send_expect", "http", "udp", "dns", "none").about(
-        "`tcp` (connect), `send_expect`, `http`, or `none` (passive health only); on a "
-        "UDP virtual server `udp` (a datagram, a reply) or `dns` (a query, NOERROR)"
+    "type": choice("tcp", "send_expect", "http", "tls", "udp", "dns", "none").about(
+        "`tcp` (connect), `send_expect`, `http`, `tls` (a TLS handshake), or `none` "
+        "(passive health only); on a UDP virtual server `udp` (a datagram, a reply) or "
+        "`dns` (a query, NOERROR)"
     ),
     "interval": duration(positive=True).about(
         "time between checks (each server starts at a random offset)"
@@ -327,21 +335,43 @@ HEALTH_CHECK_FIELDS: dict[str, Converter] = {
     "rise": integer(1).about("good checks in a row to come back up"),
     "fall": integer(1).about("failures in a row to go down"),
     "send": string.about(
-        "`send_expect`: bytes to send (`\\r\\n` escapes work); `udp`: the datagram "
-        "(none: an empty one)",
+        "`send_expect`, `tls` (after the handshake): bytes to send (`\\r\\n` escapes "
+        "work); `udp`: the datagram (none: an empty one)",
         default="none",
     ),
     "expect": regex.about(
-        "`send_expect` (required there): a regular expression searched in the first 4 KiB "
-        "of the answer; `udp`: searched in the reply (none: any reply)",
+        "`send_expect` (required there), `tls` (after the handshake): a regular expression "
+        "searched in the first 4 KiB of the answer; `udp`: searched in the reply (none: "
+        "any reply)",
         default="none",
     ),
     "query": dns_name.about("`dns` (required there): the name asked for", default="none"),
     "query_type": choice(*DNS_QUERY_TYPES).about(
         "`dns`: the record type asked for; healthy when the answer is NOERROR"
     ),
-    "path": http_path.about("`http`: the path to GET"),
+    "path": http_path.about("`http`: the path requested"),
     "expect_status": status_codes.about("`http`: the accepted status codes"),
+    "method": http_method.about("`http`: the request's method"),
+    "host": host_header.about("`http`: the Host header", default="the real server's address"),
+    "expect_body": regex.about(
+        "`http`: a regular expression searched in the first 4 KiB of the body",
+        default="none (any body)",
+    ),
+    "tls": boolean.about("`http`: HTTPS (a TLS handshake first; `sni`, `verify`)"),
+    "sni": server_name.about(
+        "`tls`, `http` with `tls: true`: the server name sent in the handshake (and verified "
+        "with `verify`)",
+        default="none (a host name address is sent)",
+    ),
+    "alpn": alpn_protocols.about(
+        "`tls`: the protocols offered (ALPN); the check fails unless the server picks one",
+        default="none offered",
+    ),
+    "verify": verify_with.about(
+        "`tls`, `http` with `tls: true`: `none` (any certificate), or a PEM file of CA "
+        "certificates: the chain and the name (`sni`, else the address) are verified",
+        default="none",
+    ),
     "on_down": choice("keep", "close").about(
         "`keep` or `close` the established connections of a server that goes down"
     ),

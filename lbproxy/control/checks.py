@@ -14,9 +14,13 @@ What this module owns:
                  the connect did not complete): "it answered wrongly" and "it did not
                  answer" are different faults, and an operator needs to tell them apart.
                  The reason names what was received (escaped, at most 60 characters).
-    http         `GET path` with Host and `Connection: close`; the status line is
-                 parsed by h11 (strictly, as any HTTP/1.1 client does): its status code
-                 must be one of `expect_status`
+    http         `method path` (GET) with Host (`host`, else the address) and
+                 `Connection: close`; the answer is parsed by h11 (strictly, as any
+                 HTTP/1.1 client does): its status code must be one of `expect_status`
+                 and `expect_body` (if any) found in the body's first 4 KiB. With
+                 `tls: true` over TLS (check_tls.py).
+    tls          a TLS handshake (check_tls.py: `sni`, `alpn`, `verify`), then
+                 `send`/`expect` over TLS as send_expect when given
     udp, dns     (UDP virtual servers, SPEC §19) a datagram (`send`) whose reply must
                  contain `expect`, or a DNS query (`query`, `query_type`) whose answer
                  must be NOERROR; ICMP port unreachable fails at once
@@ -57,6 +61,8 @@ import h11
 import trio
 
 from lbproxy.config.model import Address, HealthCheckConfig
+from lbproxy.config.tls_check_keys import speaks_tls
+from lbproxy.control.check_tls import TlsFailed, TlsLayer
 from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.health import close_leases, record_health
 from lbproxy.core.pool import Pool, RealServer
@@ -66,6 +72,7 @@ from lbproxy.net.barrier import record
 log = logging.getLogger("lbproxy.checks")
 
 READ_LIMIT = 4096  # send_expect: the answer searched is at most this long
+BODY_LIMIT = 4096  # http: the part of the body `expect_body` is searched in
 EXCERPT_LIMIT = 60  # characters of a received answer quoted in a failure reason
 LOCAL_CAPACITY_ERRNOS = CAPACITY_ERRNOS  # one table (net/accept.py)
 # Where they live now (the data plane feeds passive health without importing control):
@@ -147,26 +154,39 @@ async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
         return await _datagram_probe(address, check)
     connected = False
     answer = bytearray()  # send_expect: what the server has sent so far
+    tls = TlsLayer(address, check) if speaks_tls(check) else None
+    expects = check.type == "send_expect" or (check.type == "tls" and check.expect is not None)
     try:
         with trio.fail_after(check.timeout):
-            stream = await _connect(address)
+            stream: trio.abc.Stream = await _connect(address)
             connected = True
+            if tls is not None:
+                stream = await tls.wrap(stream)
             async with stream:
-                if check.type == "send_expect":
+                if expects or (check.type == "tls" and check.send):
                     await _send_expect(stream, check, answer)
                 elif check.type == "http":
-                    await _http(stream, address, check)
+                    await _http(stream, address, check, answer)
         return OK, ""
     except trio.TooSlowError:
         within = f"within {check.timeout:g}s"
         if not connected:
             return TIMEOUT, f"{check.type} check: connect did not complete {within}"
-        if check.type != "send_expect":
+        handshake = tls.timeout_reason(check.timeout) if tls is not None else None
+        if handshake is not None:
+            return (FAIL if handshake.startswith("tls: not") else TIMEOUT), handshake
+        if check.type == "http" and answer:  # half an answer is a wrong one
+            received = describe_received(bytes(answer))
+            asked = f"{check.method} {check.path}"
+            return FAIL, f"http check: {asked}: the answer did not end {within} ({received})"
+        if not expects:
             return TIMEOUT, f"{check.type} check: no answer {within}"
         if not answer:
-            return TIMEOUT, f"send_expect check: nothing received {within}"
+            return TIMEOUT, f"{check.type} check: nothing received {within}"
         received = describe_received(bytes(answer))
-        return FAIL, f"send_expect check: {check.expect!r} not found in {received} {within}"
+        return FAIL, f"{check.type} check: {check.expect!r} not found in {received} {within}"
+    except TlsFailed as exc:
+        return FAIL, str(exc)
     except _Failed as exc:
         return FAIL, f"{check.type} check: {exc}"
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -201,7 +221,7 @@ async def _connect(address: Address) -> trio.SocketStream:
 
 
 async def _send_expect(
-    stream: trio.SocketStream, check: HealthCheckConfig, answer: bytearray
+    stream: trio.abc.Stream, check: HealthCheckConfig, answer: bytearray
 ) -> None:
     """Send, then read into `answer` (the caller's, so that a timeout can tell a wrong
     answer from none) until `expect` is found; raises _Failed on close or at 4 KiB."""
@@ -226,33 +246,64 @@ async def _send_expect(
         answer += chunk
 
 
-async def _http(stream: trio.SocketStream, address: Address, check: HealthCheckConfig) -> None:
+async def _http(
+    stream: trio.abc.Stream, address: Address, check: HealthCheckConfig, answer: bytearray
+) -> None:
+    """The request, then the status line and headers (h11, bounded by its 16 KiB limit on
+    a head), and with `expect_body` at most BODY_LIMIT bytes of the body. The first
+    READ_LIMIT bytes received go to `answer` (the caller's: a timeout names them)."""
     conn = h11.Connection(h11.CLIENT)
     request = h11.Request(
-        method="GET",
+        method=check.method,
         target=check.path,
         headers=[
-            ("Host", host_header(address)),
+            ("Host", check.host or host_header(address)),
             ("User-Agent", USER_AGENT),
             ("Accept", "*/*"),
             ("Connection", "close"),
         ],
     )
     await stream.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
+    asked = f"{check.method} {check.path}"
+    body = bytearray()
+    responded = False  # the status line and headers have arrived
     try:
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(READ_LIMIT))
+                data = bytes(await stream.receive_some(READ_LIMIT))
+                answer += data[: READ_LIMIT - len(answer)]
+                conn.receive_data(data)
             elif isinstance(event, h11.Response):
                 if event.status_code not in check.expect_status:
-                    raise _Failed(f"GET {check.path} answered {event.status_code}")
-                return
-            elif isinstance(event, h11.ConnectionClosed):
-                raise _Failed(f"GET {check.path}: closed before a status line")
+                    raise _Failed(f"{asked} answered {event.status_code}")
+                if check.expect_body is None:
+                    return
+                responded = True
+            elif isinstance(event, h11.Data):
+                body += event.data[: BODY_LIMIT - len(body)]
+                if len(body) >= BODY_LIMIT:
+                    break
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif isinstance(event, h11.ConnectionClosed):  # (after a Response: EndOfMessage)
+                raise _Failed(f"{asked}: closed before a status line")
             # InformationalResponse (1xx): the final status follows
     except h11.RemoteProtocolError as exc:
-        raise _Failed(f"GET {check.path}: not an HTTP answer ({exc})") from None
+        # h11 quotes the offending line, which may be 16 KiB long: cut for the log
+        problem = str(exc) if len(str(exc)) <= EXCERPT_LIMIT else str(exc)[:EXCERPT_LIMIT] + "..."
+        if responded:  # the body was cut short, or its chunks were garbled
+            raise _Failed(f"{asked}: the body ended early ({problem})") from None
+        raise _Failed(f"{asked}: not an HTTP answer ({problem})") from None
+    if not body_matches(check.expect_body or "", bytes(body)):
+        received = describe_received(bytes(body))
+        raise _Failed(f"{asked}: body did not match {check.expect_body!r} ({received})")
+
+
+def body_matches(pattern: str, body: bytes) -> bool:
+    """`expect_body` searched in the body's first BODY_LIMIT bytes, read as UTF-8 (an
+    invalid byte stands for U+FFFD)."""
+    return re.search(pattern, body[:BODY_LIMIT].decode("utf-8", errors="replace")) is not None
 
 
 # -- UDP checks (SPEC §19) ----------------------------------------------------------

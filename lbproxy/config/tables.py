@@ -691,7 +691,7 @@ SECTIONS = Section(
                     AgentCheckConfig,
                     "an agent on each real server tells its weight percent, max_connections "
                     "and state (HAProxy's agent-check), beside the health check",
-                    page="concepts/health.md",
+                    page="concepts/agent.md",
                 ),
                 "throttle": Section(
                     THROTTLE_FIELDS,
@@ -759,7 +759,7 @@ SECTIONS = Section(
                             "this server's agent, where it differs from the virtual "
                             "server's `agent_check` (or an agent for this server alone), "
                             "e.g. `{port: 9777, address: 10.0.0.11}`",
-                            page="concepts/health.md",
+                            page="concepts/agent.md",
                             defaults_from="virtual_servers[].agent_check",
                         ),
                     },

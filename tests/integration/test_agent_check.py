@@ -11,6 +11,7 @@ is counted; the API shows the agent's state beside the operator's.
 
 from __future__ import annotations
 
+import json
 import socket
 import socketserver
 import threading
@@ -21,6 +22,7 @@ from tests.integration.harness import (
     free_port,
     open_and_read_name,
     read_name,
+    run_cli,
     servers_of,
     vs_config,
     wait_for,
@@ -314,3 +316,65 @@ def test_agent_max_connections_limits_the_server(name_servers, lbproxy):
     finally:
         for agent in agents:
             agent.stop()
+
+
+def test_lbproxy_check_describes_the_agent(tmp_path):
+    path = tmp_path / "db.yaml"
+    path.write_text(
+        "virtual_servers:\n"
+        "  - name: db\n"
+        "    listen: 127.0.0.1:5432\n"
+        '    agent_check: {port: 9777, interval: 5s, timeout: 500ms, send: "state\\n"}\n'
+        "    real_servers:\n"
+        "      - {name: a, address: 10.0.0.1:5432}\n"
+        "      - {name: b, address: 10.0.0.2:5432, agent_check: {port: 9778, address: 10.0.9.2}}\n"
+    )
+    result = run_cli("check", str(path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    expected = (
+        '  agent       on port 9777 of each real server every 5s (timeout 0.5s), sends "state\\n"'
+    )
+    assert expected in lines
+    assert any(line.split()[0] == "b" and line.endswith("agent 10.0.9.2:9778") for line in lines)
+
+    path.write_text(path.read_text().replace("port: 9777", "port: 0"))
+    result = run_cli("check", str(path))
+    assert result.returncode == 2
+    assert f"{path}:4: agent_check.port must be an integer from 1 to 65535, got 0" in result.stderr
+
+
+def test_simulate_replays_agent_answers(tmp_path):
+    """`lbproxy simulate` with `agent` events: wrr 4/4, s2's agent says 50% (2 of every
+    6 connections), then drain (none), then ready (back to 50%); a bad answer in the
+    events file is an error naming its line."""
+    config = tmp_path / "wrr.yaml"
+    config.write_text(
+        "virtual_servers:\n"
+        "  - name: web\n"
+        "    listen: 127.0.0.1:8080\n"
+        "    scheduler: wrr\n"
+        "    real_servers:\n"
+        "      - {name: s1, address: 127.0.0.1:9001, weight: 4}\n"
+        "      - {name: s2, address: 127.0.0.1:9002, weight: 4}\n"
+    )
+    events = tmp_path / "agent.yaml"
+    events.write_text(
+        '- {before: 1, agent: {s2: "50%"}}\n'
+        '- {before: 13, agent: {s2: "drain # deploy"}}\n'
+        '- {before: 19, agent: {s2: "READY"}}\n'
+    )
+    result = run_cli("simulate", str(config), "-n", "30", "--events", str(events), "--json")
+    assert result.returncode == 0, result.stderr
+    sequence = json.loads(result.stdout)["sequence"]
+    assert sequence[:12] == ["s1", "s2", "s1"] * 4
+    assert sequence[12:18] == ["s1"] * 6
+    assert sequence[18:].count("s2") == 4 and sequence[18:].count("s1") == 8
+
+    events.write_text('- {before: 1, agent: {s2: "9999%"}}\n- {before: 2, agent: {s2: 50}}\n')
+    result = run_cli("simulate", str(config), "-n", "3", "--events", str(events))
+    assert result.returncode == 2
+    assert f"{events}:1: agent of s2: '9999%' is a bad answer (weight 9999% above 256%)" in (
+        result.stderr
+    )
+    assert f"{events}:2: agent of s2 must be the agent's line as a string" in result.stderr

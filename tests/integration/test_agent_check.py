@@ -22,11 +22,14 @@ from tests.integration.harness import (
     free_port,
     open_and_read_name,
     read_name,
+    ready,
     run_cli,
     servers_of,
     vs_config,
     wait_for,
     with_admin,
+    worker_servers,
+    workers_config,
 )
 
 SILENT = None  # the agent accepts and says nothing until lbproxy gives up
@@ -378,3 +381,82 @@ def test_simulate_replays_agent_answers(tmp_path):
         result.stderr
     )
     assert f"{events}:2: agent of s2 must be the agent's line as a string" in result.stderr
+
+
+def test_a_reload_keeps_or_forgets_what_the_agent_said(name_servers, lbproxy, tmp_path):
+    """A reload that keeps the agent_check keeps the agent's state; one that removes it
+    forgets it (agent null, the configured weight and max_connections again); a bad
+    agent_check in the new file is refused and the running one stays."""
+    a, b = name_servers("a", "b")
+    agents = [Agent(b"ready\n"), Agent(b"25% maxconn:3 drain\n")]
+    port, admin_port = free_port(), free_port()
+    try:
+        config = _agent_config(port, [a, b], agents, admin_port, weights={"a": 4, "b": 4})
+        proxy = lbproxy(config, wait_ports=[port])
+        _wait_agent(admin_port, "b", state="drain", weight_percent=25)
+
+        proxy.reload(config.replace("agent_check: {interval", "agent_check: {intervall"))
+        assert "unknown key 'intervall' in agent_check of virtual server web" in proxy.log()
+        assert _agent_of(admin_port, "b")["state"] == "drain"
+
+        proxy.reload(config.replace("weight: 4, agent_check", "weight: 8, agent_check", 1))
+        assert _agent_of(admin_port, "b")["state"] == "drain"
+        assert servers_of(admin_port)["b"]["weight"]["effective"] == 0
+
+        without = config.replace("    agent_check: {interval: 100ms, timeout: 1s}\n", "")
+        for agent in agents:
+            without = without.replace(f", agent_check: {{port: {agent.port}}}", "")
+        proxy.reload(without)
+        assert "agent_check" not in without
+        wait_for(lambda: _agent_of(admin_port, "b") is None, what="the agent forgotten")
+        assert servers_of(admin_port)["b"]["weight"]["effective"] == 4
+        asked = agents[1].asked
+        assert _shares(port, 4) == {"a": 2, "b": 2}
+        assert agents[1].asked <= asked + 1  # no more checks (one may have been under way)
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+def test_workers_each_ask_the_agent_and_the_supervisor_adds_up(name_servers, lbproxy):
+    """`workers: 2`: both workers follow the agent (no connection goes to the drained
+    server through either), the supervisor's document shows the agent object and its
+    /metrics adds up both workers' agent checks."""
+    servers = name_servers("a", "b")
+    agents = [Agent(b"ready\n"), Agent(b"drain # deploy\n")]
+    port, admin_port = free_port(), free_port()
+    try:
+        config = workers_config(port, servers, admin_port)
+        config = config.replace(
+            "health_check: {type: none}",
+            "health_check: {type: none}\n    agent_check: {interval: 100ms, timeout: 1s}",
+        )
+        for server, agent in zip(servers, agents, strict=True):
+            config = config.replace(
+                f"address: 127.0.0.1:{server.port}}}",
+                f"address: 127.0.0.1:{server.port}, agent_check: {{port: {agent.port}}}}}",
+            )
+        lbproxy(config)
+        wait_for(lambda: ready(admin_port), what="/readyz")
+        for index in (1, 2):
+            wait_for(
+                lambda index=index: (
+                    (worker_servers(admin_port, index)["b"]["agent"] or {}).get("state") == "drain"
+                ),
+                what=f"worker {index} to hear the agent",
+            )
+        assert _agent_of(admin_port, "b")["reason"] == "deploy"
+        assert _shares(port, 20) == {"a": 20}
+        per_worker = [
+            worker_servers(admin_port, index)["b"]["agent"]["at"] is not None for index in (1, 2)
+        ]
+        assert per_worker == [True, True]
+        wait_for(
+            lambda: (
+                counted(admin_port, "lbproxy_agent_checks_total", real_server="b", result="ok") >= 4
+            ),
+            what="agent checks counted",
+        )
+    finally:
+        for agent in agents:
+            agent.stop()

@@ -168,12 +168,15 @@ async def _run(pool: Pool, rs: RealServer, check: AgentCheckConfig, address: Add
 
 
 def _apply(pool: Pool, rs: RealServer, answer: AgentAnswer, said: str) -> None:
-    before = rs.agent.document() if rs.agent is not None else None
+    before = rs.agent.document() if rs.agent is not None else {}
     changed = pool.apply_agent(rs, answer, trio.current_time(), time.time())
-    after = rs.agent.document() if rs.agent is not None else None
-    keys = ("state", "weight_percent", "max_connections")
-    if before is None or after is None or any(before[k] != after[k] for k in keys):
-        log.info("%s/%s: agent says %r", pool.name, rs.name, said)
+    after = rs.agent.document() if rs.agent is not None else {}
+    # A state or limit change is news for the operator; an agent that follows its
+    # load may change its weight at every answer, which would flood the log at INFO.
+    news = any(before.get(k) != after.get(k) for k in ("state", "max_connections"))
+    if news or before.get("weight_percent") != after.get("weight_percent"):
+        level = logging.INFO if news else logging.DEBUG
+        log.log(level, "%s/%s: agent says %r", pool.name, rs.name, said)
     if changed is False and pool.config.health_check.on_down == "close":
         closed = close_leases(rs.leases)
         if closed:

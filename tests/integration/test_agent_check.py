@@ -460,3 +460,64 @@ def test_workers_each_ask_the_agent_and_the_supervisor_adds_up(name_servers, lbp
     finally:
         for agent in agents:
             agent.stop()
+
+
+def test_lbproxy_status_shows_the_agent_beside_the_state(name_servers, lbproxy):
+    """On a terminal, `lbproxy status` shows what the agent says beside the operator's
+    state: `enabled (agent drain 50%: deploy)`; a server whose agent says ready at 100%
+    shows its state alone."""
+    from tests.integration.test_status_output import run_in_terminal
+
+    a, b = name_servers("a", "b")
+    agents = [Agent(b"ready 100%\n"), Agent(b"50% drain # deploy\n")]
+    port, admin_port = free_port(), free_port()
+    try:
+        lbproxy(_agent_config(port, [a, b], agents, admin_port), wait_ports=[port])
+        _wait_agent(admin_port, "b", state="drain")
+        _wait_agent(admin_port, "a", state="ready")
+        admin = f"http://127.0.0.1:{admin_port}"
+        wide = run_in_terminal(200, "status", "--admin", admin).splitlines()
+        (line_b,) = [line for line in wide if "│ b " in line]
+        assert "enabled (agent drain 50%: deploy)" in line_b
+        (line_a,) = [line for line in wide if "│ a " in line]
+        assert "agent" not in line_a
+        narrow = run_in_terminal(40, "status", "--admin", admin)
+        assert "(agent drain 50%: deploy)" in narrow.replace("\n    ", " ")
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+def test_down_closes_connections_with_on_down_close(name_servers, lbproxy):
+    """With `health_check.on_down: close`, the agent's `down` closes b's established
+    connections, as a failing health check would; `drain` never does."""
+    a, b = name_servers("a", "b")
+    agents = [Agent(b"ready\n"), Agent(b"ready\n")]
+    port, admin_port = free_port(), free_port()
+    extra = "health_check: {type: tcp, interval: 1s, on_down: close}"
+    try:
+        config = _agent_config(port, [a, b], agents, admin_port, scheduler="rr", extra=extra)
+        proxy = lbproxy(config, wait_ports=[port])
+        _wait_agent(admin_port, "b", state="ready")
+        held = [open_and_read_name(port) for _ in range(2)]
+        (on_b,) = [sock for sock, name in held if name == "b"]
+        (on_a,) = [sock for sock, name in held if name == "a"]
+        try:
+            agents[1].say(b"drain\n")
+            _wait_agent(admin_port, "b", state="drain")
+            on_b.sendall(b"drained, still open\n")
+            assert read_name(on_b) == "drained, still open"
+            agents[1].say(b"down # oom\n")
+            _wait_agent(admin_port, "b", state="down")
+            on_b.settimeout(10)
+            assert on_b.recv(100) == b""  # closed by lbproxy
+            on_a.sendall(b"a is untouched\n")
+            assert read_name(on_a) == "a is untouched"
+            closed = "web/b: closed 1 connection(s) (on_down: close)"
+            wait_for(lambda: closed in proxy.log(), what="the close logged")
+        finally:
+            for sock, _ in held:
+                sock.close()
+    finally:
+        for agent in agents:
+            agent.stop()

@@ -449,6 +449,8 @@ class Pool:
             return
         rs.agent = None
         rs.max_connections = rs.config.max_connections
+        if self.config.health_check.type == "none" and not rs.health.up:
+            self._schedule_trial(rs, now)  # nothing else would bring it back now
         self._update(rs, now)
 
     # -- reload -------------------------------------------------------------------

@@ -129,3 +129,15 @@ def test_health_check_changes_keep_the_agents_hold():
     says(p, "b", "down")
     p.reconfigure(replace(p.config, health_check=replace(CHECKS, rise=1)), 2.0)
     assert p.record_health(b, True, 3.0) is None and not b.health.up
+
+
+def test_removing_the_agent_of_a_server_it_held_down_lets_passive_health_try_it():
+    p = pool(health_check=HealthCheckConfig(type="none", interval=2.0))
+    b = p.by_name["b"]
+    says(p, "b", "down")
+    p.clear_agent(b, 10.0)
+    assert not b.available
+    p.advance(12.0)  # `interval` later: one trial connection, as after connect failures
+    assert b.available and b.trial
+    p.record_health(b, True, 12.5)
+    assert b.health.up and b.available and not b.trial

@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import random
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -94,12 +95,26 @@ async def ask_agent(
 
 
 async def _connect(address: Address) -> trio.SocketStream:
+    """A connected stream to the agent; OSError (its errno kept, for the log) when the
+    name does not resolve or the connect fails, LocalCapacityError when this process
+    cannot create a socket."""
     try:
-        return await trio.open_tcp_stream(address.host, address.port)
+        infos = await trio.socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve {address.host}: {exc.strerror}") from None
+    family, kind, _, _, sockaddr = infos[0]
+    try:
+        sock = trio.socket.socket(family, kind)
     except OSError as exc:
         if exc.errno in CAPACITY_ERRNOS:
             raise LocalCapacityError(_describe(exc)) from None
         raise
+    try:
+        await sock.connect(sockaddr)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
 
 
 def _describe(exc: BaseException) -> str:

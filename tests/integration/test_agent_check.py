@@ -16,6 +16,10 @@ import socket
 import socketserver
 import threading
 
+import trio
+
+from lbproxy.config.model import Address, AgentCheckConfig
+from lbproxy.control.agent_checks import ask_agent
 from tests.integration.harness import (
     ask_name,
     counted,
@@ -521,3 +525,32 @@ def test_down_closes_connections_with_on_down_close(name_servers, lbproxy):
     finally:
         for agent in agents:
             agent.stop()
+
+
+def test_one_exchange_result_and_reason():
+    """`ask_agent` (lbproxy/control/agent_checks.py) against a real agent: each result
+    with the reason the log shows."""
+    agent = Agent(b"")
+    check = AgentCheckConfig(port=agent.port, timeout=0.5)
+    address = Address("127.0.0.1", agent.port)
+    cases = [
+        (b"75% drain # deploy\r\n", ("ok", "75% drain # deploy")),
+        (b"up 30%", ("ok", "30% up")),  # ended by the close
+        (b"", ("fail", "closed without a line")),
+        (SILENT, ("timeout", "no whole line within 0.5s")),
+        (b"9999%\n", ("bad_answer", "weight 9999% above 256%")),
+        (b"z" * 1_000_000, ("bad_answer", "a line longer than 512 bytes")),
+    ]
+    try:
+        for answer, (result, reason) in cases:
+            agent.say(answer)
+            got, parsed, said = trio.run(ask_agent, address, check)
+            assert (got, said) == (result, reason), answer[:20] if answer else answer
+            assert (parsed is not None) == (result == "ok")
+        port = free_port()  # nothing listens there
+        got = trio.run(ask_agent, Address("127.0.0.1", port), check)
+        assert got == ("fail", None, "connection refused")
+        got = trio.run(ask_agent, Address("no-such-host.invalid", 1), check)
+        assert got[0] == "fail" and got[2].startswith("cannot resolve no-such-host.invalid")
+    finally:
+        agent.stop()

@@ -16,10 +16,14 @@ import socket
 import socketserver
 import threading
 
+import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lbproxy.config.model import Address, AgentCheckConfig
 from lbproxy.control.agent_checks import ask_agent
+from lbproxy.wire.agent import LINE_LIMIT, BadAnswer, line_of, parse
 from tests.integration.harness import (
     ask_name,
     counted,
@@ -554,3 +558,35 @@ def test_one_exchange_result_and_reason():
         assert got[0] == "fail" and got[2].startswith("cannot resolve no-such-host.invalid")
     finally:
         agent.stop()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=1200),
+        st.lists(
+            st.sampled_from(["50%", "9999%", "maxconn:3", "drain", "UP", "x", "#", ",", " "]),
+            max_size=8,
+        ).map(lambda words: " ".join(words).encode() + b"\n"),
+    )
+)
+def test_any_answer_over_a_real_socket_is_one_result_never_an_error(fuzz_agent, answer):
+    """Whatever an agent sends, one exchange gives one of the four results, and `ok`
+    exactly when the pure parser accepts the line."""
+    fuzz_agent.say(answer)
+    check = AgentCheckConfig(port=fuzz_agent.port, timeout=5)
+    result, parsed, _ = trio.run(ask_agent, Address("127.0.0.1", fuzz_agent.port), check)
+    line = line_of(answer[: LINE_LIMIT + 2], closed=True)
+    if not answer:
+        assert result == "fail"
+    elif isinstance(line, BadAnswer) or isinstance(parse(line), BadAnswer):
+        assert result == "bad_answer" and parsed is None
+    else:
+        assert result == "ok" and parsed == parse(line)
+
+
+@pytest.fixture(scope="module")
+def fuzz_agent():
+    agent = Agent(b"")
+    yield agent
+    agent.stop()

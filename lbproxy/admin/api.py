@@ -127,6 +127,8 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
         "bytes_in": stats.bytes_in,
         "bytes_out": stats.bytes_out,
         "snmp": _snmp_document(pool, rs),
+        # What the agent check said (SPEC §22), beside the operator's state; None: no agent
+        "agent": None if rs.agent is None else rs.agent.document(),
         "load": _load(pool, rs),
         "discovered": rs.config.discovered,  # from DNS (discovery.dns), not from a file
     }

@@ -106,6 +106,14 @@ FAMILIES: dict[str, Family] = {
             (VS, RS, "result"),
         ),
         Family(
+            "lbproxy_agent_checks",
+            COUNTER,
+            "Agent check exchanges: ok (a good answer, whatever it says), fail (no connect, "
+            "or closed without a line), timeout, bad_answer (a line over 512 bytes, an "
+            "unknown word, a weight above 256%).",
+            (VS, RS, "result"),
+        ),
+        Family(
             "lbproxy_snmp_polls",
             COUNTER,
             "SNMP poll results.",

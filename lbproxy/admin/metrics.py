@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from lbproxy.admin.metric_families import counter, gauge, histogram
+from lbproxy.core.agent import RESULTS as AGENT_RESULTS
 from lbproxy.core.discovery_model import REFUSALS as DISCOVERY_REFUSALS
 from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
@@ -100,6 +101,7 @@ class LbproxyCollector:
         weight = gauge("lbproxy_real_server_weight")
         checks = counter("lbproxy_health_checks")
         polls = counter("lbproxy_snmp_polls")
+        agent_checks = counter("lbproxy_agent_checks")
         poll_duration = histogram("lbproxy_snmp_poll_duration_seconds")
         fallback = gauge("lbproxy_dynamic_weight_fallback")
         throttle = gauge("lbproxy_throttle_mode")
@@ -147,6 +149,9 @@ class LbproxyCollector:
                     )
                 for result in HEALTH_RESULTS:
                     checks.add_metric([*labels, result], rs.counters.health_checks[result])
+                if rs.config.agent_check or pool.config.agent_check:
+                    for result in AGENT_RESULTS:
+                        agent_checks.add_metric([*labels, result], rs.counters.agent_checks[result])
                 if rs.config.snmp is not None and pool.polls_snmp:
                     for result in SNMP_RESULTS:
                         polls.add_metric([*labels, result], rs.counters.snmp_polls[result])
@@ -172,6 +177,7 @@ class LbproxyCollector:
             up,
             weight,
             checks,
+            agent_checks,
             polls,
             poll_duration,
             fallback,

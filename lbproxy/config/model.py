@@ -172,6 +172,19 @@ class HealthCheckConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentCheckConfig:
+    """`agent_check` (SPEC §22): HAProxy's agent-check, beside the health check. On a
+    real server, the virtual server's block with the real server's `port` and
+    `address` on top."""
+
+    port: int | None = None  # required once the blocks are merged
+    address: str | None = None  # None: the real server's own host
+    interval: float = 2.0
+    timeout: float = 1.0
+    send: str = ""  # sent after the connect (escapes as health_check.send); "": nothing
+
+
+@dataclass(frozen=True, slots=True)
 class SnmpConfig:
     oid: str = "1.3.6.1.4.1.2021.10.1.5.1"
     version: str = "2c"  # "2c" | "3"
@@ -265,6 +278,7 @@ class RealServerConfig:
     snmp: SnmpConfig | None = None  # the VS block merged with this server's overrides
     line: int = field(default=0, compare=False)  # where, not what: moving lines is no change
     discovered: bool = False  # made from a DNS answer (discovery.dns), not read from a file
+    agent_check: AgentCheckConfig | None = None  # merged with the virtual server's; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +336,7 @@ class VirtualServerConfig:
     conditioning: ConditioningConfig | None = None  # None: connections are never moved
     protocol: str = "tcp"  # tcp | udp (SPEC §19)
     udp: UdpConfig = UdpConfig()  # read only with protocol: udp
+    agent_check: AgentCheckConfig | None = None  # None: no agent check (SPEC §22)
     file: str = field(default="", compare=False)
     line: int = field(default=0, compare=False)
 

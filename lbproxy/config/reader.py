@@ -21,6 +21,7 @@ from lbproxy.config.model import (
     PROXY_FROM_DEFAULT,
     Address,
     AdminConfig,
+    AgentCheckConfig,
     ClusterConfig,
     ConditioningConfig,
     Config,
@@ -45,6 +46,7 @@ from lbproxy.config.model import (
 from lbproxy.config.secret_files import SECRETS, secret_file_problem
 from lbproxy.config.tables import (
     ADMIN_FIELDS,
+    AGENT_CHECK_FIELDS,
     CLUSTER_FIELDS,
     CLUSTER_SECTIONS,
     CONDITIONING_FIELDS,
@@ -59,6 +61,7 @@ from lbproxy.config.tables import (
     LOCATOR_SECTIONS,
     PERSISTENCE_FIELDS,
     QUEUE_FIELDS,
+    REAL_SERVER_AGENT_CHECK_FIELDS,
     REAL_SERVER_FIELDS,
     REAL_SERVER_SECTIONS,
     REDIS_FIELDS,
@@ -453,7 +456,12 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     if udp is not None and "type" not in _health_keys(vs):
         # A TCP connect says nothing of a UDP service: passive health only by default.
         health_check = replace(health_check, type="none")
-    real_servers = _read_real_servers(doc, vs, snmp, allow_empty=discovers)
+    agent = _nested(
+        doc, vs, "agent_check", f"agent_check of {where}", AGENT_CHECK_FIELDS, prefix="agent_check."
+    )
+    real_servers = _read_real_servers(doc, vs, snmp, allow_empty=discovers, vs_agent=agent)
+    if agent is not None and discovers and "port" not in agent.key_lines:
+        doc.error(agent.line, "agent_check needs 'port' (discovered servers have no agent_check)")
 
     config = None
     if "name" in vs.values and "listen" in vs.values and (real_servers or discovery):
@@ -471,6 +479,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             queue=QueueConfig(**queue.values) if queue is not None else None,
             conditioning=conditioning,
             udp=udp or UdpConfig(),
+            agent_check=AgentCheckConfig(**agent.values) if agent is not None else None,
             file=doc.file,
             line=vs.line,
         )
@@ -655,7 +664,12 @@ def _check_conditioning(doc: _Document, vs: _Section, config: VirtualServerConfi
 
 
 def _read_real_servers(
-    doc: _Document, vs: _Section, vs_snmp: _Section | None, *, allow_empty: bool = False
+    doc: _Document,
+    vs: _Section,
+    vs_snmp: _Section | None,
+    *,
+    allow_empty: bool = False,
+    vs_agent: _Section | None = None,
 ) -> list[RealServerConfig]:
     node = vs.nodes.get("real_servers")
     if node is None or (allow_empty and _is_null(node)):
@@ -669,7 +683,7 @@ def _read_real_servers(
     servers: list[RealServerConfig] = []
     first_lines: dict[str, int] = {}
     for item in node.value:
-        read = _read_real_server(doc, item, vs_snmp)
+        read = _read_real_server(doc, item, vs_snmp, vs_agent)
         if read is None:
             continue
         section, config = read
@@ -725,7 +739,7 @@ def _read_discovery(doc: _Document, vs: _Section, where: str) -> DnsDiscoveryCon
 
 
 def _read_real_server(
-    doc: _Document, node: yaml.Node, vs_snmp: _Section | None
+    doc: _Document, node: yaml.Node, vs_snmp: _Section | None, vs_agent: _Section | None = None
 ) -> tuple[_Section, RealServerConfig | None] | None:
     name = _peek_name(node)
     where = f"real server {name}" if name else "real server"
@@ -734,10 +748,35 @@ def _read_real_server(
         return None
     doc.require(rs, where, "name", "address")
     rs_snmp = _nested(doc, rs, "snmp", f"snmp of {where}", SNMP_FIELDS, prefix="snmp.")
+    agent = _real_server_agent(doc, rs, vs_agent, where)
     if "name" not in rs.values or "address" not in rs.values:
         return rs, None
     snmp = _real_server_snmp(doc, vs_snmp, rs_snmp, rs.values["address"].host)
-    return rs, RealServerConfig(**rs.values, snmp=snmp, line=rs.line)
+    return rs, RealServerConfig(**rs.values, snmp=snmp, agent_check=agent, line=rs.line)
+
+
+def _real_server_agent(
+    doc: _Document, rs: _Section, vs_agent: _Section | None, where: str
+) -> AgentCheckConfig | None:
+    """A real server's own `agent_check` on top of the virtual server's; None when it
+    has none (the virtual server's block, if any, applies as it is)."""
+    own = _nested(
+        doc,
+        rs,
+        "agent_check",
+        f"agent_check of {where}",
+        REAL_SERVER_AGENT_CHECK_FIELDS,
+        prefix="agent_check.",
+    )
+    has_port = any(block is not None and "port" in block.key_lines for block in (vs_agent, own))
+    if (vs_agent is not None or own is not None) and not has_port:
+        line = own.line if own is not None else rs.line
+        doc.error(line, f"{where}: agent_check needs 'port' (here or on the virtual server)")
+    if own is None:
+        return None
+    values = dict(vs_agent.values) if vs_agent is not None else {}
+    values.update(own.values)
+    return AgentCheckConfig(**values)
 
 
 def _real_server_snmp(

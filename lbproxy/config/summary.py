@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from lbproxy.config.model import (
+    AgentCheckConfig,
     ConditioningConfig,
     Config,
     DnsDiscoveryConfig,
@@ -73,6 +76,8 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
         f"  scheduler   {scheduler}",
         f"  health      {_health_summary(vs.health_check)}",
     ]
+    if vs.agent_check is not None:
+        lines.append(f"  agent       {agent_summary(vs.agent_check)}")
     if vs.throttle is not None:
         lines.append(f"  throttle    {_throttle_summary(vs.throttle)}")
     if vs.persistence is not None:
@@ -133,6 +138,20 @@ def _health_summary(check: HealthCheckConfig) -> str:
     return f"{what} every {check.interval:g}s, rise {check.rise}, fall {check.fall}"
 
 
+def agent_summary(agent: AgentCheckConfig) -> str:
+    """`agent on port 9777 of each real server every 2s (timeout 1s), sends "state\\n"`."""
+    if agent.port is None:
+        where = "on each real server's own port"
+    elif agent.address:
+        where = f"at {agent.address}:{agent.port}"
+    else:
+        where = f"on port {agent.port} of each real server"
+    text = f"{where} every {agent.interval:g}s (timeout {agent.timeout:g}s)"
+    if agent.send:
+        text += f", sends {json.dumps(agent.send)}"
+    return text
+
+
 def _throttle_summary(throttle: ThrottleConfig) -> str:
     limits = []
     if throttle.max_connections is not None:
@@ -152,6 +171,8 @@ def _real_server_row(vs: VirtualServerConfig, rs: RealServerConfig) -> list[str]
         row.append(f"max {rs.max_connections} connections")
     if rs.snmp is not None and vs.scheduler in schedulers.reading(schedulers.SNMP):
         row.append(f"snmp {rs.snmp.host}:{rs.snmp.port}")
+    if rs.agent_check is not None:
+        row.append(f"agent {rs.agent_check.address or rs.address.host}:{rs.agent_check.port}")
     return row
 
 

@@ -19,6 +19,7 @@ from lbproxy.config.model import (
     DNS_QUERY_TYPES,
     MAX_WEIGHT,
     AdminConfig,
+    AgentCheckConfig,
     ConditioningConfig,
     DnsDiscoveryConfig,
     DnsLocatorConfig,
@@ -381,6 +382,26 @@ HEALTH_CHECK_FIELDS: dict[str, Converter] = {
     ),
 }
 
+REAL_SERVER_AGENT_CHECK_FIELDS: dict[str, Converter] = {
+    "port": integer(1, 65535).about(
+        "the agent's TCP port (required, here or on the virtual server)", default="none"
+    ),
+    "address": host.about("the agent's host name or IP address", default="the real server's host"),
+}
+
+AGENT_CHECK_FIELDS: dict[str, Converter] = {
+    **REAL_SERVER_AGENT_CHECK_FIELDS,
+    "interval": duration(positive=True).about("time between two answers asked of an agent"),
+    "timeout": duration(positive=True).about(
+        "connect and answer, together; an agent silent that long changes nothing"
+    ),
+    "send": string.about(
+        "sent to the agent after the connect (`\\r\\n` escapes work, as in "
+        '`health_check.send`), e.g. `"state\\n"`',
+        default="nothing",
+    ),
+}
+
 SNMP_FIELDS: dict[str, Converter] = {
     "oid": oid.about("the OID to GET (default: UCD-SNMP-MIB 1-minute load average × 100)"),
     "version": snmp_version.about('`2c`, `3` or `"3"`'),
@@ -699,6 +720,13 @@ SECTIONS = Section(
                     ),
                 ),
                 "snmp": _SNMP,
+                "agent_check": Section(
+                    AGENT_CHECK_FIELDS,
+                    AgentCheckConfig,
+                    "an agent on each real server tells its weight percent, max_connections "
+                    "and state (HAProxy's agent-check), beside the health check",
+                    page="concepts/agent.md",
+                ),
                 "throttle": Section(
                     THROTTLE_FIELDS,
                     ThrottleConfig,
@@ -758,7 +786,16 @@ SECTIONS = Section(
                             "e.g. `{host: 10.0.0.11, port: 1161}`",
                             page="concepts/dynamic-weights.md",
                             defaults_from="virtual_servers[].snmp",
-                        )
+                        ),
+                        "agent_check": Section(
+                            REAL_SERVER_AGENT_CHECK_FIELDS,
+                            AgentCheckConfig,
+                            "this server's agent, where it differs from the virtual "
+                            "server's `agent_check` (or an agent for this server alone), "
+                            "e.g. `{port: 9777, address: 10.0.0.11}`",
+                            page="concepts/agent.md",
+                            defaults_from="virtual_servers[].agent_check",
+                        ),
                     },
                 ),
                 "discovery": Section(

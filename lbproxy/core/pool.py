@@ -47,6 +47,7 @@ from lbproxy.config.model import (
     VirtualServerConfig,
 )
 from lbproxy.core import schedulers
+from lbproxy.core.agent import AgentSays, AgentState
 from lbproxy.core.health import Health
 from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, Histogram
 from lbproxy.core.locate import Locator
@@ -357,6 +358,8 @@ class Pool:
         says a server is up, and only it clears its failures (a database that accepts
         TCP but refuses service must go down under traffic). Passive failures count.
         """
+        if ok and rs.agent is not None and rs.agent.down:
+            return None  # the agent holds it down: only `rise` checks after its `up` count
         passive_only = self.config.health_check.type == "none"
         if passive and ok and not passive_only:
             return None
@@ -422,6 +425,48 @@ class Pool:
                 # least-load fed by SNMP: the dynamic weight only gates availability
                 # (on_no_answer zero -> 0); an answer opens it at the static weight.
                 self.set_dynamic_weight(rs, rs.static_weight, now)
+
+    def apply_agent(
+        self, rs: RealServer, answer: AgentSays, now: float, wall: float
+    ) -> bool | None:
+        """A good answer of `rs`'s agent check (received at `wall`, seconds since the
+        epoch, for the API); returns the new up/down state of its health on a change.
+
+        The agent's state and weight are its own (core/agent.py): they scale the
+        effective weight and never touch the operator's state or static weight. A down
+        word forces health down; `up` after it brings health back at once only with
+        `health_check.type: none`, else through `rise` active checks passing after it.
+        """
+        if rs.agent is None:
+            rs.agent = AgentState()
+        change = rs.agent.apply(answer, wall)
+        if rs.agent.max_connections is not None:
+            rs.max_connections = rs.agent.max_connections
+        health: bool | None = None
+        if change.went_down and rs.health.up:
+            rs.health.force(False)
+            health = False
+        elif change.went_down:
+            rs.health.force(False)  # failures counted so far start again from 0
+        elif change.came_up and self.config.health_check.type == "none" and not rs.health.up:
+            rs.health.force(True)
+            health = True
+        if health is not None:
+            self._cancel_trial(rs)
+            reason = f"agent: {rs.agent.reason}" if rs.agent.reason else "agent"
+            log.info("%s/%s is %s (%s)", self.name, rs.name, "up" if health else "down", reason)
+        self._update(rs, now)
+        return health
+
+    def clear_agent(self, rs: RealServer, now: float) -> None:
+        """The agent check is gone (a reload): what it said no longer applies."""
+        if rs.agent is None:
+            return
+        rs.agent = None
+        rs.max_connections = rs.config.max_connections
+        if self.config.health_check.type == "none" and not rs.health.up:
+            self._schedule_trial(rs, now)  # nothing else would bring it back now
+        self._update(rs, now)
 
     # -- reload -------------------------------------------------------------------
 
@@ -611,8 +656,12 @@ class Pool:
 
     def _base_weight(self, rs: RealServer) -> float:
         if self.polls_snmp and not self.fallback:
-            return rs.dynamic_weight or 0.0
-        return rs.static_weight
+            base = rs.dynamic_weight or 0.0
+        else:
+            base = rs.static_weight
+        if rs.agent is not None:
+            base *= rs.agent.factor  # the agent's weight percent; 0 while it drains
+        return base
 
     def _update(self, rs: RealServer, now: float) -> None:
         """Recompute `rs` after any change, and every server if the fallback flips."""

@@ -20,6 +20,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from lbproxy.config.model import RealServerConfig
+from lbproxy.core.agent import AgentState
 from lbproxy.core.health import Health
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class ServerCounters:
     """What happened to one real server, for the metrics and the API: counts only."""
 
     __slots__ = (
+        "agent_checks",
         "bytes_in",
         "bytes_out",
         "connect_failures",
@@ -45,6 +47,7 @@ class ServerCounters:
         self.bytes_out = 0
         self.connect_failures: Counter[str] = Counter()  # refused | timeout | error
         self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
+        self.agent_checks: Counter[str] = Counter()  # ok | fail | timeout | bad_answer
         self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
         self.snmp_last: tuple[str, int | None] | None = None  # last poll: (result, value)
 
@@ -53,6 +56,7 @@ class RealServer:
     __slots__ = (
         "active",
         "address",
+        "agent",
         "available",
         "backup",
         "config",
@@ -103,6 +107,8 @@ class RealServer:
         self.sched_active = 0
         self.counters = ServerCounters()
         self.leases: set[Lease] = set()
+        # What the agent check said (core/agent.py); None while there is none.
+        self.agent: AgentState | None = None
         self.apply_config(config)
 
     def apply_config(self, config: RealServerConfig) -> None:
@@ -110,6 +116,8 @@ class RealServer:
         self.address = config.address
         self.static_weight = float(config.weight)
         self.max_connections = config.max_connections
+        if self.agent is not None and self.agent.max_connections is not None:
+            self.max_connections = self.agent.max_connections  # the agent's, until it goes
         self.load_factor = config.load_factor
         self.state = config.state
         self.backup = config.backup

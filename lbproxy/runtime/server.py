@@ -26,6 +26,7 @@ from lbproxy.admin.api import TokenError, read_token, serve_admin
 from lbproxy.config.model import Address, Config, ConfigError, IPNetwork, VirtualServerConfig
 from lbproxy.config.reader import load
 from lbproxy.config.secret_files import SECRETS
+from lbproxy.control.agent_checks import AgentChecks
 from lbproxy.control.checks import HealthChecks, close_leases
 from lbproxy.control.cluster import Cluster
 from lbproxy.control.conditioning import Conditioners
@@ -106,6 +107,7 @@ class Server:
         self._service: trio.Nursery | None = None
         self.throttles = Throttles()  # one admission-control monitor per throttled VS
         self.checks = HealthChecks()  # one health-check task per real server
+        self.agents = AgentChecks()  # one agent-check task per real server with an agent
         self.snmp = SnmpPollers()  # one SNMP poller per real server of dwd/dwr/least-load
         self.discovery = Discoveries(self)  # one DNS discovery task per VS with discovery.dns
         # systemd's notify protocol: a no-op unless run() finds $NOTIFY_SOCKET (never in
@@ -393,6 +395,7 @@ class Server:
                 self.throttles.sync(self.virtual_servers.values(), service)
                 self._sync_queues()
                 self.checks.sync(self.virtual_servers.values(), service)
+                self.agents.sync(self.virtual_servers.values(), service)
                 self.snmp.sync(self.virtual_servers.values(), service)
                 self.discovery.sync(self.virtual_servers.values(), service)
                 if handle_signals:
@@ -728,6 +731,7 @@ class Server:
         if self._service is not None and not self.draining:  # start/stop/retune throttles
             changes.extend(self.throttles.sync(self.virtual_servers.values(), self._service))
             self.checks.sync(self.virtual_servers.values(), self._service)
+            self.agents.sync(self.virtual_servers.values(), self._service)
             self.snmp.sync(self.virtual_servers.values(), self._service)
             self.discovery.sync(self.virtual_servers.values(), self._service)
             changes.extend(self.conditioners.sync(self.virtual_servers.values(), self._service))
@@ -766,6 +770,7 @@ class Server:
         changes = self._reconfigure(vs, merged, trio.current_time(), keep_runtime=True)
         if self._service is not None:
             self.checks.sync(self.virtual_servers.values(), self._service)
+            self.agents.sync(self.virtual_servers.values(), self._service)
             self.snmp.sync(self.virtual_servers.values(), self._service)
         if changes:
             log.info("discovery: %s", "; ".join(changes))

@@ -173,7 +173,7 @@ def status_table(document: dict) -> Table:
                     + (" (backup)" if rs.get("backup") else "")
                 ),
                 Text(rs["address"]),
-                rs["state"],
+                Text(rs["state"] + _agent(rs)),  # the agent's reason is not markup either
                 _health(rs["health"]),
                 static,
                 str(weight["effective"]),
@@ -188,6 +188,23 @@ def status_table(document: dict) -> Table:
             table.add_row(Text(label), *["-"] * (len(table.columns) - 1))
         table.add_section()
     return table
+
+
+def _agent(rs: dict) -> str:
+    """` (agent drain: deploy)`, ` (agent 50%)`: what a server's agent says, beside the
+    operator's state, when it says anything but ready at 100%."""
+    agent = rs.get("agent")
+    if not agent:
+        return ""
+    said = [] if agent["state"] == "ready" else [agent["state"]]
+    if agent["weight_percent"] != 100:
+        said.append(f"{agent['weight_percent']}%")
+    if agent.get("max_connections") is not None:
+        said.append(f"maxconn {agent['max_connections']}")
+    if not said:
+        return ""
+    reason = f": {agent['reason']}" if agent.get("reason") and agent["state"] != "ready" else ""
+    return f" (agent {' '.join(said)}{reason})"
 
 
 def _queued(vs: dict) -> str:
@@ -213,7 +230,7 @@ def status_blocks(document: dict, width: int) -> list[Text]:
                 *([Text("(dns)")] if rs.get("discovered") else []),
                 *([Text("(backup)")] if rs.get("backup") else []),
                 Text(rs["address"]),
-                Text(rs["state"]),
+                Text(rs["state"] + _agent(rs)),
                 _health(rs["health"]),
                 Text(f"weight {weight['static']}"),
             ]

@@ -12,6 +12,9 @@ number `before`, in file order, each key of one event in the order written:
     - {before: 35, load_factor: {s1: 3}}    sap load factor change
     - {before: 40, close: {s1: 5}}          s1's 5 oldest held connections end
     - {before: 50, rate: 200}               arrivals per second from connection 50 on
+    - {before: 60, agent: {s1: "50%", s2: "drain # deploy"}}
+                                            an agent check's answer (SPEC §22), as the
+                                            agent would send it (a bad one is an error)
     - {before: 1, report: {s1: {load: 0.4, per_connection: 0.1}}}
                                             a pushed load report (least-load, load_source
                                             report; per_connection optional)
@@ -58,6 +61,8 @@ import yaml
 from lbproxy.config.model import Config, VirtualServerConfig
 from lbproxy.core.pool import DISABLED, DRAIN, ENABLED, Lease, Pool, weight_error
 from lbproxy.core.throttle import Change, Throttle
+from lbproxy.wire.agent import AgentAnswer
+from lbproxy.wire.agent import parse as parse_agent_answer
 
 EVENT_KEYS = (
     "snmp",
@@ -69,6 +74,7 @@ EVENT_KEYS = (
     "state",
     "rate",
     "report",
+    "agent",
 )
 REPORT_KEYS = ("load", "per_connection")
 
@@ -292,6 +298,11 @@ def _check_action(key: str, value: Any, servers: list[str]) -> str | None:
         problem = unknown(name)
         if problem:
             return problem
+        if key == "agent":
+            problem = _check_agent(name, number)
+            if problem:
+                return problem
+            continue
         if key == "report":
             problem = _check_report(name, number)
             if problem:
@@ -309,6 +320,19 @@ def _check_action(key: str, value: Any, servers: list[str]) -> str | None:
             return f"close of {name} must be an integer, got {number!r}"
         if key == "load_factor" and number <= 0:
             return f"load_factor of {name} must be > 0, got {number!r}"
+    return None
+
+
+def _check_agent(name: str, answer: Any) -> str | None:
+    example = 'like "50%", "maxconn:10 drain # deploy" or "up"'
+    if not isinstance(answer, str):
+        return f"agent of {name} must be the agent's line as a string, {example}"
+    parsed = parse_agent_answer(answer.encode())
+    if not isinstance(parsed, AgentAnswer):
+        return (
+            f"agent of {name}: {answer!r} is a bad answer ({parsed.why}): lbproxy would "
+            f"count it and change nothing; write a good one, {example}"
+        )
     return None
 
 
@@ -417,7 +441,7 @@ def simulate(
     )
 
 
-MEMBERSHIP_KEYS = ("join", "leave", "weight", "state")
+MEMBERSHIP_KEYS = ("join", "leave", "weight", "state", "agent")
 _FIRST_CLIENT = ipaddress.IPv4Address("10.0.0.0")
 
 
@@ -524,6 +548,10 @@ def _apply(pool: Pool, key: str, value: Any, held: dict[str, deque[Lease]], now:
             rs.load_factor = float(number)
         elif key == "state":
             pool.set_state(rs, number, now)
+        elif key == "agent":
+            answer = parse_agent_answer(number.encode())
+            if isinstance(answer, AgentAnswer):  # always: _check_agent refused bad ones
+                pool.apply_agent(rs, answer, now, wall=now)
         elif key == "close":
             leases = held[name]
             for _ in range(min(number, len(leases))):

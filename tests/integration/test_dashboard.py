@@ -114,7 +114,7 @@ def expected_row(rs: dict) -> dict[str, str]:
     row = {
         "name": rs["name"] + (" backup" if rs.get("backup") else ""),
         "address": rs["address"],
-        "state": rs["state"],
+        "state": rs["state"] + agent_text(rs.get("agent")),
         "health": rs["health"],
         "w-static": number(rs["weight"]["static"]),
         "w-dynamic": number(rs["weight"]["dynamic"]),
@@ -130,6 +130,19 @@ def expected_row(rs: dict) -> dict[str, str]:
         row["snmp-value"] = number(rs["snmp"]["value"])
         row["snmp-result"] = rs["snmp"]["result"] or "not yet"
     return row
+
+
+def agent_text(agent: dict | None) -> str:
+    """What the page shows of a server's agent beside its state ("" when it says ready
+    at 100%)."""
+    if not agent:
+        return ""
+    said = [] if agent["state"] == "ready" else [agent["state"]]
+    if agent["weight_percent"] != 100:
+        said.append(f"{agent['weight_percent']}%")
+    if agent["max_connections"] is not None:
+        said.append(f"maxconn {agent['max_connections']}")
+    return f" agent {' '.join(said)}" if said else ""
 
 
 def shown_row(driver, vs: str, rs: str, cells) -> dict[str, str]:
@@ -600,3 +613,46 @@ def test_the_page_is_package_data(tmp_path):
     assert build.returncode == 0, build.stderr
     built = tmp_path / "lib" / "lbproxy" / "admin" / "dashboard.html"
     assert built.read_bytes() == (ROOT / "lbproxy" / "admin" / "dashboard.html").read_bytes()
+
+
+def test_dashboard_shows_what_the_agent_says_beside_the_state(browser, name_servers, lbproxy):
+    """A server whose agent (agent_check) says `50% drain # deploy` shows a pill
+    "agent drain 50%" beside its state `enabled`, the reason as its tooltip."""
+    from tests.integration.test_agent_check import Agent
+
+    a, b = name_servers("a", "b")
+    agents = [Agent(b"ready\n"), Agent(b"50% drain # deploy\n")]
+    port, admin_port = free_port(), free_port()
+    config = with_admin(
+        vs_config(
+            port,
+            [a, b],
+            "rr",
+            "agent_check: {interval: 100ms}",
+            {
+                "a": f"agent_check: {{port: {agents[0].port}}}",
+                "b": f"agent_check: {{port: {agents[1].port}}}",
+            },
+        ),
+        admin_port,
+    )
+    try:
+        lbproxy(config, wait_ports=[port])
+        wait_for(
+            lambda: (
+                (api(admin_port)["virtual_servers"][0]["real_servers"][1]["agent"] or {}).get(
+                    "state"
+                )
+                == "drain"
+            ),
+            what="the agent heard",
+        )
+        browser.get(f"http://127.0.0.1:{admin_port}/")
+        wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+        pill = _row(browser, "web", "b").find_element("css selector", ".state .agent")
+        assert pill.text == "agent drain 50%"
+        assert pill.get_attribute("title") == "deploy"
+        assert _row(browser, "web", "a").find_elements("css selector", ".state .agent") == []
+    finally:
+        for agent in agents:
+            agent.stop()

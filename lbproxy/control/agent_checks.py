@@ -39,7 +39,7 @@ from lbproxy.config.model import Address, AgentCheckConfig
 from lbproxy.control.checks import decode_send
 from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.agent import RESULTS
-from lbproxy.core.health import close_leases
+from lbproxy.core.health import health_changed
 from lbproxy.core.pool import Pool, RealServer
 from lbproxy.net.accept import CAPACITY_ERRNOS, LocalCapacityError
 from lbproxy.net.barrier import record
@@ -192,7 +192,5 @@ def _apply(pool: Pool, rs: RealServer, answer: AgentAnswer, said: str) -> None:
     if news or before.get("weight_percent") != after.get("weight_percent"):
         level = logging.INFO if news else logging.DEBUG
         log.log(level, "%s/%s: agent says %r", pool.name, rs.name, said)
-    if changed is False and pool.config.health_check.on_down == "close":
-        closed = close_leases(rs.leases)
-        if closed:
-            log.info("%s/%s: closed %d connection(s) (on_down: close)", pool.name, rs.name, closed)
+    if changed is not None:  # health turned: on_down / on_up close and count as for a check
+        health_changed(pool, rs, changed)

@@ -521,8 +521,17 @@ def test_down_closes_connections_with_on_down_close(name_servers, lbproxy):
             assert on_b.recv(100) == b""  # closed by lbproxy
             on_a.sendall(b"a is untouched\n")
             assert read_name(on_a) == "a is untouched"
-            closed = "web/b: closed 1 connection(s) (on_down: close)"
+            closed = "web: closed 1 connection(s): b is down (on_down: close)"
             wait_for(lambda: closed in proxy.log(), what="the close logged")
+            assert (
+                counted(
+                    admin_port,
+                    "lbproxy_connections_closed_total",
+                    virtual_server="web",
+                    reason="marked_down",
+                )
+                == 1
+            )
         finally:
             for sock, _ in held:
                 sock.close()

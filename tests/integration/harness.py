@@ -6,11 +6,14 @@ limit, across upgrades), configurations, the admin endpoint over HTTP (the API's
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import pty
 import random
 import re
 import resource
+import select
 import signal
 import socket
 import socketserver
@@ -18,6 +21,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import textwrap
 import threading
 import time
@@ -1148,3 +1152,47 @@ class NotifySocket:
 
     def close(self) -> None:
         self.sock.close()
+
+
+TERMINAL_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def run_in_terminal(columns: int, *args: str, timeout: float = 30.0) -> str:
+    """A real `lbproxy` process on a pseudo-terminal `columns` wide; its screen text."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env = {k: v for k, v in env.items() if not k.startswith(("TTY_", "FORCE_COLOR"))}
+    env["TERM"] = "xterm-256color"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lbproxy", *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=ROOT,
+        env=env,
+    )
+    os.close(slave)
+    output = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+        assert proc.wait(timeout=10) == 0, output
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return TERMINAL_ESCAPES.sub("", output.decode()).replace("\r", "")

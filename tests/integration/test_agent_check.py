@@ -12,9 +12,6 @@ is counted; the API shows the agent's state beside the operator's.
 from __future__ import annotations
 
 import json
-import socket
-import socketserver
-import threading
 
 import pytest
 import trio
@@ -24,6 +21,7 @@ from hypothesis import strategies as st
 from lbproxy.config.model import Address, AgentCheckConfig
 from lbproxy.control.agent_checks import ask_agent
 from lbproxy.wire.agent import LINE_LIMIT, BadAnswer, line_of, parse
+from tests.integration.agents import SILENT, Agent
 from tests.integration.harness import (
     ask_name,
     counted,
@@ -32,6 +30,7 @@ from tests.integration.harness import (
     read_name,
     ready,
     run_cli,
+    run_in_terminal,
     servers_of,
     vs_config,
     wait_for,
@@ -39,54 +38,6 @@ from tests.integration.harness import (
     worker_servers,
     workers_config,
 )
-
-SILENT = None  # the agent accepts and says nothing until lbproxy gives up
-
-
-class _AgentHandler(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        agent: Agent = self.server  # type: ignore[assignment]
-        sock: socket.socket = self.request
-        sock.settimeout(10)
-        with agent.lock:
-            answer = agent.answer
-            agent.asked += 1
-        try:
-            if agent.expect_send:
-                agent.received.append(sock.recv(100))
-            if answer is SILENT:
-                while sock.recv(100):  # until lbproxy's timeout closes it
-                    pass
-                return
-            sock.sendall(answer)
-        except OSError:
-            pass
-
-
-class Agent(socketserver.ThreadingTCPServer):
-    """A server's agent: answers `answer` (bytes; SILENT: nothing) to every check and
-    closes; `asked` counts the checks."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, answer: bytes | None, expect_send: bool = False) -> None:
-        self.answer = answer
-        self.asked = 0
-        self.expect_send = expect_send
-        self.received: list[bytes] = []
-        self.lock = threading.Lock()
-        super().__init__(("127.0.0.1", free_port()), _AgentHandler)
-        self.port = self.server_address[1]
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def say(self, answer: bytes | None) -> None:
-        with self.lock:
-            self.answer = answer
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
 
 
 def _agent_config(port, servers, agents, admin_port, scheduler="wrr", extra="", weights=None):
@@ -474,8 +425,6 @@ def test_lbproxy_status_shows_the_agent_beside_the_state(name_servers, lbproxy):
     """On a terminal, `lbproxy status` shows what the agent says beside the operator's
     state: `enabled (agent drain 50%: deploy)`; a server whose agent says ready at 100%
     shows its state alone."""
-    from tests.integration.test_status_output import run_in_terminal
-
     a, b = name_servers("a", "b")
     agents = [Agent(b"ready 100%\n"), Agent(b"50% drain # deploy\n")]
     port, admin_port = free_port(), free_port()

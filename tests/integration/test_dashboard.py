@@ -618,7 +618,7 @@ def test_the_page_is_package_data(tmp_path):
 def test_dashboard_shows_what_the_agent_says_beside_the_state(browser, name_servers, lbproxy):
     """A server whose agent (agent_check) says `50% drain # deploy` shows a pill
     "agent drain 50%" beside its state `enabled`, the reason as its tooltip."""
-    from tests.integration.test_agent_check import Agent
+    from tests.integration.agents import Agent
 
     a, b = name_servers("a", "b")
     agents = [Agent(b"ready\n"), Agent(b"50% drain # deploy\n")]

@@ -3,17 +3,11 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
 import re
-import select
-import struct
 import subprocess
 import sys
-import termios
-import time
 
 import pytest
 
@@ -23,6 +17,7 @@ from tests.integration.harness import (
     free_port,
     front_door_proxy,
     run_cli,
+    run_in_terminal,
     with_admin,
 )
 
@@ -136,47 +131,6 @@ def test_status_through_grep_finds_the_whole_line(status_setup):
     assert out.returncode == 0, out.stderr
     ((vs, rs),) = [(vs, rs) for vs, rs in rows(document) if rs["name"] == NAMES[1]]
     assert out.stdout.split() == plain_fields(vs, rs)
-
-
-def run_in_terminal(columns: int, *args: str, timeout: float = 30.0) -> str:
-    """A real `lbproxy` process on a pseudo-terminal `columns` wide; its screen text."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env = {k: v for k, v in env.items() if not k.startswith(("TTY_", "FORCE_COLOR"))}
-    env["TERM"] = "xterm-256color"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lbproxy", *args],
-        stdin=slave,
-        stdout=slave,
-        stderr=slave,
-        cwd=ROOT,
-        env=env,
-    )
-    os.close(slave)
-    output = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the process closed the terminal
-                break
-            if not chunk:
-                break
-            output += chunk
-        assert proc.wait(timeout=10) == 0, output
-    finally:
-        os.close(master)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return ANSI.sub("", output.decode()).replace("\r", "")
 
 
 @pytest.mark.parametrize("columns", [40, 80])

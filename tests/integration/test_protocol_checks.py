@@ -1,0 +1,414 @@
+"""Protocol health checks against the real servers (SPEC §22), through a real `lbproxy
+run` and its admin API: each real server's `health` and the last check's `reason` are
+what an operator reads in `GET /api/v1/virtual-servers/NAME`.
+
+The server states are the servers' own: a PostgreSQL in smart shutdown refusing new
+sessions, a role that does not exist, a Redis replica and its promotion, a MariaDB user
+over its connection limit, an SMTP server refusing EHLO; and, for `port`/`address`, a
+check port apart from the traffic port.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+
+import pytest
+import trio
+
+from lbproxy.config.model import Address, HealthCheckConfig
+from lbproxy.control.checks import ANSWER_LIMIT, probe
+from tests.integration.databases import (
+    Mariadb,
+    Postgres,
+    SmtpServer,
+    requires_mariadb,
+    requires_postgres,
+)
+from tests.integration.harness import (
+    NameServer,
+    ask_name,
+    free_port,
+    get_json,
+    run_cli,
+    wait_for,
+)
+from tests.integration.redis_server import RedisServer, requires_redis
+
+FAST = "interval: 200ms, timeout: 1s, rise: 1, fall: 1"
+
+
+def _config(admin_port: int, port: int, check: str, servers: list[str]) -> str:
+    lines = [
+        "global:",
+        f"  admin: {{listen: 127.0.0.1:{admin_port}}}",
+        "  drain_timeout: 2s",
+        "virtual_servers:",
+        "  - name: db",
+        f"    listen: 127.0.0.1:{port}",
+        "    scheduler: rr",
+        f"    health_check: {{{check}, {FAST}}}",
+        "    real_servers:",
+        *(f"      - {server}" for server in servers),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _server(admin_port: int, name: str) -> dict:
+    document = get_json(admin_port, "/api/v1/virtual-servers/db")
+    return next(rs for rs in document["real_servers"] if rs["name"] == name)
+
+
+def _wait_check(admin_port: int, name: str, health: str, reason: str = "", timeout=20.0) -> dict:
+    """Wait until the API shows `name` with `health` and a last check whose reason
+    matches the regular expression `reason` (the whole of it; "" : an ok check)."""
+    seen: list[dict] = []
+
+    def shown() -> dict | None:
+        rs = _server(admin_port, name)
+        seen[:] = [rs]
+        check = rs.get("check")
+        if rs["health"] != health or check is None:
+            return None
+        if not re.fullmatch(reason, check["reason"]):
+            return None
+        return rs
+
+    return wait_for(
+        shown, timeout, f"{name} {health} ({reason!r})", details=lambda: repr(seen[-1:])
+    )
+
+
+# -- port and address ------------------------------------------------------------------
+
+
+def test_checks_go_to_the_check_port_and_address(lbproxy, tmp_path):
+    """The traffic port answers for both servers; `a`'s checks go to a management port
+    on another loopback address (up), `b`'s own override to a closed port (down)."""
+    a, b = NameServer("a"), NameServer("b")
+    management = socket.create_server(("127.0.0.2", 0))
+    closed = free_port()
+    try:
+        admin_port, port = free_port(), free_port()
+        mgmt_port = management.getsockname()[1]
+        config = _config(
+            admin_port,
+            port,
+            f"type: tcp, address: 127.0.0.2, port: {mgmt_port}",
+            [
+                f"{{name: a, address: 127.0.0.1:{a.port}}}",
+                f"{{name: b, address: 127.0.0.1:{b.port}, "
+                f"health_check: {{address: 127.0.0.1, port: {closed}}}}}",
+            ],
+        )
+        (tmp_path / "lb.yaml").write_text(config)
+        summary = run_cli("check", str(tmp_path / "lb.yaml")).stdout
+        assert f"tcp on 127.0.0.2 port {mgmt_port} every 0.2s" in summary, summary
+        assert f"checked on 127.0.0.1 port {closed}" in summary, summary
+
+        lbproxy(config, wait_ports=[port])
+        down = _wait_check(admin_port, "b", "down", "tcp check: connection refused")
+        assert down["check"]["result"] == "fail"
+        up = _wait_check(admin_port, "a", "up")
+        assert up["check"]["result"] == "ok" and up["check"]["duration_ms"] >= 0
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", up["check"]["at"])
+        # b's traffic port is fine, but only a takes the traffic
+        assert {ask_name(port) for _ in range(4)} == {"a"}
+    finally:
+        management.close()
+        a.stop()
+        b.stop()
+
+
+# -- pgsql -----------------------------------------------------------------------------
+
+
+@requires_postgres
+def test_pgsql_check_follows_the_server(lbproxy, tmp_path):
+    pg = Postgres().start()
+    try:
+        admin_port, port = free_port(), free_port()
+        config = _config(
+            admin_port,
+            port,
+            "type: pgsql, user: postgres",
+            [
+                f"{{name: primary, address: 127.0.0.1:{pg.port}}}",
+                f"{{name: nobody, address: 127.0.0.1:{pg.port}, health_check: {{port: {pg.port}}}}}",
+            ],
+        )
+        # a second virtual server's check as the default user, whom this server lacks
+        config += (
+            "  - name: default-user\n"
+            f"    listen: 127.0.0.1:{free_port()}\n"
+            f"    health_check: {{type: pgsql, {FAST}}}\n"
+            f"    real_servers: [{{name: primary, address: 127.0.0.1:{pg.port}}}]\n"
+        )
+        (tmp_path / "lb.yaml").write_text(config)
+        summary = run_cli("check", str(tmp_path / "lb.yaml")).stdout
+        assert "pgsql as user postgres every 0.2s" in summary, summary
+        assert "pgsql as user lbproxy every 0.2s" in summary, summary
+
+        lbproxy(config, wait_ports=[port])
+        _wait_check(admin_port, "primary", "up")
+        lacking = get_json(admin_port, "/api/v1/virtual-servers/default-user")["real_servers"][0]
+        wait_for(
+            lambda: (get_json(admin_port, "/api/v1/virtual-servers/default-user")["real_servers"][0]
+                     .get("check") or {}).get("reason") == 'pgsql: FATAL: role "lbproxy" does not exist',
+            20, "the missing role in the reason", details=lambda: repr(lacking),
+        )  # fmt: skip
+
+        client = pg.hold_client()  # smart shutdown waits for it: new sessions are refused
+        pg.stop_smart()
+        down = _wait_check(
+            admin_port, "primary", "down", "pgsql: FATAL: the database system is shutting down"
+        )
+        assert down["check"]["result"] == "fail"
+        pg.release(client)  # the server stops: the check cannot connect
+        _wait_check(admin_port, "primary", "down", "pgsql: connection refused")
+    finally:
+        pg.stop()
+
+
+@requires_postgres
+def test_pgsql_password_request_is_healthy():
+    """A server asking for a password is up and accepting (SCRAM: AuthenticationSASL)."""
+    pg = Postgres(auth="scram-sha-256").start()
+    try:
+        address = Address("127.0.0.1", pg.port)
+        check = HealthCheckConfig(type="pgsql", user="nobody-here", timeout=5)
+        assert _probe(address, check) == ("ok", "")
+    finally:
+        pg.stop()
+
+
+# -- redis -----------------------------------------------------------------------------
+
+
+@requires_redis
+def test_redis_role_follows_a_promotion(lbproxy, tmp_path):
+    password = "s3cret-for-the-check"
+    primary = RedisServer(tmp_path / "primary").start(password=password)
+    replica = RedisServer(tmp_path / "replica").start(password=password, replica_of=primary.port)
+    secret = tmp_path / "redis.pass"
+    secret.write_text(password + "\n")
+    os.chmod(secret, 0o600)
+    try:
+        admin_port, port = free_port(), free_port()
+        config = _config(
+            admin_port,
+            port,
+            f"type: redis, role: master, password_file: {secret}",
+            [
+                f"{{name: primary, address: 127.0.0.1:{primary.port}}}",
+                f"{{name: replica, address: 127.0.0.1:{replica.port}}}",
+            ],
+        )
+        (tmp_path / "lb.yaml").write_text(config)
+        summary = run_cli("check", str(tmp_path / "lb.yaml")).stdout
+        assert "redis PING after AUTH, role master every 0.2s" in summary, summary
+
+        lbproxy(config, wait_ports=[port])
+        _wait_check(admin_port, "primary", "up")
+        _wait_check(admin_port, "replica", "down", "redis: role:slave, want master")
+
+        replica.cli("REPLICAOF", "NO", "ONE")  # promoted
+        _wait_check(admin_port, "replica", "up")
+        primary.cli("REPLICAOF", "127.0.0.1", str(replica.port))  # the old one demoted
+        _wait_check(admin_port, "primary", "down", "redis: role:slave, want master")
+    finally:
+        replica.stop()
+        primary.stop()
+
+
+@requires_redis
+def test_redis_wrong_password_and_no_auth(tmp_path):
+    redis = RedisServer(tmp_path / "redis").start(password="right")
+    wrong = tmp_path / "wrong.pass"
+    wrong.write_text("wrong\n")
+    os.chmod(wrong, 0o600)
+    try:
+        address = Address("127.0.0.1", redis.port)
+        result, reason = _probe(address, HealthCheckConfig(type="redis", password_file=str(wrong)))
+        assert result == "fail" and reason.startswith("redis: AUTH: WRONGPASS"), reason
+        result, reason = _probe(address, HealthCheckConfig(type="redis"))
+        assert result == "fail" and reason.startswith("redis: NOAUTH"), reason
+    finally:
+        redis.stop()
+
+
+# -- mysql -----------------------------------------------------------------------------
+
+
+@requires_mariadb
+def test_mysql_check_logs_in_and_reports_refusals(lbproxy, tmp_path):
+    db = Mariadb().start()
+    try:
+        db.sql(
+            "CREATE USER lbproxy@'127.0.0.1' WITH MAX_USER_CONNECTIONS 1;"
+            "CREATE USER busy@'127.0.0.1' WITH MAX_USER_CONNECTIONS 1;"
+        )
+        admin_port, port = free_port(), free_port()
+        config = _config(
+            admin_port,
+            port,
+            "type: mysql, user: lbproxy",
+            [
+                f"{{name: maria, address: 127.0.0.1:{db.port}}}",
+            ],
+        )
+        (tmp_path / "lb.yaml").write_text(config)
+        assert (
+            "mysql login as user lbproxy every 0.2s"
+            in run_cli("check", str(tmp_path / "lb.yaml")).stdout
+        )
+        lbproxy(config, wait_ports=[port])
+        _wait_check(admin_port, "maria", "up")
+
+        session = db.client("lbproxy")  # the check's user is now at its limit
+        try:
+            _wait_check(
+                admin_port,
+                "maria",
+                "down",
+                r"mysql: ERR 1226: User 'lbproxy' has exceeded the 'max_user_connections'"
+                r" resource \(current value: 1\)",
+            )
+        finally:
+            db.end(session)
+        _wait_check(admin_port, "maria", "up")
+
+        address = Address("127.0.0.1", db.port)
+        assert _probe(address, HealthCheckConfig(type="mysql")) == ("ok", "")  # handshake
+        result, reason = _probe(address, HealthCheckConfig(type="mysql", user="stranger"))
+        assert result == "fail", reason
+        assert reason.startswith("mysql: ERR 1045: Access denied for user 'stranger'"), reason
+    finally:
+        db.stop()
+
+
+# -- smtp ------------------------------------------------------------------------------
+
+
+def test_smtp_check(lbproxy, tmp_path):
+    pytest.importorskip("aiosmtpd")
+    good, refusing = SmtpServer().start(), SmtpServer(refuse_ehlo=True).start()
+    try:
+        admin_port, port = free_port(), free_port()
+        config = _config(
+            admin_port,
+            port,
+            "type: smtp, helo: lb.example",
+            [
+                f"{{name: good, address: 127.0.0.1:{good.port}}}",
+                f"{{name: busy, address: 127.0.0.1:{refusing.port}}}",
+            ],
+        )
+        lbproxy(config, wait_ports=[port])
+        _wait_check(admin_port, "good", "up")
+        _wait_check(admin_port, "busy", "down", "smtp: EHLO answered 421 too busy, try later")
+    finally:
+        good.stop()
+        refusing.stop()
+
+
+# -- bounds ----------------------------------------------------------------------------
+
+
+def _probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
+    async def main():
+        with trio.fail_after(30):
+            return await probe(address, check)
+
+    return trio.run(main)
+
+
+class _Talker:
+    """A loopback server that answers every connection with `answer`, then either
+    keeps sending `forever` or holds the connection open, until stopped."""
+
+    def __init__(self, answer: bytes, forever: bytes = b"") -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.answer, self.forever = answer, forever
+        self.stopping = threading.Event()
+        self.sent = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.sendall(self.answer)
+                    self.sent += len(self.answer)
+                    while self.forever and not self.stopping.is_set() and self.sent < 1 << 30:
+                        conn.sendall(self.forever)
+                        self.sent += len(self.forever)
+                    while conn.recv(100):  # until the check closes
+                        pass
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.server.close()
+
+
+@pytest.mark.parametrize("kind", ["pgsql", "redis", "mysql", "smtp"])
+def test_an_endless_answer_fails_at_the_bound(kind):
+    """A server that never stops sending is a failed check once 16 KiB have arrived,
+    whatever protocol: a notice that never ends, a bulk string, a packet, a reply line."""
+    starts = {
+        "pgsql": b"N\x7f\xff\xff\xff",  # a NoticeResponse of 2 GiB
+        "redis": b"$1000000000\r\n",
+        "mysql": b"\xff\xff\xff\x00\x0a",  # a 16 MiB packet
+        "smtp": b"220-",
+    }
+    talker = _Talker(starts[kind], forever=b"x" * 4096)
+    try:
+        result, reason = _probe(
+            Address("127.0.0.1", talker.port), HealthCheckConfig(type=kind, timeout=10)
+        )
+        assert (result, reason) == ("fail", f"{kind}: answer longer than {ANSWER_LIMIT} bytes")
+    finally:
+        talker.stop()
+
+
+def test_an_answer_that_never_ends_fails_within_the_timeout():
+    talker = _Talker(b"R\x00\x00\x00\x08\x00\x00")  # 7 of an AuthenticationRequest's 9 bytes
+    try:
+        address = Address("127.0.0.1", talker.port)
+        result, reason = _probe(address, HealthCheckConfig(type="pgsql", timeout=0.5))
+        assert (result, reason) == ("fail", "pgsql: answer incomplete after 7 bytes within 0.5s")
+    finally:
+        talker.stop()
+    silent = _Talker(b"")
+    try:
+        address = Address("127.0.0.1", silent.port)
+        result, reason = _probe(address, HealthCheckConfig(type="mysql", timeout=0.3))
+        assert (result, reason) == ("timeout", "mysql: no answer within 0.3s")
+    finally:
+        silent.stop()
+
+
+def test_send_expect_in_hex():
+    talker = _Talker(b"\x00\x01\x02\xfe\xffOK")
+    try:
+        address = Address("127.0.0.1", talker.port)
+        found = HealthCheckConfig(
+            type="send_expect", send_hex=b"\x01\x02", expect_hex=b"\xfe\xff", timeout=1
+        )
+        assert _probe(address, found) == ("ok", "")
+        missing = HealthCheckConfig(type="send_expect", expect_hex=b"\xab\xcd", timeout=0.3)
+        result, reason = _probe(address, missing)
+        assert result == "fail"
+        assert reason.startswith("send_expect check: hex abcd not found in 7 bytes"), reason
+    finally:
+        talker.stop()

@@ -227,7 +227,8 @@ class Mariadb:
         options = [
             "--no-defaults", f"--datadir={self.data}", f"--socket={self.socket}",
             f"--port={self.port}", "--bind-address=127.0.0.1", "--skip-name-resolve",
-            f"--pid-file={self.folder / 'mariadbd.pid'}", f"--log-error={self.folder / 'error.log'}",
+            f"--pid-file={self.folder / 'mariadbd.pid'}",
+            f"--log-error={self.folder / 'error.log'}",
             "--innodb-buffer-pool-size=16M", "--skip-log-bin", *user,
         ]  # fmt: skip
         if self.max_connections is not None:

@@ -207,7 +207,7 @@ def test_status_json_is_the_api_document(proxied):
     first = vs["real_servers"][0]
     assert set(first) == {
         "name", "address", "state", "health", "backup", "weight", "active_connections",
-        "connections_total", "bytes_in", "bytes_out", "snmp", "load", "discovered",
+        "connections_total", "bytes_in", "bytes_out", "snmp", "load", "discovered", "check",
     }  # fmt: skip
     assert first["discovered"] is False  # from the file, not from DNS (SPEC §14)
     assert first["weight"] == {"static": 1, "dynamic": None, "effective": 1}

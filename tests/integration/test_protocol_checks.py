@@ -409,3 +409,47 @@ def test_send_expect_in_hex():
         assert reason.startswith("send_expect check: hex abcd not found in 7 bytes"), reason
     finally:
         talker.stop()
+
+
+# -- configuration -----------------------------------------------------------------------
+
+
+def test_invalid_check_keys_are_file_line_errors(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "virtual_servers:\n"
+        "  - name: db\n"
+        "    listen: 127.0.0.1:15432\n"
+        "    health_check:\n"
+        "      type: pgsql\n"
+        "      role: master\n"
+        "      port: 0\n"
+        "    real_servers:\n"
+        "      - {name: a, address: 127.0.0.1:5432, health_check: {address: 'not a host'}}\n"
+        "  - name: cache\n"
+        "    listen: 127.0.0.1:16379\n"
+        "    health_check: {type: redis, user: x, role: primary}\n"
+        "    real_servers: [{name: a, address: 127.0.0.1:6379}]\n"
+        "  - name: bin\n"
+        "    listen: 127.0.0.1:17000\n"
+        "    health_check:\n"
+        "      type: send_expect\n"
+        "      send: PING\n"
+        "      send_hex: '0d0a'\n"
+        "      expect_hex: 'zz'\n"
+        "    real_servers: [{name: a, address: 127.0.0.1:7000}]\n"
+    )
+    done = run_cli("check", str(config))
+    assert done.returncode == 2, done.stdout + done.stderr
+    problems = [line for line in done.stderr.splitlines() if line.startswith(str(config))]
+    assert problems == [
+        f"{config}:6: health_check.role is for redis checks, not pgsql",
+        f"{config}:7: health_check.port must be an integer from 1 to 65535, got 0",
+        f"{config}:9: health_check.address must be a host name or IP address, got 'not a host'"
+        " ('not a host' is not an IP address or host name)",
+        f"{config}:12: health_check.role must be one of master, replica, got 'primary'",
+        f"{config}:12: health_check.user is for pgsql and mysql checks, not redis",
+        f"{config}:19: health_check has both 'send' and 'send_hex': give one",
+        f"{config}:20: health_check.expect_hex must be hex digits, two a byte (quoted, e.g."
+        " \"0d0a\"), got 'zz'",
+    ]

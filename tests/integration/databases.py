@@ -5,8 +5,11 @@ protocol health checks (SPEC §22): Debian's PostgreSQL and MariaDB, and an SMTP
     pg = Postgres().start()               # initdb + postgres on 127.0.0.1:pg.port
     pg.psql("CREATE ROLE lbproxy LOGIN")  # psql as the superuser `postgres`, its output
     client = pg.hold_client()             # a psql session kept open (smart shutdown waits)
+    standby = Postgres(standby=True).start()  # in recovery, refusing sessions
+    standby.promote()                     # pg_ctl promote: accepting
     pg.stop_smart()                       # pg_ctl stop -m smart, without waiting
-    pg.stop()                             # fast shutdown by PID, waited for; folder removed
+    pg.stop()                             # fast shutdown by PID, waited for
+    pg.remove()                           # ... and its folder removed
 
     db = Mariadb().start()                # mariadb-install-db + mariadbd on db.port
     db.sql("CREATE USER lbproxy@'127.0.0.1'")
@@ -106,7 +109,7 @@ class Postgres:
     """A PostgreSQL server of its own: `initdb` with trust authentication from loopback
     (method `trust`, or `scram-sha-256` with `auth=`), listening on 127.0.0.1 only."""
 
-    def __init__(self, auth: str = "trust") -> None:
+    def __init__(self, auth: str = "trust", standby: bool = False) -> None:
         if PG is None:
             tools.missing("postgres", "postgresql")
         self.account = _account("postgres")
@@ -114,12 +117,19 @@ class Postgres:
         self.data = self.folder / "data"
         self.port = free_port()
         self.auth = auth
+        # A standby without a primary and with hot_standby off: in recovery for good,
+        # refusing every session until `promote`.
+        self.standby = standby
         self.proc: subprocess.Popen | None = None
         self.clients: list[subprocess.Popen] = []
 
     def _bin(self, name: str) -> str:
         assert PG is not None
         return str(PG / name)
+
+    @property
+    def psql_path(self) -> str:
+        return self._bin("psql")
 
     def start(self, timeout: float = 60.0) -> Postgres:
         if not self.data.exists():
@@ -131,6 +141,12 @@ class Postgres:
             # Sessions over the Unix socket (psql here) are trusted; over TCP, `auth`.
             hba = f"local all all trust\nhost all all 127.0.0.1/32 {self.auth}\n"
             (self.data / "pg_hba.conf").write_text(hba)
+            if self.standby:
+                with open(self.data / "postgresql.conf", "a") as conf:
+                    conf.write("hot_standby = off\n")
+                (self.data / "standby.signal").touch()
+                if self.account:
+                    os.chown(self.data / "standby.signal", *self.account)
         log = open(self.folder / "postgres.log", "ab")  # noqa: SIM115 - the child's stderr
         self.proc = subprocess.Popen(
             [self._bin("postgres"), "-D", str(self.data), "-p", str(self.port),
@@ -147,7 +163,8 @@ class Postgres:
                 [self._bin("pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-q"],
                 timeout=10,
             )
-            return done.returncode == 0
+            # 0: accepting; 1: rejecting (a standby in recovery, as asked)
+            return done.returncode == 0 or (self.standby and done.returncode == 1)
 
         wait_for(ready, timeout, "postgres to accept connections", details=self.log)
         return self
@@ -187,6 +204,13 @@ class Postgres:
     def release(self, client: subprocess.Popen) -> None:
         _end_session(client)
 
+    def promote(self) -> None:
+        """`pg_ctl promote`: a standby ends its recovery and accepts sessions."""
+        subprocess.run(
+            [self._bin("pg_ctl"), "promote", "-D", str(self.data), "-w", "-t", "60"],
+            check=True, capture_output=True, timeout=90, **_as(self.account),
+        )  # fmt: skip
+
     def stop_smart(self) -> None:
         """`pg_ctl stop -m smart` without waiting: new sessions are refused while the
         sessions already there go on."""
@@ -196,9 +220,14 @@ class Postgres:
         )  # fmt: skip
 
     def stop(self) -> None:
+        """Fast shutdown, waited for; the folder stays until `remove` (or the end)."""
         for client in self.clients:
             _end_session(client)
-        _stop(self.proc, signal.SIGINT)  # fast shutdown
+        self.clients = []
+        _stop(self.proc, signal.SIGINT)
+
+    def remove(self) -> None:
+        self.stop()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
 import threading
 
 import pytest
@@ -166,7 +167,7 @@ def test_pgsql_check_follows_the_server(lbproxy, tmp_path):
         pg.release(client)  # the server stops: the check cannot connect
         _wait_check(admin_port, "primary", "down", "pgsql: connection refused")
     finally:
-        pg.stop()
+        pg.remove()
 
 
 @requires_postgres
@@ -178,7 +179,7 @@ def test_pgsql_password_request_is_healthy():
         check = HealthCheckConfig(type="pgsql", user="nobody-here", timeout=5)
         assert _probe(address, check) == ("ok", "")
     finally:
-        pg.stop()
+        pg.remove()
 
 
 # -- redis -----------------------------------------------------------------------------
@@ -453,3 +454,53 @@ def test_invalid_check_keys_are_file_line_errors(tmp_path):
         f"{config}:20: health_check.expect_hex must be hex digits, two a byte (quoted, e.g."
         " \"0d0a\"), got 'zz'",
     ]
+
+
+@requires_postgres
+def test_pgsql_failover_to_a_promoted_standby(lbproxy, tmp_path):
+    """A standby in recovery refuses sessions and is down; the primary goes, the standby
+    is promoted (`pg_ctl promote`), and psql through lbproxy reaches the new primary."""
+    primary, standby = Postgres().start(), Postgres(standby=True).start()
+    try:
+        admin_port, port = free_port(), free_port()
+        config = _config(
+            admin_port,
+            port,
+            "type: pgsql, user: postgres",
+            [
+                f"{{name: primary, address: 127.0.0.1:{primary.port}}}",
+                f"{{name: standby, address: 127.0.0.1:{standby.port}}}",
+            ],
+        )
+        lbproxy(config, wait_ports=[port])
+        _wait_check(
+            admin_port,
+            "standby",
+            "down",
+            re.escape(
+                "pgsql: FATAL: the database system is not accepting connections"
+                " (Hot standby mode is disabled.)"
+            ),
+        )
+        _wait_check(admin_port, "primary", "up")
+        assert {_served_by(primary, port) for _ in range(3)} == {str(primary.port)}
+
+        primary.stop()
+        _wait_check(admin_port, "primary", "down", "pgsql: connection refused")
+        standby.promote()
+        _wait_check(admin_port, "standby", "up")
+        assert _served_by(standby, port) == str(standby.port)
+    finally:
+        primary.remove()
+        standby.remove()
+
+
+def _served_by(pg: Postgres, port: int) -> str:
+    """`SHOW port` through lbproxy's port: the port of the server that answered."""
+    done = subprocess.run(
+        [pg.psql_path, "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-d", "postgres",
+         "-At", "-c", "SHOW port"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()

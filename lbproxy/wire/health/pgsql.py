@@ -8,7 +8,9 @@ messages of one type byte and a 4-byte length (itself included):
     S  ParameterStatus, K  BackendKeyData, N  NoticeResponse: read on
     Z  ReadyForQuery (trust authentication, after R Ok) -> healthy; we send Terminate
     E  ErrorResponse: fields of a code byte and a C string; the check fails with the
-       severity and the message: `pgsql: FATAL: the database system is starting up`
+       severity, the message and its detail if any: `pgsql: FATAL: the database
+       system is starting up`, `pgsql: FATAL: the database system is not accepting
+       connections (Hot standby mode is disabled.)`
 
 Anything else is not PostgreSQL speaking and fails with what arrived.
 """
@@ -83,7 +85,8 @@ class PgsqlExchange(Exchange):
             fields = error_fields(body)
             severity = fields.get("V") or fields.get("S") or "ERROR"
             message = fields.get("M") or "(no message)"
-            return self.failed(f"{severity}: {message}")
+            detail = f" ({fields['D']})" if fields.get("D") else ""
+            return self.failed(f"{severity}: {message}{detail}")
         if kind == ord("R"):
             if len(body) < 4:
                 return self.failed("a malformed AuthenticationRequest")

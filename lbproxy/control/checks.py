@@ -72,7 +72,13 @@ from lbproxy.core.pool import Pool, RealServer
 from lbproxy.core.real_server import CheckRecord
 from lbproxy.net.accept import CAPACITY_ERRNOS, LocalCapacityError
 from lbproxy.net.barrier import record
-from lbproxy.wire.health.exchange import ANSWER_LIMIT, EXCERPT_LIMIT, Exchange, excerpt
+from lbproxy.wire.health.exchange import (
+    ANSWER_LIMIT,
+    EXCERPT_LIMIT,
+    NEED_MORE,
+    Exchange,
+    excerpt,
+)
 from lbproxy.wire.health.mysql import MysqlExchange
 from lbproxy.wire.health.pgsql import PgsqlExchange
 from lbproxy.wire.health.redis import RedisExchange
@@ -261,9 +267,13 @@ async def converse(
                     verdict = exchange.closed()
                     break
                 received += len(chunk)
-                if received > ANSWER_LIMIT:
+                # One byte over the bound at most (what was asked for): the bytes within
+                # it are judged first, so a verdict does not depend on how they arrived.
+                over = received > ANSWER_LIMIT
+                judged = chunk[:-1] if over else chunk
+                step = exchange.received(bytes(judged)) if judged else NEED_MORE
+                if over and step.verdict is None:
                     return FAIL, f"{name}: answer longer than {ANSWER_LIMIT} bytes"
-                step = exchange.received(bytes(chunk))
                 if step.verdict is not None:
                     verdict = step.verdict
                     if step.send:

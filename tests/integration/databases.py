@@ -313,6 +313,7 @@ class Mariadb:
         _end_session(session)
 
     def stop(self) -> None:
+        """Stop it by PID (waited for) and remove its folder."""
         _stop(self.proc, signal.SIGTERM, timeout=60)
         shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -130,8 +130,9 @@ def test_checks_go_to_the_check_port_and_address(lbproxy, tmp_path):
 
 @requires_postgres
 def test_pgsql_check_follows_the_server(lbproxy, tmp_path):
-    pg = Postgres().start()
+    pg = Postgres()
     try:
+        pg.start()
         admin_port, port = free_port(), free_port()
         config = _config(
             admin_port,
@@ -173,8 +174,9 @@ def test_pgsql_check_follows_the_server(lbproxy, tmp_path):
 @requires_postgres
 def test_pgsql_password_request_is_healthy():
     """A server asking for a password is up and accepting (SCRAM: AuthenticationSASL)."""
-    pg = Postgres(auth="scram-sha-256").start()
+    pg = Postgres(auth="scram-sha-256")
     try:
+        pg.start()
         address = Address("127.0.0.1", pg.port)
         check = HealthCheckConfig(type="pgsql", user="nobody-here", timeout=5)
         assert _probe(address, check) == ("ok", "")
@@ -188,12 +190,13 @@ def test_pgsql_password_request_is_healthy():
 @requires_redis
 def test_redis_role_follows_a_promotion(lbproxy, tmp_path):
     password = "s3cret-for-the-check"
-    primary = RedisServer(tmp_path / "primary").start(password=password)
-    replica = RedisServer(tmp_path / "replica").start(password=password, replica_of=primary.port)
+    primary, replica = RedisServer(tmp_path / "primary"), RedisServer(tmp_path / "replica")
     secret = tmp_path / "redis.pass"
     secret.write_text(password + "\n")
     os.chmod(secret, 0o600)
     try:
+        primary.start(password=password)
+        replica.start(password=password, replica_of=primary.port)
         admin_port, port = free_port(), free_port()
         config = _config(
             admin_port,
@@ -223,11 +226,12 @@ def test_redis_role_follows_a_promotion(lbproxy, tmp_path):
 
 @requires_redis
 def test_redis_wrong_password_and_no_auth(tmp_path):
-    redis = RedisServer(tmp_path / "redis").start(password="right")
+    redis = RedisServer(tmp_path / "redis")
     wrong = tmp_path / "wrong.pass"
     wrong.write_text("wrong\n")
     os.chmod(wrong, 0o600)
     try:
+        redis.start(password="right")
         address = Address("127.0.0.1", redis.port)
         result, reason = _probe(address, HealthCheckConfig(type="redis", password_file=str(wrong)))
         assert result == "fail" and reason.startswith("redis: AUTH: WRONGPASS"), reason
@@ -242,8 +246,9 @@ def test_redis_wrong_password_and_no_auth(tmp_path):
 
 @requires_mariadb
 def test_mysql_check_logs_in_and_reports_refusals(lbproxy, tmp_path):
-    db = Mariadb().start()
+    db = Mariadb()
     try:
+        db.start()
         db.sql(
             "CREATE USER lbproxy@'127.0.0.1' WITH MAX_USER_CONNECTIONS 1;"
             "CREATE USER busy@'127.0.0.1' WITH MAX_USER_CONNECTIONS 1;"
@@ -292,8 +297,10 @@ def test_mysql_check_logs_in_and_reports_refusals(lbproxy, tmp_path):
 
 def test_smtp_check(lbproxy, tmp_path):
     pytest.importorskip("aiosmtpd")
-    good, refusing = SmtpServer().start(), SmtpServer(refuse_ehlo=True).start()
+    good, refusing = SmtpServer(), SmtpServer(refuse_ehlo=True)
     try:
+        good.start()
+        refusing.start()
         admin_port, port = free_port(), free_port()
         config = _config(
             admin_port,
@@ -365,7 +372,7 @@ def test_an_endless_answer_fails_at_the_bound(kind):
     whatever protocol: a notice that never ends, a bulk string, a packet, a reply line."""
     starts = {
         "pgsql": b"N\x7f\xff\xff\xff",  # a NoticeResponse of 2 GiB
-        "redis": b"$1000000000\r\n",
+        "redis": b"$500000000\r\n",  # a 500 MB bulk string
         "mysql": b"\xff\xff\xff\x00\x0a",  # a 16 MiB packet
         "smtp": b"220-",
     }
@@ -460,8 +467,10 @@ def test_invalid_check_keys_are_file_line_errors(tmp_path):
 def test_pgsql_failover_to_a_promoted_standby(lbproxy, tmp_path):
     """A standby in recovery refuses sessions and is down; the primary goes, the standby
     is promoted (`pg_ctl promote`), and psql through lbproxy reaches the new primary."""
-    primary, standby = Postgres().start(), Postgres(standby=True).start()
+    primary, standby = Postgres(), Postgres(standby=True)
     try:
+        primary.start()
+        standby.start()
         admin_port, port = free_port(), free_port()
         config = _config(
             admin_port,

@@ -111,7 +111,7 @@ def test_checks_go_to_the_check_port_and_address(lbproxy, tmp_path):
         assert f"tcp on 127.0.0.2 port {mgmt_port} every 0.2s" in summary, summary
         assert f"checked on 127.0.0.1 port {closed}" in summary, summary
 
-        lbproxy(config, wait_ports=[port])
+        proxy = lbproxy(config, wait_ports=[port])
         down = _wait_check(admin_port, "b", "down", "tcp check: connection refused")
         assert down["check"]["result"] == "fail"
         up = _wait_check(admin_port, "a", "up")
@@ -119,6 +119,15 @@ def test_checks_go_to_the_check_port_and_address(lbproxy, tmp_path):
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", up["check"]["at"])
         # b's traffic port is fine, but only a takes the traffic
         assert {ask_name(port) for _ in range(4)} == {"a"}
+
+        # a reload with an invalid check key keeps the running checks ...
+        proxy.reload(config.replace("type: tcp,", "type: tcp, role: master,"))
+        assert "health_check.role is for redis checks, not tcp" in proxy.log()
+        assert _server(admin_port, "b")["health"] == "down"
+        # ... and one without b's override sends b's checks where a's go (up)
+        b_own = f", health_check: {{address: 127.0.0.1, port: {closed}}}"
+        proxy.reload(config.replace(b_own, ""))
+        _wait_check(admin_port, "b", "up")
     finally:
         management.close()
         a.stop()

@@ -3,7 +3,8 @@ run` and its admin API: each real server's `health` and the last check's `reason
 what an operator reads in `GET /api/v1/virtual-servers/NAME`.
 
 The server states are the servers' own: a PostgreSQL in smart shutdown refusing new
-sessions, a role that does not exist, a Redis replica and its promotion, a MariaDB user
+sessions, a standby in recovery and its promotion, a role that does not exist, a Redis
+replica and its promotion, a MariaDB full (ERR 1040) and a MariaDB user
 over its connection limit, an SMTP server refusing EHLO; and, for `port`/`address`, a
 check port apart from the traffic port.
 """
@@ -255,12 +256,13 @@ def test_redis_wrong_password_and_no_auth(tmp_path):
 
 @requires_mariadb
 def test_mysql_check_logs_in_and_reports_refusals(lbproxy, tmp_path):
-    db = Mariadb()
+    db = Mariadb(max_connections=10)  # MariaDB's least
+    busy: list = []
     try:
         db.start()
         db.sql(
             "CREATE USER lbproxy@'127.0.0.1' WITH MAX_USER_CONNECTIONS 1;"
-            "CREATE USER busy@'127.0.0.1' WITH MAX_USER_CONNECTIONS 1;"
+            "CREATE USER busy@'127.0.0.1';"
         )
         admin_port, port = free_port(), free_port()
         config = _config(
@@ -292,12 +294,20 @@ def test_mysql_check_logs_in_and_reports_refusals(lbproxy, tmp_path):
             db.end(session)
         _wait_check(admin_port, "maria", "up")
 
+        busy = [db.client("busy") for _ in range(10)]  # the server is full
+        _wait_check(admin_port, "maria", "down", "mysql: ERR 1040: Too many connections")
+        for session in busy:
+            db.end(session)
+        _wait_check(admin_port, "maria", "up")
+
         address = Address("127.0.0.1", db.port)
         assert _probe(address, HealthCheckConfig(type="mysql")) == ("ok", "")  # handshake
         result, reason = _probe(address, HealthCheckConfig(type="mysql", user="stranger"))
         assert result == "fail", reason
         assert reason.startswith("mysql: ERR 1045: Access denied for user 'stranger'"), reason
     finally:
+        for session in busy:
+            db.end(session)
         db.stop()
 
 

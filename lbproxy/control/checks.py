@@ -3,10 +3,11 @@
 What this module owns:
 
 - `probe(address, check)`: one check of one real server -> ("ok" | "fail" | "timeout",
-  reason). Three kinds, bounded by `health_check.timeout` as a whole:
+  reason), bounded by `health_check.timeout` as a whole:
     tcp          the connect succeeds
-    send_expect  after the connect, `send` (if any) is sent and the answer is read until
-                 the regular expression `expect` is found in it, the peer closes, 4 KiB
+    send_expect  after the connect, `send` or `send_hex` (if any) is sent and the answer
+                 is read until the regular expression `expect` (or the bytes
+                 `expect_hex`) is found in it, the peer closes, 4 KiB
                  have arrived, or the timeout: found = ok (the regular expression is
                  *searched*, so `^` anchors at the start of the answer). A wrong answer
                  is a `fail`, whichever of close, 4 KiB or timeout ends the read;
@@ -17,9 +18,16 @@ What this module owns:
     http         `GET path` with Host and `Connection: close`; the status line is
                  parsed by h11 (strictly, as any HTTP/1.1 client does): its status code
                  must be one of `expect_status`
+    pgsql, mysql, redis, smtp
+                 (SPEC §22) the server's own protocol: each a sans-io exchange in
+                 lbproxy/wire/health, driven by `converse`, the one runner, which owns
+                 the stream, the 16 KiB bound on what is read and the timeout
     udp, dns     (UDP virtual servers, SPEC §19) a datagram (`send`) whose reply must
                  contain `expect`, or a DNS query (`query`, `query_type`) whose answer
-                 must be NOERROR; ICMP port unreachable fails at once
+                 must be NOERROR; ICMP port unreachable fails at once (a reply is read
+                 up to 16 KiB)
+  `address` is where the checks go: `check_address` gives it from the real server's own
+  `health_check: {port, address}`, the virtual server's, and the server's address.
 - `HealthChecks`: one task per real server of every virtual server whose check type is
   not `none`, kept in step with the configuration by the one reconciler (reconcile.py,
   `sync()` after start-up and after each reload, as every control-plane subsystem). A
@@ -392,7 +400,7 @@ async def _http(stream: trio.SocketStream, address: Address, check: HealthCheckC
 # -- UDP checks (SPEC §19) ----------------------------------------------------------
 
 DATAGRAM_CHECKS = ("udp", "dns")
-DATAGRAM_LIMIT = 65535  # a reply is read whole
+DATAGRAM_LIMIT = ANSWER_LIMIT  # of a reply, at most: the rest of a larger datagram is dropped
 
 
 async def _datagram_probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:

@@ -11,8 +11,10 @@ The server speaks first:
                         SQLSTATE], the message: `mysql: ERR 1040: Too many connections`
     OK                  payload[0] = 0x00 (after our response): healthy; we send
                         COM_QUIT
-    auth switch         payload[0] = 0xFE: the user needs another authentication
-                        method (a password): fails, the check's user needs none
+    auth switch         payload[0] = 0xFE: the user has another authentication method
+                        (MySQL 8's caching_sha2_password): answered once with the same
+                        empty password; asked again, or for more (0x01): the user needs
+                        a password, and the check fails
 
 Without `user`, the server sees a client that leaves before logging in; MySQL counts
 those per host (`max_connect_errors`), so a check with a `user` is the one to use.
@@ -72,6 +74,7 @@ class MysqlExchange(Exchange):
         self.user = user
         self.buffer = bytearray()
         self.greeted = False
+        self.switched = False  # an AuthSwitchRequest was answered
         self.seen = 0
 
     def received(self, data: bytes) -> Step:
@@ -93,9 +96,13 @@ class MysqlExchange(Exchange):
             return self._greeting(payload, sequence)
         if payload[0] == 0x00:
             return self.done(COM_QUIT)
-        if payload[0] == 0xFE:
-            plugin = printable(payload[1:].split(b"\0", 1)[0])
-            return self.failed(f"user {self.user} needs a password (authentication {plugin})")
+        if payload[0] == 0xFE and not self.switched:
+            # The user's authentication method is another (MySQL 8's
+            # caching_sha2_password): answer it with the same empty password, once.
+            self.switched = True
+            return Step(packet(sequence + 1, b""))
+        if payload[0] in (0xFE, 0x01):  # asked again, or for more: a password is needed
+            return self.failed(f"user {self.user} needs a password")
         return self.failed(f"not an answer to the login: {excerpt(payload)}")
 
     def _greeting(self, payload: bytes, sequence: int) -> Step:

@@ -156,3 +156,45 @@ def test_the_runner_reads_at_most_the_bound(which, head, size):
     assert len(getattr(exchange, "buffer", b"")) <= ANSWER_LIMIT
     if len(answer) > ANSWER_LIMIT and result == "fail" and "longer" in reason:
         assert reason == f"{exchange.name}: answer longer than {ANSWER_LIMIT} bytes"
+
+
+def _converse(exchange: Exchange, answers: list[bytes], cuts: list[int]) -> tuple[list, Verdict]:
+    """Each answer (one per turn), cut into pieces; what the exchange sent each turn and
+    its verdict. No verdict before the last piece of the last answer."""
+    sent = [exchange.opening()]
+    for turn, answer in enumerate(answers):
+        pieces = [p for p in _split(answer, cuts) if p]
+        for i, piece in enumerate(pieces):
+            step = exchange.received(piece)
+            last = i == len(pieces) - 1
+            if not last:
+                assert step.send == b"" and step.verdict is None
+        sent.append(step.send)
+        if turn < len(answers) - 1:
+            assert step.verdict is None
+    assert step.verdict is not None
+    return sent, step.verdict
+
+
+@given(st.lists(st.integers(0, 10_000), max_size=6))
+def test_conversations_cut_anywhere(cuts):
+    greeting = b"220-mail.example ESMTP\r\n220 ready\r\n"
+    ehlo_ok = b"250-mail.example\r\n250-SIZE 1000\r\n250 HELP\r\n"
+    sent, verdict = _converse(SmtpExchange("lb.example"), [greeting, ehlo_ok], cuts)
+    assert sent == [b"", b"EHLO lb.example\r\n", b"QUIT\r\n"] and verdict.ok
+    busy = b"421 4.3.2 too busy\r\n"
+    sent, verdict = _converse(SmtpExchange("lb.example"), [greeting, busy], cuts)
+    assert verdict == Verdict(False, "smtp: EHLO answered 421 4.3.2 too busy")
+
+    ok_packet = b"\x07\0\0\x02" + b"\x00\x00\x00\x02\x00\x00\x00"
+    sent, verdict = _converse(MysqlExchange("lbproxy"), [MYSQL_PACKET, ok_packet], cuts)
+    response = sent[1]  # HandshakeResponse41, sequence 1, the user without a password
+    assert int.from_bytes(response[:3], "little") == len(response) - 4 and response[3] == 1
+    assert b"\0" * 23 + b"lbproxy\x00\x00mysql_native_password\x00" in response
+    assert sent[2] == b"\x01\x00\x00\x00\x01" and verdict.ok  # COM_QUIT
+    payload = b"\xff\x15\x04#28000Access denied for user 'lbproxy'@'10.0.0.1' (using password: NO)"
+    err = struct.pack("<I", len(payload))[:3] + b"\x02" + payload
+    _, verdict = _converse(MysqlExchange("lbproxy"), [MYSQL_PACKET, err], cuts)
+    assert verdict == Verdict(
+        False, "mysql: ERR 1045: Access denied for user 'lbproxy'@'10.0.0.1' (using password: NO)"
+    )

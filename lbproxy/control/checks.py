@@ -264,6 +264,7 @@ async def converse(
     """
     name = exchange.name
     received = 0
+    farewell = b""  # sent after the verdict
     try:
         with trio.fail_at(deadline):
             opening = exchange.opening()
@@ -283,10 +284,7 @@ async def converse(
                 if over and step.verdict is None:
                     return FAIL, f"{name}: answer longer than {ANSWER_LIMIT} bytes"
                 if step.verdict is not None:
-                    verdict = step.verdict
-                    if step.send:
-                        with contextlib.suppress(*_STREAM_ERRORS):
-                            await stream.send_all(step.send)
+                    verdict, farewell = step.verdict, step.send
                     break
                 if step.send:
                     await stream.send_all(step.send)
@@ -297,6 +295,9 @@ async def converse(
         return FAIL, f"{name}: answer incomplete after {received} bytes {within}"
     except _STREAM_ERRORS as exc:
         return FAIL, f"{name}: {_describe(exc)}"
+    if farewell:  # the verdict stands whatever becomes of it
+        with trio.move_on_at(deadline), contextlib.suppress(*_STREAM_ERRORS):
+            await stream.send_all(farewell)
     return (OK, "") if verdict.ok else (FAIL, verdict.reason)
 
 

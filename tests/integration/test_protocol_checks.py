@@ -359,6 +359,7 @@ class _Talker:
         self.answer, self.forever = answer, forever
         self.stopping = threading.Event()
         self.sent = 0
+        self.heard = b""  # what the checks sent
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -375,8 +376,8 @@ class _Talker:
                     while self.forever and not self.stopping.is_set() and self.sent < 1 << 30:
                         conn.sendall(self.forever)
                         self.sent += len(self.forever)
-                    while conn.recv(100):  # until the check closes
-                        pass
+                    while data := conn.recv(100):  # until the check closes
+                        self.heard += data
                 except OSError:
                     pass
 
@@ -532,3 +533,17 @@ def _served_by(pg: Postgres, port: int) -> str:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+def test_pgsql_ends_the_session_it_opened():
+    """With trust authentication the check reaches ReadyForQuery and then says
+    Terminate, as a client that is done does, before it closes."""
+    ready = b"R\x00\x00\x00\x08\x00\x00\x00\x00" + b"Z\x00\x00\x00\x05I"
+    talker = _Talker(ready)
+    try:
+        address = Address("127.0.0.1", talker.port)
+        assert _probe(address, HealthCheckConfig(type="pgsql", timeout=2)) == ("ok", "")
+        wait_for(lambda: talker.heard.endswith(b"X\x00\x00\x00\x04"), 10, "a Terminate")
+        assert b"user\x00lbproxy\x00database\x00lbproxy\x00" in talker.heard
+    finally:
+        talker.stop()

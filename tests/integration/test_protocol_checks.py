@@ -164,7 +164,7 @@ def test_pgsql_check_follows_the_server(lbproxy, tmp_path):
         assert "pgsql as user postgres every 0.2s" in summary, summary
         assert "pgsql as user lbproxy every 0.2s" in summary, summary
 
-        lbproxy(config, wait_ports=[port])
+        proxy = lbproxy(config, wait_ports=[port])
         _wait_check(admin_port, "primary", "up")
         missing_role = 'pgsql: FATAL: role "lbproxy" does not exist'
         _wait_check(admin_port, "primary", "down", missing_role, vs="default-user")
@@ -175,6 +175,8 @@ def test_pgsql_check_follows_the_server(lbproxy, tmp_path):
             admin_port, "primary", "down", "pgsql: FATAL: the database system is shutting down"
         )
         assert down["check"]["result"] == "fail"
+        logged = "db/primary is down (pgsql: FATAL: the database system is shutting down)"
+        wait_for(lambda: logged in proxy.log(), 10, "the transition in the log", proxy.log)
         pg.release(client)  # the server stops: the check cannot connect
         _wait_check(admin_port, "primary", "down", "pgsql: connection refused")
     finally:

@@ -18,6 +18,7 @@ Nothing secret is logged.
 
 from __future__ import annotations
 
+import datetime
 import hmac
 import ipaddress
 import json
@@ -38,6 +39,7 @@ from lbproxy.admin.routes import ANY_HOST_PATHS, HTTPError, Request, allowed, ma
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.locate import Located
 from lbproxy.core.pool import Pool, state_error, weight_error
+from lbproxy.core.real_server import CheckRecord
 
 if TYPE_CHECKING:
     import socket
@@ -131,6 +133,20 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
         "agent": None if rs.agent is None else rs.agent.document(),
         "load": _load(pool, rs),
         "discovered": rs.config.discovered,  # from DNS (discovery.dns), not from a file
+        "check": _check_document(rs.counters.check_last),
+    }
+
+
+def _check_document(last: CheckRecord | None) -> dict[str, Any] | None:
+    """The last active health check (SPEC §24); None before the first."""
+    if last is None:
+        return None
+    at = datetime.datetime.fromtimestamp(last.at, datetime.UTC)
+    return {
+        "result": last.result,
+        "reason": last.reason,
+        "at": at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "duration_ms": round(last.duration * 1000, 1),
     }
 
 

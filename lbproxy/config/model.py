@@ -146,9 +146,25 @@ class GlobalConfig:
 DNS_QUERY_TYPES = ("A", "AAAA", "CNAME", "MX", "NS", "PTR", "SOA", "SRV", "TXT")
 
 
+# The check types that talk a protocol after the connect (lbproxy/wire/health).
+PROTOCOL_CHECKS = ("pgsql", "mysql", "redis", "smtp")
+# Keys of one or a few check types only: another type refuses them (config/reader.py).
+CHECK_TYPE_KEYS: dict[str, tuple[str, ...]] = {
+    "user": ("pgsql", "mysql"),
+    "database": ("pgsql",),
+    "password_file": ("redis",),
+    "role": ("redis",),
+    "helo": ("smtp",),
+    "send_hex": ("send_expect",),
+    "expect_hex": ("send_expect",),
+}
+PGSQL_DEFAULT_USER = "lbproxy"
+
+
 @dataclass(frozen=True, slots=True)
 class HealthCheckConfig:
-    type: str = "tcp"  # tcp | send_expect | http | tls | udp | dns | none
+    # tcp | send_expect | http | tls | udp | dns | pgsql | mysql | redis | smtp | none
+    type: str = "tcp"
     interval: float = 2.0
     timeout: float = 1.0
     rise: int = 2
@@ -169,6 +185,16 @@ class HealthCheckConfig:
     method: str = "GET"  # http
     host: str | None = None  # http: the Host header; None: the address
     expect_body: str | None = None  # http: regular expression searched in the body's 4 KiB
+    # Where the checks go, and the protocol checks' keys (CHECK_TYPE_KEYS)
+    port: int | None = None  # None: the real server's own port
+    address: str | None = None  # a host name or IP; None: the real server's own host
+    send_hex: bytes | None = None  # send_expect: binary bytes to send (instead of `send`)
+    expect_hex: bytes | None = None  # send_expect: bytes to find (instead of `expect`)
+    user: str | None = None  # pgsql (None: PGSQL_DEFAULT_USER), mysql (None: no login)
+    database: str | None = None  # pgsql; None: the user's name
+    password_file: str | None = None  # redis: AUTH with this file's content
+    role: str | None = None  # redis: master | replica; None: PING only
+    helo: str | None = None  # smtp: the EHLO name; None: this host's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +208,14 @@ class AgentCheckConfig:
     interval: float = 2.0
     timeout: float = 1.0
     send: str = ""  # sent after the connect (escapes as health_check.send); "": nothing
+
+
+@dataclass(frozen=True, slots=True)
+class RealServerCheckConfig:
+    """A real server's own `health_check: {port, address}`: where its checks go."""
+
+    port: int | None = None
+    address: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +310,7 @@ class RealServerConfig:
     state: str = "enabled"  # enabled | drain | disabled
     backup: bool = False  # takes connections only while no primary is online (SPEC §13)
     snmp: SnmpConfig | None = None  # the VS block merged with this server's overrides
+    health_check: RealServerCheckConfig | None = None  # None: checked where it is served
     line: int = field(default=0, compare=False)  # where, not what: moving lines is no change
     discovered: bool = False  # made from a DNS answer (discovery.dns), not read from a file
     agent_check: AgentCheckConfig | None = None  # merged with the virtual server's; None: none

@@ -17,7 +17,9 @@ import yaml
 
 from lbproxy.config.accounts import AccountError, run_as
 from lbproxy.config.model import (
+    CHECK_TYPE_KEYS,
     MIN_CLUSTER_KEY,
+    PROTOCOL_CHECKS,
     PROXY_FROM_DEFAULT,
     Address,
     AdminConfig,
@@ -35,6 +37,7 @@ from lbproxy.config.model import (
     PersistenceConfig,
     Problem,
     QueueConfig,
+    RealServerCheckConfig,
     RealServerConfig,
     RedisConfig,
     SnmpConfig,
@@ -62,6 +65,7 @@ from lbproxy.config.tables import (
     PERSISTENCE_FIELDS,
     QUEUE_FIELDS,
     REAL_SERVER_AGENT_CHECK_FIELDS,
+    REAL_SERVER_CHECK_FIELDS,
     REAL_SERVER_FIELDS,
     REAL_SERVER_SECTIONS,
     REDIS_FIELDS,
@@ -525,7 +529,7 @@ def _health_keys(vs: _Section) -> set[str]:
 
 
 # Health check types that speak TCP: meaningless against a UDP service.
-_TCP_CHECKS = ("tcp", "send_expect", "http", "tls")
+_TCP_CHECKS = ("tcp", "send_expect", "http", "tls", *PROTOCOL_CHECKS)
 # And those that speak UDP (lbproxy/control/checks.py sends them as datagrams).
 _UDP_CHECKS = ("udp", "dns")
 
@@ -587,8 +591,22 @@ def _read_health_check(doc: _Document, vs: _Section, where: str) -> HealthCheckC
     if section is None:
         return HealthCheckConfig()
     check = HealthCheckConfig(**section.values)
-    if check.type == "send_expect" and "expect" not in section.nodes:
-        doc.error(section.line_of("type"), "health_check type send_expect needs 'expect'")
+    if check.type == "send_expect" and not section.nodes.keys() & {"expect", "expect_hex"}:
+        doc.error(
+            section.line_of("type"), "health_check type send_expect needs 'expect' or 'expect_hex'"
+        )
+    for key, types in CHECK_TYPE_KEYS.items():
+        if key in section.key_lines and check.type not in types:
+            doc.error(
+                section.line_of(key),
+                f"health_check.{key} is for {' and '.join(types)} checks, not {check.type}",
+            )
+    for text, binary in (("send", "send_hex"), ("expect", "expect_hex")):
+        if text in section.key_lines and binary in section.key_lines:
+            doc.error(
+                section.line_of(binary),
+                f"health_check has both '{text}' and '{binary}': give one",
+            )
     if check.type == "dns" and "query" not in section.nodes:
         doc.error(section.line_of("type"), "health_check type dns needs 'query' (a name)")
     for key, message in misplaced_keys(check, section.nodes):
@@ -749,10 +767,21 @@ def _read_real_server(
     doc.require(rs, where, "name", "address")
     rs_snmp = _nested(doc, rs, "snmp", f"snmp of {where}", SNMP_FIELDS, prefix="snmp.")
     agent = _real_server_agent(doc, rs, vs_agent, where)
+    rs_check = _nested(
+        doc,
+        rs,
+        "health_check",
+        f"health_check of {where}",
+        REAL_SERVER_CHECK_FIELDS,
+        prefix="health_check.",
+    )
     if "name" not in rs.values or "address" not in rs.values:
         return rs, None
     snmp = _real_server_snmp(doc, vs_snmp, rs_snmp, rs.values["address"].host)
-    return rs, RealServerConfig(**rs.values, snmp=snmp, agent_check=agent, line=rs.line)
+    health_check = RealServerCheckConfig(**rs_check.values) if rs_check else None
+    return rs, RealServerConfig(
+        **rs.values, snmp=snmp, health_check=health_check, agent_check=agent, line=rs.line
+    )
 
 
 def _real_server_agent(

@@ -42,8 +42,9 @@ clashes, duplicate names, one `global:`), printing `FILE:LINE: message` for each
 SECRETS = """\
 ## Secret files {#secret-files}
 
-`global.admin.token_file`, `global.cluster.redis.password_file` and SNMPv3's
-`auth_key_file` and `priv_key_file` name files that hold secrets. Each must be owned by
+`global.admin.token_file`, `global.cluster.redis.password_file`, a `redis` health
+check's `password_file` and SNMPv3's `auth_key_file` and `priv_key_file` name files that
+hold secrets. Each must be owned by
 root or by the user lbproxy runs as (the one it was started as, or `global.user`), and be
 neither readable nor writable by other users nor writable by its group. It may be
 readable by its group only when root owns it and the group is the one lbproxy runs as

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from lbproxy.config.model import (
+    PGSQL_DEFAULT_USER,
     AgentCheckConfig,
     ConditioningConfig,
     Config,
@@ -132,10 +133,35 @@ def _conditioning_summary(c: ConditioningConfig) -> str:
 
 
 def _health_summary(check: HealthCheckConfig) -> str:
+    """As a person says it: `pgsql as user lbproxy every 2s, rise 2, fall 3`."""
     if check.type == "none":
         return "none"
-    what = describe_tls_check(check) or check.type
-    return f"{what} every {check.interval:g}s, rise {check.rise}, fall {check.fall}"
+    where = ""
+    if check.address or check.port:
+        where = f" on {check.address or 'the server'}" + (
+            f" port {check.port}" if check.port else ""
+        )
+    every = f"every {check.interval:g}s, rise {check.rise}, fall {check.fall}"
+    return f"{_check_words(check)}{where} {every}"
+
+
+def _check_words(check: HealthCheckConfig) -> str:
+    if check.type == "pgsql":
+        user = check.user or PGSQL_DEFAULT_USER
+        database = f", database {check.database}" if check.database not in (None, user) else ""
+        return f"pgsql as user {user}{database}"
+    if check.type == "mysql":
+        return f"mysql login as user {check.user}" if check.user else "mysql handshake"
+    if check.type == "redis":
+        words = "redis PING" + (" after AUTH" if check.password_file else "")
+        return words + (f", role {check.role}" if check.role else "")
+    if check.type == "smtp":
+        return f"smtp EHLO {check.helo or '(this host)'}"
+    if check.type == "send_expect" and (check.send_hex or check.expect_hex):
+        sent = check.send_hex.hex() if check.send_hex else (check.send or "nothing")
+        wanted = check.expect_hex.hex() if check.expect_hex else check.expect
+        return f"send_expect {sent}, expect {wanted}"
+    return describe_tls_check(check) or check.type
 
 
 def agent_summary(agent: AgentCheckConfig) -> str:
@@ -169,6 +195,12 @@ def _real_server_row(vs: VirtualServerConfig, rs: RealServerConfig) -> list[str]
         row.append(f"load factor {rs.load_factor:g}")
     if rs.max_connections:
         row.append(f"max {rs.max_connections} connections")
+    own = rs.health_check
+    if own is not None and (own.address or own.port) and vs.health_check.type != "none":
+        row.append(
+            f"checked on {own.address or vs.health_check.address or rs.address.host}"
+            f" port {own.port or vs.health_check.port or rs.address.port}"
+        )
     if rs.snmp is not None and vs.scheduler in schedulers.reading(schedulers.SNMP):
         row.append(f"snmp {rs.snmp.host}:{rs.snmp.port}")
     if rs.agent_check is not None:

@@ -16,6 +16,7 @@ from typing import Any, cast
 import yaml
 
 from lbproxy.config.model import (
+    CHECK_TYPE_KEYS,
     DNS_QUERY_TYPES,
     MAX_WEIGHT,
     AdminConfig,
@@ -28,6 +29,7 @@ from lbproxy.config.model import (
     HealthCheckConfig,
     PersistenceConfig,
     QueueConfig,
+    RealServerCheckConfig,
     RealServerConfig,
     RedisConfig,
     SnmpConfig,
@@ -57,6 +59,7 @@ from lbproxy.config.values import (
     dns_zone,
     duration,
     group,
+    hex_bytes,
     host,
     host_names,
     http_path,
@@ -324,10 +327,31 @@ REAL_SERVER_FIELDS: dict[str, Converter] = {
 }
 
 HEALTH_CHECK_FIELDS: dict[str, Converter] = {
-    "type": choice("tcp", "send_expect", "http", "tls", "udp", "dns", "none").about(
-        "`tcp` (connect), `send_expect`, `http`, `tls` (a TLS handshake), or `none` "
-        "(passive health only); on a UDP virtual server `udp` (a datagram, a reply) or "
-        "`dns` (a query, NOERROR)"
+    "type": choice(
+        "tcp",
+        "send_expect",
+        "http",
+        "tls",
+        "pgsql",
+        "mysql",
+        "redis",
+        "smtp",
+        "udp",
+        "dns",
+        "none",
+    ).about(
+        "`tcp` (connect), `send_expect`, `http`, `tls` (a TLS handshake), a protocol check "
+        "(`pgsql`, `mysql`, `redis`, `smtp`), or `none` (passive health only); on a UDP "
+        "virtual server `udp` (a datagram, a reply) or `dns` (a query, NOERROR)"
+    ),
+    "port": integer(1, 65535).about(
+        "check this port instead of the real server's (HAProxy's `port`), e.g. a management port",
+        default="the real server's",
+    ),
+    "address": host.about(
+        "check this host (a name or an IP, without port) instead of the real server's "
+        "(HAProxy's `addr`)",
+        default="the real server's",
     ),
     "interval": duration(positive=True).about(
         "time between checks (each server starts at a random offset)"
@@ -341,16 +365,42 @@ HEALTH_CHECK_FIELDS: dict[str, Converter] = {
         default="none",
     ),
     "expect": regex.about(
-        "`send_expect` (required there), `tls` (after the handshake): a regular expression "
-        "searched in the first 4 KiB of the answer; `udp`: searched in the reply (none: "
-        "any reply)",
+        "`send_expect` (it needs this or `expect_hex`), `tls` (after the handshake): a "
+        "regular expression searched in the first 4 KiB of the answer; `udp`: searched in "
+        "the reply (none: any reply)",
         default="none",
     ),
     "query": dns_name.about("`dns` (required there): the name asked for", default="none"),
     "query_type": choice(*DNS_QUERY_TYPES).about(
         "`dns`: the record type asked for; healthy when the answer is NOERROR"
     ),
-    "path": http_path.about("`http`: the path requested"),
+    "send_hex": hex_bytes.about(
+        "`send_expect`: bytes to send, as hex (instead of `send`), for binary protocols",
+        default="none",
+    ),
+    "expect_hex": hex_bytes.about(
+        "`send_expect`: bytes to find in the first 4 KiB of the answer, as hex (instead "
+        "of `expect`)",
+        default="none",
+    ),
+    "user": string.about(
+        "`pgsql`: the user of the StartupMessage (default `lbproxy`); `mysql`: log in as "
+        "this user without a password and expect OK (none: read the handshake only)",
+        default="none",
+    ),
+    "database": string.about("`pgsql`: the database asked for", default="the user"),
+    "password_file": secret_file.about(
+        "`redis`: file holding the password sent with `AUTH` before `PING`; owned by root "
+        "or lbproxy's user and readable by no one else",
+        default="none",
+    ),
+    "role": choice("master", "replica").about(
+        "`redis`: healthy only with this `role:` in `INFO replication` (`replica` is "
+        "Redis's `slave`)",
+        default="none",
+    ),
+    "helo": string.about("`smtp`: the name sent with `EHLO`", default="this host's name"),
+    "path": http_path.about("`http`: the path to GET"),
     "expect_status": status_codes.about("`http`: the accepted status codes"),
     "method": http_method.about("`http`: the request's method"),
     "host": host_header.about("`http`: the Host header", default="the real server's address"),
@@ -399,6 +449,18 @@ AGENT_CHECK_FIELDS: dict[str, Converter] = {
         "sent to the agent after the connect (`\\r\\n` escapes work, as in "
         '`health_check.send`), e.g. `"state\\n"`',
         default="nothing",
+    ),
+}
+
+# A real server's own `health_check:`: where its checks go, the rest is the virtual server's.
+REAL_SERVER_CHECK_FIELDS: dict[str, Converter] = {
+    "port": integer(1, 65535).about(
+        "check this port of this server (over the virtual server's `health_check.port`)",
+        default="the virtual server's `health_check.port`, else the server's port",
+    ),
+    "address": host.about(
+        "check this host for this server (over the virtual server's `health_check.address`)",
+        default="the virtual server's `health_check.address`, else the server's host",
     ),
 }
 
@@ -708,7 +770,9 @@ SECTIONS = Section(
                                 "properties": {"type": {"const": "send_expect"}},
                                 "required": ["type"],
                             },
-                            "then": {"required": ["expect"]},
+                            "then": {
+                                "anyOf": [{"required": ["expect"]}, {"required": ["expect_hex"]}]
+                            },
                         },
                         {
                             "if": {
@@ -717,6 +781,17 @@ SECTIONS = Section(
                             },
                             "then": {"required": ["query"]},
                         },
+                        # keys of some check types only (CHECK_TYPE_KEYS)
+                        *(
+                            {
+                                "if": {"required": [key]},
+                                "then": {
+                                    "required": ["type"],
+                                    "properties": {"type": {"enum": list(types)}},
+                                },
+                            }
+                            for key, types in CHECK_TYPE_KEYS.items()
+                        ),
                     ),
                 ),
                 "snmp": _SNMP,
@@ -779,6 +854,13 @@ SECTIONS = Section(
                     required=("name", "address"),
                     page="concepts/servers.md",
                     sections={
+                        "health_check": Section(
+                            REAL_SERVER_CHECK_FIELDS,
+                            RealServerCheckConfig,
+                            "where this server's health checks go, e.g. `{port: 8008}`; "
+                            "the rest is the virtual server's `health_check`",
+                            page="concepts/health.md",
+                        ),
                         "snmp": Section(
                             SNMP_FIELDS,
                             SnmpConfig,

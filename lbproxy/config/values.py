@@ -586,6 +586,23 @@ def regex(node: yaml.Node, label: str) -> str:
 
 status_codes = _one_or_list(integer(100, 599), "status code")
 
+
+_HEX = r"(?:\s*[0-9A-Fa-f]{2})+\s*"
+
+
+@accepting(
+    'bytes as hex digits, e.g. "0d0a" or "0d 0a" (quoted)',
+    {"type": "string", "pattern": f"^{_HEX}$"},
+)
+def hex_bytes(node: yaml.Node, label: str) -> bytes:
+    """Two hex digits a byte, spaces allowed between bytes; a string (YAML reads an
+    unquoted `1234` as a number: it must be quoted)."""
+    value = scalar(node, label)
+    if not isinstance(value, str) or not re.fullmatch(_HEX, value):
+        raise _expected(label, 'hex digits, two a byte (quoted, e.g. "0d0a")', node)
+    return bytes.fromhex("".join(value.split()))
+
+
 MAX_TABLE_SIZE = 1000003  # a rebuild costs ~M log M probes in Python: ~2 s at this size
 
 

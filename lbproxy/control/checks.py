@@ -3,10 +3,11 @@
 What this module owns:
 
 - `probe(address, check)`: one check of one real server -> ("ok" | "fail" | "timeout",
-  reason). Three kinds, bounded by `health_check.timeout` as a whole:
+  reason), bounded by `health_check.timeout` as a whole:
     tcp          the connect succeeds
-    send_expect  after the connect, `send` (if any) is sent and the answer is read until
-                 the regular expression `expect` is found in it, the peer closes, 4 KiB
+    send_expect  after the connect, `send` or `send_hex` (if any) is sent and the answer
+                 is read until the regular expression `expect` (or the bytes
+                 `expect_hex`) is found in it, the peer closes, 4 KiB
                  have arrived, or the timeout: found = ok (the regular expression is
                  *searched*, so `^` anchors at the start of the answer). A wrong answer
                  is a `fail`, whichever of close, 4 KiB or timeout ends the read;
@@ -21,9 +22,16 @@ What this module owns:
                  `tls: true` over TLS (check_tls.py).
     tls          a TLS handshake (check_tls.py: `sni`, `alpn`, `verify`), then
                  `send`/`expect` over TLS as send_expect when given
+    pgsql, mysql, redis, smtp
+                 (SPEC §22) the server's own protocol: each a sans-io exchange in
+                 lbproxy/wire/health, driven by `converse`, the one runner, which owns
+                 the stream, the 16 KiB bound on what is read and the timeout
     udp, dns     (UDP virtual servers, SPEC §19) a datagram (`send`) whose reply must
                  contain `expect`, or a DNS query (`query`, `query_type`) whose answer
-                 must be NOERROR; ICMP port unreachable fails at once
+                 must be NOERROR; ICMP port unreachable fails at once (a reply is read
+                 up to 16 KiB)
+  `address` is where the checks go: `check_address` gives it from the real server's own
+  `health_check: {port, address}`, the virtual server's, and the server's address.
 - `HealthChecks`: one task per real server of every virtual server whose check type is
   not `none`, kept in step with the configuration by the one reconciler (reconcile.py,
   `sync()` after start-up and after each reload, as every control-plane subsystem). A
@@ -46,12 +54,14 @@ server down (which would turn a busy moment into an outage).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import random
 import re
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -60,23 +70,51 @@ import dns.rcode
 import h11
 import trio
 
-from lbproxy.config.model import Address, HealthCheckConfig
+from lbproxy.config.model import (
+    PGSQL_DEFAULT_USER,
+    PROTOCOL_CHECKS,
+    Address,
+    HealthCheckConfig,
+    RealServerCheckConfig,
+)
+from lbproxy.config.secret_files import SECRETS
 from lbproxy.config.tls_check_keys import speaks_tls
 from lbproxy.control.check_tls import TlsFailed, TlsLayer
 from lbproxy.control.reconcile import Configured, Reconciler
 from lbproxy.core.health import close_leases, record_health
 from lbproxy.core.pool import Pool, RealServer
+from lbproxy.core.real_server import CheckRecord
 from lbproxy.net.accept import CAPACITY_ERRNOS, LocalCapacityError
 from lbproxy.net.barrier import record
+from lbproxy.wire.health.exchange import (
+    ANSWER_LIMIT,
+    EXCERPT_LIMIT,
+    NEED_MORE,
+    Exchange,
+    excerpt,
+)
+from lbproxy.wire.health.mysql import MysqlExchange
+from lbproxy.wire.health.pgsql import PgsqlExchange
+from lbproxy.wire.health.redis import RedisExchange
+from lbproxy.wire.health.smtp import SmtpExchange
 
 log = logging.getLogger("lbproxy.checks")
 
 READ_LIMIT = 4096  # send_expect: the answer searched is at most this long
 BODY_LIMIT = 4096  # http: the part of the body `expect_body` is searched in
-EXCERPT_LIMIT = 60  # characters of a received answer quoted in a failure reason
 LOCAL_CAPACITY_ERRNOS = CAPACITY_ERRNOS  # one table (net/accept.py)
 # Where they live now (the data plane feeds passive health without importing control):
-__all__ = ["HealthChecks", "LocalCapacityError", "close_leases", "probe", "record_health"]
+__all__ = [
+    "ANSWER_LIMIT",
+    "EXCERPT_LIMIT",
+    "HealthChecks",
+    "LocalCapacityError",
+    "check_address",
+    "close_leases",
+    "converse",
+    "probe",
+    "record_health",
+]
 USER_AGENT = "lbproxy-health-check"
 
 OK, FAIL, TIMEOUT = "ok", "fail", "timeout"  # lbproxy_health_checks_total{result}
@@ -118,40 +156,20 @@ def host_header(address: Address) -> str:
     return host if address.port == 80 else f"{host}:{address.port}"
 
 
-# How describe_received writes bytes that would be ambiguous or invisible in a log line.
-_ESCAPES = {"\r": "\\r", "\n": "\\n", "\t": "\\t", "\\": "\\\\", '"': '\\"'}
-
-
-def describe_received(data: bytes) -> str:
-    r"""What a server sent, for a log line: its length and its first bytes, quoted,
-    escaped (\r \n \t \\ \" and \xHH for other non-printable bytes) and cut at
-    EXCERPT_LIMIT characters (never inside an escape), "..." marking the cut."""
-    pieces: list[str] = []
-    length = 0
-    for byte in data:
-        char = chr(byte)
-        if char in _ESCAPES:
-            piece = _ESCAPES[char]
-        elif 0x20 <= byte < 0x7F:
-            piece = char
-        else:
-            piece = f"\\x{byte:02x}"
-        if length + len(piece) > EXCERPT_LIMIT:
-            pieces.append("...")
-            break
-        pieces.append(piece)
-        length += len(piece)
-    count = f"{len(data)} byte{'' if len(data) == 1 else 's'}"
-    return f'{count} "{"".join(pieces)}"'
+# What a server sent, for a log line (wire/health/exchange.py).
+describe_received = excerpt
 
 
 async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
-    """Run one check of the real server at `address`: (result, reason for the log).
+    """Run one check of the real server at `address` (where its checks go: see
+    `check_address`): (result, reason for the log).
 
     Raises LocalCapacityError when this process is out of descriptors or memory.
     """
     if check.type in DATAGRAM_CHECKS:
         return await _datagram_probe(address, check)
+    if check.type in PROTOCOL_CHECKS:
+        return await _protocol_probe(address, check)
     connected = False
     answer = bytearray()  # send_expect: what the server has sent so far
     tls = TlsLayer(address, check) if speaks_tls(check) else None
@@ -184,13 +202,126 @@ async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
         if not answer:
             return TIMEOUT, f"{check.type} check: nothing received {within}"
         received = describe_received(bytes(answer))
-        return FAIL, f"{check.type} check: {check.expect!r} not found in {received} {within}"
+        return FAIL, f"{check.type} check: {_expected(check)} not found in {received} {within}"
     except TlsFailed as exc:
         return FAIL, str(exc)
     except _Failed as exc:
         return FAIL, f"{check.type} check: {exc}"
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         return FAIL, f"{check.type} check: {_describe(exc)}"
+
+
+def check_address(
+    address: Address, check: HealthCheckConfig, own: RealServerCheckConfig | None
+) -> Address:
+    """Where the checks of a real server served at `address` go: its own
+    `health_check: {port, address}`, else the virtual server's `health_check` `port`
+    and `address`, else the address it is served at (HAProxy's `port` and `addr`)."""
+    host = (own.address if own else None) or check.address or address.host
+    port = (own.port if own else None) or check.port or address.port
+    return Address(host, port)
+
+
+# -- protocol checks: one runner for every exchange (lbproxy/wire/health) --------------
+
+
+def exchange_for(check: HealthCheckConfig) -> Exchange:
+    """The sans-io exchange of a protocol check (PROTOCOL_CHECKS). Reads the Redis
+    password file now, so a rotated password is picked up (config/secret_files.py)."""
+    if check.type == "pgsql":
+        user = check.user or PGSQL_DEFAULT_USER
+        return PgsqlExchange(user, check.database or user)
+    if check.type == "mysql":
+        return MysqlExchange(check.user)
+    if check.type == "redis":
+        password = None
+        if check.password_file:
+            password = SECRETS.read(check.password_file).rstrip("\r\n")
+        return RedisExchange(password, check.role)
+    if check.type == "smtp":
+        return SmtpExchange(check.helo or socket.gethostname())
+    raise ValueError(f"not a protocol check: {check.type}")
+
+
+async def _protocol_probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
+    name = check.type
+    try:
+        exchange = exchange_for(check)
+    except (OSError, ValueError) as exc:  # the password file is gone or not text
+        return FAIL, f"{name}: cannot read password_file {check.password_file}: {_describe(exc)}"
+    deadline = trio.current_time() + check.timeout
+    try:
+        with trio.fail_at(deadline):
+            stream = await _connect(address)
+    except trio.TooSlowError:
+        return TIMEOUT, f"{name}: connect did not complete within {check.timeout:g}s"
+    except _Failed as exc:
+        return FAIL, f"{name}: {exc}"
+    except OSError as exc:
+        return FAIL, f"{name}: {_describe(exc)}"
+    async with stream:
+        return await converse(stream, exchange, deadline=deadline, timeout=check.timeout)
+
+
+async def converse(
+    stream: trio.abc.Stream, exchange: Exchange, *, deadline: float, timeout: float
+) -> tuple[str, str]:
+    """Drive `exchange` over a connected stream: (result, reason).
+
+    The one runner of every protocol check, and the only code that touches the stream
+    (any trio stream: a TCP connection, or one wrapped in TLS after the connect). It
+    sends the exchange's opening, feeds it what arrives and sends what it answers,
+    until its verdict or the server's close. Bounded twice:
+
+    - in size: at most ANSWER_LIMIT bytes are read in all (so the exchange never holds
+      more); a server that sends more fails the check (`answer longer than ...`);
+    - in time: everything happens before `deadline` (trio's clock), `timeout` being
+      only what the reason says. A server that says nothing by then is a `timeout`;
+      one that started an answer and did not finish it, a `fail`.
+
+    After the verdict, what it says to send (a Terminate, a QUIT) is sent once, best
+    effort, before the deadline. The caller closes the stream.
+    """
+    name = exchange.name
+    received = 0
+    farewell = b""  # sent after the verdict
+    try:
+        with trio.fail_at(deadline):
+            opening = exchange.opening()
+            if opening:
+                await stream.send_all(opening)
+            while True:
+                chunk = await stream.receive_some(ANSWER_LIMIT + 1 - received)
+                if not chunk:
+                    verdict = exchange.closed()
+                    break
+                received += len(chunk)
+                # One byte over the bound at most (what was asked for): the bytes within
+                # it are judged first, so a verdict does not depend on how they arrived.
+                over = received > ANSWER_LIMIT
+                judged = chunk[:-1] if over else chunk
+                step = exchange.received(bytes(judged)) if judged else NEED_MORE
+                if over and step.verdict is None:
+                    return FAIL, f"{name}: answer longer than {ANSWER_LIMIT} bytes"
+                if step.verdict is not None:
+                    verdict, farewell = step.verdict, step.send
+                    break
+                if step.send:
+                    await stream.send_all(step.send)
+    except trio.TooSlowError:
+        within = f"within {timeout:g}s"
+        if not received:
+            return TIMEOUT, f"{name}: no answer {within}"
+        return FAIL, f"{name}: answer incomplete after {received} bytes {within}"
+    except _STREAM_ERRORS as exc:
+        return FAIL, f"{name}: {_describe(exc)}"
+    if farewell:  # the verdict stands whatever becomes of it
+        with trio.move_on_at(deadline), contextlib.suppress(*_STREAM_ERRORS):
+            await stream.send_all(farewell)
+    return (OK, "") if verdict.ok else (FAIL, verdict.reason)
+
+
+_STREAM_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 async def _socket_for(address: Address, kind: int) -> tuple[trio.socket.SocketType, Any]:
@@ -225,16 +356,21 @@ async def _send_expect(
 ) -> None:
     """Send, then read into `answer` (the caller's, so that a timeout can tell a wrong
     answer from none) until `expect` is found; raises _Failed on close or at 4 KiB."""
-    if check.send:
+    if check.send_hex:
+        await stream.send_all(check.send_hex)
+    elif check.send:
         await stream.send_all(decode_send(check.send))
     pattern = re.compile(check.expect or "")
     while True:
+        if check.expect_hex is not None:
+            if check.expect_hex in answer:
+                return
         # Decoded as a whole each time: a character split between reads still matches.
-        if pattern.search(answer.decode("utf-8", errors="replace")):
+        elif pattern.search(answer.decode("utf-8", errors="replace")):
             return
         if len(answer) >= READ_LIMIT:
             raise _Failed(
-                f"{check.expect!r} not found in the first {READ_LIMIT} bytes"
+                f"{_expected(check)} not found in the first {READ_LIMIT} bytes"
                 f" ({describe_received(bytes(answer))})"
             )
         chunk = await stream.receive_some(READ_LIMIT - len(answer))
@@ -242,8 +378,15 @@ async def _send_expect(
             if not answer:
                 raise _Failed("closed without an answer")
             received = describe_received(bytes(answer))
-            raise _Failed(f"{check.expect!r} not found in {received} before the server closed")
+            raise _Failed(f"{_expected(check)} not found in {received} before the server closed")
         answer += chunk
+
+
+def _expected(check: HealthCheckConfig) -> str:
+    """What send_expect looks for, as its reasons name it."""
+    if check.expect_hex is not None:
+        return f"hex {check.expect_hex.hex()}"
+    return repr(check.expect)
 
 
 async def _http(
@@ -309,7 +452,7 @@ def body_matches(pattern: str, body: bytes) -> bool:
 # -- UDP checks (SPEC §19) ----------------------------------------------------------
 
 DATAGRAM_CHECKS = ("udp", "dns")
-DATAGRAM_LIMIT = 65535  # a reply is read whole
+DATAGRAM_LIMIT = ANSWER_LIMIT  # of a reply, at most: the rest of a larger datagram is dropped
 
 
 async def _datagram_probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
@@ -397,23 +540,24 @@ class HealthChecks(Reconciler[RealServer, tuple[HealthCheckConfig, Address, Pool
             if check.type == "none":
                 continue
             for rs in pool.servers:
-                wanted[rs] = (check, rs.address, pool)  # a real server's pool never changes
+                target = check_address(rs.address, check, rs.config.health_check)
+                wanted[rs] = (check, target, pool)  # a real server's pool never changes
         return wanted
 
     def start(
         self, key: RealServer, spec: tuple[HealthCheckConfig, Address, Pool]
     ) -> Callable[[], Awaitable[None]]:
-        check, _, pool = spec
-        return functools.partial(self._run, pool, key, check)
+        check, target, pool = spec
+        return functools.partial(self._run, pool, key, check, target)
 
     @staticmethod
-    async def _run(pool: Pool, rs: RealServer, check: HealthCheckConfig) -> None:
-        address = rs.address
+    async def _run(pool: Pool, rs: RealServer, check: HealthCheckConfig, address: Address) -> None:
         out_of_capacity = False
         await trio.sleep(random.uniform(0, check.interval))
         next_at = trio.current_time()
         while True:
             result: str | None = None  # None: no result (out of descriptors here)
+            started = trio.current_time()
             try:
                 result, reason = await probe(address, check)
             except LocalCapacityError as exc:
@@ -426,6 +570,8 @@ class HealthChecks(Reconciler[RealServer, tuple[HealthCheckConfig, Address, Pool
             if result is not None:
                 out_of_capacity = False
                 rs.counters.health_checks[result] += 1
+                duration = trio.current_time() - started
+                rs.counters.check_last = CheckRecord(result, reason, time.time(), duration)
                 if result != OK:
                     log.debug("%s/%s: %s", pool.name, rs.name, reason)
                 record_health(pool, rs, result == OK, trio.current_time(), reason)

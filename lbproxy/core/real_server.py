@@ -17,6 +17,7 @@ A `RealServer` holds three kinds of things, kept apart so that each has one owne
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lbproxy.config.model import RealServerConfig
@@ -27,6 +28,16 @@ if TYPE_CHECKING:
     from lbproxy.core.pool import Lease
 
 
+@dataclass(frozen=True, slots=True)
+class CheckRecord:
+    """The last active health check of a real server, for the API (SPEC §24)."""
+
+    result: str  # ok | fail | timeout
+    reason: str  # why it failed; empty when ok
+    at: float  # when it ended, seconds since the epoch (the checker's clock)
+    duration: float  # seconds it took
+
+
 class ServerCounters:
     """What happened to one real server, for the metrics and the API: counts only."""
 
@@ -34,6 +45,7 @@ class ServerCounters:
         "agent_checks",
         "bytes_in",
         "bytes_out",
+        "check_last",
         "connect_failures",
         "connections_total",
         "health_checks",
@@ -50,6 +62,7 @@ class ServerCounters:
         self.agent_checks: Counter[str] = Counter()  # ok | fail | timeout | bad_answer
         self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
         self.snmp_last: tuple[str, int | None] | None = None  # last poll: (result, value)
+        self.check_last: CheckRecord | None = None  # the last active health check
 
 
 class RealServer:

@@ -4,6 +4,8 @@
     redis.url                 # redis://127.0.0.1:PORT/0, for global.cluster.redis.url
     redis.cli("HGETALL", "lbproxy:state")                    # redis-cli, its output
     redis.stop()              # SIGTERM by PID, waited for; start() again: the same port
+    replica = RedisServer(tmp_path / "replica").start(replica_of=redis.port)
+    replica.cli("REPLICAOF", "NO", "ONE")                    # promoted
 
 No persistence (`save ""`, no AOF): a restart starts empty, as a Redis restarted
 without its data would, which is the harder case for a resync. Stopped by PID only.
@@ -38,7 +40,11 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, password: str | None = None, timeout: float = 10.0) -> RedisServer:
+    def start(
+        self, password: str | None = None, timeout: float = 10.0, replica_of: int | None = None
+    ) -> RedisServer:
+        """Start it; `replica_of`: a replica of the Redis on that loopback port (with the
+        same password)."""
         if password is not None:
             self.password = password
         conf = self.folder / "redis.conf"
@@ -54,6 +60,10 @@ class RedisServer:
         ]
         if self.password:
             lines.append(f"requirepass {self.password}")
+        if replica_of is not None:
+            lines.append(f"replicaof 127.0.0.1 {replica_of}")
+            if self.password:
+                lines.append(f"masterauth {self.password}")
         conf.write_text("\n".join(lines) + "\n")
         assert REDIS_SERVER is not None
         self.proc = subprocess.Popen(

@@ -207,7 +207,7 @@ def test_status_json_is_the_api_document(proxied):
     first = vs["real_servers"][0]
     assert set(first) == {
         "name", "address", "state", "health", "backup", "weight", "active_connections",
-        "connections_total", "bytes_in", "bytes_out", "snmp", "load", "discovered",
+        "connections_total", "bytes_in", "bytes_out", "snmp", "load", "discovered", "check",
         "agent",
     }  # fmt: skip
     assert first["agent"] is None  # no agent_check

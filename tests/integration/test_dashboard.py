@@ -278,6 +278,8 @@ def test_dashboard_one_process(browser, name_servers, lbproxy, tmp_path):
         assert loads["bravo"] >= 0.3  # least-load: 3 of 10 connections, or more estimated
         assert shown_row(browser, "api", "bravo", ["load"]) == {"load": number(loads["bravo"])}
         assert "down" in _row(browser, "api", "gone").get_attribute("class")
+        pill = _row(browser, "api", "gone").find_element("css selector", "td.health .pill")
+        assert pill.get_attribute("title") == "tcp check: connection refused"
         wait_until(
             lambda: (
                 [rs["snmp"] for rs in api(admin_port)["virtual_servers"][1]["real_servers"]]

@@ -309,7 +309,7 @@ def test_every_problem_of_a_file_is_reported_at_its_line(tmp_path: Path) -> None
         f"{path}:8: allow must be a list of CIDR networks like 10.0.0.0/8, got '10.0.0.0/33' "
         "(not an IPv4 or IPv6 network)",
         f"{path}:9: health_check.rise must be an integer >= 1, got 0",
-        f"{path}:9: health_check type send_expect needs 'expect'",
+        f"{path}:9: health_check type send_expect needs 'expect' or 'expect_hex'",
         f"{path}:12: address must be HOST:PORT or [IPv6]:PORT, got '10.0.0.1:99999' "
         "(port 99999 is not in 1..65535)",
         f"{path}:13: weight must be an integer from 0 to 65535, got 'abc'",

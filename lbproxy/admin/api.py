@@ -18,12 +18,14 @@ Nothing secret is logged.
 
 from __future__ import annotations
 
+import datetime
 import hmac
 import ipaddress
 import json
 import logging
 import os
 import re
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from functools import partial
@@ -129,7 +131,17 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
         "snmp": _snmp_document(pool, rs),
         "load": _load(pool, rs),
         "discovered": rs.config.discovered,  # from DNS (discovery.dns), not from a file
+        "ejected_until": _wall_time(pool.ejected_until(rs)),  # outlier detection (SPEC §23)
     }
+
+
+def _wall_time(when: float | None) -> str | None:
+    """A time of the run's clock (trio's) as ISO 8601 UTC, e.g. 2026-12-05T15:04:23.120Z."""
+    if when is None:
+        return None
+    wall = time.time() + (when - trio.current_time())
+    stamp = datetime.datetime.fromtimestamp(wall, datetime.timezone.utc)
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _snmp_document(pool: Pool, rs: Any) -> dict[str, Any] | None:
@@ -202,6 +214,7 @@ def virtual_server_document(vs: VirtualServerView) -> dict[str, Any]:
         "queued": vs.queue_stats.queued,
         "rejected": stats.rejected,
         "dynamic_weight_fallback": stats.dynamic_weight_fallback,
+        "panic": pool.panic,  # panic_threshold (SPEC §23)
         "real_servers": [real_server_document(pool, rs.name) for rs in stats.real_servers],
         "protocol": pool.config.protocol,
         # SPEC §19: the session table's counts (active sessions: `active_connections`).

@@ -31,6 +31,7 @@ from lbproxy.config.model import (
     GlobalConfig,
     HealthCheckConfig,
     LocatorConfig,
+    OutlierDetectionConfig,
     PersistenceConfig,
     Problem,
     QueueConfig,
@@ -48,6 +49,7 @@ from lbproxy.config.tables import (
     CLUSTER_FIELDS,
     CLUSTER_SECTIONS,
     CONDITIONING_FIELDS,
+    OUTLIER_DETECTION_FIELDS,
     DISCOVERY_SECTIONS,
     DNS_DISCOVERY_FIELDS,
     DNS_LOCATOR_FIELDS,
@@ -448,6 +450,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     discovery = _read_discovery(doc, vs, where)
     queue = _nested(doc, vs, "queue", f"queue of {where}", QUEUE_FIELDS, prefix="queue.")
     conditioning = _read_conditioning(doc, vs, where)
+    outlier_detection = _read_outlier_detection(doc, vs, where)
     udp = _read_udp(doc, vs, where)
     if udp is not None and "type" not in _health_keys(vs):
         # A TCP connect says nothing of a UDP service: passive health only by default.
@@ -469,6 +472,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             discovery=discovery,
             queue=QueueConfig(**queue.values) if queue is not None else None,
             conditioning=conditioning,
+            outlier_detection=outlier_detection,
             udp=udp or UdpConfig(),
             file=doc.file,
             line=vs.line,
@@ -630,6 +634,30 @@ def _read_conditioning(doc: _Document, vs: _Section, where: str) -> Conditioning
         prefix="conditioning.",
     )
     return None if section is None else ConditioningConfig(**section.values)
+
+
+def _read_outlier_detection(
+    doc: _Document, vs: _Section, where: str
+) -> OutlierDetectionConfig | None:
+    section = _nested(
+        doc,
+        vs,
+        "outlier_detection",
+        f"outlier_detection of {where}",
+        OUTLIER_DETECTION_FIELDS,
+        prefix="outlier_detection.",
+    )
+    if section is None:
+        return None
+    outlier = OutlierDetectionConfig(**section.values)
+    if outlier.base_ejection_time > outlier.max_ejection_time:
+        key = "base_ejection_time" if "base_ejection_time" in section.nodes else "max_ejection_time"
+        doc.error(
+            section.line_of(key),
+            f"outlier_detection.base_ejection_time ({outlier.base_ejection_time:g}s) must not "
+            f"exceed outlier_detection.max_ejection_time ({outlier.max_ejection_time:g}s)",
+        )
+    return outlier
 
 
 def _scheduler_options(name: str | None, values: dict[str, Any]) -> Any:

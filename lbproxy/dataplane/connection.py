@@ -472,6 +472,7 @@ class Handler:
             return None
         rs.counters.connect_failures[exc.reason] += 1
         record_health(pool, rs, False, now, f"connect {exc.reason}", passive=True)
+        pool.connect_failed(rs, now)  # outlier detection, apart from health
         return self._pick(c, now)
 
     def _no_server(self, c: ClientConnection, rejected: str) -> None:
@@ -494,6 +495,8 @@ class Handler:
             # without an active check, a good connect ends a failure streak (or is a down
             # server's trial); with one it changes nothing (a call, only while failing)
             record_health(self.pool, rs, True, self._clock(), "connect succeeded", passive=True)
+        if rs.outlier is not None:  # it failed lately: outlier detection starts again
+            self.pool.connect_completed(rs, self._clock())
         queue = self.vs.queue
         if queue is not None and queue.waiting:
             queue.kick()  # the slot is taken: the next waiter, if room is left

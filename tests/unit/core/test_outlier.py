@@ -21,7 +21,9 @@ OUTLIER = OutlierDetectionConfig(
 def pool_of(n: int = 4, outlier=OUTLIER, backups: int = 0, **options) -> Pool:
     servers = {f"s{i}": {} for i in range(1, n + 1)}
     servers.update({f"b{i}": {"backup": True} for i in range(1, backups + 1)})
-    config = virtual_server("rr", servers, health_check=CHECKS, outlier_detection=outlier, **options)
+    config = virtual_server(
+        "rr", servers, health_check=CHECKS, outlier_detection=outlier, **options
+    )
     return Pool(config, 0.0)
 
 

@@ -1,0 +1,253 @@
+"""Outlier ejection and panic (SPEC §23) through real `lbproxy run` processes, on both
+connection paths (compiled and LBPROXY_PURE=1).
+
+Real servers here are NameServers (they say their name, then echo), a closed port (a
+connect is refused) and a black hole: a listener with `listen(0)` whose one-connection
+accept queue the test fills and never accepts, so the kernel drops every further SYN
+and a connect times out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from collections import Counter
+
+import pytest
+
+from tests.integration.harness import (
+    NameServer,
+    ask_name,
+    counted,
+    free_port,
+    get_json,
+    servers_of,
+    vs_config,
+    wait_for,
+    with_admin,
+)
+
+EJECTIONS = "lbproxy_outlier_ejections_total"
+EJECTED = "lbproxy_real_server_ejected"
+
+
+@pytest.fixture(params=["default", "pure"])
+def path(request, monkeypatch):
+    if request.param == "pure":
+        monkeypatch.setenv("LBPROXY_PURE", "1")
+    return request.param
+
+
+class BlackHole:
+    """A listener whose accept queue is full: connects to it time out."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(0)
+        self.port = self.listener.getsockname()[1]
+        self.fillers: list[socket.socket] = []
+        # listen(0) holds one established connection; a few more are half-open until
+        # the kernel drops the SYNs: fill until a connect no longer completes.
+        for _ in range(8):
+            filler = socket.socket()
+            filler.settimeout(0.3)
+            try:
+                filler.connect(("127.0.0.1", self.port))
+            except OSError:
+                filler.close()
+                break
+            self.fillers.append(filler)
+
+    def close(self) -> None:
+        for filler in self.fillers:
+            filler.close()
+        self.listener.close()
+
+
+@pytest.fixture
+def black_hole():
+    hole = BlackHole()
+    yield hole
+    hole.close()
+
+
+def closed_port() -> int:
+    return free_port()  # handed out once, nothing listens on it
+
+
+class Named:
+    """What vs_config needs of a real server: a name and a port."""
+
+    def __init__(self, name: str, port: int) -> None:
+        self.name, self.port = name, port
+
+
+def ejected_until(admin_port: int, name: str) -> datetime.datetime | None:
+    value = servers_of(admin_port)[name]["ejected_until"]
+    return None if value is None else datetime.datetime.fromisoformat(value)
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def ejections(admin_port: int, name: str) -> float:
+    return counted(admin_port, EJECTIONS, virtual_server="web", real_server=name)
+
+
+def ejected_gauge(admin_port: int, name: str | None = None) -> float:
+    labels = {"real_server": name} if name else {}
+    return counted(admin_port, EJECTED, virtual_server="web", **labels)
+
+
+def outlier_config(port: int, admin_port: int, servers, base: str, percent: int = 50) -> str:
+    extra = (
+        "retries: 3\n"
+        "connect_timeout: 300ms\n"
+        # passive health only, and a fall it never reaches: health stays up, so what
+        # holds these servers back is ejection alone
+        "health_check: {type: none, fall: 1000}\n"
+        "outlier_detection: {consecutive_failures: 2, "
+        f"base_ejection_time: {base}, max_ejection_time: 60s, max_ejection_percent: {percent}}}"
+    )
+    return with_admin(vs_config(port, servers, "rr", extra), admin_port)
+
+
+def test_refused_and_black_holed_servers_are_ejected_and_come_back_on_time(
+    path, name_servers, lbproxy, black_hole
+):
+    (a,) = name_servers("a")
+    refusing = Named("refusing", closed_port())
+    hole = Named("hole", black_hole.port)
+    port, admin_port = free_port(), free_port()
+    base = 2.0
+    proxy = lbproxy(
+        outlier_config(port, admin_port, [a, refusing, hole], f"{base:g}s", percent=100)
+    )
+    # Every client is served (the failed connects are retried on a), and two failures
+    # in a row eject each of the two bad servers.
+    names = [ask_name(port) for _ in range(6)]
+    assert names == ["a"] * 6
+    assert ejections(admin_port, "refusing") == 1
+    assert ejections(admin_port, "hole") == 1
+    assert ejected_gauge(admin_port, "refusing") == 1
+    assert ejected_gauge(admin_port, "hole") == 1
+    assert ejected_gauge(admin_port, "a") == 0
+    until = ejected_until(admin_port, "refusing")
+    assert until is not None and until > utc_now()
+    assert until - utc_now() <= datetime.timedelta(seconds=base)
+    assert servers_of(admin_port)["refusing"]["health"] == "up"  # not health: ejection
+    assert ejected_until(admin_port, "a") is None
+    failures = counted(admin_port, "lbproxy_connect_failures_total", real_server="refusing")
+    # The refusing server starts listening: while it is ejected, nobody reaches it...
+    revived = NameServer("refusing", port=refusing.port)
+    try:
+        if ejected_until(admin_port, "refusing") is not None:
+            picked = Counter(ask_name(port) for _ in range(4))
+            if ejected_until(admin_port, "refusing") is not None:  # still: none went there
+                assert picked == Counter(a=4)
+        # ... and once its time is up it gets clients again, no check needed.
+        wait_for(
+            lambda: ejected_until(admin_port, "refusing") is None,
+            timeout=base + 5,
+            what="refusing's ejection to end",
+            details=proxy.log,
+        )
+        wait_for(
+            lambda: ask_name(port) == "refusing",
+            timeout=10,
+            what="a client to reach refusing again",
+        )
+    finally:
+        revived.stop()
+    assert counted(admin_port, "lbproxy_connect_failures_total", real_server="refusing") == (
+        failures
+    )
+    assert ejected_gauge(admin_port, "refusing") == 0
+    # The black hole, back in rotation, times out twice more: ejected a second time in a
+    # row, for twice as long.
+    wait_for(
+        lambda: ask_name(port) and ejections(admin_port, "hole") == 2,
+        timeout=30,
+        what="hole ejected a second time",
+        details=proxy.log,
+    )
+    left = ejected_until(admin_port, "hole") - utc_now()  # type: ignore[operator]
+    assert datetime.timedelta(seconds=base) < left <= datetime.timedelta(seconds=2 * base)
+    assert (
+        counted(admin_port, "lbproxy_connect_failures_total", real_server="hole", reason="timeout")
+        >= 4
+    )
+    assert "web/hole ejected for 4s: 2 connects failed in a row" in proxy.log()
+
+
+def test_the_percent_cap_holds_with_three_of_four_failing(path, name_servers, lbproxy):
+    (a,) = name_servers("a")
+    bad = [Named(f"bad{i}", closed_port()) for i in (1, 2, 3)]
+    port, admin_port = free_port(), free_port()
+    lbproxy(outlier_config(port, admin_port, [a, *bad], "60s", percent=50))
+    for _ in range(20):
+        assert ask_name(port) == "a"  # every client served, the failed connects retried
+        assert ejected_gauge(admin_port) <= 2
+    assert ejected_gauge(admin_port) == 2  # 50 % of 4
+    held_back = [s.name for s in bad if ejected_gauge(admin_port, s.name)]
+    assert len(held_back) == 2
+    (left,) = [s.name for s in bad if s.name not in held_back]
+    # the third is still picked (and fails): the cap keeps it in rotation
+    assert counted(admin_port, "lbproxy_connect_failures_total", real_server=left) >= 5
+    assert ejections(admin_port, left) == 0
+    document = get_json(admin_port, "/api/v1/virtual-servers")["virtual_servers"][0]
+    assert [rs["name"] for rs in document["real_servers"] if rs["ejected_until"]] == held_back
+
+
+def starting(server: NameServer) -> None:
+    server.name = f"{server.name}-starting"  # still serves; its check fails
+
+
+@pytest.mark.parametrize("threshold", [0, 50])
+def test_panic_spreads_traffic_over_every_server_when_three_of_four_are_down(
+    path, threshold, name_servers, lbproxy
+):
+    servers = name_servers("a", "b", "c", "d")
+    port, admin_port = free_port(), free_port()
+    extra = (
+        "health_check: {type: send_expect, expect: '^\\w+\\n', interval: 100ms, "
+        "timeout: 200ms, rise: 1, fall: 1}\n"
+        f"panic_threshold: {threshold}"
+    )
+    proxy = lbproxy(with_admin(vs_config(port, servers, "rr", extra), admin_port))
+    for server in servers[1:]:
+        starting(server)
+    wait_for(
+        lambda: all(servers_of(admin_port)[s]["health"] == "down" for s in "bcd"),
+        what="b, c and d down",
+        details=proxy.log,
+    )
+    shares = Counter(ask_name(port).removesuffix("-starting") for _ in range(200))
+    vs = get_json(admin_port, "/api/v1/virtual-servers")["virtual_servers"][0]
+    panic = counted(admin_port, "lbproxy_panic", virtual_server="web")
+    print(f"panic_threshold {threshold}: {dict(shares)}")
+    if threshold:
+        # 1 of 4 available is under 50 %: every server as if up, a quarter each
+        # (round robin: 50 each; within 20 % for any interleaving with the checks)
+        assert set(shares) == {"a", "b", "c", "d"}
+        assert all(40 <= count <= 60 for count in shares.values()), shares
+        assert vs["panic"] is True and panic == 1
+        assert "web: panic: 1 of 4 enabled servers available" in proxy.log()
+    else:
+        assert shares == Counter(a=200)
+        assert vs["panic"] is False and panic == 0
+    # b and c back up: 3 of 4 is not under the threshold, panic ends
+    for server in servers[1:3]:
+        server.name = server.name.removesuffix("-starting")
+    wait_for(
+        lambda: counted(admin_port, "lbproxy_panic", virtual_server="web") == 0,
+        what="panic over",
+    )
+    wait_for(
+        lambda: sum(servers_of(admin_port)[s]["health"] == "up" for s in "abcd") == 3,
+        what="a, b and c up",
+    )
+    assert {ask_name(port) for _ in range(12)} == {"a", "b", "c"}

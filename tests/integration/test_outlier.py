@@ -22,6 +22,7 @@ from tests.integration.harness import (
     counted,
     free_port,
     get_json,
+    run_cli,
     servers_of,
     vs_config,
     wait_for,
@@ -200,6 +201,13 @@ def test_the_percent_cap_holds_with_three_of_four_failing(path, name_servers, lb
     assert ejections(admin_port, left) == 0
     document = get_json(admin_port, "/api/v1/virtual-servers")["virtual_servers"][0]
     assert [rs["name"] for rs in document["real_servers"] if rs["ejected_until"]] == held_back
+    # `lbproxy status` lists them with the time their ejection has left (60s at most)
+    out = run_cli("status", "--admin", f"http://127.0.0.1:{admin_port}")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.split("\n\n")[-1].splitlines()]
+    assert rows[0] == ["PROTECTION", "VIRTUAL_SERVER", "REAL_SERVER", "LEFT"]
+    assert [row[:3] for row in rows[1:]] == [["ejected", "web", name] for name in held_back]
+    assert all(50 < float(row[3].removesuffix("s")) <= 60 for row in rows[1:]), rows
 
 
 def starting(server: NameServer) -> None:
@@ -236,6 +244,8 @@ def test_panic_spreads_traffic_over_every_server_when_three_of_four_are_down(
         assert all(40 <= count <= 60 for count in shares.values()), shares
         assert vs["panic"] is True and panic == 1
         assert "web: panic: 1 of 4 enabled servers available" in proxy.log()
+        out = run_cli("status", "--admin", f"http://127.0.0.1:{admin_port}")
+        assert out.stdout.rstrip().splitlines()[-1].split() == ["panic", "web", "-", "-"]
     else:
         assert shares == Counter(a=200)
         assert vs["panic"] is False and panic == 0

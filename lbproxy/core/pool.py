@@ -495,7 +495,9 @@ class Pool:
             changes.append("outlier_detection changed")
             self._configure_outlier(now)
         if config.panic_threshold != old_config.panic_threshold:
-            changes.append(f"panic_threshold {old_config.panic_threshold} -> {config.panic_threshold}")
+            changes.append(
+                f"panic_threshold {old_config.panic_threshold} -> {config.panic_threshold}"
+            )
         if (config.scheduler, config.options) != (old_config.scheduler, old_config.options):
             if config.scheduler != old_config.scheduler:
                 changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")
@@ -749,9 +751,7 @@ class Pool:
             candidate = not rs.removed and rs.state == ENABLED and base > 0
         else:
             candidate = (
-                (online or trial)
-                and not ejected
-                and not (rs.backup and self._primaries_available)
+                (online or trial) and not ejected and not (rs.backup and self._primaries_available)
             )
         has_room = not rs.max_connections or rs.active < rs.max_connections
         available = candidate and has_room

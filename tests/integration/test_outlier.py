@@ -10,6 +10,7 @@ and a connect times out.
 from __future__ import annotations
 
 import datetime
+import json
 import socket
 import time
 from collections import Counter
@@ -261,3 +262,53 @@ def test_panic_spreads_traffic_over_every_server_when_three_of_four_are_down(
         what="a, b and c up",
     )
     assert {ask_name(port) for _ in range(12)} == {"a", "b", "c"}
+
+
+SIMULATED = """\
+virtual_servers:
+  - name: web
+    listen: 127.0.0.1:{port}
+    retries: 3
+    panic_threshold: 50
+    outlier_detection: {{consecutive_failures: 3, base_ejection_time: 2s, max_ejection_time: 5s}}
+    real_servers:
+      - {{name: s1, address: 127.0.0.1:9001}}
+      - {{name: s2, address: 127.0.0.1:9002}}
+      - {{name: s3, address: 127.0.0.1:9003}}
+      - {{name: s4, address: 127.0.0.1:9004}}
+"""
+
+
+def test_simulate_shows_ejections_and_panic_on_its_clock(tmp_path):
+    config = tmp_path / "web.yaml"
+    config.write_text(SIMULATED.format(port=free_port()))
+    events = tmp_path / "events.yaml"
+    events.write_text(
+        "- {before: 5, fail: s1}\n"
+        "- {before: 60, leave: [s2, s3, s4]}\n"
+        "- {before: 80, join: [s2, s3, s4], recover: s1}\n"
+    )
+    args = ["simulate", str(config), "-n", "100", "--rate", "10", "--events", str(events)]
+    out = run_cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert "connect failures: s1 " in out.stdout
+    lines = [line.split() for line in out.stdout.splitlines() if "before #" in line]
+    # three failures in a row (one in four picks) eject s1 for 2 s; back on time, it fails
+    # again and is ejected for 4 s; with s2-s4 gone and s1 ejected, 0 of 4 is under 50 %
+    assert lines == [
+        ["1.000s", "before", "#11", "s1", "ejected", "until", "3.000s"],
+        ["3.000s", "before", "#31", "s1", "returned"],
+        ["3.600s", "before", "#37", "s1", "ejected", "until", "7.600s"],
+        ["5.900s", "before", "#60", "panic"],
+        ["7.600s", "before", "#77", "s1", "returned"],
+        ["7.900s", "before", "#80", "panic", "over"],
+    ]
+    document = json.loads(run_cli(*args, "--json").stdout)
+    assert document["protection"][0] == {
+        "connection": 11,
+        "time": 1.0,
+        "event": "ejected",
+        "real_server": "s1",
+        "until": 3.0,
+    }
+    assert None not in document["sequence"]  # every failed connect retried on another

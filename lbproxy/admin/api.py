@@ -140,7 +140,7 @@ def _wall_time(when: float | None) -> str | None:
     if when is None:
         return None
     wall = time.time() + (when - trio.current_time())
-    stamp = datetime.datetime.fromtimestamp(wall, datetime.timezone.utc)
+    stamp = datetime.datetime.fromtimestamp(wall, datetime.UTC)
     return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 

@@ -128,7 +128,6 @@ class OutlierDetector:
         """`rs` was removed, turned backup, or ejection was switched off: no record."""
         record = self.ejected.pop(rs, None)
         rs.outlier = None
-        if record is not None and self.ejected:
-            self.next_release = min(r.until for r in self.ejected.values())  # type: ignore[type-var]  # ejected records have `until`
-        elif not self.ejected:
-            self.next_release = math.inf
+        if record is not None:
+            ends = (r.until for r in self.ejected.values() if r.until is not None)
+            self.next_release = min(ends, default=math.inf)

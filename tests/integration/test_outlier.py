@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import json
 import socket
-import time
 from collections import Counter
 
 import pytest
@@ -92,7 +91,7 @@ def ejected_until(admin_port: int, name: str) -> datetime.datetime | None:
 
 
 def utc_now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def ejections(admin_port: int, name: str) -> float:

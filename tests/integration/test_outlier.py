@@ -311,3 +311,42 @@ def test_simulate_shows_ejections_and_panic_on_its_clock(tmp_path):
         "until": 3.0,
     }
     assert None not in document["sequence"]  # every failed connect retried on another
+
+
+def test_bad_outlier_and_panic_settings_are_file_line_errors(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "virtual_servers:\n"
+        "  - name: web\n"
+        "    listen: 127.0.0.1:18080\n"
+        "    panic_threshold: 150\n"
+        "    outlier_detection:\n"
+        "      base_ejection_time: 60s\n"
+        "      max_ejection_time: 30s\n"
+        "      max_ejection_percent: 101\n"
+        "      consecutive_failures: 0\n"
+        "    real_servers:\n"
+        "      - {name: a, address: 127.0.0.1:9001}\n"
+        "  - name: dns\n"
+        "    listen: 127.0.0.1:18053\n"
+        "    protocol: udp\n"
+        "    outlier_detection: {}\n"
+        "    real_servers:\n"
+        "      - {name: a, address: 127.0.0.1:9053}\n"
+    )
+    out = run_cli("check", str(config))
+    assert out.returncode == 2
+    errors = out.stderr.splitlines()
+    assert f"{config}:4: panic_threshold must be an integer from 0 to 100, got 150" in errors
+    assert (
+        f"{config}:6: outlier_detection.base_ejection_time (60s) must not exceed "
+        "outlier_detection.max_ejection_time (30s)"
+    ) in errors
+    assert (
+        f"{config}:8: outlier_detection.max_ejection_percent must be an integer from 0 to "
+        "100, got 101"
+    ) in errors
+    assert any(
+        line.startswith(f"{config}:9: outlier_detection.consecutive_failures") for line in errors
+    )
+    assert f"{config}:15: outlier_detection is for TCP; a UDP virtual server refuses it" in errors

@@ -353,12 +353,16 @@ class Pool:
         if rs.max_connections and rs.active == rs.max_connections - 1:
             self._apply(rs, now)
 
-    def connect_failed(self, rs: RealServer, now: float) -> None:
+    def connect_failed(self, rs: RealServer, now: float) -> float | None:
         """A client connect to `rs` failed (refused, timed out, reset): outlier
-        detection counts it and may eject `rs` (the caller feeds health apart)."""
+        detection counts it and may eject `rs` (the caller feeds health apart).
+
+        Returns when the ejection ends if this failure ejected `rs`, else None: a
+        caller with a clock of its own calls `advance` then, so the server returns on
+        time even when no pick comes (the pool's own timer runs on picks and reads)."""
         outlier = self.outlier
         if outlier is None or rs.backup or rs.removed:
-            return
+            return None
         if outlier.failed(rs, now, len(self.servers) - len(self._backups)):
             rs.counters.ejections += 1
             log.warning(  # once per ejection, never per connection
@@ -370,6 +374,8 @@ class Pool:
             )
             self._next_tick = min(self._next_tick, outlier.next_release)
             self._apply(rs, now)
+            return rs.outlier.until  # type: ignore[union-attr]  # set by failed()
+        return None
 
     def connect_completed(self, rs: RealServer, now: float) -> None:
         """A client connect to `rs` completed while it had an outlier record

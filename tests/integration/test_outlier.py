@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import time
 from collections import Counter
 
 import pytest
@@ -19,9 +20,11 @@ import pytest
 from tests.integration.harness import (
     NameServer,
     ask_name,
+    closed_without_a_byte,
     counted,
     free_port,
     get_json,
+    open_and_read_name,
     run_cli,
     servers_of,
     vs_config,
@@ -350,3 +353,38 @@ def test_bad_outlier_and_panic_settings_are_file_line_errors(tmp_path):
         line.startswith(f"{config}:9: outlier_detection.consecutive_failures") for line in errors
     )
     assert f"{config}:15: outlier_detection is for TCP; a UDP virtual server refuses it" in errors
+
+
+def test_a_queued_client_gets_the_server_whose_ejection_ends(path, name_servers, lbproxy):
+    """With every other server full, a client waits in the queue; the ejected server's
+    return, on its own timer (no pick runs and nothing reads the state meanwhile), hands
+    it the waiting client long before the queue's timeout."""
+    (a,) = name_servers("a")
+    bad = Named("bad", closed_port())
+    port, admin_port = free_port(), free_port()
+    extra = (
+        "retries: 1\n"
+        "health_check: {type: none, fall: 1000}\n"
+        "queue: {max: 10, timeout: 20s}\n"
+        "outlier_detection: {consecutive_failures: 1, base_ejection_time: 1s}"
+    )
+    config = vs_config(port, [a, bad], "rr", extra, rs_extra={"a": "max_connections: 1"})
+    proxy = lbproxy(with_admin(config, admin_port))
+    held, name = open_and_read_name(port)  # a's one slot (bad, if tried first, failed)
+    revived = None
+    try:
+        assert name == "a"
+        if not ejections(admin_port, "bad"):
+            assert closed_without_a_byte(port)  # a full, bad refused: nowhere to go
+        assert ejections(admin_port, "bad") == 1
+        revived = NameServer("bad", port=bad.port)
+        began = time.monotonic()
+        assert ask_name(port, timeout=15) == "bad"  # queued until bad's ejection ended
+        waited = time.monotonic() - began
+    finally:
+        held.close()
+        if revived is not None:
+            revived.stop()
+    print(f"the queued client was served after {waited:.2f}s (ejection 1s, queue timeout 20s)")
+    assert waited < 10, proxy.log()
+    assert counted(admin_port, "lbproxy_rejected_connections_total", reason="queue_timeout") == 0

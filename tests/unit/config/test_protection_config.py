@@ -1,5 +1,5 @@
-"""Configuration of outlier ejection and panic (SPEC §23): the defaults and what `lbproxy check`
-shows."""
+"""Configuration of outlier ejection and panic (SPEC §23): the defaults and what
+`lbproxy check` shows."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ virtual_servers:
       - {name: a, address: 127.0.0.1:9001}
   - name: web
     listen: 127.0.0.1:8080
-    outlier_detection: {consecutive_failures: 2, base_ejection_time: 500ms, max_ejection_percent: 34}
+    outlier_detection:
+      {consecutive_failures: 2, base_ejection_time: 500ms, max_ejection_percent: 34}
     real_servers:
       - {name: c, address: 127.0.0.1:9003}
 """

@@ -745,12 +745,14 @@ class Pool:
             self._primaries_online += 1 if primary_online else -1
             if self._primaries_online == (1 if primary_online else 0):
                 self._log_tier()
+        ejected = rs.outlier is not None and rs.outlier.until is not None
+        # Before the weight below changes: on a change of panic every server, `rs` too,
+        # is re-applied, and that must see `rs`'s weight as the scheduler last did.
+        if self._count_for_panic(rs, online, ejected, base, now):
+            return
         old = rs.effective_weight
         rs.effective_weight = base * self._ramp_factor(rs, now)
         trial = rs.trial and not rs.removed and rs.state == ENABLED and base > 0
-        ejected = rs.outlier is not None and rs.outlier.until is not None
-        if self._count_for_panic(rs, online, ejected, base, now):
-            return  # panic began or ended: every server, `rs` too, was re-applied
         if self.panic and not rs.backup:
             # as if every enabled primary were up and none ejected (drained, disabled
             # and weight-0 servers stay out)

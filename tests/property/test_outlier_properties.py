@@ -46,6 +46,16 @@ operations = st.lists(
 )
 
 
+def assert_heap_keys_current(pool: Pool) -> None:
+    """A heap scheduler holds each available server at the key it gives now: a change
+    of panic re-applies servers mid-change, and their weights must not go stale."""
+    scheduler = pool.scheduler
+    if isinstance(scheduler, schedulers.HeapScheduler):
+        assert set(scheduler.heap.entries) == {rs for rs in pool.servers if rs.available}
+        for rs, entry in scheduler.heap.entries.items():
+            assert entry[:-2] == scheduler.key(rs), (scheduler.name, rs.name)
+
+
 def ejected(pool: Pool, rs) -> bool:
     return pool.ejected_until(rs) is not None
 
@@ -104,6 +114,7 @@ def test_ejection_and_panic_keep_their_rules(scheduler, options, ops, threshold,
         health_check=CHECKS,
         outlier_detection=outlier,
         panic_threshold=threshold,
+        slow_start=2.0,
         **extra,
     )
     pool = Pool(config, 0.0)
@@ -153,6 +164,7 @@ def test_ejection_and_panic_keep_their_rules(scheduler, options, ops, threshold,
             [(s.name, s.health.up) for s in pool.servers],
         )
         assert pool.available_servers == sum(1 for rs in pool.servers if rs.available)
+        assert_heap_keys_current(pool)
     event(f"ejections: {sum(rs.counters.ejections for rs in pool.servers) > 0}")
     event(f"panic seen: {saw_panic}")
     # once every ejection's time is up, none is left

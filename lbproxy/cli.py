@@ -259,6 +259,8 @@ def simulate(
         click.echo(f"clients: {len(result.clients)}")
         for moves in result.moves:
             click.echo(f"  {moves.line()}")
+    if result.protection is not None:  # SPEC section 23: ejections and panic
+        click.echo("\n".join(result.protection_lines()))
 
 
 @main.command(

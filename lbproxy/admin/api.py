@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from functools import partial
@@ -134,6 +135,7 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
         "load": _load(pool, rs),
         "discovered": rs.config.discovered,  # from DNS (discovery.dns), not from a file
         "check": _check_document(rs.counters.check_last),
+        "ejected_until": _wall_time(pool.ejected_until(rs)),  # outlier detection (SPEC §23)
     }
 
 
@@ -148,6 +150,15 @@ def _check_document(last: CheckRecord | None) -> dict[str, Any] | None:
         "at": at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "duration_ms": round(last.duration * 1000, 1),
     }
+
+
+def _wall_time(when: float | None) -> str | None:
+    """A time of the run's clock (trio's) as ISO 8601 UTC, e.g. 2026-12-05T15:04:23.120Z."""
+    if when is None:
+        return None
+    wall = time.time() + (when - trio.current_time())
+    stamp = datetime.datetime.fromtimestamp(wall, datetime.UTC)
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _snmp_document(pool: Pool, rs: Any) -> dict[str, Any] | None:
@@ -220,6 +231,7 @@ def virtual_server_document(vs: VirtualServerView) -> dict[str, Any]:
         "queued": vs.queue_stats.queued,
         "rejected": stats.rejected,
         "dynamic_weight_fallback": stats.dynamic_weight_fallback,
+        "panic": pool.panic,  # panic_threshold (SPEC §23)
         "real_servers": [real_server_document(pool, rs.name) for rs in stats.real_servers],
         "protocol": pool.config.protocol,
         # SPEC §19: the session table's counts (active sessions: `active_connections`).

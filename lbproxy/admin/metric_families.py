@@ -303,6 +303,27 @@ FAMILIES: dict[str, Family] = {
             (VS, "reason"),
         ),
         Family(
+            "lbproxy_outlier_ejections",
+            COUNTER,
+            "Times outlier detection ejected the real server (connects failed in a row).",
+            (VS, RS),
+        ),
+        Family(
+            "lbproxy_real_server_ejected",
+            GAUGE,
+            "1 while outlier detection holds the real server back (ejected).",
+            (VS, RS),
+            merge=MAX,
+        ),
+        Family(
+            "lbproxy_panic",
+            GAUGE,
+            "1 while too few real servers are available (panic_threshold) and every "
+            "enabled one is picked as if up.",
+            (VS,),
+            merge=MAX,
+        ),
+        Family(
             "lbproxy_dns_queries",
             COUNTER,
             "DNS locator queries, by rcode answered.",

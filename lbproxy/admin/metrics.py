@@ -165,6 +165,7 @@ class LbproxyCollector:
             internal.add_metric([where], counts.get(where, 0))
         yield internal
         yield from self._closed_on_purpose()
+        yield from self._resilience()
         yield from self._locator_families()
         yield from self._cluster()
         yield from self._udp()
@@ -197,6 +198,23 @@ class LbproxyCollector:
             for reason in CLOSE_REASONS:
                 closed.add_metric([pool.name, reason], pool.closed[reason])
         yield closed
+
+    def _resilience(self) -> Iterator[Metric]:
+        """SPEC §23: panic for every virtual server; ejections where outlier detection
+        is configured (or has ejected a server before a reload switched it off). Read
+        after `statistics(now)` above: ejections that ended are released already."""
+        ejections = counter("lbproxy_outlier_ejections")
+        ejected = gauge("lbproxy_real_server_ejected")
+        panic = gauge("lbproxy_panic")
+        for pool in self.source.pools():
+            panic.add_metric([pool.name], 1.0 if pool.panic else 0.0)
+            for rs in pool.servers:
+                if pool.outlier is None and not rs.counters.ejections:
+                    continue
+                labels = [pool.name, rs.name]
+                ejections.add_metric(labels, rs.counters.ejections)
+                ejected.add_metric(labels, 0.0 if pool.ejected_until(rs) is None else 1.0)
+        yield from (ejections, ejected, panic)
 
     def _discovery(self) -> Iterator[Metric]:
         """SPEC §14; only for virtual servers with `discovery.dns` (none: no families)."""

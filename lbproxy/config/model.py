@@ -267,6 +267,14 @@ class QueueConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OutlierDetectionConfig:
+    consecutive_failures: int = 5  # connect failures in a row that eject a server
+    base_ejection_time: float = 30.0  # seconds; times the ejections in a row
+    max_ejection_time: float = 300.0  # seconds; an ejection never lasts longer
+    max_ejection_percent: int = 50  # of the non-backup servers (rounded down) at once
+
+
+@dataclass(frozen=True, slots=True)
 class ConditioningConfig:
     """`conditioning:` of a virtual server: Geode's load conditioning (SPEC §11)."""
 
@@ -369,6 +377,8 @@ class VirtualServerConfig:
     # default of its addresses, or a virtual server alone on them
     sni: tuple[str, ...] = ()
     conditioning: ConditioningConfig | None = None  # None: connections are never moved
+    outlier_detection: OutlierDetectionConfig | None = None  # None: no server is ejected
+    panic_threshold: int = 0  # percent of enabled primaries available; 0: never panic
     protocol: str = "tcp"  # tcp | udp (SPEC §19)
     udp: UdpConfig = UdpConfig()  # read only with protocol: udp
     agent_check: AgentCheckConfig | None = None  # None: no agent check (SPEC §22)

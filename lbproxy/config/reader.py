@@ -34,6 +34,7 @@ from lbproxy.config.model import (
     GlobalConfig,
     HealthCheckConfig,
     LocatorConfig,
+    OutlierDetectionConfig,
     PersistenceConfig,
     Problem,
     QueueConfig,
@@ -62,6 +63,7 @@ from lbproxy.config.tables import (
     GLOBAL_SECTIONS,
     HEALTH_CHECK_FIELDS,
     LOCATOR_SECTIONS,
+    OUTLIER_DETECTION_FIELDS,
     PERSISTENCE_FIELDS,
     QUEUE_FIELDS,
     REAL_SERVER_AGENT_CHECK_FIELDS,
@@ -456,6 +458,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     discovery = _read_discovery(doc, vs, where)
     queue = _nested(doc, vs, "queue", f"queue of {where}", QUEUE_FIELDS, prefix="queue.")
     conditioning = _read_conditioning(doc, vs, where)
+    outlier_detection = _read_outlier_detection(doc, vs, where)
     udp = _read_udp(doc, vs, where)
     if udp is not None and "type" not in _health_keys(vs):
         # A TCP connect says nothing of a UDP service: passive health only by default.
@@ -482,6 +485,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             discovery=discovery,
             queue=QueueConfig(**queue.values) if queue is not None else None,
             conditioning=conditioning,
+            outlier_detection=outlier_detection,
             udp=udp or UdpConfig(),
             agent_check=AgentCheckConfig(**agent.values) if agent is not None else None,
             file=doc.file,
@@ -660,6 +664,30 @@ def _read_conditioning(doc: _Document, vs: _Section, where: str) -> Conditioning
         prefix="conditioning.",
     )
     return None if section is None else ConditioningConfig(**section.values)
+
+
+def _read_outlier_detection(
+    doc: _Document, vs: _Section, where: str
+) -> OutlierDetectionConfig | None:
+    section = _nested(
+        doc,
+        vs,
+        "outlier_detection",
+        f"outlier_detection of {where}",
+        OUTLIER_DETECTION_FIELDS,
+        prefix="outlier_detection.",
+    )
+    if section is None:
+        return None
+    outlier = OutlierDetectionConfig(**section.values)
+    if outlier.base_ejection_time > outlier.max_ejection_time:
+        key = "base_ejection_time" if "base_ejection_time" in section.nodes else "max_ejection_time"
+        doc.error(
+            section.line_of(key),
+            f"outlier_detection.base_ejection_time ({outlier.base_ejection_time:g}s) must not "
+            f"exceed outlier_detection.max_ejection_time ({outlier.max_ejection_time:g}s)",
+        )
+    return outlier
 
 
 def _scheduler_options(name: str | None, values: dict[str, Any]) -> Any:

@@ -92,6 +92,15 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
         lines.append(f"  queue       up to {vs.queue.max} clients for {vs.queue.timeout:g}s")
     if vs.conditioning is not None:
         lines.append(f"  conditioning {_conditioning_summary(vs.conditioning)}")
+    outlier = vs.outlier_detection
+    if outlier is not None:
+        lines.append(
+            f"  outliers    ejected after {outlier.consecutive_failures} failed connects in a "
+            f"row for {outlier.base_ejection_time:g}s x times in a row (at most "
+            f"{outlier.max_ejection_time:g}s), up to {outlier.max_ejection_percent}% at once"
+        )
+    if vs.panic_threshold:
+        lines.append(f"  panic       under {vs.panic_threshold}% of servers available")
     lines.append("  real servers")
     lines.extend(_table([_real_server_row(vs, rs) for rs in vs.real_servers], indent="    "))
     if vs.discovery is not None:

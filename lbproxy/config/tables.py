@@ -27,6 +27,7 @@ from lbproxy.config.model import (
     DnsRateLimitConfig,
     GlobalConfig,
     HealthCheckConfig,
+    OutlierDetectionConfig,
     PersistenceConfig,
     QueueConfig,
     RealServerCheckConfig,
@@ -297,6 +298,11 @@ VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
         "TLS server names routed here from a listen address it shares with other virtual "
         "servers: exact names or `*.example.com` (one label), case-insensitive",
         default="none",
+    ),
+    "panic_threshold": integer(0, 100).about(
+        "percent: when fewer than this share of the enabled non-backup real servers are "
+        "available (health up, not ejected) and no backup is up, pick among every enabled "
+        "non-backup server as if all were up (Envoy's `healthy_panic_threshold`; `0`: never)"
     ),
 }
 
@@ -646,7 +652,26 @@ TCP_ONLY_KEYS = (
     "queue",
     "conditioning",
     "retries",
+    "outlier_detection",
 )
+
+OUTLIER_DETECTION_FIELDS: dict[str, Converter] = {
+    "consecutive_failures": integer(1).about(
+        "client connects to one real server that fail in a row (refused, timeout, reset) "
+        "before it is ejected; a connect that completes starts the count again"
+    ),
+    "base_ejection_time": duration(positive=True).about(
+        "an ejected server gets no new connection for this long times the number of "
+        "times it was ejected in a row"
+    ),
+    "max_ejection_time": duration(positive=True).about(
+        "the longest one ejection lasts; at least `base_ejection_time`"
+    ),
+    "max_ejection_percent": integer(0, 100).about(
+        "share of the non-backup real servers (rounded down) ejected at once, at most; "
+        "one always stays"
+    ),
+}
 
 QUEUE_FIELDS: dict[str, Converter] = {
     "max": integer(1).about("waiting clients; one more is refused (`queue_full`)"),
@@ -823,6 +848,14 @@ SECTIONS = Section(
                     "clients wait for a server held back by `max_connections` instead of "
                     "being refused; `queue:` alone takes the defaults",
                     page="concepts/front-door.md",
+                ),
+                "outlier_detection": Section(
+                    OUTLIER_DETECTION_FIELDS,
+                    OutlierDetectionConfig,
+                    "real servers whose connects keep failing are ejected for a while, "
+                    "whatever their health check says; `outlier_detection:` alone takes "
+                    "the defaults",
+                    page="concepts/protection.md",
                 ),
                 "conditioning": Section(
                     CONDITIONING_FIELDS,

@@ -26,6 +26,14 @@ mode (throttle.py, read through the virtual server); the queue's length and wait
 (dataplane/queue.py, `QueueStats`; the pool gives it `available_servers`, `full_servers`
 and the `on_available` hook).
 
+Resilience (SPEC §23): outlier ejection (outlier.py, `pool.outlier`) holds a server
+back from the scheduler while it is ejected, as `max_connections` does, and releases
+it from the pool's timer (`_tick`). With `panic_threshold`, the pool counts on every
+change the enabled non-backup servers and those of them available (up, not ejected);
+when too few are, and no backup is up, it offers the scheduler every enabled non-backup
+server as if all were up (Envoy's panic mode). Entering or leaving panic re-applies
+every server: O(n), at that edge only.
+
 Affinity (SPEC §12): `pick` and `take` are given the client's address. Only two things
 read it — the persistence table (persistence.py), consulted before the scheduler, and a
 `keyed` scheduler (maglev) — and a pool with neither never looks at it.
@@ -51,6 +59,7 @@ from lbproxy.core.agent import AgentSays, AgentState
 from lbproxy.core.health import Health
 from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, Histogram
 from lbproxy.core.locate import Locator
+from lbproxy.core.outlier import OutlierDetector
 from lbproxy.core.persistence import Entry, Persistence, client_key
 from lbproxy.core.real_server import RealServer, ServerCounters
 
@@ -201,6 +210,14 @@ class Pool:
         self.conditioned: Counter[str] = Counter()  # connections closed by conditioning
         # connections health closed on purpose, by reason (core/health.py CLOSE_REASONS)
         self.closed: Counter[str] = Counter()
+        # Outlier ejection (SPEC §23), None when not configured; panic and the counts
+        # that decide it, kept on every change (`_count_for_panic`).
+        self.outlier: OutlierDetector | None = None
+        self.panic = False
+        self._enabled_primaries: set[RealServer] = set()
+        self._healthy_primaries: set[RealServer] = set()
+        self._backups_up: set[RealServer] = set()
+        self._configure_outlier(now)
         self.udp = UdpCounters()  # protocol: udp (SPEC §19): datagrams, drops
         # Servers present at start-up come online together: resetting the (empty)
         # connection table for each of them would only cost O(n²).
@@ -336,6 +353,43 @@ class Pool:
             self.scheduler.on_drop(rs, now)
         if rs.max_connections and rs.active == rs.max_connections - 1:
             self._apply(rs, now)
+
+    def connect_failed(self, rs: RealServer, now: float) -> float | None:
+        """A client connect to `rs` failed (refused, timed out, reset): outlier
+        detection counts it and may eject `rs` (the caller feeds health apart).
+
+        Returns when the ejection ends if this failure ejected `rs`, else None: a
+        caller with a clock of its own calls `advance` then, so the server returns on
+        time even when no pick comes (the pool's own timer runs on picks and reads)."""
+        outlier = self.outlier
+        if outlier is None or rs.backup or rs.removed:
+            return None
+        if outlier.failed(rs, now, len(self.servers) - len(self._backups)):
+            rs.counters.ejections += 1
+            log.warning(  # once per ejection, never per connection
+                "%s/%s ejected for %gs: %d connects failed in a row",
+                self.name,
+                rs.name,
+                rs.outlier.until - now,  # type: ignore[union-attr, operator]  # set by failed()
+                outlier.config.consecutive_failures,
+            )
+            self._next_tick = min(self._next_tick, outlier.next_release)
+            self._apply(rs, now)
+            return rs.outlier.until  # type: ignore[union-attr]  # set by failed()
+        return None
+
+    def connect_completed(self, rs: RealServer, now: float) -> None:
+        """A client connect to `rs` completed while it had an outlier record
+        (`rs.outlier` is not None: the caller's test, so a healthy server costs nothing)."""
+        if self.outlier is None:
+            rs.outlier = None
+            return
+        self.outlier.succeeded(rs)
+
+    def ejected_until(self, rs: RealServer) -> float | None:
+        """When `rs`'s ejection ends (the pool's clock), or None when it is not ejected."""
+        record = rs.outlier
+        return None if record is None else record.until
 
     @property
     def backup_servers(self) -> Collection[RealServer]:
@@ -488,6 +542,13 @@ class Pool:
             self._retune_health(now)
         if config.persistence != old_config.persistence:
             changes.append("persistence changed")
+        if config.outlier_detection != old_config.outlier_detection:
+            changes.append("outlier_detection changed")
+            self._configure_outlier(now)
+        if config.panic_threshold != old_config.panic_threshold:
+            changes.append(
+                f"panic_threshold {old_config.panic_threshold} -> {config.panic_threshold}"
+            )
         if (config.scheduler, config.options) != (old_config.scheduler, old_config.options):
             if config.scheduler != old_config.scheduler:
                 changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")
@@ -502,6 +563,8 @@ class Pool:
                 rs.removed = True
                 self.locator.forget(rs)
                 self._cancel_trial(rs)
+                if self.outlier is not None:
+                    self.outlier.forget(rs)
                 self._update(rs, now)
                 self.servers.remove(rs)
                 del self.by_name[rs.name]
@@ -522,11 +585,34 @@ class Pool:
                 rs.apply_config(rs_config)
             self._update(rs, now)
         self.servers.sort(key=lambda s: wanted[s.name][0])
+        if self.outlier is not None:
+            for rs in list(self.outlier.ejected):
+                if rs.backup:  # turned backup by this reload: backups are never ejected
+                    self.outlier.forget(rs)
+                    self._apply(rs, now)
+        self._update_panic(now)  # panic_threshold may have changed
         if reorder:
             for i, rs in enumerate(self.servers):
                 rs.index = i
             self._swap_scheduler(config.scheduler, now)
         return changes
+
+    def _configure_outlier(self, now: float) -> None:
+        """Set up, retune or drop outlier detection for the current configuration (a
+        retune keeps the ejections under way; they end at the time they were given)."""
+        wanted = self.config.outlier_detection
+        if wanted is None:
+            if self.outlier is not None:
+                ejected = list(self.outlier.ejected)
+                for rs in self.servers:
+                    self.outlier.forget(rs)
+                self.outlier = None
+                for rs in ejected:
+                    self._apply(rs, now)
+        elif self.outlier is None:
+            self.outlier = OutlierDetector(wanted)
+        else:
+            self.outlier.config = wanted
 
     def _configure_affinity(self) -> None:
         """Set up (or retune, or drop) the persistence table for the current config."""
@@ -708,10 +794,22 @@ class Pool:
             self._primaries_online += 1 if primary_online else -1
             if self._primaries_online == (1 if primary_online else 0):
                 self._log_tier()
+        ejected = rs.outlier is not None and rs.outlier.until is not None
+        # Before the weight below changes: on a change of panic every server, `rs` too,
+        # is re-applied, and that must see `rs`'s weight as the scheduler last did.
+        if self._count_for_panic(rs, online, ejected, base, now):
+            return
         old = rs.effective_weight
         rs.effective_weight = base * self._ramp_factor(rs, now)
         trial = rs.trial and not rs.removed and rs.state == ENABLED and base > 0
-        candidate = (online or trial) and not (rs.backup and self._primaries_available)
+        if self.panic and not rs.backup:
+            # as if every enabled primary were up and none ejected (drained, disabled
+            # and weight-0 servers stay out)
+            candidate = not rs.removed and rs.state == ENABLED and base > 0
+        else:
+            candidate = (
+                (online or trial) and not ejected and not (rs.backup and self._primaries_available)
+            )
         has_room = not rs.max_connections or rs.active < rs.max_connections
         available = candidate and has_room
         full = candidate and not has_room
@@ -743,6 +841,53 @@ class Pool:
             if self._primaries_available == (1 if primary_available else 0):
                 for other in list(self._backups):
                     self._apply(other, now)
+
+    def _count_for_panic(
+        self, rs: RealServer, online: bool, ejected: bool, base: float, now: float
+    ) -> bool:
+        """Keep the counts panic is decided on up to date with `rs`; on a change of
+        panic, re-apply every server and return True. O(1) unless panic changes (kept
+        without a threshold too, so a reload that sets one finds them right)."""
+        enabled = not rs.removed and not rs.backup and rs.state == ENABLED and base > 0
+        if enabled:
+            self._enabled_primaries.add(rs)
+        else:
+            self._enabled_primaries.discard(rs)
+        if enabled and online and not ejected:
+            self._healthy_primaries.add(rs)
+        else:
+            self._healthy_primaries.discard(rs)
+        if rs.backup and online:
+            self._backups_up.add(rs)
+        else:
+            self._backups_up.discard(rs)
+        return self._update_panic(now)
+
+    def _update_panic(self, now: float) -> bool:
+        """Enter or leave panic as the counts say; True when it changed (every server
+        is then re-applied)."""
+        threshold = self.config.panic_threshold
+        enabled = len(self._enabled_primaries)
+        panic = (
+            threshold > 0
+            and enabled > 0
+            and len(self._healthy_primaries) * 100 < threshold * enabled
+            and not self._backups_up
+        )
+        if panic == self.panic:
+            return False
+        self.panic = panic
+        log.warning(  # at the edge only
+            "%s: %s",
+            self.name,
+            f"panic: {len(self._healthy_primaries)} of {enabled} enabled servers available "
+            f"(under {threshold}%); picking among all {enabled} as if all were up"
+            if panic
+            else "panic over: picking among the available servers again",
+        )
+        for other in list(self.servers):
+            self._apply(other, now)
+        return True
 
     def _log_tier(self) -> None:
         """On the first primary coming online, or the last going (not when one is
@@ -811,6 +956,13 @@ class Pool:
         if now >= self._scheduler_tick:
             self._scheduler_tick = self.scheduler.on_tick(now)
         next_tick = self._scheduler_tick
+        outlier = self.outlier
+        if outlier is not None:
+            if now >= outlier.next_release:
+                for rs in outlier.due(now):
+                    log.info("%s/%s: ejection over", self.name, rs.name)
+                    self._apply(rs, now)
+            next_tick = min(next_tick, outlier.next_release)
         for rs in list(self._retrying):
             if rs.removed or rs.health.up:
                 self._cancel_trial(rs)

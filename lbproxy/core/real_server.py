@@ -8,7 +8,7 @@ A `RealServer` holds three kinds of things, kept apart so that each has one owne
   max_connections, load factor, state, backup;
 - state, owned by the pool (pool.py) and read by the schedulers: online, available,
   full, effective and dynamic weight, the slow-start ramp, the passive-health trial,
-  `active` / `sched_active`, its leases;
+  its outlier-ejection record, `active` / `sched_active`, its leases;
 - counters (`ServerCounters`), only ever added to, by whoever sees the event (the
   connection, the health checker, the SNMP poller) and read at scrape time by the
   metrics, the API and `lbproxy status`; nothing decides on them.
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from lbproxy.config.model import RealServerConfig
 from lbproxy.core.agent import AgentState
 from lbproxy.core.health import Health
+from lbproxy.core.outlier import Ejection
 
 if TYPE_CHECKING:
     from lbproxy.core.pool import Lease
@@ -48,6 +49,7 @@ class ServerCounters:
         "check_last",
         "connect_failures",
         "connections_total",
+        "ejections",
         "health_checks",
         "snmp_last",
         "snmp_polls",
@@ -58,6 +60,7 @@ class ServerCounters:
         self.bytes_in = 0  # of ended connections; open ones are read from their leases
         self.bytes_out = 0
         self.connect_failures: Counter[str] = Counter()  # refused | timeout | error
+        self.ejections = 0  # times outlier detection ejected it (core/outlier.py)
         self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
         self.agent_checks: Counter[str] = Counter()  # ok | fail | timeout | bad_answer
         self.snmp_polls: Counter[str] = Counter()  # ok | timeout | error | bad_value
@@ -85,6 +88,7 @@ class RealServer:
         "max_connections",
         "name",
         "online",
+        "outlier",
         "primary_available",
         "primary_online",
         "ramp_start",
@@ -114,6 +118,9 @@ class RealServer:
         # trial connection at `retry_at` (see Pool.record_health).
         self.trial = False
         self.retry_at: float | None = None
+        # Outlier detection's record (core/outlier.py) while its connects fail or it is
+        # ejected; None otherwise, so a completed connect costs one test.
+        self.outlier: Ejection | None = None
         self.effective_weight = 0.0
         self.ramp_start: float | None = None
         self.active = 0

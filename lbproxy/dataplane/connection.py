@@ -69,6 +69,7 @@ from lbproxy.net.accept import CAPACITY_ERRNOS as LOCAL_CAPACITY_ERRNOS
 from lbproxy.net.accept import LocalCapacityError
 from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
+from lbproxy.net.deadlines import deadlines
 from lbproxy.net.descriptors import clients as _clients
 from lbproxy.net.pump import Flow, Pump, Reactor, reactor, run_clock
 from lbproxy.wire import proxy_protocol
@@ -472,6 +473,9 @@ class Handler:
             return None
         rs.counters.connect_failures[exc.reason] += 1
         record_health(pool, rs, False, now, f"connect {exc.reason}", passive=True)
+        ejected_until = pool.connect_failed(rs, now)  # outlier detection, apart from health
+        if ejected_until is not None:  # back on time, even with no pick to run the pool's timer
+            deadlines().at(ejected_until, _Advance(pool))
         return self._pick(c, now)
 
     def _no_server(self, c: ClientConnection, rejected: str) -> None:
@@ -494,6 +498,8 @@ class Handler:
             # without an active check, a good connect ends a failure streak (or is a down
             # server's trial); with one it changes nothing (a call, only while failing)
             record_health(self.pool, rs, True, self._clock(), "connect succeeded", passive=True)
+        if rs.outlier is not None:  # it failed lately: outlier detection starts again
+            self.pool.connect_completed(rs, self._clock())
         queue = self.vs.queue
         if queue is not None and queue.waiting:
             queue.kick()  # the slot is taken: the next waiter, if room is left
@@ -788,6 +794,20 @@ class Handler:
         except (OSError, proxy_protocol.ProxyProtocolError) as exc:
             log.debug("%s: bad PROXY header: %s", self.name, exc)
         return None
+
+
+class _Advance:
+    """A deadline's target: bring a pool's time-driven state (the end of an outlier
+    ejection) up to the run's clock, which makes the server available again and wakes
+    the queue's oldest waiter, if any."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def ring(self) -> None:
+        self.pool.advance(trio.current_time())
 
 
 def explain_pick(pool: Pool, chosen: RealServer, tried: list[RealServer]) -> str:

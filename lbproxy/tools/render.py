@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -277,6 +278,7 @@ def print_status(document: dict, console: Console | None = None) -> None:
         console = Console(highlight=False, force_terminal=_isatty(sys.stdout))
     if not console.is_terminal:
         lines = status_plain(document) + udp_plain(document) + cluster_plain(document, time.time())
+        lines += protection_plain(document, time.time())
         console.file.write("".join(line + "\n" for line in lines))
         console.file.flush()
         return
@@ -290,6 +292,8 @@ def print_status(document: dict, console: Console | None = None) -> None:
     for line in udp_lines(document):
         console.print(line, overflow="fold")
     for line in cluster_lines(document, time.time()):
+        console.print(line, overflow="fold")
+    for line in protection_lines(document, time.time()):
         console.print(line, overflow="fold")
 
 
@@ -322,6 +326,61 @@ def cluster_plain(document: dict, now: float) -> list[str]:
     for row in rows:
         cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
         lines.append(PLAIN_GAP.join(cells).rstrip())
+    return lines
+
+
+PROTECTION_COLUMNS = ("PROTECTION", "VIRTUAL_SERVER", "REAL_SERVER", "LEFT")
+
+
+def _protection_rows(document: dict, now: float) -> list[list[str]]:
+    """SPEC §23: a virtual server in panic (every enabled server picked as if up), and
+    each ejected real server with the time its ejection has left."""
+    rows = []
+    for vs in document["virtual_servers"]:
+        if vs.get("panic"):
+            rows.append(["panic", vs["name"], "-", "-"])
+        for rs in vs["real_servers"]:
+            until = rs.get("ejected_until")
+            if until:
+                rows.append(["ejected", vs["name"], rs["name"], _left(until, now)])
+    return rows
+
+
+def _left(until: str, now: float) -> str:
+    """The time from `now` (seconds since the epoch) to ISO 8601 `until`, like 12.5s."""
+    try:
+        end = datetime.datetime.fromisoformat(until).timestamp()
+    except ValueError:
+        return "-"
+    return f"{max(0.0, end - now):.1f}s"
+
+
+def protection_plain(document: dict, now: float) -> list[str]:
+    """Panic and ejected servers after the rows: a blank line, a header, one row each,
+    one word per column (none: nothing)."""
+    rows = _protection_rows(document, now)
+    if not rows:
+        return []
+    rows.insert(0, list(PROTECTION_COLUMNS))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(PROTECTION_COLUMNS))]
+    lines = [""]
+    for row in rows:
+        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
+        lines.append(PLAIN_GAP.join(cells).rstrip())
+    return lines
+
+
+def protection_lines(document: dict, now: float) -> list[Text]:
+    """The terminal's view of panic and ejected servers, one line each."""
+    lines = []
+    for kind, vs, rs, left in _protection_rows(document, now):
+        if kind == "panic":
+            line = Text(f"panic {vs}: ", style="bold red")
+            line.append("too few servers available; every enabled one is picked as if up")
+        else:
+            line = Text(f"ejected {vs}/{rs}: ", style="bold yellow")
+            line.append(f"connects failed in a row; back in {left}")
+        lines.append(line)
     return lines
 
 

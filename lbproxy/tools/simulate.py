@@ -18,6 +18,8 @@ number `before`, in file order, each key of one event in the order written:
     - {before: 1, report: {s1: {load: 0.4, per_connection: 0.1}}}
                                             a pushed load report (least-load, load_source
                                             report; per_connection optional)
+    - {before: 10, fail: [s1, s2]}          from here on, connects to s1 and s2 fail
+    - {before: 90, recover: s1}             ... and to s1 complete again
 
 With `locate`, every arrival is a locator answer (`Locator.locate`, SPEC §10): counted as a
 pick exactly as `GET .../locate` counts it, and nothing is held -- so a report of 0.4
@@ -34,6 +36,14 @@ also holds each client's servers in order, and for every `join`, `leave`, `weigh
 `state` event how many clients moved: of the clients with a connection both before the
 event and after it (before the next such event), those whose first server after it is
 not their last server before it.
+
+Connect failures (SPEC §23): a connect to a failing server is refused; the connection
+is retried on another server, up to `retries` times, as `lbproxy run` does, and the
+sequence holds the server that took it (`null`: none did). Failures feed outlier
+detection (`outlier_detection:`), not health: in a simulation health changes only by
+`join` and `leave` (no check runs). The result lists every ejection, with its end on the
+simulated clock, every return, and every change of panic (`panic_threshold:`), each with
+the connection it came before.
 
 Throttle (a virtual server with a `throttle:` block): every arrival counts toward the
 rate window; the monitor is simulated as it runs in `lbproxy run` -- an evaluation every
@@ -75,6 +85,8 @@ EVENT_KEYS = (
     "rate",
     "report",
     "agent",
+    "fail",
+    "recover",
 )
 REPORT_KEYS = ("load", "per_connection")
 
@@ -139,6 +151,34 @@ class Moves:
         )
 
 
+@dataclass(frozen=True)
+class Protection:
+    """An ejection, a return from one, or a change of panic, in a simulation."""
+
+    connection: int  # the first connection to arrive after it
+    time: float  # simulated seconds: when it happened (a return: when the ejection ended)
+    event: str  # ejected | returned | panic | panic over
+    real_server: str | None = None  # None: panic, of the virtual server
+    until: float | None = None  # ejected: when it ends
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "connection": self.connection,
+            "time": round(self.time, 6),
+            "event": self.event,
+            "real_server": self.real_server,
+            "until": None if self.until is None else round(self.until, 6),
+        }
+
+    def line(self) -> str:
+        at = f"{self.time:>9.3f}s  before #{self.connection:<6}"
+        if self.event == "ejected":
+            return f"  {at} {self.real_server} ejected until {self.until:.3f}s"
+        if self.real_server is not None:
+            return f"  {at} {self.real_server} {self.event}"
+        return f"  {at} {self.event}"
+
+
 @dataclass
 class SimulationResult:
     virtual_server: str
@@ -149,6 +189,9 @@ class SimulationResult:
     throttle: ThrottleTimeline | None = None  # when the virtual server has a throttle
     clients: dict[str, list[str | None]] | None = None  # with `clients`: each one's servers
     moves: list[Moves] = field(default_factory=list)  # with `clients`: per membership event
+    # Outlier ejections and panic (SPEC §23), when the virtual server has either
+    protection: list[Protection] | None = None
+    connect_failures: dict[str, int] = field(default_factory=dict)
 
     def shares(self) -> dict[str, float]:
         total = sum(self.picks.values())
@@ -167,7 +210,25 @@ class SimulationResult:
                 if self.clients is not None
                 else {}
             )
+            | (
+                {
+                    "protection": [p.as_json() for p in self.protection],
+                    "connect_failures": self.connect_failures,
+                }
+                if self.protection is not None
+                else {}
+            )
         )
+
+    def protection_lines(self) -> list[str]:
+        """Ejections and panic as text lines, for the terminal."""
+        if self.protection is None:
+            return []
+        failed = ", ".join(f"{name} {n}" for name, n in self.connect_failures.items() if n)
+        out = [f"connect failures: {failed or 'none'}"]
+        out.append(f"ejections and panic: {len(self.protection) or 'none'}")
+        out.extend(p.line() for p in self.protection)
+        return out
 
 
 @dataclass(frozen=True)
@@ -285,7 +346,7 @@ def _check_action(key: str, value: Any, servers: list[str]) -> str | None:
             return f"{key}: unknown real server {name!r}; configured: {', '.join(servers)}"
         return None
 
-    if key in ("join", "leave"):
+    if key in ("join", "leave", "fail", "recover"):
         names = value if isinstance(value, list) else [value]
         return next((p for p in map(unknown, names) if p), None)
     if key == "rate":
@@ -367,6 +428,7 @@ def simulate(
     trace: list[Pick] = []
     pending = deque(events)
     monitor = _Monitor(vs.throttle) if vs.throttle is not None else None
+    watch = _ProtectionWatch(pool) if _protects(vs, events) else None
     # Connection k arrives at base_time + (k - base_number) / rate: exact multiples of
     # 1 / rate without `rate:` events, as before they existed.
     base_time, base_number, now = 0.0, 1, 0.0
@@ -386,7 +448,10 @@ def simulate(
             monitor.catch_up(now, pool.active, number)
         for event in due:
             for key, value in event.actions:
-                if key != "rate":
+                if key in ("fail", "recover"):
+                    if watch is not None:
+                        watch.set_failing(value, key == "fail")
+                elif key != "rate":
                     _apply(pool, key, value, held, now)
             if per_client is not None and any(key in MEMBERSHIP_KEYS for key, _ in event.actions):
                 if moves:
@@ -407,6 +472,9 @@ def simulate(
             rs = None if located is None else located.server
         else:
             rs = pool.pick(now, (), client)
+            if watch is not None:
+                watch.seen(number, now)  # ejections ended and panic changed by events
+                rs = watch.connect(rs, now, client, number)
         if per_client is not None:
             assert client is not None  # made above whenever per_client is
             name = rs.name if rs is not None else None
@@ -421,7 +489,9 @@ def simulate(
             sequence.append(rs.name)
             if not locate:
                 lease = pool.take(rs, now, None, client)
-                pool.established(lease)  # a simulated connect always succeeds
+                pool.established(lease)  # connects to a failing server never get here
+                if rs.outlier is not None:
+                    pool.connect_completed(rs, now)
                 if hold:
                     held[rs.name].append(lease)
                 else:
@@ -436,9 +506,75 @@ def simulate(
         timeline = monitor.timeline
     if moves:
         moves[-1].finish()
-    return SimulationResult(
+    result = SimulationResult(
         vs.name, vs.scheduler, picks, sequence, trace, timeline, per_client, moves
     )
+    if watch is not None:
+        pool.advance(now)
+        watch.seen(connections + 1, now)
+        result.protection = watch.timeline
+        result.connect_failures = watch.failures
+    return result
+
+
+def _protects(vs: VirtualServerConfig, events: list[Event]) -> bool:
+    """Does the simulation show ejections and panic (configured, or failures asked)?"""
+    asked = any(key in ("fail", "recover") for event in events for key, _ in event.actions)
+    return asked or vs.outlier_detection is not None or vs.panic_threshold > 0
+
+
+class _ProtectionWatch:
+    """Connect failures on simulated time, and what outlier detection and panic made
+    of them: the pool's own code decides, this only records what changed."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.failing: set[str] = set()
+        self.failures = {rs.name: 0 for rs in pool.servers}
+        self.timeline: list[Protection] = []
+        self.ejected: dict[str, float] = {}  # name -> until, as last seen
+        self.panic = False
+
+    def set_failing(self, names: Any, failing: bool) -> None:
+        for name in names if isinstance(names, list) else [names]:
+            if failing:
+                self.failing.add(name)
+            else:
+                self.failing.discard(name)
+
+    def connect(self, rs: Any, now: float, client: tuple[str, int] | None, number: int) -> Any:
+        """Connect to `rs` (picked); on a failure, retry as the connection handler does.
+        Returns the server that took the connection, or None."""
+        pool = self.pool
+        tried: list[Any] = []
+        while rs is not None and rs.name in self.failing:
+            pool.drop(pool.take(rs, now, None, client), now)
+            rs.counters.connect_failures["refused"] += 1
+            self.failures[rs.name] += 1
+            pool.connect_failed(rs, now)
+            self.seen(number, now)
+            tried.append(rs)
+            if len(tried) > pool.config.retries:
+                pool.rejected["connect_failed"] += 1
+                return None
+            rs = pool.pick(now, tried, client)
+        return rs
+
+    def seen(self, number: int, now: float) -> None:
+        """Record what changed since the last look (O(servers): offline only)."""
+        pool = self.pool
+        for rs in pool.servers:
+            until = pool.ejected_until(rs)
+            was = self.ejected.get(rs.name)
+            if until is not None and until != was:
+                self.ejected[rs.name] = until
+                self.timeline.append(Protection(number, now, "ejected", rs.name, until))
+            elif until is None and was is not None:
+                del self.ejected[rs.name]
+                self.timeline.append(Protection(number, was, "returned", rs.name))
+        if pool.panic != self.panic:
+            self.panic = pool.panic
+            self.timeline.append(Protection(number, now, "panic" if pool.panic else "panic over"))
 
 
 MEMBERSHIP_KEYS = ("join", "leave", "weight", "state", "agent")

@@ -208,9 +208,10 @@ def test_status_json_is_the_api_document(proxied):
     assert set(first) == {
         "name", "address", "state", "health", "backup", "weight", "active_connections",
         "connections_total", "bytes_in", "bytes_out", "snmp", "load", "discovered", "check",
-        "agent",
+        "agent", "ejected_until",
     }  # fmt: skip
     assert first["agent"] is None  # no agent_check
+    assert first["ejected_until"] is None and vs["panic"] is False  # SPEC §23
     assert first["discovered"] is False  # from the file, not from DNS (SPEC §14)
     assert first["weight"] == {"static": 1, "dynamic": None, "effective": 1}
     assert first["snmp"] is None and first["load"] is None  # rr polls no SNMP, has no load

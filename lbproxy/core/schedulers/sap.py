@@ -42,6 +42,13 @@ class LeastAccumulatedLoad(HeapScheduler):
         others = [load for other, load in self.load.items() if other is not rs and other.online]
         self.load[rs] = max(others, default=0.0)
 
+    def on_available(self, rs: RealServer, now: float) -> None:
+        # Available without having come online (a down server offered in panic, or for
+        # a passive-health trial): it joins as a server registering late does.
+        if rs not in self.load:
+            self.on_online(rs, now)
+        super().on_available(rs, now)
+
     def on_take(self, rs: RealServer, now: float) -> None:
         self.load[rs] = self.load.get(rs, 0.0) + rs.load_factor
         self._rekey(rs)

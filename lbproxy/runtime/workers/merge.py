@@ -71,6 +71,11 @@ def _merge_real_server(rs: dict[str, Any], other: dict[str, Any]) -> None:
         rs[key] = rs.get(key, 0) + other.get(key, 0)
     if other.get("health") == "up":
         rs["health"] = "up"  # as lbproxy_real_server_up: up when any worker sees it up
+    # Each worker ejects on its own connects: ejected while any worker holds it back,
+    # until the latest end (ISO 8601 UTC strings of one format compare as times).
+    until = [t for t in (rs.get("ejected_until"), other.get("ejected_until")) if t]
+    if until:
+        rs["ejected_until"] = max(until)
 
 
 def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
@@ -85,6 +90,8 @@ def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
         vs["throttle_mode"] = other["throttle_mode"]
     if other.get("dynamic_weight_fallback"):
         vs["dynamic_weight_fallback"] = True
+    if other.get("panic"):
+        vs["panic"] = True  # as lbproxy_panic: the highest
     udp, other_udp = vs.get("udp"), other.get("udp")
     if udp and other_udp:  # SPEC §19: each worker's own sessions and datagrams
         for key in ("datagrams_in", "datagrams_out", "sessions_total"):

@@ -352,3 +352,30 @@ def test_a_real_server_count_missing_in_the_first_answer_is_added():
         "bytes_in": 3,
         "bytes_out": 0,
     }
+
+
+def test_ejection_and_panic_merge_as_any_worker_sees_them():
+    def document(until_a, panic):
+        return {
+            "virtual_servers": [
+                {
+                    "name": "web",
+                    "panic": panic,
+                    "real_servers": [
+                        {"name": "a", "ejected_until": until_a},
+                        {"name": "b", "ejected_until": None},
+                    ],
+                }
+            ]
+        }
+
+    merged = merge_documents(
+        [
+            document(None, False),
+            document("2026-12-05T15:04:23.120Z", True),
+            document("2026-12-05T15:04:21.000Z", False),
+        ]
+    )
+    (vs,) = merged["virtual_servers"]
+    assert vs["panic"] is True
+    assert [rs["ejected_until"] for rs in vs["real_servers"]] == ["2026-12-05T15:04:23.120Z", None]

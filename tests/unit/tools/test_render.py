@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import datetime
 import io
 
 from rich.console import Console
 
-from lbproxy.tools.render import print_status, status_plain
+from lbproxy.tools.render import print_status, protection_plain, status_plain
 
 LONG_HOST = "backend-" + "x" * 52 + ".example:8080"  # 73 characters: wider than a terminal
 
@@ -115,3 +117,25 @@ def test_backups_and_queued_clients_are_shown_in_the_table_and_the_blocks():
     header, *lines = (line.split() for line in status_plain(document))
     assert header[-2:] == ["BACKUP", "QUEUED"]
     assert {line[3]: line[-2:] for line in lines} == {"main": ["no", "3"], "sorry": ["yes", "3"]}
+
+
+def test_panic_and_ejected_servers_follow_the_rows_with_the_time_left():
+    document = copy.deepcopy(DOCUMENT)
+    web = document["virtual_servers"][0]
+    web["panic"] = True
+    web["real_servers"][0]["ejected_until"] = "2026-12-05T15:00:30.000Z"
+    web["real_servers"][1]["ejected_until"] = None
+    now = datetime.datetime(2026, 12, 5, 15, 0, 2, 500000, tzinfo=datetime.UTC).timestamp()
+    assert [line.split() for line in protection_plain(document, now)] == [
+        [],
+        ["PROTECTION", "VIRTUAL_SERVER", "REAL_SERVER", "LEFT"],
+        ["panic", "snmp-weighted", "-", "-"],
+        ["ejected", "snmp-weighted", "alpha", "27.5s"],
+    ]
+    assert protection_plain(DOCUMENT, now) == []  # nothing to say: nothing printed
+    out = io.StringIO()
+    console = Console(file=out, width=100, force_terminal=True, color_system=None)
+    print_status(document, console)
+    text = out.getvalue()
+    assert "panic snmp-weighted: too few servers available" in text
+    assert "ejected snmp-weighted/alpha: connects failed in a row; back in " in text

@@ -312,6 +312,8 @@ class VirtualServerConfig:
     # default of its addresses, or a virtual server alone on them
     sni: tuple[str, ...] = ()
     conditioning: ConditioningConfig | None = None  # None: connections are never moved
+    max_connection_duration: float | None = None  # None: a connection lasts as it will
+    max_connection_duration_jitter: float = 0.0  # percent, 0..50
     protocol: str = "tcp"  # tcp | udp (SPEC §19)
     udp: UdpConfig = UdpConfig()  # read only with protocol: udp
     file: str = field(default="", compare=False)

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from lbproxy.admin.metric_families import counter, gauge, histogram
+from lbproxy.core.closing import ON_PURPOSE_REASONS
 from lbproxy.core.discovery_model import REFUSALS as DISCOVERY_REFUSALS
 from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
-from lbproxy.core.closing import ON_PURPOSE_REASONS
 from lbproxy.core.health import CLOSE_REASONS
 from lbproxy.core.histogram import Histogram
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS

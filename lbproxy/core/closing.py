@@ -32,7 +32,7 @@ def lifetime(duration: float, jitter_percent: float, draw: float | None = None) 
     `draw` (0..1) stands for the random draw in tests."""
     if not jitter_percent:
         return duration
-    u = random.random() if draw is None else draw  # noqa: S311 -- spread, not secrecy
+    u = random.random() if draw is None else draw
     return duration * (1.0 + jitter_percent / 100.0 * (2.0 * u - 1.0))
 
 

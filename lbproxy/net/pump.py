@@ -6,7 +6,8 @@ timeout and the pipe pool behind splice(2). Its API (both implementations, the C
 lbproxy/net/_cpump.c and the pure one in lbproxy/net/pure_pump.py; net/reactor.py has
 the protocols and serves the run's reactor):
 
-``reactor().open(client_fd, server_fd, initial, idle_timeout, on_end, uncounted=0, splice=True, max_duration=math.inf)``
+``reactor().open(client_fd, server_fd, initial, idle_timeout, on_end, uncounted=0,
+splice=True, max_duration=math.inf)``
     a pump on two connected non-blocking descriptors, which it owns from the call on
     and closes when it ends; ``initial`` goes to the server before any client byte (its
     first ``uncounted`` bytes, a PROXY header, are not client bytes); ``max_duration``

@@ -9,6 +9,7 @@ it says its name, echoes, and notes when each connection ends.
 from __future__ import annotations
 
 import contextlib
+import json
 import selectors
 import socket
 import threading
@@ -16,7 +17,17 @@ import time
 
 import pytest
 
-from tests.integration.harness import counted, free_port, vs_config, wait_for, with_admin
+from tests.integration.harness import (
+    counted,
+    free_port,
+    http,
+    run_cli,
+    servers_of,
+    vs_config,
+    wait_for,
+    with_admin,
+    workers,
+)
 
 CLOSED = "lbproxy_connections_closed_total"
 # What scheduling adds to a close on this loaded, shared machine: the idle timer's wake-up,
@@ -193,3 +204,231 @@ def test_without_max_connection_duration_a_connection_stays_open(held_servers, l
     finally:
         for sock, _, _ in held:
             sock.close()
+
+
+# -- closing on purpose: shutdown-sessions, a drain's close_after / close_rate --------------
+
+
+class NameLoop(threading.Thread):
+    """A client connecting through the proxy again and again (read the name, close),
+    counting which server served it, until stopped (at most `limit` seconds): the rest
+    of the traffic, served while a server's connections are closed."""
+
+    def __init__(self, port: int, limit: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.port = port
+        self.deadline = time.monotonic() + limit
+        self.stopped = threading.Event()
+        self.names: dict[str, int] = {}
+        self.failures = 0
+
+    def run(self) -> None:
+        while not self.stopped.is_set() and time.monotonic() < self.deadline:
+            try:
+                (sock, _, name), *_ = connect_many(self.port, 1)
+                sock.close()
+                self.names[name] = self.names.get(name, 0) + 1
+            except (OSError, AssertionError):
+                self.failures += 1
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(10)
+
+
+def two_servers(held_servers, lbproxy, extra: str = "", admin: str = "", **rs_extra):
+    """lbproxy (rr) in front of held servers a and b; (a, b, port, admin_port)."""
+    a, b = held_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    config = vs_config(port, [a, b], "rr", "health_check: {type: none}\n" + extra, rs_extra)
+    lbproxy(with_admin(config, admin_port, **({"token_file": admin} if admin else {})))
+    return a, b, port, admin_port
+
+
+def cli(admin_port: int, *args: str):
+    """`lbproxy ARGS` against the proxy whose admin port is `admin_port`: on this host
+    the CLI reaches it through its admin socket (no token)."""
+    return run_cli(*args, "--admin", f"http://127.0.0.1:{admin_port}")
+
+
+def by_server(held, name: str) -> list[socket.socket]:
+    return [sock for sock, _, served in held if served == name]
+
+
+def close_all(held) -> None:
+    for sock, _, _ in held:
+        sock.close()
+
+
+def test_shutdown_sessions_over_the_admin_socket_closes_that_servers_connections(
+    path, held_servers, lbproxy
+):
+    """`lbproxy shutdown-sessions web a` (the CLI on the proxy's host: its admin socket)
+    closes a's connections, says how many, and counts them; b's are still served; a
+    keeps its state and takes new connections; an unknown name exits 1."""
+    a, _b, port, admin_port = two_servers(held_servers, lbproxy)
+    held = connect_many(port, 20)
+    try:
+        assert len(by_server(held, "a")) == 10
+        out = cli(admin_port, "shutdown-sessions", "web", "a")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "web/a: closed 10 connection(s)"
+        ended = watch_ends(by_server(held, "a"), timeout=10)
+        assert len(ended) == 10
+        wait_for(lambda: a.open == 0, timeout=5, what="a's side closed")
+        assert counted(admin_port, CLOSED, reason="shutdown") == 10
+        for sock in by_server(held, "b"):
+            sock.setblocking(True)
+            sock.settimeout(5)
+            sock.sendall(b"ping")
+            assert sock.recv(10) == b"ping"
+        assert servers_of(admin_port)["a"]["state"] == "enabled"
+        more = connect_many(port, 2)
+        assert sorted(name for _, _, name in more) == ["a", "b"]
+        close_all(more)
+        missing = cli(admin_port, "shutdown-sessions", "web", "nope")
+        assert missing.returncode == 1
+        assert "no real server 'nope' in virtual server 'web'" in missing.stderr
+    finally:
+        close_all(held)
+
+
+def test_shutdown_sessions_over_tcp_needs_the_token(held_servers, lbproxy, tmp_path):
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("t0ken\n")
+    token_file.chmod(0o600)
+    _a, _b, port, admin_port = two_servers(held_servers, lbproxy, admin=str(token_file))
+    held = connect_many(port, 4)
+    try:
+        base = f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers/web/real-servers"
+        assert http("POST", f"{base}/a/shutdown-sessions", {})[0] == 401
+        assert http("POST", f"{base}/a/shutdown-sessions", {}, token="wrong")[0] == 403
+        assert not watch_ends(by_server(held, "a"), timeout=0.5)  # nothing was closed
+        status, body = http("POST", f"{base}/a/shutdown-sessions", {}, token="t0ken")
+        assert (status, json.loads(body)) == (200, {"closed": 2})
+        assert len(watch_ends(by_server(held, "a"), timeout=10)) == 2
+        assert http("POST", f"{base}/nope/shutdown-sessions", {}, token="t0ken")[0] == 404
+        assert http("POST", f"{base}/../x/shutdown-sessions", {}, token="t0ken")[0] == 404
+        assert http("GET", f"{base}/a/shutdown-sessions")[0] == 405
+        assert counted(admin_port, CLOSED, reason="shutdown") == 2
+    finally:
+        close_all(held)
+
+
+def test_a_drain_with_close_rate_closes_the_oldest_first_at_that_pace(path, held_servers, lbproxy):
+    """2,000 long-lived connections on a; `lbproxy drain web a --close-after 1s
+    --close-rate 500`: nothing closes for 1 s, then they close oldest first at most 500 a
+    second -- about 4 s from the first to the last, at least 3.9 s and (with scheduling
+    on a loaded machine) at most 4 s + PACE_SLACK -- counted reason=drain, while new
+    clients are served by b all along."""
+    pace_slack = 2.0
+    n, rate = 2000, 500
+    a, _b, port, admin_port = two_servers(held_servers, lbproxy, b="state: disabled")
+    held = connect_many(port, n)  # all on a: b is disabled
+    loop = NameLoop(port)
+    try:
+        assert a.open == n
+        assert cli(admin_port, "enable", "web", "b").returncode == 0
+        asked = time.monotonic()
+        out = cli(admin_port, "drain", "web", "a", "--close-after", "1s", "--close-rate", str(rate))
+        assert out.returncode == 0, out.stderr
+        assert "state drain" in out.stdout
+        loop.start()
+        ended = watch_ends([sock for sock, _, _ in held], timeout=1 + n / rate + 15)
+        loop.stop()
+        assert len(ended) == n, f"{n - len(ended)} still open"
+        times = sorted(ended.values())
+        assert times[0] - asked >= 1.0  # close_after counts from the change
+        assert n / rate - 0.1 <= times[-1] - times[0] <= n / rate + pace_slack
+        # oldest first: the order of the ends follows the order of the connects (a batch
+        # of 10 closes in one go, and the client sees them in any order)
+        rank = {sock: i for i, sock in enumerate(sorted(ended, key=ended.__getitem__))}
+        worst = max(abs(rank[sock] - i) for i, (sock, _, _) in enumerate(held))
+        assert worst <= 50, worst
+        assert counted(admin_port, CLOSED, reason="drain") == n
+        assert loop.failures == 0 and set(loop.names) == {"b"} and loop.names["b"] >= 5
+        wait_for(lambda: a.open == 0, timeout=5, what="a's side closed too")
+    finally:
+        loop.stop()
+        close_all(held)
+
+
+def test_enabled_again_cancels_the_closes_still_pending(path, held_servers, lbproxy):
+    """A drain closing 200 connections at 50 a second (about 4 s): enabled again after
+    the first ones, the rest stay open; a drain whose close_after has not run out
+    closes none once enabled."""
+    a, _b, port, admin_port = two_servers(held_servers, lbproxy, b="state: disabled")
+    held = connect_many(port, 200)
+    try:
+        assert (
+            cli(
+                admin_port, "drain", "web", "a", "--close-after", "0", "--close-rate", "50"
+            ).returncode
+            == 0
+        )
+        wait_for(
+            lambda: counted(admin_port, CLOSED, reason="drain") >= 20,
+            timeout=10,
+            what="the first closes",
+        )
+        assert cli(admin_port, "enable", "web", "a").returncode == 0
+        closed = counted(admin_port, CLOSED, reason="drain")
+        assert closed < 200
+        # Over 1 s more at 50 a second, about 50 would have closed: none do (a batch the
+        # enable raced with at most).
+        watch_ends([sock for sock, _, _ in held], timeout=1.0)
+        assert counted(admin_port, CLOSED, reason="drain") <= closed + 1
+        assert a.open >= 200 - closed - 1
+        # A pending close_after, cancelled before it runs out: nothing closes.
+        assert cli(admin_port, "drain", "web", "a", "--close-after", "1s").returncode == 0
+        assert cli(admin_port, "enable", "web", "a").returncode == 0
+        before = counted(admin_port, CLOSED, reason="drain")
+        open_now = [sock for sock, _, _ in held if sock.fileno() >= 0]
+        still = [sock for sock in open_now if sock not in watch_ends(open_now, timeout=0.1)]
+        assert not watch_ends(still, timeout=2.0)
+        assert counted(admin_port, CLOSED, reason="drain") == before
+    finally:
+        close_all(held)
+
+
+def test_with_workers_the_closes_reach_every_worker_and_add_up(held_servers, lbproxy):
+    """workers: 2: shutdown-sessions reaches both workers and answers the sum; a paced
+    drain's rate is the whole process's (each worker closes its share), and its closes
+    add up in the supervisor's metrics."""
+    a, b = held_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    config = vs_config(port, [a, b], "rr", "health_check: {type: none}", {"b": "state: disabled"})
+    config = with_admin(config, admin_port).replace("global:\n", "global:\n  workers: 2\n", 1)
+    lbproxy(config)
+    held = connect_many(port, 40)
+    try:
+        # SO_REUSEPORT spreads them: both workers hold some (40 on one: odds 2^-39)
+        wait_for(
+            lambda: [w["active_connections"] > 0 for w in workers(admin_port)] == [True, True],
+            timeout=10,
+            what="both workers holding connections",
+        )
+        out = cli(admin_port, "shutdown-sessions", "web", "a")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "web/a: closed 40 connection(s)"
+        assert len(watch_ends([sock for sock, _, _ in held], timeout=10)) == 40
+        assert counted(admin_port, CLOSED, reason="shutdown") == 40
+    finally:
+        close_all(held)
+    n, rate = 200, 100
+    held = connect_many(port, n)
+    try:
+        out = cli(admin_port, "drain", "web", "a", "--close-after", "0", "--close-rate", str(rate))
+        assert out.returncode == 0, out.stderr
+        ended = watch_ends([sock for sock, _, _ in held], timeout=n / rate + 15)
+        assert len(ended) == n
+        times = sorted(ended.values())
+        # 100 a second in all, not 100 per worker: about 2 s, never 1 s
+        assert times[-1] - times[0] >= n / rate - 0.3
+        wait_for(
+            lambda: counted(admin_port, CLOSED, reason="drain") == n,
+            timeout=10,
+            what="the workers' drain closes, summed",
+        )
+    finally:
+        close_all(held)

@@ -7,6 +7,7 @@ with no other key, or raises the 400 that names the problem; never another excep
 from __future__ import annotations
 
 import json
+import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +27,8 @@ json_values = st.recursive(
     max_leaves=10,
 )
 bodies = st.dictionaries(
-    st.sampled_from(["weight", "state", "colour", ""]) | st.text(max_size=8),
+    st.sampled_from(["weight", "state", "close_after", "close_rate", "colour", ""])
+    | st.text(max_size=8),
     json_values | st.integers(-3, 70000),
     max_size=3,
 )
@@ -38,9 +40,15 @@ def check(body: bytes) -> None:
     except _HTTPError as exc:
         assert exc.status == 400 and exc.message
         return
-    assert change and set(change) <= {"weight", "state"}
+    assert change and set(change) <= {"weight", "state", "close_after", "close_rate"}
     assert "weight" not in change or weight_error(change["weight"]) is None
     assert "state" not in change or state_error(change["state"]) is None
+    if "close_after" in change or "close_rate" in change:  # a drain's closes, made numbers
+        assert change["state"] == "drain"
+        after = change["close_after"]
+        assert isinstance(after, float) and 0 <= after < math.inf
+        rate = change.get("close_rate")
+        assert rate is None or (isinstance(rate, float) and 0 < rate < math.inf)
 
 
 @settings(max_examples=500, deadline=None)

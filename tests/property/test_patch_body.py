@@ -79,3 +79,30 @@ def test_no_float_boolean_or_string_is_a_weight(weight):
         assert exc.status == 400 and "weight must be an integer from 0 to 65535" in exc.message
     else:
         raise AssertionError(f"{weight!r} was taken as a weight")
+
+
+@given(
+    after=st.floats(0, 1e6, allow_nan=False) | st.integers(0, 10**6),
+    unit=st.sampled_from(["", "s", "ms", "m", "h", None]),
+    rate=st.none() | st.integers(1, 10**6) | st.floats(1e-3, 1e6, allow_nan=False),
+)
+def test_a_drains_closes_are_taken_as_seconds_and_a_rate(after, unit, rate):
+    change = {"state": "drain", "close_after": after if unit is None else f"{after:.3f}{unit}"}
+    if rate is not None:
+        change["close_rate"] = rate
+    taken = parse_patch(json.dumps(change).encode(), "web/a")
+    assert isinstance(taken["close_after"], float) and taken["close_after"] >= 0
+    assert rate is None or taken["close_rate"] == float(rate)
+
+
+@given(
+    state=st.sampled_from(["enabled", "disabled"]),
+    key=st.sampled_from(["close_after", "close_rate"]),
+)
+def test_a_drains_closes_need_a_drain(state, key):
+    try:
+        parse_patch(json.dumps({"state": state, key: 1}).encode(), "web/a")
+    except _HTTPError as exc:
+        assert exc.status == 400 and "go with a drain" in exc.message
+    else:
+        raise AssertionError("taken without a drain")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import selectors
 import socket
 import threading
@@ -439,3 +440,52 @@ def test_with_workers_the_closes_reach_every_worker_and_add_up(held_servers, lbp
         )
     finally:
         close_all(held)
+
+
+# Descriptors the 10,000-connection drain needs: here 10,000 clients and 10,000 server
+# sides; in lbproxy 20,000 and its own.
+BIG_DRAIN_FILES = 30_000
+
+
+@pytest.mark.serial  # measures a pace over 20 s; 20,000 descriptors on each side
+def test_a_drain_of_10000_connections_at_500_a_second_ends_in_about_20_s(held_servers, lbproxy):
+    """The issue's case: 10,000 long-lived connections on a, drained with close_rate
+    500: about 20 s from the first close to the last (at least 19.7 s, at most 20 s +
+    PACE_SLACK on a loaded machine), counted reason=drain, new clients served by b."""
+    pace_slack = 5.0
+    n, rate = 10_000, 500
+    saved = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:  # above a hard limit only with CAP_SYS_RESOURCE
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (BIG_DRAIN_FILES, max(saved[1], BIG_DRAIN_FILES))
+        )
+    except (ValueError, OSError):
+        pytest.skip(f"needs {BIG_DRAIN_FILES} descriptors; the hard limit is {saved[1]}")
+    held: list = []
+    try:
+        a, b = held_servers("a", "b")
+        port, admin_port = free_port(), free_port()
+        config = vs_config(
+            port, [a, b], "rr", "health_check: {type: none}", {"b": "state: disabled"}
+        )
+        config = config.replace("global:\n", f"global:\n  max_clients: {n + 100}\n", 1)
+        lbproxy(with_admin(config, admin_port), nofile_limit=BIG_DRAIN_FILES + 2_000)
+        held = connect_many(port, n)
+        assert a.open == n
+        assert cli(admin_port, "enable", "web", "b").returncode == 0
+        out = cli(admin_port, "drain", "web", "a", "--close-after", "0", "--close-rate", str(rate))
+        assert out.returncode == 0, out.stderr
+        loop = NameLoop(port)
+        loop.start()
+        try:
+            ended = watch_ends([sock for sock, _, _ in held], timeout=n / rate + 30)
+        finally:
+            loop.stop()
+        assert len(ended) == n, f"{n - len(ended)} still open"
+        times = sorted(ended.values())
+        assert n / rate - 0.3 <= times[-1] - times[0] <= n / rate + pace_slack
+        assert counted(admin_port, CLOSED, reason="drain") == n
+        assert loop.failures == 0 and set(loop.names) == {"b"} and loop.names["b"] >= 20
+    finally:
+        close_all(held)
+        resource.setrlimit(resource.RLIMIT_NOFILE, saved)

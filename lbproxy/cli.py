@@ -458,9 +458,79 @@ def _state_command(name: str, state: str, help_text: str):
     return command
 
 
-_state_command("drain", "drain", "No new connections to RS; its existing ones finish.")
-_state_command("enable", "enabled", "RS takes new connections again.")
+_state_command(
+    "enable", "enabled", "RS takes new connections again (and cancels a drain's closes)."
+)
 _state_command("disable", "disabled", "No new connections to RS, and its existing ones close.")
+
+
+class DurationType(click.ParamType):
+    """A duration as the configuration file writes it (250ms, 30s, 2m, 1h or seconds)."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx) -> float:
+        from lbproxy.config.values import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a duration like 250ms, 30s, 2m, 1h or seconds", param, ctx)
+
+
+@main.command(
+    epilog=_examples(
+        "lbproxy drain web s1",
+        "lbproxy drain web s1 --close-after 30s --close-rate 50",
+        "lbproxy drain web s1 --close-after 0   # close them all now (as shutdown-sessions)",
+    )
+)
+@click.argument("vs")
+@click.argument("rs")
+@click.option(
+    "--close-after",
+    type=DurationType(),
+    help="Then close RS's connections still open (counted reason=drain).",
+)
+@click.option(
+    "--close-rate",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Close at most this many a second, oldest first (default: all at once).",
+)
+@admin_options
+def drain(
+    vs: str,
+    rs: str,
+    close_after: float | None,
+    close_rate: float | None,
+    admin,
+    token_file,
+    socket_path,
+    insecure,
+) -> None:
+    """No new connections to RS in virtual server VS; its existing ones finish, or
+    (--close-after) are closed after that long. `lbproxy enable` cancels pending closes."""
+    change: dict[str, object] = {"state": "drain"}
+    if close_after is not None:
+        change["close_after"] = close_after
+    if close_rate is not None:
+        change["close_rate"] = close_rate
+    _patch(admin, token_file, socket_path, insecure, vs, rs, change)
+
+
+@main.command(
+    "shutdown-sessions",
+    epilog=_examples("lbproxy shutdown-sessions web s1"),
+)
+@click.argument("vs")
+@click.argument("rs")
+@admin_options
+def shutdown_sessions(vs: str, rs: str, admin, token_file, socket_path, insecure) -> None:
+    """Close real server RS's established connections in virtual server VS now (its
+    state does not change; counted reason=shutdown)."""
+    client = _client(admin, token_file, socket_path, insecure)
+    result = _call(client.shutdown_sessions, vs, rs)
+    click.echo(f"{vs}/{rs}: closed {result['closed']} connection(s)")
 
 
 @main.command(epilog=_examples("lbproxy reload", "lbproxy reload --admin http://127.0.0.1:9100"))

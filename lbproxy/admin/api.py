@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -38,8 +39,9 @@ from lbproxy.admin import dashboard, http_server, local_socket
 from lbproxy.admin.metrics import VirtualServerView, make_registry
 from lbproxy.admin.routes import ANY_HOST_PATHS, HTTPError, Request, allowed, match
 from lbproxy.config.secret_files import SECRETS
+from lbproxy.config.values import parse_duration
 from lbproxy.core.locate import Located
-from lbproxy.core.pool import Pool, state_error, weight_error
+from lbproxy.core.pool import DRAIN, Pool, state_error, weight_error
 from lbproxy.core.real_server import CheckRecord
 
 if TYPE_CHECKING:
@@ -50,8 +52,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("lbproxy.admin")
 
 MAX_BODY = http_server.MAX_BODY  # larger bodies: 413, from the server before the app
-PATCH_KEYS = ("weight", "state")
+PATCH_KEYS = ("weight", "state", "close_after", "close_rate")
 PATCH_EXAMPLE = '{"weight": 3} or {"state": "enabled" | "drain" | "disabled"}'
+# A drain's closes: the connections still open `close_after` on, at most `close_rate` a second.
+DRAIN_CLOSE_KEYS = ("close_after", "close_rate")
+DRAIN_EXAMPLE = '{"state": "drain", "close_after": "30s", "close_rate": 50}'
 # The asking client's "HOST PORT", from the supervisor of `workers: N` to a worker over
 # its private Unix socket (a locate's affinity); heeded from nowhere else.
 CLIENT_HEADER = b"x-lbproxy-client"
@@ -81,7 +86,16 @@ class ProxyControl(Protocol):
 
     def reload(self, config_paths: Sequence[str] | None = None) -> tuple[bool, list[str]]: ...
 
-    def set_state(self, vs_name: str, rs_name: str, state: object) -> str | None: ...
+    def set_state(
+        self,
+        vs_name: str,
+        rs_name: str,
+        state: object,
+        close_after: float | None = None,
+        close_rate: float | None = None,
+    ) -> str | None: ...
+
+    def shutdown_sessions(self, vs_name: str, rs_name: str) -> int | str: ...
 
     def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None: ...
 
@@ -452,6 +466,16 @@ class AdminApp:
             return messages
         return withhold_foreign(messages, self.server.config.files)
 
+    async def on_shutdown_sessions(self, request: Request) -> Answer:
+        """POST .../shutdown-sessions: close the real server's connections now."""
+        vs_name, rs_name = request.params
+        self._real_server(self._pool(vs_name), rs_name)
+        await read_body(request.receive)  # nothing is read from it
+        closed = self.server.shutdown_sessions(vs_name, rs_name)
+        if isinstance(closed, str):
+            raise HTTPError(404, closed)
+        return 200, json_body({"closed": closed}), "json"
+
     async def on_upgrade(self, request: Request) -> Answer:
         return await self._upgrade(request)
 
@@ -520,7 +544,8 @@ class AdminApp:
             if error:
                 raise HTTPError(400, error)
         if "state" in change:
-            error = self.server.set_state(vs_name, rs_name, change["state"])
+            closes = {key: change[key] for key in DRAIN_CLOSE_KEYS if key in change}
+            error = self.server.set_state(vs_name, rs_name, change["state"], **closes)
             if error:
                 raise HTTPError(400, error)
         return 200, json_body(real_server_document(pool, rs_name)), "json"
@@ -696,10 +721,11 @@ def parse_patch(body: bytes, where: str) -> dict[str, Any]:
         return _refuse(where, f"body must be a JSON object: {PATCH_EXAMPLE}")
     unknown = [key for key in request if key not in PATCH_KEYS]
     if unknown:
+        keys = list(map(json.dumps, PATCH_KEYS))
         return _refuse(
             where,
             f"unknown key {json.dumps(unknown[0])} in the body; "
-            f"the keys are {' and '.join(map(json.dumps, PATCH_KEYS))}",
+            f"the keys are {', '.join(keys[:-1])} and {keys[-1]}",
         )
     if not request:
         return _refuse(where, f"body changes nothing; send {PATCH_EXAMPLE}")
@@ -707,6 +733,37 @@ def parse_patch(body: bytes, where: str) -> dict[str, Any]:
         return _refuse(where, error)
     if "state" in request and (error := state_error(request["state"])):
         return _refuse(where, error)
+    if any(key in request for key in DRAIN_CLOSE_KEYS):
+        return _drain_closes(request, where)
+    return request
+
+
+def _drain_closes(request: dict[str, Any], where: str) -> dict[str, Any]:
+    """A drain's `close_after` (a duration, made seconds; 0 when only `close_rate` is
+    given) and `close_rate` (a number > 0 a second), checked; they need a drain."""
+    if request.get("state") != DRAIN:
+        return _refuse(where, f"close_after and close_rate go with a drain: {DRAIN_EXAMPLE}")
+    after = request.get("close_after", 0)
+    try:
+        seconds = parse_duration(after)
+    except ValueError:
+        return _refuse(
+            where,
+            f"close_after must be a duration like 30s, 250ms, 2m or seconds, not {after!r}",
+        )
+    rate = request.get("close_rate")
+    if rate is not None and (
+        isinstance(rate, bool)
+        or not isinstance(rate, int | float)
+        or not math.isfinite(rate)
+        or rate <= 0
+    ):
+        return _refuse(
+            where, f"close_rate must be a number > 0 (connections a second), not {rate!r}"
+        )
+    request["close_after"] = seconds
+    if rate is not None:
+        request["close_rate"] = float(rate)
     return request
 
 

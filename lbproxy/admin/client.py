@@ -226,6 +226,14 @@ class AdminClient:
         )
         return self.request("PATCH", path, change)
 
+    def shutdown_sessions(self, vs: str, rs: str) -> dict[str, Any]:
+        """POST .../shutdown-sessions: `{"closed": N}`."""
+        path = (
+            f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}"
+            f"/real-servers/{urllib.parse.quote(rs, safe='')}/shutdown-sessions"
+        )
+        return self.request("POST", path, {})
+
     def reload(self, config: list[str] | None = None) -> dict[str, Any]:
         return self.request("POST", "/api/v1/reload", {"config": config} if config else {})
 

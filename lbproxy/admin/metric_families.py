@@ -299,7 +299,9 @@ FAMILIES: dict[str, Family] = {
             "lbproxy_connections_closed",
             COUNTER,
             "Connections closed on a change of health, by reason: marked_down "
-            "(on_down: close), backup_returned (on_up: close_backups).",
+            "(on_down: close), backup_returned (on_up: close_backups); or on purpose: "
+            "max_duration (max_connection_duration), shutdown (shutdown-sessions), "
+            "drain (a drain's close_after).",
             (VS, "reason"),
         ),
         Family(

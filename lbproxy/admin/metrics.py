@@ -18,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 
 from lbproxy.admin.metric_families import counter, gauge, histogram
 from lbproxy.core.agent import RESULTS as AGENT_RESULTS
+from lbproxy.core.closing import ON_PURPOSE_REASONS
 from lbproxy.core.discovery_model import REFUSALS as DISCOVERY_REFUSALS
 from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
@@ -195,7 +196,7 @@ class LbproxyCollector:
         """SPEC §22: connections closed by `on_down: close` and `on_up: close_backups`."""
         closed = counter("lbproxy_connections_closed")
         for pool in self.source.pools():
-            for reason in CLOSE_REASONS:
+            for reason in CLOSE_REASONS + ON_PURPOSE_REASONS:
                 closed.add_metric([pool.name, reason], pool.closed[reason])
         yield closed
 

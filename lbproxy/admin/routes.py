@@ -64,6 +64,11 @@ ROUTES = (
     Route("upgrade", "/api/v1/upgrade", ("POST",)),
     Route("locate", "/api/v1/virtual-servers/{}/locate", ("GET",)),
     Route("load", "/api/v1/virtual-servers/{}/real-servers/{}/load", ("PUT",)),
+    Route(
+        "shutdown_sessions",
+        "/api/v1/virtual-servers/{}/real-servers/{}/shutdown-sessions",
+        ("POST",),
+    ),
 )
 _FIXED = {route.template: route for route in ROUTES if "{}" not in route.template}
 _PATTERNS = [route for route in ROUTES if "{}" in route.template]

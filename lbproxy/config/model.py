@@ -379,6 +379,8 @@ class VirtualServerConfig:
     conditioning: ConditioningConfig | None = None  # None: connections are never moved
     outlier_detection: OutlierDetectionConfig | None = None  # None: no server is ejected
     panic_threshold: int = 0  # percent of enabled primaries available; 0: never panic
+    max_connection_duration: float | None = None  # None: a connection lasts as it will
+    max_connection_duration_jitter: float = 0.0  # percent, 0..50
     protocol: str = "tcp"  # tcp | udp (SPEC §19)
     udp: UdpConfig = UdpConfig()  # read only with protocol: udp
     agent_check: AgentCheckConfig | None = None  # None: no agent check (SPEC §22)

@@ -493,6 +493,13 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
         )
         _check_scheduler_needs(doc, vs, config)
         _check_conditioning(doc, vs, config)
+    if "max_connection_duration_jitter" in vs.key_lines and (
+        vs.values.get("max_connection_duration") is None
+    ):
+        doc.error(
+            vs.line_of("max_connection_duration_jitter"),
+            "max_connection_duration_jitter needs max_connection_duration",
+        )
     listen = list(
         zip(vs.values.get("listen", ()), _item_lines(vs.nodes.get("listen")), strict=False)
     )

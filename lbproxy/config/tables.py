@@ -59,6 +59,7 @@ from lbproxy.config.values import (
     dns_name,
     dns_zone,
     duration,
+    duration_or_none,
     group,
     hex_bytes,
     host,
@@ -71,6 +72,7 @@ from lbproxy.config.values import (
     networks,
     number,
     oid,
+    percentage,
     plain_name,
     record_type,
     redis_key_prefix,
@@ -294,6 +296,16 @@ VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     ),
     # Each scheduler's own keys (maglev's `table_size`, `hash_key`), accepted only with it.
     **schedulers.option_fields(),
+    "max_connection_duration": duration_or_none().about(
+        "close an established connection this long after its connect, however busy "
+        '(`reason="max_duration"`); none: never',
+        default="none",
+    ),
+    "max_connection_duration_jitter": percentage(50).about(
+        "spread each connection's `max_connection_duration` uniformly within ± this "
+        "percentage (0% to 50%), so connections opened together do not end together",
+        default="0%",
+    ),
     "sni": sni_names.about(
         "TLS server names routed here from a listen address it shares with other virtual "
         "servers: exact names or `*.example.com` (one label), case-insensitive",
@@ -653,6 +665,8 @@ TCP_ONLY_KEYS = (
     "conditioning",
     "retries",
     "outlier_detection",
+    "max_connection_duration",
+    "max_connection_duration_jitter",
 )
 
 OUTLIER_DETECTION_FIELDS: dict[str, Converter] = {

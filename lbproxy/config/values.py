@@ -14,6 +14,7 @@ accepts.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import ipaddress
 import math
@@ -732,6 +733,55 @@ def responses(node: yaml.Node, label: str) -> int | None:
         return cast(int, integer(0)(node, label))
     except Invalid:
         raise _expected(label, "an integer >= 0 or none", node) from None
+
+
+def duration_or_none() -> Converter:
+    """A duration > 0, or `none` (or empty): None."""
+    positive = duration(positive=True)
+    requirement = "a duration (250ms, 5s, 2m, 1h or seconds) > 0, or none"
+
+    def convert(node: yaml.Node, label: str) -> float | None:
+        if scalar(node, label) in (None, "none"):
+            return None
+        try:
+            return cast(float, positive(node, label))
+        except Invalid:
+            raise _expected(label, requirement, node) from None
+
+    return Converter(
+        convert,
+        requirement,
+        {"anyOf": [{"type": "null"}, {"const": "none"}, positive.schema]},
+    )
+
+
+def percentage(at_most: float) -> Converter:
+    """A percentage from 0 to `at_most`: `20%` (or the number 20), as a float (20.0)."""
+    requirement = f"a percentage from 0% to {at_most:g}% (like 20%)"
+
+    def convert(node: yaml.Node, label: str) -> float:
+        value = scalar(node, label)
+        number: float | None = None
+        if isinstance(value, str) and value.strip().endswith("%"):
+            with contextlib.suppress(ValueError):
+                number = float(value.strip()[:-1])
+        elif _is_number(value):
+            number = float(value)
+        if number is None or not 0 <= number <= at_most:  # NaN fails both
+            raise _expected(label, requirement, node)
+        return number
+
+    text = r"^\s*" + _NUMBER_FORMS + r"\s*%\s*$"
+    return Converter(
+        convert,
+        requirement,
+        {
+            "anyOf": [
+                {"type": "number", "minimum": 0, "maximum": at_most},
+                {"type": "string", "pattern": text},
+            ]
+        },
+    )
 
 
 @accepting("2c or 3", {"enum": ["2c", "3", 3]})

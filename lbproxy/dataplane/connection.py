@@ -49,6 +49,7 @@ import trio
 
 from lbproxy.config.model import Address, VirtualServerConfig
 from lbproxy.core.client_address import SourceFilter
+from lbproxy.core.closing import MAX_DURATION, lifetime
 from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.lifecycle import (
@@ -532,15 +533,27 @@ class Handler:
         if pumps is None:
             pumps = self._reactor = reactor()
         leftover = c.leftover
+        max_duration = config.max_connection_duration
         try:
-            p = pumps.open(
-                client,
-                server,
-                header + leftover if leftover else header,
-                c._idle_timeout,
-                self._on_end,
-                len(header),
-            )
+            if max_duration is None:
+                p = pumps.open(
+                    client,
+                    server,
+                    header + leftover if leftover else header,
+                    c._idle_timeout,
+                    self._on_end,
+                    len(header),
+                )
+            else:  # its lifetime: the pump's deadline beside the idle one, O(log n) once
+                p = pumps.open(
+                    client,
+                    server,
+                    header + leftover if leftover else header,
+                    c._idle_timeout,
+                    self._on_end,
+                    len(header),
+                    max_duration=lifetime(max_duration, config.max_connection_duration_jitter),
+                )
         except Exception as exc:  # OSError: epoll_ctl refused (ENOMEM, ENOSPC)
             del live[client]
             self._start_failed(c, exc)
@@ -661,6 +674,8 @@ class Handler:
         pool = self.pool
         if rejected is not None:
             pool.rejected[rejected] += 1
+        elif how == MAX_DURATION:
+            pool.closed[MAX_DURATION] += 1
         lease = c.lease
         rs = None
         now = self._clock()

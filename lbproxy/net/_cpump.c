@@ -23,7 +23,7 @@
  * Python side calls, so an extension built from an older source -- an editable install
  * not rebuilt after a pull -- is set aside for the pure path instead of failing on a
  * missing name mid-connection. */
-#define C_API 2
+#define C_API 3
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -284,9 +284,10 @@ static PyTypeObject CClock_Type = {
 #define MAX_IDLE_PIPES 128
 
 enum { OPEN = 0, O_CLOSED, O_IDLE_TIMEOUT, O_CLIENT_RESET, O_SERVER_RESET, O_ERROR, O_CANCELLED,
-       N_OUTCOMES };
+       O_MAX_DURATION, N_OUTCOMES };
 static const char *const outcome_text[N_OUTCOMES] = {
     NULL, "closed", "idle_timeout", "client_reset", "server_reset", "error", "cancelled",
+    "max_duration",
 };
 static PyObject *outcome_str[N_OUTCOMES]; /* [OPEN]: unused */
 static PyObject *empty_bytes;
@@ -382,6 +383,7 @@ struct Pump {
     double last_activity, idle_timeout;
     int heap_index; /* -1: no deadline armed */
     double due;     /* its key in the heap: when to look at it again */
+    double ends_at; /* the run's time its lifetime ends (max_duration; inf: never) */
     PyObject *on_end;
 };
 
@@ -571,12 +573,15 @@ heap_remove(Reactor *r, Pump *p)
     heap_down(r, last->heap_index);
 }
 
-/* Arm (or move) p's deadline at `due` (inf: none); the idle timer is woken if it sleeps
- * past it. 0, or -1 with an exception (no room for the heap). */
+/* Arm (or move) p's deadline at `due` (inf: none), or at the end of its lifetime if that
+ * comes first; the idle timer is woken if it sleeps past it. 0, or -1 with an exception
+ * (no room for the heap). */
 static int
 pm_arm(Pump *p, double due)
 {
     Reactor *r = p->reactor;
+    if (p->ends_at < due)
+        due = p->ends_at;
     if (!(due < Py_HUGE_VAL)) {
         heap_remove(r, p);
         return 0;
@@ -1491,29 +1496,30 @@ keyword(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const char *
 }
 
 PyDoc_STRVAR(open_doc,
-    "open(client_fd, server_fd, initial, idle_timeout, on_end, uncounted=0, splice=True)\n"
-    "-> Pump\n\n"
+    "open(client_fd, server_fd, initial, idle_timeout, on_end, uncounted=0, splice=True,\n"
+    "     max_duration=math.inf) -> Pump\n\n"
     "Pump bytes both ways between two connected non-blocking TCP descriptors, which the\n"
     "pump owns from this call on (closed when it ends, or if this raises). `initial`\n"
     "(bytes) goes to the server before any client byte; its first `uncounted` bytes (a\n"
     "PROXY header) do not count in bytes_in. `on_end(pump)` is called once, when it has\n"
     "ended and both descriptors are closed -- before open() returns, if it ends at once.\n"
-    "splice=False copies every chunk.");
+    "splice=False copies every chunk. `max_duration` seconds after this call the pump ends\n"
+    "(outcome \"max_duration\"), however busy it is.");
 
 static PyObject *
 Reactor_open(Reactor *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     static const char *const names[] = {"client_fd", "server_fd", "initial", "idle_timeout",
-                                        "on_end", "uncounted", "splice"};
-    PyObject *a[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-    if (nargs > 7) {
-        PyErr_SetString(PyExc_TypeError, "open() takes at most 7 arguments");
+                                        "on_end", "uncounted", "splice", "max_duration"};
+    PyObject *a[8] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    if (nargs > 8) {
+        PyErr_SetString(PyExc_TypeError, "open() takes at most 8 arguments");
         return NULL;
     }
     for (Py_ssize_t i = 0; i < nargs; i++)
         a[i] = args[i];
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    for (int i = 0; i < 7 && nkw; i++) {
+    for (int i = 0; i < 8 && nkw; i++) {
         PyObject *v = keyword(args, nargs, kwnames, names[i]);
         if (v != NULL) {
             if (a[i] != NULL) {
@@ -1539,7 +1545,7 @@ Reactor_open(Reactor *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
         return NULL;
     }
     /* from here on the pump owns both descriptors: they are closed if this fails */
-    double idle = Py_HUGE_VAL, now = 0.0;
+    double idle = Py_HUGE_VAL, lifetime = Py_HUGE_VAL, now = 0.0;
     Py_ssize_t uncounted = 0;
     int splice_wanted = 1;
     Pump *p = NULL;
@@ -1572,6 +1578,16 @@ Reactor_open(Reactor *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
         if (splice_wanted < 0)
             goto fail_fds;
     }
+    if (a[7] != NULL) {
+        lifetime = PyFloat_AsDouble(a[7]);
+        if (lifetime == -1.0 && PyErr_Occurred())
+            goto fail_fds;
+        if (isnan(lifetime)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "max_duration must be a number of seconds or math.inf");
+            goto fail_fds;
+        }
+    }
     if (r->epfd < 0) { /* (a pump may be opened inside a batch: an accept's) */
         PyErr_SetString(PyExc_ValueError, "the reactor is closed");
         goto fail_fds;
@@ -1597,6 +1613,7 @@ Reactor_open(Reactor *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     p->up.pipe[0] = p->up.pipe[1] = p->down.pipe[0] = p->down.pipe[1] = -1;
     p->up.copy_only = p->down.copy_only = !(splice_wanted && splice_ok);
     p->idle_timeout = idle;
+    p->ends_at = now + lifetime;
     p->last_activity = now;
     p->initial = Py_NewRef(a[2]);
     p->uncounted = uncounted;
@@ -1838,7 +1855,8 @@ Reactor_wait(Reactor *r, PyObject *const *args, Py_ssize_t nargs)
 PyDoc_STRVAR(expire_doc,
     "expire() -> float\n\n"
     "End the pumps idle for their idle_timeout (outcome \"idle_timeout\"; a deadline that\n"
-    "rings for a pump that moved bytes since is moved to its new time), and return when\n"
+    "rings for a pump that moved bytes since is moved to its new time) and those past\n"
+    "their max_duration (outcome \"max_duration\"), and return when\n"
     "to call again: the next deadline, math.inf if there is none. The idle timer calls it\n"
     "then; until then a pump whose deadline is earlier calls wake(when).");
 
@@ -1852,13 +1870,18 @@ Reactor_expire(Reactor *r, PyObject *unused)
     while (r->heap_len > 0 && r->heap[0]->due <= now) {
         Pump *p = r->heap[0];
         double due = p->last_activity + p->idle_timeout;
-        if (now >= due) {
+        if (now >= p->ends_at) {
+            Py_INCREF(p);
+            pm_end(p, O_MAX_DURATION);
+            Py_DECREF(p);
+        }
+        else if (now >= due) {
             Py_INCREF(p);
             pm_end(p, O_IDLE_TIMEOUT);
             Py_DECREF(p);
         }
         else { /* bytes moved since it was armed: look again at its new time */
-            p->due = due;
+            p->due = due < p->ends_at ? due : p->ends_at;
             heap_down(r, 0);
         }
     }

@@ -24,7 +24,7 @@ __all__ = ["IMPLEMENTATION", "PURE_ENV", "cpump", "describe"]
 
 PURE_ENV = "LBPROXY_PURE"
 #: The _cpump interface this Python source calls (_cpump.c's C_API).
-C_API = 2
+C_API = 3
 
 cpump: ModuleType | None = None
 _why_pure = ""

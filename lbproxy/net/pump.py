@@ -6,10 +6,12 @@ timeout and the pipe pool behind splice(2). Its API (both implementations, the C
 lbproxy/net/_cpump.c and the pure one in lbproxy/net/pure_pump.py; net/reactor.py has
 the protocols and serves the run's reactor):
 
-``reactor().open(client_fd, server_fd, initial, idle_timeout, on_end, uncounted=0, splice=True)``
+``reactor().open(client_fd, server_fd, initial, idle_timeout, on_end, uncounted=0,
+splice=True, max_duration=math.inf)``
     a pump on two connected non-blocking descriptors, which it owns from the call on
     and closes when it ends; ``initial`` goes to the server before any client byte (its
-    first ``uncounted`` bytes, a PROXY header, are not client bytes).
+    first ``uncounted`` bytes, a PROXY header, are not client bytes); ``max_duration``
+    seconds after the call it ends, however busy.
 ``pump.bytes_in``, ``bytes_out``, ``last_activity``, ``outcome``, ``error``
     read-only: client -> server and server -> client bytes written, the run's time of
     the last byte either way, how it ended (None while open), the exception behind an
@@ -47,6 +49,9 @@ Outcomes
                     bug met moving this connection's bytes (counted in
                     ``lbproxy_internal_errors_total{where="pump"}``); ``error`` holds it.
 ``"cancelled"``     ``close()`` was called (the proxy closing it on purpose).
+``"max_duration"``  its lifetime (``max_duration``) ran out, whatever moved. The
+                    deadline shares the idle one's heap entry (the earlier of the
+                    two), so it costs nothing per chunk and nothing when not set.
 
 On a reset or error the pump ends at once and closes both descriptors, so the other
 peer gets an orderly close without delay: data already handed to its kernel buffer still
@@ -86,6 +91,7 @@ __all__ = [
     "COPY_CHUNK",
     "ERROR",
     "IDLE_TIMEOUT",
+    "MAX_DURATION",
     "MAX_IDLE_PIPES",
     "SERVER_RESET",
     "Flow",
@@ -100,13 +106,16 @@ __all__ = [
     "splice_available",
 ]
 
-Outcome = Literal["closed", "idle_timeout", "client_reset", "server_reset", "error", "cancelled"]
+Outcome = Literal[
+    "closed", "idle_timeout", "client_reset", "server_reset", "error", "cancelled", "max_duration"
+]
 CLOSED: Final = "closed"
 CANCELLED: Final = "cancelled"
 IDLE_TIMEOUT: Final = "idle_timeout"
 CLIENT_RESET: Final = "client_reset"
 SERVER_RESET: Final = "server_reset"
 ERROR: Final = "error"
+MAX_DURATION: Final = "max_duration"
 
 #: splice-auto's threshold: a read that fills this many bytes switches its direction from
 #: copying to splicing (HAProxy's bufsize). The same in both implementations (the

@@ -339,6 +339,7 @@ class Pump:
         "client_fd",
         "client_mask",
         "down",
+        "ends_at",
         "error",
         "initial",
         "last_activity",
@@ -363,6 +364,7 @@ class Pump:
         self.bytes_out = 0
         self.last_activity = now
         self._idle_timeout = idle_timeout
+        self.ends_at = math.inf  # the run's time its lifetime ends (max_duration)
         self.outcome: str | None = None
         self.error: BaseException | None = None
         self.on_end: Callable[[Pump], object] | None = None
@@ -623,18 +625,24 @@ class Reactor:
         on_end: Callable[[Pump], object] | None,
         uncounted: int = 0,
         splice: bool = True,
+        max_duration: float = math.inf,
     ) -> Pump:
         """A pump on two connected non-blocking TCP descriptors, which it owns from this
-        call on (see _cpump.c's Reactor.open)."""
+        call on (see _cpump.c's Reactor.open); `max_duration` seconds from now it ends
+        ("max_duration"), however busy."""
         try:
             idle_timeout = float(idle_timeout)
             if math.isnan(idle_timeout):
                 raise ValueError("idle_timeout must be a number of seconds or math.inf")
+            max_duration = float(max_duration)
+            if math.isnan(max_duration):
+                raise ValueError("max_duration must be a number of seconds or math.inf")
             readers = self._pumps
             if client_fd == server_fd or self._taken(client_fd) or self._taken(server_fd):
                 raise ValueError("open(): a descriptor already in the reactor")
             now = self.clock()
             p = Pump(self, client_fd, server_fd, idle_timeout, now)
+            p.ends_at = now + max_duration
             if not splice:
                 p.up.copy_only = p.down.copy_only = True
             p.on_end = on_end
@@ -664,16 +672,18 @@ class Reactor:
             if p.outcome is not None:  # the server failed before the bytes were out
                 p._finish()
                 return p
-        due = now + idle_timeout
+        due = min(now + idle_timeout, p.ends_at)
         if due != math.inf:
             self.arm(p, due)
         return p
 
     def arm(self, p: Pump, due: float) -> None:
-        """p's idle deadline at `due` (inf: none); an earlier one wakes the timer."""
+        """p's idle deadline at `due` (inf: none), or the end of its lifetime if that
+        comes first; an earlier one wakes the timer."""
         if p.seq:
             self._dead += 1  # its entry so far
             p.seq = 0
+        due = min(due, p.ends_at)
         if due == math.inf:
             return
         heap = self._heap
@@ -702,7 +712,8 @@ class Reactor:
             self._dead += 1
 
     def expire(self) -> float:
-        """End the pumps idle for their idle_timeout; when to call again (inf: never)."""
+        """End the pumps idle for their idle_timeout and those past their max_duration;
+        when to call again (inf: never)."""
         now = self.clock()
         while self._heap:
             heap = self._heap  # an on_end may have compacted it
@@ -714,13 +725,17 @@ class Reactor:
             if due > now:
                 break
             real = p.last_activity + p._idle_timeout
-            if now >= real:
+            if now >= p.ends_at:
+                p.seq = 0
+                heapq.heappop(heap)
+                p._end("max_duration")
+            elif now >= real:
                 p.seq = 0
                 heapq.heappop(heap)
                 p._end("idle_timeout")
             else:  # bytes moved since: look again at its new time
                 p.seq = seq = next(self._sequence)
-                heapq.heapreplace(heap, (real, seq, p))
+                heapq.heapreplace(heap, (min(real, p.ends_at), seq, p))
         self._armed = self._heap[0][0] if self._heap else math.inf
         return self._armed
 

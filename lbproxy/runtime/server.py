@@ -31,10 +31,11 @@ from lbproxy.control.checks import HealthChecks, close_leases
 from lbproxy.control.cluster import Cluster
 from lbproxy.control.conditioning import Conditioners
 from lbproxy.control.discovery import Discoveries
+from lbproxy.control.drain_close import DrainCloses, shutdown_sessions
 from lbproxy.control.snmp import SnmpPollers
 from lbproxy.control.throttle_monitor import Throttles
 from lbproxy.core.discovery_model import AddressPolicy, address_policy
-from lbproxy.core.pool import DISABLED, Pool, RealServer, state_error
+from lbproxy.core.pool import DISABLED, DRAIN, Pool, RealServer, state_error
 from lbproxy.dataplane import queue as waiting
 from lbproxy.dataplane.listener import BindError, Listener, listen_socket
 from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_socket
@@ -113,6 +114,7 @@ class Server:
         # systemd's notify protocol: a no-op unless run() finds $NOTIFY_SOCKET (never in
         # a worker of `workers: N`, where the supervisor notifies)
         self.notifier = Notifier()
+        self.drain_closes = DrainCloses()  # a drain's close_after / close_rate, per server
         self.conditioners = Conditioners()  # one per virtual server with `conditioning:`
         self.dns: DnsLocator | None = None  # global.locator.dns, once bound
         # Listening sockets passed by systemd or by the lbproxy this one replaces
@@ -522,12 +524,20 @@ class Server:
 
     # -- runtime changes (admin API) ----------------------------------------------
 
-    def set_state(self, vs_name: str, rs_name: str, state: object) -> str | None:
+    def set_state(
+        self,
+        vs_name: str,
+        rs_name: str,
+        state: object,
+        close_after: float | None = None,
+        close_rate: float | None = None,
+    ) -> str | None:
         """Set a real server's state (enabled | drain | disabled); returns an error or None.
 
         The one path for a runtime state change: `disabled` also closes the server's
-        established connections (`drain` lets them finish). Lasts until the next reload,
-        which applies the file as written.
+        established connections (`drain` lets them finish; a drain with `close_after`
+        closes those still open then, at most `close_rate` a second: control/
+        drain_close.py). Lasts until the next reload, which applies the file as written.
         """
         found = self._find(vs_name, rs_name)
         if isinstance(found, str):
@@ -537,6 +547,10 @@ class Server:
         if error:
             return error
         self.apply_state(pool, rs, state)  # type: ignore[arg-type]  # state_error(): a str
+        if state == DRAIN:  # a drain replaces the closes a previous one left pending
+            self.drain_closes.cancel(pool, rs)
+            if self._service is not None and (close_after is not None or close_rate is not None):
+                self.drain_closes.schedule(self._service, pool, rs, close_after or 0.0, close_rate)
         if self.cluster is not None:
             self.cluster.publish("state", pool.name, rs.name, state)
         return None
@@ -545,6 +559,8 @@ class Server:
         """Set a valid state, logged with `via` (where it came from), not published:
         set_state's step, and how the cluster and the state file apply theirs."""
         old = rs.state
+        if state != DRAIN:  # enabled again (or disabled): no drain closes pending
+            self.drain_closes.cancel(pool, rs)
         closed = close_leases(pool.set_state(rs, state, trio.current_time()))
         if old != state or closed:
             log.info(
@@ -556,6 +572,14 @@ class Server:
                 f"; closed {closed} connection(s)" if closed else "",
                 via,
             )
+
+    def shutdown_sessions(self, vs_name: str, rs_name: str) -> int | str:
+        """Close a real server's connections now (`reason="shutdown"`); how many, or an
+        error (no such server)."""
+        found = self._find(vs_name, rs_name)
+        if isinstance(found, str):
+            return found
+        return shutdown_sessions(*found)
 
     def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None:
         """Set a real server's static weight (an integer 0..65535); returns an error or None.

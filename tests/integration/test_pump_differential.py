@@ -12,6 +12,8 @@ LBPROXY_PURE says (the implementations are imported directly).
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import random
 import socket
@@ -322,6 +324,48 @@ def test_idle_timeout_bounds_a_half_closed_connection():
 
     got = both(script, idle_timeout=0.2)
     assert (got["outcome"], got["at_server"], got["server_end"]) == ("idle_timeout", b"bye", "fin")
+
+
+def test_max_duration_ends_a_busy_connection_and_both_sides_get_a_fin():
+    """The lifetime ends it however busy it is: bytes keep moving (the idle deadline is
+    never reached) and it ends at max_duration, not before."""
+
+    async def script(run: Run) -> None:
+        started = trio.current_time()
+        assert run.pump is not None
+        while run.pump.outcome is None:  # a byte every 20 ms each way until it ends
+            with contextlib.suppress(OSError):
+                await run.send("client", b"c")
+                await run.send("server", b"s")
+            with trio.move_on_after(0.02):
+                await run.ended.wait()
+        run.seen.notes["lasted_at_least"] = trio.current_time() - started >= 0.3
+        await run.expect_end("client")
+        await run.expect_end("server")
+        run.seen.varies |= {"at_client", "at_server", "bytes_in", "bytes_out"}
+
+    got = both(script, idle_timeout=0.2, max_duration=0.3)
+    assert (got["outcome"], got["error"], got["lasted_at_least"]) == ("max_duration", None, True)
+    assert (got["client_end"], got["server_end"], got["closed_at_end"]) == ("fin", "fin", True)
+
+
+def test_idle_timeout_still_ends_it_before_a_longer_max_duration():
+    async def script(run: Run) -> None:
+        await run.send("client", b"x")
+        await run.expect("server", 1)
+        await run.wait_end()
+
+    got = both(script, idle_timeout=0.1, max_duration=30.0)
+    assert got["outcome"] == "idle_timeout"
+
+
+def test_max_duration_without_an_idle_timeout():
+    async def script(run: Run) -> None:
+        await run.wait_end()
+        await run.expect_end("client")
+
+    got = both(script, idle_timeout=math.inf, max_duration=0.1)
+    assert (got["outcome"], got["client_end"]) == ("max_duration", "fin")
 
 
 def test_close_ends_it_on_purpose():

@@ -54,7 +54,11 @@ BAD_BODIES = [
     (b'{"state": "Drain"}', STATE_RULE + '"Drain" (did you mean "drain"?)'),
     (b'{"state": "off"}', STATE_RULE + '"off"'),
     (b'{"state": ["drain"]}', STATE_RULE + '["drain"]'),
-    (b'{"colour": "red"}', 'unknown key "colour" in the body; the keys are "weight" and "state"'),
+    (
+        b'{"colour": "red"}',
+        'unknown key "colour" in the body; the keys are "weight", "state", '
+        '"close_after" and "close_rate"',
+    ),
     (b'{"weight": 2, "colour": "red"}', 'unknown key "colour"'),
     (b'{"weight": 2, "state": "nope"}', STATE_RULE + '"nope"'),  # the weight is not applied
     (b'{"weight": 1.5, "state": "drain"}', WEIGHT_RULE + "1.5"),  # nor is the state

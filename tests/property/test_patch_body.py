@@ -7,6 +7,7 @@ with no other key, or raises the 400 that names the problem; never another excep
 from __future__ import annotations
 
 import json
+import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +27,8 @@ json_values = st.recursive(
     max_leaves=10,
 )
 bodies = st.dictionaries(
-    st.sampled_from(["weight", "state", "colour", ""]) | st.text(max_size=8),
+    st.sampled_from(["weight", "state", "close_after", "close_rate", "colour", ""])
+    | st.text(max_size=8),
     json_values | st.integers(-3, 70000),
     max_size=3,
 )
@@ -38,9 +40,15 @@ def check(body: bytes) -> None:
     except _HTTPError as exc:
         assert exc.status == 400 and exc.message
         return
-    assert change and set(change) <= {"weight", "state"}
+    assert change and set(change) <= {"weight", "state", "close_after", "close_rate"}
     assert "weight" not in change or weight_error(change["weight"]) is None
     assert "state" not in change or state_error(change["state"]) is None
+    if "close_after" in change or "close_rate" in change:  # a drain's closes, made numbers
+        assert change["state"] == "drain"
+        after = change["close_after"]
+        assert isinstance(after, float) and 0 <= after < math.inf
+        rate = change.get("close_rate")
+        assert rate is None or (isinstance(rate, float) and 0 < rate < math.inf)
 
 
 @settings(max_examples=500, deadline=None)
@@ -71,3 +79,30 @@ def test_no_float_boolean_or_string_is_a_weight(weight):
         assert exc.status == 400 and "weight must be an integer from 0 to 65535" in exc.message
     else:
         raise AssertionError(f"{weight!r} was taken as a weight")
+
+
+@given(
+    after=st.floats(0, 1e6, allow_nan=False) | st.integers(0, 10**6),
+    unit=st.sampled_from(["", "s", "ms", "m", "h", None]),
+    rate=st.none() | st.integers(1, 10**6) | st.floats(1e-3, 1e6, allow_nan=False),
+)
+def test_a_drains_closes_are_taken_as_seconds_and_a_rate(after, unit, rate):
+    change = {"state": "drain", "close_after": after if unit is None else f"{after:.3f}{unit}"}
+    if rate is not None:
+        change["close_rate"] = rate
+    taken = parse_patch(json.dumps(change).encode(), "web/a")
+    assert isinstance(taken["close_after"], float) and taken["close_after"] >= 0
+    assert rate is None or taken["close_rate"] == float(rate)
+
+
+@given(
+    state=st.sampled_from(["enabled", "disabled"]),
+    key=st.sampled_from(["close_after", "close_rate"]),
+)
+def test_a_drains_closes_need_a_drain(state, key):
+    try:
+        parse_patch(json.dumps({"state": state, key: 1}).encode(), "web/a")
+    except _HTTPError as exc:
+        assert exc.status == 400 and "go with a drain" in exc.message
+    else:
+        raise AssertionError("taken without a drain")

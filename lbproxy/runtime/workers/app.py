@@ -47,6 +47,8 @@ class Supervisor(Protocol):
 
     async def report_load(self, path: str, body: bytes) -> tuple[int, bytes]: ...
 
+    async def shutdown_sessions(self, vs_name: str, rs_name: str) -> tuple[int, bytes]: ...
+
 
 class SupervisorApp(AdminApp):
     """AdminApp's routes (admin/routes.py), answered from the workers, and the workers'
@@ -108,6 +110,11 @@ class SupervisorApp(AdminApp):
                     return 200, json_body(rs), "json"
             raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
         status, answer = await supervisor.patch(vs_name, rs_name, await read_body(request.receive))
+        return status, answer, "json"
+
+    async def on_shutdown_sessions(self, request: Request) -> Answer:
+        await read_body(request.receive)  # nothing is read from it
+        status, answer = await self.supervisor.shutdown_sessions(*request.params)
         return status, answer, "json"
 
     async def on_reload(self, request: Request) -> Answer:

@@ -637,10 +637,13 @@ class Supervisor:
             if all(rs.name != rs_name for rs in vs.real_servers):
                 raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
             change = parse_patch(body, f"{vs_name}/{rs_name}")
-            body = json.dumps(change).encode()
             path = "/api/v1/virtual-servers/{}/real-servers/{}".format(
                 *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))
             )
+            rate = change.get("close_rate")
+            if rate is not None:  # each worker closes its own share: the sum keeps the rate
+                change["close_rate"] = rate / max(1, sum(w.ready for w in self.workers))
+            body = json.dumps(change).encode()
             answers = await self._each("PATCH", path, body)
             if not answers:
                 raise HTTPError(503, "no worker is ready")
@@ -649,6 +652,27 @@ class Supervisor:
                     return status, answer  # the worker's own error document
             self.overrides.append((path, body))  # for a worker that starts later
             return 200, json_body(merge_real_servers([json.loads(a) for _, _, a in answers]))
+
+    async def shutdown_sessions(self, vs_name: str, rs_name: str) -> tuple[int, bytes]:
+        """Every worker closes the server's connections; the closes add up."""
+        async with self._changes:
+            vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
+            if vs is None:
+                raise HTTPError(404, f"no virtual server {vs_name!r}")
+            if all(rs.name != rs_name for rs in vs.real_servers):
+                raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
+            path = "/api/v1/virtual-servers/{}/real-servers/{}/shutdown-sessions".format(
+                *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))
+            )
+            answers = await self._each("POST", path, b"{}")
+            if not answers:
+                raise HTTPError(503, "no worker is ready")
+            closed = 0
+            for _, status, answer in answers:
+                if status != 200:
+                    return status, answer
+                closed += json.loads(answer)["closed"]
+            return 200, json_body({"closed": closed})
 
     def _status_line(self, active: int | None) -> str:
         """systemd's STATUS= text: virtual servers, active connections, workers."""

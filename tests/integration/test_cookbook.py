@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import tools
 from tests.integration.databases import (
     PG,
     Mariadb,
@@ -547,8 +548,6 @@ def test_redis_recipe_fails_over_under_a_client_loop(lbproxy, tmp_path):
 def mariadb_session(port: int) -> subprocess.Popen:
     """A `mariadb` session through lbproxy as user `app`, open until its stdin closes;
     its `port` is the server's."""
-    from tests import tools
-
     session = subprocess.Popen(
         [tools.need("mariadb", "mariadb-client"), "--no-defaults", "-h", "127.0.0.1",
          "-P", str(port), "-uapp", "-N", "-B", "--unbuffered"],

@@ -10,7 +10,7 @@ names under /etc/lbproxy/. Every check setting (type, user, role, interval, fall
 
 Patroni itself is not here. Its REST API is stood in for by a real HTTPS server
 (`PatroniRest`) that answers GET /primary as Patroni does: 200 when its PostgreSQL is a
-primary (`pg_is_in_recovery()` false, asked of the real server at each request), 503 when
+primary (`pg_is_in_recovery()` false, asked of the real server every 100 ms), 503 when
 it is in recovery or down, and 503 once `demoted` (Patroni has given up the leader key
 while PostgreSQL still runs).
 """
@@ -126,28 +126,44 @@ def wait_health(
 
 class PatroniRest(HttpsServer):
     """Patroni's REST API for one PostgreSQL, over HTTPS: GET /primary answers 200 while
-    that server is a primary, 503 while it is in recovery, down, or `demoted`."""
+    that server is a primary, 503 while it is in recovery, down, or `demoted`.
+
+    As Patroni's own loop does, a thread asks PostgreSQL for its state (every 100 ms)
+    and the API answers from the last state known, so an answer takes no longer under
+    load than the check's timeout allows."""
 
     def __init__(self, name: str, cert: tuple[str, str], pg: Postgres) -> None:
         self.pg = pg
         self.demoted = False
+        self.role = "unknown"
+        self.stopping = threading.Event()
+        self.poller = threading.Thread(target=self._poll, daemon=True)
+        self.poller.start()
         super().__init__(name, cert, (503, b""))
+
+    def _poll(self) -> None:
+        for _ in range(100_000):  # bounded; ends with stop()
+            try:
+                in_recovery = self.pg.psql("SELECT pg_is_in_recovery()").strip()
+                self.role = "primary" if in_recovery == "f" else "replica"
+            except (RuntimeError, subprocess.TimeoutExpired):
+                self.role = "stopped"
+            if self.stopping.wait(0.1):
+                return
 
     @property  # type: ignore[override]
     def answer(self) -> tuple[int, bytes]:
-        if self.demoted:
-            return 503, b'{"state": "running", "role": "demoted"}'
-        try:
-            in_recovery = self.pg.psql("SELECT pg_is_in_recovery()").strip()
-        except (RuntimeError, subprocess.TimeoutExpired):
-            return 503, b'{"state": "stopped"}'
-        if in_recovery == "f":
-            return 200, b'{"state": "running", "role": "primary"}'
-        return 503, b'{"state": "running", "role": "replica"}'
+        role = "demoted" if self.demoted else self.role
+        return (200 if role == "primary" else 503), f'{{"role": "{role}"}}'.encode()
 
     @answer.setter
     def answer(self, value: tuple[int, bytes]) -> None:
         pass  # the server's own state decides
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.poller.join(60)
+        super().stop()
 
 
 def psql_through(port: int, sql: str, application: str = "cookbook") -> str:

@@ -138,8 +138,12 @@ class Postgres:
                  "--no-sync", "--no-instructions"],
                 check=True, capture_output=True, timeout=120, **_as(self.account),
             )  # fmt: skip
-            # Sessions over the Unix socket (psql here) are trusted; over TCP, `auth`.
-            hba = f"local all all trust\nhost all all 127.0.0.1/32 {self.auth}\n"
+            # Sessions over the Unix socket (psql, pg_basebackup here) are trusted; over
+            # TCP, `auth`.
+            hba = (
+                "local all all trust\nlocal replication all trust\n"
+                f"host all all 127.0.0.1/32 {self.auth}\n"
+            )
             (self.data / "pg_hba.conf").write_text(hba)
             if self.standby:
                 with open(self.data / "postgresql.conf", "a") as conf:
@@ -203,6 +207,26 @@ class Postgres:
 
     def release(self, client: subprocess.Popen) -> None:
         _end_session(client)
+
+    def replica(self) -> Postgres:
+        """A streaming replica of this (running) server, made with `pg_basebackup -R` and
+        started: in recovery with hot_standby off, refusing sessions until `promote`,
+        with this server's data (pg_hba included) as of now."""
+        standby = Postgres(auth=self.auth, standby=True)
+        try:
+            # A fast checkpoint: the default (spread) one waits minutes after a bulk load.
+            subprocess.run(
+                [self._bin("pg_basebackup"), "-h", str(self.folder), "-p", str(self.port),
+                 "-U", "postgres", "-D", str(standby.data), "-R", "-X", "stream",
+                 "--checkpoint=fast", "--no-sync"],
+                check=True, capture_output=True, timeout=120, **_as(self.account),
+            )  # fmt: skip
+            with open(standby.data / "postgresql.conf", "a") as conf:
+                conf.write("hot_standby = off\n")
+            return standby.start()
+        except BaseException:
+            standby.remove()
+            raise
 
     def promote(self) -> None:
         """`pg_ctl promote`: a standby ends its recovery and accepts sessions."""

@@ -22,6 +22,7 @@ from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
 from lbproxy.core.health import CLOSE_REASONS
 from lbproxy.core.histogram import Histogram
+from lbproxy.core.per_source import PerSourceTable
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.core.pool import REJECT_REASONS, Pool
 from lbproxy.core.throttle import MODE_VALUES
@@ -73,6 +74,9 @@ class VirtualServerView(Protocol):
 
     @property
     def queue_stats(self) -> QueueView: ...
+
+    @property
+    def per_source(self) -> PerSourceTable | None: ...
 
 
 class MetricsSource(Protocol):

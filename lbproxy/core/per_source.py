@@ -113,7 +113,7 @@ class PerSourceTable:
     def __len__(self) -> int:
         return len(self._busy) + len(self._idle)
 
-    def admit(self, host: str, now: float) -> SourceEntry | None | bool:
+    def admit(self, host: str, now: float) -> SourceEntry | bool | None:
         """An arrival from `host`: its entry (counted open: give it back to `release`
         at the connection's end), True (admitted untracked: nothing to release) or
         None (refused)."""
@@ -214,8 +214,10 @@ class PerSourceTable:
                 entry.remote_open = entry.remote_rate = 0
         busy, idle = self._busy, self._idle
         for key, (remote_open, remote_rate) in counts.items():
-            entry = busy.get(key) or idle.get(key)
-            if entry is None:
+            known = busy.get(key) or idle.get(key)
+            if known is not None:
+                entry = known
+            else:
                 if len(busy) + len(idle) >= self.limits.max_tracked:
                     continue
                 entry = idle[key] = SourceEntry(key)

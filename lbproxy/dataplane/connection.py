@@ -50,6 +50,7 @@ import trio
 from lbproxy.config.model import Address, VirtualServerConfig
 from lbproxy.core.client_address import SourceFilter
 from lbproxy.core.health import record_health
+from lbproxy.core.per_source import SourceEntry
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.lifecycle import (
     ADMITTED,
@@ -107,6 +108,7 @@ class ClientConnection(Flow):
         "source",
         "started",
         "state",
+        "tracked",
         "tried",
     )
 
@@ -134,6 +136,8 @@ class ClientConnection(Flow):
         self.leftover: bytes | None = None
         self.lease: Lease | None = None  # while a server is taken
         self.tried: list[RealServer] | None = None  # servers whose connect failed
+        # Its client network's entry in the per-source table while counted there.
+        self.tracked: SourceEntry | None = None
         self.sock: socket.SocketType | None = None  # a connect in progress
         # The scope of a connect that is waiting for the real server's answer, if any.
         self.connecting: trio.CancelScope | None = None
@@ -182,6 +186,10 @@ class ClientConnection(Flow):
             self.lease = None
             handler.pool.clients -= 1
             _clients.open -= 1
+            tracked = self.tracked
+            if tracked is not None:
+                self.tracked = None
+                handler.release_source(tracked)
             self.state = INTO[ENDED][self.state]
             if self.fd >= 0 or self.sock is not None:  # not once established: the pump's
                 self._release()
@@ -283,6 +291,7 @@ class Handler:
         """Remember a configuration's (the first, or a reload's) ACL and trusted PROXY
         senders, each of which remembers its verdict per address."""
         self._seen = config
+        self.vs.sync_per_source(config.per_source)
         self._acl = SourceFilter(config.allow, config.deny)
         self._proxy_peers = SourceFilter(config.accept_proxy_from)
 
@@ -384,6 +393,15 @@ class Handler:
         if config.max_connections and self.pool.clients > config.max_connections:
             c.reject("max_connections")
             return None
+        if config.per_source is not None:
+            sources = self.vs.per_source
+            if sources is not None:
+                entry = sources.admit(c.source[0], c.started)
+                if entry is None:
+                    c.reject("per_source")
+                    return None
+                if entry is not True:
+                    c.tracked = entry  # type: ignore[assignment]  # True: untracked
         throttle = self.vs.throttle
         if throttle is not None:  # start with the imposed idle timeout, if any
             c.idle_timeout = throttle.idle_timeout_for(config.idle_timeout)
@@ -637,6 +655,12 @@ class Handler:
         c.end(p.outcome or "error")
         if not live and self._empty is not None:
             self._empty.set()
+
+    def release_source(self, entry: SourceEntry) -> None:
+        """A connection counted in the per-source table has ended (from end())."""
+        sources = self.vs.per_source
+        if sources is not None:
+            sources.release(entry)
 
     def _end_failed(self, c: ClientConnection, exc: Exception) -> None:
         """end()'s barrier: a bug in the counting is counted; the lease goes back."""

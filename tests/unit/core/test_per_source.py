@@ -114,3 +114,26 @@ def test_rate_change_recuts_the_ring(rate: int) -> None:
     table.reconfigure(Limits(rate=rate, interval=10.0))
     entry = next(table.entries())
     assert list(entry.times) == [float(i) for i in range(5)][-rate:]
+
+
+def test_bounded_under_200000_distinct_sources() -> None:
+    """200,000 distinct IPv4 and IPv6 networks, each once, a few holding a connection:
+    the table stays at max_tracked, the busy networks are still there (their next
+    connection refused), and the networks seen last are remembered."""
+    table = PerSourceTable(Limits(max_connections=1, rate=2, max_tracked=100_000))
+    busy = [table.admit(f"192.0.2.{i}", 0.0) for i in range(1, 6)]
+    for i in range(100_000):
+        entry = table.admit(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", 1.0 + i * 1e-5)
+        assert isinstance(entry, SourceEntry)
+        table.release(entry)
+        entry = table.admit(f"2001:db8:{i >> 16:x}:{i & 0xFFFF:x}::1", 2.0 + i * 1e-5)
+        assert isinstance(entry, SourceEntry)
+        table.release(entry)
+        assert len(table) <= 100_000
+    assert len(table) == 100_000
+    assert all(isinstance(entry, SourceEntry) and entry.open == 1 for entry in busy)
+    assert all(table.admit(f"192.0.2.{i}", 3.0) is None for i in range(1, 6))
+    assert table.untracked == 0
+    keys = {entry.key for entry in table.entries()}
+    assert network_key("2001:db8:1:869f::1", 32, 64) in keys  # the last one
+    assert "10.0.0.0" not in keys  # among the first: forgotten

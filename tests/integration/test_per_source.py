@@ -1,0 +1,229 @@
+"""`per_source:` (SPEC §23) through real `lbproxy run` processes and loopback sockets:
+limits per client network, applied at accept before a byte is read.
+
+- 50 connections held from 127.0.0.2 against `max_connections: 10`: 10 served, 40
+  closed unread and counted `rejected{reason="per_source"}`, 127.0.0.3 unaffected;
+  `lbproxy status` shows the rejections; compiled and pure paths.
+- `rate` over a 2 s sliding window: a burst beyond it is refused, and the network is
+  served again once its first accepted connection is 2 s old, however many refused
+  arrivals came meanwhile (they do not count).
+- The table's bound, with PROXY headers from a trusted peer naming hundreds of sources:
+  it holds at most `max_tracked` networks, forgets an idle one (whose rate window goes
+  with it) and never a network with an open connection.
+
+Clients that must come from another address bind to another loopback address
+(127.0.0.2, ...): all of 127.0.0.0/8 is local on Linux.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from lbproxy.wire.proxy_protocol import encode_v1
+from tests.integration.harness import (
+    free_port,
+    metrics,
+    read_name,
+    run_cli,
+    sample,
+    virtual_server_document,
+    vs_config,
+    wait_for,
+    with_admin,
+)
+
+REJECTED = "lbproxy_rejected_connections_total"
+
+
+def rejected(admin: int, reason: str = "per_source", vs: str = "web") -> float:
+    return sample(metrics(admin), REJECTED, virtual_server=vs, reason=reason)
+
+
+@pytest.fixture(params=["default", "pure"])
+def path(request, monkeypatch):
+    """The connection path the lbproxy process runs: the default (compiled where it is
+    built) or the pure-Python one."""
+    if request.param == "pure":
+        monkeypatch.setenv("LBPROXY_PURE", "1")
+    return request.param
+
+
+def connect_from(source: str, port: int, timeout: float = 10.0) -> socket.socket:
+    """A client connected from the loopback address `source`."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def served(sock: socket.socket) -> bool:
+    """The real server's name came (served), or the proxy closed the client with nothing
+    sent (refused: FIN or RST). The client sends nothing, and `connect_timeout` is a
+    minute: a close within the socket's timeout was decided before a byte was read."""
+    try:
+        return read_name(sock) != ""
+    except ConnectionResetError:
+        return False
+
+
+def config(port: int, admin: int, server, per_source: str, extra: str = "") -> str:
+    text = vs_config(
+        port,
+        [server],
+        extra=f"connect_timeout: 60s\nhealth_check: {{type: none}}\nper_source: {per_source}\n"
+        + extra,
+    )
+    return with_admin(text, admin)
+
+
+def test_max_connections_per_source_closes_the_rest_at_accept(name_servers, lbproxy, path):
+    (server,) = name_servers("a")
+    port, admin = free_port(), free_port()
+    lbproxy(config(port, admin, server, "{max_connections: 10}"))
+    held = []
+    try:
+        verdicts = []
+        for _ in range(50):
+            sock = connect_from("127.0.0.2", port)
+            held.append(sock)
+            verdicts.append(served(sock))
+        assert verdicts.count(True) == 10
+        assert verdicts[:10] == [True] * 10  # the first ten, while they stay open
+        wait_for(lambda: rejected(admin) == 40, what="40 per_source rejections")
+        # Another client network is not held back by 127.0.0.2's.
+        with connect_from("127.0.0.3", port) as other:
+            assert served(other)
+        assert server.accepted == 11
+        document = virtual_server_document(admin)
+        assert document["rejected"]["per_source"] == 40
+        assert document["per_source"]["tracked"] == 2
+        status = run_cli("status", "--admin", f"http://127.0.0.1:{admin}")
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        header = lines.index(next(line for line in lines if line.startswith("PER_SOURCE")))
+        assert lines[header + 1].split() == ["web", "40", "2", "100000"]
+    finally:
+        for sock in held:
+            sock.close()
+    # Their ends give the network's count back: 127.0.0.2 is served again.
+    wait_for(lambda: virtual_server_document(admin)["clients"] == 0, what="every end")
+    with connect_from("127.0.0.2", port) as again:
+        assert served(again)
+    assert rejected(admin) == 40
+
+
+def test_rate_is_a_sliding_window_that_refused_arrivals_do_not_fill(name_servers, lbproxy):
+    """`rate: 5` over `interval: 2s`: of a burst of 8, 5 are served and 3 closed unread.
+    Then a client tries every 0.1 s: each try is refused until the first served
+    connection is 2 s old -- never sooner -- and then served (the refused tries would
+    keep the window full forever if they counted)."""
+    (server,) = name_servers("a")
+    port, admin = free_port(), free_port()
+    lbproxy(config(port, admin, server, "{rate: 5, interval: 2s}"))
+    start = time.monotonic()
+    burst = []
+    for _ in range(8):
+        with connect_from("127.0.0.2", port) as sock:
+            burst.append(served(sock))
+    if time.monotonic() - start < 2.0:  # a loaded machine may take longer for the burst
+        assert burst == [True] * 5 + [False] * 3
+    assert burst[:5] == [True] * 5
+    first_refusals = burst.count(False)
+    with connect_from("127.0.0.3", port) as other:  # another network: its own window
+        assert served(other)
+
+    tries = 0
+
+    def served_again() -> bool:
+        nonlocal tries
+        tries += 1
+        with connect_from("127.0.0.2", port) as sock:
+            return served(sock)
+
+    if first_refusals:
+        wait_for(served_again, timeout=30, interval=0.1, what="127.0.0.2 served again")
+        assert time.monotonic() - start >= 2.0
+        assert tries > 1
+        assert rejected(admin) == first_refusals + tries - 1
+
+
+def proxied(port: int, source: str) -> socket.socket:
+    """A connection from 127.0.0.1 (a trusted PROXY sender) naming `source`."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(encode_v1((source, 40000), ("127.0.0.1", port)))
+    return sock
+
+
+def test_the_table_is_bounded_and_forgets_idle_networks_first(name_servers, lbproxy):
+    """`max_tracked: 50` under 400 client addresses named by PROXY headers from a
+    trusted peer: the table never holds more than 50; a network with an open connection
+    is never forgotten (its second connection is still refused after the flood); an idle
+    one is (its rate window, full before the flood, is gone after it)."""
+    (server,) = name_servers("a")
+    port, admin = free_port(), free_port()
+    per_source = "{max_connections: 1, rate: 1, interval: 1h, max_tracked: 50}"
+    lbproxy(config(port, admin, server, per_source, "accept_proxy: true"))
+    busy = proxied(port, "10.1.0.1")
+    try:
+        assert served(busy)
+        with proxied(port, "10.1.0.2") as idle:
+            assert served(idle)
+        wait_for(lambda: virtual_server_document(admin)["clients"] == 1, what="the idle end")
+        with proxied(port, "10.1.0.2") as again:  # its one connection an hour is spent
+            assert not served(again)
+        for i in range(400):
+            with proxied(port, f"10.2.{i // 250}.{i % 250 + 1}") as sock:
+                assert served(sock)
+            if i % 100 == 99:
+                assert virtual_server_document(admin)["per_source"]["tracked"] <= 50
+        with proxied(port, "10.1.0.1") as second:  # busy: still counted, still refused
+            assert not served(second)
+        with proxied(port, "10.1.0.2") as forgotten:  # idle: forgotten, its window too
+            assert served(forgotten)
+        document = virtual_server_document(admin)
+        assert document["per_source"]["tracked"] == 50
+        assert document["per_source"]["max_tracked"] == 50
+        assert document["rejected"]["per_source"] == 2
+    finally:
+        busy.close()
+
+
+def test_bad_per_source_blocks_are_file_line_errors(tmp_path):
+    """`lbproxy check`: a block with neither limit, `shared` without `global.cluster`, a
+    bad value and a UDP virtual server's `per_source` are each named with file and line;
+    exit 2."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "virtual_servers:\n"
+        "  - name: web\n"
+        "    listen: 127.0.0.1:18080\n"
+        "    per_source:\n"
+        "      interval: 2s\n"
+        "      shared: true\n"
+        "    real_servers: [{name: a, address: 127.0.0.1:18081}]\n"
+        "  - name: api\n"
+        "    listen: 127.0.0.1:18082\n"
+        "    per_source: {max_connections: 0, prefix_v6: 129}\n"
+        "    real_servers: [{name: a, address: 127.0.0.1:18081}]\n"
+        "  - name: dns\n"
+        "    protocol: udp\n"
+        "    listen: 127.0.0.1:18083\n"
+        "    per_source: {rate: 3}\n"
+        "    real_servers: [{name: a, address: 127.0.0.1:18081}]\n"
+    )
+    result = run_cli("check", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert f"{path}:4: per_source needs max_connections or rate (or both)" in lines
+    assert f"{path}:6: per_source.shared needs global.cluster" in lines
+    assert any(line.startswith(f"{path}:10: per_source.max_connections") for line in lines)
+    assert any(line.startswith(f"{path}:10: per_source.prefix_v6") for line in lines)
+    assert f"{path}:15: per_source is for TCP; a UDP virtual server refuses it" in lines

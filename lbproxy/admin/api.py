@@ -220,6 +220,7 @@ def per_source_document(vs: VirtualServerView) -> dict[str, Any] | None:
         "max_tracked": table.limits.max_tracked,
         "rejected": vs.pool.rejected.get("per_source", 0),
         "untracked": table.untracked,
+        "remote_open": table.remote_open(),  # shared: the other instances' open connections
     }
 
 

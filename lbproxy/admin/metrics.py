@@ -222,7 +222,7 @@ class LbproxyCollector:
             return
         yield gauge("lbproxy_cluster_connected", value=1 if cluster.connected else 0)
         messages = counter("lbproxy_cluster_messages")
-        for kind in (*CLUSTER_KINDS, "entries", "invalid"):
+        for kind in (*CLUSTER_KINDS, "entries", "sources", "invalid"):
             for direction in ("in", "out"):
                 if kind != "invalid" or direction == "in":
                     messages.add_metric([kind, direction], cluster.messages[kind, direction])

@@ -32,7 +32,14 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Limits", "PerSourceTable", "SourceEntry", "network_key"]
+__all__ = [
+    "Limits",
+    "PerSourceTable",
+    "SourceEntry",
+    "network_key",
+    "network_of_text",
+    "network_text",
+]
 
 # What the table keys a network by: an IPv4 address at /32 is the accept's string as it
 # is (no parse); anything else (version, network number).
@@ -69,6 +76,33 @@ def network_key(host: str, prefix_v4: int, prefix_v6: int) -> NetworkKey:
     if prefix_v4 >= 32:
         return str(ip)
     return 4, int(ip) >> (32 - prefix_v4)
+
+
+def network_text(key: NetworkKey, prefix_v4: int, prefix_v6: int) -> str | None:
+    """How a network key is written for the other instances: the address, or
+    `ADDRESS/PREFIX`; None for a key that is no address."""
+    if isinstance(key, str):
+        return key if "." in key and ":" not in key else None
+    version, number = key
+    if version == 4:
+        return str(ipaddress.IPv4Network((number << (32 - prefix_v4), prefix_v4)))
+    return str(ipaddress.IPv6Network((number << (128 - prefix_v6), prefix_v6)))
+
+
+def network_of_text(text: str, prefix_v4: int, prefix_v6: int) -> NetworkKey | None:
+    """The key of a network another instance wrote (`network_text`) under these
+    prefixes; None when it was cut at another prefix length (a configuration that
+    differs between the instances) or is no network."""
+    if "/" not in text:
+        return network_key(text, prefix_v4, prefix_v6)
+    try:
+        network = ipaddress.ip_network(text)
+    except ValueError:
+        return None
+    prefix = prefix_v4 if network.version == 4 else prefix_v6
+    if network.prefixlen != prefix:
+        return None
+    return network.version, int(network.network_address) >> (network.max_prefixlen - prefix)
 
 
 class SourceEntry:
@@ -204,6 +238,11 @@ class PerSourceTable:
             if entry.open or recent:
                 counts[entry.key] = (entry.open, recent)
         return counts
+
+    def remote_open(self) -> int:
+        """The other instances' open connections this table counts (O(table): for the
+        admin API)."""
+        return sum(entry.remote_open for entry in self.entries())
 
     def set_remote(self, counts: dict[NetworkKey, tuple[int, int]]) -> None:
         """The other instances' counts, summed (replacing the last ones). A network not

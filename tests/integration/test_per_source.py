@@ -29,11 +29,14 @@ from tests.integration.harness import (
     read_name,
     run_cli,
     sample,
+    stop_all,
     virtual_server_document,
     vs_config,
     wait_for,
     with_admin,
 )
+from tests.integration.redis_server import RedisServer, requires_redis
+from tests.integration.test_cluster import Instance, cluster_config, wait_connected
 
 REJECTED = "lbproxy_rejected_connections_total"
 
@@ -227,3 +230,63 @@ def test_bad_per_source_blocks_are_file_line_errors(tmp_path):
     assert any(line.startswith(f"{path}:10: per_source.max_connections") for line in lines)
     assert any(line.startswith(f"{path}:10: per_source.prefix_v6") for line in lines)
     assert f"{path}:15: per_source is for TCP; a UDP virtual server refuses it" in lines
+
+
+# -- shared across a cluster ---------------------------------------------------------------
+
+
+@requires_redis
+def test_shared_limits_add_the_other_instances_counts(tmp_path, name_servers, lbproxy):
+    """Two instances and a real redis-server, `max_connections: 10, shared: true`: 6
+    connections held from 127.0.0.2 through lb1 leave 4 for it through lb2 (the 5th is
+    closed at accept there and counted); 127.0.0.3 is not held back; once lb1's six
+    close, lb2 serves 127.0.0.2 again."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        (server,) = name_servers("a")
+        instances = []
+        for name in ("lb1", "lb2"):
+            port, admin = free_port(), free_port()
+            text = cluster_config(
+                redis,
+                name,
+                port,
+                admin,
+                [server],
+                extra="connect_timeout: 60s\nper_source: {max_connections: 10, shared: true}",
+            )
+            proxy = lbproxy(text, [admin], folder=tmp_path / name)
+            instances.append(Instance(proxy, name, port, admin))
+        lb1, lb2 = instances
+        wait_connected(lb1, lb2)
+        held = [connect_from("127.0.0.2", lb1.port) for _ in range(6)]
+        try:
+            assert all(served(sock) for sock in held)
+            wait_for(
+                lambda: virtual_server_document(lb2.admin)["per_source"]["remote_open"] == 6,
+                what="lb1's six connections counted at lb2",
+            )
+            more = [connect_from("127.0.0.2", lb2.port) for _ in range(5)]
+            held += more
+            assert [served(sock) for sock in more] == [True] * 4 + [False]
+            wait_for(lambda: rejected(lb2.admin) == 1, what="lb2's per_source rejection")
+            with connect_from("127.0.0.3", lb2.port) as other:
+                assert served(other)
+        finally:
+            for sock in held:
+                sock.close()
+        wait_for(
+            lambda: virtual_server_document(lb2.admin)["per_source"]["remote_open"] == 0,
+            what="lb1's ends seen at lb2",
+        )
+        wait_for(lambda: virtual_server_document(lb2.admin)["clients"] == 0, what="lb2's ends")
+        again = [connect_from("127.0.0.2", lb2.port) for _ in range(10)]
+        try:
+            assert all(served(sock) for sock in again)
+        finally:
+            for sock in again:
+                sock.close()
+        assert rejected(lb1.admin) == 0
+    finally:
+        stop_all(lbproxy.started)
+        redis.stop()

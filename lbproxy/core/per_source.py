@@ -135,10 +135,12 @@ class SourceEntry:
 class PerSourceTable:
     """The networks of one virtual server and their counts (see the module's doc)."""
 
-    __slots__ = ("_busy", "_idle", "limits", "refused", "untracked")
+    __slots__ = ("_busy", "_idle", "_plain_v4", "limits", "refused", "untracked")
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
+        # An IPv4 address is its own key (the prefixes never change: see reconfigure).
+        self._plain_v4 = limits.prefix_v4 >= 32
         self._busy: dict[NetworkKey, SourceEntry] = {}
         self._idle: OrderedDict[NetworkKey, SourceEntry] = OrderedDict()
         self.refused = 0  # arrivals refused, over the table's life
@@ -152,56 +154,67 @@ class PerSourceTable:
         at the connection's end), True (admitted untracked: nothing to release) or
         None (refused)."""
         limits = self.limits
-        key = network_key(host, limits.prefix_v4, limits.prefix_v6)
-        entry = self._busy.get(key)
-        idle = self._idle
-        if entry is None:
-            entry = idle.get(key)
+        if self._plain_v4 and "." in host and ":" not in host:
+            key: NetworkKey = host  # network_key's answer, without the call
+        else:
+            key = network_key(host, limits.prefix_v4, limits.prefix_v6)
+        busy = self._busy
+        entry = busy.get(key)
+        idle = None
+        if entry is None:  # not busy: taken out of the idle ones (back at their end if refused)
+            idle = self._idle
+            entry = idle.pop(key, None)
             if entry is None:
-                if len(self._busy) + len(idle) >= limits.max_tracked:
+                if len(busy) + len(idle) >= limits.max_tracked:
                     if not idle:
                         self.untracked += 1
                         return True
                     idle.popitem(last=False)  # the least recently seen idle network
                 entry = SourceEntry(key)
-                idle[key] = entry
-            else:
-                idle.move_to_end(key)  # seen
-        if limits.max_connections and entry.open + entry.remote_open >= limits.max_connections:
-            self.refused += 1
+        maximum = limits.max_connections
+        if maximum and entry.open + entry.remote_open >= maximum:
+            self._refuse(idle, key, entry)
             return None
         rate = limits.rate
         if rate:
             times = entry.times
             need = rate - entry.remote_rate
-            if need <= 0:
-                self.refused += 1
-                return None
             n = len(times)
-            if need <= n and now - times[(entry.head - need) % n] < limits.interval:
-                self.refused += 1
-                return None
+            if need <= 0 or (need <= n and now - times[(entry.head - need) % n] < limits.interval):
+                self._refuse(idle, key, entry)
+            return None
             if n < rate:
                 times.append(now)  # head stays 0: the ring fills in order
             else:
                 head = entry.head
                 times[head] = now
                 entry.head = head + 1 if head + 1 < n else 0
-        if entry.open == 0:
-            del idle[key]
-            self._busy[key] = entry
+        if idle is not None:
+            busy[key] = entry
         entry.open += 1
         return entry
+
+    def _refuse(
+        self, idle: OrderedDict[NetworkKey, SourceEntry] | None, key: NetworkKey, entry: SourceEntry
+    ) -> None:
+        """Refuse an arrival: counted; a network that is not busy goes back to the idle
+        ones, at the end (seen)."""
+        self.refused += 1
+        if idle is not None:
+            idle[key] = entry
 
     def release(self, entry: SourceEntry) -> None:
         """A connection `admit` counted has ended. An entry of another table (a reload
         that changed the prefixes) is counted down and nothing else."""
         entry.open -= 1
-        if entry.open == 0:
+        if not entry.open:
             key = entry.key
-            if self._busy.get(key) is entry:
-                del self._busy[key]
+            busy = self._busy
+            found = busy.pop(key, None)
+            if found is entry:
                 self._idle[key] = entry  # seen: its last connection just ended
+            elif found is not None:  # another table's entry: this one's stays
+                busy[key] = found
 
     def reconfigure(self, limits: Limits) -> PerSourceTable:
         """This table under new limits (a reload): the same table when the prefixes are

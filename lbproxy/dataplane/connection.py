@@ -187,9 +187,11 @@ class ClientConnection(Flow):
             handler.pool.clients -= 1
             _clients.open -= 1
             tracked = self.tracked
-            if tracked is not None:
+            if tracked is not None:  # counted in its network's entry: uncounted
                 self.tracked = None
-                handler.release_source(tracked)
+                sources = handler.vs.per_source
+                if sources is not None:  # (else the block is gone: nothing to count)
+                    sources.release(tracked)
             self.state = INTO[ENDED][self.state]
             if self.fd >= 0 or self.sock is not None:  # not once established: the pump's
                 self._release()
@@ -655,12 +657,6 @@ class Handler:
         c.end(p.outcome or "error")
         if not live and self._empty is not None:
             self._empty.set()
-
-    def release_source(self, entry: SourceEntry) -> None:
-        """A connection counted in the per-source table has ended (from end())."""
-        sources = self.vs.per_source
-        if sources is not None:
-            sources.release(entry)
 
     def _end_failed(self, c: ClientConnection, exc: Exception) -> None:
         """end()'s barrier: a bug in the counting is counted; the lease goes back."""

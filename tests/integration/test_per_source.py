@@ -23,12 +23,14 @@ import time
 import pytest
 
 from lbproxy.wire.proxy_protocol import encode_v1
+from tests.factories import real_hello
 from tests.integration.harness import (
     free_port,
     metrics,
     read_name,
     run_cli,
     sample,
+    sni_config,
     stop_all,
     virtual_server_document,
     vs_config,
@@ -77,6 +79,21 @@ def served(sock: socket.socket) -> bool:
         return False
 
 
+def first_line(sock: socket.socket) -> str:
+    """The real server's name line, whatever of the echo of what the client sent came
+    behind it in the same reads; "" when the connection closes first."""
+    data = b""
+    while b"\n" not in data:
+        try:
+            chunk = sock.recv(4096)
+        except ConnectionResetError:
+            return ""
+        if not chunk:
+            return ""
+        data += chunk
+    return data.split(b"\n", 1)[0].decode()
+
+
 def config(port: int, admin: int, server, per_source: str, extra: str = "") -> str:
     text = vs_config(
         port,
@@ -121,6 +138,26 @@ def test_max_connections_per_source_closes_the_rest_at_accept(name_servers, lbpr
     with connect_from("127.0.0.2", port) as again:
         assert served(again)
     assert rejected(admin) == 40
+
+
+def test_a_reload_keeps_the_open_connections_counted(name_servers, lbproxy):
+    """10 connections held from 127.0.0.2 at `max_connections: 10`; a reload to 12 lets
+    exactly 2 more in: the 10 stay counted across it (a table made afresh would let 12
+    more in)."""
+    (server,) = name_servers("a")
+    port, admin = free_port(), free_port()
+    proxy = lbproxy(config(port, admin, server, "{max_connections: 10}"))
+    held = [connect_from("127.0.0.2", port) for _ in range(10)]
+    try:
+        assert all(served(sock) for sock in held)
+        proxy.reload(config(port, admin, server, "{max_connections: 12}"))
+        more = [connect_from("127.0.0.2", port) for _ in range(3)]
+        held += more
+        assert [served(sock) for sock in more] == [True, True, False]
+        wait_for(lambda: rejected(admin) == 1, what="the 13th refused")
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_rate_is_a_sliding_window_that_refused_arrivals_do_not_fill(name_servers, lbproxy):
@@ -197,6 +234,42 @@ def test_the_table_is_bounded_and_forgets_idle_networks_first(name_servers, lbpr
         assert document["rejected"]["per_source"] == 2
     finally:
         busy.close()
+
+
+def test_on_an_sni_address_the_routes_per_source_applies(name_servers, lbproxy):
+    """Two virtual servers share an address by SNI; only `api` has `per_source:
+    {max_connections: 1}`. A second ClientHello for api from the same client, while
+    the first is open, is closed and counted on api; the same client reaches the other
+    route as often as it likes."""
+    api, plain = name_servers("api", "plain")
+    port, admin = free_port(), free_port()
+    groups = [("api", ["api.example.com"], [api]), ("plain", None, [plain])]
+    text = sni_config(port, groups, admin, "connect_timeout: 60s")
+    text = text.replace(
+        "    sni: ['api.example.com']\n",
+        "    sni: ['api.example.com']\n    per_source: {max_connections: 1}\n",
+    )
+    lbproxy(text)
+    first = connect_from("127.0.0.2", port)
+    try:
+        first.sendall(real_hello("api.example.com"))
+        assert first_line(first) == "api"
+        with connect_from("127.0.0.2", port) as second:
+            second.sendall(real_hello("api.example.com"))
+            assert first_line(second) == ""
+        wait_for(lambda: rejected(admin, vs="api") == 1, what="api's per_source rejection")
+        others = [connect_from("127.0.0.2", port) for _ in range(3)]
+        try:
+            for sock in others:
+                sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                assert first_line(sock) == "plain"
+        finally:
+            for sock in others:
+                sock.close()
+    finally:
+        first.close()
+    assert rejected(admin, vs="plain") == 0
+    assert api.accepted == 1
 
 
 def test_bad_per_source_blocks_are_file_line_errors(tmp_path):

@@ -182,7 +182,7 @@ class PerSourceTable:
             n = len(times)
             if need <= 0 or (need <= n and now - times[(entry.head - need) % n] < limits.interval):
                 self._refuse(idle, key, entry)
-            return None
+                return None
             if n < rate:
                 times.append(now)  # head stays 0: the ring fills in order
             else:

@@ -202,6 +202,33 @@ def proxied(port: int, source: str) -> socket.socket:
     return sock
 
 
+def test_ipv6_clients_count_by_their_prefix(name_servers, lbproxy):
+    """PROXY headers from a trusted peer name IPv6 clients: with `prefix_v6: 64` two
+    addresses of one /64 hold its two connections, a third address in it is refused, an
+    address in the next /64 is served."""
+    (server,) = name_servers("a")
+    port, admin = free_port(), free_port()
+    per_source = "{max_connections: 2, prefix_v6: 64}"
+    lbproxy(config(port, admin, server, per_source, "accept_proxy: true"))
+
+    def proxied6(source: str) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(encode_v1((source, 40000), ("::1", port)))
+        return sock
+
+    held = [proxied6("2001:db8::1"), proxied6("2001:db8::ffff:1")]
+    try:
+        assert all(served(sock) for sock in held)
+        with proxied6("2001:db8::5") as third:
+            assert not served(third)
+        with proxied6("2001:db8:0:1::1") as neighbour:
+            assert served(neighbour)
+    finally:
+        for sock in held:
+            sock.close()
+    wait_for(lambda: rejected(admin) == 1, what="one per_source rejection")
+
+
 def test_the_table_is_bounded_and_forgets_idle_networks_first(name_servers, lbproxy):
     """`max_tracked: 50` under 400 client addresses named by PROXY headers from a
     trusted peer: the table never holds more than 50; a network with an open connection

@@ -390,3 +390,43 @@ def test_shared_limits_add_the_other_instances_counts(tmp_path, name_servers, lb
     finally:
         stop_all(lbproxy.started)
         redis.stop()
+
+
+@requires_redis
+def test_shared_limits_hold_across_workers(tmp_path, name_servers, lbproxy):
+    """One lbproxy with `workers: 2` and `shared: true` (each worker a cluster member):
+    4 connections held from 127.0.0.2 at `max_connections: 4`, whichever workers accepted
+    them; once each worker has the other's counts (their remote counts add up to the 4),
+    the next ones are refused whichever worker accepts them."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        (server,) = name_servers("a")
+        port, admin = free_port(), free_port()
+        text = cluster_config(
+            redis,
+            "lb1",
+            port,
+            admin,
+            [server],
+            extra="connect_timeout: 60s\nper_source: {max_connections: 4, shared: true}",
+        )
+        lbproxy(text.replace("global:\n", "global:\n  workers: 2\n", 1), [admin])
+        held = []
+        try:
+            for _ in range(4):
+                held.append(connect_from("127.0.0.2", port))
+                assert served(held[-1])
+            wait_for(
+                lambda: virtual_server_document(admin)["per_source"]["remote_open"] == 4,
+                what="each worker counting the other's connections",
+            )
+            for _ in range(3):
+                with connect_from("127.0.0.2", port) as extra:
+                    assert not served(extra)
+            wait_for(lambda: rejected(admin) == 3, what="3 per_source rejections")
+        finally:
+            for sock in held:
+                sock.close()
+    finally:
+        stop_all(lbproxy.started)
+        redis.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,6 +27,7 @@ from lbproxy.wire.proxy_protocol import encode_v1
 from tests.factories import real_hello
 from tests.integration.harness import (
     free_port,
+    get_json,
     metrics,
     read_name,
     run_cli,
@@ -38,7 +40,6 @@ from tests.integration.harness import (
     with_admin,
 )
 from tests.integration.redis_server import RedisServer, requires_redis
-from tests.integration.test_cluster import Instance, cluster_config, wait_connected
 
 REJECTED = "lbproxy_rejected_connections_total"
 
@@ -334,6 +335,40 @@ def test_bad_per_source_blocks_are_file_line_errors(tmp_path):
 
 # -- shared across a cluster ---------------------------------------------------------------
 
+CLUSTER_KEY = "per-source-test-key-" + "0123456789abcdef" * 3
+
+
+def shared_config(redis: RedisServer, name: str, port: int, admin: int, server, limits: str) -> str:
+    """An instance of a cluster on `redis` (its key in a 0600 file), one virtual server
+    with `per_source: {limits, shared: true}` in front of `server`."""
+    key = redis.folder / "cluster.key"
+    if not key.exists():
+        key.write_text(CLUSTER_KEY + "\n")
+        key.chmod(0o600)
+    return (
+        "global:\n"
+        f"  admin: {{listen: 127.0.0.1:{admin}}}\n"
+        "  drain_timeout: 2s\n"
+        "  cluster:\n"
+        f"    key_file: {key}\n"
+        f"    redis: {{url: '{redis.url}', name: {name}}}\n"
+        "virtual_servers:\n"
+        "  - name: web\n"
+        f"    listen: 127.0.0.1:{port}\n"
+        "    health_check: {type: none}\n"
+        "    connect_timeout: 60s\n"
+        f"    per_source: {{{limits}, shared: true}}\n"
+        f"    real_servers: [{{name: {server.name}, address: '127.0.0.1:{server.port}'}}]\n"
+    )
+
+
+def cluster_connected(admin: int) -> bool:
+    return bool((virtual_servers_json(admin).get("cluster") or {}).get("connected"))
+
+
+def virtual_servers_json(admin: int) -> dict:
+    return get_json(admin, "/api/v1/virtual-servers")
+
 
 @requires_redis
 def test_shared_limits_add_the_other_instances_counts(tmp_path, name_servers, lbproxy):
@@ -344,21 +379,12 @@ def test_shared_limits_add_the_other_instances_counts(tmp_path, name_servers, lb
     redis = RedisServer(tmp_path / "redis").start()
     try:
         (server,) = name_servers("a")
-        instances = []
-        for name in ("lb1", "lb2"):
-            port, admin = free_port(), free_port()
-            text = cluster_config(
-                redis,
-                name,
-                port,
-                admin,
-                [server],
-                extra="connect_timeout: 60s\nper_source: {max_connections: 10, shared: true}",
-            )
-            proxy = lbproxy(text, [admin], folder=tmp_path / name)
-            instances.append(Instance(proxy, name, port, admin))
-        lb1, lb2 = instances
-        wait_connected(lb1, lb2)
+        lb1, lb2 = (SimpleNamespace(port=free_port(), admin=free_port()) for _ in range(2))
+        for name, one in (("lb1", lb1), ("lb2", lb2)):
+            text = shared_config(redis, name, one.port, one.admin, server, "max_connections: 10")
+            lbproxy(text, [one.admin], folder=tmp_path / name)
+        for one in (lb1, lb2):
+            wait_for(lambda one=one: cluster_connected(one.admin), what="connected to Redis")
         held = [connect_from("127.0.0.2", lb1.port) for _ in range(6)]
         try:
             assert all(served(sock) for sock in held)
@@ -402,14 +428,7 @@ def test_shared_limits_hold_across_workers(tmp_path, name_servers, lbproxy):
     try:
         (server,) = name_servers("a")
         port, admin = free_port(), free_port()
-        text = cluster_config(
-            redis,
-            "lb1",
-            port,
-            admin,
-            [server],
-            extra="connect_timeout: 60s\nper_source: {max_connections: 4, shared: true}",
-        )
+        text = shared_config(redis, "lb1", port, admin, server, "max_connections: 4")
         lbproxy(text.replace("global:\n", "global:\n  workers: 2\n", 1), [admin])
         held = []
         try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,14 +129,19 @@ class SourceEntry:
         return times[(self.head - k) % n]
 
     def recent(self, now: float, interval: float) -> int:
-        """Accepted arrivals within the last `interval` (for publishing; O(ring))."""
-        return sum(1 for t in self.times if now - t < interval)
+        """Accepted arrivals within the last `interval` (for publishing): a binary search
+        of the ring, which is in time order from `head` on."""
+        times, head = self.times, self.head
+        n = len(times)
+        # the index, in time order, of the first arrival still within the interval
+        first = bisect_left(range(n), True, key=lambda i: now - times[(head + i) % n] < interval)
+        return n - first
 
 
 class PerSourceTable:
     """The networks of one virtual server and their counts (see the module's doc)."""
 
-    __slots__ = ("_busy", "_idle", "_plain_v4", "limits", "refused", "untracked")
+    __slots__ = ("_busy", "_idle", "_plain_v4", "_remote", "limits", "refused", "untracked")
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
@@ -143,6 +149,7 @@ class PerSourceTable:
         self._plain_v4 = limits.prefix_v4 >= 32
         self._busy: dict[NetworkKey, SourceEntry] = {}
         self._idle: OrderedDict[NetworkKey, SourceEntry] = OrderedDict()
+        self._remote: list[SourceEntry] = []  # the entries set_remote gave counts to
         self.refused = 0  # arrivals refused, over the table's life
         self.untracked = 0  # arrivals let in untracked: the table was full of busy networks
 
@@ -253,17 +260,16 @@ class PerSourceTable:
         return counts
 
     def remote_open(self) -> int:
-        """The other instances' open connections this table counts (O(table): for the
-        admin API)."""
-        return sum(entry.remote_open for entry in self.entries())
+        """The other instances' open connections, as last given (`set_remote`)."""
+        return sum(entry.remote_open for entry in self._remote)
 
     def set_remote(self, counts: dict[NetworkKey, tuple[int, int]]) -> None:
         """The other instances' counts, summed (replacing the last ones). A network not
         tracked here is added only if the table has room: the remote counts matter when
         it arrives, and it is then added with them."""
-        for entry in self.entries():
-            if entry.remote_open or entry.remote_rate:
-                entry.remote_open = entry.remote_rate = 0
+        for entry in self._remote:
+            entry.remote_open = entry.remote_rate = 0
+        self._remote = remote = []
         busy, idle = self._busy, self._idle
         for key, (remote_open, remote_rate) in counts.items():
             known = busy.get(key) or idle.get(key)
@@ -276,3 +282,4 @@ class PerSourceTable:
                 idle.move_to_end(key, last=False)  # not seen here: first to go
             entry.remote_open = remote_open
             entry.remote_rate = remote_rate
+            remote.append(entry)

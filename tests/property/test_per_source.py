@@ -63,6 +63,9 @@ def test_verdicts_match_a_model_that_keeps_everything(
             accepted.setdefault(key, []).append(now)
     for entry in table.entries():
         assert entry.open == opened.get(entry.key, 0)
+        # what the cluster is told: the accepted arrivals within the last interval
+        within = [t for t in accepted.get(entry.key, []) if now - t < interval]
+        assert entry.recent(now, interval) == (min(len(within), rate) if rate else 0)
 
 
 @settings(max_examples=300, deadline=None)

@@ -145,6 +145,7 @@ RESYNC_TIMEOUT = 60.0  # a resync not done by then ends the session (and is retr
 # networks' counts for ever).
 SOURCES_INTERVAL = 0.5
 SOURCES_TTL = 3.0
+SOURCES_STEP = 1000  # networks counted between two turns of the data plane
 KIND_INVALID = "invalid"
 
 
@@ -724,22 +725,30 @@ class Cluster:
             now = trio.current_time()
             self.apply_sources(tables, now)
             wall = round(time.time(), 3)
+            publications = [
+                (vs, await self._local_sources(vs, table, now, wall))
+                for vs, table in tables.items()
+            ]
             async with client.pipeline(transaction=False) as pipe:
-                for vs, table in tables.items():
-                    for counts in self._local_sources(vs, table, now, wall):
+                for _, messages in publications:
+                    for counts in messages:
                         data = self.signer.sign(KIND_SOURCES, encode_sources(counts))
                         pipe.publish(self.sources_channel, data)
                         self.messages[KIND_SOURCES, "out"] += 1
 
-    def _local_sources(
+    async def _local_sources(
         self, vs: str, table: PerSourceTable, now: float, wall: float
     ) -> list[SourceCounts]:
+        """This instance's counts of one table, as messages; the data plane runs every
+        SOURCES_STEP networks (a table may hold many)."""
         limits = table.limits
         rows = []
-        for key, (open_, recent) in table.local_counts(now).items():
+        for done, (key, open_, recent) in enumerate(table.local_counts(now), 1):
             text = network_text(key, limits.prefix_v4, limits.prefix_v6)
             if text is not None:
                 rows.append((text, open_, recent))
+            if done % SOURCES_STEP == 0:
+                await trio.lowlevel.checkpoint()
         return source_batches(self.name, vs, wall, rows)
 
     def apply_sources(self, tables: dict[str, PerSourceTable], now: float) -> None:

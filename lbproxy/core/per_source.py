@@ -133,6 +133,10 @@ class SourceEntry:
         of the ring, which is in time order from `head` on."""
         times, head = self.times, self.head
         n = len(times)
+        if not n or now - times[head - 1] >= interval:  # the latest is out: none
+            return 0
+        if now - times[head] < interval:  # the oldest is in: all
+            return n
         # the index, in time order, of the first arrival still within the interval
         first = bisect_left(range(n), True, key=lambda i: now - times[(head + i) % n] < interval)
         return n - first
@@ -247,17 +251,17 @@ class PerSourceTable:
         yield from self._busy.values()
         yield from self._idle.values()
 
-    def local_counts(self, now: float) -> dict[NetworkKey, tuple[int, int]]:
-        """Each network with anything to tell the other instances (`shared`): (open
+    def local_counts(self, now: float) -> Iterator[tuple[NetworkKey, int, int]]:
+        """Each network with anything to tell the other instances (`shared`): (key, open
         connections, accepted arrivals within the last interval). Off the connection
-        path (the cluster publishes it periodically)."""
+        path (the cluster publishes it periodically); over a copy of the table's
+        entries, so its caller may let connections come and go between two networks."""
         interval = self.limits.interval
-        counts: dict[NetworkKey, tuple[int, int]] = {}
-        for entry in self.entries():
-            recent = entry.recent(now, interval) if self.limits.rate else 0
+        rate = self.limits.rate
+        for entry in [*self._busy.values(), *self._idle.values()]:
+            recent = entry.recent(now, interval) if rate else 0
             if entry.open or recent:
-                counts[entry.key] = (entry.open, recent)
-        return counts
+                yield entry.key, entry.open, recent
 
     def remote_open(self) -> int:
         """The other instances' open connections, as last given (`set_remote`)."""

@@ -723,7 +723,7 @@ class Cluster:
             await trio.sleep(SOURCES_INTERVAL)
             tables = self.target.shared_sources()
             now = trio.current_time()
-            self.apply_sources(tables, now)
+            await self.apply_sources(tables, now)
             wall = round(time.time(), 3)
             publications = [
                 (vs, await self._local_sources(vs, table, now, wall))
@@ -751,20 +751,27 @@ class Cluster:
                 await trio.lowlevel.checkpoint()
         return source_batches(self.name, vs, wall, rows)
 
-    def apply_sources(self, tables: dict[str, PerSourceTable], now: float) -> None:
+    async def apply_sources(self, tables: dict[str, PerSourceTable], now: float) -> None:
         """The sum of the others' latest counts, into each shared table; a publication
-        older than SOURCES_TTL is dropped."""
+        older than SOURCES_TTL is dropped. The data plane runs every SOURCES_STEP
+        networks."""
+        done = 0
         sums: dict[str, dict[NetworkKey, tuple[int, int]]] = {vs: {} for vs in tables}
         for (vs, origin), (received, _, rows) in list(self.remote_sources.items()):
             if now - received > SOURCES_TTL:
-                del self.remote_sources[vs, origin]
+                latest = self.remote_sources.get((vs, origin))
+                if latest is not None and latest[0] == received:  # none newer came meanwhile
+                    del self.remote_sources[vs, origin]
                 continue
             table = tables.get(vs)
             if table is None:
                 continue
             limits = table.limits
             total = sums[vs]
-            for text, (open_, recent) in rows.items():
+            for text, (open_, recent) in list(rows.items()):
+                done += 1
+                if done % SOURCES_STEP == 0:
+                    await trio.lowlevel.checkpoint()
                 key = network_of_text(text, limits.prefix_v4, limits.prefix_v6)
                 if key is not None:
                     was = total.get(key, (0, 0))

@@ -1,6 +1,7 @@
 """CPU and Python calls per new connection through the handler, A/B in one process.
 
     .venv/bin/python bench/bench_handler.py --base DIR [--connections 4000]
+    .venv/bin/python bench/bench_handler.py --base . --per-source   # what per_source costs
 
 For a change to lbproxy/dataplane/connection.py (issue 22's lifecycle) on a machine
 too busy for `scripts/bench --syscalls` to tell 3 % apart: this process loads the
@@ -33,7 +34,13 @@ from pathlib import Path
 import trio
 from common import ROOT, entry
 
-from lbproxy.config.model import Address, HealthCheckConfig, RealServerConfig, VirtualServerConfig
+from lbproxy.config.model import (
+    Address,
+    HealthCheckConfig,
+    PerSourceConfig,
+    RealServerConfig,
+    VirtualServerConfig,
+)
 from lbproxy.core.pool import Pool
 from lbproxy.dataplane.virtual_server import VirtualServer
 
@@ -53,9 +60,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", type=Path, required=True, help="a source tree to compare with")
     p.add_argument("--connections", type=int, default=4000, help="per tree (default 4000)")
+    p.add_argument(
+        "--per-source",
+        action="store_true",
+        help="this tree's virtual server has per_source: {max_connections: 100000, rate:"
+        " 1000000} (with --base . : what per_source costs a connection)",
+    )
     args = p.parse_args()
     modules = {"base": load("connection_base", args.base), "this": load("connection_this", ROOT)}
     n = args.connections
+    per_source = (
+        PerSourceConfig(max_connections=100_000, rate=1_000_000) if args.per_source else None
+    )
     cpu: dict[str, list[float]] = {k: [] for k in modules}
     calls: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in modules}
 
@@ -71,6 +87,7 @@ def main() -> None:
                 real_servers=(RealServerConfig("a", Address("127.0.0.1", real.getsockname()[1])),),
                 scheduler="rr",
                 health_check=HealthCheckConfig(type="none"),
+                per_source=per_source if key == "this" else None,
             )
             handlers[key] = module.Handler(VirtualServer(Pool(config, trio.current_time())))
         async with trio.open_nursery() as nursery:

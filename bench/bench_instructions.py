@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_instructions.py [--connections 1000] [--modes compiled,pure]
     .venv/bin/python bench/bench_instructions.py --keep-alive [--requests 3000]
+    .venv/bin/python bench/bench_instructions.py --lbproxy-extra 'per_source: {rate: 100}'
 
 CPU time per connection is what the benchmark reports (scripts/bench --syscalls), but
 on a shared 2-core virtual machine it moves with the other jobs (steal and cache time
@@ -72,13 +73,19 @@ def keep_alive(port: int, n: int) -> None:
 
 
 def instructions(
-    procs: Processes, work: Path, server_port: int, n: int, mode: str, client=connections
+    procs: Processes,
+    work: Path,
+    server_port: int,
+    n: int,
+    mode: str,
+    client=connections,
+    extra: str = "",
 ) -> int:
     """Ir of one lbproxy run under callgrind that serves `n` connections."""
     port = free_port()
     name = f"lbproxy-{mode}-{n}"
     prefix = callgrind(work / f"callgrind.{mode}.{n}")
-    config = lbproxy_conf([(port, server_port)])
+    config = lbproxy_conf([(port, server_port)], extra)
     proc = start_lbproxy(
         procs, work, config, name=name, prefix=prefix, log_level=None, env=path_env(mode)
     )
@@ -97,6 +104,12 @@ def main() -> None:
     p.add_argument("--keep-alive", action="store_true", help="per keep-alive request")
     p.add_argument("--requests", type=int, default=3000, help="with --keep-alive")
     p.add_argument(
+        "--lbproxy-extra",
+        default="",
+        metavar="YAML",
+        help="keys added to the virtual server, e.g. 'per_source: {max_connections: 100000}'",
+    )
+    p.add_argument(
         "--keep", type=Path, help="copy the callgrind files here (for callgrind_annotate)"
     )
     a = p.parse_args()
@@ -107,8 +120,9 @@ def main() -> None:
         if a.keep_alive:
             client, n, what = keep_alive, a.requests, "keep-alive request"
         for mode in a.modes.split(","):
-            base = instructions(procs, work, server_port, WARM, mode, client)
-            full = instructions(procs, work, server_port, WARM + n, mode, client)
+            extra = a.lbproxy_extra
+            base = instructions(procs, work, server_port, WARM, mode, client, extra)
+            full = instructions(procs, work, server_port, WARM + n, mode, client, extra)
             per = (full - base) / n
             if a.keep is not None:
                 a.keep.mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run lbproxy from this source tree (default: this checkout)",
     )
     p.add_argument(
+        "--lbproxy-extra",
+        default="",
+        metavar="YAML",
+        help="keys added to each lbproxy virtual server, as flow YAML on one line, e.g."
+        " 'per_source: {max_connections: 100000}' (to measure what a feature costs)",
+    )
+    p.add_argument(
         "--no-schedulers",
         dest="schedulers",
         action="store_false",

@@ -110,7 +110,7 @@ class Bench:
             return self.http_port, self.iperf_port
         routes = [(free_port(), self.http_port), (free_port(), self.iperf_port)]
         if proxy.name == "lbproxy":
-            text = lbproxy_conf(routes)
+            text = lbproxy_conf(routes, getattr(self.args, "lbproxy_extra", ""))
         elif proxy.name.startswith("haproxy"):
             text = haproxy_conf(routes, splice=proxy.name == "haproxy-splice")
         else:

@@ -77,7 +77,9 @@ stream {{{servers}
 """
 
 
-def lbproxy_conf(routes: list[tuple[int, int]]) -> str:
+def lbproxy_conf(routes: list[tuple[int, int]], extra: str = "") -> str:
+    """lbproxy's configuration: one virtual server per route, each with `extra` (keys
+    of a virtual server on one line, e.g. `per_source: {max_connections: 100000}`)."""
     text = """
 global:
   admin:
@@ -98,6 +100,8 @@ virtual_servers:
       - name: s1
         address: 127.0.0.1:{server}
 """
+        if extra:
+            text += f"    {extra}\n"
     return text
 
 

@@ -250,6 +250,21 @@ def virtual_server_document(vs: VirtualServerView) -> dict[str, Any]:
         "protocol": pool.config.protocol,
         # SPEC §19: the session table's counts (active sessions: `active_connections`).
         "udp": pool.udp.document() if pool.config.protocol == "udp" else None,
+        "per_source": per_source_document(vs),
+    }
+
+
+def per_source_document(vs: VirtualServerView) -> dict[str, Any] | None:
+    """SPEC §23: the per-source table's size and what it refused (None: no table)."""
+    table = vs.per_source
+    if table is None:
+        return None
+    return {
+        "tracked": len(table),
+        "max_tracked": table.limits.max_tracked,
+        "rejected": vs.pool.rejected.get("per_source", 0),
+        "untracked": table.untracked,
+        "remote_open": table.remote_open(),  # shared: the other instances' open connections
     }
 
 

@@ -24,6 +24,7 @@ from lbproxy.core.discovery_model import RESULTS as DISCOVERY_RESULTS
 from lbproxy.core.discovery_model import DiscoveryState
 from lbproxy.core.health import CLOSE_REASONS
 from lbproxy.core.histogram import Histogram
+from lbproxy.core.per_source import PerSourceTable
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.core.pool import REJECT_REASONS, Pool
 from lbproxy.core.throttle import MODE_VALUES
@@ -75,6 +76,9 @@ class VirtualServerView(Protocol):
 
     @property
     def queue_stats(self) -> QueueView: ...
+
+    @property
+    def per_source(self) -> PerSourceTable | None: ...
 
 
 class MetricsSource(Protocol):
@@ -243,7 +247,7 @@ class LbproxyCollector:
             return
         yield gauge("lbproxy_cluster_connected", value=1 if cluster.connected else 0)
         messages = counter("lbproxy_cluster_messages")
-        for kind in (*CLUSTER_KINDS, "entries", "invalid"):
+        for kind in (*CLUSTER_KINDS, "entries", "sources", "invalid"):
             for direction in ("in", "out"):
                 if kind != "invalid" or direction == "in":
                     messages.add_metric([kind, direction], cluster.messages[kind, direction])

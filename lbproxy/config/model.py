@@ -275,6 +275,19 @@ class OutlierDetectionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PerSourceConfig:
+    """`per_source:` of a TCP virtual server (SPEC §23): limits per client network."""
+
+    max_connections: int | None = None  # open connections per network; None: no limit
+    rate: int | None = None  # accepted connections per network within `interval`
+    interval: float = 1.0  # the sliding window `rate` counts over
+    prefix_v4: int = 32
+    prefix_v6: int = 64
+    max_tracked: int = 100_000  # networks remembered (least recently seen idle go first)
+    shared: bool = False  # add the cluster's other instances' counts (needs global.cluster)
+
+
+@dataclass(frozen=True, slots=True)
 class ConditioningConfig:
     """`conditioning:` of a virtual server: Geode's load conditioning (SPEC §11)."""
 
@@ -373,6 +386,7 @@ class VirtualServerConfig:
     persistence: PersistenceConfig | None = None  # None: no client persistence
     discovery: DnsDiscoveryConfig | None = None  # None: only the static real_servers
     queue: QueueConfig | None = None  # None: a full pool refuses (max_connections)
+    per_source: PerSourceConfig | None = None  # None: no limit per client network
     # TLS server names routed here from a shared listen address (lower case); (): the
     # default of its addresses, or a virtual server alone on them
     sni: tuple[str, ...] = ()

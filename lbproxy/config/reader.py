@@ -36,6 +36,7 @@ from lbproxy.config.model import (
     LocatorConfig,
     OutlierDetectionConfig,
     PersistenceConfig,
+    PerSourceConfig,
     Problem,
     QueueConfig,
     RealServerCheckConfig,
@@ -64,6 +65,7 @@ from lbproxy.config.tables import (
     HEALTH_CHECK_FIELDS,
     LOCATOR_SECTIONS,
     OUTLIER_DETECTION_FIELDS,
+    PER_SOURCE_FIELDS,
     PERSISTENCE_FIELDS,
     QUEUE_FIELDS,
     REAL_SERVER_AGENT_CHECK_FIELDS,
@@ -262,6 +264,7 @@ class _VirtualServerRead:
     accept_proxy: tuple[bool, int] = (False, 0)  # and the line of the key, 0: default
     accept_proxy_from: tuple[Any, int] = ((), 0)  # the networks, and the key's line
     protocol: str = "tcp"  # a TCP and a UDP listener on one address do not clash
+    shared_line: int = 0  # of `per_source.shared: true`, which needs global.cluster; 0: none
 
 
 def _nested(
@@ -457,6 +460,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
     persistence = _read_persistence(doc, vs, where)
     discovery = _read_discovery(doc, vs, where)
     queue = _nested(doc, vs, "queue", f"queue of {where}", QUEUE_FIELDS, prefix="queue.")
+    per_source, shared_line = _read_per_source(doc, vs, where)
     conditioning = _read_conditioning(doc, vs, where)
     outlier_detection = _read_outlier_detection(doc, vs, where)
     udp = _read_udp(doc, vs, where)
@@ -484,6 +488,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
             persistence=persistence,
             discovery=discovery,
             queue=QueueConfig(**queue.values) if queue is not None else None,
+            per_source=per_source,
             conditioning=conditioning,
             outlier_detection=outlier_detection,
             udp=udp or UdpConfig(),
@@ -528,6 +533,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
         accept_proxy=accept_proxy,
         accept_proxy_from=accept_proxy_from,
         protocol=protocol,
+        shared_line=shared_line,
     )
 
 
@@ -628,6 +634,34 @@ def _read_health_check(doc: _Document, vs: _Section, where: str) -> HealthCheckC
             f"health_check type {check.type} is for UDP; it needs protocol: udp",
         )
     return check
+
+
+def _read_per_source(
+    doc: _Document, vs: _Section, where: str
+) -> tuple[PerSourceConfig | None, int]:
+    """`per_source:` (SPEC §23), and the line of `shared: true` (0: not shared)."""
+    section = _nested(
+        doc, vs, "per_source", f"per_source of {where}", PER_SOURCE_FIELDS, prefix="per_source."
+    )
+    if section is None:
+        return None, 0
+    if not section.nodes.keys() & {"max_connections", "rate"}:
+        doc.error(section.line, "per_source needs max_connections or rate (or both)")
+    config = PerSourceConfig(**section.values)
+    return config, section.line_of("shared") if config.shared else 0
+
+
+def _check_shared_per_source(
+    servers: list[_VirtualServerRead], global_: GlobalConfig, problems: list[Problem]
+) -> None:
+    """`per_source.shared: true` adds the cluster's counts: there must be a cluster."""
+    if global_.cluster.redis is not None:
+        return
+    for vs in servers:
+        if vs.shared_line:
+            problems.append(
+                Problem(vs.file, vs.shared_line, "per_source.shared needs global.cluster")
+            )
 
 
 def _read_throttle(doc: _Document, vs: _Section, where: str) -> ThrottleConfig | None:
@@ -1104,6 +1138,7 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> Config:
     _check_unique_names(servers, problems)
     _check_port_clashes(servers, global_reads[0] if global_reads else None, problems)
     _check_shared_addresses(servers, problems)
+    _check_shared_per_source(servers, global_, problems)
     if not servers and (files or paths):
         first = files[0] if files else os.fsdecode(paths[0])
         problems.append(Problem(first, 1, "no virtual servers configured"))

@@ -29,6 +29,7 @@ from lbproxy.config.model import (
     HealthCheckConfig,
     OutlierDetectionConfig,
     PersistenceConfig,
+    PerSourceConfig,
     QueueConfig,
     RealServerCheckConfig,
     RealServerConfig,
@@ -667,6 +668,7 @@ TCP_ONLY_KEYS = (
     "outlier_detection",
     "max_connection_duration",
     "max_connection_duration_jitter",
+    "per_source",
 )
 
 OUTLIER_DETECTION_FIELDS: dict[str, Converter] = {
@@ -684,6 +686,32 @@ OUTLIER_DETECTION_FIELDS: dict[str, Converter] = {
     "max_ejection_percent": integer(0, 100).about(
         "share of the non-backup real servers (rounded down) ejected at once, at most; "
         "one always stays"
+    ),
+}
+
+PER_SOURCE_FIELDS: dict[str, Converter] = {
+    "max_connections": integer(1).about(
+        "open connections one client network may hold; its next is closed at accept "
+        '(`rejected{reason="per_source"}`)',
+        default="none",
+    ),
+    "rate": integer(1).about(
+        "connections one client network may open within `interval` (a sliding window; "
+        "refused ones do not count); beyond: closed at accept (at least one of the two)",
+        default="none",
+    ),
+    "interval": duration(positive=True).about("the window `rate` counts over"),
+    "prefix_v4": integer(1, 32).about("prefix length of an IPv4 client network (32: each address)"),
+    "prefix_v6": integer(1, 128).about(
+        "prefix length of an IPv6 client network (64: a host or a site usually holds a whole /64)"
+    ),
+    "max_tracked": integer(1).about(
+        "client networks remembered; beyond, the least recently seen one without open "
+        "connections is forgotten (a refused arrival counts as seen)"
+    ),
+    "shared": boolean.about(
+        "add the other cluster instances' counts, as they last published them (at most 1 s "
+        "old); needs `global.cluster`"
     ),
 }
 
@@ -855,6 +883,15 @@ SECTIONS = Section(
                     PersistenceConfig,
                     "client persistence: a client goes back to its last real server",
                     page="concepts/affinity.md",
+                ),
+                "per_source": Section(
+                    PER_SOURCE_FIELDS,
+                    PerSourceConfig,
+                    "limits per client network, applied at accept before any byte is read: "
+                    "open connections and new connections within a sliding window; needs "
+                    "`max_connections` or `rate`",
+                    page="concepts/protection.md",
+                    rules=({"anyOf": [{"required": ["max_connections"]}, {"required": ["rate"]}]},),
                 ),
                 "queue": Section(
                     QUEUE_FIELDS,

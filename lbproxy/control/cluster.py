@@ -13,6 +13,8 @@ What is shared, and how (every key and channel starts with `key_prefix:`):
     PREFIX:member:NAME     an instance's heartbeat, refreshed every HEARTBEAT seconds,
                            expiring after MEMBER_TTL
     PREFIX:members         hash: member name -> its last heartbeat (for "last seen")
+    PREFIX:sources         channel: each instance's per-source counts (`per_source.shared`)
+                           of each such virtual server, every SOURCES_INTERVAL
 
 Every value and message is signed with the cluster's key (wire/cluster_messages.py's
 `Signer`); what is not signed with it, or was made more than MAX_AHEAD seconds ahead of
@@ -42,6 +44,10 @@ fails. Then the instance serves on its local state — changes made meanwhile ar
 locally and wait in `pending` — and reconnects with a growing delay (at most
 MAX_BACKOFF), logging the outage once. Health checks, throttles and counters are not
 shared: each instance measures its own (as HAProxy's peers share stick tables only).
+The per-source counts of a virtual server with `per_source.shared` are (SPEC §23): each
+instance publishes its networks' open connections and recent arrivals every
+SOURCES_INTERVAL and adds the others' latest publications (dropped after SOURCES_TTL
+without one) to its table's limits; nothing is asked of Redis per connection.
 
 Everything read from Redis is hostile input: its MAC checked, decoded and validated
 whole by the codec, and names are looked up in this instance's configuration; anything
@@ -67,11 +73,13 @@ import trio
 
 from lbproxy.config.model import MAX_CLUSTER_STATE_FIELDS, ClusterConfig, RedisConfig
 from lbproxy.config.secret_files import SECRETS
+from lbproxy.core.per_source import NetworkKey, PerSourceTable, network_of_text, network_text
 from lbproxy.core.pool import Pool
 from lbproxy.wire.cluster_messages import (
     KIND_CHANGE,
     KIND_ENTRIES,
     KIND_MEMBER,
+    KIND_SOURCES,
     MAC_SIZE,
     MAX_AHEAD,
     MAX_ENTRIES,
@@ -82,19 +90,23 @@ from lbproxy.wire.cluster_messages import (
     MessageError,
     RemoteEntry,
     Signer,
+    SourceCounts,
     batches,
     client_address,
     decode_change,
     decode_entries,
     decode_entry_value,
     decode_member,
+    decode_sources,
     encode_change,
     encode_entry_value,
     encode_member,
     encode_rows,
+    encode_sources,
     entries_prefix,
     entry_kind,
     next_version,
+    source_batches,
     version_time,
 )
 
@@ -127,6 +139,13 @@ MAX_STATE_FIELDS = MAX_CLUSTER_STATE_FIELDS  # fields of the state hash a resync
 COUNT_STEP = 10_000  # keys Redis looks at per step when counting the entries not read
 MAX_COUNT_STEPS = 10_000  # steps of that count, at most (a keyspace of 100M keys)
 RESYNC_TIMEOUT = 60.0  # a resync not done by then ends the session (and is retried)
+# per_source.shared: how often each instance publishes its counts and applies the others'
+# (a count is then at most about twice this old), and how long an instance's last
+# publication counts without a newer one (an instance that stopped must not hold its
+# networks' counts for ever).
+SOURCES_INTERVAL = 0.5
+SOURCES_TTL = 3.0
+SOURCES_STEP = 1000  # networks counted between two turns of the data plane
 KIND_INVALID = "invalid"
 
 
@@ -201,6 +220,10 @@ class ClusterTarget(Protocol):
 
     def apply_entries(self, batch: EntryBatch, now: float) -> tuple[int, int]:
         """(applied, unknown) entries of one batch."""
+        ...
+
+    def shared_sources(self) -> dict[str, PerSourceTable]:
+        """The per-source tables of the virtual servers with `per_source.shared`."""
         ...
 
 
@@ -279,6 +302,11 @@ class Cluster:
         self.entry_prefix = f"{prefix}:p:"
         self.member_prefix = f"{prefix}:member:"
         self.members_key = f"{prefix}:members"
+        self.sources_channel = f"{prefix}:sources"
+        # per_source.shared: the others' last publication, per (virtual server, origin):
+        # when it came (the run's clock), when it was made, and its counts per network.
+        self.remote_sources: dict[tuple[str, str], tuple[float, float, dict[str, tuple[int, int]]]]
+        self.remote_sources = {}
         self.connected = False
         self.members: list[Member] = []  # seen within LIST_FOR, by name
         self.alive: set[str] = set()  # members whose heartbeat key lives
@@ -451,7 +479,7 @@ class Cluster:
         async with self._client() as client:
             cas = client.register_script(COMPARE_AND_SET)
             async with client.pubsub(
-                channels=[self.changes_channel, self.entries_channel],
+                channels=[self.changes_channel, self.entries_channel, self.sources_channel],
                 retry_policy=None,
                 ignore_subscribe_messages=True,
             ) as subscriber:
@@ -474,6 +502,7 @@ class Cluster:
                     nursery.start_soon(self._receive, subscriber)
                     nursery.start_soon(self._heartbeats, client)
                     nursery.start_soon(self._flushes, client, cas)
+                    nursery.start_soon(self._sources, client)
 
     # -- resync ---------------------------------------------------------------------
 
@@ -602,6 +631,8 @@ class Cluster:
                 self._receive_change(data)
             elif channel == self.entries_channel.encode():
                 self._receive_entries(data)
+            elif channel == self.sources_channel.encode():
+                self._receive_sources(data, trio.current_time())
             # One message (at most MAX_ENTRIES entries) per step: a flood of them
             # leaves the data plane its turns.
             await trio.lowlevel.checkpoint()
@@ -662,6 +693,91 @@ class Cluster:
             self._ignore("future", f"entries of {batch.origin}: made {-age:.0f}s ahead")
             return
         self._apply_entries(_aged(batch, age), trio.current_time())
+
+    def _receive_sources(self, data: object, now: float) -> None:
+        """Keep another instance's per-source counts (applied by `_sources`)."""
+        try:
+            counts = decode_sources(self.signer.open(KIND_SOURCES, data))
+        except MessageError as exc:
+            self.messages[KIND_INVALID, "in"] += 1
+            self._ignore(exc.reason, exc.detail)
+            return
+        self.messages[KIND_SOURCES, "in"] += 1
+        if counts.origin == self.name:
+            return
+        if counts.time > time.time() + MAX_AHEAD:
+            self._ignore("future", f"per-source counts of {counts.origin}: made ahead")
+            return
+        key = (counts.virtual_server, counts.origin)
+        known = self.remote_sources.get(key)
+        rows = {network: (open_, recent) for network, open_, recent in counts.networks}
+        if known is None or counts.time > known[1]:
+            self.remote_sources[key] = (now, counts.time, rows)
+        elif counts.time == known[1]:  # another part of the same publication
+            known[2].update(rows)
+
+    async def _sources(self, client: coredis.Redis[bytes]) -> None:
+        """per_source.shared: every SOURCES_INTERVAL, publish this instance's counts and
+        give each table the others' latest."""
+        while True:
+            await trio.sleep(SOURCES_INTERVAL)
+            tables = self.target.shared_sources()
+            now = trio.current_time()
+            await self.apply_sources(tables, now)
+            wall = round(time.time(), 3)
+            publications = [
+                (vs, await self._local_sources(vs, table, now, wall))
+                for vs, table in tables.items()
+            ]
+            async with client.pipeline(transaction=False) as pipe:
+                for _, messages in publications:
+                    for counts in messages:
+                        data = self.signer.sign(KIND_SOURCES, encode_sources(counts))
+                        pipe.publish(self.sources_channel, data)
+                        self.messages[KIND_SOURCES, "out"] += 1
+
+    async def _local_sources(
+        self, vs: str, table: PerSourceTable, now: float, wall: float
+    ) -> list[SourceCounts]:
+        """This instance's counts of one table, as messages; the data plane runs every
+        SOURCES_STEP networks (a table may hold many)."""
+        limits = table.limits
+        rows = []
+        for done, (key, open_, recent) in enumerate(table.local_counts(now), 1):
+            text = network_text(key, limits.prefix_v4, limits.prefix_v6)
+            if text is not None:
+                rows.append((text, open_, recent))
+            if done % SOURCES_STEP == 0:
+                await trio.lowlevel.checkpoint()
+        return source_batches(self.name, vs, wall, rows)
+
+    async def apply_sources(self, tables: dict[str, PerSourceTable], now: float) -> None:
+        """The sum of the others' latest counts, into each shared table; a publication
+        older than SOURCES_TTL is dropped. The data plane runs every SOURCES_STEP
+        networks."""
+        done = 0
+        sums: dict[str, dict[NetworkKey, tuple[int, int]]] = {vs: {} for vs in tables}
+        for (vs, origin), (received, _, rows) in list(self.remote_sources.items()):
+            if now - received > SOURCES_TTL:
+                latest = self.remote_sources.get((vs, origin))
+                if latest is not None and latest[0] == received:  # none newer came meanwhile
+                    del self.remote_sources[vs, origin]
+                continue
+            table = tables.get(vs)
+            if table is None:
+                continue
+            limits = table.limits
+            total = sums[vs]
+            for text, (open_, recent) in list(rows.items()):
+                done += 1
+                if done % SOURCES_STEP == 0:
+                    await trio.lowlevel.checkpoint()
+                key = network_of_text(text, limits.prefix_v4, limits.prefix_v6)
+                if key is not None:
+                    was = total.get(key, (0, 0))
+                    total[key] = (was[0] + open_, was[1] + recent)
+        for vs, table in tables.items():
+            table.set_remote(sums[vs])
 
     def _apply_entries(self, batch: EntryBatch, now: float) -> None:
         if not batch.entries:

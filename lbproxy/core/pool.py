@@ -81,6 +81,7 @@ REJECT_REASONS = (
     "no_route",
     "proxy_untrusted",  # a PROXY sender outside accept_proxy_from (SPEC §21)
     "max_clients",  # beyond global.max_clients: closed at accept (SPEC §21)
+    "per_source",  # a client network over its per_source limits: closed at accept (SPEC §23)
 )
 SLOW_START_FLOOR = 0.1  # a ramping server starts at 10 % of its weight (SPEC §3)
 SLOW_START_STEPS = 50  # effective weight is recomputed this many times over the ramp

@@ -51,6 +51,7 @@ from lbproxy.config.model import Address, VirtualServerConfig
 from lbproxy.core.client_address import SourceFilter
 from lbproxy.core.closing import MAX_DURATION, lifetime
 from lbproxy.core.health import record_health
+from lbproxy.core.per_source import SourceEntry
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.dataplane.lifecycle import (
     ADMITTED,
@@ -109,6 +110,7 @@ class ClientConnection(Flow):
         "source",
         "started",
         "state",
+        "tracked",
         "tried",
     )
 
@@ -136,6 +138,8 @@ class ClientConnection(Flow):
         self.leftover: bytes | None = None
         self.lease: Lease | None = None  # while a server is taken
         self.tried: list[RealServer] | None = None  # servers whose connect failed
+        # Its client network's entry in the per-source table while counted there.
+        self.tracked: SourceEntry | None = None
         self.sock: socket.SocketType | None = None  # a connect in progress
         # The scope of a connect that is waiting for the real server's answer, if any.
         self.connecting: trio.CancelScope | None = None
@@ -184,6 +188,12 @@ class ClientConnection(Flow):
             self.lease = None
             handler.pool.clients -= 1
             _clients.open -= 1
+            tracked = self.tracked
+            if tracked is not None:  # counted in its network's entry: uncounted
+                self.tracked = None
+                sources = handler.vs.per_source
+                if sources is not None:  # (else the block is gone: nothing to count)
+                    sources.release(tracked)
             self.state = INTO[ENDED][self.state]
             if self.fd >= 0 or self.sock is not None:  # not once established: the pump's
                 self._release()
@@ -285,6 +295,7 @@ class Handler:
         """Remember a configuration's (the first, or a reload's) ACL and trusted PROXY
         senders, each of which remembers its verdict per address."""
         self._seen = config
+        self.vs.sync_per_source(config.per_source)
         self._acl = SourceFilter(config.allow, config.deny)
         self._proxy_peers = SourceFilter(config.accept_proxy_from)
 
@@ -386,6 +397,15 @@ class Handler:
         if config.max_connections and self.pool.clients > config.max_connections:
             c.reject("max_connections")
             return None
+        if config.per_source is not None:
+            sources = self.vs.per_source
+            if sources is not None:
+                entry = sources.admit(c.source[0], c.started)
+                if entry is None:
+                    c.reject("per_source")
+                    return None
+                if entry is not True:
+                    c.tracked = entry  # type: ignore[assignment]  # True: untracked
         throttle = self.vs.throttle
         if throttle is not None:  # start with the imposed idle timeout, if any
             c.idle_timeout = throttle.idle_timeout_for(config.idle_timeout)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from lbproxy.config.model import PerSourceConfig
+from lbproxy.core.per_source import Limits, PerSourceTable
 from lbproxy.core.pool import Pool
 from lbproxy.core.throttle import LOW
 from lbproxy.dataplane.queue import Queue, QueueStats
@@ -54,10 +56,34 @@ class VirtualServer:
         # publishes outlives it (a reload that removes the queue keeps the waits counted).
         self.queue: Queue | None = None
         self.queue_stats = QueueStats()
+        # The client networks of `per_source:` (None: no such block), kept across reloads
+        # (sync_per_source) so the open connections stay counted.
+        self.per_source: PerSourceTable | None = None
+        self._per_source_config: PerSourceConfig | None = None
 
     @property
     def name(self) -> str:
         return self.pool.name
+
+    def sync_per_source(self, config: PerSourceConfig | None) -> None:
+        """Give the virtual server the per-source table `config` asks for (a reload's:
+        the same table under the new limits where it can)."""
+        if config is self._per_source_config:
+            return
+        self._per_source_config = config
+        if config is None:
+            self.per_source = None
+            return
+        limits = Limits(
+            max_connections=config.max_connections or 0,
+            rate=config.rate or 0,
+            interval=config.interval,
+            prefix_v4=config.prefix_v4,
+            prefix_v6=config.prefix_v6,
+            max_tracked=config.max_tracked,
+        )
+        table = self.per_source
+        self.per_source = PerSourceTable(limits) if table is None else table.reconfigure(limits)
 
     @property
     def throttle_mode(self) -> str:

@@ -35,6 +35,7 @@ from lbproxy.control.drain_close import DrainCloses, shutdown_sessions
 from lbproxy.control.snmp import SnmpPollers
 from lbproxy.control.throttle_monitor import Throttles
 from lbproxy.core.discovery_model import AddressPolicy, address_policy
+from lbproxy.core.per_source import PerSourceTable
 from lbproxy.core.pool import DISABLED, DRAIN, Pool, RealServer, state_error
 from lbproxy.dataplane import queue as waiting
 from lbproxy.dataplane.listener import BindError, Listener, listen_socket
@@ -361,6 +362,17 @@ class Server:
     def pools(self) -> list[Pool]:
         """The pools of the configured virtual servers, in configuration order."""
         return [vs.pool for vs in self.virtual_servers.values()]
+
+    def shared_sources(self) -> dict[str, PerSourceTable]:
+        """The per-source tables the cluster shares (`per_source.shared`)."""
+        shared = {}
+        for name, vs in self.virtual_servers.items():
+            config = vs.pool.config.per_source
+            if config is not None and config.shared:
+                vs.sync_per_source(config)  # a reload's limits, before any connection
+                if vs.per_source is not None:
+                    shared[name] = vs.per_source
+        return shared
 
     async def _serve(
         self,

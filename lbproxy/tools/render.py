@@ -277,7 +277,8 @@ def print_status(document: dict, console: Console | None = None) -> None:
     if console is None:
         console = Console(highlight=False, force_terminal=_isatty(sys.stdout))
     if not console.is_terminal:
-        lines = status_plain(document) + udp_plain(document) + cluster_plain(document, time.time())
+        lines = status_plain(document) + udp_plain(document) + per_source_plain(document)
+        lines += cluster_plain(document, time.time())
         lines += protection_plain(document, time.time())
         console.file.write("".join(line + "\n" for line in lines))
         console.file.flush()
@@ -289,7 +290,7 @@ def print_status(document: dict, console: Console | None = None) -> None:
     else:
         for line in status_blocks(document, console.width):
             console.print(line, overflow="fold")
-    for line in udp_lines(document):
+    for line in udp_lines(document) + per_source_lines(document):
         console.print(line, overflow="fold")
     for line in cluster_lines(document, time.time()):
         console.print(line, overflow="fold")
@@ -444,6 +445,53 @@ def udp_lines(document: dict) -> list[Text]:
             line.append(
                 ", dropped " + ", ".join(f"{r} {n}" for r, n in dropped.items()), style="yellow"
             )
+        lines.append(line)
+    return lines
+
+
+PER_SOURCE_COLUMNS = ("PER_SOURCE_VIRTUAL_SERVER", "REJECTED", "TRACKED", "MAX_TRACKED")
+
+
+def _per_source_rows(document: dict) -> list[list[str]]:
+    """Per virtual server with `per_source:` (SPEC §23): the connections it closed at
+    accept, the client networks it tracks and its bound."""
+    rows = []
+    for vs in document["virtual_servers"]:
+        table = vs.get("per_source")
+        if table:
+            rows.append(
+                [
+                    vs["name"],
+                    str(table.get("rejected", 0)),
+                    str(table.get("tracked", 0)),
+                    str(table.get("max_tracked", 0)),
+                ]
+            )
+    return rows
+
+
+def per_source_plain(document: dict) -> list[str]:
+    """The per-source tables after the rows: a blank line, a header, one row per virtual
+    server that has one (none: nothing)."""
+    rows = _per_source_rows(document)
+    if not rows:
+        return []
+    rows.insert(0, list(PER_SOURCE_COLUMNS))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(PER_SOURCE_COLUMNS))]
+    lines = [""]
+    for row in rows:
+        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
+        lines.append(PLAIN_GAP.join(cells).rstrip())
+    return lines
+
+
+def per_source_lines(document: dict) -> list[Text]:
+    """The terminal's view of the per-source tables, one line per virtual server."""
+    lines = []
+    for name, rejected, tracked, max_tracked in _per_source_rows(document):
+        line = Text(f"per_source {name}: ", style="bold")
+        line.append(f"{rejected} rejected", style="yellow" if rejected != "0" else "")
+        line.append(f", {tracked} client networks tracked (at most {max_tracked})")
         lines.append(line)
     return lines
 

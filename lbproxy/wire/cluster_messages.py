@@ -46,7 +46,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from ipaddress import ip_address
+from ipaddress import ip_address, ip_network
 from typing import Any
 
 from lbproxy.config.model import MAX_WEIGHT, MIN_CLUSTER_KEY
@@ -69,6 +69,9 @@ REASONS = ("oversized", "garbage", "invalid", "signature")
 # its field for ever and pull every instance's clock (next_version) with it.
 MAX_AHEAD = 60.0
 KIND_CHANGE, KIND_ENTRIES, KIND_MEMBER = "change", "entries", "member"
+KIND_SOURCES = "sources"
+MAX_NETWORKS = 400  # client networks per SourceCounts message (see `source_batches`)
+MAX_SOURCE_COUNT = 10**7  # an open count or arrival count above this is refused
 
 # Names as the configuration allows them (config/values.py `plain_name`, `member_name`).
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -118,6 +121,19 @@ class EntryBatch:
     virtual_server: str
     entries: tuple[RemoteEntry, ...]
     time: float = 0.0  # Unix time the batch was made at (its entries' TTLs count from then)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceCounts:
+    """One instance's per-source counts of one virtual server (`per_source.shared`):
+    per client network (an address, or a network `ADDRESS/PREFIX`), its open connections
+    and its arrivals within the last `interval`, as of `time`. A publication too large
+    for one message is cut into several with the same `time`."""
+
+    origin: str
+    virtual_server: str
+    time: float  # Unix time the counts were taken at
+    networks: tuple[tuple[str, int, int], ...]  # (network, open, recent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +249,31 @@ def decode_entry_value(data: bytes) -> tuple[str, int]:
     except UnicodeDecodeError:
         raise MessageError("invalid", f"entry value {_short(data)}") from None
     return _name(name, "server"), int(expires)
+
+
+def encode_sources(counts: SourceCounts) -> bytes:
+    rows = [list(row) for row in counts.networks]
+    return _dump(
+        {
+            "v": PROTOCOL,
+            "origin": counts.origin,
+            "vs": counts.virtual_server,
+            "time": counts.time,
+            "networks": rows,
+        }
+    )
+
+
+def source_batches(
+    origin: str, vs: str, time: float, networks: list[tuple[str, int, int]]
+) -> list[SourceCounts]:
+    """`networks` cut into messages that each encode within MAX_MESSAGE (none: one empty
+    message, which tells the others this instance counts nothing now) (a row is at
+    most 43 characters of network, two counts of 8 digits and punctuation: < 70 bytes)."""
+    return [
+        SourceCounts(origin, vs, time, tuple(networks[i : i + MAX_NETWORKS]))
+        for i in range(0, max(1, len(networks)), MAX_NETWORKS)
+    ]
 
 
 def encode_member(member: Member) -> bytes:
@@ -376,6 +417,48 @@ def client_address(value: object) -> str:
         raise MessageError("invalid", f"client {_short(value)} is not an address") from None
     if value != str(parsed):  # one spelling per address, so one key per client
         raise MessageError("invalid", f"client {_short(value)} is not written as {parsed}")
+    return value
+
+
+def decode_sources(data: object) -> SourceCounts:
+    document = _load(data, ("v", "origin", "vs", "time", "networks"))
+    rows = document["networks"]
+    if not isinstance(rows, list) or len(rows) > MAX_NETWORKS:
+        raise MessageError("invalid", f"networks is not a list of at most {MAX_NETWORKS}")
+    networks = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != 3:
+            raise MessageError(
+                "invalid", f"a network is not [network, open, recent]: {_short(row)}"
+            )
+        networks.append(
+            (
+                client_network(row[0]),
+                _integer(row[1], "open", 0, MAX_SOURCE_COUNT),
+                _integer(row[2], "recent", 0, MAX_SOURCE_COUNT),
+            )
+        )
+    return SourceCounts(
+        _name(document["origin"], "origin", MEMBER),
+        _name(document["vs"], "vs"),
+        _real(document["time"], "time", 1e11),
+        tuple(networks),
+    )
+
+
+def client_network(value: object) -> str:
+    """A client network from the network: an address, or `ADDRESS/PREFIX` with no host
+    bits, written as ipaddress writes it (one spelling per network)."""
+    if not isinstance(value, str) or not 2 <= len(value) <= 43:
+        raise MessageError("invalid", f"network {_short(value)}")
+    if "/" not in value:
+        return client_address(value)
+    try:
+        parsed = ip_network(value, strict=True)
+    except ValueError:
+        raise MessageError("invalid", f"network {_short(value)} is not a network") from None
+    if value != str(parsed):
+        raise MessageError("invalid", f"network {_short(value)} is not written as {parsed}")
     return value
 
 

@@ -98,6 +98,10 @@ def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
             udp[key] = udp.get(key, 0) + other_udp.get(key, 0)
         for reason, count in (other_udp.get("dropped") or {}).items():
             udp.setdefault("dropped", {})[reason] = udp["dropped"].get(reason, 0) + count
+    table, other_table = vs.get("per_source"), other.get("per_source")
+    if table and other_table:  # SPEC §23: each worker counts its own networks
+        for key in ("tracked", "rejected", "untracked", "remote_open"):
+            table[key] = table.get(key, 0) + other_table.get(key, 0)
     by_name = {rs["name"]: rs for rs in other.get("real_servers", [])}
     for rs in vs.get("real_servers", []):
         if rs["name"] in by_name:

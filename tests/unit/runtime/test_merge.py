@@ -379,3 +379,31 @@ def test_ejection_and_panic_merge_as_any_worker_sees_them():
     (vs,) = merged["virtual_servers"]
     assert vs["panic"] is True
     assert [rs["ejected_until"] for rs in vs["real_servers"]] == ["2026-12-05T15:04:23.120Z", None]
+
+
+def test_per_source_tables_add_up_and_keep_the_bound():
+    """Each worker has its own per-source table (SPEC §23): the supervisor's document adds
+    up their networks, rejections and remote counts; the bound is each worker's."""
+
+    def table(tracked: int, rejected: int) -> dict[str, Any]:
+        return {
+            "tracked": tracked,
+            "max_tracked": 100,
+            "rejected": rejected,
+            "untracked": 1,
+            "remote_open": 2,
+        }
+
+    merged = merge_documents(
+        [
+            {"virtual_servers": [virtual_server("web", [], per_source=table(3, 40))]},
+            {"virtual_servers": [virtual_server("web", [], per_source=table(5, 2))]},
+        ]
+    )
+    assert merged["virtual_servers"][0]["per_source"] == {
+        "tracked": 8,
+        "max_tracked": 100,
+        "rejected": 42,
+        "untracked": 2,
+        "remote_open": 4,
+    }

@@ -8,7 +8,7 @@ import io
 
 from rich.console import Console
 
-from lbproxy.tools.render import print_status, protection_plain, status_plain
+from lbproxy.tools.render import per_source_plain, print_status, protection_plain, status_plain
 
 LONG_HOST = "backend-" + "x" * 52 + ".example:8080"  # 73 characters: wider than a terminal
 
@@ -139,3 +139,30 @@ def test_panic_and_ejected_servers_follow_the_rows_with_the_time_left():
     text = out.getvalue()
     assert "panic snmp-weighted: too few servers available" in text
     assert "ejected snmp-weighted/alpha: connects failed in a row; back in " in text
+
+
+def test_per_source_tables_follow_the_rows_plain_and_on_a_terminal():
+    document = {
+        "virtual_servers": [
+            dict(
+                DOCUMENT["virtual_servers"][1],
+                per_source={"tracked": 2, "max_tracked": 100000, "rejected": 40},
+            )
+        ]
+    }
+    plain = status_plain(document) + per_source_plain(document)
+    out = io.StringIO()
+    print_status(document, Console(file=out, width=100, force_terminal=False))
+    assert out.getvalue() == "".join(line + "\n" for line in plain)
+    assert [line.split() for line in plain[-2:]] == [
+        ["PER_SOURCE_VIRTUAL_SERVER", "REJECTED", "TRACKED", "MAX_TRACKED"],
+        ["empty", "40", "2", "100000"],
+    ]
+    screen = io.StringIO()
+    terminal = Console(file=screen, width=100, force_terminal=True, color_system=None)
+    print_status(document, terminal)
+    assert (
+        "per_source empty: 40 rejected, 2 client networks tracked (at most 100000)"
+        in screen.getvalue()
+    )
+    assert per_source_plain(DOCUMENT) == []  # no table: nothing

@@ -50,6 +50,9 @@ def print_simulation(result: SimulationResult, *, hold: bool) -> None:
         console.print(f"  {start + 1:>5}: {row}")
     if len(result.sequence) > len(shown):
         console.print(f"  ... {len(result.sequence) - len(shown)} more (--json prints all)")
+    if result.rejected:
+        refused = ", ".join(f"{reason} {n}" for reason, n in result.rejected.items())
+        console.print(f"refused before a pick: {refused}")
 
 
 def print_explain(result: SimulationResult) -> None:

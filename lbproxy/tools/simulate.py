@@ -45,6 +45,13 @@ detection (`outlier_detection:`), not health: in a simulation health changes onl
 simulated clock, every return, and every change of panic (`panic_threshold:`), each with
 the connection it came before.
 
+Per-source limits (a virtual server with a `per_source:` block, SPEC §23): every arrival
+is admitted by the same table `lbproxy run` uses, before the throttle, with the client
+address above (with `clients=K`, K clients; without, one address each, so only
+`prefix_v4` groups them) on the simulated clock; an arrival refused is `null` in
+`sequence` and counted in `rejected` ("per_source"). A connection's count ends with it:
+at once without `hold`, at its `close:` event with it.
+
 Throttle (a virtual server with a `throttle:` block): every arrival counts toward the
 rate window; the monitor is simulated as it runs in `lbproxy run` -- an evaluation every
 `throttle.interval` of simulated time while connections are held or arrived within the
@@ -63,12 +70,14 @@ from __future__ import annotations
 
 import ipaddress
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from lbproxy.config.model import Config, VirtualServerConfig
+from lbproxy.core.per_source import Limits, PerSourceTable, SourceEntry
 from lbproxy.core.pool import DISABLED, DRAIN, ENABLED, Lease, Pool, weight_error
 from lbproxy.core.throttle import Change, Throttle
 from lbproxy.wire.agent import AgentAnswer
@@ -192,6 +201,8 @@ class SimulationResult:
     # Outlier ejections and panic (SPEC §23), when the virtual server has either
     protection: list[Protection] | None = None
     connect_failures: dict[str, int] = field(default_factory=dict)
+    # Arrivals refused before a pick, by reason ("per_source", "throttle"); only those seen
+    rejected: dict[str, int] = field(default_factory=dict)
 
     def shares(self) -> dict[str, float]:
         total = sum(self.picks.values())
@@ -218,6 +229,7 @@ class SimulationResult:
                 if self.protection is not None
                 else {}
             )
+            | ({"rejected": self.rejected} if self.rejected else {})
         )
 
     def protection_lines(self) -> list[str]:
@@ -429,6 +441,14 @@ def simulate(
     pending = deque(events)
     monitor = _Monitor(vs.throttle) if vs.throttle is not None else None
     watch = _ProtectionWatch(pool) if _protects(vs, events) else None
+    sources = _per_source_table(vs)
+    counted: dict[int, SourceEntry] = {}  # a held lease's network entry, by id(lease)
+
+    def ended(lease: Lease) -> None:  # a held connection closed: its network counts one less
+        entry = counted.pop(id(lease), None)
+        if entry is not None and sources is not None:
+            sources.release(entry)
+
     # Connection k arrives at base_time + (k - base_number) / rate: exact multiples of
     # 1 / rate without `rate:` events, as before they existed.
     base_time, base_number, now = 0.0, 1, 0.0
@@ -452,14 +472,28 @@ def simulate(
                     if watch is not None:
                         watch.set_failing(value, key == "fail")
                 elif key != "rate":
-                    _apply(pool, key, value, held, now)
+                    _apply(pool, key, value, held, now, ended)
             if per_client is not None and any(key in MEMBERSHIP_KEYS for key, _ in event.actions):
                 if moves:
                     moves[-1].finish()
                 moves.append(Moves(number, _describe(event), snapshot=dict(last)))
         client = (
-            client_address(number, clients) if per_client is not None or pool.reads_client else None
+            client_address(number, clients)
+            if per_client is not None or pool.reads_client or sources is not None
+            else None
         )
+        tracked: SourceEntry | None = None
+        if sources is not None:
+            assert client is not None  # made above whenever there is a table
+            admitted = sources.admit(client[0], now)
+            if admitted is None:
+                pool.rejected["per_source"] += 1
+                sequence.append(None)
+                if explain:
+                    trace.append(Pick(number, now, None, {"per_source": "refused"}))
+                continue
+            if isinstance(admitted, SourceEntry):  # True: let in untracked (a full table)
+                tracked = admitted
         if monitor is not None and monitor.arrival(now, pool.active, number):
             pool.rejected["throttle"] += 1
             sequence.append(None)
@@ -484,6 +518,8 @@ def simulate(
                 moves[-1].after[client[0]] = name
         if rs is None:
             sequence.append(None)
+            if tracked is not None:
+                sources.release(tracked)  # type: ignore[union-attr]  # set with the table
         else:
             picks[rs.name] += 1
             sequence.append(rs.name)
@@ -494,8 +530,14 @@ def simulate(
                     pool.connect_completed(rs, now)
                 if hold:
                     held[rs.name].append(lease)
+                    if tracked is not None:
+                        counted[id(lease)] = tracked
                 else:
                     pool.drop(lease, now)
+                    if tracked is not None:
+                        sources.release(tracked)  # type: ignore[union-attr]  # set with the table
+            elif tracked is not None:
+                sources.release(tracked)  # type: ignore[union-attr]  # a locator answer holds nothing
         if explain:
             trace.append(Pick(number, now, rs.name if rs else None, scores))
         if monitor is not None:
@@ -509,12 +551,30 @@ def simulate(
     result = SimulationResult(
         vs.name, vs.scheduler, picks, sequence, trace, timeline, per_client, moves
     )
+    result.rejected = {reason: n for reason, n in pool.rejected.items() if n}
     if watch is not None:
         pool.advance(now)
         watch.seen(connections + 1, now)
         result.protection = watch.timeline
         result.connect_failures = watch.failures
     return result
+
+
+def _per_source_table(vs: VirtualServerConfig) -> PerSourceTable | None:
+    """The per-source table `lbproxy run` would give `vs` (dataplane/virtual_server.py)."""
+    config = vs.per_source
+    if config is None:
+        return None
+    return PerSourceTable(
+        Limits(
+            max_connections=config.max_connections or 0,
+            rate=config.rate or 0,
+            interval=config.interval,
+            prefix_v4=config.prefix_v4,
+            prefix_v6=config.prefix_v6,
+            max_tracked=config.max_tracked,
+        )
+    )
 
 
 def _protects(vs: VirtualServerConfig, events: list[Event]) -> bool:
@@ -660,7 +720,14 @@ class _Monitor:
             )
 
 
-def _apply(pool: Pool, key: str, value: Any, held: dict[str, deque[Lease]], now: float) -> None:
+def _apply(
+    pool: Pool,
+    key: str,
+    value: Any,
+    held: dict[str, deque[Lease]],
+    now: float,
+    ended: Callable[[Lease], None] | None = None,
+) -> None:
     by_name = pool.by_name
     if key in ("join", "leave"):
         for name in value if isinstance(value, list) else [value]:
@@ -691,4 +758,7 @@ def _apply(pool: Pool, key: str, value: Any, held: dict[str, deque[Lease]], now:
         elif key == "close":
             leases = held[name]
             for _ in range(min(number, len(leases))):
-                pool.drop(leases.popleft(), now)
+                lease = leases.popleft()
+                pool.drop(lease, now)
+                if ended is not None:
+                    ended(lease)

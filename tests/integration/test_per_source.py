@@ -17,6 +17,7 @@ Clients that must come from another address bind to another loopback address
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from types import SimpleNamespace
@@ -449,3 +450,29 @@ def test_shared_limits_hold_across_workers(tmp_path, name_servers, lbproxy):
     finally:
         stop_all(lbproxy.started)
         redis.stop()
+
+
+def test_simulate_refuses_what_the_table_would(tmp_path):
+    """`lbproxy simulate` admits each arrival through the per-source table: 8 held
+    connections from one /24 with `max_connections: 3`, one closed before #6."""
+    path = tmp_path / "web.yaml"
+    path.write_text(
+        "virtual_servers:\n"
+        "  - name: web\n"
+        "    listen: 127.0.0.1:18080\n"
+        "    scheduler: rr\n"
+        "    per_source: {max_connections: 3, prefix_v4: 24}\n"
+        "    real_servers:\n"
+        "      - {name: a, address: 127.0.0.1:19001}\n"
+        "      - {name: b, address: 127.0.0.1:19002}\n"
+    )
+    events = tmp_path / "events.yaml"
+    events.write_text("- {before: 6, close: {a: 1}}\n")
+    args = ("simulate", str(path), "-n", "8", "--hold", "--events", str(events))
+    result = run_cli(*args, "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["sequence"] == ["a", "b", "a", None, None, "b", None, None]
+    assert document["rejected"] == {"per_source": 4}
+    text = run_cli(*args)
+    assert "refused before a pick: per_source 4" in text.stdout

@@ -482,7 +482,7 @@ class DurationType(click.ParamType):
     epilog=_examples(
         "lbproxy drain web s1",
         "lbproxy drain web s1 --close-after 30s --close-rate 50",
-        "lbproxy drain web s1 --close-after 0   # close them all now (as shutdown-sessions)",
+        "lbproxy drain web s1 --close-after 0   # and close them all now",
     )
 )
 @click.argument("vs")

@@ -33,6 +33,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from lbproxy.config.model import PerSourceConfig
+
 __all__ = [
     "Limits",
     "PerSourceTable",
@@ -57,6 +59,18 @@ class Limits:
     prefix_v4: int = 32
     prefix_v6: int = 64
     max_tracked: int = 100_000
+
+    @classmethod
+    def of(cls, config: PerSourceConfig) -> Limits:
+        """The limits of a `per_source:` block (its unset limits are 0: off)."""
+        return cls(
+            max_connections=config.max_connections or 0,
+            rate=config.rate or 0,
+            interval=config.interval,
+            prefix_v4=config.prefix_v4,
+            prefix_v6=config.prefix_v6,
+            max_tracked=config.max_tracked,
+        )
 
 
 def network_key(host: str, prefix_v4: int, prefix_v6: int) -> NetworkKey:

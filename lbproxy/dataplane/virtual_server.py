@@ -74,14 +74,7 @@ class VirtualServer:
         if config is None:
             self.per_source = None
             return
-        limits = Limits(
-            max_connections=config.max_connections or 0,
-            rate=config.rate or 0,
-            interval=config.interval,
-            prefix_v4=config.prefix_v4,
-            prefix_v6=config.prefix_v6,
-            max_tracked=config.max_tracked,
-        )
+        limits = Limits.of(config)
         table = self.per_source
         self.per_source = PerSourceTable(limits) if table is None else table.reconfigure(limits)
 

@@ -565,16 +565,7 @@ def _per_source_table(vs: VirtualServerConfig) -> PerSourceTable | None:
     config = vs.per_source
     if config is None:
         return None
-    return PerSourceTable(
-        Limits(
-            max_connections=config.max_connections or 0,
-            rate=config.rate or 0,
-            interval=config.interval,
-            prefix_v4=config.prefix_v4,
-            prefix_v6=config.prefix_v6,
-            max_tracked=config.max_tracked,
-        )
-    )
+    return PerSourceTable(Limits.of(config))
 
 
 def _protects(vs: VirtualServerConfig, events: list[Event]) -> bool:

@@ -1,0 +1,85 @@
+"""Hypothesis over every scheduler: explain's peek is the next pick, and changes nothing.
+
+`lbproxy explain` and `GET .../explain` (SPEC §24) answer from `Scheduler.peek` and
+`Persistence.peek`; for random states of every scheduler (with and without persistence)
+the answer must be the server the very next `Pool.pick` returns for that client, and
+asking must not change which servers later picks return.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lbproxy.core.explain import BACKUP, MAGLEV, PERSISTENCE, REJECT, SCHEDULER, explain
+from tests.property.test_scheduler_properties import SCHEDULERS, build, operations, server_options
+
+
+def run(pool, ops, leases, now):
+    for op in ops:
+        kind = op[0]
+        if kind == "connect":
+            client = (f"10.0.0.{op[1]}", 40000 + op[1])
+            rs = pool.pick(now, (), client)
+            if rs is not None:
+                leases.append(pool.take(rs, now, None, client))
+        elif kind == "close" and leases:
+            pool.drop(leases.pop(op[1] % len(leases)), now)
+        elif kind == "tick":
+            now += op[1] / 10
+        elif kind in ("state", "health", "weight", "snmp"):
+            rs = pool.servers[op[1] % len(pool.servers)]
+            if kind == "state":
+                pool.set_state(rs, op[2], now)
+            elif kind == "health":
+                for _ in range(3):
+                    pool.record_health(rs, op[2], now)
+            elif kind == "weight":
+                pool.set_weight(rs, op[2], now)
+            else:
+                pool.report_value(rs, op[2], now)
+    return now
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scheduler=st.sampled_from(SCHEDULERS),
+    options=st.lists(server_options, min_size=1, max_size=8),
+    ops=operations,
+    persistence=st.booleans(),
+    asker=st.integers(0, 9),
+    later=st.lists(st.integers(0, 9), min_size=1, max_size=12),
+)
+def test_explain_names_the_next_pick_and_changes_nothing(
+    scheduler, options, ops, persistence, asker, later
+):
+    pool = build(scheduler, options, persistence)
+    leases: list = []
+    now = run(pool, ops, leases, 0.0)
+    twin = copy.deepcopy((pool, leases))  # the same state, never explained
+    client = (f"10.0.0.{asker}", 40000 + asker)
+    answer = explain(pool, client, now)
+    picked = pool.pick(now, (), client)
+    assert answer.pick == (picked.name if picked is not None else None)
+    if picked is None:
+        assert answer.by == REJECT
+    elif answer.by != PERSISTENCE:
+        assert answer.by == (
+            BACKUP if picked.backup else MAGLEV if scheduler == "maglev" else SCHEDULER
+        )
+    for verdict in answer.servers:
+        rs = pool.by_name[verdict.name]
+        assert verdict.eligible == rs.available
+        assert (verdict.why is None) == rs.available
+        assert (verdict.score is None) != rs.available
+    # Asking changed nothing: the twin, never asked, makes the same picks from here on.
+    twin_pool = twin[0]
+    for number in [asker, *later]:
+        address = (f"10.0.0.{number}", 40000 + number)
+        ours, theirs = pool.pick(now, (), address), twin_pool.pick(now, (), address)
+        assert (ours and ours.name) == (theirs and theirs.name)
+        if ours is not None:
+            pool.take(ours, now, None, address)
+            twin_pool.take(theirs, now, None, address)

@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbproxy.core.explain import BACKUP, MAGLEV, PERSISTENCE, REJECT, SCHEDULER, explain
+from lbproxy.core.persistence import Persistence
+from lbproxy.core.schedulers.heap import KeyedHeap
 from tests.property.test_scheduler_properties import SCHEDULERS, build, operations, server_options
 
 
@@ -83,3 +85,36 @@ def test_explain_names_the_next_pick_and_changes_nothing(
         if ours is not None:
             pool.take(ours, now, None, address)
             twin_pool.take(theirs, now, None, address)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["set", "discard", "min"]), st.integers(0, 9), st.integers(0, 5)),
+        max_size=80,
+    )
+)
+def test_heap_peek_is_min_and_leaves_the_heap_as_it_was(ops):
+    heap = KeyedHeap()
+    for op, item, key in ops:
+        if op == "set":
+            heap.set(item, (key,))
+        elif op == "discard":
+            heap.discard(item)
+        else:
+            heap.min()
+        before = list(heap._heap)
+        peeked = heap.peek()
+        assert heap._heap == before  # nothing popped, nothing pushed
+        assert peeked == heap.min()
+
+
+def test_persistence_peek_changes_nothing_and_agrees_with_lookup():
+    table = Persistence(timeout=10.0, max_entries=4)
+    entry = table.acquire("10.0.0.1", "a", now=0.0)
+    table.release(entry, now=1.0)  # idle: expires at 11
+    counts = dict(table.lookups)
+    assert table.peek("10.0.0.1", 5.0) is entry and table.peek("10.0.0.2", 5.0) is None
+    assert table.peek("10.0.0.1", 11.0) is None  # expired, but not dropped by a peek
+    assert "10.0.0.1" in table.entries and table.lookups == counts
+    assert table.lookup("10.0.0.1", 11.0) is None  # the lookup the pick makes agrees

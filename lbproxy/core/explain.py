@@ -29,10 +29,10 @@ from lbproxy.core.schedulers import format_score
 if TYPE_CHECKING:
     from lbproxy.core.pool import Pool, RealServer
 
-# How the pick was made (`Explanation.by`).
-PERSISTENCE, MAGLEV, SCHEDULER, BACKUP, QUEUE, REJECT = (
+# How the pick was made (`Explanation.by`); a keyed scheduler (one that hashes the
+# client, maglev) is named itself: its pick follows the client, not the servers' state.
+PERSISTENCE, SCHEDULER, BACKUP, QUEUE, REJECT = (
     "persistence",
-    "maglev",
     "scheduler",
     "backup",
     "queue",
@@ -111,7 +111,7 @@ def explain(pool: Pool, client: tuple[Any, ...], now: float, queue: bool = False
     if pick is None:
         pick = pool.scheduler.peek(client if pool.reads_client else None, now)
         if pick is not None:
-            by = MAGLEV if pool.scheduler.keyed else SCHEDULER
+            by = pool.scheduler.name if pool.scheduler.keyed else SCHEDULER
             if pick.backup:
                 by = BACKUP
         elif queue and pool.full_servers:

@@ -13,10 +13,54 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.core.explain import BACKUP, MAGLEV, PERSISTENCE, REJECT, SCHEDULER, explain
+from lbproxy.config.model import PersistenceConfig
+from lbproxy.core import schedulers
+from lbproxy.core.explain import BACKUP, PERSISTENCE, REJECT, SCHEDULER, explain
 from lbproxy.core.persistence import Persistence
+from lbproxy.core.pool import Pool
 from lbproxy.core.schedulers.heap import KeyedHeap
-from tests.property.test_scheduler_properties import SCHEDULERS, build, operations, server_options
+from tests.factories import SNMP, virtual_server
+
+# The states explored are those of tests/property/test_scheduler_properties.py.
+SCHEDULERS = schedulers.available()
+
+server_options = st.fixed_dictionaries(
+    {
+        "weight": st.integers(0, 5),
+        "max_connections": st.integers(0, 4),
+        "load_factor": st.sampled_from([1.0, 2.0, 3.0]),
+        "state": st.sampled_from(["enabled", "enabled", "drain", "disabled"]),
+        "backup": st.sampled_from([False, False, False, True]),
+    }
+)
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("connect"), st.integers(0, 7)),
+        st.tuples(st.just("close"), st.integers(0, 50)),
+        st.tuples(
+            st.just("state"), st.integers(0, 7), st.sampled_from(["enabled", "drain", "disabled"])
+        ),
+        st.tuples(st.just("health"), st.integers(0, 7), st.booleans()),
+        st.tuples(st.just("weight"), st.integers(0, 7), st.integers(0, 5)),
+        st.tuples(st.just("snmp"), st.integers(0, 7), st.integers(0, 120)),
+        st.tuples(st.just("tick"), st.integers(1, 30)),
+    ),
+    max_size=60,
+)
+
+
+def build(scheduler: str, options: list[dict], persistence: bool = False) -> Pool:
+    servers = {f"s{i}": dict(opts, snmp=SNMP) for i, opts in enumerate(options)}
+    extra: dict = {"snmp": SNMP} if scheduler in ("dwd", "dwr") else {}
+    if scheduler == "maglev":
+        extra["table_size"] = 101  # small: the rules do not depend on the size
+    if persistence:
+        extra["persistence"] = PersistenceConfig(timeout=1.0, max_entries=4)
+    if scheduler == "least-load":
+        for opts in servers.values():
+            opts["max_connections"] = opts["max_connections"] or 3
+    return Pool(virtual_server(scheduler, servers, slow_start=5.0, quiesce=True, **extra), 0)
 
 
 def run(pool, ops, leases, now):
@@ -62,14 +106,18 @@ def test_explain_names_the_next_pick_and_changes_nothing(
     now = run(pool, ops, leases, 0.0)
     twin = copy.deepcopy((pool, leases))  # the same state, never explained
     client = (f"10.0.0.{asker}", 40000 + asker)
+    pool.advance(now)  # what pick and explain both do first
+    peeked = pool.scheduler.peek(client if pool.reads_client else None, now)
     answer = explain(pool, client, now)
     picked = pool.pick(now, (), client)
     assert answer.pick == (picked.name if picked is not None else None)
+    if answer.by != PERSISTENCE:  # the scheduler's own peek is its next pick
+        assert peeked is picked
     if picked is None:
         assert answer.by == REJECT
     elif answer.by != PERSISTENCE:
         assert answer.by == (
-            BACKUP if picked.backup else MAGLEV if scheduler == "maglev" else SCHEDULER
+            BACKUP if picked.backup else "maglev" if scheduler == "maglev" else SCHEDULER
         )
     for verdict in answer.servers:
         rs = pool.by_name[verdict.name]

@@ -385,6 +385,38 @@ def status(
     print_status(document)
 
 
+@main.command(
+    epilog=_examples(
+        "lbproxy explain web 203.0.113.7",
+        "lbproxy explain web 2001:db8::7 --json | jq .pick",
+    )
+)
+@click.argument("vs")
+@click.argument("client")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    help="The client's port (maglev hash_key source_port).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON document.")
+@admin_options
+def explain(
+    vs: str, client: str, port: int, as_json: bool, admin, token_file, socket_path, insecure
+) -> None:
+    """Where a new connection from CLIENT (an IPv4 or IPv6 address) to virtual server VS
+    would go now, by which rule, and why each real server is or is not eligible, with
+    the scheduler's score. Nothing is taken: the answer is computed on the live state."""
+    api = _client(admin, token_file, socket_path, insecure)
+    document = _call(api.explain, vs, client, port)
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+        return
+    from lbproxy.tools.render import live_explain_lines
+
+    click.echo("\n".join(live_explain_lines(document)))
+
+
 def _patch(admin, token_file, socket_path, insecure, vs, rs, change) -> None:
     client = _client(admin, token_file, socket_path, insecure)
     result = _call(client.patch, vs, rs, change)

@@ -40,6 +40,7 @@ from lbproxy.admin.metrics import VirtualServerView, make_registry
 from lbproxy.admin.routes import ANY_HOST_PATHS, HTTPError, Request, allowed, match
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.config.values import parse_duration
+from lbproxy.core.explain import explain
 from lbproxy.core.locate import Located
 from lbproxy.core.pool import DRAIN, Pool, state_error, weight_error
 from lbproxy.core.real_server import CheckRecord
@@ -229,6 +230,48 @@ def parse_client_header(value: bytes) -> tuple[str, int] | None:
         return None
     host, _, port = value.decode("latin-1").partition(" ")
     return (host, int(port)) if port.isascii() and port.isdigit() else (host, 0)
+
+
+MAX_EXPLAIN_QUERY = 256  # bytes of `?client=...&port=...`; an address needs under 64
+
+
+def parse_explain_client(query: bytes) -> tuple[str, int]:
+    """`client=IP[&port=N]` of GET .../explain as the `(host, port)` a connection from
+    that client has (the host as the socket names it); HTTPError 400 with what is
+    wrong. IPv4 or IPv6, without a zone: a zone names a link of this host, which no
+    client connection to a virtual server carries."""
+    if len(query) > MAX_EXPLAIN_QUERY:
+        raise HTTPError(400, f"query too long (over {MAX_EXPLAIN_QUERY} bytes)")
+    try:
+        fields = urllib.parse.parse_qs(
+            query.decode("ascii"), keep_blank_values=True, strict_parsing=bool(query)
+        )
+    except (UnicodeDecodeError, ValueError):
+        raise HTTPError(400, "query must be client=IP (ASCII, URL-encoded)") from None
+    unknown = sorted(set(fields) - {"client", "port"})
+    if unknown:
+        raise HTTPError(400, f"unknown query parameter {unknown[0][:40]!r} (client, port)")
+    if any(len(values) > 1 for values in fields.values()):
+        raise HTTPError(400, "client and port may each be given once")
+    given = fields.get("client", [""])[0]
+    if not given:
+        raise HTTPError(400, "client=IP is required (an IPv4 or IPv6 address)")
+    if "%" in given:
+        raise HTTPError(400, f"client {_shown_text(given)}: an IPv6 zone is not a client address")
+    try:
+        address = ipaddress.ip_address(given)
+    except ValueError:
+        raise HTTPError(
+            400, f"client {_shown_text(given)} is not an IPv4 or IPv6 address"
+        ) from None
+    port_text = fields.get("port", ["0"])[0]
+    if not (port_text.isascii() and port_text.isdigit() and int(port_text) <= 65535):
+        raise HTTPError(400, f"port {_shown_text(port_text)} is not a port (0 to 65535)")
+    return str(address), int(port_text)
+
+
+def _shown_text(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def virtual_server_document(vs: VirtualServerView) -> dict[str, Any]:
@@ -500,6 +543,18 @@ class AdminApp:
     async def on_load(self, request: Request) -> Answer:
         vs_name, rs_name = request.params
         return await self._report_load(vs_name, rs_name, request.receive)
+
+    async def on_explain(self, request: Request) -> Answer:
+        vs_name = request.params[0]
+        client = parse_explain_client(request.scope.get("query_string", b""))
+        vs = self.server.virtual_servers.get(vs_name)
+        if vs is None:
+            raise HTTPError(404, f"no virtual server {vs_name!r}")
+        pool = vs.pool
+        answer = explain(pool, client, trio.current_time(), queue=pool.config.queue is not None)
+        document = {"virtual_server": vs_name, "client": client[0], **answer.document()}
+        document["worker"] = None  # a single process; the supervisor names its worker
+        return 200, json_body(document), "json"
 
     # -- the locator (SPEC §10) ------------------------------------------------------
 

@@ -234,6 +234,12 @@ class AdminClient:
         )
         return self.request("POST", path, {})
 
+    def explain(self, vs: str, client: str, port: int = 0) -> dict[str, Any]:
+        """GET .../explain: where a new connection from `client` would go now."""
+        query = urllib.parse.urlencode({"client": client, **({"port": port} if port else {})})
+        path = f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}/explain?{query}"
+        return self.request("GET", path)
+
     def reload(self, config: list[str] | None = None) -> dict[str, Any]:
         return self.request("POST", "/api/v1/reload", {"config": config} if config else {})
 

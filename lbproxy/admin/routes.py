@@ -64,6 +64,7 @@ ROUTES = (
     Route("upgrade", "/api/v1/upgrade", ("POST",)),
     Route("locate", "/api/v1/virtual-servers/{}/locate", ("GET",)),
     Route("load", "/api/v1/virtual-servers/{}/real-servers/{}/load", ("PUT",)),
+    Route("explain", "/api/v1/virtual-servers/{}/explain", ("GET",)),
     Route(
         "shutdown_sessions",
         "/api/v1/virtual-servers/{}/real-servers/{}/shutdown-sessions",

@@ -96,6 +96,14 @@ class Persistence:
             self.expire(now, SWEEP_PER_LOOKUP)
         return entry
 
+    def peek(self, key: str, now: float) -> Entry | None:
+        """The live entry of client `key`, or None, as `lookup` finds it, but changing
+        nothing: no expired entry dropped, no sweep, no lookup counted (explain)."""
+        entry = self.entries.get(key)
+        if entry is not None and not entry.active and entry.expires <= now:
+            return None
+        return entry
+
     def holds(self, key: str, server: Any, now: float) -> bool:
         """True when client `key` has a live entry for `server`: a connection sent there
         now is a persistence hit, not a scheduler pick (rr's turn must not move)."""

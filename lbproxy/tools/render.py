@@ -672,3 +672,39 @@ def plain_lines(
 
 def _number(value: float) -> str:
     return str(int(value)) if value == int(value) else f"{value:.2f}"
+
+
+def live_explain_lines(document: dict) -> list[str]:
+    """`lbproxy explain VS IP`: the answer in one sentence, then one aligned row per real
+    server (ELIGIBLE yes/no, WHY not, the scheduler's SCORE; "-" for none)."""
+    pick = document.get("pick")
+    by = document.get("by", "")
+    head = f"{document.get('virtual_server')}: a new connection from {document.get('client')} "
+    if pick is not None:
+        head += f"would go to {pick} (by {by})"
+    elif by == "queue":
+        head += "would wait in the queue (every eligible server is full)"
+    else:
+        head += "would be refused (no server can take it)"
+    lines = [head]
+    if document.get("panic"):
+        lines.append("panic: too few servers up; every enabled server is offered as if up")
+    if document.get("worker") is not None:
+        lines.append(f"answered by worker {document['worker']} (each worker picks on its own)")
+    rows = [["SERVER", "ELIGIBLE", "WHY", "SCORE", ""]]
+    for rs in document.get("servers", []):
+        rows.append(
+            [
+                str(rs["name"]),
+                "yes" if rs["eligible"] else "no",
+                rs["why"] or "-",
+                rs["score"] if rs["score"] is not None else "-",
+                "<- pick" if rs["name"] == pick else "",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        lines.append(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    return lines

@@ -231,6 +231,14 @@ class Scheduler:
         """`pick` for a client address `(host, port)`; only `keyed` schedulers use it."""
         return self.pick(now, avoid)
 
+    def peek(self, client: tuple[Any, ...] | None, now: float) -> RealServer | None:
+        """The server `pick_for(client, now)` would return, changing nothing (explain).
+
+        A pick moves no rotation here (rr's turn, wrr's deadlines, sap's load advance in
+        `on_take`), so this default is `pick_for`; a scheduler whose pick tidies its own
+        structures as it reads them overrides it with a read that does not."""
+        return self.pick_for(client, now)
+
     def on_online(self, rs: RealServer, now: float) -> None:
         """`rs` came online (enabled, health up, weight > 0): called before on_available."""
 
@@ -298,6 +306,10 @@ class HeapScheduler(Scheduler):
 
     def pick(self, now: float, avoid: Collection[RealServer] = ()) -> RealServer | None:
         return self.heap.min(avoid)  # type: ignore[return-value]  # the heap holds RealServers only
+
+    def peek(self, client: tuple[Any, ...] | None, now: float) -> RealServer | None:
+        # The live entries' minimum, O(n): `pick` pops stale entries off the heap.
+        return self.heap.peek()  # type: ignore[return-value]  # the heap holds RealServers only
 
     def _rekey(self, rs: RealServer) -> None:
         heap = self.heap

@@ -95,6 +95,12 @@ class KeyedHeap:
             heappush(self._heap, entry)
         return None if top is None else top[-1]
 
+    def peek(self) -> Hashable | None:
+        """The item `min()` returns, without touching the heap (no stale entry popped):
+        O(n) over the live entries, for a reader that must change nothing."""
+        entries = self.entries
+        return min(entries.values())[-1] if entries else None
+
     def items(self) -> list[Hashable]:
         return list(self.entries)
 

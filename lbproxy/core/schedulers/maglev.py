@@ -267,6 +267,16 @@ class Maglev(Scheduler):
                 return rs
         return None
 
+    def peek(self, client: tuple[Any, ...] | None, now: float) -> RealServer | None:
+        # A stale table is computed for this answer and not kept: the next pick
+        # rebuilds it as it would have anyway.
+        table = self.table if self.table is not None else self._compute()[0]
+        if not table:
+            return None
+        slot = client_hash(client, self.with_port) % self.size
+        rs = table[slot]
+        return rs if rs.available else self._walk(table, slot, ())
+
     # -- membership ------------------------------------------------------------------
 
     def on_online(self, rs: RealServer, now: float) -> None:
@@ -303,21 +313,25 @@ class Maglev(Scheduler):
         if self.members.pop(rs, 0) is None:
             self.table = None
 
-    def _build(self) -> list[RealServer]:
+    def _compute(self) -> tuple[list[RealServer], dict[RealServer, float]]:
+        """The lookup table of the current members and the weights it is built with."""
         members = sorted(
             (rs for rs in self.members if rs.effective_weight > 0), key=lambda rs: rs.name
         )
         weights = [rs.effective_weight for rs in members]
-        self._weights = dict(zip(members, weights, strict=True))
         table = populate(
             members, [rs.name for rs in members], weights, self.size, self._permutations
         )
-        entries: dict[RealServer, int] = dict.fromkeys(members, 0)
+        return table, dict(zip(members, weights, strict=True))
+
+    def _build(self) -> list[RealServer]:
+        table, self._weights = self._compute()
+        entries: dict[RealServer, int] = dict.fromkeys(self._weights, 0)
         for rs in table:
             entries[rs] += 1
         self.entries = entries
         self.table = table
-        log.debug("%s: maglev table rebuilt for %d server(s)", self.pool.name, len(members))
+        log.debug("%s: maglev table rebuilt for %d server(s)", self.pool.name, len(entries))
         return table
 
     def explain(self, rs: RealServer) -> Any:

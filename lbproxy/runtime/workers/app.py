@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from lbproxy.admin import dashboard
-from lbproxy.admin.api import AdminApp, Answer, json_body, read_body
+from lbproxy.admin.api import AdminApp, Answer, json_body, parse_explain_client, read_body
 from lbproxy.admin.routes import HTTPError, Request
 
 
@@ -46,6 +46,8 @@ class Supervisor(Protocol):
     ) -> tuple[int, bytes]: ...
 
     async def report_load(self, path: str, body: bytes) -> tuple[int, bytes]: ...
+
+    async def explain(self, path: str) -> tuple[int, bytes]: ...
 
     async def shutdown_sessions(self, vs_name: str, rs_name: str) -> tuple[int, bytes]: ...
 
@@ -135,6 +137,14 @@ class SupervisorApp(AdminApp):
             vs_name,
             None if client is None else tuple(client),
         )
+        return status, answer, "json"
+
+    async def on_explain(self, request: Request) -> Answer:
+        (vs_name,) = request.params
+        query = request.scope.get("query_string", b"")
+        parse_explain_client(query)  # a bad client is refused here, no worker asked
+        target = f"/api/v1/virtual-servers/{urllib.parse.quote(vs_name, safe='')}/explain"
+        status, answer = await self.supervisor.explain(f"{target}?{query.decode('ascii')}")
         return status, answer, "json"
 
     async def on_load(self, request: Request) -> Answer:

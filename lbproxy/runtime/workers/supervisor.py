@@ -701,6 +701,26 @@ class Supervisor:
             self.load_reports[path] = body
             return 200, answers[0][2]
 
+    async def explain(self, path: str) -> tuple[int, bytes]:
+        """GET .../explain: asked of the first ready worker, named in the answer
+        (`"worker": N`). Each worker has its own scheduler state (rr's turn, connection
+        counts, persistence table) and the kernel spreads new connections over the
+        workers, so the answer is that worker's next pick, not necessarily the pick of
+        the worker a client's next connection lands on."""
+        ready = [worker for worker in self.workers if worker.ready]
+        if not ready:
+            raise HTTPError(503, "no worker is ready")
+        worker = ready[0]
+        try:
+            status, body = await self._ask(worker, "GET", path)
+        except (OSError, http.client.HTTPException) as exc:
+            raise HTTPError(503, f"worker {worker.index} did not answer: {exc}") from None
+        if status != 200:
+            return status, body
+        document = json.loads(body)
+        document["worker"] = worker.index
+        return status, json_body(document)
+
     async def locate(
         self, path: str, vs_name: str = "", client: tuple | None = None
     ) -> tuple[int, bytes]:

@@ -5,9 +5,12 @@ down (the last check's reason in the JSON and `lbproxy status --wide`), for how 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import io
+import socket
+import struct
 import time
 from types import SimpleNamespace
 
@@ -237,3 +240,29 @@ def test_workers_merge_rates_errors_and_process(lbproxy, name_servers):
     assert rs["gone"]["errors"]["connect_refused"] == refusals >= 1
     assert rs["a"]["rate"]["max"] <= sum(w["a"]["rate"]["max"] for w in per_worker) + 0.1
     assert rs["gone"]["since"] == max(w["gone"]["since"] for w in per_worker)
+
+
+def test_a_reset_by_the_real_server_is_counted(lbproxy):
+    """A real server that resets an established connection (RST: SO_LINGER 0) counts
+    one `reset` in its `errors`; a clean close counts none."""
+    resetting = socket.create_server(("127.0.0.1", 0))
+    target = SimpleNamespace(name="rst", port=resetting.getsockname()[1])
+    port, admin_port = free_port(), free_port()
+    lbproxy(with_admin(vs_config(port, [target], "rr", "health_check: {type: none}"), admin_port))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            resetting.settimeout(10)
+            accepted, _ = resetting.accept()
+            accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            accepted.close()  # an RST, not a FIN
+            with contextlib.suppress(ConnectionResetError):  # the proxy passes the reset on
+                assert client.recv(10) == b""
+        rs = wait_for(
+            lambda: (s := _servers(admin_port)["rst"])["errors"]["reset"] == 1 and s,
+            10,
+            "the reset counted",
+            details=lambda: str(_servers(admin_port)["rst"]),
+        )
+        assert rs["connections_total"] == 1 and rs["errors"]["connect_refused"] == 0
+    finally:
+        resetting.close()

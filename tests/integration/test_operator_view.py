@@ -253,6 +253,9 @@ def test_a_reset_by_the_real_server_is_counted(lbproxy):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
             resetting.settimeout(10)
             accepted, _ = resetting.accept()
+            client.sendall(b"hello")  # through the pump: established on both sides
+            accepted.settimeout(10)
+            assert accepted.recv(5) == b"hello"
             accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             accepted.close()  # an RST, not a FIN
             with contextlib.suppress(ConnectionResetError):  # the proxy passes the reset on

@@ -539,6 +539,7 @@ class Pool:
             rs.health.force(True)
             health = True
         if health is not None:
+            self._health_changed(rs, health, now)
             self._cancel_trial(rs)
             reason = f"agent: {rs.agent.reason}" if rs.agent.reason else "agent"
             log.info("%s/%s is %s (%s)", self.name, rs.name, "up" if health else "down", reason)

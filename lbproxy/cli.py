@@ -356,6 +356,7 @@ def _call(function, *args):
         "lbproxy status --admin https://lb1.example.com:9443 --token-file admin.token",
         'lbproxy status | awk \'NR > 1 && $7 == "down" {print $1 "/" $4}\'',
         "lbproxy status --json | jq '.virtual_servers[].name'",
+        "lbproxy status --wide        # also the last check's result and reason",
         "lbproxy status --verbose     # also says which endpoint it used (stderr)",
     )
 )
@@ -364,6 +365,7 @@ def _call(function, *args):
 @click.option(
     "--verbose", "-v", is_flag=True, help="Say on stderr which endpoint was used and how."
 )
+@click.option("--wide", is_flag=True, help="Also show each server's last check and its reason.")
 def status(
     admin: str | None,
     token_file: str | None,
@@ -371,6 +373,7 @@ def status(
     insecure: bool,
     as_json: bool,
     verbose: bool,
+    wide: bool,
 ) -> None:
     """Virtual servers and real servers: state, health, weights, connections, bytes."""
     client = _client(admin, token_file, socket_path, insecure)
@@ -382,7 +385,7 @@ def status(
         return
     from lbproxy.tools.render import print_status
 
-    print_status(document)
+    print_status(document, wide=wide)
 
 
 @main.command(

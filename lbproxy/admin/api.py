@@ -35,15 +35,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from lbproxy import __version__
 from lbproxy.admin import dashboard, http_server, local_socket
 from lbproxy.admin.metrics import VirtualServerView, make_registry
-from lbproxy.admin.routes import ANY_HOST_PATHS, HTTPError, Request, allowed, match
+from lbproxy.admin.routes import ANY_HOST_PATHS, ROUTES, HTTPError, Request, allowed, match
+from lbproxy.admin.stat_csv import CONTENT_TYPE as STAT_CSV_TYPE
+from lbproxy.admin.stat_csv import stat_csv
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.config.values import parse_duration
 from lbproxy.core.explain import explain
 from lbproxy.core.locate import Located
 from lbproxy.core.pool import DRAIN, Pool, state_error, weight_error
-from lbproxy.core.real_server import CheckRecord
+from lbproxy.core.rate import Rate
+from lbproxy.core.real_server import CheckRecord, ServerCounters
+from lbproxy.net.compiled import IMPLEMENTATION
 
 if TYPE_CHECKING:
     import socket
@@ -51,6 +56,8 @@ if TYPE_CHECKING:
     from lbproxy.config.model import Config
 
 log = logging.getLogger("lbproxy.admin")
+
+PROCESS_STARTED = time.time()  # close enough to the process's start: imported by it first
 
 MAX_BODY = http_server.MAX_BODY  # larger bodies: 413, from the server before the app
 PATCH_KEYS = ("weight", "state", "close_after", "close_rate")
@@ -127,7 +134,8 @@ def read_token(path: str) -> str:
 
 def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
     rs = pool.by_name[name]
-    pool.advance(trio.current_time())  # effective weight as the scheduler uses it now
+    now = trio.current_time()
+    pool.advance(now)  # effective weight as the scheduler uses it now
     stats = pool._server_stats(rs)
     return {
         "name": stats.name,
@@ -151,6 +159,26 @@ def real_server_document(pool: Pool, name: str) -> dict[str, Any]:
         "discovered": rs.config.discovered,  # from DNS (discovery.dns), not from a file
         "check": _check_document(rs.counters.check_last),
         "ejected_until": _wall_time(pool.ejected_until(rs)),  # outlier detection (SPEC §23)
+        "since": _wall_time(rs.changed_at),  # the last change of state or health
+        "downtime_s": round(pool.downtime(rs, now), 1),
+        "rate": _rate_document(rs.rate),
+        "errors": _errors_document(rs.counters),
+        "max_connections": rs.max_connections or None,  # None: no limit
+    }
+
+
+def _rate_document(rate: Rate) -> dict[str, float | int | None]:
+    """New connections a second over the last second, and the highest seen (SPEC §24)."""
+    return {"current": _number(round(rate.current, 1)), "max": _number(round(rate.max, 1))}
+
+
+def _errors_document(counters: ServerCounters) -> dict[str, int]:
+    failures = counters.connect_failures
+    return {
+        "connect_refused": failures["refused"],
+        "connect_timeout": failures["timeout"],
+        "connect_error": failures["error"],
+        "reset": counters.resets,
     }
 
 
@@ -287,6 +315,7 @@ def virtual_server_document(vs: VirtualServerView) -> dict[str, Any]:
         "sni": list(pool.config.sni),
         "queued": vs.queue_stats.queued,
         "rejected": stats.rejected,
+        "rate": _rate_document(pool.rate),
         "dynamic_weight_fallback": stats.dynamic_weight_fallback,
         "panic": pool.panic,  # panic_threshold (SPEC §23)
         "real_servers": [real_server_document(pool, rs.name) for rs in stats.real_servers],
@@ -461,6 +490,40 @@ class AdminApp:
         cluster = getattr(server, "cluster_document", None)  # SPEC §18; None: unclustered
         document["cluster"] = cluster() if cluster is not None else None
         return 200, json_body(document), "json"
+
+    async def on_index(self, request: Request) -> Answer:
+        """The routes this app answers (routes.py's table): path and methods."""
+        routes = [
+            {"path": route.template.replace("{}", "{name}"), "methods": list(route.methods)}
+            for route in ROUTES
+            if getattr(self, "on_" + route.name, None) is not None
+        ]
+        return 200, json_body({"routes": routes}), "json"
+
+    async def on_process(self, request: Request) -> Answer:
+        """SPEC §24: this process (the supervisor, with workers) and how it runs."""
+        uptime = time.time() - PROCESS_STARTED
+        started = datetime.datetime.fromtimestamp(PROCESS_STARTED, datetime.UTC)
+        document = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "started": started.isoformat(timespec="seconds").replace("+00:00", "Z"),
+            "uptime_s": round(uptime, 1),
+            "config_files": list(self.server.config_paths),
+            "connection_path": IMPLEMENTATION,
+            "workers": self.worker_count(),
+        }
+        return 200, json_body(document), "json"
+
+    def worker_count(self) -> int:
+        """How many worker processes answer through this app: none, a single process."""
+        return 0
+
+    async def on_virtual_servers_csv(self, request: Request) -> Answer:
+        """One row per real server (admin/stat_csv.py), from the same document as
+        on_virtual_servers (the supervisor's: the merged one)."""
+        _, body, _ = await self.on_virtual_servers(request)
+        return 200, stat_csv(json.loads(body)), STAT_CSV_TYPE
 
     async def on_virtual_server(self, request: Request) -> Answer:
         vs = self.server.virtual_servers.get(request.params[0])

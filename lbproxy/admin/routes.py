@@ -57,7 +57,10 @@ ROUTES = (
     Route("readyz", "/readyz", ("GET",)),
     Route("workers", "/api/v1/workers", ("GET",)),  # the supervisor's only
     Route("worker", "/api/v1/workers/{}/virtual-servers", ("GET",)),  # the supervisor's only
+    Route("index", "/api/v1", ("GET",)),  # this table, as JSON
+    Route("process", "/api/v1/process", ("GET",)),
     Route("virtual_servers", "/api/v1/virtual-servers", ("GET",)),
+    Route("virtual_servers_csv", "/api/v1/virtual-servers.csv", ("GET",)),
     Route("virtual_server", "/api/v1/virtual-servers/{}", ("GET",)),
     Route("real_server", "/api/v1/virtual-servers/{}/real-servers/{}", ("GET", "PATCH")),
     Route("reload", "/api/v1/reload", ("POST",)),

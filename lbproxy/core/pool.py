@@ -61,6 +61,7 @@ from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, Histogram
 from lbproxy.core.locate import Locator
 from lbproxy.core.outlier import OutlierDetector
 from lbproxy.core.persistence import Entry, Persistence, client_key
+from lbproxy.core.rate import Rate
 from lbproxy.core.real_server import RealServer, ServerCounters
 
 __all__ = ["Lease", "Pool", "RealServer", "ServerCounters"]  # RealServer: its own module
@@ -220,6 +221,8 @@ class Pool:
         self._backups_up: set[RealServer] = set()
         self._configure_outlier(now)
         self.udp = UdpCounters()  # protocol: udp (SPEC §19): datagrams, drops
+        self.rate = Rate()  # new connections a second, all its servers' (sample_rates)
+        self._rate_at = now
         # Servers present at start-up come online together: resetting the (empty)
         # connection table for each of them would only cost O(n²).
         self._starting = True
@@ -429,6 +432,7 @@ class Pool:
         elif changed:
             self._cancel_trial(rs)
         if changed is not None:
+            self._health_changed(rs, changed, now)
             log.info(  # not per check or connection: only on a transition
                 "%s/%s is %s%s",
                 self.name,
@@ -445,9 +449,37 @@ class Pool:
         error = state_error(state)
         if error:
             raise ValueError(error)
+        if state != rs.state:
+            rs.changed_at = now
         rs.state = state
         self._update(rs, now)
         return list(rs.leases) if state == DISABLED else []
+
+    def downtime(self, rs: RealServer, now: float) -> float:
+        """Seconds `rs` has spent down (its health) since it was added, as HAProxy's
+        `downtime`."""
+        if rs.down_since is None:
+            return rs.downtime
+        return rs.downtime + max(now - rs.down_since, 0.0)
+
+    def sample_rates(self, now: float) -> None:
+        """The control plane's once-a-second reading of each server's connection count:
+        its rate, and the virtual server's (their sum). O(servers), never per connection."""
+        grown = 0
+        for rs in self.servers:
+            grown += rs.rate.sample(rs.counters.connections_total, now)
+        elapsed = now - self._rate_at
+        if elapsed > 0:
+            self.rate.set(grown / elapsed)
+        self._rate_at = now
+
+    def _health_changed(self, rs: RealServer, up: bool, now: float) -> None:
+        rs.changed_at = now
+        if up and rs.down_since is not None:
+            rs.downtime += max(now - rs.down_since, 0.0)
+            rs.down_since = None
+        elif not up and rs.down_since is None:
+            rs.down_since = now
 
     def set_weight(self, rs: RealServer, weight: object, now: float) -> str | None:
         """Change the static weight at run time; returns an error message, or None.
@@ -507,6 +539,7 @@ class Pool:
             rs.health.force(True)
             health = True
         if health is not None:
+            self._health_changed(rs, health, now)
             self._cancel_trial(rs)
             reason = f"agent: {rs.agent.reason}" if rs.agent.reason else "agent"
             log.info("%s/%s is %s (%s)", self.name, rs.name, "up" if health else "down", reason)
@@ -736,6 +769,8 @@ class Pool:
                 rs.dynamic_weight = rs.static_weight
             else:
                 rs.dynamic_weight = 0.0
+        rs.changed_at = now
+        rs.rate = Rate(since=now)  # its connection count is 0 now
         self.servers.append(rs)
         self.by_name[rs.name] = rs
         self._update(rs, now)

@@ -24,6 +24,7 @@ from lbproxy.config.model import RealServerConfig
 from lbproxy.core.agent import AgentState
 from lbproxy.core.health import Health
 from lbproxy.core.outlier import Ejection
+from lbproxy.core.rate import Rate
 
 if TYPE_CHECKING:
     from lbproxy.core.pool import Lease
@@ -51,6 +52,7 @@ class ServerCounters:
         "connections_total",
         "ejections",
         "health_checks",
+        "resets",
         "snmp_last",
         "snmp_polls",
     )
@@ -60,6 +62,7 @@ class ServerCounters:
         self.bytes_in = 0  # of ended connections; open ones are read from their leases
         self.bytes_out = 0
         self.connect_failures: Counter[str] = Counter()  # refused | timeout | error
+        self.resets = 0  # established connections the real server reset
         self.ejections = 0  # times outlier detection ejected it (core/outlier.py)
         self.health_checks: Counter[str] = Counter()  # ok | fail | timeout
         self.agent_checks: Counter[str] = Counter()  # ok | fail | timeout | bad_answer
@@ -75,8 +78,11 @@ class RealServer:
         "agent",
         "available",
         "backup",
+        "changed_at",
         "config",
         "counters",
+        "down_since",
+        "downtime",
         "dyn_positive",
         "dynamic_weight",
         "effective_weight",
@@ -92,6 +98,7 @@ class RealServer:
         "primary_available",
         "primary_online",
         "ramp_start",
+        "rate",
         "removed",
         "retry_at",
         "sched_active",
@@ -126,6 +133,13 @@ class RealServer:
         self.active = 0
         self.sched_active = 0
         self.counters = ServerCounters()
+        # The operator's view (SPEC §24), on the pool's clock: when its state or health
+        # last changed (set when the pool adds it), since when it is down, and the time
+        # it spent down before that; new connections a second, sampled by the control plane.
+        self.changed_at = 0.0
+        self.down_since: float | None = None
+        self.downtime = 0.0
+        self.rate = Rate()
         self.leases: set[Lease] = set()
         # What the agent check said (core/agent.py); None while there is none.
         self.agent: AgentState | None = None

@@ -73,7 +73,7 @@ from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
 from lbproxy.net.deadlines import deadlines
 from lbproxy.net.descriptors import clients as _clients
-from lbproxy.net.pump import Flow, Pump, Reactor, reactor, run_clock
+from lbproxy.net.pump import SERVER_RESET, Flow, Pump, Reactor, reactor, run_clock
 from lbproxy.wire import proxy_protocol
 
 log = logging.getLogger("lbproxy.proxy")
@@ -705,6 +705,8 @@ class Handler:
                 counters = rs.counters
                 counters.bytes_in += c.bytes_in
                 counters.bytes_out += c.bytes_out
+                if how == SERVER_RESET:
+                    counters.resets += 1
                 pool.drop(lease, now)
                 pool.durations.observe(now - c.started)
             else:

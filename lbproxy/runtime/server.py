@@ -51,6 +51,8 @@ from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.runtime.upgrade import Outcome, Upgrade
 from lbproxy.wire.cluster_messages import Change, EntryBatch
 
+RATE_INTERVAL = 1.0  # seconds between readings of the connection rates (SPEC §24)
+
 log = logging.getLogger("lbproxy.server")
 
 
@@ -209,6 +211,7 @@ class Server:
                 if self.notifier.enabled:
                     self.notifier.ready(self.status_line())
                     admin.start_soon(self._report_status)
+                admin.start_soon(self._sample_rates)
                 await self._finished.wait()
                 await self.state_writer.write_if_changed()  # after the drain: the final state
                 admin.cancel_scope.cancel()
@@ -307,6 +310,15 @@ class Server:
         """systemd's STATUS= text: virtual servers and active connections."""
         active = sum(vs.pool.active for vs in self.virtual_servers.values())
         return status_line(len(self.virtual_servers), active, "draining" if self.draining else "")
+
+    async def _sample_rates(self) -> None:
+        """Each second, every pool reads its servers' connection counts into their rates
+        (SPEC §24): the connection path only increments the count it already keeps."""
+        while True:
+            await trio.sleep(RATE_INTERVAL)
+            now = trio.current_time()
+            for vs in self.virtual_servers.values():
+                vs.pool.sample_rates(now)
 
     async def _report_status(self) -> None:
         while True:

@@ -93,19 +93,26 @@ PLAIN_COLUMNS = (
     # Appended, not inserted, so that the columns above keep their places for awk.
     "BACKUP",  # yes: `backup: true`, takes connections only while no primary is online
     "QUEUED",  # the virtual server's clients waiting in its queue (repeated, as SCHEDULER)
+    "SINCE",  # how long STATE and HEALTH have been as they are, e.g. 3m12s
 )
+# `--wide`: the last check's result and reason, last: the reason is the rest of the line.
+WIDE_COLUMNS = ("CHECK", "REASON")
 UNBOUNDED = 1 << 20  # cells: wider than any terminal
 PLAIN_GAP = "   "  # as docker ps: three spaces between columns
 
 
-def status_plain(document: dict) -> list[str]:
+def status_plain(document: dict, *, wide: bool = False, now: float | None = None) -> list[str]:
     """The lines of `lbproxy status` when stdout is not a terminal: header, then rows.
 
     Every value is one word (`-` for none, exact byte counts), so `awk '{print $4}'`
     and `grep NAME` work on it; a virtual server without real servers still has a row.
+    With `wide`, the last check's result and its reason (several words) end each row.
     """
+    now = time.time() if now is None else now
     loads = _has_load(document)
     columns = [*PLAIN_COLUMNS, "LOAD"] if loads else list(PLAIN_COLUMNS)
+    if wide:
+        columns += WIDE_COLUMNS
     rows = [columns]
     for vs in document["virtual_servers"]:
         head = [vs["name"], vs["scheduler"], _mode(vs)]
@@ -128,7 +135,9 @@ def status_plain(document: dict) -> list[str]:
                     "yes" if rs.get("discovered") else "no",
                     "yes" if rs.get("backup") else "no",
                     str(vs.get("queued", 0)),
+                    _for_how_long(rs.get("since"), now),
                     *([_load(rs)] if loads else []),
+                    *(_check_cells(rs) if wide else []),
                 ]
             )
         if not vs["real_servers"]:
@@ -141,7 +150,40 @@ def status_plain(document: dict) -> list[str]:
     return lines
 
 
-def status_table(document: dict) -> Table:
+def _for_how_long(since: object, now: float) -> str:
+    """How long ago ISO 8601 `since` was, in one word: 45s, 12m5s, 3h2m, 2d4h; - for none."""
+    if not isinstance(since, str):
+        return "-"
+    try:
+        seconds = int(max(0.0, now - datetime.datetime.fromisoformat(since).timestamp()))
+    except ValueError:
+        return "-"
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if days:
+        return f"{days}d{hours % 24}h"
+    if hours:
+        return f"{hours}h{minutes % 60}m"
+    if minutes:
+        return f"{minutes}m{seconds % 60}s"
+    return f"{seconds}s"
+
+
+def _check_cells(rs: dict) -> list[str]:
+    """The last check's result and reason (`-`: none yet, or no reason: it passed)."""
+    check = rs.get("check")
+    if not check:
+        return ["-", "-"]
+    reason = " ".join(str(check.get("reason") or "").split())  # one line, whatever it says
+    return [str(check.get("result") or "-"), reason or "-"]
+
+
+def _state_for(rs: dict, now: float) -> str:
+    """`enabled, up 3m12s`: the state and health, and for how long."""
+    return f"{rs['state']}, {rs['health']} {_for_how_long(rs.get('since'), now)}"
+
+
+def status_table(document: dict, *, wide: bool = False, now: float | None = None) -> Table:
+    now = time.time() if now is None else now
     table = Table(title="lbproxy status")
     for column, justify in (
         ("virtual server", "left"),
@@ -149,6 +191,7 @@ def status_table(document: dict) -> Table:
         ("address", "left"),
         ("state", "left"),
         ("health", "left"),
+        ("since", "right"),
         ("weight", "right"),
         ("effective", "right"),
         ("active", "right"),
@@ -161,6 +204,8 @@ def status_table(document: dict) -> Table:
     loads = _has_load(document)
     if loads:
         table.add_column("load", justify="right", overflow="fold")
+    if wide:
+        table.add_column("last check", overflow="fold")
     for vs in document["virtual_servers"]:
         first = True
         label = f"{vs['name']} ({vs['scheduler']}, {_mode(vs, ' ')}{_queued(vs)})"
@@ -179,6 +224,7 @@ def status_table(document: dict) -> Table:
                 Text(rs["address"]),
                 Text(rs["state"] + _agent(rs)),  # the agent's reason is not markup either
                 _health(rs["health"]),
+                _for_how_long(rs.get("since"), now),
                 static,
                 str(weight["effective"]),
                 str(rs["active_connections"]),
@@ -186,6 +232,7 @@ def status_table(document: dict) -> Table:
                 _bytes(rs["bytes_in"]),
                 _bytes(rs["bytes_out"]),
                 *([_load(rs)] if loads else []),
+                *([Text(": ".join(_check_cells(rs)))] if wide else []),
             )
             first = False
         if first:  # no real servers: the virtual server still has its row
@@ -216,8 +263,11 @@ def _queued(vs: dict) -> str:
     return f", {vs['queued']} queued" if vs.get("queued") else ""
 
 
-def status_blocks(document: dict, width: int) -> list[Text]:
+def status_blocks(
+    document: dict, width: int, *, wide: bool = False, now: float | None = None
+) -> list[Text]:
     """The terminal lines for a table too wide: per real server, items wrapped to `width`."""
+    now = time.time() if now is None else now
     lines = [Text("lbproxy status", style="italic")]
     for vs in document["virtual_servers"]:
         label = [
@@ -236,6 +286,7 @@ def status_blocks(document: dict, width: int) -> list[Text]:
                 Text(rs["address"]),
                 Text(rs["state"] + _agent(rs)),
                 _health(rs["health"]),
+                Text(f"since {_for_how_long(rs.get('since'), now)}"),
                 Text(f"weight {weight['static']}"),
             ]
             if weight.get("dynamic") is not None:
@@ -249,6 +300,8 @@ def status_blocks(document: dict, width: int) -> list[Text]:
             ]
             if rs.get("load") is not None:
                 items.append(Text(f"load {_load(rs)}"))
+            if wide:
+                items.append(Text("check " + ": ".join(_check_cells(rs))))
             lines += _pack(items, width, indent=2)
     return lines
 
@@ -271,7 +324,7 @@ def _pack(items: list[Text], width: int, indent: int) -> list[Text]:
     return lines
 
 
-def print_status(document: dict, console: Console | None = None) -> None:
+def print_status(document: dict, console: Console | None = None, *, wide: bool = False) -> None:
     """`lbproxy status`: plain columns unless stdout is a terminal, then a table or blocks.
 
     The layout follows whether stdout *is* a terminal: FORCE_COLOR or TTY_COMPATIBLE in
@@ -280,18 +333,18 @@ def print_status(document: dict, console: Console | None = None) -> None:
     if console is None:
         console = Console(highlight=False, force_terminal=_isatty(sys.stdout))
     if not console.is_terminal:
-        lines = status_plain(document) + udp_plain(document) + per_source_plain(document)
+        lines = status_plain(document, wide=wide) + udp_plain(document) + per_source_plain(document)
         lines += cluster_plain(document, time.time())
         lines += protection_plain(document, time.time())
         console.file.write("".join(line + "\n" for line in lines))
         console.file.flush()
         return
-    table = status_table(document)
+    table = status_table(document, wide=wide)
     unbounded = console.options.update(max_width=UNBOUNDED)  # the table's natural width
     if Measurement.get(console, unbounded, table).maximum <= console.width:
         console.print(table)
     else:
-        for line in status_blocks(document, console.width):
+        for line in status_blocks(document, console.width, wide=wide):
             console.print(line, overflow="fold")
     for line in udp_lines(document) + per_source_lines(document):
         console.print(line, overflow="fold")
@@ -570,6 +623,7 @@ def stats_table(stats: PoolStats) -> Table:
     table = _table(stats, "weight: static/effective; total: connections sent so far")
     table.add_column("real server")
     table.add_column("weight", justify="right")
+    table.add_column("state")
     table.add_column("health")
     table.add_column("active", justify="right")
     table.add_column("total", justify="right")
@@ -579,6 +633,7 @@ def stats_table(stats: PoolStats) -> Table:
         table.add_row(
             rs.name,
             f"{_number(rs.weight_static)}/{_number(rs.weight_effective)}",
+            rs.state,
             _health(rs.health),
             str(rs.active_connections),
             str(rs.connections_total),
@@ -598,6 +653,7 @@ def dwd_table(stats: PoolStats, reported: Mapping[str, str]) -> Table:
     table.add_column("snmp value", justify="right")
     table.add_column("weight", justify="right")
     table.add_column("share", justify="right")
+    table.add_column("state")
     table.add_column("health")
     table.add_column("active", justify="right")
     table.add_column("total", justify="right")
@@ -610,6 +666,7 @@ def dwd_table(stats: PoolStats, reported: Mapping[str, str]) -> Table:
             reported.get(rs.name, "-"),
             f"{dynamic}/{_number(rs.weight_effective)}",
             f"{share:.0%}",
+            rs.state,
             _health(rs.health),
             str(rs.active_connections),
             str(rs.connections_total),

@@ -1196,3 +1196,42 @@ def run_in_terminal(columns: int, *args: str, timeout: float = 30.0) -> str:
             proc.kill()
             proc.wait()
     return TERMINAL_ESCAPES.sub("", output.decode()).replace("\r", "")
+
+
+# -- a real server answering a check -------------------------------------------------
+
+
+class _Answer(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        server: Answering = self.server  # type: ignore[assignment]
+        sock: socket.socket = self.request
+        sock.settimeout(10)
+        try:
+            request = sock.recv(100)
+            server.requests.append(request)
+            if server.answer:
+                sock.sendall(server.answer)
+            while sock.recv(100):  # keep the connection open until the checker closes it
+                pass
+        except OSError:
+            pass
+
+
+class Answering(socketserver.ThreadingTCPServer):
+    """A real server that reads the check's request, sends `answer` (b"": nothing) and
+    keeps the connection open."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, name: str, answer: bytes) -> None:
+        self.name = name
+        self.answer = answer
+        self.requests: list[bytes] = []
+        super().__init__(("127.0.0.1", 0), _Answer)
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()

@@ -208,7 +208,7 @@ def test_status_json_is_the_api_document(proxied):
     assert set(first) == {
         "name", "address", "state", "health", "backup", "weight", "active_connections",
         "connections_total", "bytes_in", "bytes_out", "snmp", "load", "discovered", "check",
-        "agent", "ejected_until",
+        "agent", "ejected_until", "since", "downtime_s", "rate", "errors", "max_connections",
     }  # fmt: skip
     assert first["agent"] is None  # no agent_check
     assert first["ejected_until"] is None and vs["panic"] is False  # SPEC §23

@@ -23,12 +23,14 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests import tools
 from tests.integration.harness import (
     ROOT,
+    Answering,
     Echo,
     ask_name,
     free_port,
@@ -658,3 +660,77 @@ def test_dashboard_shows_what_the_agent_says_beside_the_state(browser, name_serv
     finally:
         for agent in agents:
             agent.stop()
+
+
+def test_dashboard_says_why_a_server_is_down_and_filters_those_up(browser, lbproxy):
+    """SPEC §24: per real server its state and for how long, the last check's result and
+    reason (refused, timed out, `expect` mismatch), rate now/max, errors and downtime; the
+    process's version and uptime in the header; "hide servers that are up" hides `good`."""
+    from lbproxy import __version__
+
+    servers = [Answering("good", b"PONG\r\n"), Answering("nope", b"NOPE\r\n")]
+    servers.append(Answering("silent", b""))
+    refused = SimpleNamespace(name="refused", port=free_port())
+    check = (
+        'health_check: {type: send_expect, send: "PING\\r\\n", expect: "^PONG",'
+        " interval: 200ms, timeout: 300ms, rise: 1, fall: 1}"
+    )
+    reasons = {
+        "good": "ok",
+        "nope": "fail send_expect check: '^PONG' not found in 6 bytes \"NOPE\\r\\n\" within 0.3s",
+        "silent": "timeout send_expect check: nothing received within 0.3s",
+        "refused": "fail send_expect check: connection refused",
+    }
+    port, admin_port = free_port(), free_port()
+    try:
+        lbproxy(with_admin(vs_config(port, [*servers, refused], "rr", check), admin_port))
+        browser.get(f"http://127.0.0.1:{admin_port}/")
+
+        def checks_shown() -> bool | list:
+            shown = {name: _row(browser, "web", name).find_element("css selector", ".check").text
+                     for name in reasons}  # fmt: skip
+            return True if shown == reasons else [shown]
+
+        wait_until(checks_shown, what="each server's last check and its reason")
+        header = browser.find_element("id", "process").text
+        assert header.startswith(f"lbproxy {__version__} · up "), header
+        assert re.search(r"up \d+(s|m \d+s)$", header), header
+
+        for _ in range(12):  # a burst for `good`, the only one up
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+                client.sendall(b"PING\r\n")
+                assert client.recv(6) == b"PONG\r\n"
+
+        def rates_shown() -> bool | list:
+            document = api(admin_port)["virtual_servers"][0]
+            rs = {s["name"]: s for s in document["real_servers"]}
+            rate = rs["good"]["rate"]
+            want = f"{number(rate['current'])} / {number(rate['max'])}"
+            got = _row(browser, "web", "good").find_element("css selector", ".rate").text
+            return True if rate["max"] > 0 and got == want else [(want, got)]
+
+        wait_until(rates_shown, what="the rate now / max of good")
+        for name in ("nope", "silent", "refused"):
+            row = _row(browser, "web", name)
+            assert row.find_element("css selector", ".health").text == "down"
+            assert re.fullmatch(r"\d+(s|m \d+s)", row.find_element("css selector", ".since").text)
+            assert re.fullmatch(
+                r"\d+(s|m \d+s)", row.find_element("css selector", ".downtime").text
+            )
+            assert row.find_element("css selector", ".errors").text == "0"
+
+        browser.find_element("id", "hide-up").click()
+        wait_until(
+            lambda: (
+                not _row(browser, "web", "good").is_displayed()
+                and all(
+                    _row(browser, "web", n).is_displayed() for n in ("nope", "silent", "refused")
+                )
+            ),
+            what="the servers that are up hidden",
+        )
+        browser.find_element("id", "hide-up").click()
+        wait_until(lambda: _row(browser, "web", "good").is_displayed(), what="shown again")
+    finally:
+        for server in servers:
+            server.stop()

@@ -9,9 +9,6 @@ passed. The reason in the log names what was received, escaped, cut at 60 charac
 from __future__ import annotations
 
 import re
-import socket
-import socketserver
-import threading
 
 import trio
 from hypothesis import given
@@ -20,6 +17,7 @@ from hypothesis import strategies as st
 from lbproxy.config.model import Address, HealthCheckConfig
 from lbproxy.control.checks import EXCERPT_LIMIT, describe_received, probe
 from tests.integration.harness import (
+    Answering,
     counted,
     free_port,
     metrics,
@@ -28,43 +26,6 @@ from tests.integration.harness import (
     wait_for,
     with_admin,
 )
-
-
-class _Answer(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        server: Answering = self.server  # type: ignore[assignment]
-        sock: socket.socket = self.request
-        sock.settimeout(10)
-        try:
-            request = sock.recv(100)
-            server.requests.append(request)
-            if server.answer:
-                sock.sendall(server.answer)
-            while sock.recv(100):  # keep the connection open until the checker closes it
-                pass
-        except OSError:
-            pass
-
-
-class Answering(socketserver.ThreadingTCPServer):
-    """A real server that reads the check's request, sends `answer` (b"": nothing) and
-    keeps the connection open."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, name: str, answer: bytes) -> None:
-        self.name = name
-        self.answer = answer
-        self.requests: list[bytes] = []
-        super().__init__(("127.0.0.1", 0), _Answer)
-        self.port = self.server_address[1]
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-
 
 CHECK = (
     'health_check: {type: send_expect, send: "PING\\r\\n", expect: "^PONG",'

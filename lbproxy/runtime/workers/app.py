@@ -86,6 +86,9 @@ class SupervisorApp(AdminApp):
             return 200, b"ready\n", "text"
         return 503, b"starting\n", "text"
 
+    def worker_count(self) -> int:
+        return len(self.supervisor.workers)
+
     async def on_workers(self, request: Request) -> Answer:
         return 200, json_body(await self.supervisor.workers_document()), "json"
 

@@ -76,6 +76,25 @@ def _merge_real_server(rs: dict[str, Any], other: dict[str, Any]) -> None:
     until = [t for t in (rs.get("ejected_until"), other.get("ejected_until")) if t]
     if until:
         rs["ejected_until"] = max(until)
+    _add_rates(rs, other)
+    for key, count in (other.get("errors") or {}).items():
+        rs.setdefault("errors", {})[key] = rs["errors"].get(key, 0) + count
+    since = [t for t in (rs.get("since"), other.get("since")) if t]
+    if since:
+        rs["since"] = max(since)  # the latest change any worker saw
+    if "downtime_s" in rs and "downtime_s" in other:
+        # down while every worker sees it down, as "health" above
+        rs["downtime_s"] = min(rs["downtime_s"], other["downtime_s"])
+
+
+def _add_rates(document: dict[str, Any], other: dict[str, Any]) -> None:
+    """Each worker accepts its own connections: the rates add up, and so do their
+    highest (the sum of the maxes: an upper bound, as the workers' peaks need not fall
+    in the same second; the supervisor does not sample the workers every second)."""
+    rate, other_rate = document.get("rate"), other.get("rate")
+    if rate and other_rate:
+        for key in ("current", "max"):
+            rate[key] = round((rate.get(key) or 0) + (other_rate.get(key) or 0), 1)
 
 
 def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
@@ -88,6 +107,7 @@ def _merge_virtual_server(vs: dict[str, Any], other: dict[str, Any]) -> None:
         vs.get("throttle_mode", ""), 0
     ):
         vs["throttle_mode"] = other["throttle_mode"]
+    _add_rates(vs, other)
     if other.get("dynamic_weight_fallback"):
         vs["dynamic_weight_fallback"] = True
     if other.get("panic"):

@@ -105,3 +105,35 @@ def test_the_scheduler_follows_the_ramp_in_every_second():
     expected = expected_shares(5)  # 0.13, 0.27, 0.38, 0.46, 0.50
     assert shares == pytest.approx(expected, abs=0.03), (shares, expected)
     assert shares == sorted(shares) and len(set(shares[:4])) == 4  # a ramp, not one step
+
+
+# -- the operator's view: since, downtime, rates -------------------------------------------
+
+
+def test_since_and_downtime_follow_health_and_state_changes():
+    check = HealthCheckConfig(type="tcp", rise=1, fall=1)
+    pool = Pool(virtual_server("rr", {"a": {}, "b": {}}, health_check=check), 100.0)
+    a = pool.by_name["a"]
+    assert a.changed_at == 100.0 and pool.downtime(a, 150.0) == 0.0
+    pool.record_health(a, False, 110.0, "tcp check: connection refused")
+    assert a.changed_at == 110.0 and pool.downtime(a, 115.0) == 5.0
+    pool.record_health(a, False, 112.0)  # still down: no change
+    assert a.changed_at == 110.0
+    pool.record_health(a, True, 120.0)
+    assert a.changed_at == 120.0 and pool.downtime(a, 200.0) == 10.0
+    pool.set_state(a, "drain", 130.0)
+    assert a.changed_at == 130.0 and pool.downtime(a, 200.0) == 10.0
+    pool.set_state(a, "drain", 140.0)  # the same state: no change
+    assert a.changed_at == 130.0
+
+
+def test_sample_rates_reads_each_servers_count_and_sums_them_for_the_pool():
+    pool = Pool(virtual_server("rr", {"a": {}, "b": {}}), 0.0)
+    a, b = pool.by_name["a"], pool.by_name["b"]
+    a.counters.connections_total, b.counters.connections_total = 30, 10
+    pool.sample_rates(1.0)
+    assert (a.rate.current, b.rate.current, pool.rate.current) == (30.0, 10.0, 40.0)
+    a.counters.connections_total = 32
+    pool.sample_rates(3.0)
+    assert (a.rate.current, a.rate.max) == (1.0, 30.0)
+    assert (pool.rate.current, pool.rate.max) == (1.0, 40.0)

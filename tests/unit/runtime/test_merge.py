@@ -407,3 +407,46 @@ def test_per_source_tables_add_up_and_keep_the_bound():
         "untracked": 2,
         "remote_open": 4,
     }
+
+
+# -- the operator's view (SPEC §24) -------------------------------------------------------
+
+
+def _view(current: float, peak: float, refused: int, since: str, downtime: float) -> dict:
+    return {
+        "name": "web",
+        "rate": {"current": current, "max": peak},
+        "real_servers": [
+            {
+                "name": "a",
+                "rate": {"current": current, "max": peak},
+                "errors": {
+                    "connect_refused": refused,
+                    "connect_timeout": 0,
+                    "connect_error": 0,
+                    "reset": 1,
+                },
+                "since": since,
+                "downtime_s": downtime,
+                "max_connections": 10,
+            }
+        ],
+    }
+
+
+def test_rates_and_errors_add_up_since_is_the_latest_downtime_the_least():
+    one = _view(2.0, 30.0, 3, "2026-12-05T15:00:00.000Z", 12.5)
+    two = _view(1.5, 20.0, 4, "2026-12-05T15:01:00.000Z", 10.0)
+    merged = merge_documents([{"virtual_servers": [one]}, {"virtual_servers": [two]}])
+    (vs,) = merged["virtual_servers"]
+    (rs,) = vs["real_servers"]
+    assert vs["rate"] == {"current": 3.5, "max": 50.0}  # the sum of the maxes
+    assert rs["rate"] == {"current": 3.5, "max": 50.0}
+    assert rs["errors"] == {
+        "connect_refused": 7,
+        "connect_timeout": 0,
+        "connect_error": 0,
+        "reset": 2,
+    }
+    assert rs["since"] == "2026-12-05T15:01:00.000Z" and rs["downtime_s"] == 10.0
+    assert rs["max_connections"] == 10  # each worker's limit, as configured

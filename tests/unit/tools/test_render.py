@@ -6,6 +6,7 @@ import copy
 import datetime
 import io
 
+import pytest
 from rich.console import Console
 
 from lbproxy.tools.render import per_source_plain, print_status, protection_plain, status_plain
@@ -55,12 +56,56 @@ def test_plain_columns_keep_every_value_and_a_row_for_an_empty_virtual_server():
     lines = status_plain(DOCUMENT)
     assert [line.split() for line in lines[1:]] == [
         ["snmp-weighted", "dwd", "high", "alpha", "127.0.0.1:9001", "enabled", "up", "3", "40",
-         "2.5", "1", "123456789", "1234567", "89", "no", "no", "0"],
+         "2.5", "1", "123456789", "1234567", "89", "no", "no", "0", "-"],
         ["snmp-weighted", "dwd", "high", "far", LONG_HOST, "enabled", "up", "3", "-", "2.5",
-         "1", "7", "1234567", "89", "yes", "no", "0"],
-        ["empty", "rr", "low"] + ["-"] * 14,
+         "1", "7", "1234567", "89", "yes", "no", "0", "-"],
+        ["empty", "rr", "low"] + ["-"] * 15,
     ]  # fmt: skip
     assert render(30, terminal=False) == "".join(line + "\n" for line in lines)
+
+
+NOW = datetime.datetime(2026, 12, 5, 15, 3, 12, tzinfo=datetime.UTC).timestamp()
+
+
+@pytest.mark.parametrize(
+    "since, shown",
+    [
+        ("2026-12-05T15:03:12.000Z", "0s"),
+        ("2026-12-05T15:02:30.500Z", "41s"),
+        ("2026-12-05T15:00:00.000Z", "3m12s"),
+        ("2026-12-05T11:00:00.000Z", "4h3m"),
+        ("2026-12-01T15:00:00.000Z", "4d0h"),
+        (None, "-"),
+        ("not a time", "-"),
+    ],
+)
+def test_since_is_one_word_saying_how_long(since, shown):
+    rs = {**real_server("alpha", "127.0.0.1:9001"), "since": since}
+    document = {"virtual_servers": [{**DOCUMENT["virtual_servers"][1], "real_servers": [rs]}]}
+    header, row = status_plain(document, now=NOW)
+    assert header.split()[-1] == "SINCE" and row.split()[-1] == shown
+
+
+def test_wide_ends_each_row_with_the_last_check_and_its_whole_reason():
+    reason = "send_expect check: '^PONG' not found in 6 bytes \"NOPE\\r\\n\" within 0.3s"
+    failed = {
+        **real_server("alpha", "127.0.0.1:9001"),
+        "check": {"result": "fail", "reason": reason},
+    }
+    unchecked = {**real_server("beta", "127.0.0.1:9002"), "check": None}
+    vs = {**DOCUMENT["virtual_servers"][1], "real_servers": [failed, unchecked]}
+    header, alpha, beta = status_plain({"virtual_servers": [vs]}, wide=True, now=NOW)
+    assert header.split()[-3:] == ["SINCE", "CHECK", "REASON"]
+    assert alpha[header.index("REASON") :] == reason
+    assert alpha.split()[-len(reason.split()) - 1] == "fail"
+    assert beta.split()[-2:] == ["-", "-"]
+    table = io.StringIO()
+    print_status(
+        {"virtual_servers": [vs]},
+        Console(file=table, width=300, force_terminal=True, color_system=None),
+        wide=True,
+    )
+    assert "last check" in table.getvalue() and reason in table.getvalue()
 
 
 def test_a_narrow_terminal_folds_a_value_wider_than_itself_and_cuts_nothing():
@@ -115,8 +160,8 @@ def test_backups_and_queued_clients_are_shown_in_the_table_and_the_blocks():
         assert text.count("(backup)") == 1  # only the backup server
     # Piped: a BACKUP column per real server, the virtual server's QUEUED on each line.
     header, *lines = (line.split() for line in status_plain(document))
-    assert header[-2:] == ["BACKUP", "QUEUED"]
-    assert {line[3]: line[-2:] for line in lines} == {"main": ["no", "3"], "sorry": ["yes", "3"]}
+    assert header[-3:-1] == ["BACKUP", "QUEUED"]
+    assert {line[3]: line[-3:-1] for line in lines} == {"main": ["no", "3"], "sorry": ["yes", "3"]}
 
 
 def test_panic_and_ejected_servers_follow_the_rows_with_the_time_left():

@@ -1,0 +1,198 @@
+"""Real servers added and removed at run time (SPEC §24), on real `lbproxy` processes:
+POST and DELETE on the admin API and `lbproxy add-server` / `remove-server`, validated
+as a file is, drained on removal, kept across a reload and a restart (state file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.client_loop import ClientLoop
+from tests.integration.harness import (
+    free_port,
+    http,
+    local_http,
+    open_and_read_name,
+    run_cli,
+    servers_of,
+    vs_config,
+    wait_for,
+    with_admin,
+)
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "runtime-servers-token"
+SERVERS = "/api/v1/virtual-servers/web/real-servers"
+
+
+def url(admin_port: int, path: str) -> str:
+    return f"http://127.0.0.1:{admin_port}{path}"
+
+
+def token_file(folder: Path) -> Path:
+    path = folder / "admin.token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def add(admin_port: int, entry: dict) -> tuple[int, dict]:
+    status, body = local_http("POST", url(admin_port, SERVERS), entry)
+    return status, json.loads(body)
+
+
+def remove(admin_port: int, name: str) -> tuple[int, dict]:
+    status, body = local_http("DELETE", url(admin_port, f"{SERVERS}/{name}"))
+    return status, json.loads(body)
+
+
+def checked_config(port: int, servers, admin_port: int, extra: str = "") -> str:
+    """Active TCP checks every 100ms, one success to come up."""
+    checks = "health_check: {type: tcp, interval: 100ms, timeout: 1s, rise: 1, fall: 1}"
+    return with_admin(vs_config(port, servers, "rr", checks + "\n" + extra), admin_port)
+
+
+def test_an_added_server_gets_its_share_after_its_first_check_without_a_client_error(
+    name_servers, lbproxy
+):
+    """Under a client loop, `POST .../real-servers` adds c: 201 with its document
+    (down until its first check passes), then it takes connections; no client sees an
+    error."""
+    a, b, c = name_servers("a", "b", "c", greeting=False)
+    port, admin_port = free_port(), free_port()
+    lbproxy(checked_config(port, [a, b], admin_port))
+    with ClientLoop(port, clients=4) as loop:
+        loop.wait_for(50)
+        status, document = add(
+            admin_port, {"name": "c", "address": f"127.0.0.1:{c.port}", "weight": 2}
+        )
+        assert status == 201, document
+        assert document["name"] == "c" and document["weight"]["static"] == 2
+        assert document["health"] == "down"  # until its first check passes
+        wait_for(lambda: c.accepted >= 20, 20, "c takes connections")
+        loop.wait_for(50)
+        counts = loop.stop()
+    assert set(counts) == {"ok"}, (counts, loop.errors)
+    assert servers_of(admin_port)["c"]["health"] == "up"
+
+
+def test_a_removed_server_drains_and_is_gone_with_its_last_connection(name_servers, lbproxy):
+    """DELETE with 50 connections open: 202 {"removing": true}; it takes no new one and
+    its open ones keep working; gone when the last ends. DELETE of an idle server: 200
+    at once; of an unknown one: 404."""
+    a, b = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    config = with_admin(vs_config(port, [a, b], "rr", "health_check: {type: none}"), admin_port)
+    lbproxy(config)
+    held = []
+    try:
+        while sum(name == "a" for _, name in held) < 50:
+            held.append(open_and_read_name(port))
+        status, document = remove(admin_port, "a")
+        assert (status, document) == (202, {"removing": True})
+        assert servers_of(admin_port)["a"]["state"] == "drain"
+        for _ in range(10):
+            sock, name = open_and_read_name(port)
+            sock.close()
+            assert name == "b"
+        for sock, name in held:  # still served by a
+            sock.sendall(b"ping")
+            assert sock.recv(10) == b"ping"
+        assert "a" in servers_of(admin_port)
+    finally:
+        for sock, _ in held:
+            sock.close()
+    wait_for(lambda: "a" not in servers_of(admin_port), 10, "a gone with its last connection")
+    assert remove(admin_port, "a")[0] == 404
+    assert add(admin_port, {"name": "c", "address": f"127.0.0.1:{a.port}"})[0] == 201
+    assert remove(admin_port, "c") == (200, {"removing": False})
+    assert set(servers_of(admin_port)) == {"b"}
+
+
+def test_a_bad_body_gets_400_with_every_problem_and_changes_nothing(name_servers, lbproxy):
+    a, b = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    lbproxy(with_admin(vs_config(port, [a], "rr"), admin_port))
+    entry = {"name": "x y", "address": "nowhere", "weight": -1, "colour": "red", "state": "on"}
+    status, document = add(admin_port, entry)
+    assert status == 400
+    errors = "\n".join(document["errors"])
+    for expected in ("name must be", "address must be", "weight must be", "'colour'", "state"):
+        assert expected in errors, errors
+    assert len(document["errors"]) == 5
+    status, document = add(admin_port, {"weight": 2})
+    assert status == 400 and len(document["errors"]) == 2  # needs 'name', needs 'address'
+    status, document = add(admin_port, {"name": "a", "address": f"127.0.0.1:{b.port}"})
+    assert status == 409, document
+    status, body = local_http("POST", url(admin_port, SERVERS), b"{not json")
+    assert status == 400 and b"not valid JSON" in body
+    assert set(servers_of(admin_port)) == {"a"}
+
+
+def test_changes_over_tcp_need_the_token(name_servers, lbproxy, tmp_path):
+    """Over TCP without a token_file the endpoint is read-only (403); with one, POST and
+    DELETE need the token (401 without, 403 wrong) and work with it."""
+    a, b = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    entry = {"name": "b", "address": f"127.0.0.1:{b.port}"}
+    proxy = lbproxy(with_admin(vs_config(port, [a], "rr"), admin_port))
+    assert http("POST", url(admin_port, SERVERS), entry)[0] == 403
+    assert http("DELETE", url(admin_port, f"{SERVERS}/a"))[0] == 403
+    proxy.stop()
+    admin_port = free_port()
+    config = with_admin(vs_config(port, [a], "rr"), admin_port, token_file(tmp_path))
+    lbproxy(config)
+    assert http("POST", url(admin_port, SERVERS), entry)[0] == 401
+    assert http("POST", url(admin_port, SERVERS), entry, token="nope")[0] == 403
+    assert http("DELETE", url(admin_port, f"{SERVERS}/a"))[0] == 401
+    assert set(servers_of(admin_port)) == {"a"}
+    assert http("POST", url(admin_port, SERVERS), entry, token=TOKEN)[0] == 201
+    assert http("DELETE", url(admin_port, f"{SERVERS}/a"), token=TOKEN)[0] == 200
+    assert set(servers_of(admin_port)) == {"b"}
+
+
+def test_the_cli_adds_and_removes_through_the_admin_socket(name_servers, lbproxy):
+    a, b = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    lbproxy(with_admin(vs_config(port, [a], "rr", "health_check: {type: none}"), admin_port))
+    admin = ["--admin", url(admin_port, "")]
+    result = run_cli(
+        "add-server", "web", "b", f"127.0.0.1:{b.port}", "--weight", "3", "--max-connections",
+        "10", "--backup", *admin,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "web/b: added" in result.stdout
+    rs = servers_of(admin_port)["b"]
+    assert (rs["weight"]["static"], rs["backup"]) == (3, True)
+    result = run_cli("add-server", "web", "b", f"127.0.0.1:{b.port}", *admin)
+    assert result.returncode != 0 and "409" in result.stderr
+    result = run_cli("remove-server", "web", "b", *admin)
+    assert result.returncode == 0 and "web/b: removed" in result.stdout, result.stderr
+    result = run_cli("remove-server", "web", "b", *admin)
+    assert result.returncode != 0 and "404" in result.stderr
+    assert set(servers_of(admin_port)) == {"a"}
+
+
+def test_added_and_removed_servers_survive_a_reload_unless_a_file_names_them(
+    name_servers, lbproxy
+):
+    """After a reload an added server is still there and a removed one still gone; a
+    file that now names the added server, or changes the removed one's entry, wins."""
+    a, b, c = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    proxy = lbproxy(with_admin(vs_config(port, [a, b], "rr"), admin_port))
+    assert add(admin_port, {"name": "c", "address": f"127.0.0.1:{c.port}", "weight": 4})[0] == 201
+    assert remove(admin_port, "b")[0] == 200
+    proxy.reload()
+    servers = servers_of(admin_port)
+    assert set(servers) == {"a", "c"} and servers["c"]["weight"]["static"] == 4
+    # The file now names c (weight 1) and changes b's entry (weight 2): the file wins.
+    changed = vs_config(port, [a, b, c], "rr", rs_extra={"b": "weight: 2"})
+    proxy.config_path.write_text(with_admin(changed, admin_port))
+    proxy.reload()
+    servers = servers_of(admin_port)
+    assert set(servers) == {"a", "b", "c"}
+    assert servers["c"]["weight"]["static"] == 1 and servers["b"]["weight"]["static"] == 2

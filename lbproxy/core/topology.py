@@ -25,6 +25,9 @@ __all__ = ["RuntimeTopology"]
 @dataclass
 class RuntimeTopology:
     added: dict[str, RealServerConfig] = field(default_factory=dict)
+    # name -> the added server's entry as it was given (a JSON object's keys), to pass on
+    # (state file, cluster, workers) and read again there
+    entries: dict[str, dict[str, object]] = field(default_factory=dict)
     # name -> the file's entry when it was removed (None: it was an added server)
     removed: dict[str, RealServerConfig | None] = field(default_factory=dict)
     # removed servers still listed (as drain) while they have connections
@@ -34,18 +37,25 @@ class RuntimeTopology:
     def empty(self) -> bool:
         return not (self.added or self.removed or self.leaving)
 
-    def add(self, rs: RealServerConfig) -> None:
+    def add(self, rs: RealServerConfig, entry: dict[str, object]) -> None:
         self.added[rs.name] = rs
+        self.entries[rs.name] = entry
         self.removed.pop(rs.name, None)
         self.leaving.pop(rs.name, None)
 
     def remove(self, rs: RealServerConfig, in_file: bool, active: int) -> None:
         """Remove `rs` (as it is configured now); `in_file`: a file names it."""
         self.added.pop(rs.name, None)
+        self.entries.pop(rs.name, None)
         if in_file:
             self.removed[rs.name] = rs
         if active > 0:
             self.leaving[rs.name] = rs
+
+    def fingerprint(self) -> tuple[object, ...]:
+        """Changes whenever what is kept across a restart does."""
+        removed = tuple((name, str(rs.address)) for name, rs in self.removed.items() if rs)
+        return tuple(self.added), removed
 
     def merged(
         self, vs: VirtualServerConfig, active: Callable[[str], int] = lambda name: 0
@@ -61,6 +71,7 @@ class RuntimeTopology:
                     self.leaving.pop(name, None)
         for name in [name for name in self.added if name in file]:
             del self.added[name]  # a file now names it: the file's entry wins
+            del self.entries[name]
         for name in [name for name in self.leaving if active(name) == 0]:
             del self.leaving[name]
         servers = []

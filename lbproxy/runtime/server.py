@@ -655,7 +655,7 @@ class Server:
             return 400, read
         if read.name in vs.pool.by_name:
             return 409, [f"virtual server {vs_name!r} has a real server {read.name!r}"]
-        self.topology.setdefault(vs_name, RuntimeTopology()).add(read)
+        self.topology.setdefault(vs_name, RuntimeTopology()).add(read, entry)  # type: ignore[arg-type]  # read: an object
         self.apply_topology(vs_name)
         rs = vs.pool.by_name.get(read.name)
         if rs is not None:

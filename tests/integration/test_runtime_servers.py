@@ -196,3 +196,46 @@ def test_added_and_removed_servers_survive_a_reload_unless_a_file_names_them(
     servers = servers_of(admin_port)
     assert set(servers) == {"a", "b", "c"}
     assert servers["c"]["weight"]["static"] == 1 and servers["b"]["weight"]["static"] == 2
+
+
+def test_added_and_removed_servers_survive_a_restart_through_the_state_file(
+    name_servers, lbproxy, tmp_path
+):
+    """Stopped and started again with `global.state_file`: the added server is back
+    (checked again before it serves), the removed one stays removed."""
+    a, b, c = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    state_file = tmp_path / "state.json"
+    config = checked_config(port, [a, b], admin_port).replace(
+        "global:\n", f"global:\n  state_file: {state_file}\n", 1
+    )
+    proxy = lbproxy(config)
+    assert add(admin_port, {"name": "c", "address": f"127.0.0.1:{c.port}", "weight": 3})[0] == 201
+    assert remove(admin_port, "b")[0] == 200
+    wait_for(lambda: "added" in state_file.read_text(), 10, "the state file written")
+    proxy.stop()
+    saved = json.loads(state_file.read_text())["virtual_servers"][0]
+    assert [rs["name"] for rs in saved["added"]] == ["c"] and saved["removed"][0][0] == "b"
+
+    proxy = lbproxy(config)
+    servers = servers_of(admin_port)
+    assert set(servers) == {"a", "c"} and servers["c"]["weight"]["static"] == 3
+    wait_for(lambda: servers_of(admin_port)["c"]["health"] == "up", 10, "c checked up")
+    names = set()
+    for _ in range(8):
+        sock, name = open_and_read_name(port)
+        sock.close()
+        names.add(name)
+    assert names == {"a", "c"}
+
+
+def test_a_virtual_server_fed_by_discovery_answers_409(name_servers, lbproxy):
+    a, b = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    discovery = "discovery: {dns: {name: web.example., type: A, port: 80, resolvers: [127.0.0.1:9]}}"
+    lbproxy(with_admin(vs_config(port, [a], "rr", discovery), admin_port))
+    status, document = add(admin_port, {"name": "b", "address": f"127.0.0.1:{b.port}"})
+    assert status == 409 and "discovery" in document["error"], document
+    status, document = remove(admin_port, "a")
+    assert status == 409 and "discovery" in document["error"], document
+    assert set(servers_of(admin_port)) == {"a"}

@@ -449,7 +449,7 @@ class AdminApp:
         entry = parse_server_entry(await read_body(request.receive))
         status, errors = self.server.add_server(vs_name, entry)
         if errors:
-            return status, json_body(_problems(errors)), "json"
+            return status, json_body(problems_document(errors)), "json"
         name = entry["name"]  # type: ignore[index]  # read: an object with a name
         return status, json_body(real_server_document(self._pool(vs_name), name)), "json"
 
@@ -746,7 +746,7 @@ def parse_server_entry(body: bytes) -> object:
         raise HTTPError(400, f"body is not valid JSON ({reason}); send {example}") from None
 
 
-def _problems(errors: list[str]) -> dict[str, Any]:
+def problems_document(errors: list[str]) -> dict[str, Any]:
     """An error document with every problem: `error` (the first) and `errors`."""
     return {"error": errors[0] if len(errors) == 1 else "invalid real server", "errors": errors}
 

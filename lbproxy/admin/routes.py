@@ -60,9 +60,7 @@ ROUTES = (
     Route("virtual_servers", "/api/v1/virtual-servers", ("GET",)),
     Route("virtual_server", "/api/v1/virtual-servers/{}", ("GET",)),
     Route("real_servers", "/api/v1/virtual-servers/{}/real-servers", ("POST",)),
-    Route(
-        "real_server", "/api/v1/virtual-servers/{}/real-servers/{}", ("GET", "DELETE", "PATCH")
-    ),
+    Route("real_server", "/api/v1/virtual-servers/{}/real-servers/{}", ("GET", "DELETE", "PATCH")),
     Route("reload", "/api/v1/reload", ("POST",)),
     Route("upgrade", "/api/v1/upgrade", ("POST",)),
     Route("locate", "/api/v1/virtual-servers/{}/locate", ("GET",)),

@@ -86,8 +86,8 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from lbproxy.config.model import Config
-    from lbproxy.core.topology import RuntimeTopology
     from lbproxy.core.pool import Pool, RealServer
+    from lbproxy.core.topology import RuntimeTopology
 
 log = logging.getLogger("lbproxy.state")
 

@@ -5,21 +5,28 @@ as a file is, drained on removal, kept across a reload and a restart (state file
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from tests.integration.client_loop import ClientLoop
 from tests.integration.harness import (
+    ask_name,
     free_port,
     http,
     local_http,
     open_and_read_name,
+    ready,
     run_cli,
     servers_of,
     vs_config,
     wait_for,
     with_admin,
+    worker_servers,
+    workers,
+    workers_config,
 )
 
 pytestmark = pytest.mark.integration
@@ -98,7 +105,7 @@ def test_a_removed_server_drains_and_is_gone_with_its_last_connection(name_serve
             sock, name = open_and_read_name(port)
             sock.close()
             assert name == "b"
-        for sock, name in held:  # still served by a
+        for sock, _ in held:  # still served by a
             sock.sendall(b"ping")
             assert sock.recv(10) == b"ping"
         assert "a" in servers_of(admin_port)
@@ -176,9 +183,7 @@ def test_the_cli_adds_and_removes_through_the_admin_socket(name_servers, lbproxy
     assert set(servers_of(admin_port)) == {"a"}
 
 
-def test_added_and_removed_servers_survive_a_reload_unless_a_file_names_them(
-    name_servers, lbproxy
-):
+def test_added_and_removed_servers_survive_a_reload_unless_a_file_names_them(name_servers, lbproxy):
     """After a reload an added server is still there and a removed one still gone; a
     file that now names the added server, or changes the removed one's entry, wins."""
     a, b, c = name_servers("a", "b", "c")
@@ -232,10 +237,42 @@ def test_added_and_removed_servers_survive_a_restart_through_the_state_file(
 def test_a_virtual_server_fed_by_discovery_answers_409(name_servers, lbproxy):
     a, b = name_servers("a", "b")
     port, admin_port = free_port(), free_port()
-    discovery = "discovery: {dns: {name: web.example., type: A, port: 80, resolvers: [127.0.0.1:9]}}"
+    discovery = (
+        "discovery: {dns: {name: web.example., type: A, port: 80, resolvers: [127.0.0.1:9]}}"
+    )
     lbproxy(with_admin(vs_config(port, [a], "rr", discovery), admin_port))
     status, document = add(admin_port, {"name": "b", "address": f"127.0.0.1:{b.port}"})
     assert status == 409 and "discovery" in document["error"], document
     status, document = remove(admin_port, "a")
     assert status == 409 and "discovery" in document["error"], document
     assert set(servers_of(admin_port)) == {"a"}
+
+
+def test_with_two_workers_every_worker_adds_and_removes_even_one_restarted(
+    name_servers, lbproxy
+):
+    """`workers: 2`: the supervisor checks the body (400 reaches no worker) and gives
+    the change to both; a worker killed and restarted catches up, and so does a reload."""
+    a, b, c = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    proxy = lbproxy(workers_config(port, [a, b], admin_port))
+    wait_for(lambda: ready(admin_port), what="/readyz")
+    assert add(admin_port, {"name": "c", "weight": "x"})[0] == 400
+    status, document = add(admin_port, {"name": "c", "address": f"127.0.0.1:{c.port}"})
+    assert status == 201 and document["name"] == "c", document
+    assert remove(admin_port, "a") == (200, {"removing": False})
+    for index in (1, 2):
+        assert set(worker_servers(admin_port, index)) == {"b", "c"}
+    old_pid = workers(admin_port)[0]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+
+    def restarted():
+        first = workers(admin_port)[0]
+        return first["ready"] and first["pid"] != old_pid
+
+    wait_for(restarted, 30, "worker 1 restarted")
+    assert set(worker_servers(admin_port, 1)) == {"b", "c"}
+    proxy.reload()
+    for index in (1, 2):
+        assert set(worker_servers(admin_port, index)) == {"b", "c"}
+    assert {ask_name(port) for _ in range(8)} == {"b", "c"}

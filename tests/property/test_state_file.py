@@ -43,8 +43,10 @@ added = st.builds(
     names,
     addresses,
     st.dictionaries(
-        st.text(max_size=8), plain | st.dictionaries(st.text(max_size=8), plain, max_size=3)
-    , max_size=4),
+        st.text(max_size=8),
+        plain | st.dictionaries(st.text(max_size=8), plain, max_size=3),
+        max_size=4,
+    ),
 )
 virtual_servers = st.builds(
     VirtualServerState,

@@ -661,6 +661,8 @@ class Server:
         if rs is not None:
             vs.pool.await_first_check(rs, trio.current_time())
         log.info("%s/%s: added at %s%s", vs_name, read.name, read.address, via)
+        if self.cluster is not None and not via:
+            self.cluster.publish("topology", vs_name, read.name, entry)
         return 201, []
 
     def remove_server(self, vs_name: str, rs_name: str, via: str = "") -> tuple[int, str]:
@@ -684,6 +686,8 @@ class Server:
         log.info("%s/%s: removed%s%s", vs_name, rs_name, " (draining)" if draining else "", via)
         if draining and self._service is not None:
             self._service.start_soon(self._drop_when_idle, vs_name, rs_name)
+        if self.cluster is not None and not via:
+            self.cluster.publish("topology", vs_name, rs_name, None)
         return (202 if draining else 200), ""
 
     def apply_topology(self, vs_name: str) -> list[str]:
@@ -733,11 +737,13 @@ class Server:
     def apply_change(self, change: Change) -> bool:
         """Apply a validated change from another instance, without publishing it again;
         False when this instance has no such virtual or real server."""
+        via = f" (cluster: from {change.origin})"
+        if change.kind == "topology":
+            return self._apply_topology_change(change, via)
         found = self._find(change.virtual_server, change.real_server)
         if isinstance(found, str):
             return False
         pool, rs = found
-        via = f" (cluster: from {change.origin})"
         if change.kind == "state":
             self.apply_state(pool, rs, change.value, via)
         elif change.kind == "weight":
@@ -745,6 +751,25 @@ class Server:
         else:
             pool.locator.report_load(rs, change.value, change.per_connection)
         return True
+
+    def _apply_topology_change(self, change: Change, via: str) -> bool:
+        """Another instance added (its entry) or removed (None) a real server; False
+        when this instance has no such virtual server or cannot apply it."""
+        vs_name, rs_name = change.virtual_server, change.real_server
+        if vs_name not in self.virtual_servers:
+            return False
+        if change.value is None:
+            status, error = self.remove_server(vs_name, rs_name, via)
+            return status in (200, 202, 404)  # 404: gone here already
+        topology = self.topology.get(vs_name)
+        if topology is not None and topology.entries.get(rs_name) == change.value:
+            return True  # added here already, with the same entry
+        if topology is not None and rs_name in topology.added:
+            self.remove_server(vs_name, rs_name, via)  # replaced by the newer entry
+        status, errors = self.add_server(vs_name, change.value, via)
+        if status != 201:
+            log.warning("%s/%s: not added%s: %s", vs_name, rs_name, via, "; ".join(errors))
+        return status == 201
 
     def apply_entries(self, batch: EntryBatch, now: float) -> tuple[int, int]:
         """Persistence entries another instance made: into this instance's table."""

@@ -42,14 +42,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from lbproxy.config.model import MAX_WEIGHT
-from lbproxy.wire.cluster_messages import MAX_LOAD, NAME, STATES, MessageError, client_address
+from lbproxy.wire.cluster_messages import (
+    MAX_ADDRESS,
+    MAX_LOAD,
+    NAME,
+    STATES,
+    MessageError,
+    client_address,
+    server_entry,
+)
 
 VERSION = 1  # "lbproxy_state"; a file of another version is refused (and replaced)
 MAX_BYTES = 64 * 1024 * 1024  # a larger file is refused unread (~600 k entries fit)
-MAX_ADDRESS = 300  # characters of a real server's address as written (`HOST:PORT`)
 MAX_TIME = 1e11  # seconds since 1970: any wall-clock time lbproxy will see
-MAX_ENTRY_KEYS = 32  # keys of an added real server's entry, at each level
-MAX_ENTRY_TEXT = 1000  # characters of a string in an added real server's entry
 
 
 class StateFileError(ValueError):
@@ -167,33 +172,12 @@ def _virtual_server(value: object) -> VirtualServerState:
 
 
 def _added(value: object) -> dict[str, Any]:
-    """An added real server's entry: an object with a name and an address, of plain
-    values and objects of them (one level), bounded; its keys and values are checked by
-    the configuration reader when it is restored."""
-    entry = _entry_object(value, "an added real server")
-    _name(entry.get("name"), "added real server name")
-    address = entry.get("address")
-    if not isinstance(address, str) or not 1 <= len(address) <= MAX_ADDRESS:
-        raise StateFileError(f"address {_short(address)}")
-    for nested in entry.values():
-        if isinstance(nested, dict):
-            _entry_object(nested, "a block of an added real server", scalars_only=True)
-    return entry
-
-
-def _entry_object(value: object, what: str, scalars_only: bool = False) -> dict[str, Any]:
-    if not isinstance(value, dict) or len(value) > MAX_ENTRY_KEYS:
-        raise StateFileError(f"{what} is not a JSON object of at most {MAX_ENTRY_KEYS} keys")
-    for key, item in value.items():
-        if len(key) > MAX_ENTRY_TEXT:
-            raise StateFileError(f"{what} has a key of {len(key)} characters")
-        if isinstance(item, str) and len(item) > MAX_ENTRY_TEXT:
-            raise StateFileError(f"{what}: {key} is {len(item)} characters long")
-        if isinstance(item, float) and not math.isfinite(item):
-            raise StateFileError(f"{what}: {key} is not a finite number")
-        if isinstance(item, list) or (isinstance(item, dict) and scalars_only):
-            raise StateFileError(f"{what}: {_short(key)} is not a plain value")
-    return value
+    """An added real server's entry (cluster_messages.server_entry: bounded, checked
+    by the configuration reader when it is restored)."""
+    try:
+        return server_entry(value)
+    except ValueError as exc:
+        raise StateFileError(str(exc)) from None
 
 
 def _removed(row: object) -> tuple[str, str]:

@@ -15,6 +15,7 @@ from tests.integration.client_loop import ClientLoop
 from tests.integration.harness import (
     ask_name,
     free_port,
+    get_json,
     http,
     local_http,
     open_and_read_name,
@@ -28,6 +29,7 @@ from tests.integration.harness import (
     workers,
     workers_config,
 )
+from tests.integration.redis_server import RedisServer, requires_redis
 
 pytestmark = pytest.mark.integration
 
@@ -248,9 +250,7 @@ def test_a_virtual_server_fed_by_discovery_answers_409(name_servers, lbproxy):
     assert set(servers_of(admin_port)) == {"a"}
 
 
-def test_with_two_workers_every_worker_adds_and_removes_even_one_restarted(
-    name_servers, lbproxy
-):
+def test_with_two_workers_every_worker_adds_and_removes_even_one_restarted(name_servers, lbproxy):
     """`workers: 2`: the supervisor checks the body (400 reaches no worker) and gives
     the change to both; a worker killed and restarted catches up, and so does a reload."""
     a, b, c = name_servers("a", "b", "c")
@@ -276,3 +276,44 @@ def test_with_two_workers_every_worker_adds_and_removes_even_one_restarted(
     for index in (1, 2):
         assert set(worker_servers(admin_port, index)) == {"b", "c"}
     assert {ask_name(port) for _ in range(8)} == {"b", "c"}
+
+
+@requires_redis
+def test_two_cluster_instances_share_added_and_removed_servers(name_servers, lbproxy, tmp_path):
+    """Through a real redis-server: a server added on lb1 appears on lb2, one removed on
+    lb2 goes from lb1, and an instance started later (lb3) gets both by its resync."""
+    a, b, c = name_servers("a", "b", "c")
+    redis = RedisServer(tmp_path / "redis").start()
+    key = tmp_path / "cluster.key"
+    key.write_text("6a" * 32 + "\n")
+    key.chmod(0o600)
+
+    def instance(name: str) -> int:
+        port, admin_port = free_port(), free_port()
+        config = with_admin(vs_config(port, [a, b], "rr", "health_check: {type: none}"), admin_port)
+        cluster = (
+            f"  cluster:\n    key_file: {key}\n    redis: {{url: {redis.url}, name: {name}}}\n"
+        )
+        lbproxy(config.replace("global:\n", "global:\n" + cluster, 1), folder=tmp_path / name)
+        wait_for(
+            lambda: (get_json(admin_port, "/api/v1/virtual-servers")["cluster"] or {}).get(
+                "connected"
+            ),
+            10,
+            f"{name} connected to redis",
+        )
+        return admin_port
+
+    try:
+        lb1, lb2 = instance("lb1"), instance("lb2")
+        assert add(lb1, {"name": "c", "address": f"127.0.0.1:{c.port}", "weight": 5})[0] == 201
+        wait_for(lambda: "c" in servers_of(lb2), 10, "c added on lb2")
+        assert servers_of(lb2)["c"]["weight"]["static"] == 5
+        assert remove(lb2, "a")[0] == 200
+        wait_for(lambda: "a" not in servers_of(lb1), 10, "a removed on lb1")
+        lb3 = instance("lb3")
+        wait_for(lambda: set(servers_of(lb3)) == {"b", "c"}, 10, "lb3 resynchronised")
+        assert "Traceback" not in (tmp_path / "lb1" / "lbproxy.log").read_text()
+    finally:
+        lbproxy.stop_all()
+        redis.stop()

@@ -1198,6 +1198,8 @@ def read_real_server(entry: object, vs: VirtualServerConfig) -> RealServerConfig
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except (yaml.YAMLError, ValueError, RecursionError) as exc:
         return [f"the body cannot be read: {exc}"]
+    if node is None:
+        return ["the body is empty"]
     problems: list[Problem] = []
     doc = _Document(RUNTIME_SOURCE, problems)
     read = _read_real_server(doc, node, _given(vs.snmp), _given(vs.agent_check))

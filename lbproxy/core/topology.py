@@ -52,10 +52,13 @@ class RuntimeTopology:
         if active > 0:
             self.leaving[rs.name] = rs
 
+    def removed_from_files(self) -> tuple[tuple[str, str], ...]:
+        """The removed servers a file names: (name, address) each."""
+        return tuple((name, str(rs.address)) for name, rs in self.removed.items() if rs)
+
     def fingerprint(self) -> tuple[object, ...]:
         """Changes whenever what is kept across a restart does."""
-        removed = tuple((name, str(rs.address)) for name, rs in self.removed.items() if rs)
-        return tuple(self.added), removed
+        return tuple(self.added), self.removed_from_files()
 
     def merged(
         self, vs: VirtualServerConfig, active: Callable[[str], int] = lambda name: 0

@@ -759,7 +759,7 @@ class Server:
         if vs_name not in self.virtual_servers:
             return False
         if change.value is None:
-            status, error = self.remove_server(vs_name, rs_name, via)
+            status, _ = self.remove_server(vs_name, rs_name, via)
             return status in (200, 202, 404)  # 404: gone here already
         topology = self.topology.get(vs_name)
         if topology is not None and topology.entries.get(rs_name) == change.value:

@@ -147,7 +147,7 @@ def _virtual_server(
     removed: tuple[tuple[str, str], ...] = ()
     if topology is not None:
         added = tuple(topology.entries.values())
-        removed = topology.fingerprint()[1]
+        removed = topology.removed_from_files()
     for rs in pool.servers:
         config = rs.config
         state = rs.state if rs.state != config.state else None

@@ -845,6 +845,7 @@ class Server:
             if name not in wanted:
                 # Its connections keep their pool and finish on their own.
                 del self.virtual_servers[name]
+                self.topology.pop(name, None)  # its runtime servers went with it
                 changes.append(f"removed virtual server {name}")
         for address in list(self.listeners):
             if address not in wanted_addresses:

@@ -219,7 +219,8 @@ def test_added_and_removed_servers_survive_a_restart_through_the_state_file(
     proxy = lbproxy(config)
     assert add(admin_port, {"name": "c", "address": f"127.0.0.1:{c.port}", "weight": 3})[0] == 201
     assert remove(admin_port, "b")[0] == 200
-    wait_for(lambda: "added" in state_file.read_text(), 10, "the state file written")
+    written = lambda: state_file.exists() and '"removed"' in state_file.read_text()  # noqa: E731
+    wait_for(written, 10, "the state file written")
     proxy.stop()
     saved = json.loads(state_file.read_text())["virtual_servers"][0]
     assert [rs["name"] for rs in saved["added"]] == ["c"] and saved["removed"][0][0] == "b"

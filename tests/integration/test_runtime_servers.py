@@ -90,12 +90,12 @@ def test_an_added_server_gets_its_share_after_its_first_check_without_a_client_e
 
 def test_a_removed_server_drains_and_is_gone_with_its_last_connection(name_servers, lbproxy):
     """DELETE with 50 connections open: 202 {"removing": true}; it takes no new one and
-    its open ones keep working; gone when the last ends. DELETE of an idle server: 200
-    at once; of an unknown one: 404."""
+    its open ones keep working, across a reload too; gone when the last ends. DELETE of
+    an idle server: 200 at once; of an unknown one: 404."""
     a, b = name_servers("a", "b")
     port, admin_port = free_port(), free_port()
     config = with_admin(vs_config(port, [a, b], "rr", "health_check: {type: none}"), admin_port)
-    lbproxy(config)
+    proxy = lbproxy(config)
     held = []
     try:
         while sum(name == "a" for _, name in held) < 50:
@@ -110,7 +110,9 @@ def test_a_removed_server_drains_and_is_gone_with_its_last_connection(name_serve
         for sock, _ in held:  # still served by a
             sock.sendall(b"ping")
             assert sock.recv(10) == b"ping"
-        assert "a" in servers_of(admin_port)
+        proxy.reload()  # the files name a unchanged: it stays removed, still draining
+        assert servers_of(admin_port)["a"]["state"] == "drain"
+        assert {ask_name(port) for _ in range(6)} == {"b"}
     finally:
         for sock, _ in held:
             sock.close()

@@ -677,8 +677,10 @@ class Server:
             return 409, f"virtual server {vs_name!r} is fed by discovery"
         rs = vs.pool.by_name.get(rs_name)
         topology = self.topology.setdefault(vs_name, RuntimeTopology())
-        if rs is None or rs_name in topology.leaving:
+        if rs is None:
             return 404, f"no real server {rs_name!r} in virtual server {vs_name!r}"
+        if rs_name in topology.leaving:
+            return 202, ""  # removed already, still draining
         in_file = next((c for c in vs_config.real_servers if c.name == rs_name), None)
         topology.remove(in_file or rs.config, in_file is not None, rs.active)
         self.apply_topology(vs_name)

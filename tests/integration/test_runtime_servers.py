@@ -102,6 +102,7 @@ def test_a_removed_server_drains_and_is_gone_with_its_last_connection(name_serve
             held.append(open_and_read_name(port))
         status, document = remove(admin_port, "a")
         assert (status, document) == (202, {"removing": True})
+        assert remove(admin_port, "a") == (202, {"removing": True})  # again: the same
         assert servers_of(admin_port)["a"]["state"] == "drain"
         for _ in range(10):
             sock, name = open_and_read_name(port)
@@ -320,3 +321,27 @@ def test_two_cluster_instances_share_added_and_removed_servers(name_servers, lbp
     finally:
         lbproxy.stop_all()
         redis.stop()
+
+
+def test_with_two_workers_an_added_server_survives_a_restart_and_takes_changes(
+    name_servers, lbproxy, tmp_path
+):
+    a, b, c = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    state_file = tmp_path / "state.json"
+    config = workers_config(port, [a, b], admin_port).replace(
+        "global:\n", f"global:\n  state_file: {state_file}\n", 1
+    )
+    proxy = lbproxy(config)
+    wait_for(lambda: ready(admin_port), what="/readyz")
+    assert add(admin_port, {"name": "c", "address": f"127.0.0.1:{c.port}"})[0] == 201
+    written = lambda: state_file.exists() and '"added"' in state_file.read_text()  # noqa: E731
+    wait_for(written, 10, "the state file written")
+    proxy.stop()
+    lbproxy(config)
+    wait_for(lambda: ready(admin_port), what="/readyz")
+    for index in (1, 2):
+        assert set(worker_servers(admin_port, index)) == {"a", "b", "c"}
+    status, body = local_http("PATCH", url(admin_port, f"{SERVERS}/c"), {"state": "drain"})
+    assert status == 200, body
+    assert {ask_name(port) for _ in range(8)} == {"a", "b"}

@@ -643,7 +643,7 @@ class Supervisor:
             vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
             if vs is None:
                 raise HTTPError(404, f"no virtual server {vs_name!r}")
-            if not self._has_server(vs, rs_name):
+            if not await self._has_server(vs, rs_name):
                 raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
             change = parse_patch(body, f"{vs_name}/{rs_name}")
             path = "/api/v1/virtual-servers/{}/real-servers/{}".format(
@@ -662,12 +662,22 @@ class Supervisor:
             self.overrides.append((path, body))  # for a worker that starts later
             return 200, json_body(merge_real_servers([json.loads(a) for _, _, a in answers]))
 
-    def _has_server(self, vs: VirtualServerConfig, rs_name: str) -> bool:
-        """A file names it, or it was added at run time (and not removed since)."""
+    async def _has_server(self, vs: VirtualServerConfig, rs_name: str) -> bool:
+        """A file names it, or it was added at run time and not removed since (here,
+        or before a restart: then the workers, which restored it, know it)."""
         change = self.topology.get((vs.name, rs_name))
         if change is not None:
             return change[0] == "POST"
-        return any(rs.name == rs_name for rs in vs.real_servers)
+        if any(rs.name == rs_name for rs in vs.real_servers):
+            return True
+        answers = await self._each("GET", self._server_path(vs.name, rs_name))
+        return any(status == 200 for _, status, _ in answers)
+
+    @staticmethod
+    def _server_path(vs_name: str, rs_name: str) -> str:
+        return "/api/v1/virtual-servers/{}/real-servers/{}".format(
+            *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))
+        )
 
     async def add_server(self, vs_name: str, body: bytes) -> tuple[int, bytes]:
         """POST .../real-servers to every worker, checked here first as the workers
@@ -715,7 +725,7 @@ class Supervisor:
             vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
             if vs is None:
                 raise HTTPError(404, f"no virtual server {vs_name!r}")
-            if not self._has_server(vs, rs_name):
+            if not await self._has_server(vs, rs_name):
                 raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
             path = "/api/v1/virtual-servers/{}/real-servers/{}/shutdown-sessions".format(
                 *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))

@@ -568,6 +568,64 @@ def shutdown_sessions(vs: str, rs: str, admin, token_file, socket_path, insecure
     click.echo(f"{vs}/{rs}: closed {result['closed']} connection(s)")
 
 
+@main.command(
+    "add-server",
+    epilog=_examples(
+        "lbproxy add-server web s3 10.0.0.13:80",
+        "lbproxy add-server web s4 10.0.0.14:80 --weight 2 --max-connections 500 --backup",
+    ),
+)
+@click.argument("vs")
+@click.argument("name")
+@click.argument("address")
+@click.option("--weight", type=WeightType(), help="Static weight (default 1).")
+@click.option(
+    "--max-connections", type=click.IntRange(min=0), help="Concurrent connections (0: no limit)."
+)
+@click.option("--backup", is_flag=True, help="A backup server (SPEC §13).")
+@admin_options
+def add_server(
+    vs: str,
+    name: str,
+    address: str,
+    weight: int | None,
+    max_connections: int | None,
+    backup: bool,
+    admin,
+    token_file,
+    socket_path,
+    insecure,
+) -> None:
+    """Add real server NAME at ADDRESS (HOST:PORT) to virtual server VS, without a
+    file; with health checks it takes connections once its first check passes. It
+    stays across reloads (unless a file names it) and restarts (global.state_file)."""
+    entry: dict[str, object] = {"name": name, "address": address}
+    if weight is not None:
+        entry["weight"] = weight
+    if max_connections is not None:
+        entry["max_connections"] = max_connections
+    if backup:
+        entry["backup"] = True
+    client = _client(admin, token_file, socket_path, insecure)
+    result = _call(client.add_server, vs, entry)
+    click.echo(f"{vs}/{name}: added at {result['address']} ({result['health']})")
+
+
+@main.command("remove-server", epilog=_examples("lbproxy remove-server web s3"))
+@click.argument("vs")
+@click.argument("name")
+@admin_options
+def remove_server(vs: str, name: str, admin, token_file, socket_path, insecure) -> None:
+    """Remove real server NAME from virtual server VS: it takes no new connection and
+    is gone when its last one ends."""
+    client = _client(admin, token_file, socket_path, insecure)
+    result = _call(client.remove_server, vs, name)
+    if result.get("removing"):
+        click.echo(f"{vs}/{name}: removing; it drains and goes with its last connection")
+    else:
+        click.echo(f"{vs}/{name}: removed")
+
+
 @main.command(epilog=_examples("lbproxy reload", "lbproxy reload --admin http://127.0.0.1:9100"))
 @admin_options
 def reload(

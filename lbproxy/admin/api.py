@@ -107,6 +107,10 @@ class ProxyControl(Protocol):
 
     def set_weight(self, vs_name: str, rs_name: str, weight: object) -> str | None: ...
 
+    def add_server(self, vs_name: str, entry: object) -> tuple[int, list[str]]: ...
+
+    def remove_server(self, vs_name: str, rs_name: str) -> tuple[int, str]: ...
+
     def report_load(
         self, vs_name: str, rs_name: str, load: object, per_connection: object = None
     ) -> str | None: ...
@@ -537,7 +541,23 @@ class AdminApp:
             pool = self._pool(vs_name)
             self._real_server(pool, rs_name)
             return 200, json_body(real_server_document(pool, rs_name)), "json"
+        if request.method == "DELETE":
+            await read_body(request.receive)  # nothing is read from it
+            status, error = self.server.remove_server(vs_name, rs_name)
+            if error:
+                raise HTTPError(status, error)
+            return status, json_body({"removing": status == 202}), "json"
         return await self._patch(vs_name, rs_name, request.receive)
+
+    async def on_real_servers(self, request: Request) -> Answer:
+        """POST .../real-servers: add a real server (its keys as in a file)."""
+        vs_name = request.params[0]
+        entry = parse_server_entry(await read_body(request.receive))
+        status, errors = self.server.add_server(vs_name, entry)
+        if errors:
+            return status, json_body(problems_document(errors)), "json"
+        name = entry["name"]  # type: ignore[index]  # read: an object with a name
+        return status, json_body(real_server_document(self._pool(vs_name), name)), "json"
 
     async def on_reload(self, request: Request) -> Answer:
         paths = await self._config_paths(request)
@@ -823,6 +843,30 @@ async def read_body(receive: Receive) -> bytes:
             raise HTTPError(413, f"body too large: more than {MAX_BODY} bytes")
         if not message.get("more_body"):
             return body
+
+
+def parse_server_entry(body: bytes) -> object:
+    """A POST .../real-servers body as JSON (checked as a real server by the proxy):
+    a 400 when it is not JSON at all (empty, not UTF-8, NaN, a key twice)."""
+    example = '{"name": "web3", "address": "10.0.0.13:80", "weight": 2}'
+    try:
+        return json.loads(
+            body.decode("utf-8"), parse_constant=_not_json, object_pairs_hook=_no_repeated_keys
+        )
+    except UnicodeDecodeError:
+        raise HTTPError(400, f"body is not UTF-8 JSON; send {example}") from None
+    except _RepeatedKey as exc:
+        raise HTTPError(400, f"key {json.dumps(str(exc))} appears twice in the body") from None
+    except RecursionError:
+        raise HTTPError(400, "body is nested too deeply") from None
+    except ValueError as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise HTTPError(400, f"body is not valid JSON ({reason}); send {example}") from None
+
+
+def problems_document(errors: list[str]) -> dict[str, Any]:
+    """An error document with every problem: `error` (the first) and `errors`."""
+    return {"error": errors[0] if len(errors) == 1 else "invalid real server", "errors": errors}
 
 
 def parse_patch(body: bytes, where: str) -> dict[str, Any]:

@@ -240,6 +240,19 @@ class AdminClient:
         path = f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}/explain?{query}"
         return self.request("GET", path)
 
+    def add_server(self, vs: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """POST .../real-servers: the new real server's document."""
+        path = f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}/real-servers"
+        return self.request("POST", path, entry)
+
+    def remove_server(self, vs: str, rs: str) -> dict[str, Any]:
+        """DELETE .../real-servers/RS: `{"removing": true}` while it drains."""
+        path = (
+            f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}"
+            f"/real-servers/{urllib.parse.quote(rs, safe='')}"
+        )
+        return self.request("DELETE", path)
+
     def reload(self, config: list[str] | None = None) -> dict[str, Any]:
         return self.request("POST", "/api/v1/reload", {"config": config} if config else {})
 

@@ -1176,3 +1176,52 @@ def _expand(paths: Sequence[str | os.PathLike[str]], problems: list[Problem]) ->
 def _in_order(problems: list[Problem]) -> list[Problem]:
     """Sorted by file and line; a problem found several times is reported once."""
     return sorted(dict.fromkeys(problems), key=lambda p: (p.file, p.line))
+
+
+# -- a real server added at run time (POST .../real-servers) -----------------------------
+
+RUNTIME_SOURCE = "body"  # the `file` of a runtime real server's problems
+
+
+def read_real_server(entry: object, vs: VirtualServerConfig) -> RealServerConfig | list[str]:
+    """A real server's entry given at run time (a JSON object, as a `real_servers` item
+    of a file would be), read by the same code as a file's, with `vs`'s `snmp` and
+    `agent_check` blocks under it as in the file; the server, or every problem found.
+
+    An entry naming a file (a key file of `snmp`) is refused: a request never makes the
+    process read a file of its choosing.
+    """
+    if not isinstance(entry, dict):
+        return [f"the body must be a JSON object (a real server's keys), got {_kind(entry)}"]
+    try:
+        text = yaml.safe_dump(entry, allow_unicode=True, sort_keys=False)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        return [f"the body cannot be read: {exc}"]
+    if node is None:
+        return ["the body is empty"]
+    problems: list[Problem] = []
+    doc = _Document(RUNTIME_SOURCE, problems)
+    read = _read_real_server(doc, node, _given(vs.snmp), _given(vs.agent_check))
+    problems.extend(
+        Problem(RUNTIME_SOURCE, secret.line, f"{secret.label}: a file is not accepted here")
+        for secret in doc.secrets
+    )
+    if problems or read is None or read[1] is None:
+        return [problem.message for problem in dict.fromkeys(problems)] or ["not a real server"]
+    return read[1]
+
+
+def _given(block: Any) -> _Section | None:
+    """A block already read (a dataclass) as the section it was read from."""
+    if block is None:
+        return None
+    values = {name: getattr(block, name) for name in block.__dataclass_fields__}
+    values = {name: value for name, value in values.items() if value is not None}
+    return _Section(0, values, key_lines=dict.fromkeys(values, 0))
+
+
+def _kind(value: object) -> str:
+    return {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )

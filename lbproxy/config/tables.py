@@ -132,8 +132,9 @@ GLOBAL_FIELDS: dict[str, Converter] = {
         "server, bytes each way, duration, how it ended"
     ),
     "state_file": string.about(
-        "runtime state kept across restarts: states and weights set at run time, the "
-        "last load report per server, persistence entries; written atomically at most "
+        "runtime state kept across restarts: states and weights set at run time, real "
+        "servers added and removed at run time, the last load report per server, "
+        "persistence entries; written atomically at most "
         "once a second after a change, read at start (a missing or spoilt file is a "
         "warning, never a failed start); opened without following a symlink, and a "
         "symlink, a file over 64 MiB or one writable by group or others is ignored with a "

@@ -344,7 +344,10 @@ class Cluster:
         server that is not configured any more is skipped), and a resync so that
         servers the reload added get theirs."""
         for change in list(self.records.values()):
-            self.target.apply_change(change)
+            # Added and removed servers are kept by the server itself across a reload
+            # (and a file that now names one wins): not applied again.
+            if change.kind != "topology":
+                self.target.apply_change(change)
         self._resync_wanted = True
         self._wake.set()
 

@@ -759,6 +759,13 @@ class Pool:
 
     # -- internals ----------------------------------------------------------------
 
+    def await_first_check(self, rs: RealServer, now: float) -> None:
+        """`rs` (just added at run time) takes no connection until an active check
+        passes: down, one success from up. Without active checks it stays as it is."""
+        if self.config.health_check.type != "none":
+            rs.health.counter = rs.health.rise - 1
+            self._update(rs, now)
+
     def _add(self, config: RealServerConfig, now: float) -> RealServer:
         check = self.config.health_check
         rs = RealServer(config, len(self.servers), Health(check.rise, check.fall, up=True))

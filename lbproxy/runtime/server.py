@@ -24,7 +24,7 @@ import trio
 
 from lbproxy.admin.api import TokenError, read_token, serve_admin
 from lbproxy.config.model import Address, Config, ConfigError, IPNetwork, VirtualServerConfig
-from lbproxy.config.reader import load
+from lbproxy.config.reader import load, read_real_server
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.agent_checks import AgentChecks
 from lbproxy.control.checks import HealthChecks, close_leases
@@ -37,6 +37,7 @@ from lbproxy.control.throttle_monitor import Throttles
 from lbproxy.core.discovery_model import AddressPolicy, address_policy
 from lbproxy.core.per_source import PerSourceTable
 from lbproxy.core.pool import DISABLED, DRAIN, Pool, RealServer, state_error
+from lbproxy.core.topology import RuntimeTopology
 from lbproxy.dataplane import queue as waiting
 from lbproxy.dataplane.listener import BindError, Listener, listen_socket
 from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_socket
@@ -54,6 +55,8 @@ from lbproxy.wire.cluster_messages import Change, EntryBatch
 RATE_INTERVAL = 1.0  # seconds between readings of the connection rates (SPEC §24)
 
 log = logging.getLogger("lbproxy.server")
+
+REMOVED_POLL = 0.1  # seconds between looks at a removed server that still has connections
 
 
 def load_for_reload(paths: Sequence[str]) -> Config | list[str]:
@@ -114,6 +117,8 @@ class Server:
         self.agents = AgentChecks()  # one agent-check task per real server with an agent
         self.snmp = SnmpPollers()  # one SNMP poller per real server of dwd/dwr/least-load
         self.discovery = Discoveries(self)  # one DNS discovery task per VS with discovery.dns
+        # real servers added and removed through the API, per virtual server (SPEC §24)
+        self.topology: dict[str, RuntimeTopology] = {}
         # systemd's notify protocol: a no-op unless run() finds $NOTIFY_SOCKET (never in
         # a worker of `workers: N`, where the supervisor notifies)
         self.notifier = Notifier()
@@ -645,16 +650,114 @@ class Server:
                 self.cluster.publish("load", pool.name, rs.name, float(load), step)  # type: ignore[arg-type]  # see above
         return error
 
+    # -- real servers added and removed at run time (SPEC §24) ---------------------
+
+    def add_server(self, vs_name: str, entry: object, via: str = "") -> tuple[int, list[str]]:
+        """Add a real server from its entry (a JSON object, read as a file's would be):
+        (201, []) or (an HTTP status, every problem). With active checks it takes
+        connections once its first check passes."""
+        vs = self.virtual_servers.get(vs_name)
+        vs_config = self._file_config(vs_name)
+        if vs is None or vs_config is None:
+            return 404, [f"no virtual server {vs_name!r}"]
+        if vs_config.discovery is not None:
+            return 409, [f"virtual server {vs_name!r} is fed by discovery"]
+        read = read_real_server(entry, vs_config)
+        if isinstance(read, list):
+            return 400, read
+        if read.name in vs.pool.by_name:
+            return 409, [f"virtual server {vs_name!r} has a real server {read.name!r}"]
+        self.topology.setdefault(vs_name, RuntimeTopology()).add(read, entry)  # type: ignore[arg-type]  # read: an object
+        self.apply_topology(vs_name)
+        rs = vs.pool.by_name.get(read.name)
+        if rs is not None:
+            vs.pool.await_first_check(rs, trio.current_time())
+        log.info("%s/%s: added at %s%s", vs_name, read.name, read.address, via)
+        if self.cluster is not None and not via:
+            self.cluster.publish("topology", vs_name, read.name, entry)
+        return 201, []
+
+    def remove_server(self, vs_name: str, rs_name: str, via: str = "") -> tuple[int, str]:
+        """Remove a real server: it takes no new connection and is gone with its last
+        one. (200, "") when it went at once, (202, "") while it drains, else an HTTP
+        status and why."""
+        vs = self.virtual_servers.get(vs_name)
+        vs_config = self._file_config(vs_name)
+        if vs is None or vs_config is None:
+            return 404, f"no virtual server {vs_name!r}"
+        if vs_config.discovery is not None:
+            return 409, f"virtual server {vs_name!r} is fed by discovery"
+        rs = vs.pool.by_name.get(rs_name)
+        topology = self.topology.setdefault(vs_name, RuntimeTopology())
+        if rs is None:
+            return 404, f"no real server {rs_name!r} in virtual server {vs_name!r}"
+        if rs_name in topology.leaving:
+            return 202, ""  # removed already, still draining
+        in_file = next((c for c in vs_config.real_servers if c.name == rs_name), None)
+        topology.remove(in_file or rs.config, in_file is not None, rs.active)
+        self.apply_topology(vs_name)
+        draining = rs_name in topology.leaving
+        log.info("%s/%s: removed%s%s", vs_name, rs_name, " (draining)" if draining else "", via)
+        if draining and self._service is not None:
+            self._service.start_soon(self._drop_when_idle, vs_name, rs_name)
+        if self.cluster is not None and not via:
+            self.cluster.publish("topology", vs_name, rs_name, None)
+        return (202 if draining else 200), ""
+
+    def apply_topology(self, vs_name: str) -> list[str]:
+        """Apply `vs_name`'s files with its runtime additions and removals, keeping every
+        runtime change (states, weights); start or stop the checks of the servers that
+        came or went."""
+        vs = self.virtual_servers.get(vs_name)
+        vs_config = self._file_config(vs_name)
+        if vs is None or vs_config is None:
+            return []
+        merged = self._with_topology(vs_config)
+        changes = self._reconfigure(vs, merged, trio.current_time(), keep_runtime=True)
+        if self._service is not None and not self.draining:
+            self.checks.sync(self.virtual_servers.values(), self._service)
+            self.agents.sync(self.virtual_servers.values(), self._service)
+            self.snmp.sync(self.virtual_servers.values(), self._service)
+        return changes
+
+    def _with_topology(self, vs_config: VirtualServerConfig) -> VirtualServerConfig:
+        topology = self.topology.get(vs_config.name)
+        if topology is None:
+            return vs_config
+        return topology.merged(vs_config, lambda name: self._active(vs_config.name, name))
+
+    def _active(self, vs_name: str, rs_name: str) -> int:
+        vs = self.virtual_servers.get(vs_name)
+        rs = vs.pool.by_name.get(rs_name) if vs is not None else None
+        return rs.active if rs is not None else 0
+
+    def _file_config(self, vs_name: str) -> VirtualServerConfig | None:
+        return next((c for c in self.config.virtual_servers if c.name == vs_name), None)
+
+    async def _drop_when_idle(self, vs_name: str, rs_name: str) -> None:
+        """Drop a removed server once its last connection has ended (bounded by them)."""
+        while True:
+            await trio.sleep(REMOVED_POLL)
+            topology = self.topology.get(vs_name)
+            if topology is None or rs_name not in topology.leaving:
+                return
+            if self._active(vs_name, rs_name) == 0:
+                self.apply_topology(vs_name)
+                log.info("%s/%s: gone (its last connection ended)", vs_name, rs_name)
+                return
+
     # -- the cluster's changes (lbproxy/control/cluster.py's ClusterTarget) -------------
 
     def apply_change(self, change: Change) -> bool:
         """Apply a validated change from another instance, without publishing it again;
         False when this instance has no such virtual or real server."""
+        via = f" (cluster: from {change.origin})"
+        if change.kind == "topology":
+            return self._apply_topology_change(change, via)
         found = self._find(change.virtual_server, change.real_server)
         if isinstance(found, str):
             return False
         pool, rs = found
-        via = f" (cluster: from {change.origin})"
         if change.kind == "state":
             self.apply_state(pool, rs, change.value, via)
         elif change.kind == "weight":
@@ -662,6 +765,25 @@ class Server:
         else:
             pool.locator.report_load(rs, change.value, change.per_connection)
         return True
+
+    def _apply_topology_change(self, change: Change, via: str) -> bool:
+        """Another instance added (its entry) or removed (None) a real server; False
+        when this instance has no such virtual server or cannot apply it."""
+        vs_name, rs_name = change.virtual_server, change.real_server
+        if vs_name not in self.virtual_servers:
+            return False
+        if change.value is None:
+            status, _ = self.remove_server(vs_name, rs_name, via)
+            return status in (200, 202, 404)  # 404: gone here already
+        topology = self.topology.get(vs_name)
+        if topology is not None and topology.entries.get(rs_name) == change.value:
+            return True  # added here already, with the same entry
+        if topology is not None and rs_name in topology.added:
+            self.remove_server(vs_name, rs_name, via)  # replaced by the newer entry
+        status, errors = self.add_server(vs_name, change.value, via)
+        if status != 201:
+            log.warning("%s/%s: not added%s: %s", vs_name, rs_name, via, "; ".join(errors))
+        return status == 201
 
     def apply_entries(self, batch: EntryBatch, now: float) -> tuple[int, int]:
         """Persistence entries another instance made: into this instance's table."""
@@ -737,6 +859,7 @@ class Server:
             if name not in wanted:
                 # Its connections keep their pool and finish on their own.
                 del self.virtual_servers[name]
+                self.topology.pop(name, None)  # its runtime servers went with it
                 changes.append(f"removed virtual server {name}")
         for address in list(self.listeners):
             if address not in wanted_addresses:
@@ -751,7 +874,7 @@ class Server:
             else:
                 # The file's servers and those discovered so far (SPEC §14).
                 merged = self.discovery.merged(vs_config, self)
-                changes.extend(self._reconfigure(vs, merged, now))
+                changes.extend(self._reconfigure(vs, self._with_topology(merged), now))
         by_name = {vs.name: vs for feeds in routes.values() for vs in feeds}
         for vs_config in new.virtual_servers:
             if vs_config.name in by_name:  # not a locator-only one: it has no address

@@ -2,7 +2,8 @@
 
 What is kept is what the configuration files cannot say (HAProxy's `server-state-file`
 is the model): a real server's state and static weight where they differ from its
-configuration (set with PATCH, `lbproxy drain`/`set-weight`, or by the cluster), the last
+configuration (set with PATCH, `lbproxy drain`/`set-weight`, or by the cluster), the real
+servers added and removed at run time (SPEC §24), the last
 load report of each real server, and the persistence entries with the wall-clock time
 they expire at. Health, counters, SNMP values and throttle modes are not: they are
 measured again within seconds.
@@ -82,8 +83,11 @@ from lbproxy.wire.state_file import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from lbproxy.config.model import Config
     from lbproxy.core.pool import Pool, RealServer
+    from lbproxy.core.topology import RuntimeTopology
 
 log = logging.getLogger("lbproxy.state")
 
@@ -100,7 +104,14 @@ class Server(Protocol):
     @property
     def initial_state(self) -> bytes | None: ...
 
+    @property
+    def topology(self) -> Mapping[str, RuntimeTopology]: ...
+
     def pools(self) -> list[Pool]: ...
+
+    def add_server(self, vs_name: str, entry: object, via: str = "") -> tuple[int, list[str]]: ...
+
+    def remove_server(self, vs_name: str, rs_name: str, via: str = "") -> tuple[int, str]: ...
 
     def apply_state(self, pool: Pool, rs: RealServer, state: str, via: str = "") -> None: ...
 
@@ -119,11 +130,24 @@ def snapshot(server: Server, wall: float | None = None, now: float | None = None
 
 def _state(server: Server, wall: float, now: float | None = None) -> State:
     now = trio.current_time() if now is None else now
-    return State(wall, tuple(_virtual_server(pool, wall, now) for pool in server.pools()))
+    return State(
+        wall,
+        tuple(
+            _virtual_server(pool, wall, now, server.topology.get(pool.name))
+            for pool in server.pools()
+        ),
+    )
 
 
-def _virtual_server(pool: Pool, wall: float, now: float) -> VirtualServerState:
+def _virtual_server(
+    pool: Pool, wall: float, now: float, topology: RuntimeTopology | None = None
+) -> VirtualServerState:
     servers = []
+    added: tuple[dict[str, Any], ...] = ()
+    removed: tuple[tuple[str, str], ...] = ()
+    if topology is not None:
+        added = tuple(topology.entries.values())
+        removed = topology.removed_from_files()
     for rs in pool.servers:
         config = rs.config
         state = rs.state if rs.state != config.state else None
@@ -143,12 +167,14 @@ def _virtual_server(pool: Pool, wall: float, now: float) -> VirtualServerState:
             else:
                 continue  # expired, not swept yet
             entries.append(StickyEntry(key, entry.server.name, expires))
-    return VirtualServerState(pool.name, tuple(servers), tuple(entries))
+    return VirtualServerState(pool.name, tuple(servers), tuple(entries), added, removed)
 
 
 def fingerprint(server: Server) -> tuple[Any, ...]:
     """Changes whenever the snapshot would (but for time passing): O(servers), no entry scan."""
-    parts: list[Any] = []
+    parts: list[Any] = [
+        (name, topology.fingerprint()) for name, topology in server.topology.items()
+    ]
     for pool in server.pools():
         for rs in pool.servers:
             if rs.state != rs.config.state or rs.static_weight != float(rs.config.weight):
@@ -199,6 +225,25 @@ def restore(
     return True
 
 
+def _restore_topology(
+    server: Server, pool: Pool, vs_state: VirtualServerState, source: str
+) -> None:
+    """The real servers added and removed at run time: an added one read again as the
+    API reads it (one that is no longer valid, or whose name a file now uses, is
+    skipped), a removed one removed again while a file names it at the same address."""
+    for entry in vs_state.added:
+        status, errors = server.add_server(pool.name, entry, VIA)
+        if status != 201:
+            log.info(
+                "%s: added real server %s/%s skipped: %s",
+                *(source, pool.name, entry.get("name"), "; ".join(errors)),
+            )
+    for name, address in vs_state.removed:
+        rs = pool.by_name.get(name)
+        if rs is not None and str(rs.config.address) == address:
+            server.remove_server(pool.name, name, VIA)
+
+
 def _restore_pool(
     server: Server,
     pool: Pool,
@@ -209,6 +254,8 @@ def _restore_pool(
     source: str,
     entries_only: bool = False,
 ) -> None:
+    if not entries_only:
+        _restore_topology(server, pool, vs_state, source)
     reset: set[str] = set()
     for saved in vs_state.real_servers:
         rs = pool.by_name.get(saved.name)

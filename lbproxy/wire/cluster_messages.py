@@ -61,7 +61,11 @@ MAX_VERSION = 2**53 - 1  # exact in a double (Redis' Lua compares versions as nu
 VERSION_SHIFT = 10  # 1024 versions per millisecond before the clock part moves on
 MAX_LOAD = 1e9  # a load report above this is refused (no real load is)
 MAX_TTL_MS = 366 * 24 * 3600 * 1000  # a persistence entry's time left, at most a year
-KINDS = ("state", "weight", "load")
+# topology: a real server added at run time (its entry) or removed (null), SPEC §24
+KINDS = ("state", "weight", "load", "topology")
+MAX_ENTRY_KEYS = 32  # keys of an added real server's entry, at each level
+MAX_ENTRY_TEXT = 1000  # characters of a key or string in an added real server's entry
+MAX_ADDRESS = 300  # characters of a real server's address as written (`HOST:PORT`)
 STATES = ("enabled", "drain", "disabled")  # lbproxy.core.pool.STATES (a test checks)
 REASONS = ("oversized", "garbage", "invalid", "signature")
 # A message made this far ahead of the receiver's clock is refused ("future"): one forged
@@ -354,6 +358,38 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def server_entry(value: object) -> dict[str, Any]:
+    """A real server's entry as added at run time: an object with a name and an
+    address, of plain values and objects of them (one level), bounded; ValueError with
+    the reason otherwise. Its keys and values are the configuration reader's to check."""
+    entry = _entry_object(value, "an added real server")
+    name = entry.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"added real server name is not a name: {_short(name)}")
+    address = entry.get("address")
+    if not isinstance(address, str) or not 1 <= len(address) <= MAX_ADDRESS:
+        raise ValueError(f"address {_short(address)}")
+    for nested in entry.values():
+        if isinstance(nested, dict):
+            _entry_object(nested, "a block of an added real server", scalars_only=True)
+    return entry
+
+
+def _entry_object(value: object, what: str, scalars_only: bool = False) -> dict[str, Any]:
+    if not isinstance(value, dict) or len(value) > MAX_ENTRY_KEYS:
+        raise ValueError(f"{what} is not a JSON object of at most {MAX_ENTRY_KEYS} keys")
+    for key, item in value.items():
+        if not isinstance(key, str) or len(key) > MAX_ENTRY_TEXT:
+            raise ValueError(f"{what} has a key that is not a short string")
+        if isinstance(item, str) and len(item) > MAX_ENTRY_TEXT:
+            raise ValueError(f"{what}: {_short(key)} is {len(item)} characters long")
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{what}: {_short(key)} is not a finite number")
+        if isinstance(item, list) or (isinstance(item, dict) and scalars_only):
+            raise ValueError(f"{what}: {_short(key)} is not a plain value")
+    return value
+
+
 def decode_change(data: object) -> Change:
     document = _load(
         data, ("v", "kind", "vs", "rs", "value", "version", "origin"), ("per_connection",)
@@ -368,6 +404,12 @@ def decode_change(data: object) -> Change:
             raise MessageError("invalid", f"state {_short(value)}")
     elif kind == "weight":
         value = _integer(value, "weight", 0, MAX_WEIGHT)
+    elif kind == "topology":
+        if value is not None:
+            try:
+                value = server_entry(value)
+            except ValueError as exc:
+                raise MessageError("invalid", str(exc)) from None
     else:
         value = _real(value, "load", MAX_LOAD)
         if document.get("per_connection") is not None:

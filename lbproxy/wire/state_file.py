@@ -18,7 +18,13 @@ meanwhile is dropped on reading):
         "real_servers": [{"name": "b", "address": "10.0.0.2:80", "state": "drain"},
                          {"name": "a", "address": "10.0.0.1:80", "weight": 7,
                           "load": [0.5, 0.01]}],
-        "persistence": [["192.0.2.7", "a", 1764745500.0]]}]}
+        "persistence": [["192.0.2.7", "a", 1764745500.0]],
+        "added": [{"name": "c", "address": "10.0.0.3:80", "weight": 2}],
+        "removed": [["d", "10.0.0.4:80"]]}]}
+
+`added` (the real servers added at run time, each as the entry it was given: read again
+by the configuration reader when restored) and `removed` (those removed at run time
+that a file names: name and the address it had) are left out when empty.
 
 The file is input that anyone with write access to its folder, a full disk or a crash
 may have spoilt. So `decode` accepts exactly what `encode` writes, bounded (MAX_BYTES,
@@ -36,11 +42,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from lbproxy.config.model import MAX_WEIGHT
-from lbproxy.wire.cluster_messages import MAX_LOAD, NAME, STATES, MessageError, client_address
+from lbproxy.wire.cluster_messages import (
+    MAX_ADDRESS,
+    MAX_LOAD,
+    NAME,
+    STATES,
+    MessageError,
+    client_address,
+    server_entry,
+)
 
 VERSION = 1  # "lbproxy_state"; a file of another version is refused (and replaced)
 MAX_BYTES = 64 * 1024 * 1024  # a larger file is refused unread (~600 k entries fit)
-MAX_ADDRESS = 300  # characters of a real server's address as written (`HOST:PORT`)
 MAX_TIME = 1e11  # seconds since 1970: any wall-clock time lbproxy will see
 
 
@@ -71,6 +84,8 @@ class VirtualServerState:
     name: str
     real_servers: tuple[ServerState, ...] = ()
     persistence: tuple[StickyEntry, ...] = ()
+    added: tuple[dict[str, Any], ...] = ()  # real servers added at run time: their entries
+    removed: tuple[tuple[str, str], ...] = ()  # removed at run time: (name, address)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,15 +105,21 @@ def _document(state: State) -> dict[str, Any]:
     return {
         "lbproxy_state": VERSION,
         "written": state.written,
-        "virtual_servers": [
-            {
-                "name": vs.name,
-                "real_servers": [_server(rs) for rs in vs.real_servers],
-                "persistence": [[e.client, e.real_server, e.expires] for e in vs.persistence],
-            }
-            for vs in state.virtual_servers
-        ],
+        "virtual_servers": [_virtual_server_document(vs) for vs in state.virtual_servers],
     }
+
+
+def _virtual_server_document(vs: VirtualServerState) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "name": vs.name,
+        "real_servers": [_server(rs) for rs in vs.real_servers],
+        "persistence": [[e.client, e.real_server, e.expires] for e in vs.persistence],
+    }
+    if vs.added:
+        document["added"] = list(vs.added)
+    if vs.removed:
+        document["removed"] = [list(pair) for pair in vs.removed]
+    return document
 
 
 def _server(rs: ServerState) -> dict[str, Any]:
@@ -137,13 +158,35 @@ def decode(data: bytes) -> State:
 
 
 def _virtual_server(value: object) -> VirtualServerState:
-    document = _object(value, "a virtual server", ("name", "real_servers", "persistence"))
+    document = _object(
+        value, "a virtual server", ("name", "real_servers", "persistence"), ("added", "removed")
+    )
     name = _name(document["name"], "virtual server name")
     return VirtualServerState(
         name,
         tuple(_real_server(rs) for rs in _list(document, "real_servers")),
         tuple(_entry(row) for row in _list(document, "persistence")),
+        tuple(_added(entry) for entry in _list(document, "added", optional=True)),
+        tuple(_removed(row) for row in _list(document, "removed", optional=True)),
     )
+
+
+def _added(value: object) -> dict[str, Any]:
+    """An added real server's entry (cluster_messages.server_entry: bounded, checked
+    by the configuration reader when it is restored)."""
+    try:
+        return server_entry(value)
+    except ValueError as exc:
+        raise StateFileError(str(exc)) from None
+
+
+def _removed(row: object) -> tuple[str, str]:
+    if not isinstance(row, list) or len(row) != 2:
+        raise StateFileError(f"a removed server is not [name, address]: {_short(row)}")
+    name, address = row
+    if not isinstance(address, str) or not 1 <= len(address) <= MAX_ADDRESS:
+        raise StateFileError(f"address {_short(address)}")
+    return _name(name, "removed real server name"), address
 
 
 def _real_server(value: object) -> ServerState:
@@ -187,8 +230,8 @@ def _object(
     return value
 
 
-def _list(document: dict[str, Any], key: str) -> list[Any]:
-    value = document[key]
+def _list(document: dict[str, Any], key: str, optional: bool = False) -> list[Any]:
+    value = document.get(key, []) if optional else document[key]
     if not isinstance(value, list):
         raise StateFileError(f"{key} is not a list")
     return value

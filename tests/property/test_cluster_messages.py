@@ -60,6 +60,10 @@ def changes(draw) -> Change:
         value = draw(st.sampled_from(STATES))
     elif kind == "weight":
         value = draw(st.integers(0, MAX_WEIGHT))
+    elif kind == "topology":  # an added server's entry, or None: removed
+        plain = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20)
+        more = draw(st.dictionaries(st.text(max_size=8), plain, max_size=4))
+        value = draw(st.none() | st.just({**more, "name": draw(names), "address": "10.0.0.1:80"}))
     else:
         value = draw(loads)
         per_connection = draw(st.none() | loads)

@@ -36,11 +36,25 @@ servers = st.builds(
     st.none() | st.tuples(loads, loads),
 )
 entries = st.builds(StickyEntry, clients, names, times)
+addresses = st.text("0123456789.:[]ab", min_size=1, max_size=30)
+plain = st.none() | st.booleans() | st.integers() | st.text(max_size=20)
+added = st.builds(
+    lambda name, address, more: {**more, "name": name, "address": address},
+    names,
+    addresses,
+    st.dictionaries(
+        st.text(max_size=8),
+        plain | st.dictionaries(st.text(max_size=8), plain, max_size=3),
+        max_size=4,
+    ),
+)
 virtual_servers = st.builds(
     VirtualServerState,
     names,
     st.lists(servers, max_size=4).map(tuple),
     st.lists(entries, max_size=6).map(tuple),
+    st.lists(added, max_size=2).map(tuple),
+    st.lists(st.tuples(names, addresses), max_size=2).map(tuple),
 )
 states = st.builds(State, times, st.lists(virtual_servers, max_size=3).map(tuple))
 

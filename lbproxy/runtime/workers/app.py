@@ -51,6 +51,10 @@ class Supervisor(Protocol):
 
     async def shutdown_sessions(self, vs_name: str, rs_name: str) -> tuple[int, bytes]: ...
 
+    async def add_server(self, vs_name: str, body: bytes) -> tuple[int, bytes]: ...
+
+    async def remove_server(self, vs_name: str, rs_name: str) -> tuple[int, bytes]: ...
+
 
 class SupervisorApp(AdminApp):
     """AdminApp's routes (admin/routes.py), answered from the workers, and the workers'
@@ -114,7 +118,16 @@ class SupervisorApp(AdminApp):
                 if rs["name"] == rs_name:
                     return 200, json_body(rs), "json"
             raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
-        status, answer = await supervisor.patch(vs_name, rs_name, await read_body(request.receive))
+        body = await read_body(request.receive)
+        if request.method == "DELETE":
+            status, answer = await supervisor.remove_server(vs_name, rs_name)
+        else:
+            status, answer = await supervisor.patch(vs_name, rs_name, body)
+        return status, answer, "json"
+
+    async def on_real_servers(self, request: Request) -> Answer:
+        body = await read_body(request.receive)
+        status, answer = await self.supervisor.add_server(request.params[0], body)
         return status, answer, "json"
 
     async def on_shutdown_sessions(self, request: Request) -> Answer:

@@ -31,6 +31,8 @@ from lbproxy.admin.api import (
     TokenError,
     json_body,
     parse_patch,
+    parse_server_entry,
+    problems_document,
     read_token,
     serve_asgi,
 )
@@ -39,7 +41,8 @@ from lbproxy.admin.metric_families import counter as counter_family
 from lbproxy.admin.metric_families import gauge as gauge_family
 from lbproxy.admin.metrics import RELOAD_RESULTS
 from lbproxy.admin.routes import HTTPError
-from lbproxy.config.model import Address, Config
+from lbproxy.config.model import Address, Config, VirtualServerConfig
+from lbproxy.config.reader import read_real_server
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.persistence import client_key
 from lbproxy.dataplane.listener import BindError, listen_socket
@@ -167,6 +170,9 @@ class Supervisor:
         ]
         self.generation = 0
         self.overrides: list[tuple[str, bytes]] = []  # PATCHes since the last reload
+        # Real servers added and removed at run time, the last request per server (kept
+        # across reloads, as the workers keep them): (vs, rs) -> (method, path, body)
+        self.topology: dict[tuple[str, str], tuple[str, str, bytes]] = {}
         self.reloads = {"ok": 0, "error": 0}
         self.retired = MetricSums()  # counters of worker processes that have exited
         self.draining = False
@@ -235,6 +241,7 @@ class Supervisor:
         return {
             "overrides": [(path, body.decode()) for path, body in self.overrides],
             "load_reports": {path: body.decode() for path, body in self.load_reports.items()},
+            "topology": [(m, path, body.decode()) for m, path, body in self.topology.values()],
         }
 
     async def upgrade(self, config_paths: list[str] | tuple[str, ...] = ()) -> Outcome:
@@ -525,6 +532,8 @@ class Supervisor:
                 log.error(
                     "worker %d: catching up with the last reload failed: %s", worker.index, body
                 )
+        for method, path, body in self.topology.values():
+            await self._ask(worker, method, path, body)
         for path, body in self.overrides:
             await self._ask(worker, "PATCH", path, body)
         for path, body in self.load_reports.items():
@@ -634,7 +643,7 @@ class Supervisor:
             vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
             if vs is None:
                 raise HTTPError(404, f"no virtual server {vs_name!r}")
-            if all(rs.name != rs_name for rs in vs.real_servers):
+            if not await self._has_server(vs, rs_name):
                 raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
             change = parse_patch(body, f"{vs_name}/{rs_name}")
             path = "/api/v1/virtual-servers/{}/real-servers/{}".format(
@@ -653,13 +662,70 @@ class Supervisor:
             self.overrides.append((path, body))  # for a worker that starts later
             return 200, json_body(merge_real_servers([json.loads(a) for _, _, a in answers]))
 
+    async def _has_server(self, vs: VirtualServerConfig, rs_name: str) -> bool:
+        """A file names it, or it was added at run time and not removed since (here,
+        or before a restart: then the workers, which restored it, know it)."""
+        change = self.topology.get((vs.name, rs_name))
+        if change is not None:
+            return change[0] == "POST"
+        if any(rs.name == rs_name for rs in vs.real_servers):
+            return True
+        answers = await self._each("GET", self._server_path(vs.name, rs_name))
+        return any(status == 200 for _, status, _ in answers)
+
+    @staticmethod
+    def _server_path(vs_name: str, rs_name: str) -> str:
+        return "/api/v1/virtual-servers/{}/real-servers/{}".format(
+            *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))
+        )
+
+    async def add_server(self, vs_name: str, body: bytes) -> tuple[int, bytes]:
+        """POST .../real-servers to every worker, checked here first as the workers
+        check it (a bad body reaches none); kept for a worker that starts later."""
+        async with self._changes:
+            vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
+            if vs is None:
+                raise HTTPError(404, f"no virtual server {vs_name!r}")
+            entry = parse_server_entry(body)
+            read = read_real_server(entry, vs)
+            if isinstance(read, list):
+                return 400, json_body(problems_document(read))
+            path = "/api/v1/virtual-servers/{}/real-servers".format(
+                urllib.parse.quote(vs_name, safe="")
+            )
+            body = json.dumps(entry).encode()
+            answers = await self._each("POST", path, body)
+            if not answers:
+                raise HTTPError(503, "no worker is ready")
+            for _, status, answer in answers:
+                if status != 201:
+                    return status, answer
+            self.topology[(vs_name, read.name)] = ("POST", path, body)
+            return 201, json_body(merge_real_servers([json.loads(a) for _, _, a in answers]))
+
+    async def remove_server(self, vs_name: str, rs_name: str) -> tuple[int, bytes]:
+        """DELETE .../real-servers/RS on every worker: 202 while any still drains it."""
+        async with self._changes:
+            path = "/api/v1/virtual-servers/{}/real-servers/{}".format(
+                *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))
+            )
+            answers = await self._each("DELETE", path, b"")
+            if not answers:
+                raise HTTPError(503, "no worker is ready")
+            for _, status, answer in answers:
+                if status not in (200, 202):
+                    return status, answer
+            self.topology[(vs_name, rs_name)] = ("DELETE", path, b"")
+            removing = any(status == 202 for _, status, _ in answers)
+            return (202 if removing else 200), json_body({"removing": removing})
+
     async def shutdown_sessions(self, vs_name: str, rs_name: str) -> tuple[int, bytes]:
         """Every worker closes the server's connections; the closes add up."""
         async with self._changes:
             vs = next((v for v in self.config.virtual_servers if v.name == vs_name), None)
             if vs is None:
                 raise HTTPError(404, f"no virtual server {vs_name!r}")
-            if all(rs.name != rs_name for rs in vs.real_servers):
+            if not await self._has_server(vs, rs_name):
                 raise HTTPError(404, f"no real server {rs_name!r} in virtual server {vs_name!r}")
             path = "/api/v1/virtual-servers/{}/real-servers/{}/shutdown-sessions".format(
                 *(urllib.parse.quote(name, safe="") for name in (vs_name, rs_name))
@@ -920,6 +986,9 @@ def run(
     if handed is not None:  # the old supervisor's PATCHes and load reports, replayed
         supervisor.overrides = [(p, b.encode()) for p, b in handed.get("overrides", ())]
         supervisor.load_reports = {p: b.encode() for p, b in handed.get("load_reports", {}).items()}
+        for method, path, body in handed.get("topology", ()):
+            vs_name, _, rs_name = path.removeprefix("/api/v1/virtual-servers/").partition("/")
+            supervisor.topology[(vs_name, rs_name)] = (method, path, body.encode())
     # Taken out of the environment before any worker starts: workers never notify.
     supervisor.notifier = Notifier.from_environment()
     supervisor.notifier.main_pid = passed is not None  # an upgrade: MAINPID= with READY=1

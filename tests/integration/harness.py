@@ -948,8 +948,12 @@ class UpgradableLbproxy:
             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         )
         self.pids = [self.first.pid]
-        wait_for(lambda: ready(admin) or self.first.poll() is not None, 20, "/readyz")
-        assert self.first.poll() is None, self.log()
+        try:  # a start that fails stops what it started: no test leaves a process behind
+            wait_for(lambda: ready(admin) or self.first.poll() is not None, 30, "/readyz")
+            assert self.first.poll() is None, self.log()
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def pid(self) -> int:

@@ -190,7 +190,9 @@ def test_routes_process_and_csv(lbproxy, name_servers, tmp_path):
     paths = {route["path"]: route["methods"] for route in routes}
     assert paths["/api/v1/process"] == ["GET"]
     assert paths["/api/v1/virtual-servers.csv"] == ["GET"]
-    assert paths["/api/v1/virtual-servers/{name}/real-servers/{name}"] == ["GET", "PATCH"]
+    assert paths["/api/v1/virtual-servers/{name}/real-servers/{name}"] == ["GET", "DELETE", "PATCH"]
+    assert paths["/api/v1/virtual-servers/{name}/real-servers"] == ["POST"]
+    assert paths["/api/v1/virtual-servers/{name}/explain"] == ["GET"]
     assert "/api/v1/workers" not in paths  # the supervisor's only
 
     process = get_json(admin_port, "/api/v1/process")

@@ -1123,10 +1123,13 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> Config:
     global_reads: list[_GlobalRead] = []
     servers: list[_VirtualServerRead] = []
     secrets: list[_SecretRead] = []
+    unreadable = bool(problems)  # a path that is not there (_expand said so)
     for file in files:
         doc = _Document(file, problems, secrets)
+        reported = len(problems)
         root = doc.compose()
         if root is None:
+            unreadable = unreadable or len(problems) > reported  # (an empty file is not)
             continue
         global_read, file_servers = _read_file(doc, root)
         if global_read is not None:
@@ -1139,7 +1142,9 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> Config:
     _check_port_clashes(servers, global_reads[0] if global_reads else None, problems)
     _check_shared_addresses(servers, problems)
     _check_shared_per_source(servers, global_, problems)
-    if not servers and (files or paths):
+    # A file that could not be read or parsed is the problem to fix first: its virtual
+    # servers are missing because of it, so "none configured" would only mislead.
+    if not servers and (files or paths) and not unreadable:
         first = files[0] if files else os.fsdecode(paths[0])
         problems.append(Problem(first, 1, "no virtual servers configured"))
     if problems:

@@ -783,9 +783,18 @@ def test_no_virtual_servers_at_all(tmp_path: Path) -> None:
     g = write(tmp_path, "g.yaml", "global: {}\n")
     empty = write(tmp_path, "empty.yaml", "")
     assert problems([g, empty]) == [f"{g}:1: no virtual servers configured"]
-    assert problems([str(tmp_path / "empty-folder-that-is-missing")])[-1].endswith(
-        ":1: no virtual servers configured"
-    )
+    missing = str(tmp_path / "empty-folder-that-is-missing")  # its own problem, alone
+    assert problems([missing]) == [f"{missing}:1: cannot read: No such file or directory"]
+
+
+def test_a_yaml_syntax_error_alone_is_the_one_problem_not_no_virtual_servers(
+    tmp_path: Path,
+) -> None:
+    bad = write(tmp_path, "bad.yaml", "virtual_servers:\n  - name: web\n    real_servers: [\n")
+    assert problems([bad]) == [
+        f"{bad}:4: YAML syntax error: expected the node content, but found '<stream end>'"
+        " (while parsing a flow node)"
+    ]
 
 
 # --------------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ def print_simulation(result: SimulationResult, *, hold: bool) -> None:
 
 def print_explain(result: SimulationResult) -> None:
     console = Console(highlight=False)
+    if result.score_legend:  # what the numbers in brackets are
+        console.print(
+            f"scores ({result.scheduler}): {result.score_legend}", markup=False, soft_wrap=True
+        )
     for pick in result.explain:
         scores = ", ".join(f"{name}={score}" for name, score in pick.scores.items())
         # markup=False: "[a=(1, 0), ...]" is data, not a rich style tag

@@ -203,6 +203,8 @@ class SimulationResult:
     connect_failures: dict[str, int] = field(default_factory=dict)
     # Arrivals refused before a pick, by reason ("per_source", "throttle"); only those seen
     rejected: dict[str, int] = field(default_factory=dict)
+    # What each score in `explain` is, in words (the scheduler's own legend)
+    score_legend: str = ""
 
     def shares(self) -> dict[str, float]:
         total = sum(self.picks.values())
@@ -552,6 +554,7 @@ def simulate(
         vs.name, vs.scheduler, picks, sequence, trace, timeline, per_client, moves
     )
     result.rejected = {reason: n for reason, n in pool.rejected.items() if n}
+    result.score_legend = pool.scheduler.score_legend
     if watch is not None:
         pool.advance(now)
         watch.seen(connections + 1, now)

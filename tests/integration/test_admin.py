@@ -321,6 +321,9 @@ def test_simulate_explain_prints_each_pick_with_scores(tmp_path):
     assert lines[0] == "#1 t=0.00s -> b  [a=(1, 0), b=(0.3333, 1)]"
     assert lines[1].startswith("#2 t=0.10s -> b  [a=(1, 0), b=(0.6667, ")
     assert len(lines) == 3
+    # the scores come with their legend, before the first pick
+    legend = "scores (wlc): ((active + 1) / effective weight, order last picked): the lowest wins"
+    assert out.stdout.splitlines()[0] == legend
 
 
 def test_json_log_format_writes_one_object_per_line(name_servers, lbproxy):

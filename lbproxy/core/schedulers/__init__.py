@@ -138,6 +138,8 @@ class Scheduler:
     reads: ClassVar[frozenset[str]] = frozenset()
     # Configuration keys it reads that others ignore (`quiesce`, `load_factor`, ...).
     keys: ClassVar[frozenset[str]] = frozenset()
+    # What `explain` gives per server (simulate --explain, GET .../explain), in words.
+    score_legend: ClassVar[str] = ""
     # Keys of its own (key -> converter, lbproxy/config/values.py), accepted only with
     # this scheduler; `Options(**values)` holds what was read (`VirtualServerConfig.options`).
     options: ClassVar[Mapping[str, Converter]] = {}

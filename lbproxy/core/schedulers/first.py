@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 @register
 class First(HeapScheduler):
+    score_legend = "(position in the list,): the first available server wins"
     name = "first"
     rank = 90
 

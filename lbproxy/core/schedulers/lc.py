@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 @register
 class LeastConnections(HeapScheduler):
+    score_legend = "(active connections, order last picked): the lowest wins"
     name = "lc"
     rank = 30
 
@@ -38,6 +39,7 @@ class LeastConnections(HeapScheduler):
 
 @register
 class WeightedLeastConnections(HeapScheduler):
+    score_legend = "((active + 1) / effective weight, order last picked): the lowest wins"
     name = "wlc"
     rank = 40
     quiesce_resets = True

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 @register
 class LeastLoad(HeapScheduler):
+    score_legend = "the server's load, reported or estimated: the lowest wins"
     name = "least-load"
     rank = 70
     # SNMP with `load_source: snmp`, reports with `load_source: report` (see below).

@@ -178,6 +178,7 @@ def _weighted(
 
 @register
 class Maglev(Scheduler):
+    score_legend = "the slots the server holds in the lookup table: the client's hash picks a slot"
     name = "maglev"
     rank = 100
     reads = frozenset({CLIENT})

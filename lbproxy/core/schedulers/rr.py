@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 @register
 class WeightedRoundRobin(HeapScheduler):
+    score_legend = "(next turn on the virtual clock, position): the earliest wins"
     name = "wrr"
     rank = 20
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 @register
 class LeastAccumulatedLoad(HeapScheduler):
+    score_legend = "accumulated load (jobs given x load factor): the lowest wins"
     name = "sap"
     rank = 80
     keys = frozenset({"load_factor"})

@@ -557,7 +557,9 @@ def test_idle_timeout_bounds_half_closed(use_splice: bool) -> None:
     [
         (float("inf"), 0.2, 0.5, 0.48, 1.5),  # from none to 0.5 s: ends 0.5 s after start
         (10.0, 0.3, 0.1, 0.29, 0.5),  # shortened below the idle time so far: ends at once
-        (0.3, 0.1, 0.7, 0.68, 1.5),  # lengthened before it fired: 0.3 s no longer applies
+        # lengthened well before it fired (a stall of 0.9 s before the change would end
+        # the pump first): 1 s no longer applies
+        (1.0, 0.1, 1.5, 1.48, 3.0),
     ],
 )
 def test_changing_idle_timeout_takes_effect(

@@ -1,9 +1,13 @@
 """What the scheduler property tests share: the random states they explore (server
-options and a sequence of operations on a pool)."""
+options and a sequence of operations on a pool) and the pool they start from."""
 
 from __future__ import annotations
 
 from hypothesis import strategies as st
+
+from lbproxy.config.model import PersistenceConfig
+from lbproxy.core.pool import Pool
+from tests.factories import SNMP, virtual_server
 
 server_options = st.fixed_dictionaries(
     {
@@ -29,3 +33,16 @@ operations = st.lists(
     ),
     max_size=60,
 )
+
+
+def build(scheduler: str, options: list[dict], persistence: bool = False) -> Pool:
+    servers = {f"s{i}": dict(opts, snmp=SNMP) for i, opts in enumerate(options)}
+    extra: dict = {"snmp": SNMP} if scheduler in ("dwd", "dwr") else {}
+    if scheduler == "maglev":
+        extra["table_size"] = 101  # small: the rules do not depend on the size
+    if persistence:
+        extra["persistence"] = PersistenceConfig(timeout=1.0, max_entries=4)
+    if scheduler == "least-load":
+        for opts in servers.values():
+            opts["max_connections"] = opts["max_connections"] or 3
+    return Pool(virtual_server(scheduler, servers, slow_start=5.0, quiesce=True, **extra), 0)

@@ -11,11 +11,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbproxy.config.model import PersistenceConfig
 from lbproxy.core import schedulers
 from lbproxy.core.pool import ENABLED, Pool
 from tests.factories import SNMP, virtual_server
-from tests.property.support import operations, server_options
+from tests.property.support import build, operations, server_options
 
 SCHEDULERS = schedulers.available()
 
@@ -43,19 +42,6 @@ def assert_heap_keys_current(pool: Pool) -> None:
     if isinstance(scheduler, schedulers.HeapScheduler):
         for rs, entry in scheduler.heap.entries.items():
             assert entry[:-2] == scheduler.key(rs), (scheduler.name, rs.name)
-
-
-def build(scheduler: str, options: list[dict], persistence: bool = False) -> Pool:
-    servers = {f"s{i}": dict(opts, snmp=SNMP) for i, opts in enumerate(options)}
-    extra: dict = {"snmp": SNMP} if scheduler in ("dwd", "dwr") else {}
-    if scheduler == "maglev":
-        extra["table_size"] = 101  # small: the rules do not depend on the size
-    if persistence:
-        extra["persistence"] = PersistenceConfig(timeout=1.0, max_entries=4)
-    if scheduler == "least-load":
-        for opts in servers.values():
-            opts["max_connections"] = opts["max_connections"] or 3
-    return Pool(virtual_server(scheduler, servers, slow_start=5.0, quiesce=True, **extra), 0)
 
 
 @settings(max_examples=150, deadline=None)

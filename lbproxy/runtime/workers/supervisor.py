@@ -26,6 +26,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
+import lbproxy.runtime.workers.protocol as protocol
 from lbproxy.admin.api import (
     CLIENT_HEADER,
     TokenError,
@@ -53,7 +54,6 @@ from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
 from lbproxy.runtime.server import load_for_reload
 from lbproxy.runtime.upgrade import Outcome, Upgrade, python_command
-from lbproxy.runtime.workers import protocol
 from lbproxy.runtime.workers.app import SupervisorApp
 from lbproxy.runtime.workers.merge import (
     COUNTER_TYPES,

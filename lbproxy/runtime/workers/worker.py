@@ -12,6 +12,7 @@ import sys
 
 import trio
 
+import lbproxy.runtime.workers.protocol as protocol
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.cluster import member_name
 from lbproxy.dataplane.listener import BindError
@@ -20,7 +21,6 @@ from lbproxy.net.fd_channel import Channel, close_all
 from lbproxy.runtime import logs, privileges
 from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
 from lbproxy.runtime.server import Server
-from lbproxy.runtime.workers import protocol
 from lbproxy.runtime.workers.protocol import ERROR, READY, TAKEN, UPGRADED, decode_init, message
 from lbproxy.wire.fd_frames import FrameError, FrameReader
 

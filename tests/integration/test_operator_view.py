@@ -203,9 +203,15 @@ def test_routes_process_and_csv(lbproxy, name_servers, tmp_path):
     assert process["config_files"] == [str(proxy.config_path)]
 
     assert ask_name(port) == "a"
-    status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers.csv")
-    assert status == 200
-    (row,) = list(csv.DictReader(io.StringIO(body.decode())))
+
+    def settled_row() -> dict[str, str] | None:
+        # the proxy counts the connection's end when it sees the close, after the reply
+        status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers.csv")
+        assert status == 200
+        (row,) = list(csv.DictReader(io.StringIO(body.decode())))
+        return row if row["active_connections"] == "0" else None
+
+    row = wait_for(settled_row, 10, "the connection's end counted in the CSV")
     assert row["virtual_server"] == "web" and row["real_server"] == "a"
     assert (row["state"], row["health"], row["weight"]) == ("enabled", "up", "1")
     assert row["active_connections"] == "0" and row["connections_total"] == "1"

@@ -165,11 +165,13 @@ async def echo(stream: trio.SocketStream) -> None:
 
 
 def closed_port() -> int:
+    """A port that refuses connections until the test ends: bound but not listening, so
+    the kernel answers a SYN with a reset and cannot hand the port to the rig's listener
+    or a connect's source (which would make the "down" server answer)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    _opened.append(s)
+    return s.getsockname()[1]
 
 
 class Rig:

@@ -177,6 +177,54 @@ def _print_discovered(cfg: Config) -> bool:
 
 
 @main.command(
+    "import",
+    epilog=_examples(
+        "lbproxy import /etc/haproxy/haproxy.cfg > lbproxy.yaml",
+        "lbproxy import --from nginx /etc/nginx/nginx.conf > lbproxy.yaml",
+        "lbproxy check lbproxy.yaml",
+    ),
+)
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--from",
+    "source",
+    type=click.Choice(["haproxy", "nginx"]),
+    help="The balancer FILE is for (guessed from its content when omitted).",
+)
+def import_configuration(file: str, source: str | None) -> None:
+    """Print FILE (an HAProxy `mode tcp` or nginx `stream` configuration) as lbproxy's
+    configuration on stdout; every directive not carried over is named on stderr as
+    FILE:LINE. Exits 2 when nothing could be translated."""
+    from pathlib import Path
+
+    from lbproxy.tools.importer.translation import guess_source, to_yaml
+
+    path = Path(file)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        click.echo(f"{file}: {e.strerror or e}", err=True)
+        sys.exit(EXIT_USAGE)
+    chosen = source or guess_source(text)
+    if chosen is None:
+        click.echo(
+            f"{file}: neither HAProxy nor nginx configuration: say which with --from", err=True
+        )
+        sys.exit(EXIT_USAGE)
+    if chosen == "haproxy":
+        from lbproxy.tools.importer.haproxy import translate
+    else:
+        from lbproxy.tools.importer.nginx import translate
+    translation = translate(path)
+    for left in translation.untranslated:
+        click.echo(str(left), err=True)
+    if translation.translated == 0:
+        click.echo(f"{file}: nothing could be translated", err=True)
+        sys.exit(EXIT_USAGE)
+    click.echo(to_yaml(translation), nl=False)
+
+
+@main.command(
     epilog=_examples(
         "lbproxy simulate configs/sap.yaml -n 8",
         "lbproxy simulate configs/wrr.yaml -n 12 --explain",

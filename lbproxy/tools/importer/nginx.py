@@ -292,9 +292,17 @@ def _network(text: str) -> list[str]:
         raise _Invalid(f'"{text}" is not an address or network') from None
 
 
+def _safe_name(text: str) -> str:
+    """A name lbproxy accepts (letters, digits, . _ -) from an nginx name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "upstream"
+
+
 def _server_name(address: str) -> str:
-    """A real server's name from its address (names are letters, digits, . _ -)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", address.replace("]:", "-").strip("[]"))
+    """A real server's name from its address (names are letters, digits, . _ -):
+    HOST-PORT, an IPv6 address's colons as underscores."""
+    host, _, port = address.rpartition(":")
+    host = re.sub(r"[^A-Za-z0-9.-]+", "_", host.strip("[]")).strip("_") or "host"
+    return f"{host}-{port}"
 
 
 def _subtract(
@@ -383,7 +391,8 @@ class _Translator:
         raise AssertionError("unreachable: ten thousand names")
 
     def finish(self) -> None:
-        self.out.translated = len(self.done)
+        # without a virtual server there is no configuration lbproxy could run
+        self.out.translated = len(self.done) if self.out.virtual_servers else 0
         self.out.untranslated = [
             left for (_order, _what), left in sorted(self.left.items(), key=lambda i: i[0][0])
         ]
@@ -442,7 +451,10 @@ class _Translator:
                 self.skip_block(m.directive, "no proxy_pass uses it")
         for zone in self.zones.values():
             if zone.order not in self.done:
-                self.skip(zone, f"limit_conn_zone {' '.join(zone.args)} (no limit_conn uses it)")
+                self.skip(
+                    zone,
+                    f"limit_conn_zone {' '.join(zone.args)} (no translated limit_conn uses it)",
+                )
 
     def read_map(self, d: Directive) -> None:
         assert d.block is not None
@@ -512,9 +524,10 @@ class _Translator:
         groups: dict[tuple[str, bool], list[str]] = {}
         first_port = ""
         errors: list[str] = []
+        pending: dict[tuple[str, str], list[str]] = {}
         for listen in listens:
             try:
-                address, protocol, accept_proxy = self.listen(listen)
+                address, protocol, accept_proxy = self.listen(listen, pending)
             except _Invalid as e:
                 self.skip(listen, str(e))
                 errors.append(str(e))
@@ -536,12 +549,12 @@ class _Translator:
             for base, sni, target in routes
         ]
         self.out.virtual_servers.extend(made)
-        for (protocol, _accept_proxy), addresses in groups.items():
-            for address in addresses:
-                host, _, port = address.rpartition(":")
-                self.bound.setdefault((protocol, port), []).append(host)
+        for key, hosts in pending.items():
+            self.bound.setdefault(key, []).extend(hosts)
 
-    def listen(self, d: Directive) -> tuple[str, str, bool]:
+    def listen(
+        self, d: Directive, pending: dict[tuple[str, str], list[str]]
+    ) -> tuple[str, str, bool]:
         """(address, protocol, accept_proxy); _Invalid when it cannot be bound."""
         if not d.args:
             raise _Invalid("listen (no address)")
@@ -559,20 +572,23 @@ class _Translator:
                 raise _Invalid(f"listen {' '.join(d.args)} (lbproxy does not terminate TLS)")
             else:
                 ignored.append(parameter)
+        if protocol == "udp" and accept_proxy:
+            accept_proxy = False
+            ignored.append("proxy_protocol")
         host, _, port = address.rpartition(":")
-        for other in self.bound.get((protocol, port), []):
+        for other in self.bound.get((protocol, port), []) + pending.get((protocol, port), []):
             if other == host or (
                 (_wildcard(host) or _wildcard(other)) and (":" in host) == (":" in other)
             ):
                 # nginx binds the wildcard alone and tells the servers apart by the
                 # address a client reached; lbproxy binds each address it is given
                 raise _Invalid(
-                    f"listen {' '.join(d.args)} (port {port} is already bound "
-                    f"on {other} by an earlier server)"
+                    f"listen {' '.join(d.args)} (port {port} is already bound on {other})"
                 )
         if ignored:
             self.skip(d, f"listen {d.args[0]} {' '.join(ignored)}")
         self.took(d)
+        pending.setdefault((protocol, port), []).append(host)
         return address, protocol, accept_proxy
 
     def routes(
@@ -672,7 +688,7 @@ class _Translator:
         settings: dict[str, list[Directive]],
     ) -> dict[str, Any]:
         upstream = self.upstreams.get(target)
-        base = _server_name(base if upstream is not None else f"stream-{port}")
+        base = _safe_name(base) if upstream is not None else f"stream-{port}"
         if protocol == "udp":
             base = f"{base}-udp"
         vs: dict[str, Any] = {"name": self.unique(base, port)}
@@ -691,20 +707,25 @@ class _Translator:
         if protocol == "tcp":
             vs["retries"] = self.retries(settings, len(pool.servers))
         self.access(vs, settings)
-        if accept_proxy:
-            vs["accept_proxy"] = True
-            trusted = self.trusted(settings)
-            if trusted:
-                vs["accept_proxy_from"] = trusted
         proxy_protocol = settings.get("proxy_protocol", [])
-        if proxy_protocol:
-            self.took(proxy_protocol[-1])
-            if proxy_protocol[-1].args == ("on",):
-                vs["send_proxy"] = "v1"
         limit = self.limit(settings)
-        if limit is not None:
-            vs["per_source"] = {"max_connections": limit, "prefix_v6": 128}
-        if protocol == "udp":
+        if protocol == "tcp":
+            if accept_proxy:
+                vs["accept_proxy"] = True
+                trusted = self.trusted(settings)
+                if trusted:
+                    vs["accept_proxy_from"] = trusted
+            if proxy_protocol:
+                self.took(proxy_protocol[-1])
+                if proxy_protocol[-1].args == ("on",):
+                    vs["send_proxy"] = "v1"
+            if limit is not None:
+                vs["per_source"] = {"max_connections": limit, "prefix_v6": 128}
+        else:
+            if proxy_protocol and proxy_protocol[-1].args == ("on",):
+                self.skip(
+                    proxy_protocol[-1], "proxy_protocol on (lbproxy sends no PROXY header over UDP)"
+                )
             udp: dict[str, Any] = {
                 "idle_timeout": self.time(settings, "proxy_timeout", NGINX_PROXY_TIMEOUT)
             }
@@ -715,6 +736,9 @@ class _Translator:
                     self.took(responses[-1])
                 except (_Invalid, IndexError):
                     self.skip(responses[-1], f"proxy_responses {' '.join(responses[-1].args)}")
+            if limit is not None:
+                udp["max_sessions_per_source"] = limit
+                udp["source_prefix"] = {"v6": 128}
             vs["udp"] = udp
         vs["health_check"] = pool.health
         vs["real_servers"] = pool.servers

@@ -467,3 +467,14 @@ def test_importing_twice_gives_identical_bytes(tmp_path):
 def test_every_row_of_the_migration_table_is_nginx_s():
     assert DIRECTIVES and all(row.source == "nginx" for row in DIRECTIVES)
     assert len({row.directive for row in DIRECTIVES}) == len(DIRECTIVES)
+
+
+def test_the_how_to_s_example_is_what_import_prints(tmp_path, monkeypatch):
+    page = (Path(__file__).resolve().parents[3] / "docs" / "howto" / "import-nginx.md").read_text()
+    nginx_text = page.split("```nginx\n", 1)[1].split("```", 1)[0]
+    printed = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    Path("nginx.conf").write_text(nginx_text)
+    result = CliRunner().invoke(main, ["import", "nginx.conf"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == printed

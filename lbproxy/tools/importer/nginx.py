@@ -10,6 +10,7 @@ health, retries) nginx's is written out, so the traffic behaves as it did."""
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -369,6 +370,9 @@ class _Translator:
         self.zones: dict[str, Directive] = {}
         self.names: set[str] = set()
         self.bound: dict[tuple[str, str], list[str]] = {}
+        # the settings of stream { } and of the servers carried over: one that none of
+        # them took is named
+        self.settings_read: list[Directive] = []
 
     # what happened to each directive (each counted once, however often it is read)
     def took(self, directive: Directive) -> None:
@@ -384,11 +388,12 @@ class _Translator:
         self.skip(directive, f"{shown} {{ }}" + (f" ({why})" if why else ""))
 
     def unique(self, base: str, port: str) -> str:
-        for name in (base, f"{base}-{port}", *(f"{base}-{port}-{i}" for i in range(2, 10000))):
-            if name not in self.names:
-                self.names.add(name)
-                return name
-        raise AssertionError("unreachable: ten thousand names")
+        candidates = itertools.chain(
+            (base, f"{base}-{port}"), (f"{base}-{port}-{i}" for i in itertools.count(2))
+        )
+        name = next(c for c in candidates if c not in self.names)
+        self.names.add(name)
+        return name
 
     def finish(self) -> None:
         # without a virtual server there is no configuration lbproxy could run
@@ -437,12 +442,17 @@ class _Translator:
                 servers.append(d)
             elif d.name in _SERVER_INHERITED and d.block is None:
                 inherited.setdefault(d.name, []).append(d)
+                self.settings_read.append(d)
             elif d.block is not None:
                 self.skip_block(d)
             else:
                 self.skip(d, " ".join((d.name, *d.args)))
         for server in servers:
             self.server(server, inherited)
+        named = {order for order, _what in self.left}
+        for d in self.settings_read:
+            if d.order not in self.done and d.order not in named:
+                self.skip(d, f"{' '.join((d.name, *d.args))} (nothing it applies to here)")
         for name, upstream in self.upstreams.items():
             if not upstream.used:
                 self.skip_block(upstream.directive, f"no server proxies to {name}")
@@ -541,6 +551,7 @@ class _Translator:
         routes = self.routes(proxy_pass, settings)
         self.took(server)
         self.took(proxy_pass)
+        self.settings_read.extend(d for found in own.values() for d in found)
         made = [
             self.virtual_server(
                 base, first_port, protocol, accept_proxy, addresses, sni, target, settings

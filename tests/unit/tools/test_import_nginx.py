@@ -478,3 +478,24 @@ def test_the_how_to_s_example_is_what_import_prints(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["import", "nginx.conf"])
     assert result.exit_code == 0, result.output
     assert result.stdout == printed
+
+
+def test_a_setting_no_translated_server_uses_is_named(tmp_path):
+    _document, stderr = imported(
+        tmp_path,
+        stream(
+            """\
+            ssl_preread on;
+            set_real_ip_from 10.0.0.0/8;
+            server { listen 127.0.0.1:7000; proxy_pass 127.0.0.1:9001; }
+            server { listen 127.0.0.1:7001 udp; proxy_connect_timeout 1s; proxy_pass u; }
+            upstream u { server 127.0.0.1:9002; }
+            """
+        ),
+    )
+    conf = f"{tmp_path}/nginx.conf"
+    assert stderr == [
+        f"{conf}:2: not translated: ssl_preread on (nothing it applies to here)",
+        f"{conf}:3: not translated: set_real_ip_from 10.0.0.0/8 (nothing it applies to here)",
+        f"{conf}:5: not translated: proxy_connect_timeout 1s (nothing it applies to here)",
+    ]

@@ -80,6 +80,22 @@ def test_weighted_round_robin_gives_nginx_s_sequence(tmp_path, name_servers, lbp
     assert seen_lbproxy == seen_nginx
 
 
+def test_nginx_s_documented_weights_give_the_same_counts_every_cycle(
+    tmp_path, name_servers, lbproxy
+):
+    s1, s2, s3 = name_servers("s1", "s2", "s3")
+    ports = {"S1": s1.port, "S2": s2.port, "S3": s3.port}
+    seen_nginx, seen_lbproxy = both(
+        tmp_path, lbproxy, "weights.conf", ports, lambda port: names_from(port, 14)
+    )
+    # two whole cycles of the total weight (7) after the readiness probe's s1: the same
+    # count per server in every cycle (nginx's order within a cycle, smooth weighted
+    # round robin, is a a b a c a a; lbproxy's wrr, earliest deadline first, a a a b c a a)
+    for seen in (seen_nginx, seen_lbproxy):
+        assert collections.Counter(seen[:6]) == {"s1": 4, "s2": 1, "s3": 1}, seen
+        assert collections.Counter(seen[6:13]) == {"s1": 5, "s2": 1, "s3": 1}, seen
+
+
 def test_round_robin_gives_nginx_s_sequence(tmp_path, name_servers, lbproxy):
     s1, s2, s3 = name_servers("s1", "s2", "s3")
     ports = {"S1": s1.port, "S2": s2.port, "S3": s3.port}
@@ -142,6 +158,57 @@ def test_hash_keeps_each_client_on_one_server_and_spreads_clients_as_nginx(
         # every server has clients; s3 (weight 2) about half of them in both
         assert set(clients_per_server) == {"s1", "s2", "s3"}, clients_per_server
         assert 8 <= clients_per_server["s3"] <= 22, clients_per_server
+
+
+def test_limit_conn_per_client_address_as_nginx(tmp_path, name_servers, lbproxy):
+    (s1,) = name_servers("s1")
+
+    def admitted(port: int) -> list[str]:
+        held: list[socket.socket] = []
+
+        def served_and_held() -> bool:
+            # the previous connections (the readiness probe's) may hold the slot a moment
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if read_name(s) == "s1":
+                held.append(s)
+                return True
+            s.close()
+            return False
+
+        wait_for(served_and_held, 10, "a connection from 127.0.0.1 to be served")
+        try:
+            # a second one from the same address is refused, another address is served
+            return [ask_name_from("127.0.0.1", port), ask_name_from("127.0.0.3", port)]
+        finally:
+            held[0].close()
+
+    seen_nginx, seen_lbproxy = both(tmp_path, lbproxy, "limit-conn.conf", {"S1": s1.port}, admitted)
+    assert seen_nginx == ["", "s1"]
+    assert seen_lbproxy == seen_nginx
+
+
+def test_proxy_protocol_in_and_out_as_nginx(tmp_path, name_servers, lbproxy):
+    (s1,) = name_servers("s1")
+
+    def through(port: int) -> tuple[str, str, str]:
+        def from_client(address: str) -> str:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(f"PROXY TCP4 {address} 127.0.0.1 40001 443\r\n".encode())
+                return read_name(s).split("\n")[0]  # (the server echoes the header)
+
+        s1.received.clear()
+        served, denied = from_client("192.0.2.7"), from_client("192.0.2.66")
+        wait_for(lambda: s1.received, 10, "the server to read the PROXY header")
+        header = b"".join(s1.received).split(b"\r\n")[0].decode().split()
+        # what the server learns: the protocol, the client's address and port (the
+        # destination is each proxy's own address)
+        return served, denied, " ".join(header[:3] + header[4:5])
+
+    seen_nginx, seen_lbproxy = both(
+        tmp_path, lbproxy, "proxy-protocol.conf", {"S1": s1.port}, through
+    )
+    assert seen_nginx == ("s1", "", "PROXY TCP4 192.0.2.7 40001")
+    assert seen_lbproxy == seen_nginx
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,10 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "(round robin)",
         "scheduler: rr, or wrr with weights",
-        "lbproxy's wrr is nginx's smooth weighted round robin: the same sequence",
+        "equal weights: the same sequence; with weights, the same count per server in "
+        "every cycle of the total weight, interleaved, though the order within a cycle "
+        "may differ with three servers or more (nginx: smooth weighted round robin, "
+        "lbproxy's wrr: earliest deadline first)",
     ),
     _row(
         "least_conn",

@@ -157,7 +157,7 @@ def test_hash_keeps_each_client_on_one_server_and_spreads_clients_as_nginx(
         clients_per_server = collections.Counter(next(iter(s)) for s in seen.values())
         # every server has clients; s3 (weight 2) about half of them in both
         assert set(clients_per_server) == {"s1", "s2", "s3"}, clients_per_server
-        assert 8 <= clients_per_server["s3"] <= 22, clients_per_server
+        assert 5 <= clients_per_server["s3"] <= 25, clients_per_server
 
 
 def test_limit_conn_per_client_address_as_nginx(tmp_path, name_servers, lbproxy):

@@ -72,7 +72,12 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "nginx still serves a peer it does not "
         "trust (with the peer's own address); lbproxy closes its connection",
     ),
-    _row("proxy_pass UPSTREAM", "real_servers", "the upstream's servers"),
+    _row(
+        "proxy_pass UPSTREAM",
+        "real_servers",
+        "the upstream's servers; a host name is resolved when first used, where nginx "
+        "makes a server of every address it resolves to at start",
+    ),
     _row("proxy_pass ADDRESS:PORT", "real_servers (one)", ""),
     _row(
         "proxy_pass $variable (a map on $ssl_preread_server_name)",
@@ -117,7 +122,7 @@ DIRECTIVES: tuple[Mapping, ...] = (
     ),
     _row(
         "limit_conn (a zone on $binary_remote_addr or $remote_addr)",
-        "per_source.max_connections",
+        "per_source.max_connections (UDP: udp.max_sessions_per_source)",
         "with `prefix_v6: 128`, one count per address "
         "as nginx keeps; a zone on another key is not translated",
     ),

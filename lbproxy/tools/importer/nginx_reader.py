@@ -178,7 +178,7 @@ class _Reader:
                     directives.append(
                         Directive(first.text, rest, shown, first.line, order, tuple(inner))
                     )
-                elif first.text == "include" and not first.quoted:
+                elif first.text == "include":
                     directives.extend(self.include(rest, shown, first.line, depth))
                 else:
                     directives.append(Directive(first.text, rest, shown, first.line, order))

@@ -157,6 +157,12 @@ DEBIAN_PYTHON = Path("/usr/bin/python3")
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+def debian_python() -> Path:
+    if not (DEBIAN_PYTHON.exists() and Path("/usr/lib/python3.11/ensurepip").is_dir()):
+        tools.missing("/usr/bin/python3 with venv", "python3-venv")
+    return DEBIAN_PYTHON
+
+
 def shell_block(heading: str) -> list[str]:
     """The lines of the first ```sh block under `## heading` of the install page."""
     section = INSTALL_PAGE.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
@@ -208,7 +214,7 @@ def test_the_install_page_in_a_venv_of_debians_python_gives_a_working_lbproxy(di
     release found beside the package index (the wheel built here; its dependencies come
     from the index pip is configured with), the link on PATH; then what the systemd
     unit runs, from the path the unit names."""
-    assert DEBIAN_PYTHON.exists()
+    debian_python()
     lines, path = as_user_runs(
         shell_block("On a server: a virtual environment in /opt/lbproxy"), tmp_path
     )
@@ -260,7 +266,7 @@ def test_the_install_page_builds_a_wheel_in_a_clone_and_installs_it(tmp_path):
         ),
     )  # fmt: skip
     subprocess.run(
-        [str(DEBIAN_PYTHON), "-m", "venv", str(tmp_path / "opt" / "lbproxy")],
+        [str(debian_python()), "-m", "venv", str(tmp_path / "opt" / "lbproxy")],
         check=True, timeout=300, env=CLEAN_ENV,
     )  # fmt: skip
     lines, path = as_user_runs(shell_block("A wheel of your own, from a clone"), tmp_path)
@@ -285,7 +291,7 @@ def test_without_a_c_compiler_the_sdist_installs_the_pure_path(dist, tmp_path):
     fails to build, the install succeeds, and lbproxy runs on the pure-Python path."""
     bin_dir = tmp_path / "venv" / "bin"
     subprocess.run(
-        [str(DEBIAN_PYTHON), "-m", "venv", str(tmp_path / "venv")],
+        [str(debian_python()), "-m", "venv", str(tmp_path / "venv")],
         check=True, timeout=300, env=CLEAN_ENV,
     )  # fmt: skip
     install = subprocess.run(

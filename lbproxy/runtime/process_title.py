@@ -14,11 +14,12 @@ supervisor of `workers: N`) is named `lbproxy` exactly, and no other process is:
 
 setproctitle rewrites the command line (/proc/PID/cmdline: `ps -f`, `pgrep -f`) and the
 first 15 characters of it become the kernel's name (/proc/PID/comm: `ps -e`, `top`,
-`pkill`). `pidof NAME` (sysvinit's on Debian, procps-ng's elsewhere) matches NAME against
-the command line's first word, and, when that word has a space in it (a process that
-renamed itself), against the kernel name; a worker's is `lbproxy: worker` (15
-characters, not `lbproxy`), so neither matches a worker and `pidof -s lbproxy` has one
-answer. No `/` in a title: pidof compares the part after the last one.
+`pkill`). `pidof NAME` (sysvinit-utils' on Debian, procps-ng's elsewhere) matches NAME
+against the command line's first word; sysvinit's also against the kernel name when
+that word has a space in it (a process that renamed itself). A worker's kernel name is
+`lbproxy: worker` (15 characters, not `lbproxy`), so neither pidof matches a worker and
+`pidof -s lbproxy` has one answer. No `/` in a title: pidof compares the part after the
+last one.
 
 Without setproctitle (not installed, or no wheel for the platform and no compiler)
 lbproxy runs the same and says once that its processes keep Python's name.

@@ -692,9 +692,9 @@ if __name__ == "__main__":  # pragma: no cover
 
 @main.command(
     epilog=_examples(
-        "pip install --upgrade lbproxy && lbproxy upgrade",
-        "lbproxy upgrade /etc/lbproxy          # with these files instead of the running ones",
-        "kill -USR2 $(pidof -s lbproxy)        # the same, without the admin endpoint",
+        "lbproxy upgrade /etc/lbproxy      # with these files, not the running ones",
+        "/opt/lbproxy/bin/pip install -U lbproxy && lbproxy upgrade",
+        "kill -USR2 $(pidof -s lbproxy)    # the same, without the admin endpoint",
     )
 )
 @click.argument("config", nargs=-1)

@@ -44,7 +44,7 @@ from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_sock
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.net.descriptors import apply_max_clients
-from lbproxy.runtime import logs, privileges
+from lbproxy.runtime import logs, privileges, process_title
 from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import Inherited, Passed
@@ -286,6 +286,7 @@ class Server:
             log.error("upgrade failed, still serving: %s", outcome.error)
             return outcome
         log.info("upgraded: pid %s serves now; this process stops accepting", outcome.pid)
+        process_title.set_title(process_title.HANDED_OVER)
         if self.admin_socket is not None:  # its file is the new process's now
             self.admin_socket.handed_over = True
         # The new process is the service's main process now: STOPPING=1 from this one
@@ -1008,6 +1009,8 @@ def run(
     systemd this is the main process now, and passes its `initial_state`); else
     systemd's, if it passed any."""
     logs.configure(config.global_.log_format, log_level)
+    if passed is None:  # an upgrade's new process is named once it serves (takeover.py)
+        process_title.name_serving_process()
     privileges.warn_if_root(config.global_)
     SECRETS.read_all(config.secret_files)  # before the drop (privileges.py)
     token = None

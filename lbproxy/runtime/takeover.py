@@ -13,8 +13,8 @@ import sys
 from lbproxy.config.model import Config, ConfigError
 from lbproxy.config.reader import load
 from lbproxy.config.secret_files import SECRETS
+from lbproxy.runtime import process_title, workers
 from lbproxy.runtime import server as runtime
-from lbproxy.runtime import workers
 from lbproxy.runtime.inherit import PREVIOUS, Passed
 from lbproxy.runtime.upgrade import STDERR, receive_message, send_message
 
@@ -23,6 +23,7 @@ log = logging.getLogger("lbproxy.upgrade")
 
 def run_new(fd: int, config_paths: list[str], log_level: str) -> int:
     """`lbproxy run --upgrade-fd FD`: take over from the process that started this one."""
+    process_title.set_title(process_title.TAKING_OVER)
     channel = socket.socket(fileno=fd)
     try:
         config = load(config_paths)
@@ -70,6 +71,7 @@ def run_new(fd: int, config_paths: list[str], log_level: str) -> int:
             os.close(fd)
 
     def ready(*_: object) -> None:
+        process_title.set_title(process_title.SERVING)  # the old one renames itself now
         with contextlib.suppress(OSError):
             send_message(channel, {"ready": True, "pid": os.getpid()})
         channel.close()

@@ -89,11 +89,12 @@ def test_unit_file_has_what_the_readme_promises():
 @tools.requires("systemd-analyze", package="systemd")
 def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     # `verify` checks that every Exec*= binary exists: point them at this checkout's
-    # own lbproxy (the unit names /usr/local/bin/lbproxy, where `pip install` puts it).
+    # own lbproxy (the unit names /opt/lbproxy/bin/lbproxy, the virtual environment of
+    # docs/howto/install.md; tests/integration/test_packaging.py verifies it with one).
     lbproxy = Path(sys.executable).parent / "lbproxy"
     assert lbproxy.exists()
     unit = tmp_path / "lbproxy.service"
-    unit.write_text(UNIT.read_text().replace("/usr/local/bin/lbproxy", str(lbproxy)))
+    unit.write_text(UNIT.read_text().replace("/opt/lbproxy/bin/lbproxy", str(lbproxy)))
     verify = subprocess.run(
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
     )
@@ -133,7 +134,7 @@ def test_socket_unit_passes_what_the_shipped_configuration_listens_on():
 def test_socket_unit_passes_systemd_analyze_verify(tmp_path):
     lbproxy = Path(sys.executable).parent / "lbproxy"
     (tmp_path / "lbproxy.service").write_text(
-        UNIT.read_text().replace("/usr/local/bin/lbproxy", str(lbproxy))
+        UNIT.read_text().replace("/opt/lbproxy/bin/lbproxy", str(lbproxy))
     )
     (tmp_path / "lbproxy.socket").write_text(SOCKET_UNIT.read_text())
     verify = subprocess.run(

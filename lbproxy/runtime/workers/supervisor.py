@@ -48,7 +48,7 @@ from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.persistence import client_key
 from lbproxy.dataplane.listener import BindError, listen_socket
 from lbproxy.net.fd_channel import Channel, close_all
-from lbproxy.runtime import logs, privileges
+from lbproxy.runtime import logs, privileges, process_title
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
@@ -261,6 +261,7 @@ class Supervisor:
             log.error("upgrade failed, still serving: %s", outcome.error)
             return outcome
         log.info("upgraded: pid %s serves now; these workers stop accepting", outcome.pid)
+        process_title.set_title(process_title.HANDED_OVER)
         if self.admin_socket is not None:  # its file is the new supervisor's now
             self.admin_socket.handed_over = True
         self.notifier.close()
@@ -927,6 +928,8 @@ def run(
     (the old supervisor's runtime changes); `on_bound` is called once every socket is
     bound, before a worker starts. Else systemd's sockets, if it passed any."""
     logs.configure(config.global_.log_format, log_level)
+    if passed is None:  # an upgrade's new process is named once it serves (takeover.py)
+        process_title.name_serving_process()
     privileges.warn_if_root(config.global_)
     SECRETS.read_all(config.secret_files)  # before the drop (privileges.py)
     token = None

@@ -18,7 +18,7 @@ from lbproxy.control.cluster import member_name
 from lbproxy.dataplane.listener import BindError
 from lbproxy.net import fd_channel
 from lbproxy.net.fd_channel import Channel, close_all
-from lbproxy.runtime import logs, privileges
+from lbproxy.runtime import logs, privileges, process_title
 from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
 from lbproxy.runtime.server import Server
 from lbproxy.runtime.workers.protocol import ERROR, READY, TAKEN, UPGRADED, decode_init, message
@@ -52,6 +52,7 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
         print(f"lbproxy worker: no configuration from the supervisor: {exc}", file=sys.stderr)
         return 1
+    process_title.set_title(process_title.worker(init.index))
     config = init.config
     SECRETS.remember(init.secrets)
     logs.configure(config.global_.log_format, log_level)

@@ -63,7 +63,7 @@ class Demo:
         self.dashboard = dashboard.group(1)
         self.dwd_port = int(self.search(r"lbproxy demo: demo-dwd .* on 127\.0\.0\.1:(\d+)"))
         self.control_port = int(
-            self.search(r"lbproxy demo: change a reported value: .* nc 127\.0\.0\.1 (\d+)")
+            self.search(r"lbproxy demo: change a reported value: .* > /dev/tcp/127\.0\.0\.1/(\d+)")
         )
         self.agents = {
             m.group(1): int(m.group(2))
@@ -186,7 +186,7 @@ def test_held_connections_split_by_weight_and_the_demo_stops_by_itself():
     finally:
         demo.stop()
     assert code == 0, err
-    assert f"nc 127.0.0.1 {demo.port}" in out
+    assert f"create_connection(('127.0.0.1', {demo.port}))" in out  # the client it suggests
     assert_table(out)
     # the last table has every connection counted and none still open
     final = final_counts(out)

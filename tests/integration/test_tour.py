@@ -1,0 +1,91 @@
+"""The five-minute tour of docs/getting-started.md, run as written against a real
+`lbproxy demo`, on what a fresh Debian has: every command of the tour's shell blocks runs
+with a PATH holding only python3, bash's builtins and coreutils' grep (no nc, no curl),
+and does what the tour says."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import ROOT
+from tests.integration.test_demo import NAMES, Demo, dwd_line
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+GUIDE = ROOT / "docs" / "getting-started.md"
+# What a fresh Debian with lbproxy's venv has; the tour may use nothing else.
+FRESH = ("python3", "grep")
+
+
+def tour_commands() -> list[str]:
+    """The command lines of the tour's ```sh blocks, in order."""
+    text = GUIDE.read_text()
+    tour = text[text.index("## A five-minute tour") :]
+    tour = tour[: tour.index("\n## ", 1)]
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", tour, re.S):
+        commands += [line.strip() for line in block.splitlines() if line.strip()]
+    return commands
+
+
+def test_the_tour_uses_only_what_a_fresh_debian_has():
+    commands = tour_commands()
+    assert "scripts/demo" in commands and len(commands) >= 8, commands
+    for command in commands:
+        for part in command.split("|"):
+            program = part.split()[0]
+            assert program in ("scripts/demo", ".venv/bin/lbproxy", "echo", *FRESH), command
+
+
+def test_every_tour_command_runs_against_the_demo(tmp_path):
+    path = tmp_path / "bin"
+    path.mkdir()
+    for program in FRESH:
+        found = shutil.which(program, path="/usr/bin:/bin")
+        assert found, program
+        (path / program).symlink_to(found)
+    lbproxy = Path(sys.executable).with_name("lbproxy")
+    demo = Demo(duration=60)
+    try:
+        admin_port = int(demo.dashboard.rstrip("/").rsplit(":", 1)[1])
+        outputs = []
+        for command in tour_commands():
+            if command == "scripts/demo":
+                continue  # running: `demo`
+            line = (
+                command.replace("8080", str(demo.port))
+                .replace("9100", str(admin_port))
+                .replace("CONTROL_PORT", str(demo.control_port))
+                .replace(".venv/bin/lbproxy", str(lbproxy))
+            )
+            result = subprocess.run(
+                ["/bin/bash", "-c", line],
+                input="\n",  # the held connections' `input()`
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env={"PATH": str(path), "HOME": os.environ.get("HOME", "/root")},
+                timeout=60,
+            )
+            assert result.returncode == 0, (command, result.stdout, result.stderr)
+            outputs.append((command, result.stdout))
+        # 1: one connection, answered by the server wlc picked
+        first = outputs[0][1].strip()
+        assert first in NAMES, outputs[0]
+        # 2: twelve held connections split 2, 4, 6 by the weights 1, 2, 3
+        held = Counter(outputs[1][1].split())
+        assert held == {"alpha": 2, "bravo": 4, "charlie": 6}, outputs[1]
+        metrics = next(out for command, out in outputs if "/metrics" in command)
+        assert "lbproxy_active_connections" in metrics
+        # 4: the control port took `bravo 80`; demo-dwd's weight follows
+        demo.wait_for(dwd_line("bravo", 80), timeout=20)
+    finally:
+        demo.stop()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.demo_process import NAMES, Demo, dwd_line
 from tests.integration.harness import ROOT
-from tests.integration.test_demo import NAMES, Demo, dwd_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

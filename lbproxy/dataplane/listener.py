@@ -77,6 +77,20 @@ class BindErrors(BindError):
         return list(self.errors)
 
 
+def failure_lines(group: BaseExceptionGroup[Exception]) -> list[str]:
+    """One line per failure of a (nested) exception group, in order: each address a
+    BindError names, else the exception's text."""
+    lines: list[str] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            lines.extend(failure_lines(exc))
+        elif isinstance(exc, BindError):
+            lines.extend(exc.messages)
+        else:
+            lines.append(str(exc))
+    return lines
+
+
 class Routes:
     """Which virtual server a TLS server name goes to, on one listen address.
 

@@ -17,7 +17,7 @@ import gc
 import logging
 import signal
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -39,7 +39,7 @@ from lbproxy.core.per_source import PerSourceTable
 from lbproxy.core.pool import DISABLED, DRAIN, Pool, RealServer, state_error
 from lbproxy.core.topology import RuntimeTopology
 from lbproxy.dataplane import queue as waiting
-from lbproxy.dataplane.listener import BindError, Listener, listen_socket
+from lbproxy.dataplane.listener import BindError, Listener, failure_lines, listen_socket
 from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_socket
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
@@ -1051,20 +1051,10 @@ def run(
     try:
         trio.run(_serve_main, server, on_started)
     except* (BindError, privileges.PrivilegeError) as group:
-        for exc in _leaves(group):
-            failures.extend(exc.messages if isinstance(exc, BindError) else [str(exc)])
+        failures.extend(failure_lines(group))
     for failure in failures:
         log.error("%s", failure)
     return 1 if failures else 0
-
-
-def _leaves(group: BaseExceptionGroup[Exception]) -> Iterator[BaseException]:
-    """The exceptions of a (nested) exception group, in order."""
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
 
 
 async def _serve_main(server: Server, on_started: Callable[[Server], Any] | None) -> None:

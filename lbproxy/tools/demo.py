@@ -70,7 +70,7 @@ from lbproxy.config.model import (
     VirtualServerConfig,
 )
 from lbproxy.core.pool import Pool
-from lbproxy.dataplane.listener import listen_socket
+from lbproxy.dataplane.listener import failure_lines, listen_socket
 from lbproxy.runtime import logs
 from lbproxy.runtime.server import BindError, Server
 from lbproxy.tools.render import dwd_table, plain_lines, stats_table
@@ -135,11 +135,11 @@ def run(port: int = 8080, duration: float | None = None, admin_port: int | None 
     port, dwd_port, reserved = listen_ports(port)
     tty = sys.stdout.isatty()
     keyboard = tty and _foreground_terminal(sys.stdin)
-    failures: list[BindError] = []
+    failures: list[str] = []
     try:
         trio.run(_main, port, dwd_port, reserved, duration, tty, keyboard, admin)
     except* BindError as group:
-        failures.extend(group.exceptions)  # type: ignore[arg-type]  # except* BindError: all are
+        failures.extend(failure_lines(group))
     except* KeyboardInterrupt:
         pass  # Ctrl-C before the signal receiver was installed: still a clean stop
     finally:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,11 +16,11 @@ from tests.integration.harness import ROOT
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def test_a_line_per_step_and_the_times_at_the_end(tmp_path):
-    # A stand-in for the virtual environment: its python runs this one, except that
-    # `pip install` (which would reinstall the checkout under the other tests) only says
-    # it was asked.
-    venv = tmp_path / "venv"
+def stand_in_venv(folder: Path) -> Path:
+    """A stand-in for the virtual environment: its python runs this one, except that
+    `pip install` (which would reinstall the checkout under the other tests) only says
+    it was asked."""
+    venv = folder / "venv"
     (venv / "bin").mkdir(parents=True)
     python = venv / "bin" / "python"
     python.write_text(
@@ -28,6 +29,11 @@ def test_a_line_per_step_and_the_times_at_the_end(tmp_path):
         f'exec {sys.executable} "$@"\n'
     )
     python.chmod(0o755)
+    return venv
+
+
+def test_a_line_per_step_and_the_times_at_the_end(tmp_path):
+    venv = stand_in_venv(tmp_path)
     result = subprocess.run(
         ["bash", "scripts/test", "tests/unit/test_tools.py", "-q", "-p", "no:cacheprovider"],
         cwd=ROOT,
@@ -75,3 +81,35 @@ def test_a_failing_run_still_says_how_long_and_keeps_its_exit_code(tmp_path):
     )
     assert result.returncode == 4, result  # pytest's "file not found"
     assert re.search(r"scripts/test: took \d+s \(wall time\)", result.stderr), result.stderr
+
+
+def test_it_names_the_debian_packages_before_apt_get_runs(tmp_path):
+    """zsh and fish made to look missing, as root, with apt-get a stand-in that says
+    how it was called (bash reads BASH_ENV's functions before the script)."""
+    venv = stand_in_venv(tmp_path)
+    env_file = tmp_path / "bash_env"
+    env_file.write_text(
+        "id() { echo 0; }\n"
+        'command() { case "$2" in zsh|fish) return 1;; esac; builtin command "$@"; }\n'
+        'apt-get() { echo "apt-get called: $*"; }\n'
+    )
+    result = subprocess.run(
+        ["bash", "scripts/test", "tests/unit/test_tools.py", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env={**os.environ, "VENV": str(venv), "LBPROXY_TEST_JOBS": "0", "BASH_ENV": str(env_file)},
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert result.returncode == 0, result
+    out = result.stdout
+    said = out.index("scripts/test: installing 2 Debian package(s) the tests use, as root")
+    assert "none is needed to run lbproxy" in out
+    assert out.index("  zsh fish") > said
+    update = out.index("apt-get called: update -q")
+    install = out.index("apt-get called: install -y -q --no-install-recommends")
+    assert said < update < install
+    assert "zsh fish" in out[install:].splitlines()[0]
+    assert "==> apt-get update" in result.stderr and "==> apt-get install zsh fish" in result.stderr
+    phases = result.stderr[result.stderr.index("wall time") :]
+    assert "apt-get install zsh fish" in phases

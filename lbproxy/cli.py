@@ -315,7 +315,7 @@ def simulate(
     epilog=_examples(
         "lbproxy demo                 # 8080, 8081 and the dashboard on 9100",
         "lbproxy demo --port 0        # free ports everywhere",
-        "nc 127.0.0.1 8080            # from another terminal",
+        "(it prints how to connect from another terminal: python3 or bash, no nc)",
     )
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.demo_process import NAMES, Demo, dwd_line
-from tests.integration.harness import ROOT
+from tests.integration.harness import ROOT, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -43,6 +43,8 @@ def test_the_tour_uses_only_what_a_fresh_debian_has():
         for part in command.split("|"):
             program = part.split()[0]
             assert program in ("scripts/demo", ".venv/bin/lbproxy", "echo", *FRESH), command
+    # `lbproxy demo --help` and what the demo prints suggest nothing else either
+    assert not re.search(r"^\s*nc ", run_cli("demo", "--help").stdout, re.M)
 
 
 def test_every_tour_command_runs_against_the_demo(tmp_path):

@@ -105,9 +105,8 @@ def samples() -> list[Sample]:
         lines = block.text.splitlines()
         for index, raw in enumerate(lines):
             line = raw.strip()
-            if block.lang == "sh" and line.startswith("$ "):
-                line = line[2:]
-            if block.lang != "sh" and not line.startswith("$ "):
+            prompted = line.startswith("$ ")  # its output follows
+            if block.lang != "sh" and not prompted:
                 continue
             if not COMMAND.match(line):
                 continue
@@ -121,8 +120,8 @@ def samples() -> list[Sample]:
             start = next(i for i, word in enumerate(words) if word.endswith("lbproxy"))
             words = words[start + 1 :]
             output = []
-            for after in lines[index + 1 :]:
-                if after.startswith("$ ") or block.lang == "sh":
+            for after in lines[index + 1 : len(lines) if prompted else index + 1]:
+                if after.startswith("$ "):
                     break
                 output.append(after)
             found.append(Sample(block, block.line + 1 + index, words, output))

@@ -10,9 +10,9 @@
   command exists and takes those options and arguments;
 - the samples that run offline (`check`, `simulate`, `schema`, `--help`, `--version`) on
   files the repository has or the page defines (a YAML block whose first line is
-  `# NAME.yaml`: the file is the lines after it) run, exit as the sample shows, and
-  print every line the sample shows (`...` stands for lines left out; spaces are not
-  compared).
+  `# NAME.yaml`: the file is the lines after it; or `$ cat NAME` and what it prints)
+  run, exit as the sample shows, and print every line the sample shows (`...` stands
+  for lines left out; spaces are not compared).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from lbproxy.cli import main
 from tests.docs.examples import (
     Block,
     Sample,
+    blocks,
     included,
     is_configuration,
     only_comments,
@@ -153,14 +154,23 @@ def test_every_cli_sample_parses(sample):
 
 def _page_files(block: Block) -> dict[str, str]:
     """The files a page defines: YAML blocks whose first line is `# NAME.yaml` (the
-    file is the lines after that one)."""
+    file is the lines after that one), and `$ cat NAME` in a block (the lines it prints)."""
     files = {}
-    for other in yaml_blocks():
-        if other.page == block.page:
-            first = other.text.lstrip().splitlines()[0] if other.text.strip() else ""
-            match = re.fullmatch(r"#\s*([\w.-]+\.ya?ml)\s*", first)
+    for other in blocks([block.page]):
+        lines = other.text.splitlines()
+        if other.lang in ("yaml", "yml") and lines:
+            match = re.fullmatch(r"#\s*([\w.-]+\.ya?ml)\s*", lines[0].strip())
             if match:  # the file is what follows its name
-                files[match.group(1)] = other.text.lstrip().split("\n", 1)[1]
+                files[match.group(1)] = "\n".join(lines[1:]) + "\n"
+        for index, line in enumerate(lines):
+            match = re.fullmatch(r"\$ cat ([\w.-]+)", line.strip())
+            if match:
+                shown = []
+                for after in lines[index + 1 :]:
+                    if after.startswith("$ "):
+                        break
+                    shown.append(after)
+                files[match.group(1)] = "\n".join(shown) + "\n"
     return files
 
 
@@ -241,3 +251,4 @@ def test_every_help_fits_the_width_the_cli_reference_says(name):
         assert result.exit_code == 0, result.output
         wide = [line for line in result.output.splitlines() if len(line) > width]
         assert wide == [], f"lbproxy {name} --help on a {terminal}-column terminal"
+        assert "Examples:" in result.output  # "... and end with examples"

@@ -6,13 +6,21 @@ clash only after fixing the first."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import socket
 from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.harness import free_port, run_cli
+from tests.integration.harness import (
+    ask_name,
+    free_port,
+    local_http,
+    run_cli,
+    vs_config,
+    with_admin,
+)
 
 
 @contextlib.contextmanager
@@ -85,3 +93,27 @@ def test_three_addresses_in_use_three_lines(tmp_path):
     assert out.returncode == 1, out.stderr
     named = set(re.findall(r"cannot listen on 127\.0\.0\.1:(\d+)", out.stderr))
     assert named == {str(admin), str(web), str(api)}, out.stderr
+
+
+def test_a_reload_names_every_address_it_cannot_bind_and_keeps_serving(
+    lbproxy, name_servers, tmp_path
+):
+    (server,) = name_servers("a")
+    port, admin, first, second = free_port(), free_port(), free_port(), free_port()
+    config = with_admin(vs_config(port, [server]), admin)
+    proxy = lbproxy(config, [port])
+    wider = config.replace(
+        f"listen: 127.0.0.1:{port}", f"listen: [127.0.0.1:{port}, 127.0.0.1:{first}]"
+    ) + (
+        f"  - name: api\n    listen: 127.0.0.1:{second}\n"
+        f"    real_servers: [{{name: a, address: 127.0.0.1:{server.port}}}]\n"
+    )
+    proxy.config_path.write_text(wider)
+    with held(first, second):
+        status, body = local_http("POST", f"http://127.0.0.1:{admin}/api/v1/reload", {})
+    assert status == 400, body
+    errors = json.loads(body)["errors"]
+    assert any(f"127.0.0.1:{first}" in error and "virtual server web" in error for error in errors)
+    assert any(f"127.0.0.1:{second}" in error and "virtual server api" in error for error in errors)
+    assert len(errors) == 2, errors
+    assert ask_name(port) == "a"  # the running configuration serves on

@@ -105,7 +105,9 @@ def test_it_names_the_debian_packages_before_apt_get_runs(tmp_path):
     out = result.stdout
     said = out.index("scripts/test: installing 2 Debian package(s) the tests use, as root")
     assert "none is needed to run lbproxy" in out
-    assert out.index("  zsh fish") > said
+    # each with why the tests want it
+    assert out.index("  zsh              shell completion, as a zsh user has it\n") > said
+    assert out.index("  fish             shell completion, as a fish user has it\n") > said
     update = out.index("apt-get called: update -q")
     install = out.index("apt-get called: install -y -q --no-install-recommends")
     assert said < update < install

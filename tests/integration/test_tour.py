@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.demo_process import NAMES, Demo, dwd_line
-from tests.integration.harness import ROOT, run_cli
+from tests.integration.harness import ROOT, get_json, run_cli, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -34,6 +34,16 @@ def tour_commands() -> list[str]:
     for block in re.findall(r"```sh\n(.*?)```", tour, re.S):
         commands += [line.strip() for line in block.splitlines() if line.strip()]
     return commands
+
+
+def active(admin_port: int) -> int:
+    """Connections open through the demo's virtual servers now."""
+    document = get_json(admin_port, "/api/v1/virtual-servers")
+    return sum(
+        server["active_connections"]
+        for vs in document["virtual_servers"]
+        for server in vs["real_servers"]
+    )
 
 
 def test_the_tour_uses_only_what_a_fresh_debian_has():
@@ -62,6 +72,9 @@ def test_every_tour_command_runs_against_the_demo(tmp_path):
         for command in tour_commands():
             if command == "scripts/demo":
                 continue  # running: `demo`
+            # As a reader between two steps: the last step's connections have ended
+            # (their closes reached the proxy), so wlc's split is the tour's.
+            wait_for(lambda: active(admin_port) == 0, 20, "no connection left open")
             line = (
                 command.replace("8080", str(demo.port))
                 .replace("9100", str(admin_port))

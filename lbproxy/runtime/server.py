@@ -498,7 +498,8 @@ class Server:
     def _bind_virtual_servers(
         self, configs: Sequence[VirtualServerConfig], now: float
     ) -> tuple[list[Listener], dict[Address, list[VirtualServer]]]:
-        """Bind every listen address not bound yet; all or nothing (raises BindError).
+        """Bind every listen address not bound yet; all or nothing (raises BindError,
+        naming every address that failed with its virtual servers).
 
         Returns the new listeners and, for every address wanted, the virtual servers
         it is to feed (configuration order; new ones made here, unregistered until

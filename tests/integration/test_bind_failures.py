@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.harness import (
+    admin_socket_path,
     ask_name,
     free_port,
     local_http,
@@ -82,6 +84,7 @@ def test_every_address_in_use_is_named_at_once(tmp_path, workers):
     assert "Traceback" not in out.stderr
     assert "started" not in out.stderr  # no worker, no listener served
     assert bindable(free) and bindable(admin) and bindable(web)  # nothing left bound
+    assert not os.path.exists(admin_socket_path(admin))  # nor an admin socket left behind
 
 
 def test_three_addresses_in_use_three_lines(tmp_path):

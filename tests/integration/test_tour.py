@@ -102,5 +102,24 @@ def test_every_tour_command_runs_against_the_demo(tmp_path):
         assert "lbproxy_active_connections" in metrics
         # 4: the control port took `bravo 80`; demo-dwd's weight follows
         demo.wait_for(dwd_line("bravo", 80), timeout=20)
+        # What the demo itself suggests (its python3 lines and bash's /dev/tcp) works
+        # as printed, with the same PATH: `bravo 70` this time.
+        suggested = re.findall(
+            r"^(?:Try:)?\s+(python3 -c .*|echo '\w+ \d+' > /dev/tcp/\S+)", demo.output, re.M
+        )
+        assert len(suggested) == 3, demo.output
+        for line in suggested:
+            wait_for(lambda: active(admin_port) == 0, 20, "no connection left open")
+            result = subprocess.run(
+                ["/bin/bash", "-c", line.replace("bravo 80", "bravo 70")],
+                capture_output=True,
+                text=True,
+                env={"PATH": str(path)},
+                timeout=60,
+            )
+            assert result.returncode == 0, (line, result.stdout, result.stderr)
+            if line.startswith("python3"):
+                assert set(result.stdout.split()) <= set(NAMES) and result.stdout.strip()
+        demo.wait_for(dwd_line("bravo", 70), timeout=20)
     finally:
         demo.stop()

@@ -110,6 +110,10 @@ def samples() -> list[Sample]:
                 continue
             if not COMMAND.match(line):
                 continue
+            following = index + 1  # a line ending in a backslash goes on on the next
+            while line.endswith("\\") and following < len(lines):
+                line = line[:-1] + " " + lines[following].strip()
+                following += 1
             # lbproxy's own words never hold a pipe: what follows one is another program's
             words = shlex.split(line.removeprefix("$ ").split(" | ")[0], comments=True)
             # the command ends at a pipe or a redirection
@@ -120,7 +124,7 @@ def samples() -> list[Sample]:
             start = next(i for i, word in enumerate(words) if word.endswith("lbproxy"))
             words = words[start + 1 :]
             output = []
-            for after in lines[index + 1 : len(lines) if prompted else index + 1]:
+            for after in lines[following : len(lines) if prompted else following]:
                 if after.startswith("$ "):
                     break
                 output.append(after)

@@ -315,7 +315,7 @@ def simulate(
     epilog=_examples(
         "lbproxy demo                 # 8080, 8081 and the dashboard on 9100",
         "lbproxy demo --port 0        # free ports everywhere",
-        "nc 127.0.0.1 8080            # from another terminal",
+        "(it prints how to connect from another terminal: python3 or bash, no nc)",
     )
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
@@ -620,7 +620,8 @@ def shutdown_sessions(vs: str, rs: str, admin, token_file, socket_path, insecure
     "add-server",
     epilog=_examples(
         "lbproxy add-server web s3 10.0.0.13:80",
-        "lbproxy add-server web s4 10.0.0.14:80 --weight 2 --max-connections 500 --backup",
+        "lbproxy add-server web s4 10.0.0.14:80 --weight 2 --max-connections 500",
+        "lbproxy add-server web spare 10.0.0.15:80 --backup",
     ),
 )
 @click.argument("vs")
@@ -630,7 +631,7 @@ def shutdown_sessions(vs: str, rs: str, admin, token_file, socket_path, insecure
 @click.option(
     "--max-connections", type=click.IntRange(min=0), help="Concurrent connections (0: no limit)."
 )
-@click.option("--backup", is_flag=True, help="A backup server (SPEC §13).")
+@click.option("--backup", is_flag=True, help="A backup server: it serves while no primary can.")
 @admin_options
 def add_server(
     vs: str,

@@ -51,6 +51,45 @@ HELLO_READ = LIMIT
 class BindError(Exception):
     """A listen address could not be bound (in use, no permission): exit code 1."""
 
+    @property
+    def messages(self) -> list[str]:
+        """One line per address that could not be bound."""
+        return [str(self)]
+
+    @staticmethod
+    def together(errors: Sequence[BindError]) -> BindError:
+        """Every failure of one start or reload as one exception, so an operator sees
+        them all at once instead of fixing one address to meet the next."""
+        if len(errors) == 1:
+            return errors[0]
+        return BindErrors(errors)
+
+
+class BindErrors(BindError):
+    """Several addresses could not be bound; `messages` has one line each."""
+
+    def __init__(self, errors: Sequence[BindError]) -> None:
+        self.errors = [line for error in errors for line in error.messages]
+        super().__init__("; ".join(self.errors))
+
+    @property
+    def messages(self) -> list[str]:
+        return list(self.errors)
+
+
+def failure_lines(group: BaseExceptionGroup[Exception]) -> list[str]:
+    """One line per failure of a (nested) exception group, in order: each address a
+    BindError names, else the exception's text."""
+    lines: list[str] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            lines.extend(failure_lines(exc))
+        elif isinstance(exc, BindError):
+            lines.extend(exc.messages)
+        else:
+            lines.append(str(exc))
+    return lines
+
 
 class Routes:
     """Which virtual server a TLS server name goes to, on one listen address.

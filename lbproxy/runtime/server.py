@@ -39,7 +39,7 @@ from lbproxy.core.per_source import PerSourceTable
 from lbproxy.core.pool import DISABLED, DRAIN, Pool, RealServer, state_error
 from lbproxy.core.topology import RuntimeTopology
 from lbproxy.dataplane import queue as waiting
-from lbproxy.dataplane.listener import BindError, Listener, listen_socket
+from lbproxy.dataplane.listener import BindError, Listener, failure_lines, listen_socket
 from lbproxy.dataplane.udp import UdpAddress, UdpListener, listen_keys, udp_socket
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.locator.dns_server import DnsLocator
@@ -157,34 +157,47 @@ class Server:
         task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
         handle_signals: bool = True,
     ) -> None:
-        # Bind before any task starts, so a bad address fails plainly (exit code 1).
+        # Bind before any task starts, so a bad address fails plainly (exit code 1), and
+        # try every address even after one failed: all failures are reported together.
+        failures: list[BindError] = []
+        bound: list[Listener] = []
         try:
             bound, _ = self._bind_virtual_servers(self.config.virtual_servers, trio.current_time())
-        except BindError:
-            self.inherited.close()
-            raise
+        except BindError as exc:
+            failures.append(exc)
         admin_address = self.config.global_.admin.listen
-        admin_sock = None
-        try:
-            admin_sock = self.admin_sock
-            if admin_sock is None and admin_address:
+        admin_sock = self.admin_sock
+        if admin_sock is None and admin_address:
+            try:
                 key = f"admin {admin_address}"
                 admin_sock = self.inherited.take(key, admin_address, udp=False, names=["admin"])
                 if admin_sock is None:
                     admin_sock = self._listen(admin_address, listen_socket)
+            except BindError as exc:
+                failures.append(BindError(f"{exc} (the admin endpoint, global.admin.listen)"))
+        dns_socks = None
+        try:
             if self.serves_admin_socket:
                 self.admin_socket = open_admin_socket(self.config.global_, self.inherited)
+        except BindError as exc:
+            failures.append(exc)
+        try:
             dns_socks = self._bind_dns()
-            self.inherited.check_all_used()  # a passed socket nothing took: an error
-        except BindError:
-            for listener in bound:
-                listener.sock.close()
-            if admin_sock is not None and admin_sock is not self.admin_sock:
-                admin_sock.close()
+        except BindError as exc:
+            failures.append(exc)
+        if not failures:
+            try:
+                self.inherited.check_all_used()  # a passed socket nothing took: an error
+            except BindError as exc:
+                failures.append(exc)
+        if failures:
+            for sock in [listener.sock for listener in bound] + [admin_sock, *(dns_socks or ())]:
+                if sock is not None and sock is not self.admin_sock:
+                    sock.close()
             if self.admin_socket is not None:
                 self.admin_socket.close(serving=False)
             self.inherited.close()
-            raise
+            raise BindError.together(failures)
         # Clients beyond it are closed at accept, so descriptors stay for the rest.
         apply_max_clients(self.config.global_.max_clients)
         # Every listener bound and every secret read (run()): global.user from here on.
@@ -486,7 +499,8 @@ class Server:
     def _bind_virtual_servers(
         self, configs: Sequence[VirtualServerConfig], now: float
     ) -> tuple[list[Listener], dict[Address, list[VirtualServer]]]:
-        """Bind every listen address not bound yet; all or nothing (raises BindError).
+        """Bind every listen address not bound yet; all or nothing (raises BindError,
+        naming every address that failed with its virtual servers).
 
         Returns the new listeners and, for every address wanted, the virtual servers
         it is to feed (configuration order; new ones made here, unregistered until
@@ -503,13 +517,14 @@ class Server:
             for address in listen_keys(vs_config.protocol, vs_config.listen):
                 routes.setdefault(address, []).append(vs)
         bound: list = []
-        try:
-            for address, virtual_servers in routes.items():
-                if address in self.listeners:
-                    continue
-                udp = isinstance(address, UdpAddress)
-                # A virtual server with this one address may be named by a passed socket.
-                alone = [vs.name for vs in virtual_servers if len(vs.pool.config.listen) == 1]
+        failures: list[BindError] = []
+        for address, virtual_servers in routes.items():
+            if address in self.listeners:
+                continue
+            udp = isinstance(address, UdpAddress)
+            # A virtual server with this one address may be named by a passed socket.
+            alone = [vs.name for vs in virtual_servers if len(vs.pool.config.listen) == 1]
+            try:
                 sock = self.inherited.take(str(address), address, udp=udp, names=alone)
                 if udp:
                     sock = sock or self._listen(address, udp_socket)
@@ -517,10 +532,13 @@ class Server:
                 else:
                     sock = sock or self._bind(address)
                     bound.append(Listener(address, sock, virtual_servers))
-        except BindError:
+            except BindError as exc:  # the next addresses are still tried, to name them all
+                names = ", ".join(vs.name for vs in virtual_servers)
+                failures.append(BindError(f"{exc} (virtual server {names})"))
+        if failures:
             for listener in bound:
                 listener.sock.close()
-            raise
+            raise BindError.together(failures)
         return bound, routes
 
     def _bind(self, address: Address) -> socket.socket:
@@ -838,7 +856,7 @@ class Server:
         except BindError as exc:
             log.error("reload failed; the running configuration is unchanged: %s", exc)
             self.reloads["error"] += 1
-            return False, [str(exc)]
+            return False, exc.messages
         self.reloads["ok"] += 1
         self.config_paths = list(config_paths)
         if self.cluster is not None:  # the files first, then the cluster's changes
@@ -1033,11 +1051,11 @@ def run(
         log.error("%s", exc)
         return 1
 
-    failures: list[Exception] = []
+    failures: list[str] = []
     try:
         trio.run(_serve_main, server, on_started)
     except* (BindError, privileges.PrivilegeError) as group:
-        failures.extend(group.exceptions)
+        failures.extend(failure_lines(group))
     for failure in failures:
         log.error("%s", failure)
     return 1 if failures else 0

@@ -70,7 +70,7 @@ from lbproxy.config.model import (
     VirtualServerConfig,
 )
 from lbproxy.core.pool import Pool
-from lbproxy.dataplane.listener import listen_socket
+from lbproxy.dataplane.listener import failure_lines, listen_socket
 from lbproxy.runtime import logs
 from lbproxy.runtime.server import BindError, Server
 from lbproxy.tools.render import dwd_table, plain_lines, stats_table
@@ -135,11 +135,11 @@ def run(port: int = 8080, duration: float | None = None, admin_port: int | None 
     port, dwd_port, reserved = listen_ports(port)
     tty = sys.stdout.isatty()
     keyboard = tty and _foreground_terminal(sys.stdin)
-    failures: list[BindError] = []
+    failures: list[str] = []
     try:
         trio.run(_main, port, dwd_port, reserved, duration, tty, keyboard, admin)
     except* BindError as group:
-        failures.extend(group.exceptions)  # type: ignore[arg-type]  # except* BindError: all are
+        failures.extend(failure_lines(group))
     except* KeyboardInterrupt:
         pass  # Ctrl-C before the signal receiver was installed: still a clean stop
     finally:
@@ -291,7 +291,7 @@ class View:
     def render(self) -> Group:
         wlc, dwd = (pool.statistics(trio.current_time()) for pool in self.pools)
         parts: list = [stats_table(wlc), Text(), dwd_table(dwd, self.reported()), Text()]
-        hint = f"printf 'bravo 80\\n' | nc {HOST} {self.control_port}"
+        hint = f"echo 'bravo 80' > /dev/tcp/{HOST}/{self.control_port}"
         if self.keyboard:
             parts.append(Text(f"type NAME VALUE + Enter, or: {hint}", style="dim"))
             parts.append(Text.assemble(("> ", "bold"), self.typed, ("_", "blink")))
@@ -460,13 +460,20 @@ def _print_intro(
     cli = "lbproxy" if socket_path else f"LBPROXY_TOKEN={token} lbproxy"
     weights = [b.weight for b in backends]
     values = [b.value or 0 for b in backends]
+    # Clients made of what every machine that runs the demo has (python3, bash): a fresh
+    # Debian has no nc.
+    one = (
+        "python3 -c \"import socket; c=socket.create_connection(('127.0.0.1',"
+        f' {port})); print(c.recv(64).decode().strip())"'
+    )
     python = (
         "python3 -c \"import socket; s=[socket.create_connection(('127.0.0.1',"
         f' {port})) for _ in range(12)]; print(*[c.recv(64).decode().strip() for c in s])"'
     )
+    control = f"echo '{example}' > /dev/tcp/{HOST}/{control_port}"
     lines = [
         f"lbproxy demo: {DWD_VIRTUAL_SERVER} (weights from SNMP) on {HOST}:{dwd_port}",
-        f"lbproxy demo: change a reported value: printf '{example}\\n' | nc {HOST} {control_port}",
+        f"lbproxy demo: change a reported value: {control}   (bash)",
         "",
         "Three demo real servers on loopback answer with their name, then echo what you send.",
         f"Each has a small SNMP agent (v2c, community {COMMUNITY}) reporting a number:",
@@ -481,8 +488,9 @@ def _print_intro(
         f"12 held connections split {_list(_split(weights, 12))}",
         f"{DWD_VIRTUAL_SERVER:<9} {HOST}:{dwd_port:<5}  dwd, weight = reported value, polled "
         f"every {SNMP.interval:g}s: split {_list(_split(values, 12))}",
-        f"Try:  nc {HOST} {port}",
+        f"Try:  {one}",
         f"      {python}",
+        f"      nc {HOST} {port}   (talks and echoes; nc: apt-get install netcat-openbsd)",
         f"      (port {dwd_port} for {DWD_VIRTUAL_SERVER}). Short connections that close "
         "before the next",
         f"      one arrives find every server idle: wlc sends each to {backends[-1].name}.",
@@ -495,8 +503,8 @@ def _print_intro(
         "",
         f"Change what an agent reports; {DWD_VIRTUAL_SERVER}'s weights follow within a "
         "second or two:",
+        f"  {control}   (bash)",
         f"  printf '{example}\\n' | nc {HOST} {control_port}     (answers: ok {example})",
-        f"  echo '{example}' > /dev/tcp/{HOST}/{control_port}   (bash, without nc)",
     ]
     if keyboard:
         lines.append(f"  or type  {example}  and Enter here")

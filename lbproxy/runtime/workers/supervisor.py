@@ -943,28 +943,55 @@ def run(
     listeners: dict[str, socket.socket] = {}
     admin_sock = None
     admin_socket = None
+    # Sockets from an upgrade or systemd (TCP and the admin endpoint: a worker binds
+    # its UDP and DNS sockets itself), else bound here (lbproxy/runtime/inherit.py).
+    # Every address is tried even after one failed, so all failures are reported at once.
+    failures: list[BindError] = []
+    failed: set[str] = set()  # each address tried once, named once
     try:
-        # Sockets from an upgrade or systemd (TCP and the admin endpoint: a worker binds
-        # its UDP and DNS sockets itself), else bound here (lbproxy/runtime/inherit.py).
         inherited = Inherited(passed) if passed is not None else Inherited.from_systemd()
-        if admin.listen:
+    except BindError as exc:
+        log.error("%s", exc)
+        return 1
+    if admin.listen:
+        try:
             key = f"admin {admin.listen}"
             admin_sock = inherited.take(key, admin.listen, udp=False, names=["admin"])
             admin_sock = admin_sock or _bind(inherited, admin.listen)
+        except BindError as exc:
+            failures.append(BindError(f"{exc} (the admin endpoint, global.admin.listen)"))
+    try:
         admin_socket = open_admin_socket(config.global_, inherited)
-        for vs in config.virtual_servers:  # the workers' TCP sockets (package header)
-            if vs.protocol == "tcp":
-                for address in vs.listen:
-                    key = str(address)
-                    if key not in listeners:
-                        alone = [vs.name] if len(vs.listen) == 1 else []
+    except BindError as exc:
+        failures.append(exc)
+    for vs in config.virtual_servers:  # the workers' TCP sockets (package header)
+        if vs.protocol == "tcp":
+            for address in vs.listen:
+                key = str(address)
+                if key not in listeners and key not in failed:
+                    alone = [vs.name] if len(vs.listen) == 1 else []
+                    try:
                         sock = inherited.take(key, address, udp=False, names=alone)
                         listeners[key] = sock or _bind(inherited, address)
-        inherited.check_all_used()
-    except BindError as exc:
-        log.error("%s", exc)
-        for sock in [*listeners.values(), *([admin_sock] if admin_sock else [])]:
-            sock.close()
+                    except BindError as exc:
+                        names = ", ".join(
+                            other.name
+                            for other in config.virtual_servers
+                            if other.protocol == "tcp" and address in other.listen
+                        )
+                        failures.append(BindError(f"{exc} (virtual server {names})"))
+                        failed.add(key)
+    if not failures:
+        try:
+            inherited.check_all_used()
+        except BindError as exc:
+            failures.append(exc)
+    if failures:
+        for line in BindError.together(failures).messages:
+            log.error("%s", line)
+        for sock in [*listeners.values(), admin_sock]:
+            if sock is not None:
+                sock.close()
         if admin_socket is not None:
             admin_socket.close(serving=False)
         return 1

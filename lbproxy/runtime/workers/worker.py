@@ -15,7 +15,7 @@ import trio
 import lbproxy.runtime.workers.protocol as protocol
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.control.cluster import member_name
-from lbproxy.dataplane.listener import BindError
+from lbproxy.dataplane.listener import BindError, failure_lines
 from lbproxy.net import fd_channel
 from lbproxy.net.fd_channel import Channel, close_all
 from lbproxy.runtime import logs, privileges, process_title
@@ -93,12 +93,12 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
         sock.setblocking(False)
         passed.append(Passed(sock, key, PREVIOUS))
     server.inherited = Inherited(passed)
-    failures: list[Exception] = []
+    failures: list[str] = []
     orphaned = False
     try:
         orphaned = trio.run(_worker_main, server, channel, reader)
     except* (BindError, privileges.PrivilegeError) as group:
-        failures.extend(group.exceptions)
+        failures.extend(failure_lines(group))
     finally:
         with contextlib.suppress(OSError):
             os.unlink(init.admin)
@@ -109,7 +109,7 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
         log.error("%s", failure)
     if failures:
         with contextlib.suppress(OSError):  # the supervisor repeats it when it stops
-            fd_channel.send(channel, message(ERROR, str(failures[0])))
+            fd_channel.send(channel, message(ERROR, "; ".join(failures)))
     return 1 if failures else 0
 
 

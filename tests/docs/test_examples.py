@@ -223,23 +223,7 @@ def _commands() -> list[str]:
     return ["", *sorted(main.list_commands(click.Context(main)))]
 
 
-# `upgrade --help` has an example line of 88 columns; its help text is being rewritten
-# on another branch (the pidof example), which shortens it.
-LONG_HELP = {"upgrade"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(strict=True, reason="an 88-column example line")
-            if name in LONG_HELP
-            else (),
-        )
-        for name in _commands()
-    ],
-)
+@pytest.mark.parametrize("name", _commands())
 def test_every_help_fits_the_width_the_cli_reference_says(name):
     """docs/reference/cli.md: `--help` fits N columns, whatever the terminal's width."""
     claim = re.search(r"`lbproxy COMMAND --help` fit (\d+) columns", CLI_REFERENCE.read_text())

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 FORMATS = ("lbproxy", "haproxy")
 MAX_LINE = 65536  # longer lines are malformed without being looked at
 _SHOWN = 80  # a malformed line's text is quoted up to this many characters
+_decode = json.JSONDecoder().decode  # json.loads without its per-call checks
 
 
 class Logged(NamedTuple):
@@ -50,6 +51,31 @@ class Malformed(NamedTuple):
 Parsed = Logged | Malformed | None
 
 
+# A JSON string without escapes or control characters, and one with any valid escapes
+_PLAIN = r'"([^"\\\x00-\x1f]*)"'
+_ANY_STRING = (
+    r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
+)
+_NUMBER = r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+# The whole of an access line exactly as lbproxy writes it (runtime/logs.py and
+# dataplane/access_log.py: its keys in that order, json.dumps' separators). Such a line
+# is valid JSON by construction, so its fields are read without decoding the rest: the
+# decoding is most of the parsing's cost. Any other line (reordered by a log pipeline,
+# an escaped name, another logger) takes json's decoder.
+_ACCESS_LINE = re.compile(
+    r'\{"time": ' + _ANY_STRING
+    + r', "level": "info", "logger": "lbproxy\.access", "message": ' + _ANY_STRING
+    + r', "start": "(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})\.(\d{6})Z"'
+    + r', "duration_s": (' + _NUMBER + r")"
+    + r', "client": ' + _PLAIN.replace("*", "+")
+    + r', "client_port": (0|[1-9]\d{0,4})'
+    + r', "virtual_server": ' + _PLAIN.replace("*", "+")
+    + r', "real_server": (?:null|' + _ANY_STRING + r")"
+    + r', "bytes_in": \d+, "bytes_out": \d+, "end": ' + _ANY_STRING
+    + r', "protocol": ' + _ANY_STRING + r"\}"
+)  # fmt: skip
+
+
 def parse_lbproxy(line: str) -> Parsed:
     """One line of lbproxy's JSON log."""
     text = line.strip()
@@ -57,8 +83,21 @@ def parse_lbproxy(line: str) -> Parsed:
         return None
     if len(text) > MAX_LINE:
         return Malformed(f"longer than {MAX_LINE} characters")
+    match = _ACCESS_LINE.fullmatch(text)
+    if match is not None:
+        second, micros, duration, client, port, vs = match.groups()
+        base = _utc_second(second)
+        seconds = float(duration)
+        if base is not None and 0 <= seconds < math.inf and int(port) <= 65535:
+            return Logged(base + int(micros) / 1e6, seconds, vs, client, int(port))
+    return parse_lbproxy_decoding(text)
+
+
+def parse_lbproxy_decoding(text: str) -> Parsed:
+    """One line of lbproxy's JSON log (stripped, not too long), decoded as JSON: any
+    JSON object with the fields, in any order."""
     try:
-        record = json.loads(text)
+        record = _decode(text)
     except (ValueError, RecursionError):
         return Malformed(f"not a JSON object: {_quoted(text)}")
     if not isinstance(record, dict):
@@ -128,6 +167,25 @@ def parse_haproxy(line: str) -> Parsed:
 PARSERS = {"lbproxy": parse_lbproxy, "haproxy": parse_haproxy}
 
 _seconds_cache: dict[str, float | None] = {}
+_utc_cache: dict[str, float | None] = {}
+
+
+def _utc_second(text: str) -> float | None:
+    """`2026-12-05T17:22:52` (UTC) as seconds since the epoch, None if no such time;
+    cached, as _haproxy_second."""
+    cached = _utc_cache.get(text, -1.0)
+    if cached != -1.0:
+        return cached
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        value = None
+    else:
+        value = float(calendar.timegm(moment.timetuple()))
+    if len(_utc_cache) > 100_000:
+        _utc_cache.clear()
+    _utc_cache[text] = value
+    return value
 
 
 def _haproxy_second(date: str) -> float | None:

@@ -12,11 +12,17 @@ import math
 import time
 from datetime import datetime
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbproxy.tools.replay import read_log
-from lbproxy.tools.traffic_log import Logged, Malformed, parse_haproxy, parse_lbproxy
+from lbproxy.tools.traffic_log import (
+    Logged,
+    Malformed,
+    parse_haproxy,
+    parse_lbproxy,
+    parse_lbproxy_decoding,
+)
 
 PARSERS = [parse_lbproxy, parse_haproxy]
 
@@ -122,3 +128,66 @@ def test_reading_a_log_of_any_lines_never_raises(lines, log_format):
     assert len(traffic) + traffic.malformed <= len(lines)
     assert len(traffic.first_malformed) == min(traffic.malformed, 5)
     assert list(traffic.starts) == sorted(traffic.starts)
+
+
+# Mostly what lbproxy writes (printable ASCII, which may still hold a quote or a
+# backslash), sometimes anything: control characters, any code point, empty
+PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+TEXT = st.text(PRINTABLE, min_size=1, max_size=20) | st.text(max_size=30)
+# A name as lbproxy writes one: no quote, no backslash
+NAME_AS_WRITTEN = st.text(
+    st.characters(min_codepoint=0x20, exclude_characters='"\\', exclude_categories=["Cs"]),
+    min_size=1,
+    max_size=20,
+)
+START = st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(2200, 1, 1)).map(
+    lambda d: d.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+)
+
+
+WRITTEN_ORDER = (
+    "time", "level", "logger", "message", "start", "duration_s", "client", "client_port",
+    "virtual_server", "real_server", "bytes_in", "bytes_out", "end", "protocol",
+)  # fmt: skip
+
+
+def access_records(name, start, duration, port, text):
+    """Access records with lbproxy's keys in its order, their values from these
+    strategies (fixed_dictionaries would shuffle the keys)."""
+    values = (
+        text,
+        st.just("info"),
+        st.just("lbproxy.access"),
+        text,
+        start,
+        duration,
+        name,
+        port,
+        name,
+        st.none() | name,
+        st.integers(0, 2**64),
+        st.integers(0, 2**64),
+        text,
+        st.sampled_from(["tcp", "udp"]),
+    )
+    return st.tuples(*values).map(lambda row: dict(zip(WRITTEN_ORDER, row, strict=True)))
+
+
+# As lbproxy writes them; and with any values at all
+AS_WRITTEN = access_records(NAME_AS_WRITTEN, START, st.floats(0, 1e6), st.integers(0, 65535), TEXT)
+ANY_VALUES = access_records(
+    TEXT,
+    START | TEXT,
+    st.floats(allow_nan=False) | st.integers(-(2**70), 2**70),
+    st.integers(-5, 70000),
+    TEXT,
+)
+
+
+@given(AS_WRITTEN | ANY_VALUES, st.booleans())
+@settings(max_examples=300)
+def test_the_fast_reading_of_lbproxys_own_lines_agrees_with_json(record, ascii_only):
+    """lbproxy's own access lines are read without json's decoder: what that reading
+    gives is what decoding the line gives, whatever the values."""
+    line = json.dumps(record, ensure_ascii=ascii_only)
+    assert parse_lbproxy(line) == parse_lbproxy_decoding(line)

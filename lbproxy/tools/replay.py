@@ -107,15 +107,12 @@ def read_log(lines: Iterable[str], log_format: str, source: str = "-") -> Traffi
         return traffic
     first = min(raw_starts)
     traffic.first_start = first
-    order: Iterable[int] = range(len(raw_starts))
-    if any(raw_starts[i] > raw_starts[i + 1] for i in range(len(raw_starts) - 1)):
-        order = sorted(order, key=raw_starts.__getitem__)
-    for i in order:
-        traffic.starts.append(raw_starts[i] - first)
-        traffic.durations.append(durations[i])
-        traffic.vs_ids.append(vs_ids[i])
-        traffic.client_ids.append(client_ids[i])
-        traffic.ports.append(ports[i])
+    order = sorted(range(len(raw_starts)), key=raw_starts.__getitem__)  # stable
+    traffic.starts = array("d", [raw_starts[i] - first for i in order])
+    traffic.durations = array("d", map(durations.__getitem__, order))
+    traffic.vs_ids = array("I", map(vs_ids.__getitem__, order))
+    traffic.client_ids = array("I", map(client_ids.__getitem__, order))
+    traffic.ports = array("H", map(ports.__getitem__, order))
     traffic.span = max(s + d for s, d in zip(traffic.starts, traffic.durations, strict=True))
     return traffic
 

@@ -53,9 +53,7 @@ Parsed = Logged | Malformed | None
 
 # A JSON string without escapes or control characters, and one with any valid escapes
 _PLAIN = r'"([^"\\\x00-\x1f]*)"'
-_ANY_STRING = (
-    r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
-)
+_ANY_STRING = r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
 _NUMBER = r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?"
 # The whole of an access line exactly as lbproxy writes it (runtime/logs.py and
 # dataplane/access_log.py: its keys in that order, json.dumps' separators). Such a line

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import click
@@ -262,7 +263,7 @@ def import_configuration(file: str, source: str | None) -> None:
     "--replay",
     "replay_log",
     metavar="LOG",
-    help="Replay a traffic log (.gz too) through each CONFIG, one configuration each.",
+    help="Replay a traffic log (.gz too; - for stdin) through each CONFIG, one configuration each.",
 )
 @click.option(
     "--log-format",
@@ -396,9 +397,12 @@ def _replay(
 
     loaded = [(path, _load_or_exit((path,))) for path in configs]
     try:
-        with replay.open_log(log) as lines:
-            traffic = replay.read_log(lines, log_format, log)
-    except (OSError, EOFError) as exc:  # EOFError: a gzip file cut short
+        if log == "-":
+            traffic = replay.read_log(click.get_text_stream("stdin"), log_format, log)
+        else:
+            with replay.open_log(log) as lines:
+                traffic = replay.read_log(lines, log_format, log)
+    except (OSError, EOFError, zlib.error) as exc:  # EOFError, zlib.error: a bad .gz
         click.echo(f"{log}: {getattr(exc, 'strerror', None) or exc}", err=True)
         sys.exit(EXIT_USAGE)
     for number, reason in traffic.first_malformed:

@@ -4,6 +4,7 @@ CLI; the replay's figures checked against what the live proxies did."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import subprocess
@@ -169,6 +170,21 @@ def test_replay_refuses_connections_and_names_a_missing_virtual_server(tmp_path)
     assert f"{config}: no virtual server 'web': its 1 connection not replayed" in out.stderr
     out = run_cli("simulate", "--replay", str(tmp_path / "nope.log"), str(config))
     assert out.returncode == 2 and "No such file or directory" in out.stderr
+    # gzip'd, cut short, from stdin
+    packed = gzip.compress(log.read_bytes())
+    (tmp_path / "access.log.gz").write_bytes(packed)
+    out = run_cli("simulate", "--replay", str(tmp_path / "access.log.gz"), str(config))
+    assert out.returncode == 0 and "replayed 1 connections" in out.stdout, out.stderr
+    (tmp_path / "cut.log.gz").write_bytes(packed[: len(packed) // 2])
+    out = run_cli("simulate", "--replay", str(tmp_path / "cut.log.gz"), str(config))
+    assert out.returncode == 2 and out.stderr.startswith(f"{tmp_path / 'cut.log.gz'}: ")
+    out = run_cli("simulate", "--replay", "-", str(config), input=log.read_text())
+    assert out.returncode == 0 and "replayed 1 connections from -" in out.stdout, out.stderr
+    # an invalid configuration: FILE:LINE, exit 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(config.read_text().replace("name: a,", "name: a, weight: -1,"))
+    out = run_cli("simulate", "--replay", str(log), str(config), str(bad))
+    assert out.returncode == 2 and f"{bad}:4: weight must be" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
 

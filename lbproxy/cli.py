@@ -398,7 +398,7 @@ def _replay(
     loaded = [(path, _load_or_exit((path,))) for path in configs]
     try:
         if log == "-":
-            traffic = replay.read_log(click.get_text_stream("stdin"), log_format, log)
+            traffic = replay.read_log(sys.stdin, log_format, log)
         else:
             with replay.open_log(log) as lines:
                 traffic = replay.read_log(lines, log_format, log)

@@ -76,8 +76,10 @@ log pipelines and `lbproxy simulate --replay`
 | `protocol` | `tcp` or `udp` |
 
 `end` is `closed`, `idle_timeout`, `client_reset`, `server_reset`, `error`, `cancelled`,
-`max_duration`, a UDP session's `responses`, or the reason a connection was refused
-before a pick (`no_server`, ...).
+`max_duration`, a UDP session's `responses`; `no_server` (or `connect_failed`) when no
+real server could take the connection; `rejected:REASON` when it was refused before a
+pick (`rejected:throttle`, `rejected:per_source`, `rejected:max_connections`,
+`rejected:acl`, ...).
 
 An access line costs about 10 µs of CPU (text) or 16 µs (json) per connection; with
 `access_log: false` (the default) nothing is written and nothing is paid.

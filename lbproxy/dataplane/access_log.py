@@ -14,8 +14,9 @@ facts are also fields of the record's object (runtime/logs.py merges in what
     real_server     the real server's name, null when none was reached
     bytes_in        bytes from the client to the real server
     bytes_out       bytes from the real server to the client
-    end             how it ended (closed, client_reset, server_reset, idle_timeout, ...,
-                    rejected:REASON before a pick)
+    end             how it ended (closed, client_reset, server_reset, idle_timeout, ...;
+                    no_server when none could take it; rejected:REASON when refused
+                    before a pick: throttle, per_source, max_connections, acl, ...)
     protocol        tcp or udp
 
 The record's own `time` is when the line was written: the end.

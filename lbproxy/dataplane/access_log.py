@@ -4,7 +4,7 @@
 The line is HAProxy's `option tcplog` in spirit: who, where to, how much, how long, how
 it ended. With `log_format: text` it is the message; with `log_format: json` the same
 facts are also fields of the record's object (runtime/logs.py merges in what
-`record.fields()` returns), which is what `lbproxy simulate --replay` reads:
+`record.fields(record.created)` returns), which is what `lbproxy simulate --replay` reads:
 
     start           when the connection was accepted: ISO 8601, UTC, microseconds
     duration_s      seconds from accept to end (float)
@@ -31,7 +31,6 @@ access_log = logging.getLogger("lbproxy.access")
 
 _gmtime = time.gmtime
 _strftime = time.strftime
-_wall = time.time
 
 
 def iso_utc(wall: float) -> str:
@@ -44,19 +43,19 @@ def iso_utc(wall: float) -> str:
 
 
 class _Fields:
-    """The line's facts as the JSON formatter wants them: called only by it, so with
-    `log_format: text` the ISO time and the mapping are never made."""
+    """The line's facts as the JSON formatter wants them: called only by it, with the
+    record's time (the end), so with `log_format: text` the ISO time and the mapping are
+    never made, and a JSON line's `start` plus `duration_s` is its `time` exactly."""
 
-    __slots__ = ("args", "started")
+    __slots__ = ("args",)
 
-    def __init__(self, started: float, args: tuple) -> None:
-        self.started = started  # wall clock
+    def __init__(self, args: tuple) -> None:
         self.args = args
 
-    def __call__(self) -> dict[str, object]:
+    def __call__(self, written: float) -> dict[str, object]:
         host, port, vs, rs, bytes_in, bytes_out, duration, end, protocol = self.args
         return {
-            "start": iso_utc(self.started),
+            "start": iso_utc(written - duration),
             "duration_s": round(duration, 6),
             "client": str(host),
             "client_port": port,
@@ -80,8 +79,8 @@ def write(
     protocol: str = "tcp",
 ) -> None:
     """Write one access line for a connection that ended just now and lasted `duration`
-    seconds (on the run's monotonic clock; its start on the wall clock is now minus
-    that). Callers check the virtual server's `access_log` first: when it is off, this
+    seconds (on the run's monotonic clock; its start on the wall clock is the record's
+    time minus that). Callers check the virtual server's `access_log` first: when it is off, this
     is never called and costs nothing."""
     host, port = peer[0], peer[1]
     shown = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
@@ -95,5 +94,5 @@ def write(
         bytes_out,
         duration,
         end,
-        extra={"fields": _Fields(_wall() - duration, args)},
+        extra={"fields": _Fields(args)},
     )

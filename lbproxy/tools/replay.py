@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from lbproxy.config.model import Config
-from lbproxy.core.pool import Pool
+from lbproxy.core.pool import ENABLED, Pool
 from lbproxy.tools.traffic_log import PARSERS, Logged, Malformed
 
 MALFORMED_SHOWN = 5  # the first this many malformed lines are named
@@ -126,6 +126,10 @@ class VirtualServerReplay:
     connections: dict[str, int]  # real server -> connections placed on it
     peaks: dict[str, int]  # real server -> most connections at once
     not_placed: int = 0  # picks that found no server
+    # Servers configured to stand by (disabled, drain, weight 0, backup): not in the
+    # mean of the peaks unless they held a connection, so that a backup server waiting
+    # as it should does not make the others look busy
+    standby: frozenset[str] = frozenset()
     # client id -> the real server of its first connection here (None: not placed)
     first: dict[int, str | None] = field(default_factory=dict, repr=False)
 
@@ -137,12 +141,15 @@ class VirtualServerReplay:
         total = self.placed
         return {name: (n / total if total else 0.0) for name, n in self.connections.items()}
 
+    def mean_peak(self) -> float:
+        """The mean of the peaks of the servers that take connections (see `standby`)."""
+        counted = [n for name, n in self.peaks.items() if n or name not in self.standby]
+        return sum(counted) / len(counted) if counted else 0.0
+
     def peak_ratio(self) -> float | None:
-        """The busiest server's peak over the mean of the servers' peaks; None when no
-        server ever held a connection (or there is none)."""
-        if not self.peaks:
-            return None
-        mean = sum(self.peaks.values()) / len(self.peaks)
+        """The busiest server's peak over `mean_peak`; None when no server ever held a
+        connection (or there is none)."""
+        mean = self.mean_peak()
         return max(self.peaks.values()) / mean if mean else None
 
     def busiest(self) -> str | None:
@@ -231,9 +238,16 @@ def replay(traffic: Traffic, config: Config, label: str) -> ConfigurationReplay:
         made = Pool(vs, now=0.0)
         pools.append(made)
         names = [rs.name for rs in made.servers]
+        standby = frozenset(
+            rs.name for rs in vs.real_servers if rs.state != ENABLED or rs.weight == 0 or rs.backup
+        )
         results.append(
             VirtualServerReplay(
-                name, vs.scheduler, dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+                name,
+                vs.scheduler,
+                dict.fromkeys(names, 0),
+                dict.fromkeys(names, 0),
+                standby=standby,
             )
         )
     missing = dict.fromkeys(
@@ -347,7 +361,7 @@ def gates(
                 ratio = vs.peak_ratio()
                 if ratio is not None and ratio > max_peak_ratio:
                     busiest = vs.busiest()
-                    mean = sum(vs.peaks.values()) / len(vs.peaks)
+                    mean = vs.mean_peak()
                     failures.append(
                         GateFailure(
                             "max-peak-ratio",

@@ -270,3 +270,19 @@ def test_peak_ratio_gate():
         "peak 2 on x over a mean peak of 0.6667 is 3"
     )
     assert gates([result], max_moved=None, max_peak_ratio=3.0) == []
+
+
+def test_a_server_standing_by_is_not_in_the_mean_peak():
+    # rr over x and y, all held: peaks 2 and 2; z is a backup (or disabled, or weight 0)
+    # and holds nothing, as it should: the ratio is 1, not 2 / (4 / 3)
+    lines = [access(f"0{i}.0", 9.0, c) for i, c in enumerate("abcd")]
+    traffic = read_log(lines, "lbproxy")
+    for standing_by in ({"backup": True}, {"state": "disabled"}, {"weight": 0}):
+        vs = virtual_server("rr", {"x": {}, "y": {}, "z": standing_by})
+        cfg = Config(virtual_servers=(dataclasses.replace(vs, name="web"),))
+        result = replay(traffic, cfg, "c").virtual_servers["web"]
+        assert result.peaks == {"x": 2, "y": 2, "z": 0}
+        assert result.peak_ratio() == 1.0, standing_by
+    # an enabled server that took nothing still counts: that is what the gate is for
+    result = replay(traffic, config("first", "xyz"), "c").virtual_servers["web"]
+    assert result.peak_ratio() == 4 / (4 / 3)

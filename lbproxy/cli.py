@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import click
@@ -229,10 +230,17 @@ def import_configuration(file: str, source: str | None) -> None:
         "lbproxy simulate configs/sap.yaml -n 8",
         "lbproxy simulate configs/wrr.yaml -n 12 --explain",
         "lbproxy simulate maglev.yaml -n 3000 --clients 1000 --events moves.yaml",
+        "lbproxy simulate --replay access.log.gz now.yaml next.yaml --max-moved 10",
+        "lbproxy simulate --replay haproxy.log --log-format haproxy lbproxy.yaml",
     )
 )
 @click.argument("config", nargs=-1, required=True)
-@click.option("--connections", "-n", type=click.IntRange(min=0), required=True)
+@click.option(
+    "--connections",
+    "-n",
+    type=click.IntRange(min=0),
+    help="How many connections arrive (required, except with --replay).",
+)
 @click.option("--hold", is_flag=True, help="Every connection stays open.")
 @click.option("--events", type=click.Path(dir_okay=False), help="YAML list of events.")
 @click.option("--virtual-server", "vs_name", help="Needed when CONFIG has several.")
@@ -251,9 +259,36 @@ def import_configuration(file: str, source: str | None) -> None:
     help="Connections come from K client addresses in turn (10.0.0.1, 10.0.0.2, ...).",
 )
 @click.option("--locate", is_flag=True, help="Every arrival is a locator answer (nothing is held).")
+@click.option(
+    "--replay",
+    "replay_log",
+    metavar="LOG",
+    help="Replay a traffic log (.gz too; - for stdin) through each CONFIG, one configuration each.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["lbproxy", "haproxy"]),
+    help="With --replay: lbproxy's JSON access log (default) or HAProxy's `option tcplog`.",
+)
+@click.option(
+    "--max-moved",
+    type=click.FloatRange(min=0, max=100),
+    metavar="PCT",
+    help="With --replay: exit 1 when more than PCT percent of a virtual server's clients "
+    "go first to another server than in the first CONFIG.",
+)
+@click.option(
+    "--max-peak-ratio",
+    type=click.FloatRange(min=1),
+    metavar="R",
+    help="With --replay: exit 1 when a virtual server's busiest real server peaks at more "
+    "than R times the mean of its servers' peaks.",
+)
+@click.pass_context
 def simulate(
+    ctx: click.Context,
     config: tuple[str, ...],
-    connections: int,
+    connections: int | None,
     hold: bool,
     events: str | None,
     vs_name: str | None,
@@ -262,8 +297,45 @@ def simulate(
     explain: bool,
     clients: int | None,
     locate: bool,
+    replay_log: str | None,
+    log_format: str | None,
+    max_moved: float | None,
+    max_peak_ratio: float | None,
 ) -> None:
-    """Run the real scheduler offline and print each real server's share."""
+    """Run the real scheduler offline and print each real server's share: on a
+    synthetic arrival sequence (--connections), or on a traffic log (--replay LOG),
+    each CONFIG then being one configuration (a file or a folder) to compare."""
+    replay_only = {
+        "--log-format": log_format,
+        "--max-moved": max_moved,
+        "--max-peak-ratio": max_peak_ratio,
+    }
+    if replay_log is not None:
+        synthetic_only = {
+            "--connections": connections,
+            "--hold": hold or None,
+            "--events": events,
+            "--virtual-server": vs_name,
+            "--explain": explain or None,
+            "--clients": clients,
+            "--locate": locate or None,
+            "--rate": None
+            if ctx.get_parameter_source("rate") is click.core.ParameterSource.DEFAULT
+            else rate,
+        }
+        given = [name for name, value in synthetic_only.items() if value is not None]
+        if given:
+            raise click.UsageError(
+                f"{', '.join(given)} not allowed with --replay: the log says what arrives, "
+                "when, from whom and for how long"
+            )
+        _replay(replay_log, config, log_format or "lbproxy", max_moved, max_peak_ratio, as_json)
+        return
+    given = [name for name, value in replay_only.items() if value is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} only with --replay LOG")
+    if connections is None:
+        raise click.UsageError("Missing option '--connections' / '-n' (or --replay LOG).")
     if locate and hold:
         click.echo("--locate and --hold exclude each other: a locator holds nothing", err=True)
         sys.exit(EXIT_USAGE)
@@ -309,6 +381,64 @@ def simulate(
             click.echo(f"  {moves.line()}")
     if result.protection is not None:  # SPEC section 23: ejections and panic
         click.echo("\n".join(result.protection_lines()))
+
+
+def _replay(
+    log: str,
+    configs: tuple[str, ...],
+    log_format: str,
+    max_moved: float | None,
+    max_peak_ratio: float | None,
+    as_json: bool,
+) -> None:
+    """`simulate --replay`: read the log, replay it through each configuration, print,
+    and exit 1 when a gate is exceeded."""
+    from lbproxy.tools import replay
+
+    loaded = [(path, _load_or_exit((path,))) for path in configs]
+    try:
+        if log == "-":
+            traffic = replay.read_log(sys.stdin, log_format, log)
+        else:
+            with replay.open_log(log) as lines:
+                traffic = replay.read_log(lines, log_format, log)
+    except (OSError, EOFError, zlib.error) as exc:  # EOFError, zlib.error: a bad .gz
+        click.echo(f"{log}: {getattr(exc, 'strerror', None) or exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    for number, reason in traffic.first_malformed:
+        click.echo(f"{log}:{number}: malformed: {reason}", err=True)
+    if traffic.malformed:
+        click.echo(
+            f"{log}: {traffic.malformed} malformed line{'s' if traffic.malformed != 1 else ''}"
+            + (
+                f" (the first {len(traffic.first_malformed)} above)"
+                if traffic.malformed > len(traffic.first_malformed)
+                else ""
+            )
+            + ", not replayed",
+            err=True,
+        )
+    if not len(traffic):
+        click.echo(f"{log}: no connection to replay ({log_format} format)", err=True)
+        sys.exit(EXIT_USAGE)
+    results = replay.replay_all(traffic, loaded)
+    for result in results:
+        for name, n in result.missing.items():
+            click.echo(
+                f"{result.label}: no virtual server {name!r}: its {n} connection"
+                f"{'s' if n != 1 else ''} not replayed",
+                err=True,
+            )
+    failures = replay.gates(results, max_moved, max_peak_ratio)
+    if as_json:
+        click.echo(json.dumps(replay.as_json(traffic, results, failures)))
+    else:
+        for line in replay.summary_lines(traffic, results):
+            click.echo(line)
+    for failure in failures:
+        click.echo(failure.line(), err=True)
+    if failures:
+        sys.exit(EXIT_RUNTIME)
 
 
 @main.command(

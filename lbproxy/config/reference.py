@@ -39,6 +39,52 @@ clashes, duplicate names, one `global:`), printing `FILE:LINE: message` for each
 ([Editor support](#editor-support)).
 """
 
+ACCESS_LOG = """\
+## The access log {#access-log}
+
+With `global.access_log: true` each TCP connection and each UDP session writes one INFO
+line on logger `lbproxy.access` when it ends (a connection refused before a server was
+picked too). With `log_format: text` the line reads
+
+```text
+2026-12-05 17:21:04,875 INFO lbproxy.access: 192.0.2.7:50968 vs=web rs=web1 in=517 \\
+  out=4211 duration=2.503s end=closed
+```
+
+and with `log_format: json` the same facts are also fields of the line's object, which
+log pipelines and `lbproxy simulate --replay`
+([replaying a traffic log](cli.md#replaying-a-traffic-log-lbproxy-simulate-replay)) read:
+
+```json
+{"time": "2026-12-05T17:21:04.875Z", "level": "info", "logger": "lbproxy.access",
+ "message": "192.0.2.7:50968 vs=web rs=web1 in=517 out=4211 duration=2.503s end=closed",
+ "start": "2026-12-05T17:21:02.372104Z", "duration_s": 2.503211, "client": "192.0.2.7",
+ "client_port": 50968, "virtual_server": "web", "real_server": "web1", "bytes_in": 517,
+ "bytes_out": 4211, "end": "closed", "protocol": "tcp"}
+```
+
+| field | meaning |
+|---|---|
+| `time` | when the line was written: the connection's end (UTC, milliseconds) |
+| `start` | when the connection was accepted: ISO 8601, UTC, microseconds |
+| `duration_s` | seconds from accept to end (a number) |
+| `client`, `client_port` | the client's address and port (`accept_proxy`: the PROXY header's) |
+| `virtual_server` | the virtual server's name |
+| `real_server` | the real server's name; `null` when none was reached |
+| `bytes_in`, `bytes_out` | bytes from the client to the real server, and back |
+| `end` | how it ended (below) |
+| `protocol` | `tcp` or `udp` |
+
+`end` is `closed`, `idle_timeout`, `client_reset`, `server_reset`, `error`, `cancelled`,
+`max_duration`, a UDP session's `responses`; `no_server` (or `connect_failed`) when no
+real server could take the connection; `rejected:REASON` when it was refused before a
+pick (`rejected:throttle`, `rejected:per_source`, `rejected:max_connections`,
+`rejected:acl`, ...).
+
+An access line costs about 10 µs of CPU (text) or 16 µs (json) per connection; with
+`access_log: false` (the default) nothing is written and nothing is paid.
+"""
+
 SECRETS = """\
 ## Secret files {#secret-files}
 
@@ -170,7 +216,7 @@ def markdown() -> str:
         if not path:
             continue
         lines += _section(path, section)
-    lines += [SECRETS, EDITOR]
+    lines += [ACCESS_LOG, SECRETS, EDITOR]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

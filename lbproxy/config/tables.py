@@ -129,7 +129,11 @@ GLOBAL_FIELDS: dict[str, Converter] = {
     ),
     "access_log": boolean.about(
         "one line per connection on logger `lbproxy.access`: client, virtual and real "
-        "server, bytes each way, duration, how it ended"
+        "server, bytes each way, duration, how it ended; with `log_format: json` also as "
+        "fields: `start` (ISO 8601, UTC, microseconds), `duration_s`, `client`, "
+        "`client_port`, `virtual_server`, `real_server` (null: none), `bytes_in`, "
+        "`bytes_out`, `end`, `protocol` (what `lbproxy simulate --replay` reads; see The "
+        "access log below)"
     ),
     "state_file": string.about(
         "runtime state kept across restarts: states and weights set at run time, real "

@@ -53,6 +53,7 @@ from lbproxy.core.closing import MAX_DURATION, lifetime
 from lbproxy.core.health import record_health
 from lbproxy.core.per_source import SourceEntry
 from lbproxy.core.pool import Lease, Pool, RealServer
+from lbproxy.dataplane.access_log import write as write_access_line
 from lbproxy.dataplane.lifecycle import (
     ADMITTED,
     CLOSING,
@@ -77,7 +78,6 @@ from lbproxy.net.pump import SERVER_RESET, Flow, Pump, Reactor, reactor, run_clo
 from lbproxy.wire import proxy_protocol
 
 log = logging.getLogger("lbproxy.proxy")
-access_log = logging.getLogger("lbproxy.access")
 
 
 # socket.socket() without a Python __init__: the C type, for the connect to a real server
@@ -751,17 +751,7 @@ class Handler:
         duration: float,
         end: str,
     ) -> None:
-        # HAProxy `option tcplog` in spirit: who, where to, how much, how long, how it ended.
-        access_log.info(
-            "%s vs=%s rs=%s in=%d out=%d duration=%.3fs end=%s",
-            _format_peer(source),
-            self.pool.name,
-            rs or "-",
-            bytes_in,
-            bytes_out,
-            duration,
-            end,
-        )
+        write_access_line(source, self.pool.name, rs, bytes_in, bytes_out, duration, end)
 
     def _start_connect(self, family: int, sockaddr: tuple) -> tuple[int, int]:
         """socket() and a non-blocking connect, in Python (the compiled path makes it
@@ -851,11 +841,6 @@ def explain_pick(pool: Pool, chosen: RealServer, tried: list[RealServer]) -> str
     """The decision explain line: every candidate and its score (debug logs only)."""
     scores = ", ".join(f"{name}={score}" for name, score in pool.scores(tried).items())
     return f"{pool.name}: {pool.config.scheduler} picked {chosen.name} [{scores}]"
-
-
-def _format_peer(peer: tuple) -> str:
-    host, port = peer[0], peer[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
 def _local_address(fd: int) -> tuple:

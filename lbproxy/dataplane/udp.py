@@ -48,13 +48,13 @@ from lbproxy.core.client_address import SourceFilter, source_key
 from lbproxy.core.health import record_health
 from lbproxy.core.pool import Lease, Pool, RealServer
 from lbproxy.core.udp_stats import UdpCounters
+from lbproxy.dataplane.access_log import write as write_access_line
 from lbproxy.dataplane.listener import bind_error
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.barrier import record
 from lbproxy.net.deadlines import Deadline, Deadlines, deadlines
 
 log = logging.getLogger("lbproxy.udp")
-access_log = logging.getLogger("lbproxy.access")
 
 # The largest UDP payload over IPv4 (65,535 - 8 - 20), one buffer of it per direction.
 MAX_DATAGRAM = 65507
@@ -467,15 +467,15 @@ class UdpRelay:
             self._drained.set()
         session.sock.close()  # which takes it out of the epoll set
         if self.access_log:
-            access_log.info(
-                "%s vs=%s rs=%s in=%d out=%d duration=%.3fs end=%s",
-                _peer(session.client),
+            write_access_line(
+                session.client,
                 pool.name,
                 rs.name,
                 rs_in,
                 rs_out,
                 now - session.started,
                 session.ended or "closed",
+                "udp",
             )
 
 

@@ -17,6 +17,11 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        # A record's facts as JSON (the access log's): a callable given the record's
+        # time, so that a text log never pays for making them.
+        fields = getattr(record, "fields", None)
+        if fields is not None:
+            document.update(fields(record.created))
         if record.exc_info:
             document["exception"] = self.formatException(record.exc_info)
         return json.dumps(document)

@@ -76,6 +76,8 @@ def _reference_keys() -> set[str]:
     for line in (ROOT / reference.PAGE).read_text().splitlines():
         if heading := re.match(r"^## `([^`]+)` \{#", line):
             section = heading[1]
+        elif line.startswith("## "):  # prose (the access log's fields are no keys)
+            section = None
         elif section and (row := re.match(r"^\| `(\w+)` \|", line)):
             keys.add(f"{section}.{row[1]}")
     return keys

@@ -31,6 +31,8 @@ from lbproxy.tools.importer.haproxy_grammar import (
 )
 from lbproxy.tools.importer.translation import Mapping, Translation, Untranslated
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
 
 def _row(directive: str, lbproxy: str, note: str = "") -> Mapping:
     return Mapping("haproxy", directive, lbproxy, note)
@@ -504,6 +506,7 @@ class _Translator:
         self.backends: dict[str, _Proxy] = {}
         self.vs_names: set[str] = set()
         self.routed: set[str] = set()  # backends some frontend sends clients to
+        self.bound: list[tuple[IPAddress, int, _Proxy]] = []  # listen addresses taken
 
     # bookkeeping
 
@@ -514,6 +517,16 @@ class _Translator:
 
     def skip(self, statement: Statement, what: str) -> None:
         self.left[(statement.file, statement.line, what)] = None
+
+    def skip_section(self, section: Section | None, what: str) -> None:
+        """A whole section left behind: one line at its start, none for its statements."""
+        if section is None:
+            return
+        lines = {(st.file, st.line) for st in section.statements}
+        for key in [key for key in self.left if key[:2] in lines]:
+            del self.left[key]
+        self.used -= lines | {(section.header.file, section.header.line)}
+        self.skip(section.header, what)
 
     # the whole file
 
@@ -529,7 +542,8 @@ class _Translator:
             elif section.kind not in PROXY_SECTIONS:
                 self.skip(section.header, f"the {section.kind} section {section.name}".rstrip())
             else:
-                base = current
+                # a defaults section starts afresh: it resets the one before it
+                base = _Proxy(section=None) if section.kind == "defaults" else current
                 if section.source is not None:
                     if section.source in self.defaults:
                         base = self.defaults[section.source]
@@ -548,6 +562,7 @@ class _Translator:
             if proxy.section is not None and proxy.section.kind in ("frontend", "listen"):
                 self.build_frontend(proxy)
         self.report_unused_backends()
+        self.admin_elsewhere()
         self.translation.translated = len(self.used)
         self.translation.untranslated.extend(
             Untranslated(file, line, what) for file, line, what in sorted(self.left, key=_order)
@@ -719,11 +734,13 @@ class _Translator:
         assert section is not None
         header = section.header
         if proxy.disabled is not None:
-            self.skip(header, f"{section.kind} {section.name}: disabled")
+            self.skip_section(section, f"{section.kind} {section.name}: disabled")
             return
         mode = proxy.mode[0] if proxy.mode else "tcp"
         if mode != "tcp":
-            self.skip(header, f"{section.kind} {section.name}: mode {mode} (lbproxy is Layer 4)")
+            self.skip_section(
+                section, f"{section.kind} {section.name}: mode {mode} (lbproxy is Layer 4)"
+            )
             return
         listen = self.listen_addresses(proxy)
         if not listen:
@@ -749,13 +766,14 @@ class _Translator:
             backend = self.backends[route.backend]
             self.routed.add(route.backend)
             if backend.disabled is not None:
-                self.skip(backend.section.header, f"backend {route.backend}: disabled")  # type: ignore[union-attr]
+                self.skip_section(backend.section, f"backend {route.backend}: disabled")
                 continue
             backend_mode = backend.mode[0] if backend.mode else "tcp"
             if backend_mode != "tcp":
                 if backend.section is not None:
-                    self.skip(
-                        backend.section.header, f"backend {route.backend}: mode {backend_mode}"
+                    self.skip_section(
+                        backend.section,
+                        f"backend {route.backend}: mode {backend_mode} (lbproxy is Layer 4)",
                     )
                 continue
             vs: dict[str, Any] = {"name": self.vs_name(route.backend, section.name)}
@@ -789,7 +807,17 @@ class _Translator:
                 if ports is None:
                     self.skip(st, f"bind {part} (port {port})")
                     continue
-                found.extend(_address(host, p) for p in ports)
+                try:
+                    ip = ipaddress.ip_address(host)
+                except ValueError:
+                    self.skip(st, f"bind {part} (lbproxy listens on an IP address)")
+                    continue
+                for number in ports:
+                    owner = self.bound_by(ip, number, proxy)
+                    if owner is not None:
+                        self.skip(st, f"bind {_address(host, number)} (also bound by {owner})")
+                    else:
+                        found.append(_address(host, number))
             if found:
                 addresses.extend(a for a in found if a not in addresses)
                 self.use(st)
@@ -809,7 +837,34 @@ class _Translator:
                     what = "bind ... ssl (TLS termination: lbproxy passes TLS through)"
                 self.skip(st, what)
                 i += 2 if takes_value else 1
+        for address in addresses:
+            host, _, digits = address.rpartition(":")
+            self.bound.append((ipaddress.ip_address(host.strip("[]")), int(digits), proxy))
         return addresses
+
+    def bound_by(self, ip: IPAddress, port: int, proxy: _Proxy) -> str | None:
+        """The proxy that already listens where binding `ip:port` would fail."""
+        for other_ip, other_port, other in self.bound:
+            if other is proxy or other_port != port or other_ip.version != ip.version:
+                continue
+            if other_ip == ip or other_ip.is_unspecified or ip.is_unspecified:
+                section = other.section
+                return f"{section.kind} {section.name}" if section else "another proxy"
+        return None
+
+    def admin_elsewhere(self) -> None:
+        """lbproxy's admin endpoint (127.0.0.1:9100 by default) on a port no virtual
+        server took."""
+        port = 9100
+        loopback = ipaddress.ip_address("127.0.0.1")
+        while any(
+            p == port and ip.version == 4 and (ip == loopback or ip.is_unspecified)
+            for ip, p, _ in self.bound
+        ):
+            port += 1
+        if port != 9100:
+            settings = self.translation.settings.setdefault("global", {})
+            settings["admin"] = {"listen": f"127.0.0.1:{port}"}
 
     def front_settings(self, proxy: _Proxy, front: dict[str, Any]) -> None:
         if proxy.accept_proxy is not None:
@@ -1045,6 +1100,8 @@ class _Translator:
             if name in timeouts:
                 self.skip(timeouts[name][1], timeouts[name][1].text)
         self.health(backend, vs, servers)
+        kept = {rs["name"] for rs in servers}
+        self.agent(vs, [s for s in backend.servers if _name(s.name) in kept], servers)
         self.persistence(backend, vs)
         if any("max_connections" in s for s in servers):
             queue_timeout = timeouts.get("queue") or timeouts.get("connect")
@@ -1212,7 +1269,6 @@ class _Translator:
                     "the virtual server)",
                 )
         vs["health_check"] = check
-        self.agent(vs, chosen, servers)
 
     def check_type(self, backend: _Proxy, check: dict[str, Any]) -> None:
         option = backend.check_option
@@ -1443,7 +1499,7 @@ class _Translator:
         for proxy in self.proxies:
             section = proxy.section
             if section and section.kind == "backend" and section.name not in self.routed:
-                self.skip(section.header, f"backend {section.name}: no frontend uses it")
+                self.skip_section(section, f"backend {section.name}: no frontend uses it")
 
 
 _BIND_VALUED = _words(

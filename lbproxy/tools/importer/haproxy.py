@@ -89,6 +89,16 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row("server ... port N", "virtual_servers[].real_servers[].health_check.port"),
     _row("server ... addr A", "virtual_servers[].real_servers[].health_check.address"),
     _row(
+        "server ... on-marked-down shutdown-sessions",
+        "virtual_servers[].health_check.on_down",
+        "`close`",
+    ),
+    _row(
+        "server ... on-marked-up shutdown-backup-sessions",
+        "virtual_servers[].health_check.on_up",
+        "`close_backups`",
+    ),
+    _row(
         "server ... send-proxy, send-proxy-v2",
         "virtual_servers[].send_proxy",
         "`v1`, `v2`: one value for the virtual server",
@@ -1142,6 +1152,7 @@ class _Translator:
         handled = {
             "check", "inter", "rise", "fall", "send-proxy", "send-proxy-v2", "slowstart",
             "agent-check", "agent-port", "agent-inter", "agent-addr", "agent-send",
+            "on-marked-down", "on-marked-up",
         }  # fmt: skip
         for key, (value, st) in server.options.items():
             if key == "weight" and value is not None and value.isdigit():
@@ -1256,6 +1267,22 @@ class _Translator:
                 other, where = values[server.name]
                 if other != value and where is not None:
                     self.skip(where, f"server {server.name} {option} {other} (lbproxy: {value})")
+        for key, option, value, lbproxy in (
+            ("on_down", "on-marked-down", "shutdown-sessions", "close"),
+            ("on_up", "on-marked-up", "shutdown-backup-sessions", "close_backups"),
+        ):
+            said = {s.name: s.options.get(option, (None, None)) for s in checked}
+            wanted = said[first.name][0] == value
+            if wanted:
+                check[key] = lbproxy
+            for server in checked:
+                given, where = said[server.name]
+                if where is None:
+                    continue
+                if given == value and wanted:
+                    self.use(where)
+                else:
+                    self.skip(where, f"server {server.name} ... {option} {given}")
         if "check" in backend.timeouts:
             check["timeout"] = _duration(backend.timeouts["check"][0])
             self.use(backend.timeouts["check"][1])

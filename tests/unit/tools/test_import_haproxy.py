@@ -699,6 +699,12 @@ EXAMPLES = {
     "server ... rise N": _listen(servers="    server s1 127.0.0.1:9001 check rise 4"),
     "server ... fall N": _listen(servers="    server s1 127.0.0.1:9001 check fall 4"),
     "server ... port N": _listen(servers="    server s1 127.0.0.1:9001 check port 8"),
+    "server ... on-marked-down shutdown-sessions": _listen(
+        servers="    server s1 127.0.0.1:9001 check on-marked-down shutdown-sessions"
+    ),
+    "server ... on-marked-up shutdown-backup-sessions": _listen(
+        servers="    server s1 127.0.0.1:9001 check on-marked-up shutdown-backup-sessions"
+    ),
     "server ... addr A": _listen(servers="    server s1 127.0.0.1:9001 check addr ::1"),
     "server ... send-proxy, send-proxy-v2": _listen(
         servers="    server s1 127.0.0.1:9001 send-proxy"

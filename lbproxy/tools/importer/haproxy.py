@@ -57,9 +57,10 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "balance roundrobin",
         "virtual_servers[].scheduler",
-        "`wrr` (weighted, smooth; equal weights give HAProxy's sequence)",
+        "`wrr`: equal weights give HAProxy's very sequence, others the same share of each "
+        "cycle, interleaved in another order",
     ),
-    _row("balance static-rr", "virtual_servers[].scheduler", "`wrr`"),
+    _row("balance static-rr", "virtual_servers[].scheduler", "`wrr`, as roundrobin"),
     _row("balance leastconn", "virtual_servers[].scheduler", "`wlc` (weighted, as HAProxy's)"),
     _row("balance first", "virtual_servers[].scheduler", "`first` (fills by `maxconn`)"),
     _row(
@@ -104,7 +105,10 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "`v1`, `v2`: one value for the virtual server",
     ),
     _row(
-        "server ... slowstart T", "virtual_servers[].slow_start", "one value for the virtual server"
+        "server ... slowstart T",
+        "virtual_servers[].slow_start",
+        "one value for the virtual server; lbproxy ramps at start-up too, HAProxy only a "
+        "server coming back up",
     ),
     _row(
         "server ... agent-check agent-port agent-inter agent-addr agent-send",

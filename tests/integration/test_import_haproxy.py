@@ -39,8 +39,15 @@ class Pair:
     servers: every `127.0.0.1:PORT` of the file is moved to a free port (HAProxy's and
     lbproxy's listeners each to their own, the servers' to the NameServers')."""
 
-    def __init__(self, tmp_path: Path, name: str, servers: dict[str, NameServer], lbproxy):
-        text = (DATA / name).read_text()
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str,
+        servers: dict[str, NameServer],
+        lbproxy,
+        edit: tuple[str, str] = ("", ""),
+    ):
+        text = (DATA / name).read_text().replace(*edit) if edit[0] else (DATA / name).read_text()
         server_ports = {
             f"127.0.0.1:{p}" for p in re.findall(r"server \S+ 127\.0\.0\.1:(\d+)", text)
         }
@@ -103,8 +110,8 @@ class Pair:
 def pair(tmp_path, lbproxy):
     made: list[Pair] = []
 
-    def make(name: str, servers: dict[str, NameServer]) -> Pair:
-        made.append(Pair(tmp_path, name, servers, lbproxy))
+    def make(name: str, servers: dict[str, NameServer], edit=("", "")) -> Pair:
+        made.append(Pair(tmp_path, name, servers, lbproxy, edit))
         return made[-1]
 
     yield make
@@ -143,9 +150,10 @@ def name_from(port: int, source: str = "127.0.0.1", hello: bytes = b"") -> str:
             return ""
 
 
-def test_round_robin_gives_the_same_sequence(pair, name_servers):
+@pytest.mark.parametrize("balance", ["roundrobin", "static-rr"])
+def test_round_robin_gives_the_same_sequence(pair, name_servers, balance):
     servers = servers_named(name_servers, "s1", "s2", "s3")
-    both = pair("configs-rr.cfg", servers)
+    both = pair("configs-rr.cfg", servers, ("balance roundrobin", f"balance {balance}"))
     wait_for(
         lambda: all(rs["health"] == "up" for rs in both.lbproxy_servers("rr-web").values()),
         30,

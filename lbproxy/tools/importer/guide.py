@@ -37,8 +37,8 @@ with: each row is a directive and the lbproxy key it becomes.
 2. **Check.** `lbproxy check lbproxy.yaml` prints what it understood, virtual server by
    virtual server, or every problem as `FILE:LINE: message`.
 3. **Simulate.** `lbproxy simulate lbproxy.yaml -n 100 --explain` runs the real
-   scheduler code offline and shows each pick and why
-   ([Trying a scheduler offline](../concepts/schedulers.md#trying-a-scheduler-offline-lbproxy-simulate)).
+   scheduler code offline and shows each pick and why ([Trying a scheduler
+   offline](../concepts/schedulers.md#trying-a-scheduler-offline-lbproxy-simulate)).
 4. **Replay.** `lbproxy simulate --replay` replays your own traffic log (HAProxy's
    `option tcplog` lines, or lbproxy's JSON access log) through one or several
    configurations and says how the load would have spread and how many clients would

@@ -1464,27 +1464,29 @@ class _Translator:
         by_name = {rs["name"]: rs for rs in rs_list}
         block: dict[str, Any] = {}
         first = agents[0].options
-        ports = {s.options.get("agent-port", (None, None))[0] for s in agents}
-        if None in ports or not all(p is not None and p.isdigit() for p in ports):
+        ports = {s.name: _port(s.options.get("agent-port", (None, None))[0]) for s in agents}
+        if None in ports.values():
             for server in agents:
                 self.skip(
                     server.options["agent-check"][1],
-                    f"server {server.name} agent-check without agent-port",
+                    f"server {server.name} agent-check without a valid agent-port",
                 )
             return
-        if len(ports) == 1:
-            block["port"] = int(next(iter(ports)))  # type: ignore[arg-type]
+        distinct = set(ports.values())
+        if len(distinct) == 1:
+            block["port"] = distinct.pop()
         inter = first.get("agent-inter", (None, None))[0]
-        if inter is not None and _time_ms(inter):
-            block["interval"] = _duration(_time_ms(inter))  # type: ignore[arg-type]
+        inter_ms = _time_ms(inter) if inter is not None else None
+        if inter_ms:
+            block["interval"] = _duration(inter_ms)
         send = first.get("agent-send", (None, None))[0]
         if send:
             block["send"] = send.replace("\\", "\\\\")
         vs["agent_check"] = block
         for server in agents:
             own: dict[str, Any] = {}
-            if len(ports) > 1:
-                own["port"] = int(server.options["agent-port"][0])  # type: ignore[arg-type]
+            if "port" not in block:
+                own["port"] = ports[server.name]
             if "agent-addr" in server.options:
                 own["address"] = server.options["agent-addr"][0]
             if own:
@@ -1561,6 +1563,10 @@ def _copy(value: Any) -> Any:
 
 def _second(statement: Statement) -> str:
     return statement.words[1] if len(statement.words) > 1 else ""
+
+
+def _port(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() and 0 < int(text) < 65536 else None
 
 
 def _count(text: str | None) -> int | None:

@@ -832,6 +832,7 @@ class _Translator:
                         self.skip(st, f"bind {_address(host, number)} (also bound by {owner})")
                     else:
                         found.append(_address(host, number))
+                        self.bound.append((ip, number, proxy))
             if found:
                 addresses.extend(a for a in found if a not in addresses)
                 self.use(st)
@@ -851,15 +852,12 @@ class _Translator:
                     what = "bind ... ssl (TLS termination: lbproxy passes TLS through)"
                 self.skip(st, what)
                 i += 2 if takes_value else 1
-        for address in addresses:
-            host, _, digits = address.rpartition(":")
-            self.bound.append((ipaddress.ip_address(host.strip("[]")), int(digits), proxy))
         return addresses
 
     def bound_by(self, ip: IPAddress, port: int, proxy: _Proxy) -> str | None:
         """The proxy that already listens where binding `ip:port` would fail."""
         for other_ip, other_port, other in self.bound:
-            if other is proxy or other_port != port or other_ip.version != ip.version:
+            if other_port != port or other_ip.version != ip.version:
                 continue
             if other_ip == ip or other_ip.is_unspecified or ip.is_unspecified:
                 section = other.section

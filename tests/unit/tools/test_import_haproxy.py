@@ -748,3 +748,47 @@ EXAMPLES = {
         "stick-table type ip size 1k expire 1m", "stick on src"
     ),
 }
+
+
+def test_older_and_rarer_forms(tmp_path):
+    servers, left, _ = imported(
+        """
+        defaults checks
+            mode tcp
+            option tcp-check
+            tcp-check send PING\\r\\n
+            tcp-check expect string PONG
+        listen old 127.0.0.1:7001
+            server s1 127.0.0.1:9001 check
+        listen own from checks
+            bind 127.0.0.1:7002
+            tcp-check send HELLO\\r\\n
+            tcp-check expect string HI
+            server s1 127.0.0.1:9001 check
+        frontend f1
+            bind 127.0.0.1:7003
+            default_backend shared
+        frontend f2
+            bind 127.0.0.1:7004
+            default_backend shared
+        backend shared
+            server s1 127.0.0.1
+        listen unknown from nowhere
+            bind localhost:7005
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    by_name = {vs["name"]: vs for vs in servers}
+    # `listen NAME ADDR:PORT`, and the defaults' tcp-check sequence inherited
+    assert by_name["old"]["listen"] == "127.0.0.1:7001"
+    assert by_name["old"]["health_check"]["send"] == "PING\r\n"
+    # a proxy's own sequence replaces the inherited one
+    assert by_name["own"]["health_check"]["send"] == "HELLO\r\n"
+    # one backend behind two frontends: two virtual servers; a server without a port
+    # takes the frontend's
+    assert by_name["shared"]["real_servers"][0]["address"] == "127.0.0.1:7003"
+    assert by_name["shared-f2"]["real_servers"][0]["address"] == "127.0.0.1:7004"
+    assert "22: from nowhere: no such defaults" in left
+    assert "23: bind localhost:7005 (lbproxy listens on an IP address)" in left
+    assert "22: listen unknown: no address lbproxy can listen on" in left

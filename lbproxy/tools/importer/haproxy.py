@@ -143,7 +143,11 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "the longer of the two (lbproxy's idle is both sides silent)",
     ),
     _row("timeout tunnel", "virtual_servers[].idle_timeout", "wins over client/server"),
-    _row("timeout check", "virtual_servers[].health_check.timeout"),
+    _row(
+        "timeout check",
+        "virtual_servers[].health_check.timeout",
+        "without it, the shorter of `inter` and `timeout connect`, as HAProxy waits",
+    ),
     _row("timeout queue", "virtual_servers[].queue.timeout"),
     _row("maxconn (frontend, listen, defaults)", "virtual_servers[].max_connections"),
     _row("maxconn (global)", "global.max_clients"),
@@ -1288,6 +1292,12 @@ class _Translator:
         if "check" in backend.timeouts:
             check["timeout"] = _duration(backend.timeouts["check"][0])
             self.use(backend.timeouts["check"][1])
+        else:
+            # HAProxy's check waits `inter` in all, its connect at most `timeout connect`
+            inter = _time_ms(first.options.get("inter", ("2s", None))[0] or "2s") or 2000
+            connect = backend.timeouts.get("connect", (inter, None))[0]
+            if min(inter, connect) != 1000:
+                check["timeout"] = _duration(min(inter, connect))
         for server in checked:
             self.use(server.options["check"][1])
         for server in chosen:

@@ -40,6 +40,11 @@ def imported(text: str, tmp_path: Path) -> tuple[list[dict], list[str], dict]:
     return translation.virtual_servers, left + lines, document
 
 
+def check_of(vs: dict) -> dict:
+    """The health check without its timeout (HAProxy's `inter`, tested on its own)."""
+    return {key: value for key, value in vs["health_check"].items() if key != "timeout"}
+
+
 def only(text: str, tmp_path: Path) -> dict:
     servers, _, _ = imported(text, tmp_path)
     assert len(servers) == 1, servers
@@ -241,7 +246,13 @@ def test_server_options(tmp_path):
     }
     assert s2["backup"] is True
     assert s3["state"] == "disabled"
-    assert vs["health_check"] == {"type": "tcp", "interval": "3s", "rise": 4, "fall": 5}
+    assert vs["health_check"] == {
+        "type": "tcp",
+        "interval": "3s",
+        "rise": 4,
+        "fall": 5,
+        "timeout": "3s",  # HAProxy waits `inter` for a check without `timeout check`
+    }
     assert vs["send_proxy"] == "v2"
     assert vs["slow_start"] == "20s"
     assert vs["queue"] == {}  # a full server queues its clients in HAProxy
@@ -312,7 +323,7 @@ def test_check_options(tmp_path, option, check):
         """,
         tmp_path,
     )
-    assert vs["health_check"] == check
+    assert check_of(vs) == check
 
 
 def test_a_redis_role_sequence_is_the_redis_check_with_its_role(tmp_path):
@@ -349,7 +360,7 @@ def test_an_smtp_sequence_and_a_pgsql_startup_message(tmp_path):
         """,
         tmp_path,
     )
-    assert vs["health_check"] == {"type": "smtp", "helo": "lb.example.com"}
+    assert check_of(vs) == {"type": "smtp", "helo": "lb.example.com"}
     startup = "00000025" + "00030000" + b"user\0haproxy\0database\0postgres\0\0".hex()
     vs = only(
         f"""
@@ -363,7 +374,7 @@ def test_an_smtp_sequence_and_a_pgsql_startup_message(tmp_path):
         """,
         tmp_path,
     )
-    assert vs["health_check"] == {"type": "pgsql", "user": "haproxy", "port": 5432}
+    assert check_of(vs) == {"type": "pgsql", "user": "haproxy", "port": 5432}
 
 
 def test_another_sequence_keeps_its_first_send_and_expect_and_names_the_rest(tmp_path):
@@ -380,7 +391,7 @@ def test_another_sequence_keeps_its_first_send_and_expect_and_names_the_rest(tmp
         """,
         tmp_path,
     )
-    assert servers[0]["health_check"] == {
+    assert check_of(servers[0]) == {
         "type": "send_expect",
         "send": "HELLO\n",
         "expect": "READY",

@@ -502,6 +502,7 @@ class _Proxy:
             default_server=dict(self.default_server),
             maxconn=self.maxconn,
             retries=self.retries,
+            default_backend=self.default_backend,
         )
 
 
@@ -1066,7 +1067,7 @@ class _Translator:
     ) -> None:
         section = backend.section
         assert section is not None
-        self.use(section.header)
+        self.use(section.header, backend.mode[1] if backend.mode else None)
         scheduler = "wrr"
         if backend.balance is not None:
             words = backend.balance.words

@@ -803,3 +803,24 @@ def test_older_and_rarer_forms(tmp_path):
     assert "22: from nowhere: no such defaults" in left
     assert "23: bind localhost:7005 (lbproxy listens on an IP address)" in left
     assert "22: listen unknown: no address lbproxy can listen on" in left
+
+
+def test_a_default_backend_in_defaults_serves_every_frontend_below(tmp_path):
+    servers, _, _ = imported(
+        """
+        defaults
+            mode tcp
+            default_backend pool
+        frontend a
+            bind 127.0.0.1:7001
+        frontend b
+            bind 127.0.0.1:7002
+        backend pool
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert [(vs["name"], vs["listen"]) for vs in servers] == [
+        ("pool", "127.0.0.1:7001"),
+        ("pool-b", "127.0.0.1:7002"),
+    ]

@@ -31,7 +31,10 @@ class Haproxy:
     def start(self) -> Haproxy:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [self.program, "-db", "-f", str(self.path)], stdout=log, stderr=subprocess.STDOUT
+                [self.program, "-db", "-f", str(self.path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.path.parent,  # where the relative names of `-f` lists are
             )
 
         def ready() -> bool:

@@ -68,6 +68,10 @@ class Pair:
 
             return re.sub(r"127\.0\.0\.1:(\d+)", to, text)
 
+        for folder in (tmp_path, tmp_path / "haproxy"):  # the `-f` lists, beside each
+            folder.mkdir(exist_ok=True)
+            for listed in DATA.glob("*.lst"):
+                (folder / listed.name).write_text(listed.read_text())
         self.haproxy = Haproxy(
             tmp_path / "haproxy", moved(0), [p for p, _ in self.listen_ports.values()]
         ).start()
@@ -249,10 +253,14 @@ def test_balance_source_keeps_each_client_on_one_server(pair, name_servers):
         seen = {client: {name_from(port, client) for _ in range(3)} for client in clients}
         assert all(len(names) == 1 for names in seen.values()), (port, seen)
         assert set().union(*seen.values()) == {"i1", "i2"}, (port, seen)
-    for port in both.ports(8110):  # pop: roundrobin with a stick table on src
+    for port in both.ports(8443):  # https: roundrobin, stick on src
         seen = {client: {name_from(port, client) for _ in range(3)} for client in clients[:4]}
         assert all(len(names) == 1 for names in seen.values()), (port, seen)
         assert set().union(*seen.values()) == {"s1", "s2"}, (port, seen)
+    # pop only stores (for smtp's lookups): its clients are not kept, in either
+    haproxy_pop, lbproxy_pop = both.ports(8110)
+    assert [name_from(haproxy_pop, "127.0.0.5") for _ in range(4)] == ["s1", "s2", "s1", "s2"]
+    assert [name_from(lbproxy_pop, "127.0.0.5") for _ in range(4)] == ["s1", "s2", "s1", "s2"]
 
 
 def test_src_acls_decide_alike(pair, name_servers):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from lbproxy.tools.importer.haproxy_grammar import (
 from lbproxy.tools.importer.translation import Mapping, Translation, Untranslated
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+ReadFile = Callable[[str], "str | None"]
 
 
 def _row(directive: str, lbproxy: str, note: str = "") -> Mapping:
@@ -172,7 +174,7 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "tcp-request connection reject if { src ... }",
         "virtual_servers[].deny",
-        "src ACLs, named or inline",
+        "src ACLs, named or inline, and `-f` lists (read from the configuration's folder)",
     ),
     _row(
         "tcp-request connection accept if { src ... } + reject",
@@ -235,14 +237,28 @@ _MAX_BIND_RANGE = 64
 
 
 def translate(path: Path) -> Translation:
-    """Read `path` (one haproxy.cfg) and translate it; never raises on its content."""
+    """Read `path` (one haproxy.cfg) and translate it; never raises on its content. The
+    address lists its ACLs name (`src -f FILE`) are read too, a relative name from the
+    configuration's folder."""
     text = path.read_text(encoding="utf-8", errors="replace")
-    return translate_text(text, str(path))
+
+    def read(name: str) -> str | None:
+        try:
+            return (path.parent / name).read_text(encoding="utf-8", errors="replace")
+        except (OSError, ValueError):
+            return None
+
+    return translate_text(text, str(path), read)
 
 
-def translate_text(text: str, file: str) -> Translation:
-    """The translation of `text`, the content of `file` (pure)."""
-    return _Translator(parse(text, file), file).run()
+def translate_text(text: str, file: str, read: ReadFile | None = None) -> Translation:
+    """The translation of `text`, the content of `file`; `read(NAME)` gives the content
+    of a file an ACL names, None when there is none (pure: no file is read here)."""
+    return _Translator(parse(text, file), file, read or _no_files).run()
+
+
+def _no_files(name: str) -> str | None:
+    return None
 
 
 # --- values -----------------------------------------------------------------------
@@ -318,14 +334,15 @@ class _Pattern:
     fetch: str
     method: str  # "" (the fetch's own), str, end, beg, reg, ...
     values: tuple[str, ...]
-    from_file: bool = False
+    files: tuple[str, ...] = ()  # `-f FILE`: more values, one a line
+    from_map: bool = False  # `-M`
 
 
 def _pattern(words: list[str]) -> _Pattern | None:
     if not words:
         return None
     fetch, rest = words[0], words[1:]
-    method, values, from_file = "", [], False
+    method, values, files, from_map = "", [], [], False
     i = 0
     while i < len(rest):
         word = rest[i]
@@ -339,13 +356,15 @@ def _pattern(words: list[str]) -> _Pattern | None:
                 return None
             if word == "-m":
                 method = rest[i + 1]
+            elif word == "-f":
+                files.append(rest[i + 1])
             else:
-                from_file = True
+                from_map = True
             i += 2
         else:
             values.append(word)
             i += 1
-    return _Pattern(fetch, method, tuple(values), from_file)
+    return _Pattern(fetch, method, tuple(values), tuple(files), from_map)
 
 
 @dataclass(frozen=True)
@@ -403,21 +422,32 @@ def _condition(words: list[str], acls: dict[str, list[_Pattern]]) -> list[list[_
     return groups
 
 
-def _src_networks(term: _Term) -> list[str] | str:
-    """The networks of a `src` term, or why it is not one."""
+def _src_networks(term: _Term, read: ReadFile) -> list[str] | str:
+    """The networks of a `src` term (its values and the lines of its `-f` files), or
+    why it is not one."""
     networks: list[str] = []
     for pattern in term.patterns:
         if pattern.fetch != "src":
             return f"a condition on {pattern.fetch}"
-        if pattern.from_file:
-            return "an ACL read from a file (-f): list its networks"
+        if pattern.from_map:
+            return "src matched against a map (-M)"
         if pattern.method not in ("", "ip"):
             return f"src matched with -m {pattern.method}"
-        for value in pattern.values:
+        values = [(value, "") for value in pattern.values]
+        for name in pattern.files:
+            content = read(name)
+            if content is None:
+                return f"the list {name} cannot be read"
+            for number, line in enumerate(content.splitlines(), start=1):
+                value = line.strip()  # as HAProxy reads a list: a whole line, or a comment
+                if value and not value.startswith("#"):
+                    values.append((value, f"{name}:{number}: "))
+        for value, where in values:
             network = _network(value)
             if network is None:
-                return f"{value!r} is not an address or a network"
-            networks.append(network)
+                return f"{where}{value!r} is not an address or a network"
+            if network not in networks:
+                networks.append(network)
     return networks
 
 
@@ -429,7 +459,7 @@ def _sni_names(groups: list[list[_Term]]) -> list[str] | str:
         for pattern in group[0].patterns:
             if pattern.fetch not in _SNI_FETCHES:
                 return f"use_backend on {pattern.fetch} (lbproxy routes on req.ssl_sni)"
-            if pattern.from_file:
+            if pattern.files or pattern.from_map:
                 return "server names read from a file (-f): list them"
             if pattern.method not in ("", "str"):
                 return (
@@ -514,9 +544,10 @@ class _Route:
 
 
 class _Translator:
-    def __init__(self, parsed: Parsed, file: str):
+    def __init__(self, parsed: Parsed, file: str, read: ReadFile):
         self.parsed = parsed
         self.file = file
+        self.read = read
         self.translation = Translation(source="haproxy", path=file)
         self.used: set[tuple[str, int]] = set()
         self.left: dict[tuple[str, int, str], None] = {}
@@ -928,7 +959,7 @@ class _Translator:
             networks: list[str] = []
             why = ""
             for term in terms:
-                found = _src_networks(term)
+                found = _src_networks(term, self.read)
                 if isinstance(found, str):
                     why = found
                     break
@@ -978,7 +1009,7 @@ class _Translator:
             return False
         networks: list[str] = []
         for group in groups:
-            found = _src_networks(group[0])
+            found = _src_networks(group[0], self.read)
             if isinstance(found, str):
                 return False
             networks.extend(found)
@@ -1368,14 +1399,17 @@ class _Translator:
         """A `tcp-check` sequence as one of lbproxy's check types."""
         if not rules:
             return
-        sends = [(st, " ".join(st.words[2:])) for st in rules if _second(st) == "send"]
-        binaries = [(st, "".join(st.words[2:])) for st in rules if _second(st) == "send-binary"]
+        sends = [(st, sent[1]) for st in rules if (sent := _tcp_send(st)) and sent[0] == "send"]
+        binaries = [
+            (st, sent[1]) for st in rules if (sent := _tcp_send(st)) and sent[0] == "send-binary"
+        ]
         expects = [st for st in rules if _second(st) == "expect"]
         connects = [st for st in rules if _second(st) == "connect"]
         comments = [st for st in rules if _second(st) == "comment"]
         self.use(*comments)
         text = " ".join(value for _, value in sends).lower()
-        expected = " ".join(" ".join(st.words[2:]) for st in expects)
+        patterns = [(parsed[2] if (parsed := _tcp_expect(st)) else "") for st in expects]
+        expected = " ".join(patterns)
         role = re.search(r"role:(master|slave|replica)", expected)
         matched: list[Statement] = []
         if "ping" in text and "info replication" in text and role is not None:
@@ -1390,7 +1424,7 @@ class _Translator:
             check["type"] = "pgsql"
             check["user"] = _pgsql_user(binaries[0][1])
             matched = [*rules]
-        elif any("220" in " ".join(st.words[2:]) for st in expects[:1]) and any(
+        elif any("220" in pattern for pattern in patterns[:1]) and any(
             value.upper().startswith(("EHLO", "HELO")) for _, value in sends
         ):
             check["type"] = "smtp"
@@ -1420,37 +1454,23 @@ class _Translator:
 
     def send_expect(self, rules: list[Statement], check: dict[str, Any]) -> list[Statement]:
         matched: list[Statement] = []
-        send = next((st for st in rules if _second(st) in ("send", "send-binary")), None)
+        send = next((st for st in rules if _tcp_send(st) is not None), None)
         expect = next((st for st in rules if _second(st) == "expect"), None)
         if send is None and expect is None:
             return [st for st in rules if _second(st) == "connect"]
         if send is not None:
-            value = " ".join(send.words[2:])
-            if send.words[1] == "send":
-                check["send"] = value.replace("\\", "\\\\")
+            kind, data = _tcp_send(send) or ("", "")
+            if kind == "send":
+                check["send"] = data.replace("\\", "\\\\")
             else:
-                check["send_hex"] = value
+                check["send_hex"] = data
             matched.append(send)
-        if expect is not None:
-            words = list(expect.words[2:])
-            while words and words[0] in (
-                "min-recv",
-                "error-status",
-                "ok-status",
-                "tout-status",
-                "on-success",
-                "on-error",
-                "status-code",
-            ):
-                words = words[2:]
-            if len(words) >= 2 and words[0] in ("string", "rstring", "binary") and words[0] != "!":
-                pattern = " ".join(words[1:])
-                if words[0] == "string":
-                    check["expect"] = re.escape(pattern)
-                elif words[0] == "rstring":
-                    check["expect"] = pattern
-                else:
-                    check["expect_hex"] = pattern
+        parsed = _tcp_expect(expect) if expect is not None else None
+        if expect is not None and parsed is not None:
+            negated, kind, pattern = parsed
+            if not negated and kind in ("string", "rstring", "binary"):
+                key = {"string": "expect", "rstring": "expect", "binary": "expect_hex"}[kind]
+                check[key] = re.escape(pattern) if kind == "string" else pattern
                 matched.append(expect)
         if "expect" not in check and "expect_hex" not in check:
             check["expect"] = "."  # send_expect needs something to find: any answer
@@ -1515,13 +1535,20 @@ class _Translator:
         for st in rules:
             if st not in on_src:
                 self.skip(st, f"{st.text} (lbproxy persists on the client address only)")
-        if table is None:
+        kinds = {st.words[1] for st in on_src}
+        # persistence is a lookup and a store: `stick on`, or `stick match` with
+        # `stick store-request` (a store alone serves another backend's `table` lookups)
+        sticks = "on" in kinds or {"match", "store-request"} <= kinds
+        if table is None or not sticks:
+            why = "no stick-table in this backend" if table is None else "no lookup and store"
             for st in on_src:
-                self.skip(st, f"{st.text} (no stick-table in this backend)")
+                self.skip(st, f"{st.text} ({why})")
+            if table is not None:
+                self.skip(table, f"{table.text} ({why})")
             return
         words = list(table.words[1:])
         options = dict(zip(words[::2], words[1::2], strict=False))
-        if options.get("type") not in ("ip", "ipv6") or not on_src:
+        if options.get("type") not in ("ip", "ipv6"):
             self.skip(table, f"{table.text} (lbproxy: a table of client addresses, stick on src)")
             return
         persistence: dict[str, Any] = {}
@@ -1568,6 +1595,37 @@ def _copy(value: Any) -> Any:
     """A list of its own for each virtual server (YAML would write one shared list as
     an anchor and aliases)."""
     return list(value) if isinstance(value, list) else value
+
+
+_EXPECT_OPTIONS = _words(
+    "min-recv comment ok-status error-status tout-status on-success on-error status-code"
+)
+
+
+def _tcp_send(statement: Statement) -> tuple[str, str] | None:
+    """`tcp-check send DATA [comment MSG]` (or send-binary): the kind and the data."""
+    if _second(statement) in ("send", "send-binary") and len(statement.words) >= 3:
+        return statement.words[1], statement.words[2]
+    return None
+
+
+def _tcp_expect(statement: Statement) -> tuple[bool, str, str] | None:
+    """`tcp-check expect [options] [!] MATCH PATTERN [options]`: negated, match, pattern."""
+    words = statement.words[2:]
+    negated = False
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word in _EXPECT_OPTIONS:
+            i += 2
+        elif word == "!":
+            negated = True
+            i += 1
+        elif i + 1 < len(words):
+            return negated, word, words[i + 1]
+        else:
+            return None
+    return None
 
 
 def _second(statement: Statement) -> str:

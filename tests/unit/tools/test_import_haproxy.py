@@ -4,6 +4,7 @@ directive §25 lists, the FILE:LINE lines of what is left behind, and the comman
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -824,3 +825,63 @@ def test_a_default_backend_in_defaults_serves_every_frontend_below(tmp_path):
         ("pool", "127.0.0.1:7001"),
         ("pool-b", "127.0.0.1:7002"),
     ]
+
+
+def test_a_store_without_a_lookup_is_no_persistence(tmp_path):
+    servers, left, _ = imported((DATA / "manual-stick-src.cfg").read_text(), tmp_path)
+    assert "persistence" not in {vs["name"]: vs for vs in servers}["pop"]
+    assert {vs["name"]: vs for vs in servers}["https"]["persistence"] == {
+        "timeout": "30m",
+        "max_entries": 204800,
+    }
+    assert any("stick match src table pop" in line for line in left)
+
+
+def test_src_lists_are_read_from_the_configurations_folder(tmp_path):
+    (tmp_path / "allowed.lst").write_text("# ours\n127.0.0.1\n  10.0.0.0/8  \n")
+    vs = only(
+        """
+        frontend f
+            bind 127.0.0.1:7001
+            tcp-request connection accept if { src -f allowed.lst }
+            tcp-request connection reject
+            default_backend b
+        backend b
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert vs["allow"] == ["127.0.0.1", "10.0.0.0/8"]
+    (tmp_path / "allowed.lst").write_text("127.0.0.1\n10.0.0.0/8 # a comment\n")
+    _, left, _ = imported(
+        "frontend f\n  bind 127.0.0.1:7001\n"
+        "  tcp-request connection reject if { src -f allowed.lst }\n"
+        "  tcp-request connection reject if { src -f missing.lst }\n"
+        "  default_backend b\nbackend b\n  server s1 127.0.0.1:9001\n",
+        tmp_path,
+    )
+    assert (
+        "3: tcp-request connection reject if { src -f allowed.lst } (allowed.lst:2: "
+        "'10.0.0.0/8 # a comment' is not an address or a network)"
+    ) in left
+    assert (
+        "4: tcp-request connection reject if { src -f missing.lst } "
+        "(the list missing.lst cannot be read)"
+    ) in left
+
+
+def test_the_manuals_banner_check_with_a_comment(tmp_path):
+    vs = only(
+        r"""
+        listen imap
+            bind 127.0.0.1:7001
+            option tcp-check
+            tcp-check expect string *\ OK\ IMAP4\ ready comment IMAP\ protocol
+            server i1 127.0.0.1:9001 check
+        """,
+        tmp_path,
+    )
+    check = vs["health_check"]
+    assert check["type"] == "send_expect"
+    assert re.search(check["expect"], "* OK IMAP4 ready")
+    assert not re.search(check["expect"], "+ OK IMAP4 ready")

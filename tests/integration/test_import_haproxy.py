@@ -70,8 +70,9 @@ class Pair:
 
         for folder in (tmp_path, tmp_path / "haproxy"):  # the `-f` lists, beside each
             folder.mkdir(exist_ok=True)
-            for listed in DATA.glob("*.lst"):
-                (folder / listed.name).write_text(listed.read_text())
+            for listed in DATA.iterdir():
+                if listed.suffix not in (".cfg", ".md"):
+                    (folder / listed.name).write_text(listed.read_text())
         self.haproxy = Haproxy(
             tmp_path / "haproxy", moved(0), [p for p, _ in self.listen_ports.values()]
         ).start()
@@ -243,6 +244,22 @@ def test_sni_routes_real_client_hellos_alike(pair, name_servers):
         for server_name, expected in groups.items():
             met = {name_from(port, hello=real_hello(server_name)) for _ in range(2)}
             assert met <= expected and met, (port, server_name, met)
+
+
+def test_the_manuals_sni_list_routes_alike(pair, name_servers):
+    servers = servers_named(name_servers, "allowed1", "allowed2", "sorry")
+    both = pair("manual-sni.cfg", servers)
+    for port in both.ports(8444):
+        for server_name in ("www.example.com", "shop.example.com"):
+            met = {name_from(port, hello=real_hello(server_name)) for _ in range(2)}
+            assert met == {"allowed1", "allowed2"}, (port, server_name, met)
+        for server_name in ("example.com", "mail.example.com", None):
+            assert name_from(port, hello=real_hello(server_name)) == "sorry", (port, server_name)
+    # the one difference, in the guide: without -i HAProxy matches the case as written,
+    # lbproxy any case (DNS names are case-insensitive; clients send them in lower case)
+    haproxy_port, lbproxy_port = both.ports(8444)
+    assert name_from(haproxy_port, hello=real_hello("SHOP.example.com")) == "sorry"
+    assert name_from(lbproxy_port, hello=real_hello("SHOP.example.com")).startswith("allowed")
 
 
 def test_balance_source_keeps_each_client_on_one_server(pair, name_servers):

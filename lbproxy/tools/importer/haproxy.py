@@ -164,7 +164,8 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "use_backend B if { req.ssl_sni -i NAME }",
         "virtual_servers[].sni",
-        "exact names (`-m str`, the default); named ACLs and `||` too",
+        "exact names (`-m str`, the default); named ACLs, `||` and `-f` lists too; "
+        "lbproxy matches any case, as `-i` (without it HAProxy matches the case written)",
     ),
     _row(
         "tcp-request inspect-delay, tcp-request content accept if { req.ssl_hello_type 1 }",
@@ -435,13 +436,10 @@ def _src_networks(term: _Term, read: ReadFile) -> list[str] | str:
             return f"src matched with -m {pattern.method}"
         values = [(value, "") for value in pattern.values]
         for name in pattern.files:
-            content = read(name)
-            if content is None:
-                return f"the list {name} cannot be read"
-            for number, line in enumerate(content.splitlines(), start=1):
-                value = line.strip()  # as HAProxy reads a list: a whole line, or a comment
-                if value and not value.startswith("#"):
-                    values.append((value, f"{name}:{number}: "))
+            listed = _listed(name, read)
+            if isinstance(listed, str):
+                return listed
+            values.extend(listed)
         for value, where in values:
             network = _network(value)
             if network is None:
@@ -451,7 +449,21 @@ def _src_networks(term: _Term, read: ReadFile) -> list[str] | str:
     return networks
 
 
-def _sni_names(groups: list[list[_Term]]) -> list[str] | str:
+def _listed(name: str, read: ReadFile) -> list[tuple[str, str]] | str:
+    """The values of an ACL's `-f` list, as HAProxy reads one (a value a line, `#`
+    lines are comments), each with where it is; or why there are none."""
+    content = read(name)
+    if content is None:
+        return f"the list {name} cannot be read"
+    values = []
+    for number, line in enumerate(content.splitlines(), start=1):
+        value = line.strip()
+        if value and not value.startswith("#"):
+            values.append((value, f"{name}:{number}: "))
+    return values
+
+
+def _sni_names(groups: list[list[_Term]], read: ReadFile) -> list[str] | str:
     names: list[str] = []
     for group in groups:
         if len(group) != 1 or group[0].negated:
@@ -459,14 +471,20 @@ def _sni_names(groups: list[list[_Term]]) -> list[str] | str:
         for pattern in group[0].patterns:
             if pattern.fetch not in _SNI_FETCHES:
                 return f"use_backend on {pattern.fetch} (lbproxy routes on req.ssl_sni)"
-            if pattern.files or pattern.from_map:
-                return "server names read from a file (-f): list them"
+            if pattern.from_map:
+                return "server names matched against a map (-M)"
             if pattern.method not in ("", "str"):
                 return (
                     f"req.ssl_sni -m {pattern.method} (lbproxy matches exact names and "
                     "`*.example.com`, one label)"
                 )
-            names.extend(value.lower() for value in pattern.values)
+            values = list(pattern.values)
+            for name in pattern.files:
+                listed = _listed(name, read)
+                if isinstance(listed, str):
+                    return listed
+                values.extend(value for value, _ in listed)
+            names.extend(value.lower() for value in values if value.lower() not in names)
     return names
 
 
@@ -1054,7 +1072,7 @@ class _Translator:
                 self.skip(st, f"{st.text} (unconditional: write it as default_backend)")
                 continue
             groups = _condition(words[2:], proxy.acls)
-            names = _sni_names(groups) if not isinstance(groups, str) else groups
+            names = _sni_names(groups, self.read) if not isinstance(groups, str) else groups
             if isinstance(names, str):
                 self.skip(st, f"{st.text} ({names})")
                 continue

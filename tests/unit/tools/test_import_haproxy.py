@@ -885,3 +885,13 @@ def test_the_manuals_banner_check_with_a_comment(tmp_path):
     assert check["type"] == "send_expect"
     assert re.search(check["expect"], "* OK IMAP4 ready")
     assert not re.search(check["expect"], "+ OK IMAP4 ready")
+
+
+def test_the_manuals_sni_list_becomes_the_routes_names(tmp_path):
+    (tmp_path / "allowed_sites").write_text((DATA / "allowed_sites").read_text())
+    servers, left, _ = imported((DATA / "manual-sni.cfg").read_text(), tmp_path)
+    assert [(vs["name"], vs.get("sni")) for vs in servers] == [
+        ("bk_allow", ["www.example.com", "shop.example.com"]),
+        ("bk_sorry_page", None),
+    ]
+    assert left == []

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lbproxy.config.reader import load
 from lbproxy.tools.importer.haproxy import translate_text
-from lbproxy.tools.importer.haproxy_grammar import split_words
+from lbproxy.tools.importer.haproxy_grammar import Statement, split_words
 from lbproxy.tools.importer.translation import to_yaml
 
 KEYWORDS = [
@@ -85,3 +85,17 @@ def test_any_line_splits_into_words_or_says_why_not(line):
     words, error = split_words(line)
     assert isinstance(words, list)
     assert error is None or isinstance(error, str)
+
+
+printable_words = st.lists(
+    st.text(st.characters(codec="ascii", exclude_categories=("Cc",)) | st.sampled_from("\r\n\t")),
+    min_size=1,
+    max_size=6,
+)
+
+
+@given(printable_words)
+def test_a_statement_written_back_reads_as_the_same_words(words):
+    """What the not-translated lines show of a directive is HAProxy syntax for it."""
+    shown = Statement("f", 1, tuple(words)).text
+    assert split_words(shown) == (words, None)

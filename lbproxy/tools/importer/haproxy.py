@@ -79,7 +79,12 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "with `queue` (HAProxy queues clients of a full server; timeout: `timeout queue`, "
         "else `timeout connect`)",
     ),
-    _row("server ... backup", "virtual_servers[].real_servers[].backup"),
+    _row(
+        "server ... backup",
+        "virtual_servers[].real_servers[].backup",
+        "several backups share the load, as with `option allbackups`",
+    ),
+    _row("option allbackups", "virtual_servers[].real_servers[].backup", "lbproxy's way"),
     _row("server ... disabled", "virtual_servers[].real_servers[].state", "`disabled`"),
     _row(
         "server ... check",
@@ -511,6 +516,7 @@ class _Proxy:
     check_option: Statement | None = None
     tcplog: Statement | None = None
     redispatch: Statement | None = None
+    allbackups: Statement | None = None
     tcp_checks: list[Statement] = field(default_factory=list)
     tcp_checks_inherited: bool = False  # the first own `tcp-check` replaces them
     http_checks: list[Statement] = field(default_factory=list)
@@ -543,6 +549,7 @@ class _Proxy:
             check_option=self.check_option,
             tcplog=self.tcplog,
             redispatch=self.redispatch,
+            allbackups=self.allbackups,
             tcp_checks=list(self.tcp_checks),
             tcp_checks_inherited=bool(self.tcp_checks),
             http_checks=list(self.http_checks),
@@ -709,12 +716,17 @@ class _Translator:
             elif words[2] == "redispatch":
                 proxy.redispatch = None
                 self.use(st)
+            elif words[2] == "allbackups":
+                proxy.allbackups = None
+                self.use(st)
             else:
                 self.skip(st, st.text)
         elif keyword == "option" and words[1:] == ["tcplog"]:
             proxy.tcplog = st
         elif keyword == "option" and words[1:] == ["redispatch"]:
             proxy.redispatch = st
+        elif keyword == "option" and words[1:] == ["allbackups"] and back:
+            proxy.allbackups = st
         elif keyword == "tcp-check" and back:
             if proxy.tcp_checks_inherited:
                 proxy.tcp_checks, proxy.tcp_checks_inherited = [], False
@@ -1165,6 +1177,7 @@ class _Translator:
         for name in ("client-fin", "server-fin", "http-request", "http-keep-alive", "tarpit"):
             if name in timeouts:
                 self.skip(timeouts[name][1], timeouts[name][1].text)
+        self.backups(backend, servers)
         self.health(backend, vs, servers)
         kept = {rs["name"] for rs in servers}
         self.agent(vs, [s for s in backend.servers if _name(s.name) in kept], servers)
@@ -1238,6 +1251,22 @@ class _Translator:
             else:
                 shown = f"{key} {value}" if value is not None else key
                 self.skip(st, f"server {server.name} ... {shown}")
+
+    def backups(self, backend: _Proxy, servers: list[dict[str, Any]]) -> None:
+        """HAProxy sends to its first backup only, unless `option allbackups`; lbproxy
+        schedules over every backup."""
+        backups = [rs["name"] for rs in servers if rs.get("backup")]
+        if backend.allbackups is not None:
+            if backups:
+                self.use(backend.allbackups)
+            return
+        for server in backend.servers:
+            if _name(server.name) in backups[1:]:
+                self.skip(
+                    server.options["backup"][1],
+                    f"server {server.name} backup (HAProxy uses only the first backup "
+                    "without option allbackups; lbproxy uses them all)",
+                )
 
     def server_wide(
         self, backend: _Proxy, vs: dict[str, Any], servers: list[dict[str, Any]]

@@ -705,6 +705,10 @@ EXAMPLES = {
     "server ... weight N": _listen(servers="    server s1 127.0.0.1:9001 weight 3"),
     "server ... maxconn N": _listen(servers="    server s1 127.0.0.1:9001 maxconn 3"),
     "server ... backup": _listen(servers="    server s1 127.0.0.1:9001 backup"),
+    "option allbackups": _listen(
+        "option allbackups",
+        servers="    server s1 127.0.0.1:9001\n    server s2 127.0.0.1:9002 backup",
+    ),
     "server ... disabled": _listen(servers="    server s1 127.0.0.1:9001 disabled"),
     "server ... check": _listen(),
     "server ... inter T": _listen(servers="    server s1 127.0.0.1:9001 check inter 1s"),
@@ -894,4 +898,22 @@ def test_the_manuals_sni_list_becomes_the_routes_names(tmp_path):
         ("bk_allow", ["www.example.com", "shop.example.com"]),
         ("bk_sorry_page", None),
     ]
+    assert left == []
+
+
+def test_several_backups_are_named_unless_allbackups(tmp_path):
+    text = """
+    listen a
+        bind 127.0.0.1:7001
+        {option}
+        server s1 127.0.0.1:9001
+        server b1 127.0.0.1:9002 backup
+        server b2 127.0.0.1:9003 backup
+    """
+    _, left, _ = imported(text.format(option=""), tmp_path)
+    assert [line for line in left if line[0].isdigit()] == [
+        "7: server b2 backup (HAProxy uses only the first backup without option allbackups; "
+        "lbproxy uses them all)"
+    ]
+    _, left, _ = imported(text.format(option="option allbackups"), tmp_path)
     assert left == []

@@ -67,6 +67,7 @@ def test_any_configuration_translates_or_names_what_it_left(config):
     translation = translate_text(text, "fuzz.cfg")
     for left in translation.untranslated:
         assert str(left).startswith("fuzz.cfg:")
+    assert bool(translation.translated) == bool(translation.virtual_servers)
     if translation.virtual_servers:
         document = to_yaml(translation)
         assert document == to_yaml(translate_text(text, "fuzz.cfg"))

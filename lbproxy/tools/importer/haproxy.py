@@ -638,7 +638,8 @@ class _Translator:
                 self.build_frontend(proxy)
         self.report_unused_backends()
         self.admin_elsewhere()
-        self.translation.translated = len(self.used)
+        # without a virtual server the rest (global settings) is no configuration
+        self.translation.translated = len(self.used) if self.translation.virtual_servers else 0
         self.translation.untranslated.extend(
             Untranslated(file, line, what) for file, line, what in sorted(self.left, key=_order)
         )
@@ -721,7 +722,7 @@ class _Translator:
                 self.use(st)
             else:
                 self.skip(st, st.text)
-        elif keyword == "option" and words[1:] == ["tcplog"]:
+        elif keyword == "option" and words[1:] == ["tcplog"] and front:
             proxy.tcplog = st
         elif keyword == "option" and words[1:] == ["redispatch"]:
             proxy.redispatch = st
@@ -829,6 +830,9 @@ class _Translator:
         front: dict[str, Any] = {"listen": listen if len(listen) > 1 else listen[0]}
         self.use(header, proxy.mode[1] if proxy.mode else None)
         self.front_settings(proxy, front)
+        if proxy.tcplog is not None:  # HAProxy logs a connection in its frontend
+            self.translation.settings.setdefault("global", {})["access_log"] = True
+            self.use(proxy.tcplog)
         routes = self.routes(proxy)
         if not routes:
             self.skip(header, f"{section.kind} {section.name}: no backend to send clients to")
@@ -861,7 +865,8 @@ class _Translator:
             if route.names:
                 vs["sni"] = route.names
             self.use(*route.statements)
-            self.back_settings(backend, vs, front, next(iter(ports)) if len(ports) == 1 else None)
+            port = next(iter(ports)) if len(ports) == 1 else None
+            self.back_settings(backend, vs, front, port, proxy.timeouts.get("client"))
             if vs["real_servers"]:
                 self.translation.virtual_servers.append(vs)
             else:
@@ -1124,8 +1129,15 @@ class _Translator:
     # backends
 
     def back_settings(
-        self, backend: _Proxy, vs: dict[str, Any], front: dict[str, Any], port: str | None
+        self,
+        backend: _Proxy,
+        vs: dict[str, Any],
+        front: dict[str, Any],
+        port: str | None,
+        client_timeout: tuple[float, Statement] | None,
     ) -> None:
+        """The backend's part of a virtual server (`front`: the frontend's keys, `port`
+        its one listen port if it has one, `client_timeout` its `timeout client`)."""
         section = backend.section
         assert section is not None
         self.use(section.header, backend.mode[1] if backend.mode else None)
@@ -1158,7 +1170,8 @@ class _Translator:
             self.use(timeouts["connect"][1])
         idle = timeouts.get("tunnel")
         if idle is None:
-            sides = [timeouts[k] for k in ("client", "server") if k in timeouts]
+            # `timeout client` is the frontend's, `timeout server` the backend's
+            sides = [t for t in (client_timeout, timeouts.get("server")) if t is not None]
             if sides:
                 idle = max(sides, key=lambda t: t[0])
                 self.use(*(t[1] for t in sides))
@@ -1171,9 +1184,6 @@ class _Translator:
         retries = backend.retries[0] if backend.retries else 3
         vs["retries"] = retries
         self.use(backend.retries[1] if backend.retries else None, backend.redispatch)
-        if backend.tcplog is not None:
-            self.translation.settings.setdefault("global", {})["access_log"] = True
-            self.use(backend.tcplog)
         for name in ("client-fin", "server-fin", "http-request", "http-keep-alive", "tarpit"):
             if name in timeouts:
                 self.skip(timeouts[name][1], timeouts[name][1].text)

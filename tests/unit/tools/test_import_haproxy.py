@@ -623,7 +623,7 @@ def test_the_command_prints_yaml_names_file_and_line_and_is_identical_twice(tmp_
 
 def test_nothing_translated_exits_2(tmp_path):
     source = tmp_path / "haproxy.cfg"
-    source.write_text("global\n    daemon\nlisten web\n    mode http\n    bind :80\n")
+    source.write_text("global\n    maxconn 10\nlisten web\n    mode http\n    bind :80\n")
     result = CliRunner().invoke(main, ["import", "--from", "haproxy", str(source)])
     assert result.exit_code == 2
     assert f"{source}: nothing could be translated" in result.stderr
@@ -917,3 +917,24 @@ def test_several_backups_are_named_unless_allbackups(tmp_path):
     ]
     _, left, _ = imported(text.format(option="option allbackups"), tmp_path)
     assert left == []
+
+
+def test_timeout_client_is_the_frontends_and_timeout_server_the_backends(tmp_path):
+    vs = only(
+        """
+        defaults
+            mode tcp
+            timeout client 10s
+            timeout server 10s
+        frontend f
+            bind 127.0.0.1:7001
+            timeout client 3m
+            default_backend b
+        backend b
+            timeout client 1h
+            timeout server 20s
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert vs["idle_timeout"] == "3m"

@@ -229,6 +229,19 @@ def test_leastconn_with_held_connections_gives_the_same_counts(pair, name_server
     assert counts["lbproxy"] == counts["haproxy"]
 
 
+def test_first_fills_each_server_to_its_maxconn_alike(pair, name_servers):
+    servers = servers_named(name_servers, "s1", "s2", "s3")
+    both = pair("configs-first.cfg", servers, ("maxconn 100", "maxconn 2"))
+    for port in both.ports(8085):
+        opened = []
+        for _ in range(5):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            opened.append((s, first_line(s)))
+        assert [name for _, name in opened] == ["s1", "s1", "s2", "s2", "s3"], port
+        for s, _ in opened:
+            s.close()
+
+
 def test_sni_routes_real_client_hellos_alike(pair, name_servers):
     servers = servers_named(name_servers, "api1", "api2", "api-sorry", "web1", "web2", "fallback")
     both = pair("configs-front-door.cfg", servers)

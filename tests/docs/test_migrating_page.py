@@ -30,7 +30,18 @@ def test_each_source_gets_its_own_table_of_whatever_rows_it_holds(monkeypatch):
     monkeypatch.setattr(nginx, "DIRECTIVES", (row,))
     page = guide.markdown()
     nginx_part = page.split("## nginx `stream`", 1)[1].split("\n## ", 1)[0]
-    assert "| `least_conn` | `virtual_servers[].scheduler` | `lc` |" in nginx_part
+    assert (
+        "| `least_conn` | [`virtual_servers[].scheduler`]"
+        "(../reference/configuration.md#virtual_servers) | `lc` |"
+    ) in nginx_part
     haproxy_part = page.split("## HAProxy", 1)[1].split("\n## ", 1)[0]
     assert "least_conn" not in haproxy_part
     assert "| `balance leastconn` |" in haproxy_part
+
+
+def test_every_key_links_to_a_heading_of_the_configuration_reference():
+    reference = (ROOT / "docs" / "reference" / "configuration.md").read_text()
+    for row in haproxy.DIRECTIVES + nginx.DIRECTIVES:
+        if row.lbproxy:
+            anchor = guide.reference_link(row.lbproxy).split("#", 1)[1]
+            assert f"{{#{anchor}}}" in reference, (row.directive, row.lbproxy, anchor)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from lbproxy.config.tables import walk
 from lbproxy.tools.importer import haproxy, nginx
 from lbproxy.tools.importer.translation import Mapping
 
@@ -77,10 +78,24 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|") if text else ""
 
 
+SECTION_PATHS = frozenset(path for path, _ in walk() if path)
+
+
+def reference_link(key: str) -> str:
+    """Where the configuration reference describes `key`: its section's heading (the
+    reference names a section `virtual_servers-health_check` for
+    `virtual_servers[].health_check`)."""
+    section = key if key in SECTION_PATHS else key.rpartition(".")[0]
+    anchor = section.replace("[]", "").replace(".", "-")
+    return f"../reference/configuration.md#{anchor}"
+
+
 def _table(rows: tuple[Mapping, ...]) -> list[str]:
     lines = ["| directive | lbproxy | note |", "|---|---|---|"]
     for row in rows:
-        key = f"`{row.lbproxy}`" if row.lbproxy else "not translated"
+        key = (
+            f"[`{row.lbproxy}`]({reference_link(row.lbproxy)})" if row.lbproxy else "not translated"
+        )
         lines.append(f"| `{_cell(row.directive)}` | {key} | {_cell(row.note)} |")
     return lines
 

@@ -48,7 +48,11 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "virtual_servers[].name",
         "one virtual server per backend the frontend routes to, named after the backend",
     ),
-    _row("defaults [NAME], from NAME", "", "inherited by each proxy, then translated there"),
+    _row(
+        "defaults [NAME], from NAME",
+        "virtual_servers[]",
+        "applied to each proxy below it (or naming it with `from`), then translated there",
+    ),
     _row("mode tcp", "virtual_servers[].protocol", "`tcp` (a `mode http` proxy is skipped)"),
     _row("bind ADDR:PORT[,...] (several binds)", "virtual_servers[].listen", "a list"),
     _row("bind ... accept-proxy", "virtual_servers[].accept_proxy"),

@@ -687,6 +687,8 @@ _FRONT = (
 )
 EXAMPLES = {
     "listen NAME": _listen(),
+    "defaults [NAME], from NAME": "defaults d\n    balance first\nlisten a from d\n"
+    "    bind 127.0.0.1:7001\n    server s1 127.0.0.1:9001\n",
     "frontend NAME + default_backend B": _FRONT.format(""),
     "mode tcp": "defaults\n    mode tcp\n" + _listen(),
     "bind ADDR:PORT[,...] (several binds)": _listen("bind 127.0.0.1:7002"),

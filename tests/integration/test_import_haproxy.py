@@ -45,6 +45,7 @@ class Pair:
         name: str,
         servers: dict[str, NameServer],
         lbproxy,
+        started: list[Haproxy],
         edit: tuple[str, str] = ("", ""),
     ):
         text = (DATA / name).read_text().replace(*edit) if edit[0] else (DATA / name).read_text()
@@ -75,7 +76,9 @@ class Pair:
                     (folder / listed.name).write_text(listed.read_text())
         self.haproxy = Haproxy(
             tmp_path / "haproxy", moved(0), [p for p, _ in self.listen_ports.values()]
-        ).start()
+        )
+        started.append(self.haproxy)  # stopped by the fixture, whatever fails below
+        self.haproxy.start()
         source = tmp_path / "lbproxy-side.cfg"
         source.write_text(moved(1))
         imported = subprocess.run(
@@ -107,21 +110,17 @@ class Pair:
                 return {rs["name"]: rs for rs in vs["real_servers"]}
         raise AssertionError(f"no virtual server {virtual_server}")
 
-    def stop(self) -> None:
-        self.haproxy.stop()
-
 
 @pytest.fixture
 def pair(tmp_path, lbproxy):
-    made: list[Pair] = []
+    started: list[Haproxy] = []
 
     def make(name: str, servers: dict[str, NameServer], edit=("", "")) -> Pair:
-        made.append(Pair(tmp_path, name, servers, lbproxy, edit))
-        return made[-1]
+        return Pair(tmp_path, name, servers, lbproxy, started, edit)
 
     yield make
-    for one in made:
-        one.stop()
+    for haproxy in started:
+        haproxy.stop()
 
 
 def servers_named(name_servers, *names: str) -> dict[str, NameServer]:

@@ -1,0 +1,942 @@
+"""`lbproxy import` of HAProxy configurations: the grammar, `defaults` inheritance, each
+directive §25 lists, the FILE:LINE lines of what is left behind, and the command itself
+(exit codes, identical output twice, output that `lbproxy check` and the schema accept)."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from lbproxy.cli import main
+from lbproxy.config.reader import load
+from lbproxy.config.schema import json_schema
+from lbproxy.tools.importer import haproxy
+from lbproxy.tools.importer.haproxy_grammar import parse, split_words
+from lbproxy.tools.importer.translation import to_yaml
+
+DATA = Path(__file__).resolve().parents[2] / "data" / "import" / "haproxy"
+
+
+def imported(text: str, tmp_path: Path) -> tuple[list[dict], list[str], dict]:
+    """The virtual servers, the untranslated lines (without the file) and the document,
+    after checking the YAML with `lbproxy check`'s reader and the schema."""
+    source = tmp_path / "haproxy.cfg"
+    source.write_text(textwrap.dedent(text))
+    translation = haproxy.translate(source)
+    document_text = to_yaml(translation)
+    document = yaml.safe_load(document_text)
+    if translation.virtual_servers:
+        jsonschema.validate(document, json_schema())
+        written = tmp_path / "lbproxy.yaml"
+        written.write_text(document_text)
+        load([written])  # raises ConfigError with every FILE:LINE problem
+    left = [str(u).split(": not translated: ", 1)[1] for u in translation.untranslated]
+    lines = [f"{u.line}: {u.what}" for u in translation.untranslated]
+    return translation.virtual_servers, left + lines, document
+
+
+def check_of(vs: dict) -> dict:
+    """The health check without its timeout (HAProxy's `inter`, tested on its own)."""
+    return {key: value for key, value in vs["health_check"].items() if key != "timeout"}
+
+
+def only(text: str, tmp_path: Path) -> dict:
+    servers, _, _ = imported(text, tmp_path)
+    assert len(servers) == 1, servers
+    return servers[0]
+
+
+# --- the grammar ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("  server s1 10.0.0.1:80   check  ", ["server", "s1", "10.0.0.1:80", "check"]),
+        ("bind :80 # a comment", ["bind", ":80"]),
+        ("tcp-check send PING\\r\\n", ["tcp-check", "send", "PING\r\n"]),
+        ("tcp-check send info\\ replication", ["tcp-check", "send", "info replication"]),
+        ("agent-send 'a \\n b'", ["agent-send", "a \\n b"]),  # nothing escaped in '...'
+        ('x "a # b" c', ["x", "a # b", "c"]),
+        ('x a"b c"d', ["x", "ab cd"]),
+        ('x "say \\"hi\\""', ["x", 'say "hi"']),
+        ("x \\x41\\#", ["x", "A#"]),
+        ('x "" y', ["x", "", "y"]),
+        ("# only a comment", []),
+    ],
+)
+def test_words_follow_haproxys_quoting_and_escapes(line, words):
+    assert split_words(line) == (words, None)
+
+
+@pytest.mark.parametrize("line", ["x 'open", 'x "open', "x \\x4", "x \\"])
+def test_a_malformed_line_is_a_problem_not_an_exception(line):
+    assert split_words(line)[1]
+
+
+def test_sections_keep_their_statements_with_file_and_line():
+    parsed = parse("global\n  daemon\n\ndefaults web from base\n  mode tcp\nlisten a\n", "f.cfg")
+    kinds = [(s.kind, s.name, s.source, s.header.line) for s in parsed.sections]
+    assert kinds == [
+        ("global", "", None, 1),
+        ("defaults", "web", "base", 4),
+        ("listen", "a", None, 6),
+    ]
+    assert parsed.sections[1].statements[0].file == "f.cfg"
+    assert parsed.sections[1].statements[0].line == 5
+
+
+# --- inheritance ------------------------------------------------------------------
+
+
+def test_a_proxy_takes_the_last_defaults_above_it_and_overrides_them(tmp_path):
+    servers, _, _ = imported(
+        """
+        defaults
+            mode tcp
+            balance leastconn
+            timeout connect 2s
+        defaults second
+            mode tcp
+            timeout connect 4s
+            timeout client 30s
+        listen a
+            bind 127.0.0.1:7001
+            timeout client 40s
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    a = servers[0]
+    assert a["scheduler"] == "wrr"  # the second defaults reset balance to roundrobin
+    assert a["connect_timeout"] == "4s"
+    assert a["idle_timeout"] == "40s"
+
+
+def test_from_names_the_defaults_a_proxy_inherits(tmp_path):
+    servers, _, _ = imported(
+        """
+        defaults tcp_first
+            mode tcp
+            balance first
+        defaults http_stuff
+            mode http
+        listen a from tcp_first
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001 maxconn 5
+        listen b
+            bind 127.0.0.1:7002
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert [vs["name"] for vs in servers] == ["a"]
+    assert servers[0]["scheduler"] == "first"
+
+
+def test_a_mode_http_proxy_is_one_line_at_its_start(tmp_path):
+    _, left, _ = imported(
+        """
+        listen web
+            mode http
+            bind :80
+            option httplog
+            server s1 10.0.0.1:80
+        listen db
+            bind :5432
+            server s1 10.0.0.2:5432
+        """,
+        tmp_path,
+    )
+    assert left[: len(left) // 2] == ["listen web: mode http (lbproxy is Layer 4)"]
+    assert left[len(left) // 2 :] == ["2: listen web: mode http (lbproxy is Layer 4)"]
+
+
+# --- directives -----------------------------------------------------------------------
+
+
+def test_binds_several_addresses_and_accept_proxy(tmp_path):
+    vs = only(
+        """
+        frontend f
+            bind :7001,127.0.0.1:7002 accept-proxy
+            bind [::1]:7003
+            bind 127.0.0.1:7010-7012
+            default_backend b
+        backend b
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert vs["listen"] == [
+        "0.0.0.0:7001",
+        "127.0.0.1:7002",
+        "[::1]:7003",
+        "127.0.0.1:7010",
+        "127.0.0.1:7011",
+        "127.0.0.1:7012",
+    ]
+    assert vs["accept_proxy"] is True
+    assert vs["name"] == "b"  # named after the backend, as HAProxy's logs name it
+
+
+@pytest.mark.parametrize(
+    "balance, scheduler",
+    [
+        ("roundrobin", "wrr"),
+        ("static-rr", "wrr"),
+        ("leastconn", "wlc"),
+        ("first", "first"),
+        ("source", "maglev"),
+    ],
+)
+def test_balance_becomes_the_scheduler_that_behaves_alike(tmp_path, balance, scheduler):
+    vs = only(
+        f"""
+        listen a
+            bind 127.0.0.1:7001
+            balance {balance}
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert vs["scheduler"] == scheduler
+    if balance == "source":
+        assert vs["hash_key"] == "source"
+
+
+def test_an_unknown_balance_is_named_and_the_default_roundrobin_kept(tmp_path):
+    servers, left, _ = imported(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            balance uri
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert servers[0]["scheduler"] == "wrr"
+    assert "4: balance uri (another algorithm)" in left
+
+
+def test_server_options(tmp_path):
+    vs = only(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            default-server inter 3s fall 5 rise 4 send-proxy-v2 slowstart 20s
+            server s1 127.0.0.1:9001 check weight 3 maxconn 10 port 8080 addr 127.0.0.9
+            server s2 127.0.0.1:9002 check backup
+            server s3 127.0.0.1:9003 check disabled
+        """,
+        tmp_path,
+    )
+    s1, s2, s3 = vs["real_servers"]
+    assert s1 == {
+        "name": "s1",
+        "address": "127.0.0.1:9001",
+        "weight": 3,
+        "max_connections": 10,
+        "health_check": {"port": 8080, "address": "127.0.0.9"},
+    }
+    assert s2["backup"] is True
+    assert s3["state"] == "disabled"
+    assert vs["health_check"] == {
+        "type": "tcp",
+        "interval": "3s",
+        "rise": 4,
+        "fall": 5,
+        "timeout": "3s",  # HAProxy waits `inter` for a check without `timeout check`
+    }
+    assert vs["send_proxy"] == "v2"
+    assert vs["slow_start"] == "20s"
+    assert vs["queue"] == {}  # a full server queues its clients in HAProxy
+
+
+def test_no_check_is_type_none_and_a_server_without_check_is_named(tmp_path):
+    vs = only("listen a\n  bind 127.0.0.1:7001\n  server s1 127.0.0.1:9001\n", tmp_path)
+    assert vs["health_check"] == {"type": "none"}
+    _, left, _ = imported(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001 check
+            server s2 127.0.0.1:9002
+        """,
+        tmp_path,
+    )
+    assert any(line.startswith("5: server s2 without check") for line in left)
+
+
+def test_send_proxy_differing_between_servers_is_named(tmp_path):
+    vs_list, left, _ = imported(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001 send-proxy
+            server s2 127.0.0.1:9002
+        """,
+        tmp_path,
+    )
+    assert vs_list[0]["send_proxy"] == "v1"
+    assert "5: server s2: send_proxy none (lbproxy has one per virtual server: v1)" in left
+
+
+def test_agent_check(tmp_path):
+    vs = only(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001 check agent-check agent-port 9777 agent-inter 4s
+            server s2 127.0.0.1:9002 check agent-check agent-port 9777 agent-addr 127.0.0.3
+        """,
+        tmp_path,
+    )
+    assert vs["agent_check"] == {"port": 9777, "interval": "4s"}
+    assert vs["real_servers"][1]["agent_check"] == {"address": "127.0.0.3"}
+
+
+@pytest.mark.parametrize(
+    "option, check",
+    [
+        ("option tcp-check", {"type": "tcp"}),
+        ("option pgsql-check user haproxy", {"type": "pgsql", "user": "haproxy"}),
+        ("option mysql-check user haproxy", {"type": "mysql", "user": "haproxy"}),
+        ("option redis-check", {"type": "redis"}),
+        ("option smtpchk EHLO lb.example.com", {"type": "smtp", "helo": "lb.example.com"}),
+        ("option ssl-hello-chk", {"type": "tls"}),
+        ("option httpchk GET /health", {"type": "http", "method": "GET", "path": "/health"}),
+    ],
+)
+def test_check_options(tmp_path, option, check):
+    vs = only(
+        f"""
+        listen a
+            bind 127.0.0.1:7001
+            {option}
+            server s1 127.0.0.1:9001 check
+        """,
+        tmp_path,
+    )
+    assert check_of(vs) == check
+
+
+def test_a_redis_role_sequence_is_the_redis_check_with_its_role(tmp_path):
+    # HAProxy's configuration manual's example of a tcp-check sequence for Redis
+    vs = only(
+        r"""
+        listen redis
+            bind 127.0.0.1:7001
+            option tcp-check
+            tcp-check connect
+            tcp-check send PING\r\n
+            tcp-check expect string +PONG
+            tcp-check send info\ replication\r\n
+            tcp-check expect string role:master
+            tcp-check send QUIT\r\n
+            tcp-check expect string +OK
+            server r1 127.0.0.1:6379 check inter 1s
+        """,
+        tmp_path,
+    )
+    assert vs["health_check"] == {"type": "redis", "role": "master", "interval": "1s"}
+
+
+def test_an_smtp_sequence_and_a_pgsql_startup_message(tmp_path):
+    vs = only(
+        r"""
+        listen smtp
+            bind 127.0.0.1:7001
+            option tcp-check
+            tcp-check expect rstring ^220
+            tcp-check send EHLO\ lb.example.com\r\n
+            tcp-check expect rstring ^250
+            server m1 127.0.0.1:25 check
+        """,
+        tmp_path,
+    )
+    assert check_of(vs) == {"type": "smtp", "helo": "lb.example.com"}
+    startup = "00000025" + "00030000" + b"user\0haproxy\0database\0postgres\0\0".hex()
+    vs = only(
+        f"""
+        listen pg
+            bind 127.0.0.1:7001
+            option tcp-check
+            tcp-check connect port 5432
+            tcp-check send-binary {startup}
+            tcp-check expect binary 52
+            server p1 127.0.0.1:5432 check
+        """,
+        tmp_path,
+    )
+    assert check_of(vs) == {"type": "pgsql", "user": "haproxy", "port": 5432}
+
+
+def test_another_sequence_keeps_its_first_send_and_expect_and_names_the_rest(tmp_path):
+    servers, left, _ = imported(
+        r"""
+        listen a
+            bind 127.0.0.1:7001
+            option tcp-check
+            tcp-check send HELLO\n
+            tcp-check expect string READY
+            tcp-check send STATUS\n
+            tcp-check expect rstring ^OK
+            server s1 127.0.0.1:9001 check
+        """,
+        tmp_path,
+    )
+    assert check_of(servers[0]) == {
+        "type": "send_expect",
+        "send": "HELLO\n",
+        "expect": "READY",
+    }
+    assert [line for line in left if line[0].isdigit()] == [
+        "7: tcp-check send 'STATUS\\n' (lbproxy's check: the first send and expect)".replace(
+            "'STATUS\\n'", "STATUS\\n"
+        ),
+        "8: tcp-check expect rstring ^OK (lbproxy's check: the first send and expect)",
+    ]
+
+
+def test_timeouts(tmp_path):
+    vs = only(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            timeout connect 500
+            timeout client 2m
+            timeout server 90s
+            timeout check 700ms
+            timeout queue 3s
+            server s1 127.0.0.1:9001 check maxconn 4
+        """,
+        tmp_path,
+    )
+    assert vs["connect_timeout"] == "500ms"  # HAProxy's bare number is milliseconds
+    assert vs["idle_timeout"] == "2m"
+    assert vs["health_check"]["timeout"] == "700ms"
+    assert vs["queue"] == {"timeout": "3s"}
+    tunnel = only(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            timeout client 1m
+            timeout tunnel 1h
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert tunnel["idle_timeout"] == "1h"
+
+
+SNI = """
+frontend tls
+    bind 127.0.0.1:8443
+    tcp-request inspect-delay 5s
+    tcp-request content accept if { req_ssl_hello_type 1 }
+    acl api req.ssl_sni -i api.example.com
+    acl api req.ssl_sni -i api2.example.com
+    use_backend api if api
+    use_backend web if { req.ssl_sni -i www.example.com } || { req.ssl_sni example.com }
+    use_backend web if { req.ssl_sni -m end .example.com }
+    default_backend other
+backend api
+    server a1 127.0.0.1:9441
+backend web
+    server w1 127.0.0.1:9451
+backend other
+    server o1 127.0.0.1:9459
+"""
+
+
+def test_use_backend_on_req_ssl_sni_becomes_sni_routes(tmp_path):
+    servers, left, _ = imported(SNI, tmp_path)
+    routes = {vs["name"]: (vs["listen"], vs.get("sni")) for vs in servers}
+    assert routes == {
+        "api": ("127.0.0.1:8443", ["api.example.com", "api2.example.com"]),
+        "web": ("127.0.0.1:8443", ["www.example.com", "example.com"]),
+        "other": ("127.0.0.1:8443", None),
+    }
+    assert [line for line in left if line[0].isdigit()] == [
+        "10: use_backend web if { req.ssl_sni -m end .example.com } (req.ssl_sni -m end "
+        "(lbproxy matches exact names and `*.example.com`, one label))"
+    ]
+
+
+@pytest.mark.parametrize(
+    "rules, keys",
+    [
+        (
+            ["tcp-request connection reject if { src 10.0.0.0/8 192.168.1.1 }"],
+            {"deny": ["10.0.0.0/8", "192.168.1.1"]},
+        ),
+        (
+            [
+                "acl trusted src 127.0.0.1 10.1.0.0/16",
+                "tcp-request connection accept if trusted",
+                "tcp-request connection reject",
+            ],
+            {"allow": ["127.0.0.1", "10.1.0.0/16"]},
+        ),
+        (
+            ["tcp-request connection reject if !{ src 127.0.0.1 }"],
+            {"allow": ["127.0.0.1"]},
+        ),
+        (
+            [
+                "acl bad src 127.0.0.2",
+                "tcp-request connection reject if bad",
+                "tcp-request connection accept if { src 127.0.0.0/8 }",
+                "tcp-request connection reject",
+            ],
+            {"deny": ["127.0.0.2"], "allow": ["127.0.0.0/8"]},
+        ),
+        (
+            ["tcp-request connection expect-proxy layer4 if { src 10.0.0.1 10.0.0.2 }"],
+            {"accept_proxy": True, "accept_proxy_from": ["10.0.0.1", "10.0.0.2"]},
+        ),
+    ],
+)
+def test_tcp_request_connection_on_src_becomes_allow_and_deny(tmp_path, rules, keys):
+    body = "\n".join(f"    {rule}" for rule in rules)
+    vs = only(
+        f"frontend f\n    bind 127.0.0.1:7001\n{body}\n    default_backend b\n"
+        "backend b\n    server s1 127.0.0.1:9001\n",
+        tmp_path,
+    )
+    assert {key: vs[key] for key in keys} == keys
+    assert not {"allow", "deny", "accept_proxy"} - set(keys) & set(vs)
+
+
+def test_a_rule_lbproxy_cannot_say_is_named(tmp_path):
+    _, left, _ = imported(
+        """
+        frontend f
+            bind 127.0.0.1:7001
+            tcp-request connection accept if { src 10.0.0.0/8 }
+            tcp-request connection reject if { src 10.1.0.0/16 }
+            tcp-request connection track-sc0 src
+            default_backend b
+        backend b
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    numbered = [line for line in left if line[0].isdigit()]
+    assert numbered == [
+        "5: tcp-request connection reject if { src 10.1.0.0/16 } (a reject after an "
+        "accept: lbproxy's deny wins over allow)",
+        "6: tcp-request connection track-sc0 src",
+    ]
+
+
+def test_a_stick_table_on_src_becomes_persistence(tmp_path):
+    vs = only(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            stick-table type ip size 200k expire 30m
+            stick on src
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert vs["persistence"] == {"timeout": "30m", "max_entries": 204800}
+
+
+def test_global_settings_and_tcplog(tmp_path):
+    _, left, document = imported(
+        """
+        global
+            maxconn 20000
+            user haproxy
+            group haproxy
+            daemon
+        defaults
+            mode tcp
+            option tcplog
+            retries 5
+            option redispatch
+        listen a
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert document["global"] == {
+        "max_clients": 20000,
+        "user": "haproxy",
+        "group": "haproxy",
+        "access_log": True,
+    }
+    assert document["virtual_servers"][0]["retries"] == 5
+    assert "6: daemon" in left
+
+
+def test_other_sections_are_one_line_at_their_start(tmp_path):
+    _, left, _ = imported(
+        """
+        peers mine
+            peer a 127.0.0.1:1024
+            peer b 127.0.0.1:1025
+        resolvers dns
+            nameserver a 127.0.0.1:53
+        listen a
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    numbered = [line for line in left if line[0].isdigit()]
+    assert numbered == ["2: the peers section mine", "5: the resolvers section dns"]
+
+
+# --- the command ----------------------------------------------------------------------
+
+
+def test_the_command_prints_yaml_names_file_and_line_and_is_identical_twice(tmp_path):
+    source = tmp_path / "haproxy.cfg"
+    text = SNI + "listen web80\n    mode http\n    bind :80\n"
+    source.write_text(text)
+    web80 = text.splitlines().index("listen web80") + 1
+    runner = CliRunner()
+    first = runner.invoke(main, ["import", str(source)])
+    second = runner.invoke(main, ["import", str(source)])
+    assert first.exit_code == 0, first.output
+    assert first.stdout == second.stdout
+    assert first.stdout.startswith("# yaml-language-server: $schema=lbproxy.schema.json\n")
+    assert f"{source}:{web80}: not translated: listen web80: mode http (lbproxy is Layer 4)" in (
+        first.stderr.splitlines()
+    )
+    written = tmp_path / "lbproxy.yaml"
+    written.write_text(first.stdout)
+    checked = runner.invoke(main, ["check", str(written)])
+    assert checked.exit_code == 0, checked.output
+
+
+def test_nothing_translated_exits_2(tmp_path):
+    source = tmp_path / "haproxy.cfg"
+    source.write_text("global\n    maxconn 10\nlisten web\n    mode http\n    bind :80\n")
+    result = CliRunner().invoke(main, ["import", "--from", "haproxy", str(source)])
+    assert result.exit_code == 2
+    assert f"{source}: nothing could be translated" in result.stderr
+
+
+def test_a_malformed_line_is_named_and_the_rest_translated(tmp_path):
+    source = tmp_path / "haproxy.cfg"
+    source.write_text(
+        "listen a\n  bind 127.0.0.1:7001\n  server 's1 1\n  server s2 127.0.0.1:9002\n"
+    )
+    result = CliRunner().invoke(main, ["import", str(source)])
+    assert result.exit_code == 0
+    assert f"{source}:3: not translated: unmatched quote (')" in result.stderr
+    assert "s2" in result.stdout
+
+
+@pytest.mark.parametrize("path", sorted(DATA.glob("*.cfg")), ids=lambda p: p.name)
+def test_the_real_world_configurations_import_and_pass_check(tmp_path, path):
+    servers, _, _ = imported(path.read_text(), tmp_path)
+    assert servers
+
+
+# --- the guide's rows are what translate does --------------------------------------
+
+
+def test_every_translated_row_names_a_key_the_importer_writes(tmp_path):
+    """Each row with an lbproxy key: a configuration holding its directive gives that key."""
+    for row in haproxy.DIRECTIVES:
+        if not row.lbproxy:
+            continue
+        if row.directive == "mode tcp":
+            # lbproxy's default: a virtual server without `protocol` is TCP
+            _, _, document = imported(EXAMPLES["mode tcp"], tmp_path)
+            assert document["virtual_servers"] and "protocol" not in document["virtual_servers"][0]
+            continue
+        assert row.directive in EXAMPLES, f"no example for the row {row.directive!r}"
+        _, _, document = imported(EXAMPLES[row.directive], tmp_path)
+        assert _has_key(document, row.lbproxy), (row.directive, row.lbproxy, document)
+
+
+def _has_key(document: dict, dotted: str) -> bool:
+    nodes: list = [document]
+    for part in dotted.split("."):
+        key, many = (part[:-2], True) if part.endswith("[]") else (part, False)
+        found = []
+        for node in nodes:
+            if isinstance(node, dict) and key in node:
+                found.extend(node[key] if many else [node[key]])
+        nodes = found
+    return bool(nodes)
+
+
+def _listen(*lines: str, servers: str = "    server s1 127.0.0.1:9001 check") -> str:
+    body = "\n".join(f"    {line}" for line in lines)
+    return f"listen a\n    bind 127.0.0.1:7001\n{body}\n{servers}\n"
+
+
+_FRONT = (
+    "frontend f\n    bind 127.0.0.1:7001\n{}\n    default_backend b\n"
+    "backend b\n    server s1 127.0.0.1:9001\n"
+)
+EXAMPLES = {
+    "listen NAME": _listen(),
+    "defaults [NAME], from NAME": "defaults d\n    balance first\nlisten a from d\n"
+    "    bind 127.0.0.1:7001\n    server s1 127.0.0.1:9001\n",
+    "frontend NAME + default_backend B": _FRONT.format(""),
+    "mode tcp": "defaults\n    mode tcp\n" + _listen(),
+    "bind ADDR:PORT[,...] (several binds)": _listen("bind 127.0.0.1:7002"),
+    "bind ... accept-proxy": "listen a\n  bind 127.0.0.1:7001 accept-proxy\n"
+    "  server s1 127.0.0.1:9001\n",
+    "tcp-request connection expect-proxy layer4 if { src ... }": _FRONT.format(
+        "    tcp-request connection expect-proxy layer4 if { src 10.0.0.1 }"
+    ),
+    "balance roundrobin": _listen("balance roundrobin"),
+    "balance static-rr": _listen("balance static-rr"),
+    "balance leastconn": _listen("balance leastconn"),
+    "balance first": _listen("balance first"),
+    "balance source": _listen("balance source"),
+    "hash-type consistent": _listen("balance source", "hash-type consistent"),
+    "server NAME ADDR:PORT": _listen(),
+    "server ... weight N": _listen(servers="    server s1 127.0.0.1:9001 weight 3"),
+    "server ... maxconn N": _listen(servers="    server s1 127.0.0.1:9001 maxconn 3"),
+    "server ... backup": _listen(servers="    server s1 127.0.0.1:9001 backup"),
+    "option allbackups": _listen(
+        "option allbackups",
+        servers="    server s1 127.0.0.1:9001\n    server s2 127.0.0.1:9002 backup",
+    ),
+    "server ... disabled": _listen(servers="    server s1 127.0.0.1:9001 disabled"),
+    "server ... check": _listen(),
+    "server ... inter T": _listen(servers="    server s1 127.0.0.1:9001 check inter 1s"),
+    "server ... rise N": _listen(servers="    server s1 127.0.0.1:9001 check rise 4"),
+    "server ... fall N": _listen(servers="    server s1 127.0.0.1:9001 check fall 4"),
+    "server ... port N": _listen(servers="    server s1 127.0.0.1:9001 check port 8"),
+    "server ... on-marked-down shutdown-sessions": _listen(
+        servers="    server s1 127.0.0.1:9001 check on-marked-down shutdown-sessions"
+    ),
+    "server ... on-marked-up shutdown-backup-sessions": _listen(
+        servers="    server s1 127.0.0.1:9001 check on-marked-up shutdown-backup-sessions"
+    ),
+    "server ... addr A": _listen(servers="    server s1 127.0.0.1:9001 check addr ::1"),
+    "server ... send-proxy, send-proxy-v2": _listen(
+        servers="    server s1 127.0.0.1:9001 send-proxy"
+    ),
+    "server ... slowstart T": _listen(servers="    server s1 127.0.0.1:9001 slowstart 5s"),
+    "server ... agent-check agent-port agent-inter agent-addr agent-send": _listen(
+        servers="    server s1 127.0.0.1:9001 agent-check agent-port 9777"
+    ),
+    "default-server ...": _listen("default-server weight 2"),
+    "option tcp-check": _listen("option tcp-check"),
+    "option pgsql-check user U": _listen("option pgsql-check user u"),
+    "option mysql-check user U": _listen("option mysql-check user u"),
+    "option redis-check": _listen("option redis-check"),
+    "option smtpchk [EHLO name]": _listen("option smtpchk"),
+    "option ssl-hello-chk": _listen("option ssl-hello-chk"),
+    "option httpchk [METHOD] [URI]": _listen("option httpchk GET /"),
+    "http-check expect status N": _listen("option httpchk GET /", "http-check expect status 204"),
+    "tcp-check send/expect sequence": _listen(
+        "option tcp-check", "tcp-check send PING", "tcp-check expect string PONG"
+    ),
+    "tcp-check connect port N": _listen("option tcp-check", "tcp-check connect port 8"),
+    "timeout connect": _listen("timeout connect 1s"),
+    "timeout client, timeout server": _listen("timeout client 1m", "timeout server 1m"),
+    "timeout tunnel": _listen("timeout tunnel 1h"),
+    "timeout check": _listen("timeout check 1s"),
+    "timeout queue": _listen("timeout queue 1s", servers="    server s1 127.0.0.1:9001 maxconn 3"),
+    "maxconn (frontend, listen, defaults)": _listen("maxconn 100"),
+    "maxconn (global)": "global\n    maxconn 100\n" + _listen(),
+    "user, group (global)": "global\n    user nobody\n" + _listen(),
+    "retries N, option redispatch": _listen("retries 1", "option redispatch"),
+    "option tcplog": _listen("option tcplog"),
+    "use_backend B if { req.ssl_sni -i NAME }": SNI,
+    "tcp-request inspect-delay, tcp-request content accept if { req.ssl_hello_type 1 }": SNI,
+    "tcp-request connection reject if { src ... }": _FRONT.format(
+        "    tcp-request connection reject if { src 10.0.0.1 }"
+    ),
+    "tcp-request connection accept if { src ... } + reject": _FRONT.format(
+        "    tcp-request connection accept if { src 10.0.0.1 }\n    tcp-request connection reject"
+    ),
+    "stick-table type ip size N expire T + stick on src": _listen(
+        "stick-table type ip size 1k expire 1m", "stick on src"
+    ),
+}
+
+
+def test_older_and_rarer_forms(tmp_path):
+    servers, left, _ = imported(
+        """
+        defaults checks
+            mode tcp
+            option tcp-check
+            tcp-check send PING\\r\\n
+            tcp-check expect string PONG
+        listen old 127.0.0.1:7001
+            server s1 127.0.0.1:9001 check
+        listen own from checks
+            bind 127.0.0.1:7002
+            tcp-check send HELLO\\r\\n
+            tcp-check expect string HI
+            server s1 127.0.0.1:9001 check
+        frontend f1
+            bind 127.0.0.1:7003
+            default_backend shared
+        frontend f2
+            bind 127.0.0.1:7004
+            default_backend shared
+        backend shared
+            server s1 127.0.0.1
+        listen unknown from nowhere
+            bind localhost:7005
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    by_name = {vs["name"]: vs for vs in servers}
+    # `listen NAME ADDR:PORT`, and the defaults' tcp-check sequence inherited
+    assert by_name["old"]["listen"] == "127.0.0.1:7001"
+    assert by_name["old"]["health_check"]["send"] == "PING\r\n"
+    # a proxy's own sequence replaces the inherited one
+    assert by_name["own"]["health_check"]["send"] == "HELLO\r\n"
+    # one backend behind two frontends: two virtual servers; a server without a port
+    # takes the frontend's
+    assert by_name["shared"]["real_servers"][0]["address"] == "127.0.0.1:7003"
+    assert by_name["shared-f2"]["real_servers"][0]["address"] == "127.0.0.1:7004"
+    assert "22: from nowhere: no such defaults" in left
+    assert "23: bind localhost:7005 (lbproxy listens on an IP address)" in left
+    assert "22: listen unknown: no address lbproxy can listen on" in left
+
+
+def test_a_default_backend_in_defaults_serves_every_frontend_below(tmp_path):
+    servers, _, _ = imported(
+        """
+        defaults
+            mode tcp
+            default_backend pool
+        frontend a
+            bind 127.0.0.1:7001
+        frontend b
+            bind 127.0.0.1:7002
+        backend pool
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert [(vs["name"], vs["listen"]) for vs in servers] == [
+        ("pool", "127.0.0.1:7001"),
+        ("pool-b", "127.0.0.1:7002"),
+    ]
+
+
+def test_a_store_without_a_lookup_is_no_persistence(tmp_path):
+    servers, left, _ = imported((DATA / "manual-stick-src.cfg").read_text(), tmp_path)
+    assert "persistence" not in {vs["name"]: vs for vs in servers}["pop"]
+    assert {vs["name"]: vs for vs in servers}["https"]["persistence"] == {
+        "timeout": "30m",
+        "max_entries": 204800,
+    }
+    assert any("stick match src table pop" in line for line in left)
+
+
+def test_src_lists_are_read_from_the_configurations_folder(tmp_path):
+    (tmp_path / "allowed.lst").write_text("# ours\n127.0.0.1\n  10.0.0.0/8  \n")
+    vs = only(
+        """
+        frontend f
+            bind 127.0.0.1:7001
+            tcp-request connection accept if { src -f allowed.lst }
+            tcp-request connection reject
+            default_backend b
+        backend b
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert vs["allow"] == ["127.0.0.1", "10.0.0.0/8"]
+    (tmp_path / "allowed.lst").write_text("127.0.0.1\n10.0.0.0/8 # a comment\n")
+    _, left, _ = imported(
+        "frontend f\n  bind 127.0.0.1:7001\n"
+        "  tcp-request connection reject if { src -f allowed.lst }\n"
+        "  tcp-request connection reject if { src -f missing.lst }\n"
+        "  default_backend b\nbackend b\n  server s1 127.0.0.1:9001\n",
+        tmp_path,
+    )
+    assert (
+        "3: tcp-request connection reject if { src -f allowed.lst } (allowed.lst:2: "
+        "'10.0.0.0/8 # a comment' is not an address or a network)"
+    ) in left
+    assert (
+        "4: tcp-request connection reject if { src -f missing.lst } "
+        "(the list missing.lst cannot be read)"
+    ) in left
+
+
+def test_the_manuals_banner_check_with_a_comment(tmp_path):
+    vs = only(
+        r"""
+        listen imap
+            bind 127.0.0.1:7001
+            option tcp-check
+            tcp-check expect string *\ OK\ IMAP4\ ready comment IMAP\ protocol
+            server i1 127.0.0.1:9001 check
+        """,
+        tmp_path,
+    )
+    check = vs["health_check"]
+    assert check["type"] == "send_expect"
+    assert re.search(check["expect"], "* OK IMAP4 ready")
+    assert not re.search(check["expect"], "+ OK IMAP4 ready")
+
+
+def test_the_manuals_sni_list_becomes_the_routes_names(tmp_path):
+    (tmp_path / "allowed_sites").write_text((DATA / "allowed_sites").read_text())
+    servers, left, _ = imported((DATA / "manual-sni.cfg").read_text(), tmp_path)
+    assert [(vs["name"], vs.get("sni")) for vs in servers] == [
+        ("bk_allow", ["www.example.com", "shop.example.com"]),
+        ("bk_sorry_page", None),
+    ]
+    assert left == []
+
+
+def test_several_backups_are_named_unless_allbackups(tmp_path):
+    text = """
+    listen a
+        bind 127.0.0.1:7001
+        {option}
+        server s1 127.0.0.1:9001
+        server b1 127.0.0.1:9002 backup
+        server b2 127.0.0.1:9003 backup
+    """
+    _, left, _ = imported(text.format(option=""), tmp_path)
+    assert [line for line in left if line[0].isdigit()] == [
+        "7: server b2 backup (HAProxy uses only the first backup without option allbackups; "
+        "lbproxy uses them all)"
+    ]
+    _, left, _ = imported(text.format(option="option allbackups"), tmp_path)
+    assert left == []
+
+
+def test_timeout_client_is_the_frontends_and_timeout_server_the_backends(tmp_path):
+    vs = only(
+        """
+        defaults
+            mode tcp
+            timeout client 10s
+            timeout server 10s
+        frontend f
+            bind 127.0.0.1:7001
+            timeout client 3m
+            default_backend b
+        backend b
+            timeout client 1h
+            timeout server 20s
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert vs["idle_timeout"] == "3m"

@@ -53,6 +53,11 @@ Imported names follow HAProxy's logs: a virtual server is named after the backen
 `listen` section) it serves, so a replayed `tcplog` line finds its virtual server.
 """
 
+NGINX_INTRO = """\
+How the whole file is read (`include`, what nginx would refuse) and nginx's own
+`ssl_preread` example imported: [Importing from nginx](import-nginx.md).
+"""
+
 BEYOND = """\
 ## What lbproxy does that neither does
 
@@ -103,11 +108,13 @@ def _table(rows: tuple[Mapping, ...]) -> list[str]:
 def markdown() -> str:
     """The whole page, from the importers' tables as they are now."""
     lines = [INTRO]
-    for title, rows, empty in (
-        ("HAProxy", haproxy.DIRECTIVES, "HAProxy's table is not written yet."),
-        ("nginx `stream`", nginx.DIRECTIVES, "nginx's table is not written yet."),
+    for title, intro, rows, empty in (
+        ("HAProxy", "", haproxy.DIRECTIVES, "HAProxy's table is not written yet."),
+        ("nginx `stream`", NGINX_INTRO, nginx.DIRECTIVES, "nginx's table is not written yet."),
     ):
         lines.append(f"## {title}\n")
+        if intro:
+            lines.append(intro)
         lines.extend(_table(rows) if rows else [empty])
         lines.append("")
     lines.append(BEYOND)

@@ -25,37 +25,39 @@ def _row(directive: str, lbproxy: str, note: str = "") -> Mapping:
     return Mapping("nginx", directive, lbproxy, note)
 
 
-# The migration guide's rows for nginx, in the order the guide lists them.
+# The migration guide's rows for nginx, in the order the guide lists them: each names
+# the key the translation writes (tests hold each row to what `translate` does).
 DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "stream { }",
-        "virtual_servers",
+        "virtual_servers[]",
         "only `stream` is imported; `http { }`, `mail { }`, `events { }` and the "
         "other top-level directives are each named once",
     ),
     _row(
         "include",
-        "(read where it stands)",
-        "globs in name order; a relative path is "
-        "taken from the main file's directory, as `nginx -c FILE` does",
+        "",
+        "nothing of its own: the files it names are read where it stands, globs in name "
+        "order; a relative path is taken from the main file's directory, as `nginx -c FILE` "
+        "does",
     ),
     _row("worker_processes", "global.workers", "`auto` stays `auto`"),
     _row(
         "server { } (in stream)",
-        "virtual_servers[]",
+        "virtual_servers[].name",
         "named after the upstream it proxies to; a server listening on TCP and UDP becomes two",
     ),
     _row(
         "listen ADDRESS:PORT",
-        "listen",
+        "virtual_servers[].listen",
         "`listen PORT` and `*:PORT` are `0.0.0.0:PORT`; "
         "host names and `unix:` sockets are not translated",
     ),
-    _row("listen ... udp", "protocol: udp", ""),
+    _row("listen ... udp", "virtual_servers[].protocol", "`udp`"),
     _row(
         "listen ... proxy_protocol",
-        "accept_proxy: true",
-        "lbproxy believes the header "
+        "virtual_servers[].accept_proxy",
+        "`true`; lbproxy believes the header "
         "only from `accept_proxy_from` and checks `allow`/`deny` against the address in it",
     ),
     _row(
@@ -68,99 +70,133 @@ DIRECTIVES: tuple[Mapping, ...] = (
     ),
     _row(
         "set_real_ip_from",
-        "accept_proxy_from",
-        "nginx still serves a peer it does not "
+        "virtual_servers[].accept_proxy_from",
+        "with `listen ... proxy_protocol`; nginx still serves a peer it does not "
         "trust (with the peer's own address); lbproxy closes its connection",
     ),
     _row(
         "proxy_pass UPSTREAM",
-        "real_servers",
+        "virtual_servers[].real_servers[]",
         "the upstream's servers; a host name is resolved when first used, where nginx "
         "makes a server of every address it resolves to at start",
     ),
-    _row("proxy_pass ADDRESS:PORT", "real_servers (one)", ""),
+    _row("proxy_pass ADDRESS:PORT", "virtual_servers[].real_servers[].address", "one real server"),
     _row(
         "proxy_pass $variable (a map on $ssl_preread_server_name)",
-        "one virtual server per route, `sni`",
-        "the map's `default` is the virtual "
+        "virtual_servers[].sni",
+        "one virtual server per route; the map's `default` is the virtual "
         "server without `sni`; exact names, `*.example.com` and `.example.com` "
         "(with `hostnames`) are translated, regular expressions are not; nginx's "
         "`*.example.com` matches deeper names too, lbproxy's one label",
     ),
     _row(
         "ssl_preread on",
-        "sni (with the map above)",
-        "without it nginx's map always gives its default: only that route is imported",
+        "virtual_servers[].sni",
+        "with the map above; without it nginx's map always gives its default: only that "
+        "route is imported",
     ),
     _row(
         "map",
-        "(read with proxy_pass)",
-        "a map on $ssl_preread_server_name; any other is not translated",
+        "virtual_servers[].sni",
+        "read with the `proxy_pass` that names it: a map on `$ssl_preread_server_name`; "
+        "any other is not translated",
     ),
     _row(
-        "proxy_connect_timeout", "connect_timeout", "nginx's default 60s is written out when unset"
+        "proxy_connect_timeout",
+        "virtual_servers[].connect_timeout",
+        "nginx's default 60s is written out when unset",
     ),
     _row(
         "proxy_timeout",
-        "idle_timeout (TCP), udp.idle_timeout (UDP)",
+        "virtual_servers[].idle_timeout",
         "nginx's default 10m is written out when unset",
     ),
-    _row("proxy_protocol on", "send_proxy: v1", "nginx sends version 1"),
-    _row("proxy_responses", "udp.responses", ""),
+    _row(
+        "proxy_timeout (in a udp server)",
+        "virtual_servers[].udp.idle_timeout",
+        "nginx's default 10m is written out when unset",
+    ),
+    _row("proxy_protocol on", "virtual_servers[].send_proxy", "`v1`: nginx sends version 1"),
+    _row("proxy_responses", "virtual_servers[].udp.responses"),
     _row(
         "proxy_next_upstream / proxy_next_upstream_tries",
-        "retries",
+        "virtual_servers[].retries",
         "nginx tries every "
         "server once by default: `retries` is the number of servers less one; `off` is 0",
     ),
     _row(
         "allow / deny",
-        "allow / deny",
+        "virtual_servers[].deny",
         "nginx's first matching rule wins, lbproxy's "
         "deny wins over allow: the rules are rewritten (a deny minus the allows before "
         "it) so that every address gets the same answer",
     ),
     _row(
-        "limit_conn (a zone on $binary_remote_addr or $remote_addr)",
-        "per_source.max_connections (UDP: udp.max_sessions_per_source)",
-        "with `prefix_v6: 128`, one count per address "
-        "as nginx keeps; a zone on another key is not translated",
+        "allow ... + deny all",
+        "virtual_servers[].allow",
+        "the addresses allowed before a final `deny all`; without one there is no "
+        "`allow` list: everyone not denied gets in, as in nginx",
     ),
-    _row("limit_conn_zone", "(read with limit_conn)", ""),
-    _row("upstream { }", "real_servers", "an upstream no server proxies to is named"),
+    _row(
+        "limit_conn (a zone on $binary_remote_addr or $remote_addr)",
+        "virtual_servers[].per_source.max_connections",
+        "one count per client address, as nginx keeps (see `limit_conn_zone`); a zone "
+        "on another key is not translated",
+    ),
+    _row(
+        "limit_conn (in a udp server)",
+        "virtual_servers[].udp.max_sessions_per_source",
+        "one count per client address, as nginx keeps",
+    ),
+    _row(
+        "limit_conn_zone",
+        "virtual_servers[].per_source.prefix_v6",
+        "`128` (UDP: `udp.source_prefix.v6`: `128`), one count per IPv6 address too; "
+        "read with the `limit_conn` that names it",
+    ),
+    _row(
+        "upstream { }",
+        "virtual_servers[].real_servers[]",
+        "an upstream no server proxies to is named",
+    ),
     _row(
         "(round robin)",
-        "scheduler: rr, or wrr with weights",
-        "equal weights: the same sequence; with weights, the same count per server in "
+        "virtual_servers[].scheduler",
+        "`rr`, or `wrr` with weights. Equal weights: the same sequence; with weights, "
+        "the same count per server in "
         "every cycle of the total weight, interleaved, though the order within a cycle "
         "may differ with three servers or more (nginx: smooth weighted round robin, "
         "lbproxy's wrr: earliest deadline first)",
     ),
     _row(
         "least_conn",
-        "scheduler: lc, or wlc with weights",
+        "virtual_servers[].scheduler",
+        "`lc`, or `wlc` with weights; "
         "ties: nginx takes them in weighted round robin, lbproxy the one picked longest ago",
     ),
     _row(
         "hash $remote_addr [consistent]",
-        "scheduler: maglev, hash_key: source",
+        "virtual_servers[].scheduler",
+        "`maglev` with `hash_key: source`: "
         "each client stays on one server and clients spread alike; which server a "
         "client gets differs. `$remote_addr$remote_port` is `hash_key: source_port`; "
         "other keys are not translated",
     ),
     _row("random", "", "no random scheduler: the upstream keeps round robin"),
-    _row("server ... weight=", "weight", ""),
-    _row("server ... max_conns=", "max_connections", ""),
+    _row("server ... weight=", "virtual_servers[].real_servers[].weight"),
+    _row("server ... max_conns=", "virtual_servers[].real_servers[].max_connections"),
     _row(
         "server ... max_fails= fail_timeout=",
-        "health_check: {type: none, fall, interval}",
-        "nginx's passive health: after `max_fails` failed connects a server "
+        "virtual_servers[].health_check",
+        "`type: none`, `fall`, `interval`: nginx's passive health: after `max_fails` "
+        "failed connects a server "
         "gets nothing for `fail_timeout`, then one trial connection; nginx's defaults "
         "(1, 10s) are written out. lbproxy keeps one value per virtual server (the "
-        "first server's); `max_fails=0` is not translated (lbproxy always counts)",
+        "pair most of the upstream's servers have; a server with another is named); "
+        "`max_fails=0` is not translated (lbproxy always counts)",
     ),
-    _row("server ... backup", "backup: true", ""),
-    _row("server ... down", "state: disabled", ""),
+    _row("server ... backup", "virtual_servers[].real_servers[].backup", "`true`"),
+    _row("server ... down", "virtual_servers[].real_servers[].state", "`disabled`"),
     _row(
         "server ... resolve / service= / slow_start= / route= / drain",
         "",

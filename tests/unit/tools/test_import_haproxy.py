@@ -19,6 +19,7 @@ from lbproxy.config.schema import json_schema
 from lbproxy.tools.importer import haproxy
 from lbproxy.tools.importer.haproxy_grammar import parse, split_words
 from lbproxy.tools.importer.translation import to_yaml
+from tests.unit.tools.support import has_key
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "import" / "haproxy"
 
@@ -661,19 +662,7 @@ def test_every_translated_row_names_a_key_the_importer_writes(tmp_path):
             continue
         assert row.directive in EXAMPLES, f"no example for the row {row.directive!r}"
         _, _, document = imported(EXAMPLES[row.directive], tmp_path)
-        assert _has_key(document, row.lbproxy), (row.directive, row.lbproxy, document)
-
-
-def _has_key(document: dict, dotted: str) -> bool:
-    nodes: list = [document]
-    for part in dotted.split("."):
-        key, many = (part[:-2], True) if part.endswith("[]") else (part, False)
-        found = []
-        for node in nodes:
-            if isinstance(node, dict) and key in node:
-                found.extend(node[key] if many else [node[key]])
-        nodes = found
-    return bool(nodes)
+        assert has_key(document, row.lbproxy), (row.directive, row.lbproxy, document)
 
 
 def _listen(*lines: str, servers: str = "    server s1 127.0.0.1:9001 check") -> str:

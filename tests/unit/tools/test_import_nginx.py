@@ -15,6 +15,7 @@ from lbproxy.config.reader import load
 from lbproxy.tools.importer.nginx import DIRECTIVES
 from lbproxy.tools.importer.nginx_reader import NginxSyntaxError, read
 from tests.unit.config.support import schema_validator
+from tests.unit.tools.support import has_key
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "import" / "nginx"
 
@@ -467,6 +468,89 @@ def test_importing_twice_gives_identical_bytes(tmp_path):
 def test_every_row_of_the_migration_table_is_nginx_s():
     assert DIRECTIVES and all(row.source == "nginx" for row in DIRECTIVES)
     assert len({row.directive for row in DIRECTIVES}) == len(DIRECTIVES)
+
+
+def test_every_translated_row_names_a_key_the_importer_writes(tmp_path):
+    """Each row with an lbproxy key: a stream configuration holding its directive is
+    translated whole (nothing named on stderr) and gives that key."""
+    for row in DIRECTIVES:
+        if not row.lbproxy:
+            continue
+        assert row.directive in EXAMPLES, f"no example for the row {row.directive!r}"
+        document, stderr = imported(tmp_path, EXAMPLES[row.directive])
+        assert stderr == [], (row.directive, stderr)
+        assert has_key(document, row.lbproxy), (row.directive, row.lbproxy, document)
+
+
+def _server(*lines: str, listen: str = "127.0.0.1:7000", to: str = "127.0.0.1:9001") -> str:
+    body = "".join(f" {line};" for line in lines)
+    return f"server {{ listen {listen};{body} proxy_pass {to}; }}\n"
+
+
+def _upstream(*lines: str) -> str:
+    body = "".join(f" {line};" for line in lines)
+    return stream(f"upstream u {{{body} }}\n" + _server(to="u"))
+
+
+_SNI = stream(
+    """\
+    map $ssl_preread_server_name $name {
+        a.example.com 127.0.0.1:9001;
+        default 127.0.0.1:9002;
+    }
+    server { listen 127.0.0.1:7000; ssl_preread on; proxy_pass $name; }
+    """
+)
+_ZONE = "limit_conn_zone $binary_remote_addr zone=addr:10m;\n"
+EXAMPLES = {
+    "stream { }": stream(_server()),
+    "worker_processes": "worker_processes 2;\n" + stream(_server()),
+    "server { } (in stream)": stream(_server()),
+    "listen ADDRESS:PORT": stream(_server()),
+    "listen ... udp": stream(_server(listen="127.0.0.1:7000 udp")),
+    "listen ... proxy_protocol": stream(_server(listen="127.0.0.1:7000 proxy_protocol")),
+    "set_real_ip_from": stream(
+        _server("set_real_ip_from 10.0.0.0/8", listen="127.0.0.1:7000 proxy_protocol")
+    ),
+    "proxy_pass UPSTREAM": _upstream("server 127.0.0.1:9001"),
+    "proxy_pass ADDRESS:PORT": stream(_server()),
+    "proxy_pass $variable (a map on $ssl_preread_server_name)": _SNI,
+    "ssl_preread on": _SNI,
+    "map": _SNI,
+    "proxy_connect_timeout": stream(_server("proxy_connect_timeout 1s")),
+    "proxy_timeout": stream(_server("proxy_timeout 1m")),
+    "proxy_timeout (in a udp server)": stream(
+        _server("proxy_timeout 1m", listen="127.0.0.1:7000 udp")
+    ),
+    "proxy_protocol on": stream(_server("proxy_protocol on")),
+    "proxy_responses": stream(_server("proxy_responses 1", listen="127.0.0.1:7000 udp")),
+    "proxy_next_upstream / proxy_next_upstream_tries": stream(
+        "upstream u { server 127.0.0.1:9001; server 127.0.0.1:9002; }\n"
+        + _server("proxy_next_upstream on", "proxy_next_upstream_tries 1", to="u")
+    ),
+    "allow / deny": stream(_server("allow 10.0.0.1", "deny 10.0.0.0/8")),
+    "allow ... + deny all": stream(_server("allow 10.0.0.0/8", "deny all")),
+    "limit_conn (a zone on $binary_remote_addr or $remote_addr)": stream(
+        _ZONE + _server("limit_conn addr 1")
+    ),
+    "limit_conn (in a udp server)": stream(
+        _ZONE + _server("limit_conn addr 1", listen="127.0.0.1:7000 udp")
+    ),
+    "limit_conn_zone": stream(_ZONE + _server("limit_conn addr 1")),
+    "upstream { }": _upstream("server 127.0.0.1:9001"),
+    "(round robin)": _upstream("server 127.0.0.1:9001", "server 127.0.0.1:9002"),
+    "least_conn": _upstream("least_conn", "server 127.0.0.1:9001"),
+    "hash $remote_addr [consistent]": _upstream(
+        "hash $remote_addr consistent", "server 127.0.0.1:9001"
+    ),
+    "server ... weight=": _upstream("server 127.0.0.1:9001 weight=2"),
+    "server ... max_conns=": _upstream("server 127.0.0.1:9001 max_conns=5"),
+    "server ... max_fails= fail_timeout=": _upstream(
+        "server 127.0.0.1:9001 max_fails=3 fail_timeout=5s"
+    ),
+    "server ... backup": _upstream("server 127.0.0.1:9001", "server 127.0.0.1:9002 backup"),
+    "server ... down": _upstream("server 127.0.0.1:9001", "server 127.0.0.1:9002 down"),
+}
 
 
 def test_the_how_to_s_example_is_what_import_prints(tmp_path, monkeypatch):

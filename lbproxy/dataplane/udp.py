@@ -47,7 +47,6 @@ import contextlib
 import logging
 import select
 import socket
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
@@ -64,6 +63,7 @@ from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.barrier import record
 from lbproxy.net.compiled import cpump
 from lbproxy.net.deadlines import Deadline, Deadlines, deadlines
+from lbproxy.net.pump import run_clock
 from lbproxy.net.reactor import implementation, reactor
 
 cpump_sockaddr = cpump.sockaddr if cpump is not None else None
@@ -192,7 +192,7 @@ class _Sessions:
         self.access_log = access_log
         self.vs = vs  # its throttle, when it has one (None: a relay without a server)
         # Sessions per source prefix (udp.source_prefix), for max_sessions_per_source.
-        self.per_source: Counter = Counter()
+        self.per_source: dict[object, int] = {}
         self.stopping = False  # at stop: no new session; serve() ends with the last one
         self._drained = trio.Event()  # stopping, and the last session ended
         self._keys: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {}
@@ -224,7 +224,7 @@ class _Sessions:
         pool = self.pool
         config = pool.config
         udp = config.udp
-        dropped = self.counters.dropped
+        dropped = pool.udp.dropped  # (not `counters`: the compiled relay's settles first)
         if self.stopping:
             return None  # stopping: as a closed TCP listener, nothing is counted
         if not self._admits(config, client[0]):
@@ -235,7 +235,7 @@ class _Sessions:
             return None
         prefix = udp.source_prefix
         source = source_key(client[0], prefix.v4, prefix.v6)
-        if self.per_source[source] >= udp.max_sessions_per_source:
+        if self.per_source.get(source, 0) >= udp.max_sessions_per_source:
             dropped["per_source"] += 1
             return None
         throttle = self.vs.throttle if self.vs is not None else None
@@ -261,12 +261,13 @@ class _Sessions:
         self.pool.established(lease)
         lease.handle = session
         self.pool.clients += 1
-        self.per_source[source] += 1
-        self.counters.sessions_total[rs.name] += 1
+        per_source = self.per_source
+        per_source[source] = per_source.get(source, 0) + 1
+        self.pool.udp.sessions_total[rs.name] += 1
 
     def _session_failed(self, rs: RealServer, lease: Lease, now: float, exc: OSError) -> None:
         self.pool.drop(lease, now)
-        self.counters.dropped["send_error"] += 1
+        self.pool.udp.dropped["send_error"] += 1
         log.warning("udp session to %s: %s", rs.name, exc)
 
     def _admits(self, config, host: str) -> bool:
@@ -279,9 +280,12 @@ class _Sessions:
     def _ended(self, session, ended: str, now: float) -> None:
         """The accounts of a session that ended (out of the relay already)."""
         source = session.source
-        self.per_source[source] -= 1
-        if not self.per_source[source]:
-            del self.per_source[source]
+        per_source = self.per_source
+        left = per_source[source] - 1
+        if left:
+            per_source[source] = left
+        else:
+            del per_source[source]
         pool = self.pool
         rs = session.server
         # The pool's byte counts (lbproxy_bytes_total) take the session's, as a TCP
@@ -585,7 +589,7 @@ class CompiledUdpRelay(_Sessions):
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Relay datagrams until cancelled, or, once `stop()` was called, until the last
         session ended."""
-        self.clock = trio.lowlevel.current_clock().current_time
+        self.clock = run_clock()
         make = reactor().udp  # type: ignore[attr-defined]  # the C Reactor only
         self._relay = make(self.sock.fileno(), self._on_open, self._on_end)
         self.route()
@@ -651,14 +655,18 @@ class CompiledUdpRelay(_Sessions):
             return None
         rs, lease, idle, source = decided
         try:
-            session = self._relay.session(self._sockaddr(rs.address), idle, self._index_of(rs.name))
+            session = self._relay.session(
+                self._sockaddr(rs.address),
+                idle,
+                self._index_of(rs.name),
+                rs,
+                lease,
+                source,
+                self.pool.config.udp.idle_timeout,
+            )
         except OSError as exc:
             self._session_failed(rs, lease, now, exc)
             return None
-        session.server = rs
-        session.lease = lease
-        session.source = source
-        session.own_idle_timeout = self.pool.config.udp.idle_timeout
         self._opened(session, rs, lease, source)
         self._open_count += 1
         return session

@@ -1870,18 +1870,22 @@ UdpRelay_dealloc(UdpRelay *u)
 }
 
 PyDoc_STRVAR(udp_session_doc,
-    "session(sockaddr, idle_timeout, index) -> UdpSession\n\n"
-    "A socket connected to `sockaddr` (what sockaddr() made), for on_open to return with\n"
-    "its server, lease and source set; its datagrams count under `index` in take_counts().\n"
-    "Raises OSError when the socket cannot be made or connected.");
+    "session(sockaddr, idle_timeout, index, server, lease, source, own_idle_timeout)\n"
+    "    -> UdpSession\n\n"
+    "A socket connected to `sockaddr` (what sockaddr() made), for on_open to return; its\n"
+    "datagrams count under `index` in take_counts(); server, lease, source and\n"
+    "own_idle_timeout are the Python side's, kept on it. Raises OSError when the socket\n"
+    "cannot be made or connected.");
 
 static PyObject *
 UdpRelay_session(UdpRelay *u, PyObject *args)
 {
     Py_buffer addr;
-    double idle;
+    double idle, own_idle;
     int index;
-    if (!PyArg_ParseTuple(args, "y*di:session", &addr, &idle, &index))
+    PyObject *server, *lease, *source;
+    if (!PyArg_ParseTuple(args, "y*diOOOd:session", &addr, &idle, &index, &server, &lease,
+                          &source, &own_idle))
         return NULL;
     if (addr.len < (Py_ssize_t)sizeof(sa_family_t) ||
         addr.len > (Py_ssize_t)sizeof(struct sockaddr_storage) || index < 0 ||
@@ -1923,7 +1927,11 @@ UdpRelay_session(UdpRelay *u, PyObject *args)
     s->index = index;
     s->timed.heap_index = -1;
     s->timed.kind = TIMED_SESSION;
-    s->idle_timeout = s->own_idle_timeout = idle;
+    s->idle_timeout = idle;
+    s->own_idle_timeout = own_idle;
+    s->server = Py_NewRef(server);
+    s->lease = Py_NewRef(lease);
+    s->source = Py_NewRef(source);
     PyObject_GC_Track(s);
     return (PyObject *)s;
 }

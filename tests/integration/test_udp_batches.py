@@ -197,3 +197,40 @@ def test_a_burst_from_many_clients_is_read_in_batches_not_a_call_per_datagram(tm
             tracer.wait()
         log.close()
         echo.close()
+
+
+def test_ipv6_clients_each_get_their_own_session_and_answer(lbproxy):
+    """Over IPv6 (::1): each client address its session, answered from the listening
+    address; the access log names each client as [host]:port."""
+    try:
+        probe = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        probe.bind(("::1", 0))
+        probe.close()
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    echo = Echo(b"a:")
+    port, admin = free_port("::1"), free_port()
+    text = config(admin, port, {"a": echo}, "{responses: 1}")
+    text = text.replace(f"listen: 127.0.0.1:{port}", f'listen: "[::1]:{port}"')
+    socks = []
+    try:
+        with lbproxy(text) as lb:
+            for i in range(40):
+                s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+                s.bind(("::1", 0))
+                s.settimeout(5)
+                socks.append(s)
+                s.sendto(b"%d" % i, ("::1", port))
+            for i, s in enumerate(socks):
+                answer, peer = s.recvfrom(100)
+                assert answer == b"a:%d" % i and peer[:2] == ("::1", port)
+            assert counted(admin, "lbproxy_udp_sessions_total", real_server="a") == 40
+            wait_for(
+                lambda: len([ln for ln in lb.log().splitlines() if "end=responses" in ln]) == 40,
+                what="40 sessions ended by their answer",
+            )
+            assert f"[::1]:{socks[0].getsockname()[1]} vs=vs rs=a" in lb.log()
+    finally:
+        for s in socks:
+            s.close()
+        echo.close()

@@ -568,7 +568,7 @@ class CompiledUdpRelay(_Sessions):
         # Each real server's index in the C relay's counts, by name, and back.
         self._index: dict[str, int] = {}
         self._names: list[str] = []
-        self._sockaddrs: dict[Address, bytes] = {}
+        self._sockaddrs: dict[tuple[str, int], bytes] = {}
         self._counted: UdpCounters | None = None  # whose settle() hook this relay is
 
     @property
@@ -687,17 +687,17 @@ class CompiledUdpRelay(_Sessions):
         return index
 
     def _sockaddr(self, address: Address) -> bytes:
-        packed = self._sockaddrs.get(address)
+        key = (address.host, address.port)  # (a tuple hashes in C; Address in Python)
+        packed = self._sockaddrs.get(key)
         if packed is None:
             assert cpump_sockaddr is not None  # the compiled relay runs only with it
             family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-            target: tuple = (address.host, address.port)
             try:
-                packed = cpump_sockaddr(family, target)
+                packed = cpump_sockaddr(family, key)
             except ValueError:  # a name, not a numeric address: resolved as the pure path does
                 info = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
                 packed = cpump_sockaddr(info[0][0], info[0][4])
-            self._sockaddrs[address] = packed
+            self._sockaddrs[key] = packed
         return packed
 
 

@@ -1575,7 +1575,7 @@ ur_open(UdpRelay *u, const struct sockaddr *sa, const UdpKey *k, uint32_t hash, 
     return s;
 failed:
     if (PyErr_ExceptionMatches(PyExc_Exception)) {
-        rx_record(r, s_where_connection_end);
+        rx_record(r, s_where_udp);
         return NULL;
     }
     return NULL; /* the exception stays set */

@@ -168,3 +168,35 @@ async def _test_sessions_closed_in_any_order_leave_the_others_found():
 
 def test_sessions_closed_in_any_order_leave_the_others_found():
     run(_test_sessions_closed_in_any_order_leave_the_others_found)
+
+
+async def _test_a_shortened_idle_timeout_applies_to_open_sessions_at_once():
+    """What the throttle monitor does in high mode (through each lease's handle, as for a
+    TCP connection): a session idle longer than its new timeout ends now, one idle less
+    long ends when the new timeout is over; `own_idle_timeout` keeps the configured one."""
+    servers = {"a": udp_socket()}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(echo, servers["a"], b"a")
+        relay = relay_for(servers, idle_timeout=60)
+        await nursery.start(relay.serve)
+        idle, busy = client_socket(), client_socket()
+        for client in (idle, busy):
+            assert await ask(relay, b"x", client) == b"ax"
+        await trio.sleep(0.3)
+        assert await ask(relay, b"y", busy) == b"ay"
+        handles = {lease.handle.client: lease.handle for lease in relay.pool.by_name["a"].leases}
+        assert {h.own_idle_timeout for h in handles.values()} == {60}
+        for handle in handles.values():
+            handle.flow.idle_timeout = 0.25
+        with trio.fail_after(2):
+            while idle.getsockname() in relay.sessions:
+                await trio.sleep(0.01)
+        with trio.fail_after(2):
+            while relay.sessions:
+                await trio.sleep(0.01)
+        assert relay.pool.active == 0
+        nursery.cancel_scope.cancel()
+
+
+def test_a_shortened_idle_timeout_applies_to_open_sessions_at_once():
+    run(_test_a_shortened_idle_timeout_applies_to_open_sessions_at_once)

@@ -1658,22 +1658,42 @@ ur_from_clients(UdpRelay *u)
 }
 
 /* Every session ends; with `callbacks` each one's on_end(session, "stopped") is called,
- * else (a collection) none is. */
+ * else (a collection) none is. The table is taken as it is now (on_end may end others). */
 static void
 ur_end_all(UdpRelay *u, int callbacks)
 {
     while (u->count > 0) {
-        UdpSession *s = NULL;
-        for (size_t i = 0; i < u->table_cap && s == NULL; i++)
-            s = u->table[i];
-        if (s == NULL)
-            break;
-        Py_INCREF(s);
-        if (callbacks)
-            us_end(s, END_STOPPED);
-        else
-            Py_XDECREF(us_detach(s));
-        Py_DECREF(s);
+        size_t n = 0, cap = u->count;
+        UdpSession **all = PyMem_Malloc(cap * sizeof *all);
+        if (all == NULL) { /* no room for the list: one at a time, from the start */
+            for (size_t i = 0; i < u->table_cap; i++)
+                if (u->table[i] != NULL) {
+                    all = &u->table[i];
+                    break;
+                }
+            UdpSession *s = all == NULL ? NULL : (UdpSession *)Py_NewRef(*all);
+            if (s == NULL)
+                return;
+            if (callbacks)
+                us_end(s, END_STOPPED);
+            else
+                Py_XDECREF(us_detach(s));
+            Py_DECREF(s);
+            continue;
+        }
+        for (size_t i = 0; i < u->table_cap && n < cap; i++)
+            if (u->table[i] != NULL)
+                all[n++] = (UdpSession *)Py_NewRef(u->table[i]);
+        for (size_t i = 0; i < n; i++) {
+            if (all[i]->relay == u) {
+                if (callbacks)
+                    us_end(all[i], END_STOPPED);
+                else
+                    Py_XDECREF(us_detach(all[i]));
+            }
+            Py_DECREF(all[i]);
+        }
+        PyMem_Free(all);
     }
 }
 

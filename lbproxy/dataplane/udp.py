@@ -687,17 +687,19 @@ class CompiledUdpRelay(_Sessions):
         return index
 
     def _sockaddr(self, address: Address) -> bytes:
+        """The server's struct sockaddr, made once per numeric address; a name is
+        resolved for each session, as the pure relay's connect does."""
         key = (address.host, address.port)  # (a tuple hashes in C; Address in Python)
         packed = self._sockaddrs.get(key)
-        if packed is None:
-            assert cpump_sockaddr is not None  # the compiled relay runs only with it
-            family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-            try:
-                packed = cpump_sockaddr(family, key)
-            except ValueError:  # a name, not a numeric address: resolved as the pure path does
-                info = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
-                packed = cpump_sockaddr(info[0][0], info[0][4])
-            self._sockaddrs[key] = packed
+        if packed is not None:
+            return packed
+        assert cpump_sockaddr is not None  # the compiled relay runs only with it
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        try:
+            packed = self._sockaddrs[key] = cpump_sockaddr(family, key)
+        except ValueError:  # not a numeric address
+            info = socket.getaddrinfo(address.host, address.port, family, socket.SOCK_DGRAM)
+            packed = cpump_sockaddr(family, info[0][4])
         return packed
 
 

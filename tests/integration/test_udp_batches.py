@@ -234,3 +234,23 @@ def test_ipv6_clients_each_get_their_own_session_and_answer(lbproxy):
         for s in socks:
             s.close()
         echo.close()
+
+
+def test_a_real_server_named_by_host_name_is_resolved_for_its_sessions(lbproxy):
+    """`address: localhost:PORT`: each session's socket goes to what the name resolves
+    to (127.0.0.1 here), as a numeric address's does."""
+    echo = Echo(b"a:")
+    port, admin = free_port(), free_port()
+    text = config(admin, port, {"a": echo}, "{responses: 1}")
+    text = text.replace(f"address: 127.0.0.1:{echo.port}", f"address: 'localhost:{echo.port}'")
+    socks = clients(3)
+    try:
+        with lbproxy(text):
+            for i, s in enumerate(socks):
+                s.sendto(b"%d" % i, ("127.0.0.1", port))
+                assert s.recvfrom(100)[0] == b"a:%d" % i
+            assert counted(admin, "lbproxy_udp_sessions_total", real_server="a") == 3
+    finally:
+        for s in socks:
+            s.close()
+        echo.close()

@@ -21,6 +21,10 @@ idle          `--idle` client addresses each open one session and stay silent
               after minus before, / sessions (user-space memory: socket buffers are
               kernel memory and not in RSS)
 
+--syscalls    instead of the time figures: each proxy's system calls per answered
+              datagram, by name, under `strace -c -f` during the same load (a count, which
+              the machine's other load does not move)
+
 The machine's other load moves every figure; run both proxies in the same run and
 compare the ratio, not the absolute numbers.
 """
@@ -194,6 +198,33 @@ def idle_sessions(pid: int, port: int, count: int) -> float:
     return (after - before) * 1024 / count
 
 
+def traced(
+    work: Path, pid: int, port: int, args, resolver
+) -> tuple[int, float, list[tuple[int, str]]]:
+    """The load under `strace -c -f` attached to the proxy and its children: (answered,
+    system calls per answered datagram, [(count, name)] most first)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    out = work / f"strace-{port}"
+    attach = [a for p in (pid, *map(int, children)) for a in ("-p", str(p))]
+    tracer = subprocess.Popen([need("strace"), "-c", "-f", "-o", str(out), *attach])
+    try:
+        time.sleep(1.0)  # attached (strace -c prints nothing to wait for)
+        if resolver is None:
+            answered = load(port, args.duration, args.window)[0]
+        else:
+            answered = dnsperf(work, port, args.duration, args.window)[0]
+    finally:
+        tracer.send_signal(2)  # SIGINT: strace detaches and writes its summary
+        tracer.wait(30)
+    calls = []
+    for line in out.read_text().splitlines():
+        m = re.match(r"\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)$", line)
+        if m and m[2] != "total":
+            calls.append((int(m[1]), m[2]))
+    calls.sort(reverse=True)
+    return answered, sum(n for n, _ in calls) / max(answered, 1), calls
+
+
 def lbproxy(
     procs: Processes, work: Path, port: int, upstream: int, responses: str
 ) -> subprocess.Popen:
@@ -235,7 +266,15 @@ def main() -> None:
         help="python: the closed loop against a UDP echo (p50/p99); dnsperf: dnsperf "
         "against a real dnsmasq (average/maximum latency)",
     )
+    parser.add_argument(
+        "--syscalls",
+        action="store_true",
+        help="instead: system calls per datagram by name, under strace -c (a count, "
+        "steadier than time on a busy machine)",
+    )
     args = parser.parse_args()
+    if args.syscalls:
+        need("strace")
     if args.generator == "dnsperf":
         need("dnsperf")
         need("dnsmasq", "dnsmasq-base")
@@ -263,6 +302,9 @@ def main() -> None:
             try:
                 wait_answering(port)
                 wait_answering(idle_port)
+                if args.syscalls:
+                    rows.append((name, *traced(work, busy.pid, port, args, resolver)))
+                    continue
                 cpu0, t0 = sum(cpu_seconds([busy.pid])), time.perf_counter()
                 if resolver is None:
                     answered, lat1, lat2 = load(port, args.duration, args.window)
@@ -275,6 +317,14 @@ def main() -> None:
             finally:
                 for proc in (busy, idle):
                     procs.stop(proc, 10)
+    if args.syscalls:
+        print(f"generator: {args.generator}")
+        for name, answered, per, calls in rows:
+            top = ", ".join(
+                f"{call} {n / answered:.2f}" for n, call in calls if n >= answered / 100
+            )
+            print(f"{name:8} {answered:8d} datagrams  {per:6.2f} system calls each: {top}")
+        return
     latencies = "p50 ms  p99 ms" if resolver is None else "avg ms  max ms"
     print(f"generator: {args.generator}")
     print(f"proxy     dgram/s  per CPU-s  util  {latencies}  B/idle session")

@@ -274,6 +274,7 @@ class LbproxyCollector:
         dropped = counter("lbproxy_udp_dropped")
         for pool in pools:
             counters = pool.udp
+            counters.settle()
             for rs in pool.servers:
                 labels = [pool.name, rs.name]
                 for direction in UDP_DIRECTIONS:

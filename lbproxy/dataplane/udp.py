@@ -11,18 +11,29 @@ never exceed `responses` times the requests sent, and the session ends when they
 it); `responses: 0` expects none and drops any. Beyond the counted replies nothing is
 sent (no amplification), and a reply is the real server's datagram, never more bytes.
 
-No task per session and none per datagram. Each relay has its own level-triggered epoll
-set holding the listening socket and every session's socket, served by one trio task:
-a wake-up handles every socket ready since the last one. The listening socket is read
-until EAGAIN (at most _BATCH datagrams per wake-up, then other tasks run); a session's
-socket gives one datagram per event (level-triggered: one still queued is the next
-batch's event), so a reply costs no failing `recv`. A datagram costs one receive and
-one send on each side, into one preallocated buffer per direction. The idle timeout is
-an entry in the run's deadline heap (net/deadlines.py) per session, armed at the
-session's start and moved on only when it rings early (activity since): no timer work
-per datagram. ECONNREFUSED on a session's socket (the real server's ICMP port
-unreachable, reported by epoll as an error) is a passive health failure, as a refused
-TCP connect is.
+Two relays behave alike, as the pump's two implementations do (net/compiled.py picks;
+`udp_relay()` makes the one that runs):
+
+* `CompiledUdpRelay`: every datagram is handled in C, in the run's reactor
+  (lbproxy/net/_cpump.c's `UdpRelay`: the listening socket and the sessions' sockets in
+  the reactor's epoll set, client datagrams read in recvmmsg batches, the session found
+  by the client's address in a C hash table, the idle timeout an entry in the reactor's
+  deadline heap). Python is called once when a client address opens a session (the
+  decision below, `_decide`) and once at its end (the accounts, `_ended`); the counts per
+  datagram accumulate in C and reach the pool's `UdpCounters` when read (`settle`).
+* `PureUdpRelay` (LBPROXY_PURE=1, or no compiled extension): no task per session and
+  none per datagram. It has its own level-triggered epoll set holding the listening
+  socket and every session's socket, served by one trio task: a wake-up handles every
+  socket ready since the last one. The listening socket is read until EAGAIN (at most
+  _BATCH datagrams per wake-up, then other tasks run); a session's socket gives one
+  datagram per event (level-triggered: one still queued is the next batch's event), so a
+  reply costs no failing `recv`. A datagram costs one receive and one send on each side,
+  into one preallocated buffer per direction. The idle timeout is an entry in the run's
+  deadline heap (net/deadlines.py) per session, armed at the session's start and moved
+  on only when it rings early (activity since): no timer work per datagram.
+
+On both, ECONNREFUSED on a session's socket (the real server's ICMP port unreachable,
+reported by epoll as an error) is a passive health failure, as a refused TCP connect is.
 
 The server runs one `UdpListener` (a `UdpRelay` behind the accept-loop interface of
 listener.py's `Listener`) per UDP listen address, keyed by `UdpAddress` so that a TCP
@@ -36,10 +47,9 @@ import contextlib
 import logging
 import select
 import socket
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final, TypeAlias
 
 import trio
 
@@ -52,7 +62,12 @@ from lbproxy.dataplane.access_log import write as write_access_line
 from lbproxy.dataplane.listener import bind_error
 from lbproxy.dataplane.virtual_server import VirtualServer
 from lbproxy.net.barrier import record
+from lbproxy.net.compiled import cpump
 from lbproxy.net.deadlines import Deadline, Deadlines, deadlines
+from lbproxy.net.pump import run_clock
+from lbproxy.net.reactor import implementation, reactor
+
+cpump_sockaddr = cpump.sockaddr if cpump is not None else None
 
 log = logging.getLogger("lbproxy.udp")
 
@@ -99,7 +114,7 @@ class Session:
     )
 
     def __init__(self, relay, client, server, lease, sock, now, idle_timeout, keys, source) -> None:
-        self.relay: UdpRelay = relay
+        self.relay: PureUdpRelay = relay
         self.client: tuple = client
         self.source: object = source  # what it counts under in per_source (source_key)
         self.server: RealServer = server
@@ -160,8 +175,9 @@ class Session:
         self.relay._close(self)
 
 
-class UdpRelay:
-    """The sessions of one UDP virtual server on one bound, non-blocking socket."""
+class _Sessions:
+    """What both relays share: the decision for a new session (ACL, caps, throttle,
+    scheduler, lease), the accounts at a session's end, the stop, the counters."""
 
     def __init__(
         self,
@@ -175,32 +191,159 @@ class UdpRelay:
         self.sock = sock
         self.access_log = access_log
         self.vs = vs  # its throttle, when it has one (None: a relay without a server)
-        self.sessions: dict[tuple, Session] = {}
-        self.by_fd: dict[int, Session] = {}  # the sessions' sockets in the epoll set
         # Sessions per source prefix (udp.source_prefix), for max_sessions_per_source.
-        self.per_source: Counter = Counter()
+        self.per_source: dict[object, int] = {}
         self.stopping = False  # at stop: no new session; serve() ends with the last one
         self._drained = trio.Event()  # stopping, and the last session ended
-        self._in = bytearray(MAX_DATAGRAM + 1)  # +1: a datagram that big is not cut short
-        self._out = bytearray(MAX_DATAGRAM + 1)
-        self._in_view = memoryview(self._in)
-        self._out_view = memoryview(self._out)
         self._keys: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {}
-        # Sessions opened since the last sweep whose idle deadline is not armed yet.
-        self.young: dict[Session, None] = {}
-        self._sweeping = False  # the sweep's deadline is armed
         # The ACL (its decision per source address remembered), for the configuration it
         # was made with.
         self._acl = SourceFilter(())
         self._acl_config: object = None
-        self._epoll: select.epoll | None = None  # while serve() runs
-        # Set by serve(): the run's clock (read directly, as the pump does) and deadlines.
+        # Set by serve(): the run's clock (read directly, as the pump does).
         self.clock: Callable[[], float] = trio.current_time
-        self.deadlines: Deadlines  # no session exists before serve() sets it
 
     @property
     def counters(self) -> UdpCounters:
         return self.pool.udp
+
+    @property
+    def open_sessions(self) -> int:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Open no more sessions; the running ones go on to their end (SPEC §6's drain,
+        which the server bounds with global.drain_timeout), then serve() returns."""
+        self.stopping = True
+        if not self.open_sessions:
+            self._drained.set()
+
+    def _decide(self, client: tuple, now: float) -> tuple[RealServer, Lease, float, object] | None:
+        """A new session's real server, lease, idle timeout and source; None (the drop
+        counted by reason) when the datagram opens none."""
+        pool = self.pool
+        config = pool.config
+        udp = config.udp
+        dropped = pool.udp.dropped  # (not `counters`: the compiled relay's settles first)
+        if self.stopping:
+            return None  # stopping: as a closed TCP listener, nothing is counted
+        if not self._admits(config, client[0]):
+            dropped["acl"] += 1
+            return None
+        if self.open_sessions >= udp.max_sessions:
+            dropped["max_sessions"] += 1
+            return None
+        prefix = udp.source_prefix
+        source = source_key(client[0], prefix.v4, prefix.v6)
+        if self.per_source.get(source, 0) >= udp.max_sessions_per_source:
+            dropped["per_source"] += 1
+            return None
+        throttle = self.vs.throttle if self.vs is not None else None
+        idle = udp.idle_timeout
+        if throttle is not None:
+            # A new session is the throttle's arrival (its rate), counted among the
+            # clients it weighs (`pool.clients`: the open sessions) as TCP's accept is.
+            pool.clients += 1
+            refused = throttle.arrival()
+            pool.clients -= 1
+            if refused:
+                dropped["throttle"] += 1
+                return None
+            idle = throttle.idle_timeout_for(idle)
+        rs = pool.pick(now, (), client)
+        if rs is None:
+            dropped["no_server"] += 1
+            return None
+        return rs, pool.take(rs, now, None, client), idle, source
+
+    def _opened(self, session, rs: RealServer, lease: Lease, source: object) -> None:
+        """A session is open: its lease, per source and sessions_total count it."""
+        self.pool.established(lease)
+        lease.handle = session
+        self.pool.clients += 1
+        per_source = self.per_source
+        per_source[source] = per_source.get(source, 0) + 1
+        self.pool.udp.sessions_total[rs.name] += 1
+
+    def _session_failed(self, rs: RealServer, lease: Lease, now: float, exc: OSError) -> None:
+        self.pool.drop(lease, now)
+        self.pool.udp.dropped["send_error"] += 1
+        log.warning("udp session to %s: %s", rs.name, exc)
+
+    def _admits(self, config, host: str) -> bool:
+        """The ACL (allow, then deny) for a new session's source, remembered."""
+        if self._acl_config is not config:  # a reload: decide anew
+            self._acl_config = config
+            self._acl = SourceFilter(config.allow, config.deny)
+        return self._acl.admits(host)
+
+    def _ended(self, session, ended: str, now: float) -> None:
+        """The accounts of a session that ended (out of the relay already)."""
+        source = session.source
+        per_source = self.per_source
+        left = per_source[source] - 1
+        if left:
+            per_source[source] = left
+        else:
+            del per_source[source]
+        pool = self.pool
+        rs = session.server
+        # The pool's byte counts (lbproxy_bytes_total) take the session's, as a TCP
+        # connection's at its end; until then the pool reads them off the lease.
+        rs_in, rs_out = session.bytes_in, session.bytes_out
+        counters = rs.counters
+        counters.bytes_in += rs_in
+        counters.bytes_out += rs_out
+        pool.drop(session.lease, now)
+        pool.clients -= 1
+        pool.durations.observe(now - session.started)
+        if self.stopping and not self.open_sessions:
+            self._drained.set()
+        if self.access_log:
+            write_access_line(
+                session.client,
+                pool.name,
+                rs.name,
+                rs_in,
+                rs_out,
+                now - session.started,
+                ended or "closed",
+                "udp",
+            )
+
+    def _refused_health(self, session, now: float) -> None:
+        """ICMP port unreachable: a passive failure of the session's server."""
+        record_health(self.pool, session.server, False, now, "udp port unreachable", passive=True)
+
+
+class PureUdpRelay(_Sessions):
+    """The sessions of one UDP virtual server on one bound, non-blocking socket, every
+    datagram handled in Python (LBPROXY_PURE=1, or no compiled extension)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        sock: socket.socket,
+        *,
+        access_log: bool = False,
+        vs: VirtualServer | None = None,
+    ) -> None:
+        super().__init__(pool, sock, access_log=access_log, vs=vs)
+        self.sessions: dict[tuple, Session] = {}
+        self.by_fd: dict[int, Session] = {}  # the sessions' sockets in the epoll set
+        self._in = bytearray(MAX_DATAGRAM + 1)  # +1: a datagram that big is not cut short
+        self._out = bytearray(MAX_DATAGRAM + 1)
+        self._in_view = memoryview(self._in)
+        self._out_view = memoryview(self._out)
+        # Sessions opened since the last sweep whose idle deadline is not armed yet.
+        self.young: dict[Session, None] = {}
+        self._sweeping = False  # the sweep's deadline is armed
+        self._epoll: select.epoll | None = None  # while serve() runs
+        self.deadlines: Deadlines  # no session exists before serve() sets it
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self.sessions)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Relay datagrams until cancelled, or, once `stop()` was called, until the last
@@ -216,19 +359,16 @@ class UdpRelay:
                 await self._drained.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            for session in list(self.sessions.values()):
-                session.ended = session.ended or "stopped"
-                self._close(session)
+            self.close()
             self._epoll = None
             trio.lowlevel.notify_closing(epoll.fileno())
             epoll.close()
 
-    def stop(self) -> None:
-        """Open no more sessions; the running ones go on to their end (SPEC §6's drain,
-        which the server bounds with global.drain_timeout), then serve() returns."""
-        self.stopping = True
-        if not self.sessions:
-            self._drained.set()
+    def close(self) -> None:
+        """Every session ends now (`end=stopped`)."""
+        for session in list(self.sessions.values()):
+            session.ended = session.ended or "stopped"
+            self._close(session)
 
     async def _run(self, epoll: select.epoll) -> None:
         epfd = epoll.fileno()
@@ -303,40 +443,10 @@ class UdpRelay:
         counters.bytes[key] += size
 
     def _open(self, client: tuple, now: float) -> Session | None:
-        pool = self.pool
-        config = pool.config
-        udp = config.udp
-        dropped = self.counters.dropped
-        if self.stopping:
-            return None  # stopping: as a closed TCP listener, nothing is counted
-        if not self._admits(config, client[0]):
-            dropped["acl"] += 1
+        decided = self._decide(client, now)
+        if decided is None:
             return None
-        if len(self.sessions) >= udp.max_sessions:
-            dropped["max_sessions"] += 1
-            return None
-        prefix = udp.source_prefix
-        source = source_key(client[0], prefix.v4, prefix.v6)
-        if self.per_source[source] >= udp.max_sessions_per_source:
-            dropped["per_source"] += 1
-            return None
-        throttle = self.vs.throttle if self.vs is not None else None
-        idle = udp.idle_timeout
-        if throttle is not None:
-            # A new session is the throttle's arrival (its rate), counted among the
-            # clients it weighs (`pool.clients`: the open sessions) as TCP's accept is.
-            pool.clients += 1
-            refused = throttle.arrival()
-            pool.clients -= 1
-            if refused:
-                dropped["throttle"] += 1
-                return None
-            idle = throttle.idle_timeout_for(idle)
-        rs = pool.pick(now, (), client)
-        if rs is None:
-            dropped["no_server"] += 1
-            return None
-        lease = pool.take(rs, now, None, client)
+        rs, lease, idle, source = decided
         sock = None
         try:
             family = socket.AF_INET6 if ":" in rs.address.host else socket.AF_INET
@@ -347,21 +457,15 @@ class UdpRelay:
         except OSError as exc:
             if sock is not None:
                 sock.close()
-            pool.drop(lease, now)
-            dropped["send_error"] += 1
-            log.warning("udp session to %s: %s", rs.name, exc)
+            self._session_failed(rs, lease, now, exc)
             return None
-        pool.established(lease)
         keys = self._keys.get(rs.name)
         if keys is None:
             keys = self._keys[rs.name] = ((rs.name, "in"), (rs.name, "out"))
         session = Session(self, client, rs, lease, sock, now, idle, keys, source)
-        lease.handle = session
-        pool.clients += 1
+        self._opened(session, rs, lease, source)
         self.sessions[client] = session
         self.by_fd[session.fd] = session
-        self.per_source[source] += 1
-        self.counters.sessions_total[rs.name] += 1
         if idle >= _DEFER_IDLE:
             self.young[session] = None
             if not self._sweeping:
@@ -379,13 +483,6 @@ class UdpRelay:
         at = self.deadlines.at
         for session in young:  # all still open: _close takes an ended one out
             session.alarm = at(session.last + session._idle_timeout, session)
-
-    def _admits(self, config, host: str) -> bool:
-        """The ACL (allow, then deny) for a new session's source, remembered."""
-        if self._acl_config is not config:  # a reload: decide anew
-            self._acl_config = config
-            self._acl = SourceFilter(config.allow, config.deny)
-        return self._acl.admits(host)
 
     # -- real server -> client ------------------------------------------------------
 
@@ -432,7 +529,7 @@ class UdpRelay:
         """ICMP port unreachable: a passive failure; the session ends, the next datagram
         from this client picks again."""
         session.ended = "refused"
-        record_health(self.pool, session.server, False, now, "udp port unreachable", passive=True)
+        self._refused_health(session, now)
         self._close(session)
 
     def _close(self, session: Session) -> None:
@@ -446,37 +543,180 @@ class UdpRelay:
             session.alarm = None
         else:
             self.young.pop(session, None)
-        source = session.source
-        self.per_source[source] -= 1
-        if not self.per_source[source]:
-            del self.per_source[source]
-        now = self.clock()
-        pool = self.pool
-        rs = session.server
-        # The pool's byte counts (lbproxy_bytes_total) take the session's, as a TCP
-        # connection's at its end; until then the pool reads them off the lease.
-        rs_in, rs_out = session.bytes_in, session.bytes_out
-        counters = rs.counters
-        counters.bytes_in += rs_in
-        counters.bytes_out += rs_out
-        session.bytes_in = session.bytes_out = 0
-        pool.drop(session.lease, now)
-        pool.clients -= 1
-        pool.durations.observe(now - session.started)
-        if self.stopping and not self.sessions:
-            self._drained.set()
         session.sock.close()  # which takes it out of the epoll set
-        if self.access_log:
-            write_access_line(
-                session.client,
-                pool.name,
-                rs.name,
-                rs_in,
-                rs_out,
-                now - session.started,
-                session.ended or "closed",
-                "udp",
+        self._ended(session, session.ended, self.clock())
+        session.bytes_in = session.bytes_out = 0
+
+
+class CompiledUdpRelay(_Sessions):
+    """The same sessions with every datagram handled in C, in the run's reactor (its
+    `udp()`: lbproxy/net/_cpump.c): a client datagram costs a recvmmsg batch's share and
+    one send, a reply one recv and one sendto, neither a Python call. Python is called
+    once when a client address opens a session (`_decide`) and once at its end."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        sock: socket.socket,
+        *,
+        access_log: bool = False,
+        vs: VirtualServer | None = None,
+    ) -> None:
+        super().__init__(pool, sock, access_log=access_log, vs=vs)
+        self._relay: Any = None  # the C relay while serve() runs
+        self._open_count = 0
+        # Each real server's index in the C relay's counts, by name, and back.
+        self._index: dict[str, int] = {}
+        self._names: list[str] = []
+        self._sockaddrs: dict[tuple[str, int], bytes] = {}
+        self._counted: UdpCounters | None = None  # whose settle() hook this relay is
+
+    @property
+    def open_sessions(self) -> int:
+        return self._open_count
+
+    @property
+    def sessions(self) -> dict[tuple, Any]:
+        """The open sessions by client address (a copy)."""
+        relay = self._relay
+        return {} if relay is None else {s.client: s for s in relay.sessions()}
+
+    @property
+    def counters(self) -> UdpCounters:
+        self.settle()
+        return self.pool.udp
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Relay datagrams until cancelled, or, once `stop()` was called, until the last
+        session ended."""
+        self.clock = run_clock()
+        make = reactor().udp  # type: ignore[attr-defined]  # the C Reactor only
+        self._relay = make(self.sock.fileno(), self._on_open, self._on_end)
+        self.route()
+        try:
+            task_status.started(self.sock.getsockname())
+            await self._drained.wait()
+        finally:
+            self.close()
+
+    def route(self) -> None:
+        """After a reload: new sessions' `responses` (and the counts) follow the pool."""
+        relay = self._relay
+        if relay is None:
+            return
+        relay.responses = self.pool.config.udp.responses
+        counters = self.pool.udp
+        if self._counted is not counters:
+            self.settle()
+            if self._counted is not None:
+                self._counted.unsettled.discard(self.settle)
+            counters.unsettled.add(self.settle)
+            self._counted = counters
+
+    def close(self) -> None:
+        """Every session ends now (`end=stopped`); the socket leaves the reactor."""
+        relay = self._relay
+        if relay is None:
+            return
+        relay.close()
+        self.settle()
+        if self._counted is not None:
+            self._counted.unsettled.discard(self.settle)
+            self._counted = None
+        self._relay = None
+
+    def settle(self) -> None:
+        """Move what the C relay counted since the last call into the pool's counters."""
+        relay = self._relay
+        if relay is None:
+            return
+        rows, (unrequested, send_error, reply_error) = relay.take_counts()
+        counters = self._counted or self.pool.udp
+        names = self._names
+        for index, datagrams_in, datagrams_out, bytes_in, bytes_out in rows:
+            name = names[index]
+            counters.datagrams[name, "in"] += datagrams_in
+            counters.datagrams[name, "out"] += datagrams_out
+            counters.bytes[name, "in"] += bytes_in
+            counters.bytes[name, "out"] += bytes_out
+        dropped = counters.dropped
+        if unrequested:
+            dropped["unrequested"] += unrequested
+        if send_error:
+            dropped["send_error"] += send_error
+        if reply_error:
+            dropped["reply_error"] += reply_error
+
+    def _on_open(self, client: tuple) -> Any:
+        """The C relay's call for a client address without a session."""
+        now = self.clock()
+        decided = self._decide(client, now)
+        if decided is None:
+            return None
+        rs, lease, idle, source = decided
+        try:
+            session = self._relay.session(
+                self._sockaddr(rs.address),
+                idle,
+                self._index_of(rs.name),
+                rs,
+                lease,
+                source,
+                self.pool.config.udp.idle_timeout,
             )
+        except OSError as exc:
+            self._session_failed(rs, lease, now, exc)
+            return None
+        self._opened(session, rs, lease, source)
+        self._open_count += 1
+        return session
+
+    def _on_end(self, session: Any, ended: str) -> None:
+        """The C relay's call once a session has ended (out of it, its socket closed)."""
+        now = self.clock()
+        self._open_count -= 1
+        if ended == "refused":
+            self._refused_health(session, now)
+        self._ended(session, ended, now)
+
+    def _index_of(self, name: str) -> int:
+        index = self._index.get(name)
+        if index is None:
+            index = self._index[name] = len(self._names)
+            self._names.append(name)
+        return index
+
+    def _sockaddr(self, address: Address) -> bytes:
+        """The server's struct sockaddr, made once per numeric address; a name is
+        resolved for each session, as the pure relay's connect does."""
+        key = (address.host, address.port)  # (a tuple hashes in C; Address in Python)
+        packed = self._sockaddrs.get(key)
+        if packed is not None:
+            return packed
+        assert cpump_sockaddr is not None  # the compiled relay runs only with it
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        try:
+            packed = self._sockaddrs[key] = cpump_sockaddr(family, key)
+        except ValueError:  # not a numeric address
+            info = socket.getaddrinfo(address.host, address.port, family, socket.SOCK_DGRAM)
+            packed = cpump_sockaddr(family, info[0][4])
+        return packed
+
+
+UdpRelay: TypeAlias = PureUdpRelay | CompiledUdpRelay
+
+
+def udp_relay(
+    pool: Pool,
+    sock: socket.socket,
+    *,
+    access_log: bool = False,
+    vs: VirtualServer | None = None,
+) -> UdpRelay:
+    """The relay of the path that runs (net/compiled.py): compiled, or pure Python."""
+    if hasattr(implementation(), "UdpRelay"):
+        return CompiledUdpRelay(pool, sock, access_log=access_log, vs=vs)
+    return PureUdpRelay(pool, sock, access_log=access_log, vs=vs)
 
 
 def _peer(client: tuple) -> str:
@@ -537,7 +777,9 @@ class UdpListener:
         self.sock = sock
         self.cancel_scope = trio.CancelScope()
         self.vs: VirtualServer = virtual_servers[0]
-        self.relay = UdpRelay(self.vs.pool, sock, access_log=self.vs.access_log, vs=self.vs)
+        self.relay: UdpRelay = udp_relay(
+            self.vs.pool, sock, access_log=self.vs.access_log, vs=self.vs
+        )
 
     @property
     def virtual_servers(self) -> list[VirtualServer]:
@@ -549,6 +791,8 @@ class UdpListener:
         self.relay.pool = self.vs.pool
         self.relay.vs = self.vs
         self.relay.access_log = self.vs.access_log
+        if isinstance(self.relay, CompiledUdpRelay):
+            self.relay.route()
 
     async def accept_loop(self, handlers: trio.Nursery) -> None:
         handlers.start_soon(self._relay)
@@ -570,6 +814,7 @@ class UdpListener:
 
     def close(self) -> None:
         """Closed by a reload that no longer listens here: its sessions end now."""
+        self.relay.close()  # (the C relay leaves the reactor before its socket closes)
         self.cancel_scope.cancel()
         trio.lowlevel.notify_closing(self.sock)
         self.sock.close()

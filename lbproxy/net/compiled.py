@@ -1,10 +1,11 @@
 """Which implementation of the connection path runs: compiled (C) or pure Python.
 
 The pump and its reactor (net/reactor.py's `Reactor` and `Pump`: one API, two
-implementations), the accept loop's accept4 batch, the connect to a real server and the
-run's clock have a C version, ``lbproxy.net._cpump`` (lbproxy/net/_cpump.c), built by
-``pip install`` when a C compiler and the Python headers are there (an optional
-extension: a failed build still installs lbproxy). The pure one (net/pure_pump.py and
+implementations), the accept loop's accept4 batch, the connect to a real server, the
+run's clock and the UDP datagram relay (dataplane/udp.py's two relays) have a C
+version, ``lbproxy.net._cpump`` (lbproxy/net/_cpump.c), built by ``pip install`` when a
+C compiler and the Python headers are there (an optional extension: a failed build
+still installs lbproxy). The pure one (net/pure_pump.py and
 the pure branches of accept.py and connection.py) behaves the same -- the pump's two
 are checked against each other by tests/integration/test_pump_differential.py; the C one
 only costs less per connection and per chunk (docs/benchmarks.md).
@@ -24,7 +25,7 @@ __all__ = ["IMPLEMENTATION", "PURE_ENV", "cpump", "describe"]
 
 PURE_ENV = "LBPROXY_PURE"
 #: The _cpump interface this Python source calls (_cpump.c's C_API).
-C_API = 3
+C_API = 4
 
 cpump: ModuleType | None = None
 _why_pure = ""

@@ -44,7 +44,7 @@ from lbproxy.config.model import (
     VirtualServerConfig,
 )
 from lbproxy.core.pool import Pool
-from lbproxy.dataplane.udp import UdpRelay
+from lbproxy.dataplane.udp import UdpRelay, udp_relay
 from tests import tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1100,7 +1100,7 @@ def relay_for(servers: dict[str, socket.socket], **udp) -> UdpRelay:
         udp=UdpConfig(**udp),
         health_check=HealthCheckConfig(type="none"),
     )
-    return UdpRelay(Pool(config, trio.current_time()), udp_socket())
+    return udp_relay(Pool(config, trio.current_time()), udp_socket())
 
 
 # -- systemd's notify socket ------------------------------------------------------------

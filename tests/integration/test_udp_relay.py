@@ -4,6 +4,7 @@ sessions and bounding replies, the idle timeout, the table caps, ICMP as passive
 
 from __future__ import annotations
 
+import random
 import socket
 
 import trio
@@ -129,3 +130,73 @@ def test_no_amplification_and_idle_timeout():
 
 def test_max_sessions_per_source_and_icmp_refused():
     run(_test_max_sessions_per_source_and_icmp_refused)
+
+
+async def _test_sessions_closed_in_any_order_leave_the_others_found():
+    """500 sessions (a table many times a batch), a random half closed as `disable`
+    closes them: each closed client's next datagram opens a new session, each other
+    client's goes on in its own -- its session found again, whatever was removed
+    around it."""
+    servers = {"a": udp_socket()}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(echo, servers["a"], b"a")
+        relay = relay_for(servers, max_sessions_per_source=1000, idle_timeout=60)
+        await nursery.start(relay.serve)
+        clients = [client_socket() for _ in range(500)]
+        for round_ in range(2):
+            for i, client in enumerate(clients):
+                await client.sendto(b"%d" % i, relay.sock.getsockname())
+                with trio.fail_after(2):
+                    assert (await client.recvfrom(100))[0] == b"a%d" % i
+            if round_ == 0:
+                before = dict(relay.sessions)  # (a copy: the pure relay's is live)
+                assert len(before) == 500
+                closed = random.Random(44).sample(sorted(before), 250)
+                for address in closed:
+                    before[address].close()
+                assert len(relay.sessions) == 250
+        after = relay.sessions
+        assert len(after) == 500
+        kept = [a for a in before if a not in closed]
+        assert all(after[a] is before[a] for a in kept)  # the same sessions, found again
+        assert all(after[a] is not before[a] for a in closed)  # new ones
+        assert relay.counters.sessions_total["a"] == 750
+        assert relay.counters.datagrams["a", "in"] == relay.counters.datagrams["a", "out"] == 1000
+        assert relay.pool.active == 500
+        nursery.cancel_scope.cancel()
+
+
+def test_sessions_closed_in_any_order_leave_the_others_found():
+    run(_test_sessions_closed_in_any_order_leave_the_others_found)
+
+
+async def _test_a_shortened_idle_timeout_applies_to_open_sessions_at_once():
+    """What the throttle monitor does in high mode (through each lease's handle, as for a
+    TCP connection): a session idle longer than its new timeout ends now, one idle less
+    long ends when the new timeout is over; `own_idle_timeout` keeps the configured one."""
+    servers = {"a": udp_socket()}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(echo, servers["a"], b"a")
+        relay = relay_for(servers, idle_timeout=60)
+        await nursery.start(relay.serve)
+        idle, busy = client_socket(), client_socket()
+        for client in (idle, busy):
+            assert await ask(relay, b"x", client) == b"ax"
+        await trio.sleep(0.3)
+        assert await ask(relay, b"y", busy) == b"ay"
+        handles = {lease.handle.client: lease.handle for lease in relay.pool.by_name["a"].leases}
+        assert {h.own_idle_timeout for h in handles.values()} == {60}
+        for handle in handles.values():
+            handle.flow.idle_timeout = 0.25
+        with trio.fail_after(2):
+            while idle.getsockname() in relay.sessions:
+                await trio.sleep(0.01)
+        with trio.fail_after(2):
+            while relay.sessions:
+                await trio.sleep(0.01)
+        assert relay.pool.active == 0
+        nursery.cancel_scope.cancel()
+
+
+def test_a_shortened_idle_timeout_applies_to_open_sessions_at_once():
+    run(_test_a_shortened_idle_timeout_applies_to_open_sessions_at_once)

@@ -112,3 +112,72 @@ def test_any_size_and_burst_comes_back_byte_exact(plan, seed):
 @given(bursts(), st.integers(0, 2**32))
 def test_responses_1_passes_one_reply_per_datagram_of_three(plan, seed):
     run(plan, seed, copies=3, responses=1)
+
+
+# -- the session table: any order of datagrams and ends, against a model --------------
+
+CLIENTS = 80  # more than a recvmmsg batch (32) and than the table's first size's half
+
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("send"), st.lists(st.integers(0, CLIENTS - 1), min_size=1, max_size=60)),
+        st.tuples(st.just("close"), st.lists(st.integers(0, CLIENTS - 1), min_size=1, max_size=30)),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+async def sessions_against_a_model(plan) -> None:
+    """Clients send (each its own datagram, answered by the echo) and sessions are closed
+    as `disable` closes them, in any order: each client's session is the one the model
+    says (kept while open, a new one after its end), and the counts add up."""
+    server = big_buffers(udp_socket())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(echo, server, 1)
+        relay = relay_for({"a": server}, max_sessions_per_source=CLIENTS, idle_timeout=60)
+        await nursery.start(relay.serve)
+        address = relay.sock.getsockname()
+        clients = [
+            trio.socket.from_stdlib_socket(big_buffers(udp_socket())) for _ in range(CLIENTS)
+        ]
+        names = [c.getsockname() for c in clients]
+        model: dict[int, object] = {}  # client -> its session object, while open
+        opened = sent = 0
+        for kind, which in plan:
+            if kind == "close":
+                for i in which:
+                    if i in model:
+                        model.pop(i).close()
+                continue
+            burst = list(dict.fromkeys(which))  # each client once per burst: one answer each
+            for i in burst:
+                await clients[i].sendto(b"%d" % i, address)
+            with trio.fail_after(5):
+                for i in burst:
+                    data, _ = await clients[i].recvfrom(100)
+                    assert data == b"%d" % i
+            sent += len(burst)
+            now = relay.sessions
+            for i in burst:
+                session = now[names[i]]
+                if i in model:
+                    assert session is model[i]  # found again, whatever moved around it
+                else:
+                    model[i] = session
+                    opened += 1
+            assert set(now) == {names[i] for i in model}
+        assert relay.counters.sessions_total["a"] == opened
+        assert relay.counters.datagrams["a", "in"] == relay.counters.datagrams["a", "out"] == sent
+        assert relay.pool.active == len(model)
+        nursery.cancel_scope.cancel()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps)
+def test_sessions_opened_and_closed_in_any_order_are_found_as_a_model_says(plan):
+    try:
+        trio.run(sessions_against_a_model, plan)
+    finally:
+        while OPEN_UDP_SOCKETS:
+            OPEN_UDP_SOCKETS.pop().close()

@@ -46,12 +46,15 @@ def finish(conn: dict) -> None:
     s = conn.pop("sock")
     conn["client_port"] = s.getsockname()[1]
     s.sendall(conn["payload"])
+    # The proxy ends the connection only after this FIN reaches it, and had it before
+    # `served`: at least this long in the proxy. (Not until the client reads the end:
+    # the proxy may end it well before a busy client gets to run.)
+    conn["held"] = time.monotonic() - conn["served"]
     s.shutdown(socket.SHUT_WR)
     echoed = b""
     while chunk := s.recv(100):
         echoed += chunk
     assert echoed == conn["payload"]
-    conn["held"] = time.monotonic() - conn["served"]  # at least this long in the proxy
     s.close()
     conn["closed"] = time.time()
 

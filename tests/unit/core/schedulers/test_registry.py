@@ -20,8 +20,14 @@ from tests.factories import virtual_server
 PACKAGE = Path(__file__).resolve().parents[4] / "lbproxy"
 SCHEDULERS = PACKAGE / "core" / "schedulers"
 # The demo's configuration, written in code, is a user's configuration: it chooses its
-# schedulers (wlc, and dwd to show dynamic weights) as a YAML file would.
-USER_CONFIGURATIONS = {PACKAGE / "tools" / "demo.py"}
+# schedulers (wlc, and dwd to show dynamic weights) as a YAML file would. So do the
+# importers: each writes the scheduler that behaves as HAProxy's or nginx's balance
+# method (their output goes through `lbproxy check` in their tests).
+USER_CONFIGURATIONS = {
+    PACKAGE / "tools" / "demo.py",
+    PACKAGE / "tools" / "importer" / "haproxy.py",
+    PACKAGE / "tools" / "importer" / "nginx.py",
+}
 
 
 def _named_schedulers(source: str, where: str, names: set[str]) -> list[str]:

@@ -120,5 +120,7 @@ def test_a_client_that_finds_the_proxy_idle_wakes_no_task(lbproxy, tmp_path):
     # read and passed on (shutdown, epoll_ctl), the server's FIN read, two closes, and
     # the reactor's epoll_wait for each of the four events: 20 calls. The pure path adds
     # two: the fcntl after accept and the getsockname of the connect's socket object.
-    limit = 21 if compiled_path_expected() else 23
+    # The margin (2) is for an epoll_wait that a timer ends, or that sees one event of
+    # two that come together, under load.
+    limit = 22 if compiled_path_expected() else 24
     assert per_connection <= limit, f"{per_connection:.2f} system calls per connection"

@@ -132,6 +132,8 @@ def main() -> None:
             with trio.fail_after(10):
                 while any(h.pool.clients for h in handlers.values()):
                     await trio.sleep(0.01)
+            for h in handlers.values():  # its guardian task ends (a tree without: none)
+                getattr(h, "retire", lambda: None)()
         real.close()
         front.close()
 

@@ -38,6 +38,8 @@ ENTRIES = {
     "connect": "__x64_sys_connect",
     "close": "__x64_sys_close",
     "sendto": "__x64_sys_sendto",
+    "writev (nginx's sends)": "do_writev",
+    "tcp_sendmsg (every send, whatever call)": "tcp_sendmsg",
     "recvfrom": "__x64_sys_recvfrom",
     "epoll_wait": "__x64_sys_epoll_wait",
     "epoll_ctl": "__x64_sys_epoll_ctl",

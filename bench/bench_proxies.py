@@ -164,6 +164,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " (bench/bench_syscalls.py; default proxies lbproxy,haproxy)",
     )
     p.add_argument(
+        "--sequence",
+        action="store_true",
+        help="with --syscalls: each proxy's system calls for one new connection, in order,"
+        " with their sockets and arguments (bench/bench_sequence.py; default proxies"
+        " lbproxy,haproxy,nginx)",
+    )
+    p.add_argument(
         "--kernel",
         action="store_true",
         help="instead of the comparison: where the system time of a new connection goes,"
@@ -179,6 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.conns = [int(x) for x in a.conns.split(",") if x]
     if a.kernel and a.proxies == PROXIES_DEFAULT:
         a.proxies = "lbproxy,haproxy"
+    if a.sequence and a.proxies == PROXIES_DEFAULT:
+        a.proxies = "lbproxy,haproxy,nginx"
     if a.syscalls and a.proxies == PROXIES_DEFAULT:
         a.proxies = "lbproxy,haproxy"
     if a.duration is None:
@@ -252,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
                 import bench_kernel
 
                 bench_kernel.run(args, procs, work)
+                return 0
+            if args.sequence:
+                import bench_sequence
+
+                bench_sequence.run(args, procs, work)
                 return 0
             if args.syscalls:
                 import bench_syscalls

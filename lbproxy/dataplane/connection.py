@@ -16,7 +16,11 @@ Every state change is `c.state = INTO[new][c.state]`, a lookup in the table
 (dataplane/lifecycle.py) that raises for a transition the table lacks. Once
 established, the pump (the reactor, net/pump.py) moves the bytes and reports the end;
 the task-less connections of a handler are drained through one guardian task
-(`Handler._guard`).
+(`Handler._guard`), which stands from its first such connection until the handler is
+retired (`Handler.retire`: its listener closed, or a reload dropped its virtual server)
+and its last connection has ended -- not one task per idle-to-busy transition, which on
+a proxy serving one connection at a time would cost a task and two trio rounds, with
+their wake-ups, per connection.
 
 `ClientConnection.end()` is the one way out of every state: idempotent, it counts the
 connection, writes the access log, gives the lease back, adds the byte counts and
@@ -254,9 +258,11 @@ class Handler:
         self._reactor: Reactor | None = None
         # Connections established with no task, by their client's descriptor (theirs
         # until the pump has ended), and the guardian task standing for them in the
-        # handlers nursery while there are any.
+        # handlers nursery: from the first until the handler is retired and the last
+        # has ended (_guard).
         self._live: dict[int, ClientConnection] = {}
         self._guarded = False
+        self._retired = False
         self._empty: trio.Event | None = None
         self._spawn: Spawn | None = None
         # Made once: the pumps' on_end, for every connection's end.
@@ -674,7 +680,7 @@ class Handler:
         c = live.pop(p.client_fd)
         c.pump = p
         c.end(p.outcome or "error")
-        if not live and self._empty is not None:
+        if not live and self._retired and self._empty is not None:
             self._empty.set()
 
     def _end_failed(self, c: ClientConnection, exc: Exception) -> None:
@@ -725,11 +731,21 @@ class Handler:
                     how,
                 )
 
+    def retire(self) -> None:
+        """No client comes to this handler any more (its listener is closed, or a
+        reload dropped its virtual server): the guardian ends once the connections it
+        stands for have, so that the drain does not wait for it. Idempotent."""
+        self._retired = True
+        if not self._live and self._empty is not None:
+            self._empty.set()
+
     async def _guard(self) -> None:
         """Stands, in the handlers nursery, for the connections that have no task, so
-        the drain waits for them, and closes them when its deadline cancels it."""
+        the drain waits for them, and closes them when its deadline cancels it. It
+        stays while the handler serves (an empty moment between two connections is
+        not its end) and ends when the handler is retired and no connection is left."""
         try:
-            while self._live:
+            while self._live or not self._retired:
                 self._empty = trio.Event()
                 await self._empty.wait()
         except BaseException:

@@ -164,7 +164,11 @@ class Listener:
         servers on an address, or their `sni` names, may change while the socket
         stays bound. Connections already handed to a handler keep it.
         """
-        self._handlers = {vs: self._handlers.get(vs) or Handler(vs) for vs in virtual_servers}
+        old = self._handlers
+        self._handlers = {vs: old.get(vs) or Handler(vs) for vs in virtual_servers}
+        for vs, handler in old.items():
+            if vs not in self._handlers:  # its connections go on; no new one comes
+                handler.retire()
         self.vs = virtual_servers[0]  # the address's first: it counts no_route
         self.handler = self._handlers[self.vs]
         self.routes = Routes(virtual_servers)
@@ -193,6 +197,8 @@ class Listener:
         self.cancel_scope.cancel()
         trio.lowlevel.notify_closing(self.sock)  # wakes a waiter with ClosedResourceError
         self.sock.close()
+        for handler in self._handlers.values():
+            handler.retire()
 
     def refuse_client(self, peer: tuple) -> None:
         """The accept batch closed a client beyond `global.max_clients`: counted on the

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import pytest
 import trio
+import trio.testing
 
 from lbproxy.config.model import Address, HealthCheckConfig, QueueConfig
 from lbproxy.core.pool import Pool
@@ -299,7 +300,7 @@ def test_fast_path_runs_to_established_with_no_task_and_ends_once(recorded, capl
         caplog.clear()
         client = await r.accept()
         assert recorded[0] == [A, P, C, E]  # established within accept(): no task
-        assert r.spawned == ["_guard"]  # only the guardian standing for the pumps
+        assert r.spawned == []  # the warm-up's guardian still stands for the pumps
         assert await round_trip(client) == b"ping"
         client.close()
         await settled(r)
@@ -941,5 +942,80 @@ def test_servers_renamed_by_reloads_are_not_remembered_for_ever(recorded):
             await settled(r)
         assert sum(rs.counters.connections_total for rs in r.pool.servers) == 1
         assert len(r.handler._targets) <= 2 * len(r.pool.servers) + 17
+
+    run(body)
+
+
+# -- the guardian: one task per handler, not per idle-to-busy transition ------------------
+
+
+def test_one_guardian_stands_for_connections_that_come_one_at_a_time(recorded):
+    async def body(nursery):
+        r = await rig(nursery)
+        await warm_up(r, recorded)  # its connection started the guardian
+        for _ in range(3):  # each finds the handler with no connection live
+            client = await r.accept()
+            assert await round_trip(client) == b"ping"
+            client.close()
+            await settled(r)
+        assert r.spawned == []
+        assert recorded == [JOURNEYS["fast"]] * 3
+
+    run(body)
+
+
+def test_a_retired_handler_is_drained_once_its_last_connection_ends(recorded):
+    """retire() (the listener closed): the handlers nursery, which the drain waits for,
+    finishes when the last task-less connection ends, and not before."""
+
+    async def body(nursery):
+        port = await echo_server_port(nursery)
+        drained = trio.Event()
+
+        stopping = trio.Event()
+
+        async def handlers_nursery(task_status=trio.TASK_STATUS_IGNORED):
+            async with trio.open_nursery() as handlers:  # as the server's
+                task_status.started(await rig(handlers, [real_server("a", port)]))
+                await stopping.wait()
+            drained.set()
+
+        r = await nursery.start(handlers_nursery)
+        await warm_up(r, recorded)
+        held = await r.accept()
+        assert await round_trip(held) == b"ping"
+        r.handler.retire()  # as the listener's close() does when the drain starts
+        stopping.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not drained.is_set()  # the guardian stands for the held connection
+        held.close()
+        with trio.fail_after(5):
+            await drained.wait()
+        assert recorded == [JOURNEYS["fast"]]
+
+    run(body)
+
+
+def test_a_retired_idle_handler_is_drained_at_once(recorded):
+    async def body(nursery):
+        port = await echo_server_port(nursery)
+        drained = trio.Event()
+
+        stopping = trio.Event()
+
+        async def handlers_nursery(task_status=trio.TASK_STATUS_IGNORED):
+            async with trio.open_nursery() as handlers:  # as the server's
+                task_status.started(await rig(handlers, [real_server("a", port)]))
+                await stopping.wait()
+            drained.set()
+
+        r = await nursery.start(handlers_nursery)
+        await warm_up(r, recorded)  # its guardian stays while the handler serves
+        stopping.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not drained.is_set()
+        r.handler.retire()
+        with trio.fail_after(5):
+            await drained.wait()
 
     run(body)

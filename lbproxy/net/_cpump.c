@@ -1763,6 +1763,25 @@ UdpSession_get_flow(UdpSession *s, void *c)
     return Py_NewRef(s);
 }
 
+/* An idle_timeout attribute's new value (a pump's or a UDP session's): seconds, or
+ * math.inf for none; -1 with the exception set for a deletion or a non-number. */
+static int
+idle_timeout_arg(PyObject *value, double *seconds)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "idle_timeout cannot be deleted");
+        return -1;
+    }
+    *seconds = PyFloat_AsDouble(value);
+    if (*seconds == -1.0 && PyErr_Occurred())
+        return -1;
+    if (isnan(*seconds)) {
+        PyErr_SetString(PyExc_ValueError, "idle_timeout must be a number of seconds or math.inf");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 UdpSession_get_idle_timeout(UdpSession *s, void *c)
 {
@@ -1772,17 +1791,9 @@ UdpSession_get_idle_timeout(UdpSession *s, void *c)
 static int
 UdpSession_set_idle_timeout(UdpSession *s, PyObject *value, void *c)
 {
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "idle_timeout cannot be deleted");
+    double seconds;
+    if (idle_timeout_arg(value, &seconds) < 0)
         return -1;
-    }
-    double seconds = PyFloat_AsDouble(value);
-    if (seconds == -1.0 && PyErr_Occurred())
-        return -1;
-    if (isnan(seconds)) {
-        PyErr_SetString(PyExc_ValueError, "idle_timeout must be a number of seconds or math.inf");
-        return -1;
-    }
     s->idle_timeout = seconds;
     UdpRelay *u = s->relay;
     if (u == NULL || u->reactor == NULL)
@@ -2342,17 +2353,9 @@ Pump_get_idle_timeout(Pump *p, void *c)
 static int
 Pump_set_idle_timeout(Pump *p, PyObject *value, void *c)
 {
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "idle_timeout cannot be deleted");
+    double seconds;
+    if (idle_timeout_arg(value, &seconds) < 0)
         return -1;
-    }
-    double seconds = PyFloat_AsDouble(value);
-    if (seconds == -1.0 && PyErr_Occurred())
-        return -1;
-    if (isnan(seconds)) {
-        PyErr_SetString(PyExc_ValueError, "idle_timeout must be a number of seconds or math.inf");
-        return -1;
-    }
     p->idle_timeout = seconds;
     if (p->outcome != OPEN)
         return 0;

@@ -709,8 +709,10 @@ class Handler:
             if was == ESTABLISHED:
                 rs = lease.server
                 counters = rs.counters
-                counters.bytes_in += c.bytes_in
-                counters.bytes_out += c.bytes_out
+                pump = c.pump  # None: the pump never started (its open() raised)
+                if pump is not None:  # its counts read directly: no Flow property frames
+                    counters.bytes_in += pump.bytes_in
+                    counters.bytes_out += pump.bytes_out
                 if how == SERVER_RESET:
                     counters.resets += 1
                 pool.drop(lease, now)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lbproxy.core.schedulers import HeapScheduler, register
+from lbproxy.core.schedulers import HeapScheduler, Scheduler, register
 
 if TYPE_CHECKING:
     from lbproxy.core.pool import Pool, RealServer
@@ -88,8 +88,9 @@ class WeightedRoundRobin(HeapScheduler):
     def on_sticky_take(self, rs: RealServer, now: float) -> None:
         pass  # a persistence hit is not a turn: the rotation stays where it is
 
-    def on_drop(self, rs: RealServer, now: float) -> None:
-        pass  # round robin does not look at connection counts
+    # Round robin does not look at connection counts: the base's no-op, which the pool
+    # knows not to call (watches_drops).
+    on_drop = Scheduler.on_drop
 
     def on_reset(self, now: float) -> None:
         pass

@@ -37,8 +37,12 @@ class WeightedRoundRobin(HeapScheduler):
         self.base: dict[RealServer, float] = {}
         self.picks: dict[RealServer, int] = {}
 
+    # False: every weight is taken as 1 (rr). on_take reads this rather than call
+    # weight(), a Python frame per connection.
+    weighted = True
+
     def weight(self, rs: RealServer) -> float:
-        return rs.effective_weight
+        return rs.effective_weight if self.weighted else 1.0
 
     def deadline(self, rs: RealServer) -> float:
         return self.base[rs] + (self.picks[rs] + 0.5) / self.weight(rs)
@@ -75,7 +79,7 @@ class WeightedRoundRobin(HeapScheduler):
         # frames fewer than through deadline() and key();
         # tests/property/test_scheduler_properties.py checks that the heap's key is
         # key() after every operation).
-        weight = self.weight(rs)
+        weight = rs.effective_weight if self.weighted else 1.0  # weight(), inline
         picks = self.picks[rs]
         deadline = base + (picks + 0.5) / weight
         if deadline > self.now_virtual:
@@ -100,9 +104,7 @@ class WeightedRoundRobin(HeapScheduler):
 class RoundRobin(WeightedRoundRobin):
     name = "rr"
     rank = 10
-
-    def weight(self, rs: RealServer) -> float:
-        return 1.0
+    weighted = False
 
     def on_weight(self, rs: RealServer, old: float, now: float) -> None:
         pass  # rr ignores weights (0 makes a server unavailable, handled by the pool)

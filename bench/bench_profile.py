@@ -46,7 +46,7 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "connection end (drop, histogram, access log)",
-        ("_pumped (lbproxy/dataplane/connection.py", "_ended (lbproxy/dataplane/connection.py"),
+        ("_pumped (lbproxy/dataplane/connection.py", "end (lbproxy/dataplane/connection.py"),
     ),
     (
         "pump: reactor (epoll_wait(0) per batch, interest changes)",

@@ -35,7 +35,15 @@ CLOSE_REASONS = (MARKED_DOWN, BACKUP_RETURNED)
 
 
 class Health:
-    __slots__ = ("counter", "fall", "rise")
+    """A server's up/down state as a counter of check results (HAProxy's `health`).
+
+    `clean`: up with no failure counted, so a success would change nothing. A plain
+    attribute, kept by every write of `counter`, because the connection path reads it
+    for every connection (a property would be a Python frame each time); `rise` and
+    `fall` change only together with a `counter` write (`force`, on a reload).
+    """
+
+    __slots__ = ("_counter", "clean", "fall", "rise")
 
     def __init__(self, rise: int, fall: int, up: bool = True) -> None:
         self.rise = rise
@@ -43,9 +51,13 @@ class Health:
         self.counter = rise + fall - 1 if up else 0
 
     @property
-    def clean(self) -> bool:
-        """Up with no failure counted: a success would change nothing."""
-        return self.counter == self.rise + self.fall - 1
+    def counter(self) -> int:
+        return self._counter
+
+    @counter.setter
+    def counter(self, value: int) -> None:
+        self._counter = value
+        self.clean = value == self.rise + self.fall - 1
 
     @property
     def up(self) -> bool:

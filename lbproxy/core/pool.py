@@ -354,7 +354,9 @@ class Pool:
             lease.sticky = None
         if lease.epoch == self.epoch:
             rs.sched_active -= 1
-            self.scheduler.on_drop(rs, now)
+            scheduler = self.scheduler
+            if scheduler.watches_drops:
+                scheduler.on_drop(rs, now)
         if rs.max_connections and rs.active == rs.max_connections - 1:
             self._apply(rs, now)
 

@@ -185,7 +185,44 @@ class ClientConnection(Flow):
         self.state = INTO[CLOSING][was]
         handler = self.handler
         try:
-            handler._ended(self, was, how, rejected)
+            # The counting, here rather than in a method of the handler's (a Python
+            # frame per connection): the reason it was refused, an established
+            # connection's bytes and duration, the lease, the access log.
+            pool = handler.pool
+            if rejected is not None:
+                pool.rejected[rejected] += 1
+            elif how == MAX_DURATION:
+                pool.closed[MAX_DURATION] += 1
+            lease = self.lease
+            rs = None
+            now = handler._clock()
+            if lease is not None:
+                if was == ESTABLISHED:
+                    rs = lease.server
+                    counters = rs.counters
+                    pump = self.pump  # None: the pump never started (its open() raised)
+                    if pump is not None:  # its counts read directly: no Flow property frames
+                        counters.bytes_in += pump.bytes_in
+                        counters.bytes_out += pump.bytes_out
+                    if how == SERVER_RESET:
+                        counters.resets += 1
+                    pool.drop(lease, now)
+                    pool.durations.observe(now - self.started)
+                else:
+                    pool.drop(lease, now)
+                self.lease = None
+            if how is not None and handler.vs.access_log:
+                if how.startswith("rejected:"):  # refused before anything moved
+                    handler._log_access(self.source, None, 0, 0, 0.0, how)
+                else:
+                    handler._log_access(
+                        self.source,
+                        None if rs is None else rs.name,
+                        self.bytes_in,
+                        self.bytes_out,
+                        now - self.started,
+                        how,
+                    )
         except Exception as exc:  # the barrier: the lease goes back all the same
             handler._end_failed(self, exc)
         finally:
@@ -693,43 +730,6 @@ class Handler:
                 pool.drop(lease, self._clock())
             except Exception as again:
                 record("connection_end", again, f"{pool.name}: dropping the lease")
-
-    def _ended(self, c: ClientConnection, was: int, how: str | None, rejected: str | None) -> None:
-        """end()'s counting (`was`: the state it ended in): the reason it was refused,
-        an established connection's bytes and duration, the lease, the access log."""
-        pool = self.pool
-        if rejected is not None:
-            pool.rejected[rejected] += 1
-        elif how == MAX_DURATION:
-            pool.closed[MAX_DURATION] += 1
-        lease = c.lease
-        rs = None
-        now = self._clock()
-        if lease is not None:
-            if was == ESTABLISHED:
-                rs = lease.server
-                counters = rs.counters
-                counters.bytes_in += c.bytes_in
-                counters.bytes_out += c.bytes_out
-                if how == SERVER_RESET:
-                    counters.resets += 1
-                pool.drop(lease, now)
-                pool.durations.observe(now - c.started)
-            else:
-                pool.drop(lease, now)
-            c.lease = None
-        if how is not None and self.vs.access_log:
-            if how.startswith("rejected:"):  # refused before anything moved
-                self._log_access(c.source, None, 0, 0, 0.0, how)
-            else:
-                self._log_access(
-                    c.source,
-                    None if rs is None else rs.name,
-                    c.bytes_in,
-                    c.bytes_out,
-                    now - c.started,
-                    how,
-                )
 
     def retire(self) -> None:
         """No client comes to this handler any more (its listener is closed, or a

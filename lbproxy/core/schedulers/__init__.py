@@ -153,10 +153,14 @@ class Scheduler:
     # True: picks depend on the client (CLIENT in `reads`); the pool calls `pick_for`
     # with its address. Derived from `reads`, so the two cannot disagree.
     keyed: ClassVar[bool] = False
+    # False: its on_drop is the base's no-op, which the pool then does not call (a
+    # Python frame per connection's end). Derived from the class, so it cannot drift.
+    watches_drops: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.keyed = CLIENT in cls.reads
+        cls.watches_drops = cls.on_drop is not Scheduler.on_drop
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool

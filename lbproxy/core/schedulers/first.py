@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lbproxy.core.schedulers import HeapScheduler, register
+from lbproxy.core.schedulers import HeapScheduler, Scheduler, register
 
 if TYPE_CHECKING:
     from lbproxy.core.pool import RealServer
@@ -27,5 +27,4 @@ class First(HeapScheduler):
     def on_take(self, rs: RealServer, now: float) -> None:
         pass  # the key never changes with load
 
-    def on_drop(self, rs: RealServer, now: float) -> None:
-        pass
+    on_drop = Scheduler.on_drop  # the key never changes with load (watches_drops)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lbproxy.core.schedulers import HeapScheduler, register
+from lbproxy.core.schedulers import HeapScheduler, Scheduler, register
 
 if TYPE_CHECKING:
     from lbproxy.core.pool import Pool, RealServer
@@ -37,8 +37,12 @@ class WeightedRoundRobin(HeapScheduler):
         self.base: dict[RealServer, float] = {}
         self.picks: dict[RealServer, int] = {}
 
+    # False: every weight is taken as 1 (rr). on_take reads this rather than call
+    # weight(), a Python frame per connection.
+    weighted = True
+
     def weight(self, rs: RealServer) -> float:
-        return rs.effective_weight
+        return rs.effective_weight if self.weighted else 1.0
 
     def deadline(self, rs: RealServer) -> float:
         return self.base[rs] + (self.picks[rs] + 0.5) / self.weight(rs)
@@ -75,7 +79,7 @@ class WeightedRoundRobin(HeapScheduler):
         # frames fewer than through deadline() and key();
         # tests/property/test_scheduler_properties.py checks that the heap's key is
         # key() after every operation).
-        weight = self.weight(rs)
+        weight = rs.effective_weight if self.weighted else 1.0  # weight(), inline
         picks = self.picks[rs]
         deadline = base + (picks + 0.5) / weight
         if deadline > self.now_virtual:
@@ -88,8 +92,9 @@ class WeightedRoundRobin(HeapScheduler):
     def on_sticky_take(self, rs: RealServer, now: float) -> None:
         pass  # a persistence hit is not a turn: the rotation stays where it is
 
-    def on_drop(self, rs: RealServer, now: float) -> None:
-        pass  # round robin does not look at connection counts
+    # Round robin does not look at connection counts: the base's no-op, which the pool
+    # knows not to call (watches_drops).
+    on_drop = Scheduler.on_drop
 
     def on_reset(self, now: float) -> None:
         pass
@@ -99,9 +104,7 @@ class WeightedRoundRobin(HeapScheduler):
 class RoundRobin(WeightedRoundRobin):
     name = "rr"
     rank = 10
-
-    def weight(self, rs: RealServer) -> float:
-        return 1.0
+    weighted = False
 
     def on_weight(self, rs: RealServer, old: float, now: float) -> None:
         pass  # rr ignores weights (0 makes a server unavailable, handled by the pool)

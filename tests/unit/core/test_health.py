@@ -27,3 +27,24 @@ def test_rise_and_fall_of_one_flip_at_once():
     h = Health(rise=1, fall=1)
     assert h.record(False) is False
     assert h.record(True) is True
+
+
+def test_clean_is_up_with_no_failure_counted_after_every_change():
+    # `clean` is an attribute kept by each counter write (the connection path reads it
+    # per connection): it must agree with the counter after every kind of change.
+    def agrees(h: Health) -> bool:
+        return h.clean == (h.counter == h.rise + h.fall - 1)
+
+    h = Health(rise=2, fall=3)
+    assert h.clean and agrees(h)
+    for ok in (False, False, True, False, False, False, True, True, False, True):
+        h.record(ok)
+        assert agrees(h)
+    h.record(False)
+    assert not h.clean
+    h.rise, h.fall = 4, 1  # a reload's new settings, then force (Pool._retune_health)
+    h.force(h.up)
+    assert agrees(h)
+    h.counter = h.rise - 1  # Pool.await_first_check
+    assert not h.clean and agrees(h)
+    assert not Health(rise=2, fall=3, up=False).clean

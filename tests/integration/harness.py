@@ -494,6 +494,32 @@ def wait_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None
     wait_for(accepts, timeout, f"{host}:{port} to accept a connection")
 
 
+def stop_traced(tracer: subprocess.Popen, timeout: float = 30.0) -> int | None:
+    """Stop a command run under `strace -f`, and strace with it; strace's exit status,
+    or None when they had to be killed. Stopping strace alone would detach it and leave
+    its tracee running: the traced command gets SIGTERM (lbproxy drains and exits), and
+    strace ends with it; after `timeout` both are killed."""
+    try:
+        children = [
+            int(pid)
+            for pid in Path(f"/proc/{tracer.pid}/task/{tracer.pid}/children").read_text().split()
+        ]
+    except OSError:  # strace has ended already
+        children = []
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    try:
+        return tracer.wait(timeout)
+    except subprocess.TimeoutExpired:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        tracer.kill()
+        tracer.wait()
+        return None
+
+
 def wait_for(
     condition,
     timeout: float = 10.0,

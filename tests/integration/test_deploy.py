@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from tests.integration.harness import (
     open_and_read_name,
     ready,
     run_cli,
+    stop_traced,
     vs_config,
     wait_for,
     with_admin,
@@ -235,13 +235,10 @@ def test_unit_sandbox_allows_every_system_call_and_socket_family_lbproxy_uses(
             return checks_now >= checks + 2 and polls_now >= polls + 2
 
         wait_for(a_few_more, 30, "two more health checks and SNMP polls")
-        (child,) = Path(f"/proc/{tracer.pid}/task/{tracer.pid}/children").read_text().split()
-        os.kill(int(child), signal.SIGTERM)
-        assert tracer.wait(30) == 0
+        assert stop_traced(tracer) == 0
     finally:
         if tracer.poll() is None:
-            tracer.kill()
-            tracer.wait()
+            stop_traced(tracer)
         log.close()
         notify.close()
     used, socket_families = set(), set()

@@ -18,7 +18,7 @@ import pytest
 
 from lbproxy.net.compiled import cpump
 from tests import tools
-from tests.integration.harness import Echo, free_port, metrics, sample, wait_for
+from tests.integration.harness import Echo, free_port, metrics, sample, stop_traced, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 # The largest UDP payload over IPv4: 65,535 - 8 (UDP header) - 20 (IPv4 header).
@@ -189,12 +189,7 @@ def test_a_burst_from_many_clients_is_read_in_batches_not_a_call_per_datagram(tm
     finally:
         for s in [*socks, probe]:
             s.close()
-        tracer.terminate()
-        try:
-            tracer.wait(30)
-        except subprocess.TimeoutExpired:
-            tracer.kill()
-            tracer.wait()
+        stop_traced(tracer)
         log.close()
         echo.close()
 

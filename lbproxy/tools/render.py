@@ -105,6 +105,16 @@ UNBOUNDED = 1 << 20  # cells: wider than any terminal
 PLAIN_GAP = "   "  # as docker ps: three spaces between columns
 
 
+def aligned(rows: list[list[str]], gap: str = PLAIN_GAP) -> list[str]:
+    """Rows of words as plain columns: each padded to its column's widest, `gap` between,
+    no trailing spaces (what `status` prints when piped, and the other plain tables)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        gap.join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
 def status_plain(document: dict, *, wide: bool = False, now: float | None = None) -> list[str]:
     """The lines of `lbproxy status` when stdout is not a terminal: header, then rows.
 
@@ -146,12 +156,7 @@ def status_plain(document: dict, *, wide: bool = False, now: float | None = None
             )
         if not vs["real_servers"]:
             rows.append([*head] + ["-"] * (len(columns) - len(head)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = []
-    for row in rows:
-        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
-        lines.append(PLAIN_GAP.join(cells).rstrip())
-    return lines
+    return aligned(rows)
 
 
 def _for_how_long(since: object, now: float) -> str:
@@ -382,12 +387,7 @@ def cluster_plain(document: dict, now: float) -> list[str]:
                 "-" if alive is None else "yes" if alive else "no",
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = [""]
-    for row in rows:
-        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
-        lines.append(PLAIN_GAP.join(cells).rstrip())
-    return lines
+    return ["", *aligned(rows)]
 
 
 PROTECTION_COLUMNS = ("PROTECTION", "VIRTUAL_SERVER", "REAL_SERVER", "LEFT")
@@ -423,12 +423,7 @@ def protection_plain(document: dict, now: float) -> list[str]:
     if not rows:
         return []
     rows.insert(0, list(PROTECTION_COLUMNS))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(PROTECTION_COLUMNS))]
-    lines = [""]
-    for row in rows:
-        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
-        lines.append(PLAIN_GAP.join(cells).rstrip())
-    return lines
+    return ["", *aligned(rows)]
 
 
 def protection_lines(document: dict, now: float) -> list[Text]:
@@ -478,12 +473,7 @@ def udp_plain(document: dict) -> list[str]:
     if not rows:
         return []
     rows.insert(0, list(UDP_COLUMNS))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(UDP_COLUMNS))]
-    lines = [""]
-    for row in rows:
-        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
-        lines.append(PLAIN_GAP.join(cells).rstrip())
-    return lines
+    return ["", *aligned(rows)]
 
 
 def udp_lines(document: dict) -> list[Text]:
@@ -537,12 +527,7 @@ def per_source_plain(document: dict) -> list[str]:
     if not rows:
         return []
     rows.insert(0, list(PER_SOURCE_COLUMNS))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(PER_SOURCE_COLUMNS))]
-    lines = [""]
-    for row in rows:
-        cells = (value.ljust(width) for value, width in zip(row, widths, strict=True))
-        lines.append(PLAIN_GAP.join(cells).rstrip())
-    return lines
+    return ["", *aligned(rows)]
 
 
 def per_source_lines(document: dict) -> list[Text]:
@@ -763,9 +748,5 @@ def live_explain_lines(document: dict) -> list[str]:
                 "<- pick" if rs["name"] == pick else "",
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        lines.append(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+    lines.extend(aligned(rows, gap="  "))
     return lines

@@ -260,10 +260,13 @@ def test_dashboard_one_process(browser, name_servers, lbproxy, tmp_path):
     proxy = lbproxy(config, [port, api_port])
     held = hold(port, 3, b"x" * 3000) + hold(port, 2) + hold(api_port, 3)
     try:
+        # down, and checked: a held client refused by it can mark it down (a passive
+        # failure) before its first active check has run
         wait_for(
-            lambda: {rs["name"]: rs["health"] for rs in api(admin_port)["virtual_servers"][1][
-                "real_servers"]} == {"bravo": "up", "gone": "down"},
-            what="gone to be down",
+            lambda: {rs["name"]: (rs["health"], rs["check"] is not None) for rs in api(
+                admin_port)["virtual_servers"][1]["real_servers"]}
+            == {"bravo": ("up", True), "gone": ("down", True)},
+            what="gone to be down, after an active check",
         )  # fmt: skip
         browser.get(f"http://127.0.0.1:{admin_port}/")
         assert browser.title == "lbproxy"

@@ -242,9 +242,8 @@ def test_discovered_names_in_patch_status_and_reload(name_servers, lbproxy, dnsm
 
 def test_a_records_change_at_once_but_go_only_after_hold(lbproxy, dnsmasq):
     port, admin_port = free_port(), free_port()
-    first = NameServer("n2", host="127.0.0.2")  # a Kubernetes pod each: one port, two IPs
-    web_port = first.port
-    backends = [first, NameServer("n3", port=web_port, host="127.0.0.3")]
+    web_port = free_port()  # a Kubernetes pod each: one port, two IPs
+    backends = [NameServer(f"n{i}", port=web_port, host=f"127.0.0.{i}") for i in (2, 3)]
     try:
         dns = dnsmasq(hosts={A_NAME: ["127.0.0.2", "127.0.0.3"]})
         proxy = lbproxy(
@@ -374,9 +373,10 @@ def test_connections_to_a_removed_server_finish_undisturbed(name_servers, lbprox
 def test_churn_of_the_record_set_breaks_no_connection(lbproxy, dnsmasq):
     """50 changes of the A records, 100 ms apart, while 20 held connections echo."""
     port, admin_port = free_port(), free_port()
-    first = NameServer("n2", host="127.0.0.2")
-    web_port = first.port
-    backends = [first] + [NameServer(f"n{i}", port=web_port, host=f"127.0.0.{i}") for i in (3, 4)]
+    # One port on three addresses: one of this worker's (free_port), not an ephemeral one
+    # the kernel gives 127.0.0.2, which a socket of another test may hold on 127.0.0.3.
+    web_port = free_port()
+    backends = [NameServer(f"n{i}", port=web_port, host=f"127.0.0.{i}") for i in (2, 3, 4)]
     try:
         ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
         dns = dnsmasq(hosts={A_NAME: ips})

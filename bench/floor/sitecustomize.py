@@ -58,7 +58,7 @@ def _install(variant: str) -> None:
         def dropped(p: Any) -> None:  # a pump's on_end: its lease back
             self.pool.drop(leases.pop(p.client_fd), self._clock())
 
-        self._floor = (target[2], self._reactor, self.pool.config.idle_timeout, leases, dropped)
+        self._floor = (target[3], self._reactor, self.pool.config.idle_timeout, leases, dropped)
         return True
 
     def connect(self: Any, client: int) -> int | None:

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from lbproxy.net import compiled
-from tests.integration.conftest import free_port, vs_config
-from tests.integration.harness import NameServer, ask_name, wait_port
+from tests.integration.harness import NameServer, ask_name, free_port, vs_config, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,6 +15,7 @@ setup(
         Extension(
             "lbproxy.net._cpump",
             sources=["lbproxy/net/_cpump.c"],
+            depends=["lbproxy/net/_cpump_udp.h"],  # included by _cpump.c: one translation unit
             optional=True,
             extra_compile_args=["-O2"],
         )

@@ -15,7 +15,7 @@ Two relays behave alike, as the pump's two implementations do (net/compiled.py p
 `udp_relay()` makes the one that runs):
 
 * `CompiledUdpRelay`: every datagram is handled in C, in the run's reactor
-  (lbproxy/net/_cpump.c's `UdpRelay`: the listening socket and the sessions' sockets in
+  (lbproxy/net/_cpump_udp.h's `UdpRelay`: the listening socket and the sessions' sockets in
   the reactor's epoll set, client datagrams read in recvmmsg batches, the session found
   by the client's address in a C hash table, the idle timeout an entry in the reactor's
   deadline heap). Python is called once when a client address opens a session (the
@@ -550,7 +550,7 @@ class PureUdpRelay(_Sessions):
 
 class CompiledUdpRelay(_Sessions):
     """The same sessions with every datagram handled in C, in the run's reactor (its
-    `udp()`: lbproxy/net/_cpump.c): a client datagram costs a recvmmsg batch's share and
+    `udp()`: lbproxy/net/_cpump_udp.h): a client datagram costs a recvmmsg batch's share and
     one send, a reply one recv and one sendto, neither a Python call. Python is called
     once when a client address opens a session (`_decide`) and once at its end."""
 

@@ -1,5 +1,5 @@
 """UDP through a real `lbproxy` where the compiled relay reads client datagrams in
-batches (recvmmsg) and finds sessions in its own table (SPEC §19, lbproxy/net/_cpump.c):
+batches (recvmmsg) and finds sessions in its own table (SPEC §19, lbproxy/net/_cpump_udp.h):
 hundreds of clients at once, more sessions than one batch holds, a client coming back
 after its session expired, datagrams of every size from empty to the largest, and the
 batches themselves under strace. Every test but the last runs on both paths (the pure

@@ -211,10 +211,12 @@ class Inherited:
             )
 
     def missing(self, address: str) -> str:
-        """Text added to a failed bind of `address`: which sockets were passed."""
-        if not self.passed:
+        """Text added to a failed bind of `address`: which sockets systemd passed (the
+        hint is about its socket unit; a previous lbproxy's or a supervisor's sockets are
+        the configuration's own addresses, nothing to add anywhere)."""
+        given = ", ".join(f"{p.name} {p.bound()}" for p in self.passed if p.origin == SYSTEMD)
+        if not given:
             return ""
-        given = ", ".join(f"{p.name} {p.bound()}" for p in self.passed)
         return f" (not among the sockets passed: {given}; add it to lbproxy.socket)"
 
     def close(self) -> None:

@@ -215,6 +215,40 @@ def test_an_address_in_use_stops_everything_with_exit_1(name_servers, tmp_path):
         s.bind(("127.0.0.1", admin_port))
 
 
+def test_a_udp_address_in_use_is_reported_once_before_any_worker_starts(name_servers, tmp_path):
+    """The workers bind UDP themselves (SO_REUSEPORT), yet a UDP address in use is
+    reported as a TCP one is: once, by the supervisor, beside the TCP address in use,
+    before any worker starts, and without a hint about systemd's socket unit (no
+    socket came from systemd)."""
+    servers = name_servers(*NAMES)
+    port, udp_port, admin_port = free_port(), free_port(), free_port()
+    config = tmp_path / "lbproxy.yaml"
+    config.write_text(
+        workers_config(port, servers, admin_port)
+        + f"""  - name: dns
+    protocol: udp
+    listen: 127.0.0.1:{udp_port}
+    real_servers:
+      - {{name: a, address: 127.0.0.1:{servers[0].port}}}
+"""
+    )
+    with socket.socket() as tcp_taken, socket.socket(type=socket.SOCK_DGRAM) as udp_taken:
+        tcp_taken.bind(("127.0.0.1", port))
+        tcp_taken.listen()
+        udp_taken.bind(("127.0.0.1", udp_port))
+        out = run_cli("run", str(config), timeout=30)
+    assert out.returncode == 1
+    errors = [line.split(" ERROR ", 1)[1] for line in out.stderr.splitlines() if " ERROR " in line]
+    assert errors == [
+        f"lbproxy.workers: cannot listen on 127.0.0.1:{port}: Address already in use"
+        " (virtual server web)",
+        f"lbproxy.workers: cannot listen on 127.0.0.1:{udp_port}/udp: Address already in use"
+        " (virtual server dns)",
+    ], out.stderr
+    assert "starting 2 workers" not in out.stderr
+    assert "lbproxy.socket" not in out.stderr
+
+
 # -- the merging rules, without processes ------------------------------------------------
 
 WORKER_METRICS = """\

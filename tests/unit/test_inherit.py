@@ -68,6 +68,18 @@ def test_a_systemd_socket_nothing_took_is_an_error_naming_it(sockets):
     )
 
 
+def test_a_failed_bind_names_only_systemds_sockets(sockets):
+    """The hint is about systemd's socket unit: sockets from a previous lbproxy (an
+    upgrade) or from a supervisor (a worker) are not named, and there is no hint."""
+    a, _ = sockets()
+    b, address = sockets()
+    assert Inherited([Passed(a, "127.0.0.1:81", PREVIOUS)]).missing("127.0.0.1:80") == ""
+    mixed = Inherited([Passed(a, "127.0.0.1:81", PREVIOUS), Passed(b, "web", SYSTEMD)])
+    assert mixed.missing("127.0.0.1:80") == (
+        f" (not among the sockets passed: web {address}; add it to lbproxy.socket)"
+    )
+
+
 def test_a_previous_socket_the_new_configuration_dropped_is_closed(sockets):
     a, _ = sockets()
     pool = Inherited([Passed(a, "127.0.0.1:81", PREVIOUS)])

@@ -47,6 +47,8 @@ from lbproxy.config.reader import read_real_server
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.persistence import client_key
 from lbproxy.dataplane.listener import BindError, listen_socket
+from lbproxy.dataplane.udp import UdpAddress, udp_socket
+from lbproxy.locator.dns_server import DnsLocator
 from lbproxy.net.fd_channel import Channel, close_all
 from lbproxy.runtime import logs, privileges, process_title
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
@@ -981,6 +983,8 @@ def run(
                         )
                         failures.append(BindError(f"{exc} (virtual server {names})"))
                         failed.add(key)
+    if passed is None:  # an upgrade's old workers hold them, perhaps as global.user
+        failures += _try_worker_binds(config, inherited)
     if not failures:
         try:
             inherited.check_all_used()
@@ -1043,6 +1047,34 @@ def _bind(inherited: Inherited, address: Address) -> socket.socket:
         if not inherited:
             raise
         raise BindError(f"{exc}{inherited.missing(str(address))}") from None
+
+
+def _try_worker_binds(config: Config, inherited: Inherited) -> list[BindError]:
+    """Each worker binds the UDP listen addresses and the DNS locator itself, with
+    SO_REUSEPORT (package header), once it runs. A trial bind of each here, with the
+    workers' options, before any of them starts, reports an address in use once and
+    beside the TCP ones, as `lbproxy run` without workers does, instead of once per
+    worker after they started. An address a passed socket holds is not tried."""
+    failures = []
+    for vs in config.virtual_servers:
+        if vs.protocol == "udp":
+            for address in vs.listen:
+                if any(p.udp and p.bound_to(address) for p in inherited.passed):
+                    continue
+                try:
+                    udp_socket(UdpAddress(address.host, address.port), reuse_port=True).close()
+                except BindError as exc:
+                    failures.append(BindError(f"{exc} (virtual server {vs.name})"))
+    dns = config.global_.locator.dns
+    if dns is not None:
+        try:
+            for sock in DnsLocator.bind(dns.listen, reuse_port=True):
+                sock.close()
+        except OSError as exc:
+            failures.append(
+                BindError(f"cannot listen on {dns.listen} (DNS locator): {exc.strerror}")
+            )
+    return failures
 
 
 def tcp_listen(config: Config) -> dict[str, Address]:

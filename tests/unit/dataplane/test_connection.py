@@ -15,6 +15,7 @@ import functools
 import ipaddress
 import itertools
 import logging
+import re
 import socket
 from typing import ClassVar
 
@@ -392,7 +393,10 @@ def test_no_server_ends_at_admission(recorded, caplog):
         assert await closed(client)
         assert recorded == [JOURNEYS["no_server"]]
         assert r.pool.rejected["no_server"] == 1 and r.pool.clients == 0
-        assert access_lines(caplog)[0].endswith(" rs=- in=0 out=0 duration=0.000s end=no_server")
+        # Ended in the accept's own call: its duration is the time between two clock
+        # reads there, 0.000s unless a loaded machine preempted it in between.
+        line = access_lines(caplog)[0]
+        assert re.search(r" rs=- in=0 out=0 duration=0\.0\d\ds end=no_server$", line), line
 
     run(body)
 

@@ -761,6 +761,18 @@ class Pool:
 
     # -- internals ----------------------------------------------------------------
 
+    def restore_health(self, rs: RealServer, up: bool, now: float) -> bool:
+        """Start `rs` as the process before this one last saw it (an upgrade's hand-over),
+        before any connection: True when that changed it. The checks go on from there;
+        a down one needs `rise` successes, as after any failure. Only with active checks:
+        without them health is passive, and every server starts up as at any start."""
+        if self.config.health_check.type == "none" or rs.health.up == up:
+            return False
+        rs.health.force(up)
+        self._health_changed(rs, up, now)
+        self._update(rs, now)
+        return True
+
     def await_first_check(self, rs: RealServer, now: float) -> None:
         """`rs` (just added at run time) takes no connection until an active check
         passes: down, one success from up. Without active checks it stays as it is."""

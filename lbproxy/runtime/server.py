@@ -280,8 +280,9 @@ class Server:
         return named
 
     def handover_state(self) -> dict[str, Any]:
-        """lbproxy/runtime/state.py's snapshot, as the state file holds it (JSON text)."""
-        return {"state": runtime_state.snapshot(self).decode()}
+        """lbproxy/runtime/state.py's snapshot, as the state file holds it (JSON text),
+        with each actively checked server's health: the new process starts from it."""
+        return {"state": runtime_state.snapshot(self, health=True).decode()}
 
     async def upgrade(self, config_paths: Sequence[str] = ()) -> Outcome:
         """`lbproxy upgrade`, SIGUSR2: start the lbproxy on disk now with this process's

@@ -6,7 +6,10 @@ configuration (set with PATCH, `lbproxy drain`/`set-weight`, or by the cluster),
 servers added and removed at run time (SPEC §24), the last
 load report of each real server, and the persistence entries with the wall-clock time
 they expire at. Health, counters, SNMP values and throttle modes are not: they are
-measured again within seconds.
+measured again within seconds. An upgrade's hand-over (`snapshot(..., health=True)`)
+carries the health of each actively checked server as well: the new process starts
+from the old one's verdicts, seconds old, rather than from the files' (every server
+up, one added at run time down until its first check).
 
 The API (lbproxy/runtime/server.py calls it; `lbproxy upgrade` passes the same bytes over
 its Unix socket instead of through the file):
@@ -123,24 +126,32 @@ class Server(Protocol):
 # -- snapshot ---------------------------------------------------------------------------
 
 
-def snapshot(server: Server, wall: float | None = None, now: float | None = None) -> bytes:
-    """The runtime state of `server`, encoded (see the module header for what is kept)."""
-    return encode(_state(server, time.time() if wall is None else wall, now))
+def snapshot(
+    server: Server, wall: float | None = None, now: float | None = None, health: bool = False
+) -> bytes:
+    """The runtime state of `server`, encoded (see the module header for what is kept);
+    with `health` (an upgrade's hand-over, never the file), the health of every real
+    server that active checks watch as well."""
+    return encode(_state(server, time.time() if wall is None else wall, now, health))
 
 
-def _state(server: Server, wall: float, now: float | None = None) -> State:
+def _state(server: Server, wall: float, now: float | None = None, health: bool = False) -> State:
     now = trio.current_time() if now is None else now
     return State(
         wall,
         tuple(
-            _virtual_server(pool, wall, now, server.topology.get(pool.name))
+            _virtual_server(pool, wall, now, server.topology.get(pool.name), health)
             for pool in server.pools()
         ),
     )
 
 
 def _virtual_server(
-    pool: Pool, wall: float, now: float, topology: RuntimeTopology | None = None
+    pool: Pool,
+    wall: float,
+    now: float,
+    topology: RuntimeTopology | None = None,
+    health: bool = False,
 ) -> VirtualServerState:
     servers = []
     added: tuple[dict[str, Any], ...] = ()
@@ -148,13 +159,17 @@ def _virtual_server(
     if topology is not None:
         added = tuple(topology.entries.values())
         removed = topology.removed_from_files()
+    # Without active checks health is passive: a new process starts every server up and
+    # the first failed connects say otherwise, as at any start.
+    checked = health and pool.config.health_check.type != "none"
     for rs in pool.servers:
         config = rs.config
         state = rs.state if rs.state != config.state else None
         weight = int(rs.static_weight) if rs.static_weight != float(config.weight) else None
         load = pool.locator.reports.get(rs)
-        if state is not None or weight is not None or load is not None:
-            servers.append(ServerState(rs.name, str(rs.address), state, weight, load))
+        up = rs.health.up if checked else None
+        if state is not None or weight is not None or load is not None or up is not None:
+            servers.append(ServerState(rs.name, str(rs.address), state, weight, load, up))
     entries: list[StickyEntry] = []
     persistence = pool.persistence
     if persistence is not None:
@@ -202,7 +217,7 @@ def restore(
         log.warning("%s is unusable (%s); starting from the configuration files", source, exc)
         return False
     wall, now = time.time(), trio.current_time()
-    counts = {"changes": 0, "loads": 0, "entries": 0, "expired": 0}
+    counts = {"changes": 0, "loads": 0, "entries": 0, "expired": 0, "health": 0}
     pools = {pool.name: pool for pool in server.pools()}
     for vs_state in state.virtual_servers:
         pool = pools.get(vs_state.name)
@@ -214,13 +229,14 @@ def restore(
         _restore_pool(server, pool, vs_state, wall, now, counts, source, entries_only)
     log.info(
         "restored from %s (written %.0fs ago): %d state/weight change(s), %d load report(s), "
-        "%d persistence entries%s",
+        "%d persistence entries%s%s",
         source,
         max(0.0, wall - state.written),
         counts["changes"],
         counts["loads"],
         counts["entries"],
         f" ({counts['expired']} expired meanwhile)" if counts["expired"] else "",
+        f", {counts['health']} health state(s) kept" if counts["health"] else "",
     )
     return True
 
@@ -279,6 +295,8 @@ def _restore_pool(
         if saved.load is not None and pool.locator.report_load(rs, *saved.load) is None:
             pool.locator.report_counts[rs.name] -= 1  # restored, not received
             counts["loads"] += 1
+        if saved.up is not None and pool.restore_health(rs, saved.up, now):
+            counts["health"] += 1
     persistence = pool.persistence
     if persistence is None:
         if vs_state.persistence and not entries_only:

@@ -26,6 +26,11 @@ meanwhile is dropped on reading):
 by the configuration reader when restored) and `removed` (those removed at run time
 that a file names: name and the address it had) are left out when empty.
 
+`lbproxy upgrade` hands the same document to the new process, with one more key per
+real server of a virtual server with active checks: `"up": true` or `false`, its health
+as the old process last saw it (HAProxy's `server-state-file` carries the operational
+state too). The file never holds it: a restart may take any time, and checks say again.
+
 The file is input that anyone with write access to its folder, a full disk or a crash
 may have spoilt. So `decode` accepts exactly what `encode` writes, bounded (MAX_BYTES,
 names as the configuration allows them, states and weights as a PATCH allows them, finite
@@ -70,6 +75,7 @@ class ServerState:
     state: str | None = None  # enabled | drain | disabled
     weight: int | None = None  # 0..MAX_WEIGHT
     load: tuple[float, float] | None = None  # the last load report: (load, per_connection)
+    up: bool | None = None  # its health, in an upgrade's hand-over only (never in the file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +136,8 @@ def _server(rs: ServerState) -> dict[str, Any]:
         document["weight"] = rs.weight
     if rs.load is not None:
         document["load"] = list(rs.load)
+    if rs.up is not None:
+        document["up"] = rs.up
     return document
 
 
@@ -190,7 +198,9 @@ def _removed(row: object) -> tuple[str, str]:
 
 
 def _real_server(value: object) -> ServerState:
-    document = _object(value, "a real server", ("name", "address"), ("state", "weight", "load"))
+    document = _object(
+        value, "a real server", ("name", "address"), ("state", "weight", "load", "up")
+    )
     address = document["address"]
     if not isinstance(address, str) or not 1 <= len(address) <= MAX_ADDRESS:
         raise StateFileError(f"address {_short(address)}")
@@ -205,7 +215,11 @@ def _real_server(value: object) -> ServerState:
         if not isinstance(load, list) or len(load) != 2:
             raise StateFileError(f"load is not [load, per_connection]: {_short(load)}")
         load = (_real(load[0], "load", MAX_LOAD), _real(load[1], "per_connection", MAX_LOAD))
-    return ServerState(_name(document["name"], "real server name"), address, state, weight, load)
+    up = document.get("up")
+    if up is not None and not isinstance(up, bool):
+        raise StateFileError(f"up is not true or false: {_short(up)}")
+    name = _name(document["name"], "real server name")
+    return ServerState(name, address, state, weight, load, up)
 
 
 def _entry(row: object) -> StickyEntry:

@@ -13,6 +13,7 @@ import pytest
 
 from tests.integration.client_loop import ClientLoop
 from tests.integration.harness import (
+    UpgradableLbproxy,
     ask_name,
     free_port,
     get_json,
@@ -238,6 +239,33 @@ def test_added_and_removed_servers_survive_a_restart_through_the_state_file(
         sock.close()
         names.add(name)
     assert names == {"a", "c"}
+
+
+def test_added_removed_and_patched_servers_survive_an_upgrade(name_servers, tmp_path):
+    """`lbproxy upgrade` with no state file: the new process serves the servers as the
+    API left them (c added, b removed, c's weight patched), not as the file has them,
+    and c, up in the old process, takes its share from the first connection."""
+    a, b, c = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    proxy = UpgradableLbproxy(
+        tmp_path, with_admin(vs_config(port, [a, b], "wrr"), admin_port), admin_port
+    )
+    try:
+        assert add(admin_port, {"name": "c", "address": f"127.0.0.1:{c.port}"})[0] == 201
+        assert remove(admin_port, "b")[0] == 200
+        status, body = local_http("PATCH", url(admin_port, f"{SERVERS}/c"), {"weight": 3})
+        assert status == 200, body
+        wait_for(lambda: servers_of(admin_port)["c"]["health"] == "up", 10, "c checked up")
+        old = proxy.pid
+        proxy.upgrade()
+        assert proxy.pid != old
+        wait_for(lambda: get_json(admin_port, "/api/v1/process")["pid"] == proxy.pid, 30, "new pid")
+        servers = servers_of(admin_port)
+        assert set(servers) == {"a", "c"}
+        assert servers["c"]["weight"]["static"] == 3
+        assert sorted(ask_name(port) for _ in range(8)) == ["a"] * 2 + ["c"] * 6
+    finally:
+        proxy.stop()
 
 
 def test_a_virtual_server_fed_by_discovery_answers_409(name_servers, lbproxy):

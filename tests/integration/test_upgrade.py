@@ -22,20 +22,27 @@ from tests import tools
 from tests.integration.client_loop import ClientLoop
 from tests.integration.harness import (
     ROOT,
+    Answering,
     Echo,
     NameServer,
     NotifySocket,
     alive,
     ask_name,
     free_port,
+    get_json,
+    local_http,
     run_cli,
+    servers_of,
+    vs_config,
     wait_for,
+    with_admin,
 )
 from tests.integration.harness import UpgradableLbproxy as Proxy
 
 pytestmark = pytest.mark.integration
 
 MIB = 1 << 20
+SERVERS = "/api/v1/virtual-servers/web/real-servers"
 
 
 def config(port: int, admin: int, backend: int, drain: str = "10s", spare: bool = False) -> str:
@@ -449,3 +456,47 @@ def dns_answers(port: int) -> bool:
         if result.stdout.strip() != "127.0.0.1":
             return False
     return True
+
+
+def test_the_new_process_starts_from_the_health_the_old_one_saw(name_servers, tmp_path):
+    """Active checks: a server down in the old process (its check port refuses) is down
+    in the new one from its first connection, and a server added at run time and up
+    takes connections at once, though the checks of both are silent from the upgrade
+    on (each would take its 10 s timeout to say anything)."""
+    a, b, c = name_servers("a", "b", "c")
+    checks = {name: Answering(name, b"PONG\r\n") for name in "ac"}
+    with socket.socket() as b_check:
+        b_check.bind(("127.0.0.1", 0))  # bound, not listening: every connect is refused
+        port, admin = free_port(), free_port()
+        check_ports = {"a": checks["a"].port, "b": b_check.getsockname()[1]}
+        yaml = with_admin(
+            vs_config(
+                port,
+                [a, b],
+                "rr",
+                'health_check: {type: send_expect, send: "PING\\r\\n", expect: "^PONG",'
+                " interval: 200ms, timeout: 10s, rise: 1, fall: 1}",
+                {name: f"health_check: {{port: {check_ports[name]}}}" for name in "ab"},
+            ),
+            admin,
+        )
+        proxy = Proxy(tmp_path, yaml, admin)
+        try:
+            entry = {"name": "c", "address": f"127.0.0.1:{c.port}"}
+            entry["health_check"] = {"port": checks["c"].port}
+            status, body = local_http("POST", f"http://127.0.0.1:{admin}{SERVERS}", entry)
+            assert status == 201, body
+            health = lambda: {rs: doc["health"] for rs, doc in servers_of(admin).items()}  # noqa: E731
+            wanted = {"a": "up", "b": "down", "c": "up"}
+            wait_for(lambda: health() == wanted, 15, f"{wanted}")
+            b_check.listen()  # connects now succeed and nothing answers
+            checks["c"].answer = b""
+            proxy.upgrade()
+            assert get_json(admin, "/api/v1/process")["pid"] == proxy.pid
+            assert health() == wanted
+            assert sorted(ask_name(port) for _ in range(6)) == ["a"] * 3 + ["c"] * 3
+            assert "2 health state(s) kept" in proxy.log()
+        finally:
+            proxy.stop()
+            for check in checks.values():
+                check.stop()

@@ -34,6 +34,7 @@ servers = st.builds(
     st.none() | st.sampled_from(STATES),
     st.none() | st.integers(0, MAX_WEIGHT),
     st.none() | st.tuples(loads, loads),
+    st.none() | st.booleans(),
 )
 entries = st.builds(StickyEntry, clients, names, times)
 addresses = st.text("0123456789.:[]ab", min_size=1, max_size=30)

@@ -255,6 +255,13 @@ async def settled(r: Rig) -> None:
     await trio.sleep(0)
 
 
+async def until(condition) -> None:
+    """Wait for `condition()` to hold (bounded): the handler's tasks run meanwhile."""
+    with trio.fail_after(5):
+        while not condition():
+            await trio.sleep(0.005)
+
+
 def access_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "lbproxy.access"]
 
@@ -326,7 +333,8 @@ def test_end_is_idempotent(recorded, caplog):
         c.end("thrice")  # ...and never again
         assert c.state == ENDED and r.pool.clients == 0 and r.pool.active == 0
         client.close()
-        await trio.sleep(0.1)  # the pump's own end calls end() once more
+        await until(lambda: c.pump.outcome is not None)  # the pump's end calls end() again
+        await trio.sleep(0)
         assert r.pool.clients == 0 and r.pool.active == 0 and r.pool.durations.count == 1
         assert [line.rsplit("end=", 1)[1] for line in access_lines(caplog)] == ["twice"]
         assert lease not in r.pool.servers[0].leases
@@ -490,8 +498,8 @@ def test_a_full_server_queues_and_the_freed_slot_serves_the_waiter(recorded):
         first = await r.accept()
         assert await round_trip(first) == b"ping"
         second = await r.accept()
-        await trio.sleep(0.05)
-        assert recorded[1] == [A, Q] and r.vs.queue.waiting == 1
+        await until(lambda: r.vs.queue.waiting == 1)
+        assert recorded[1] == [A, Q]
         first.close()  # its end gives the slot to the waiter
         assert await round_trip(second, b"next") == b"next"
         second.close()
@@ -553,11 +561,10 @@ def test_the_drain_deadline_ends_a_queued_connection_unlogged(recorded, caplog):
 
         r.nursery = await nursery.start(handlers)
         second = await r.accept()
-        await trio.sleep(0.05)
+        await until(lambda: r.vs.queue.waiting == 1)
         assert recorded[1] == [A, Q]
         scope.cancel()
-        await trio.sleep(0.05)
-        assert recorded[1] == JOURNEYS["drained_while_queued"]
+        await until(lambda: recorded[1] == JOURNEYS["drained_while_queued"])
         assert await closed(second)
         assert r.pool.clients == 1  # the first only
         first.close()

@@ -321,7 +321,9 @@ def test_unlisten_takes_a_reader_out_of_the_set_at_once():
     async def main() -> None:
         reactor = pump.reactor()
         with always_ready() as (rfd, reader):
-            await trio.sleep(0.01)
+            with trio.fail_after(5):
+                while reader.calls == 0:  # the reactor has served it
+                    await trio.sleep(0.001)
             reactor.unlisten(rfd, reader.on_event)
             reactor.unlisten(rfd, reader.on_event)  # idempotent
             seen = reader.calls

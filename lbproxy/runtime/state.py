@@ -7,7 +7,8 @@ servers added and removed at run time (SPEC §24), the last
 load report of each real server, and the persistence entries with the wall-clock time
 they expire at. Health, counters, SNMP values and throttle modes are not: they are
 measured again within seconds. An upgrade's hand-over (`snapshot(..., health=True)`)
-carries the health of each actively checked server as well: the new process starts
+carries the health and last check of each actively checked server as well: the new
+process starts
 from the old one's verdicts, seconds old, rather than from the files' (every server
 up, one added at run time down until its first check).
 
@@ -74,6 +75,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from lbproxy.core.real_server import CheckRecord
 from lbproxy.wire.state_file import (
     MAX_BYTES,
     ServerState,
@@ -168,8 +170,10 @@ def _virtual_server(
         weight = int(rs.static_weight) if rs.static_weight != float(config.weight) else None
         load = pool.locator.reports.get(rs)
         up = rs.health.up if checked else None
+        last = rs.counters.check_last if checked else None
+        check = None if last is None else (last.result, last.reason, last.at, last.duration)
         if state is not None or weight is not None or load is not None or up is not None:
-            servers.append(ServerState(rs.name, str(rs.address), state, weight, load, up))
+            servers.append(ServerState(rs.name, str(rs.address), state, weight, load, up, check))
     entries: list[StickyEntry] = []
     persistence = pool.persistence
     if persistence is not None:
@@ -297,6 +301,8 @@ def _restore_pool(
             counts["loads"] += 1
         if saved.up is not None and pool.restore_health(rs, saved.up, now):
             counts["health"] += 1
+        if saved.check is not None and rs.counters.check_last is None:
+            rs.counters.check_last = CheckRecord(*saved.check)  # why it is down, until the next
     persistence = pool.persistence
     if persistence is None:
         if vs_state.persistence and not entries_only:

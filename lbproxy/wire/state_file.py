@@ -29,7 +29,8 @@ that a file names: name and the address it had) are left out when empty.
 `lbproxy upgrade` hands the same document to the new process, with one more key per
 real server of a virtual server with active checks: `"up": true` or `false`, its health
 as the old process last saw it (HAProxy's `server-state-file` carries the operational
-state too). The file never holds it: a restart may take any time, and checks say again.
+state too), and `"check": [result, reason, at, duration]`, its last check, once there
+was one. The file never holds them: a restart may take any time, and checks say again.
 
 The file is input that anyone with write access to its folder, a full disk or a crash
 may have spoilt. So `decode` accepts exactly what `encode` writes, bounded (MAX_BYTES,
@@ -60,6 +61,8 @@ from lbproxy.wire.cluster_messages import (
 VERSION = 1  # "lbproxy_state"; a file of another version is refused (and replaced)
 MAX_BYTES = 64 * 1024 * 1024  # a larger file is refused unread (~600 k entries fit)
 MAX_TIME = 1e11  # seconds since 1970: any wall-clock time lbproxy will see
+CHECK_RESULTS = ("ok", "fail", "timeout")  # an active check's (lbproxy_health_checks_total)
+MAX_REASON = 4096  # characters of a check's reason: a reason quotes at most a few bytes
 
 
 class StateFileError(ValueError):
@@ -76,6 +79,8 @@ class ServerState:
     weight: int | None = None  # 0..MAX_WEIGHT
     load: tuple[float, float] | None = None  # the last load report: (load, per_connection)
     up: bool | None = None  # its health, in an upgrade's hand-over only (never in the file)
+    # ... and its last active check there: (result, reason, at: wall-clock, duration in s)
+    check: tuple[str, str, float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +143,8 @@ def _server(rs: ServerState) -> dict[str, Any]:
         document["load"] = list(rs.load)
     if rs.up is not None:
         document["up"] = rs.up
+    if rs.check is not None:
+        document["check"] = list(rs.check)
     return document
 
 
@@ -199,7 +206,7 @@ def _removed(row: object) -> tuple[str, str]:
 
 def _real_server(value: object) -> ServerState:
     document = _object(
-        value, "a real server", ("name", "address"), ("state", "weight", "load", "up")
+        value, "a real server", ("name", "address"), ("state", "weight", "load", "up", "check")
     )
     address = document["address"]
     if not isinstance(address, str) or not 1 <= len(address) <= MAX_ADDRESS:
@@ -218,8 +225,27 @@ def _real_server(value: object) -> ServerState:
     up = document.get("up")
     if up is not None and not isinstance(up, bool):
         raise StateFileError(f"up is not true or false: {_short(up)}")
+    check = document.get("check")
+    if check is not None:
+        check = _check(check)
     name = _name(document["name"], "real server name")
-    return ServerState(name, address, state, weight, load, up)
+    return ServerState(name, address, state, weight, load, up, check)
+
+
+def _check(value: object) -> tuple[str, str, float, float]:
+    if not isinstance(value, list) or len(value) != 4:
+        raise StateFileError(f"check is not [result, reason, at, duration]: {_short(value)}")
+    result, reason, at, duration = value
+    if result not in CHECK_RESULTS:
+        raise StateFileError(f"check result {_short(result)}")
+    if not isinstance(reason, str) or len(reason) > MAX_REASON:
+        raise StateFileError(f"check reason {_short(reason)}")
+    return (
+        result,
+        reason,
+        _real(at, "check time", MAX_TIME),
+        _real(duration, "check duration", MAX_TIME),
+    )
 
 
 def _entry(row: object) -> StickyEntry:

@@ -460,9 +460,10 @@ def dns_answers(port: int) -> bool:
 
 def test_the_new_process_starts_from_the_health_the_old_one_saw(name_servers, tmp_path):
     """Active checks: a server down in the old process (its check port refuses) is down
-    in the new one from its first connection, and a server added at run time and up
-    takes connections at once, though the checks of both are silent from the upgrade
-    on (each would take its 10 s timeout to say anything)."""
+    in the new one from its first connection, with the reason its last check gave, and
+    a server added at run time and up takes connections at once, though the checks of
+    both are silent from the upgrade on (each would take its 10 s timeout to say
+    anything)."""
     a, b, c = name_servers("a", "b", "c")
     checks = {name: Answering(name, b"PONG\r\n") for name in "ac"}
     with socket.socket() as b_check:
@@ -494,6 +495,9 @@ def test_the_new_process_starts_from_the_health_the_old_one_saw(name_servers, tm
             proxy.upgrade()
             assert get_json(admin, "/api/v1/process")["pid"] == proxy.pid
             assert health() == wanted
+            # Why b is down: its last check in the old process, until the next one ends.
+            assert servers_of(admin)["b"]["check"]["result"] == "fail"
+            assert "refused" in servers_of(admin)["b"]["check"]["reason"]
             assert sorted(ask_name(port) for _ in range(6)) == ["a"] * 3 + ["c"] * 3
             assert "2 health state(s) kept" in proxy.log()
         finally:

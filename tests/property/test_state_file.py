@@ -35,6 +35,13 @@ servers = st.builds(
     st.none() | st.integers(0, MAX_WEIGHT),
     st.none() | st.tuples(loads, loads),
     st.none() | st.booleans(),
+    st.none()
+    | st.tuples(
+        st.sampled_from(("ok", "fail", "timeout")),
+        st.text(max_size=100),
+        times,
+        st.floats(0, 100, allow_nan=False),
+    ),
 )
 entries = st.builds(StickyEntry, clients, names, times)
 addresses = st.text("0123456789.:[]ab", min_size=1, max_size=30)

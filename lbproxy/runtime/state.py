@@ -8,9 +8,8 @@ load report of each real server, and the persistence entries with the wall-clock
 they expire at. Health, counters, SNMP values and throttle modes are not: they are
 measured again within seconds. An upgrade's hand-over (`snapshot(..., health=True)`)
 carries the health and last check of each actively checked server as well: the new
-process starts
-from the old one's verdicts, seconds old, rather than from the files' (every server
-up, one added at run time down until its first check).
+process starts from the old one's verdicts, seconds old, rather than from the files'
+(every server up, one added at run time down until its first check).
 
 The API (lbproxy/runtime/server.py calls it; `lbproxy upgrade` passes the same bytes over
 its Unix socket instead of through the file):

@@ -31,10 +31,10 @@ ready, the new process moves its stderr back to the one the old process had (rec
 with the sockets), and the pipe ends.
 
 Runtime state: lbproxy/runtime/state.py's snapshot of the old process (states and
-weights set at run time, the last load reports, the persistence entries, and the health
-of each actively checked real server) goes with the
-sockets, taken when the upgrade starts, and the new process restores it after its
-configuration and before its first accept, exactly as it would read `global.state_file`.
+weights set at run time, the last load reports, the persistence entries, and each
+actively checked real server's health and last check) goes with the sockets, taken when
+the upgrade starts, and the new process restores it after its configuration and before
+its first accept, as it would read `global.state_file` (which holds all but the health).
 From the hand-over on, only the new process writes the state file.
 
 After a privilege drop (`global.user`, lbproxy/runtime/privileges.py) the new process runs

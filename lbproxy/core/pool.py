@@ -773,6 +773,14 @@ class Pool:
         self._update(rs, now)
         return True
 
+    def restore_timeline(self, rs: RealServer, since: float, downtime: float, now: float) -> None:
+        """`rs`'s last change (`since`, this run's clock) and the seconds it has spent down,
+        as the process before this one counted them (an upgrade's hand-over); a server
+        down now goes on counting from `now`."""
+        rs.changed_at = min(since, now)
+        rs.downtime = max(downtime, 0.0)
+        rs.down_since = None if rs.health.up else now
+
     def await_first_check(self, rs: RealServer, now: float) -> None:
         """`rs` (just added at run time) takes no connection until an active check
         passes: down, one success from up. Without active checks it stays as it is."""

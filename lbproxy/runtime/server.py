@@ -281,8 +281,9 @@ class Server:
 
     def handover_state(self) -> dict[str, Any]:
         """lbproxy/runtime/state.py's snapshot, as the state file holds it (JSON text),
-        with each actively checked server's health: the new process starts from it."""
-        return {"state": runtime_state.snapshot(self, health=True).decode()}
+        with what only a hand-over carries (each server's timeline, and the health of
+        those actively checked): the new process starts from it."""
+        return {"state": runtime_state.snapshot(self, handover=True).decode()}
 
     async def upgrade(self, config_paths: Sequence[str] = ()) -> Outcome:
         """`lbproxy upgrade`, SIGUSR2: start the lbproxy on disk now with this process's

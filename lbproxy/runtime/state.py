@@ -6,10 +6,11 @@ configuration (set with PATCH, `lbproxy drain`/`set-weight`, or by the cluster),
 servers added and removed at run time (SPEC §24), the last
 load report of each real server, and the persistence entries with the wall-clock time
 they expire at. Health, counters, SNMP values and throttle modes are not: they are
-measured again within seconds. An upgrade's hand-over (`snapshot(..., health=True)`)
+measured again within seconds. An upgrade's hand-over (`snapshot(..., handover=True)`)
 carries the health and last check of each actively checked server as well: the new
 process starts from the old one's verdicts, seconds old, rather than from the files'
-(every server up, one added at run time down until its first check).
+(every server up, one added at run time down until its first check); and each server's
+timeline (`since`, `downtime_s`), so the operator's view goes on across the upgrade.
 
 The API (lbproxy/runtime/server.py calls it; `lbproxy upgrade` passes the same bytes over
 its Unix socket instead of through the file):
@@ -128,20 +129,20 @@ class Server(Protocol):
 
 
 def snapshot(
-    server: Server, wall: float | None = None, now: float | None = None, health: bool = False
+    server: Server, wall: float | None = None, now: float | None = None, handover: bool = False
 ) -> bytes:
     """The runtime state of `server`, encoded (see the module header for what is kept);
-    with `health` (an upgrade's hand-over, never the file), the health of every real
-    server that active checks watch as well."""
-    return encode(_state(server, time.time() if wall is None else wall, now, health))
+    with `handover` (an upgrade's, never the file), every real server's timeline and the
+    health and last check of those that active checks watch as well."""
+    return encode(_state(server, time.time() if wall is None else wall, now, handover))
 
 
-def _state(server: Server, wall: float, now: float | None = None, health: bool = False) -> State:
+def _state(server: Server, wall: float, now: float | None = None, handover: bool = False) -> State:
     now = trio.current_time() if now is None else now
     return State(
         wall,
         tuple(
-            _virtual_server(pool, wall, now, server.topology.get(pool.name), health)
+            _virtual_server(pool, wall, now, server.topology.get(pool.name), handover)
             for pool in server.pools()
         ),
     )
@@ -152,7 +153,7 @@ def _virtual_server(
     wall: float,
     now: float,
     topology: RuntimeTopology | None = None,
-    health: bool = False,
+    handover: bool = False,
 ) -> VirtualServerState:
     servers = []
     added: tuple[dict[str, Any], ...] = ()
@@ -162,17 +163,33 @@ def _virtual_server(
         removed = topology.removed_from_files()
     # Without active checks health is passive: a new process starts every server up and
     # the first failed connects say otherwise, as at any start.
-    checked = health and pool.config.health_check.type != "none"
+    checked = handover and pool.config.health_check.type != "none"
     for rs in pool.servers:
         config = rs.config
         state = rs.state if rs.state != config.state else None
         weight = int(rs.static_weight) if rs.static_weight != float(config.weight) else None
         load = pool.locator.reports.get(rs)
-        up = rs.health.up if checked else None
-        last = rs.counters.check_last if checked else None
-        check = None if last is None else (last.result, last.reason, last.at, last.duration)
-        if state is not None or weight is not None or load is not None or up is not None:
-            servers.append(ServerState(rs.name, str(rs.address), state, weight, load, up, check))
+        if handover:  # every server, with its timeline
+            up = rs.health.up if checked else None
+            last = rs.counters.check_last if checked else None
+            check = None if last is None else (last.result, last.reason, last.at, last.duration)
+            since = wall - max(now - rs.changed_at, 0.0)
+            downtime = pool.downtime(rs, now)
+            servers.append(
+                ServerState(
+                    rs.name,
+                    str(rs.address),
+                    state,
+                    weight,
+                    load,
+                    up=up,
+                    check=check,
+                    since=since,
+                    downtime=downtime,
+                )
+            )
+        elif state is not None or weight is not None or load is not None:
+            servers.append(ServerState(rs.name, str(rs.address), state, weight, load))
     entries: list[StickyEntry] = []
     persistence = pool.persistence
     if persistence is not None:
@@ -302,6 +319,8 @@ def _restore_pool(
             counts["health"] += 1
         if saved.check is not None and rs.counters.check_last is None:
             rs.counters.check_last = CheckRecord(*saved.check)  # why it is down, until the next
+        if saved.since is not None and saved.downtime is not None:
+            pool.restore_timeline(rs, now - max(wall - saved.since, 0.0), saved.downtime, now)
     persistence = pool.persistence
     if persistence is None:
         if vs_state.persistence and not entries_only:

@@ -26,11 +26,13 @@ meanwhile is dropped on reading):
 by the configuration reader when restored) and `removed` (those removed at run time
 that a file names: name and the address it had) are left out when empty.
 
-`lbproxy upgrade` hands the same document to the new process, with one more key per
-real server of a virtual server with active checks: `"up": true` or `false`, its health
-as the old process last saw it (HAProxy's `server-state-file` carries the operational
-state too), and `"check": [result, reason, at, duration]`, its last check, once there
-was one. The file never holds them: a restart may take any time, and checks say again.
+`lbproxy upgrade` hands the same document to the new process with every real server in
+it and more keys: `"since"` (the wall-clock time of its last change of state or health)
+and `"downtime"` (seconds it has spent down), and for a virtual server with active
+checks `"up": true` or `false`, its health as the old process last saw it (HAProxy's
+`server-state-file` carries the operational state too), and `"check": [result, reason,
+at, duration]`, its last check, once there was one. The file never holds them: a
+restart may take any time, and checks say again.
 
 The file is input that anyone with write access to its folder, a full disk or a crash
 may have spoilt. So `decode` accepts exactly what `encode` writes, bounded (MAX_BYTES,
@@ -81,6 +83,8 @@ class ServerState:
     up: bool | None = None  # its health, in an upgrade's hand-over only (never in the file)
     # ... and its last active check there: (result, reason, at: wall-clock, duration in s)
     check: tuple[str, str, float, float] | None = None
+    since: float | None = None  # hand-over only: its last change of state or health (wall)
+    downtime: float | None = None  # hand-over only: seconds it has spent down (health)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +149,10 @@ def _server(rs: ServerState) -> dict[str, Any]:
         document["up"] = rs.up
     if rs.check is not None:
         document["check"] = list(rs.check)
+    if rs.since is not None:
+        document["since"] = rs.since
+    if rs.downtime is not None:
+        document["downtime"] = rs.downtime
     return document
 
 
@@ -206,7 +214,10 @@ def _removed(row: object) -> tuple[str, str]:
 
 def _real_server(value: object) -> ServerState:
     document = _object(
-        value, "a real server", ("name", "address"), ("state", "weight", "load", "up", "check")
+        value,
+        "a real server",
+        ("name", "address"),
+        ("state", "weight", "load", "up", "check", "since", "downtime"),
     )
     address = document["address"]
     if not isinstance(address, str) or not 1 <= len(address) <= MAX_ADDRESS:
@@ -228,8 +239,13 @@ def _real_server(value: object) -> ServerState:
     check = document.get("check")
     if check is not None:
         check = _check(check)
+    since, downtime = document.get("since"), document.get("downtime")
+    if since is not None:
+        since = _real(since, "since", MAX_TIME)
+    if downtime is not None:
+        downtime = _real(downtime, "downtime", MAX_TIME)
     name = _name(document["name"], "real server name")
-    return ServerState(name, address, state, weight, load, up, check)
+    return ServerState(name, address, state, weight, load, up, check, since, downtime)
 
 
 def _check(value: object) -> tuple[str, str, float, float]:

@@ -8,6 +8,7 @@ is found by the PID the upgrade answers with and stopped by that PID.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -458,9 +459,15 @@ def dns_answers(port: int) -> bool:
     return True
 
 
+def wall(stamp: str) -> float:
+    """An API time (ISO 8601 UTC, e.g. 2026-12-05T15:04:23.120Z) in seconds since 1970."""
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
 def test_the_new_process_starts_from_the_health_the_old_one_saw(name_servers, tmp_path):
     """Active checks: a server down in the old process (its check port refuses) is down
-    in the new one from its first connection, with the reason its last check gave, and
+    in the new one from its first connection, with the reason its last check gave, its
+    `since` and its downtime so far, and
     a server added at run time and up takes connections at once, though the checks of
     both are silent from the upgrade on (each would take its 10 s timeout to say
     anything)."""
@@ -490,6 +497,8 @@ def test_the_new_process_starts_from_the_health_the_old_one_saw(name_servers, tm
             health = lambda: {rs: doc["health"] for rs, doc in servers_of(admin).items()}  # noqa: E731
             wanted = {"a": "up", "b": "down", "c": "up"}
             wait_for(lambda: health() == wanted, 15, f"{wanted}")
+            wait_for(lambda: servers_of(admin)["b"]["downtime_s"] >= 1.0, 15, "b down 1 s")
+            b_before = servers_of(admin)["b"]
             b_check.listen()  # connects now succeed and nothing answers
             checks["c"].answer = b""
             proxy.upgrade()
@@ -498,6 +507,10 @@ def test_the_new_process_starts_from_the_health_the_old_one_saw(name_servers, tm
             # Why b is down: its last check in the old process, until the next one ends.
             assert servers_of(admin)["b"]["check"]["result"] == "fail"
             assert "refused" in servers_of(admin)["b"]["check"]["reason"]
+            # ... down since then, and its downtime goes on from what the old one counted
+            b_after = servers_of(admin)["b"]
+            assert abs(wall(b_after["since"]) - wall(b_before["since"])) < 0.1
+            assert b_after["downtime_s"] >= b_before["downtime_s"] >= 1.0
             assert sorted(ask_name(port) for _ in range(6)) == ["a"] * 3 + ["c"] * 3
             assert "2 health state(s) kept" in proxy.log()
         finally:

@@ -42,6 +42,8 @@ servers = st.builds(
         times,
         st.floats(0, 100, allow_nan=False),
     ),
+    st.none() | times,
+    st.none() | times,
 )
 entries = st.builds(StickyEntry, clients, names, times)
 addresses = st.text("0123456789.:[]ab", min_size=1, max_size=30)

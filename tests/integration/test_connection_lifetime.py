@@ -71,10 +71,12 @@ class HeldServer:
                             while True:
                                 conn, _ = self.listener.accept()
                                 conn.setblocking(False)
+                                sel.register(conn, selectors.EVENT_READ)
+                                # Counted before its name goes out: a client that has read
+                                # the name finds it counted.
+                                self.open += 1
                                 with contextlib.suppress(OSError):
                                     conn.send(f"{self.name}\n".encode())
-                                sel.register(conn, selectors.EVENT_READ)
-                                self.open += 1
                         continue
                     conn = key.fileobj
                     try:
@@ -235,7 +237,8 @@ class NameLoop(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
-        self.join(10)
+        if self.is_alive():  # (a test that failed before starting it stops it too)
+            self.join(10)
 
 
 def two_servers(held_servers, lbproxy, extra: str = "", admin: str = "", **rs_extra):

@@ -147,9 +147,25 @@ def agent_text(agent: dict | None) -> str:
     return f" agent {' '.join(said)}" if said else ""
 
 
+def read_page(read):
+    """`read()` of elements the page may replace between finding one and reading it (it
+    re-renders on each refresh): read again, at once, from the new ones (bounded)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(20):
+        try:
+            return read()
+        except StaleElementReferenceException:
+            continue
+    return read()
+
+
 def shown_row(driver, vs: str, rs: str, cells) -> dict[str, str]:
-    row = _row(driver, vs, rs)
-    return {cell: row.find_element("css selector", f".{cell}").text.strip() for cell in cells}
+    def read() -> dict[str, str]:
+        row = _row(driver, vs, rs)
+        return {cell: row.find_element("css selector", f".{cell}").text.strip() for cell in cells}
+
+    return read_page(read)
 
 
 def _row(driver, vs: str, rs: str):
@@ -549,7 +565,7 @@ def test_dashboard_shows_a_udp_virtual_servers_sessions_datagrams_and_drops(brow
 
     def head(cell: str) -> str:
         selector = f'section.vs[data-vs="game"] .vs-head .{cell}'
-        return browser.find_element("css selector", selector).text
+        return read_page(lambda: browser.find_element("css selector", selector).text)
 
     try:
         assert [ask(sock) for sock in clients] == [b"a:ping", b"b:ping", b"a:ping", None]
@@ -558,10 +574,15 @@ def test_dashboard_shows_a_udp_virtual_servers_sessions_datagrams_and_drops(brow
         assert head("udp") == "udp"
         shown = {cell: head(cell) for cell in ("udp-sessions", "udp-in", "udp-out", "udp-dropped")}
         assert shown == {"udp-sessions": "3", "udp-in": "3", "udp-out": "3", "udp-dropped": "1"}
-        dropped = browser.find_element(
-            "css selector", 'section.vs[data-vs="game"] .vs-head .udp-dropped'
-        ).find_element("xpath", "..")
-        assert dropped.get_attribute("title") == "acl: 1"
+        dropped = 'section.vs[data-vs="game"] .vs-head .udp-dropped'
+        title = read_page(
+            lambda: (
+                browser.find_element("css selector", dropped)
+                .find_element("xpath", "..")
+                .get_attribute("title")
+            )
+        )
+        assert title == "acl: 1"
         active = {rs: shown_row(browser, "game", rs, ["active"])["active"] for rs in servers}
         assert active == {"a": "2", "b": "1"}  # the real servers' open sessions
         # A datagram on an open session and a new session: the page follows.

@@ -6,6 +6,7 @@ limit, across upgrades), configurations, the admin endpoint over HTTP (the API's
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import json
 import os
@@ -679,6 +680,12 @@ def unix_http(
         return response.status, response.read()
     finally:
         connection.close()
+
+
+def wall_time(stamp: str) -> float:
+    """An ISO 8601 UTC time as the API and the access log write it (e.g.
+    2026-12-05T15:04:23.120Z) in seconds since 1970."""
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def local_http(method: str, url: str, body=None, headers=None, timeout: float = 10.0):

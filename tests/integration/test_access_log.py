@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from datetime import datetime
 
 import pytest
 
@@ -18,6 +17,7 @@ from tests.integration.harness import (
     read_name,
     vs_config,
     wait_for,
+    wall_time,
 )
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def finish(conn: dict) -> None:
 
 def wall(iso: str) -> float:
     assert iso.endswith("Z") and len(iso.split(".")[1]) == 7, iso  # UTC, microseconds
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+    return wall_time(iso)
 
 
 @pytest.mark.parametrize("path", ["compiled", "pure"])
@@ -99,17 +99,13 @@ def test_json_access_log_carries_each_connections_facts(path, name_servers, lbpr
         assert isinstance(duration, float)
         assert conn["held"] - ROUNDING <= duration <= ended - conn["began"] + ROUNDING
         # its end (the record's time, cut to the millisecond) is start + duration
-        assert 0 <= start + duration - wall_ms(record["time"]) < 0.001 + ROUNDING
+        assert 0 <= start + duration - wall_time(record["time"]) < 0.001 + ROUNDING
         # the text of the line is still there, for a human reading the JSON
         assert f"vs=web rs={conn['name']} in={len(conn['payload'])}" in record["message"]
     # the first connection, held while the second one came and went, lasted longer
     held, inner = records[first["client_port"]], records[second["client_port"]]
     assert held["duration_s"] > inner["duration_s"]
     assert wall(held["start"]) < wall(inner["start"])
-
-
-def wall_ms(iso: str) -> float:
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
 def test_json_access_log_names_a_refused_connection(lbproxy):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import datetime
 import io
 import socket
 import struct
@@ -24,6 +23,7 @@ from tests.integration.harness import (
     run_cli,
     vs_config,
     wait_for,
+    wall_time,
     with_admin,
     workers_config,
 )
@@ -38,10 +38,6 @@ WRONG_ANSWER = "send_expect check: '^PONG' not found in 6 bytes \"NOPE\\r\\n\" w
 def _servers(admin_port: int, vs: str = "web") -> dict[str, dict]:
     document = get_json(admin_port, f"/api/v1/virtual-servers/{vs}")
     return {rs["name"]: rs for rs in document["real_servers"]}
-
-
-def _when(stamp: str) -> float:
-    return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
 def test_why_a_server_is_down_json_and_status_wide(lbproxy):
@@ -82,7 +78,7 @@ def test_why_a_server_is_down_json_and_status_wide(lbproxy):
             }  # fmt: skip
             assert rs["max_connections"] is None
             # since: the start for good (never changed), the fall for the others
-            assert started - 1 <= _when(rs["since"]) <= time.time() + 1, rs
+            assert started - 1 <= wall_time(rs["since"]) <= time.time() + 1, rs
             if name == "good":
                 assert rs["downtime_s"] == 0
 
@@ -128,13 +124,13 @@ def test_since_and_downtime_over_a_down_up_cycle(lbproxy, name_servers):
     down = wait_for(
         lambda: (rs := _servers(admin_port)["a"])["health"] == "down" and rs, 10, "a down"
     )
-    went_down = _when(down["since"])
-    assert went_down > _when(start["since"])
+    went_down = wall_time(down["since"])
+    assert went_down > wall_time(start["since"])
     wait_for(lambda: _servers(admin_port)["a"]["downtime_s"] >= 0.5, 10, "downtime growing")
 
     (_again,) = name_servers("a", port=a_port)
     up = wait_for(lambda: (rs := _servers(admin_port)["a"])["health"] == "up" and rs, 10, "a up")
-    assert _when(up["since"]) > went_down
+    assert wall_time(up["since"]) > went_down
     assert up["downtime_s"] >= 0.5
     # up: the downtime no longer grows, and `since` stays the time it came back
     wait_for(lambda: ask_name(port) and True, 5, "traffic")
@@ -199,7 +195,7 @@ def test_routes_process_and_csv(lbproxy, name_servers, tmp_path):
     assert process["version"] == __version__ and process["pid"] == proxy.proc.pid
     assert process["workers"] == 0 and process["connection_path"] in ("compiled", "pure")
     assert process["uptime_s"] >= 0
-    assert abs(_when(process["started"]) + process["uptime_s"] - time.time()) < 5
+    assert abs(wall_time(process["started"]) + process["uptime_s"] - time.time()) < 5
     assert process["config_files"] == [str(proxy.config_path)]
 
     assert ask_name(port) == "a"

@@ -8,7 +8,6 @@ is found by the PID the upgrade answers with and stopped by that PID.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import signal
@@ -36,6 +35,7 @@ from tests.integration.harness import (
     servers_of,
     vs_config,
     wait_for,
+    wall_time,
     with_admin,
 )
 from tests.integration.harness import UpgradableLbproxy as Proxy
@@ -459,11 +459,6 @@ def dns_answers(port: int) -> bool:
     return True
 
 
-def wall(stamp: str) -> float:
-    """An API time (ISO 8601 UTC, e.g. 2026-12-05T15:04:23.120Z) in seconds since 1970."""
-    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
 def test_the_new_process_starts_from_the_health_the_old_one_saw(name_servers, tmp_path):
     """Active checks: a server down in the old process (its check port refuses) is down
     in the new one from its first connection, with the reason its last check gave, its
@@ -509,7 +504,7 @@ def test_the_new_process_starts_from_the_health_the_old_one_saw(name_servers, tm
             assert "refused" in servers_of(admin)["b"]["check"]["reason"]
             # ... down since then, and its downtime goes on from what the old one counted
             b_after = servers_of(admin)["b"]
-            assert abs(wall(b_after["since"]) - wall(b_before["since"])) < 0.1
+            assert abs(wall_time(b_after["since"]) - wall_time(b_before["since"])) < 0.1
             assert b_after["downtime_s"] >= b_before["downtime_s"] >= 1.0
             assert sorted(ask_name(port) for _ in range(6)) == ["a"] * 3 + ["c"] * 3
             assert "2 health state(s) kept" in proxy.log()

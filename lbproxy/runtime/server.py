@@ -59,6 +59,11 @@ log = logging.getLogger("lbproxy.server")
 REMOVED_POLL = 0.1  # seconds between looks at a removed server that still has connections
 
 
+def dns_bind_error(listen: Address, exc: OSError, hint: str = "") -> BindError:
+    """Why the DNS locator's address cannot be bound, as every bind failure is named."""
+    return BindError(f"cannot listen on {listen} (DNS locator): {exc.strerror}{hint}")
+
+
 def load_for_reload(paths: Sequence[str]) -> Config | list[str]:
     """Load the files again for a reload: the new Config, or every problem as
     `FILE:LINE: message`, each logged, with the running configuration left alone."""
@@ -364,10 +369,8 @@ class Server:
             try:
                 socks = DnsLocator.bind(config.listen, self.reuse_port)
             except OSError as exc:
-                raise BindError(
-                    f"cannot listen on {config.listen} (DNS locator): {exc.strerror}"
-                    + self.inherited.missing(str(config.listen))
-                ) from None
+                hint = self.inherited.missing(str(config.listen))
+                raise dns_bind_error(config.listen, exc, hint) from None
         self.dns = DnsLocator(config, self.virtual_servers)
         return socks
 

@@ -54,7 +54,7 @@ from lbproxy.runtime import logs, privileges, process_title
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
-from lbproxy.runtime.server import load_for_reload
+from lbproxy.runtime.server import dns_bind_error, load_for_reload
 from lbproxy.runtime.upgrade import Outcome, Upgrade, python_command
 from lbproxy.runtime.workers.app import SupervisorApp
 from lbproxy.runtime.workers.merge import (
@@ -1071,9 +1071,7 @@ def _try_worker_binds(config: Config, inherited: Inherited) -> list[BindError]:
             for sock in DnsLocator.bind(dns.listen, reuse_port=True):
                 sock.close()
         except OSError as exc:
-            failures.append(
-                BindError(f"cannot listen on {dns.listen} (DNS locator): {exc.strerror}")
-            )
+            failures.append(dns_bind_error(dns.listen, exc))
     return failures
 
 

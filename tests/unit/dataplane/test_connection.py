@@ -975,23 +975,27 @@ def test_one_guardian_stands_for_connections_that_come_one_at_a_time(recorded):
     run(body)
 
 
+async def rig_in_handlers_nursery(nursery) -> tuple[Rig, trio.Event, trio.Event]:
+    """A rig whose handler runs in a handlers nursery of its own, as the server's: set
+    `stopping` and the nursery closes once its tasks end, which sets `drained`."""
+    port = await echo_server_port(nursery)
+    stopping, drained = trio.Event(), trio.Event()
+
+    async def handlers_nursery(task_status=trio.TASK_STATUS_IGNORED):
+        async with trio.open_nursery() as handlers:
+            task_status.started(await rig(handlers, [real_server("a", port)]))
+            await stopping.wait()
+        drained.set()
+
+    return await nursery.start(handlers_nursery), stopping, drained
+
+
 def test_a_retired_handler_is_drained_once_its_last_connection_ends(recorded):
     """retire() (the listener closed): the handlers nursery, which the drain waits for,
     finishes when the last task-less connection ends, and not before."""
 
     async def body(nursery):
-        port = await echo_server_port(nursery)
-        drained = trio.Event()
-
-        stopping = trio.Event()
-
-        async def handlers_nursery(task_status=trio.TASK_STATUS_IGNORED):
-            async with trio.open_nursery() as handlers:  # as the server's
-                task_status.started(await rig(handlers, [real_server("a", port)]))
-                await stopping.wait()
-            drained.set()
-
-        r = await nursery.start(handlers_nursery)
+        r, stopping, drained = await rig_in_handlers_nursery(nursery)
         await warm_up(r, recorded)
         held = await r.accept()
         assert await round_trip(held) == b"ping"
@@ -1009,18 +1013,7 @@ def test_a_retired_handler_is_drained_once_its_last_connection_ends(recorded):
 
 def test_a_retired_idle_handler_is_drained_at_once(recorded):
     async def body(nursery):
-        port = await echo_server_port(nursery)
-        drained = trio.Event()
-
-        stopping = trio.Event()
-
-        async def handlers_nursery(task_status=trio.TASK_STATUS_IGNORED):
-            async with trio.open_nursery() as handlers:  # as the server's
-                task_status.started(await rig(handlers, [real_server("a", port)]))
-                await stopping.wait()
-            drained.set()
-
-        r = await nursery.start(handlers_nursery)
+        r, stopping, drained = await rig_in_handlers_nursery(nursery)
         await warm_up(r, recorded)  # its guardian stays while the handler serves
         stopping.set()
         await trio.testing.wait_all_tasks_blocked()

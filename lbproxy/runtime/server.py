@@ -148,6 +148,9 @@ class Server:
         # global.state_file (SPEC §17, lbproxy/runtime/state.py): `initial_state`, when
         # set before serve(), is restored instead of the file (`lbproxy upgrade`).
         self.initial_state: bytes | None = None
+        # True: `initial_state` is one old worker's, and the file's parts hold the other
+        # workers' persistence entries, which are read after it.
+        self.initial_state_is_one_workers = False
         self.state_writer = runtime_state.StateWriter(self)
         # Paths this process creates as root before it drops its privileges (an admin
         # socket) that global.user must own afterwards: chowned just before the drop
@@ -1026,11 +1029,12 @@ def run(
     passed: list[Passed] | None = None,
     main_pid: bool = False,
     initial_state: bytes | None = None,
+    initial_state_is_one_workers: bool = False,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `passed`: the sockets
     of the process this one replaces (an upgrade, which also sets `main_pid`: tell
-    systemd this is the main process now, and passes its `initial_state`); else
-    systemd's, if it passed any."""
+    systemd this is the main process now, and passes its `initial_state`, one of its
+    workers' when `initial_state_is_one_workers`); else systemd's, if it passed any."""
     logs.configure(config.global_.log_format, log_level)
     if passed is None:  # an upgrade's new process is named once it serves (takeover.py)
         process_title.name_serving_process()
@@ -1047,6 +1051,7 @@ def run(
     server.log_level = log_level
     server.freeze_heap = True
     server.initial_state = initial_state
+    server.initial_state_is_one_workers = initial_state_is_one_workers
     server.notifier = Notifier.from_environment()
     server.notifier.main_pid = main_pid
     server.takes_over = passed is not None

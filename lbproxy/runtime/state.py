@@ -59,7 +59,10 @@ file, worker k (k > 1) writes its part, the same format, to `STATE_FILE.wK` besi
 entries of every part (`part_paths`: their states and weights are worker 1's already,
 PATCHes reach every worker alike), so each worker restores every worker's entries. A
 process without workers merges the parts into its own file and removes them after its
-first write, so a later `workers: 1` leaves no part behind.
+first write, so a later `workers: 1` leaves no part behind. An upgrade of a supervisor
+hands over one worker's snapshot (its health, timelines and state: the workers check the
+same servers and take the same changes); each new worker restores it instead of the
+file, then the parts' persistence entries (`initial_state_is_one_workers`).
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ class Server(Protocol):
 
     @property
     def initial_state(self) -> bytes | None: ...
+
+    @property
+    def initial_state_is_one_workers(self) -> bool: ...
 
     @property
     def topology(self) -> Mapping[str, RuntimeTopology]: ...
@@ -347,16 +353,19 @@ def _restore_pool(
 
 
 def read_at_start(server: Server) -> None:
-    """At start, before the first accept: `initial_state`, else the state file, if any."""
+    """At start, before the first accept: `initial_state`, else the state file, if any;
+    then the file's parts, unless `initial_state` was a whole process's."""
+    path = server.config.global_.state_file
     if server.initial_state is not None:
         restore(server, server.initial_state, "the state passed by the old process")
-        return
-    path = server.config.global_.state_file
+        if not server.initial_state_is_one_workers:
+            return
+    elif path is not None:
+        data = _read(path, missing_is_news=True)
+        if data is not None:
+            restore(server, data, f"state file {path}")
     if path is None:
         return
-    data = _read(path, missing_is_news=True)
-    if data is not None:
-        restore(server, data, f"state file {path}")
     for part in part_paths(path):  # the other workers' persistence entries (module header)
         data = _read(part, missing_is_news=False)
         if data is not None:

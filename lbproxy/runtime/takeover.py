@@ -98,7 +98,14 @@ def run_new(fd: int, config_paths: list[str], log_level: str) -> int:
         passed=passed,
         main_pid=True,
         initial_state=state.encode() if isinstance(state, str) else None,
+        # from a supervisor: one worker's state; the file's parts hold the others' entries
+        initial_state_is_one_workers=_from_workers(hello.get("workers")),
     )
+
+
+def _from_workers(old: object) -> bool:
+    """True when the old process was a supervisor (`workers` > 1)."""
+    return isinstance(old, int) and not isinstance(old, bool) and old > 1
 
 
 def _workers_change(old: object, config: Config) -> str:

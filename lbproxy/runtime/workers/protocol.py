@@ -13,10 +13,14 @@ lbproxy/net/fd_channel.py, the framing an upgrade's hand-over uses too):
       {"listeners": [KEY, ...]}  with one descriptor per key, in order: the TCP listening
                                 sockets a reload adds, kept for that reload
       {"upgraded": true}        a new supervisor serves: close the UDP sockets now
+      {"state": true}           an upgrade is starting: what its new workers start from
     worker -> supervisor
       {"ready": true}           every listener is bound
       {"error": MESSAGE}        it cannot start; it exits 1
       {"taken": true}           the answer to "listeners" and "upgraded"
+      {"state": SNAPSHOT}       the answer to "state": the worker's runtime state with its
+                                servers' health and timelines (runtime/state.py
+                                `snapshot(..., handover=True)`), as text
 
 The worker reads on until end of file, which means the supervisor is gone (killed, even
 with SIGKILL): it then stops accepting and drains, so no orphan keeps the ports. The
@@ -39,6 +43,7 @@ ERROR = "error"
 TAKEN = "taken"
 LISTENERS = "listeners"
 UPGRADED = "upgraded"
+STATE = "state"
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class Init:
     admin: str  # the path of the worker's admin socket
     listeners: dict[str, int]  # the inherited TCP listening sockets' numbers, by address
     secrets: dict[str, str]  # lbproxy/config/secret_files.py, by path
+    # An upgrade's first workers only: one old worker's "state" answer, restored before
+    # the first accept as a process without workers restores its old process's.
+    state: str | None = None
 
 
 def encode_init(init: Init) -> bytes:

@@ -67,6 +67,7 @@ from lbproxy.runtime.workers.merge import (
 from lbproxy.runtime.workers.protocol import (
     ERROR,
     LISTENERS,
+    STATE,
     TAKEN,
     UPGRADED,
     Init,
@@ -139,6 +140,10 @@ class Worker:
     channel: Channel | None = None
     given: set[str] = field(default_factory=set)
     taken: trio.Event | None = None
+    # The answer to "state" while one is awaited (Supervisor._worker_state): its text
+    # once it has come.
+    state_asked: trio.Event | None = None
+    state: str | None = None
 
 
 def describe_exit(code: int) -> str:
@@ -196,6 +201,11 @@ class Supervisor:
         self._endpoints = trio.CancelScope()
         self._upgrading = False
         self.on_ready: Callable[[], Any] | None = None
+        # An upgrade's: the state one old worker answered, which each slot's first
+        # process here starts from (protocol.Init.state); the one for the next upgrade,
+        # asked of a worker of this supervisor's when it starts.
+        self.handed_state: str | None = None
+        self._state_for_upgrade: str | None = None
         self._admin_socks: list[socket.socket] = []  # the admin endpoint's, to serve
 
     # -- life cycle -------------------------------------------------------------
@@ -244,7 +254,29 @@ class Supervisor:
             "overrides": [(path, body.decode()) for path, body in self.overrides],
             "load_reports": {path: body.decode() for path, body in self.load_reports.items()},
             "topology": [(m, path, body.decode()) for m, path, body in self.topology.values()],
+            # The servers' health and timelines, which only the workers know (one's
+            # view for all: they check the same servers), with the rest of its state.
+            **({"state": self._state_for_upgrade} if self._state_for_upgrade else {}),
         }
+
+    async def _worker_state(self) -> str | None:
+        """One ready worker's state for an upgrade's new workers (worker 1's unless it is
+        not ready), or None when none answers within WORKER_TIMEOUT: they then start
+        from the files, as a restarted worker does."""
+        worker = next((w for w in self.workers if w.ready and w.channel is not None), None)
+        if worker is None or worker.channel is None:
+            return None
+        worker.state, worker.state_asked = None, trio.Event()
+        with trio.move_on_after(WORKER_TIMEOUT):
+            try:
+                await protocol.send(worker.channel, STATE)
+            except (OSError, trio.ClosedResourceError) as exc:
+                log.warning("worker %d: no state for the upgrade: %s", worker.index, exc)
+                return None
+            await worker.state_asked.wait()
+        if worker.state is None:
+            log.warning("worker %d: no state for the upgrade in %ss", worker.index, WORKER_TIMEOUT)
+        return worker.state
 
     async def upgrade(self, config_paths: list[str] | tuple[str, ...] = ()) -> Outcome:
         """As Server.upgrade: a new supervisor takes the TCP listening sockets and the
@@ -256,9 +288,11 @@ class Supervisor:
         self._upgrading = True
         try:
             paths = list(config_paths) or self.config_paths
+            self._state_for_upgrade = await self._worker_state()
             outcome = await Upgrade(self, paths, self.log_level).run()
         finally:
             self._upgrading = False
+            self._state_for_upgrade = None
         if not outcome.ok:
             log.error("upgrade failed, still serving: %s", outcome.error)
             return outcome
@@ -438,6 +472,8 @@ class Supervisor:
             # the secret files read before the drop, which the worker may not read
             # now (lbproxy/config/secret_files.py)
             secrets=SECRETS.contents(),
+            # an upgrade's state for the slot's first process; a restart reads the file
+            state=None if worker.ever_ready else self.handed_state,
         )
         try:
             await channel.send(encode_init(init))
@@ -463,6 +499,10 @@ class Supervisor:
                 close_all(received.fds)
                 if received.says(TAKEN) and worker.taken is not None:
                     worker.taken.set()
+                elif received.says(STATE) and worker.state_asked is not None:
+                    value = received.document[STATE]
+                    worker.state = value if isinstance(value, str) else None
+                    worker.state_asked.set()
 
     async def _give(self, worker: Worker, socks: dict[str, socket.socket]) -> None:
         """Send `socks` (TCP listeners a reload adds) to a running worker, and wait until
@@ -1023,6 +1063,8 @@ def run(
         for method, path, body in handed.get("topology", ()):
             vs_name, _, rs_name = path.removeprefix("/api/v1/virtual-servers/").partition("/")
             supervisor.topology[(vs_name, rs_name)] = (method, path, body.encode())
+        state = handed.get("state")
+        supervisor.handed_state = state if isinstance(state, str) else None
     # Taken out of the environment before any worker starts: workers never notify.
     supervisor.notifier = Notifier.from_environment()
     supervisor.notifier.main_pid = passed is not None  # an upgrade: MAINPID= with READY=1

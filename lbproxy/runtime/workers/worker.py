@@ -19,9 +19,18 @@ from lbproxy.dataplane.listener import BindError, failure_lines
 from lbproxy.net import fd_channel
 from lbproxy.net.fd_channel import Channel, close_all
 from lbproxy.runtime import logs, privileges, process_title
+from lbproxy.runtime import state as runtime_state
 from lbproxy.runtime.inherit import PREVIOUS, Inherited, Passed
 from lbproxy.runtime.server import Server
-from lbproxy.runtime.workers.protocol import ERROR, READY, TAKEN, UPGRADED, decode_init, message
+from lbproxy.runtime.workers.protocol import (
+    ERROR,
+    READY,
+    STATE,
+    TAKEN,
+    UPGRADED,
+    decode_init,
+    message,
+)
 from lbproxy.wire.fd_frames import FrameError, FrameReader
 
 log = logging.getLogger("lbproxy.workers")
@@ -85,6 +94,9 @@ def run_worker(fd: int, config_paths: list[str], log_level: str) -> int:
     index = init.index
     server.state_writer.suffix = "" if index == 1 else f".w{index}"
     server.state_writer.merges_parts = False
+    if init.state is not None:  # an upgrade's: one old worker's, instead of the file
+        server.initial_state = init.state.encode()
+        server.initial_state_is_one_workers = True
     # The supervisor's TCP sockets, matched by address as an upgrade's are; one that the
     # configuration no longer names is closed (check_all_used).
     passed = []
@@ -142,8 +154,15 @@ async def _worker_main(server: Server, sock: socket.socket, reader: FrameReader)
 async def _receive_messages(server: Server, channel: Channel) -> None:
     """Until the supervisor's end of file: the TCP listening sockets a reload adds
     (Supervisor._give), kept for the reload that follows, which takes them as those
-    inherited at start; "upgraded" (Supervisor.upgrade): a new supervisor serves."""
+    inherited at start; "upgraded" (Supervisor.upgrade): a new supervisor serves;
+    "state" (Supervisor.upgrade, before the new supervisor starts): what its workers
+    start from."""
     while (received := await protocol.receive(channel)) is not None:
+        if received.says(STATE):  # an upgrade's new workers start from it
+            close_all(received.fds)
+            snapshot = runtime_state.snapshot(server, handover=True).decode()
+            await protocol.send(channel, STATE, snapshot)
+            continue
         if received.says(UPGRADED):
             server.close_udp_listeners()
         keys = received.listener_keys

@@ -305,15 +305,18 @@ def main() -> None:
                 if args.syscalls:
                     rows.append((name, *traced(work, busy.pid, port, args, resolver)))
                     continue
-                cpu0, t0 = sum(cpu_seconds([busy.pid])), time.perf_counter()
+                (user0, system0), t0 = cpu_seconds([busy.pid]), time.perf_counter()
                 if resolver is None:
                     answered, lat1, lat2 = load(port, args.duration, args.window)
                 else:
                     answered, lat1, lat2 = dnsperf(work, port, args.duration, args.window)
-                cpu_s, wall = sum(cpu_seconds([busy.pid])) - cpu0, time.perf_counter() - t0
+                (user1, system1), wall = cpu_seconds([busy.pid]), time.perf_counter() - t0
+                user, system = user1 - user0, system1 - system0
+                cpu_s = user + system
                 per_session = idle_sessions(idle.pid, idle_port, args.idle)
                 rate, per_cpu, util = answered / wall, answered / cpu_s, cpu_s / wall
-                rows.append((name, rate, per_cpu, util, lat1, lat2, per_session))
+                split = (1e6 * user / answered, 1e6 * system / answered)  # µs per datagram
+                rows.append((name, rate, per_cpu, util, lat1, lat2, per_session, *split))
             finally:
                 for proc in (busy, idle):
                     procs.stop(proc, 10)
@@ -327,11 +330,13 @@ def main() -> None:
         return
     latencies = "p50 ms  p99 ms" if resolver is None else "avg ms  max ms"
     print(f"generator: {args.generator}")
-    print(f"proxy     dgram/s  per CPU-s  util  {latencies}  B/idle session")
-    for name, rate, per_cpu, util, p50, p99, per_session in rows:
+    print(
+        f"proxy     dgram/s  per CPU-s  util  {latencies}  B/idle session  user/system us per dgram"
+    )
+    for name, rate, per_cpu, util, p50, p99, per_session, user_us, system_us in rows:
         print(
             f"{name:8} {rate:8.0f} {per_cpu:10.0f} {util:5.2f} {p50:7.2f} {p99:7.2f}"
-            f" {per_session:15.0f}"
+            f" {per_session:15.0f}  {user_us:10.2f} / {system_us:.2f}"
         )
 
 

@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="The other benchmarks, each with its own options (scripts/bench SUB --help;"
         " bench/README.md): --locator, --udp, --cluster, --sni, --upgrade, --workers,"
         " --worker-queue, --schedulers, --discovery, --handler, --instructions, --reactor,"
-        " --pump-lifecycle, --pump, --syscall-choices, --floor decisions|c-only.",
+        " --pump-lifecycle, --pump, --syscall-choices, --udp-session, --floor decisions|c-only.",
     )
     p.add_argument(
         "--quick",

@@ -339,8 +339,8 @@ class Pool:
 
         `connections_total` (metric, JSON document, status) counts connections
         established to a server; a failed attempt is only a connect failure. (The
-        TCP connection handler, dataplane/connection.py `_establish`, does the same
-        inline: a Python frame per connection.)
+        TCP connection handler, dataplane/connection.py `_establish`, and the UDP
+        relays' `_opened` do the same inline: a Python frame per connection or session.)
         """
         lease.server.counters.connections_total += 1
 

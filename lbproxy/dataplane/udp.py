@@ -218,23 +218,31 @@ class _Sessions:
         if not self.open_sessions:
             self._drained.set()
 
-    def _decide(self, client: tuple, now: float) -> tuple[RealServer, Lease, float, object] | None:
+    def _decide(
+        self, client: tuple, now: float, open_now: int
+    ) -> tuple[RealServer, Lease, float, object] | None:
         """A new session's real server, lease, idle timeout and source; None (the drop
-        counted by reason) when the datagram opens none."""
+        counted by reason) when the datagram opens none. `open_now`: the sessions open
+        (the caller's count: the property would be a Python frame per session)."""
         pool = self.pool
         config = pool.config
         udp = config.udp
         dropped = pool.udp.dropped  # (not `counters`: the compiled relay's settles first)
         if self.stopping:
             return None  # stopping: as a closed TCP listener, nothing is counted
-        if not self._admits(config, client[0]):
+        host = client[0]
+        acl = self._acl if self._acl_config is config else self._acl_for(config)
+        if not acl.everyone and not acl.admits(host):  # the default: no call
             dropped["acl"] += 1
             return None
-        if self.open_sessions >= udp.max_sessions:
+        if open_now >= udp.max_sessions:
             dropped["max_sessions"] += 1
             return None
         prefix = udp.source_prefix
-        source = source_key(client[0], prefix.v4, prefix.v6)
+        if prefix.v4 >= 32 and ":" not in host:  # source_key's common case, inline
+            source: object = host
+        else:
+            source = source_key(host, prefix.v4, prefix.v6)
         if self.per_source.get(source, 0) >= udp.max_sessions_per_source:
             dropped["per_source"] += 1
             return None
@@ -258,7 +266,7 @@ class _Sessions:
 
     def _opened(self, session, rs: RealServer, lease: Lease, source: object) -> None:
         """A session is open: its lease, per source and sessions_total count it."""
-        self.pool.established(lease)
+        rs.counters.connections_total += 1  # Pool.established(lease), inline
         lease.handle = session
         self.pool.clients += 1
         per_source = self.per_source
@@ -270,12 +278,12 @@ class _Sessions:
         self.pool.udp.dropped["send_error"] += 1
         log.warning("udp session to %s: %s", rs.name, exc)
 
-    def _admits(self, config, host: str) -> bool:
-        """The ACL (allow, then deny) for a new session's source, remembered."""
-        if self._acl_config is not config:  # a reload: decide anew
-            self._acl_config = config
-            self._acl = SourceFilter(config.allow, config.deny)
-        return self._acl.admits(host)
+    def _acl_for(self, config) -> SourceFilter:
+        """The ACL (allow, then deny) of `config`, a reload's: made anew, and remembered
+        with its verdict per source address."""
+        self._acl_config = config
+        self._acl = SourceFilter(config.allow, config.deny)
+        return self._acl
 
     def _ended(self, session, ended: str, now: float) -> None:
         """The accounts of a session that ended (out of the relay already)."""
@@ -443,7 +451,7 @@ class PureUdpRelay(_Sessions):
         counters.bytes[key] += size
 
     def _open(self, client: tuple, now: float) -> Session | None:
-        decided = self._decide(client, now)
+        decided = self._decide(client, now, len(self.sessions))
         if decided is None:
             return None
         rs, lease, idle, source = decided
@@ -569,6 +577,11 @@ class CompiledUdpRelay(_Sessions):
         self._index: dict[str, int] = {}
         self._names: list[str] = []
         self._sockaddrs: dict[tuple[str, int], bytes] = {}
+        # What a session to a real server needs, by server (an identity hash in C, where
+        # the Address key costs its dataclass __hash__): (the Address it was made for,
+        # its struct sockaddr, its index); valid while `rs.address` is that very object.
+        # A server named by a host name has none: it is resolved for each session.
+        self._targets: dict[RealServer, tuple[Address, bytes, int]] = {}
         self._counted: UdpCounters | None = None  # whose settle() hook this relay is
 
     @property
@@ -650,19 +663,18 @@ class CompiledUdpRelay(_Sessions):
     def _on_open(self, client: tuple) -> Any:
         """The C relay's call for a client address without a session."""
         now = self.clock()
-        decided = self._decide(client, now)
+        decided = self._decide(client, now, self._open_count)
         if decided is None:
             return None
         rs, lease, idle, source = decided
         try:
+            target = self._targets.get(rs)
+            if target is None or target[0] is not rs.address:
+                packed, index = self._target(rs)
+            else:
+                packed, index = target[1], target[2]
             session = self._relay.session(
-                self._sockaddr(rs.address),
-                idle,
-                self._index_of(rs.name),
-                rs,
-                lease,
-                source,
-                self.pool.config.udp.idle_timeout,
+                packed, idle, index, rs, lease, source, self.pool.config.udp.idle_timeout
             )
         except OSError as exc:
             self._session_failed(rs, lease, now, exc)
@@ -678,6 +690,19 @@ class CompiledUdpRelay(_Sessions):
         if ended == "refused":
             self._refused_health(session, now)
         self._ended(session, ended, now)
+
+    def _target(self, rs: RealServer) -> tuple[bytes, int]:
+        """`rs`'s struct sockaddr and index, remembered in `_targets` when its address
+        is numeric."""
+        address = rs.address
+        packed = self._sockaddr(address)
+        index = self._index_of(rs.name)
+        if (address.host, address.port) in self._sockaddrs:  # numeric: made once
+            targets = self._targets
+            if len(targets) > 2 * len(self.pool.servers) + 16:  # removed servers: forget
+                targets.clear()
+            targets[rs] = (address, packed, index)
+        return packed, index
 
     def _index_of(self, name: str) -> int:
         index = self._index.get(name)

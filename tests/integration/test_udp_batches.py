@@ -7,6 +7,7 @@ rerun of scripts/test)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import socket
@@ -15,7 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import trio
 
+from lbproxy.config.model import (
+    Address,
+    HealthCheckConfig,
+    RealServerConfig,
+    UdpConfig,
+    VirtualServerConfig,
+)
+from lbproxy.core.pool import Pool
+from lbproxy.dataplane.udp import CompiledUdpRelay, udp_relay
 from lbproxy.net.compiled import cpump
 from tests import tools
 from tests.integration.harness import Echo, free_port, metrics, sample, stop_traced, wait_for
@@ -249,3 +260,80 @@ def test_a_real_server_named_by_host_name_is_resolved_for_its_sessions(lbproxy):
         for s in socks:
             s.close()
         echo.close()
+
+
+@pytest.mark.skipif(cpump is None, reason="the compiled path is not built (or LBPROXY_PURE=1)")
+def test_a_udp_session_costs_fourteen_python_calls_on_the_compiled_path():
+    """On the compiled path Python runs only when a session opens (the decision) and
+    when it ends (the accounts). With `responses: 1` every datagram opens a session, so
+    those calls are most of lbproxy's user time per datagram (docs/benchmarks.md). rr over
+    two servers: 14 calls, the scheduler's pick, take and drop among them; the ACL,
+    the caps, the source's key, the server's address and its index cost none. Counted
+    under sys.setprofile: exact whatever the load, as a time would not be."""
+    echoes = [Echo(b"") for _ in range(2)]
+    config = VirtualServerConfig(
+        name="dns",
+        listen=(Address("127.0.0.1", 0),),
+        real_servers=tuple(
+            RealServerConfig(name, Address("127.0.0.1", echo.port))
+            for name, echo in zip("ab", echoes, strict=True)
+        ),
+        scheduler="rr",
+        protocol="udp",
+        udp=UdpConfig(responses=1),
+        health_check=HealthCheckConfig(type="none"),
+    )
+    calls: collections.Counter[str] = collections.Counter()
+    warm_up, sessions = 4, 50  # the first sessions make what later ones find (the ACL...)
+    counted = [False]
+
+    def profile(frame, event, arg) -> None:
+        if event == "call":
+            calls[frame.f_code.co_qualname] += 1
+
+    def counting(callback):
+        def call(self, *args):
+            if not counted[0]:
+                return callback(self, *args)
+            sys.setprofile(profile)
+            try:
+                return callback(self, *args)
+            finally:
+                sys.setprofile(None)
+
+        return call
+
+    async def serve() -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.setblocking(False)
+        relay = udp_relay(Pool(config, trio.current_time()), listener)
+        assert isinstance(relay, CompiledUdpRelay)
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(relay.serve)
+            for i in range(warm_up + sessions):
+                counted[0] = i >= warm_up
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+                    client.bind(("127.0.0.1", 0))
+                    client.setblocking(False)
+                    client.sendto(b"q%d" % i, address)
+                    with trio.fail_after(5):
+                        await trio.lowlevel.wait_readable(client)
+                    assert client.recv(100) == b"q%d" % i
+                with trio.fail_after(5):
+                    while relay.open_sessions:  # ended after its one response
+                        await trio.sleep(0)
+            nursery.cancel_scope.cancel()
+        listener.close()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompiledUdpRelay, "_on_open", counting(CompiledUdpRelay._on_open))
+        patch.setattr(CompiledUdpRelay, "_on_end", counting(CompiledUdpRelay._on_end))
+        try:
+            trio.run(serve)
+        finally:
+            for echo in echoes:
+                echo.close()
+    assert calls["CompiledUdpRelay._on_open"] == calls["CompiledUdpRelay._on_end"] == sessions
+    assert calls["Pool.pick"] == calls["Pool.take"] == calls["Pool.drop"] == sessions
+    assert sum(calls.values()) == 14 * sessions, sorted(calls.items())

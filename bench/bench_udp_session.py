@@ -19,6 +19,11 @@ session:
   a time runs with cold caches, so this is more than the same work costs under load;
   the calls are the figure to compare.
 
+With `--callgrind`, the user-space instructions per session in the two callbacks
+instead, exact whatever the load: the benchmark runs again under valgrind's callgrind,
+which counts only inside `operator.call` (a C function of the standard library that
+the callbacks are made through there, and that nothing else here calls).
+
 Run it from another source tree's root to compare (`cd TREE && /work/main/.venv/bin/python
 bench/bench_udp_session.py`, the tree's extension built with `python setup.py build_ext
 --inplace`). Results go to docs/development/benchmark-journal.md by hand.
@@ -28,15 +33,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import operator
+import os
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 import trio
-from common import entry
+from common import BenchError, entry, need
 
 from lbproxy.config.model import (
     Address,
@@ -72,7 +80,13 @@ def clock_read_ns() -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sessions", type=int, default=3000, help="per pass (default 3000)")
+    p.add_argument(
+        "--callgrind", action="store_true", help="instructions per session, under callgrind"
+    )
+    p.add_argument("--counted", action="store_true", help=argparse.SUPPRESS)  # callgrind's run
     args = p.parse_args()
+    if args.callgrind:
+        return instructions(args.sessions)
     n = args.sessions
     callbacks = [0]  # thread CPU ns in _on_open and _on_end
     ended = [0]
@@ -91,6 +105,8 @@ def main() -> None:
         def call(self: CompiledUdpRelay, *args: Any) -> Any:
             if counts_end:
                 ended[0] += 1
+            if args_counted:  # callgrind counts inside operator.call only
+                return operator.call(callback, self, *args)
             if profiling[0]:
                 sys.setprofile(profile)
                 try:
@@ -105,6 +121,7 @@ def main() -> None:
 
         return call
 
+    args_counted = args.counted
     CompiledUdpRelay._on_open = measured(opened, False)  # type: ignore[method-assign]
     CompiledUdpRelay._on_end = measured(closed, True)  # type: ignore[method-assign]
 
@@ -143,7 +160,7 @@ def main() -> None:
         try:
             async with trio.open_nursery() as nursery:
                 address = await nursery.start(relay.serve)
-                for pass_ in range(PASSES + 1):
+                for pass_ in range(1 if args_counted else PASSES + 1):
                     profiling[0] = pass_ == PASSES
                     callbacks[0] = ended[0] = 0
                     for _ in range(n):
@@ -167,6 +184,8 @@ def main() -> None:
 
     read = clock_read_ns()
     per_session = trio.run(run)
+    if args_counted:
+        return None
     # Each callback's span holds the end of one read and the start of the next: one read.
     spent = (statistics.median(per_session) - 2 * read) / 1000
     print(f"UDP sessions through the compiled relay, {n} a pass, one at a time")
@@ -179,6 +198,27 @@ def main() -> None:
     for name, count in calls.most_common():
         if name != "(C calls)" and count >= n // 2:
             print(f"  {count / n:5.2f}  {name}")
+
+
+def instructions(n: int) -> None:
+    """This benchmark's sessions again under callgrind, counting inside operator.call."""
+    valgrind = need("valgrind")
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "callgrind.out")
+        command = [
+            valgrind, "--tool=callgrind", "--collect-atstart=no",
+            "--toggle-collect=_operator_call", f"--callgrind-out-file={out}",
+            sys.executable, __file__, "--sessions", str(n), "--counted",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BenchError(f"callgrind: {done.stderr.strip()[-500:]}")
+        with open(out) as lines:
+            total = next(
+                int(line.split()[1]) for line in lines if line.startswith(("summary:", "totals:"))
+            )
+    print(f"UDP sessions through the compiled relay, {n}, one at a time, under callgrind")
+    print(f"user-space instructions per session in the two callbacks: {total / n:,.0f}")
 
 
 if __name__ == "__main__":

@@ -18,18 +18,19 @@ from pathlib import Path
 import pytest
 import trio
 
-from lbproxy.config.model import (
-    Address,
-    HealthCheckConfig,
-    RealServerConfig,
-    UdpConfig,
-    VirtualServerConfig,
-)
-from lbproxy.core.pool import Pool
-from lbproxy.dataplane.udp import CompiledUdpRelay, udp_relay
+from lbproxy.dataplane.udp import CompiledUdpRelay
 from lbproxy.net.compiled import cpump
 from tests import tools
-from tests.integration.harness import Echo, free_port, metrics, sample, stop_traced, wait_for
+from tests.integration.harness import (
+    OPEN_UDP_SOCKETS,
+    Echo,
+    free_port,
+    metrics,
+    relay_for,
+    sample,
+    stop_traced,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # The largest UDP payload over IPv4: 65,535 - 8 (UDP header) - 20 (IPv4 header).
@@ -270,19 +271,7 @@ def test_a_udp_session_costs_fourteen_python_calls_on_the_compiled_path():
     two servers: 14 calls, the scheduler's pick, take and drop among them; the ACL,
     the caps, the source's key, the server's address and its index cost none. Counted
     under sys.setprofile: exact whatever the load, as a time would not be."""
-    echoes = [Echo(b"") for _ in range(2)]
-    config = VirtualServerConfig(
-        name="dns",
-        listen=(Address("127.0.0.1", 0),),
-        real_servers=tuple(
-            RealServerConfig(name, Address("127.0.0.1", echo.port))
-            for name, echo in zip("ab", echoes, strict=True)
-        ),
-        scheduler="rr",
-        protocol="udp",
-        udp=UdpConfig(responses=1),
-        health_check=HealthCheckConfig(type="none"),
-    )
+    echoes = {name: Echo(b"") for name in "ab"}
     calls: collections.Counter[str] = collections.Counter()
     warm_up, sessions = 4, 50  # the first sessions make what later ones find (the ACL...)
     counted = [False]
@@ -304,10 +293,7 @@ def test_a_udp_session_costs_fourteen_python_calls_on_the_compiled_path():
         return call
 
     async def serve() -> None:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.setblocking(False)
-        relay = udp_relay(Pool(config, trio.current_time()), listener)
+        relay = relay_for({name: echo.sock for name, echo in echoes.items()}, responses=1)
         assert isinstance(relay, CompiledUdpRelay)
         async with trio.open_nursery() as nursery:
             address = await nursery.start(relay.serve)
@@ -324,7 +310,6 @@ def test_a_udp_session_costs_fourteen_python_calls_on_the_compiled_path():
                     while relay.open_sessions:  # ended after its one response
                         await trio.sleep(0)
             nursery.cancel_scope.cancel()
-        listener.close()
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(CompiledUdpRelay, "_on_open", counting(CompiledUdpRelay._on_open))
@@ -332,8 +317,10 @@ def test_a_udp_session_costs_fourteen_python_calls_on_the_compiled_path():
         try:
             trio.run(serve)
         finally:
-            for echo in echoes:
+            for echo in echoes.values():
                 echo.close()
+            while OPEN_UDP_SOCKETS:  # relay_for's listening socket
+                OPEN_UDP_SOCKETS.pop().close()
     assert calls["CompiledUdpRelay._on_open"] == calls["CompiledUdpRelay._on_end"] == sessions
     assert calls["Pool.pick"] == calls["Pool.take"] == calls["Pool.drop"] == sessions
     assert sum(calls.values()) == 14 * sessions, sorted(calls.items())

@@ -373,11 +373,13 @@ def test_with_workers_every_workers_persistence_entries_survive_an_upgrade(
     assert status == 200, body
     new = json.loads(body)["pid"]
     try:
+        # The old supervisor gone, and its workers with it: until their SIGTERM, an old
+        # worker may still accept a client, and it knows only its own entries.
+        assert proxy.proc.wait(20) == 0
         # In the reverse order: rr would give a client that lost its entry the server it
         # had before in the same order.
         moved = [c for c, name in reversed(placed.items()) if name_from(port, c) != name]
         assert moved == [], (len(moved), moved[:10])
-        assert proxy.proc.wait(20) == 0
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(new, signal.SIGTERM)

@@ -549,6 +549,8 @@ class Supervisor:
                     "worker %d: catching up with runtime changes failed: %s", worker.index, exc
                 )
             worker.ready = worker.ever_ready = True
+        if all(w.ever_ready for w in self.workers):
+            self.handed_state = None  # each slot's first process has started from it
         log.info("worker %d (pid %d) ready", *_who(worker))
         if not self._announced and all(w.ready for w in self.workers):
             self._announced = True

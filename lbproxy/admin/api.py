@@ -48,6 +48,7 @@ from lbproxy.core.locate import Located
 from lbproxy.core.pool import DRAIN, Pool, state_error, weight_error
 from lbproxy.core.rate import Rate
 from lbproxy.core.real_server import CheckRecord, ServerCounters
+from lbproxy.net import wall_clock
 from lbproxy.net.compiled import IMPLEMENTATION
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ def _wall_time(when: float | None) -> str | None:
     """A time of the run's clock (trio's) as ISO 8601 UTC, e.g. 2026-12-05T15:04:23.120Z."""
     if when is None:
         return None
-    wall = time.time() + (when - trio.current_time())
+    wall = wall_clock.to_wall(when)
     stamp = datetime.datetime.fromtimestamp(wall, datetime.UTC)
     return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 

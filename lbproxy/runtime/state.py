@@ -73,12 +73,12 @@ import logging
 import os
 import stat
 import tempfile
-import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from lbproxy.core.real_server import CheckRecord
+from lbproxy.net import wall_clock
 from lbproxy.wire.state_file import (
     MAX_BYTES,
     ServerState,
@@ -140,11 +140,12 @@ def snapshot(
     """The runtime state of `server`, encoded (see the module header for what is kept);
     with `handover` (an upgrade's, never the file), every real server's timeline and the
     health and last check of those that active checks watch as well."""
-    return encode(_state(server, time.time() if wall is None else wall, now, handover))
-
-
-def _state(server: Server, wall: float, now: float | None = None, handover: bool = False) -> State:
     now = trio.current_time() if now is None else now
+    wall = now + wall_clock.offset() if wall is None else wall
+    return encode(_state(server, wall, now, handover))
+
+
+def _state(server: Server, wall: float, now: float, handover: bool = False) -> State:
     return State(
         wall,
         tuple(
@@ -242,7 +243,8 @@ def restore(
     except StateFileError as exc:
         log.warning("%s is unusable (%s); starting from the configuration files", source, exc)
         return False
-    wall, now = time.time(), trio.current_time()
+    now = trio.current_time()
+    wall = now + wall_clock.offset()  # as the API shows times: the same moment, the same time
     counts = {"changes": 0, "loads": 0, "entries": 0, "expired": 0, "health": 0}
     pools = {pool.name: pool for pool in server.pools()}
     for vs_state in state.virtual_servers:

@@ -308,11 +308,37 @@ def _address(text: str) -> str:
     return f"{shown}:{int(port)}"
 
 
-def _listen_address(text: str) -> str:
-    if text.isdigit() and text.isascii():
+# A port range is one listen address per port: a wide one is more likely a mistake (or
+# a job for a firewall rule) than a set of ports to bind one by one. The HAProxy
+# importer takes bind ranges up to the same size.
+MAX_LISTEN_RANGE = 64
+_PORT_RANGE = re.compile(r"([0-9]+)-([0-9]+)", re.ASCII)
+
+
+def _listen_addresses(text: str) -> list[str]:
+    """The addresses `listen` binds: one, or one per port of a range (`15001-15003`,
+    as nginx binds them)."""
+    if re.fullmatch(r"[0-9]+(-[0-9]+)?", text, re.ASCII):
         text = f"*:{text}"
     if text.startswith("*:"):
         text = "0.0.0.0:" + text[2:]
+    host, colon, port = text.rpartition(":")
+    ports = _PORT_RANGE.fullmatch(port) if colon else None
+    if ports is None:
+        return [_listen_address(text)]
+    first, last = int(ports.group(1)), int(ports.group(2))
+    if not 0 < first <= last < 65536:
+        raise _Invalid(f'"{text}" is not a port range from 1 to 65535')
+    if last - first + 1 > MAX_LISTEN_RANGE:
+        raise _Invalid(
+            f'"{text}" is a range of {last - first + 1} ports (lbproxy binds each port of '
+            f"a range as an address of its own: up to {MAX_LISTEN_RANGE}; list the ports "
+            "in use instead)"
+        )
+    return [_listen_address(f"{host}:{number}") for number in range(first, last + 1)]
+
+
+def _listen_address(text: str) -> str:
     address = _address(text)
     host = address.rpartition(":")[0].strip("[]")
     try:
@@ -385,7 +411,9 @@ def _access_lists(rules: list[tuple[bool, list[str]]]) -> tuple[list[str] | None
         else:
             deny.extend(str(n) for n in _subtract(list(nets), allowed_before))
     if cut < len(parsed) and not parsed[cut][0]:
-        return [str(n) for n in allowed_before], deny
+        # only the allowed need a deny: one outside every allowed network says nothing
+        kept = [d for d in deny if any(ipaddress.ip_network(d).overlaps(a) for a in allowed_before)]
+        return [str(n) for n in allowed_before], kept
     return None, deny
 
 
@@ -402,6 +430,7 @@ class _Map:
     hostnames: bool
     entries: list[tuple[Directive, str, str]] = field(default_factory=list)
     default: tuple[Directive, str] | None = None
+    flags: list[Directive] = field(default_factory=list)  # hostnames, volatile
 
 
 class _Translator:
@@ -413,6 +442,7 @@ class _Translator:
         self.maps: dict[str, _Map] = {}
         self.zones: dict[str, Directive] = {}
         self.names: set[str] = set()
+        self.pieces: list[_Piece] = []
         self.bound: dict[tuple[str, str], list[str]] = {}
         # the settings of stream { } and of the servers carried over: one that none of
         # them took is named
@@ -493,6 +523,7 @@ class _Translator:
                 self.skip(d, " ".join((d.name, *d.args)))
         for server in servers:
             self.server(server, inherited)
+        self.place()
         named = {order for order, _what in self.left}
         for d in self.settings_read:
             if d.order not in self.done and d.order not in named:
@@ -510,6 +541,76 @@ class _Translator:
                     f"limit_conn_zone {' '.join(zone.args)} (no translated limit_conn uses it)",
                 )
 
+    def place(self) -> None:
+        """The virtual servers of the pieces: those of one upstream whose settings are
+        the same become one, listening on all their addresses, so that the upstream's
+        servers keep one connection count (max_conns) and one balancing state, as in
+        nginx, where every server { } proxying to an upstream shares it."""
+        placed: list[_Piece] = []
+        for piece in self.pieces:
+            same = next(
+                (
+                    p
+                    for p in placed
+                    if piece.upstream is not None
+                    and p.upstream == piece.upstream
+                    and p.settings() == piece.settings()
+                ),
+                None,
+            )
+            if same is None:
+                placed.append(piece)
+            else:
+                listen = same.vs["listen"]
+                listen.extend(a for a in piece.vs["listen"] if a not in listen)
+        self.pieces = []
+        for piece in placed:
+            piece.vs["name"] = self.unique(piece.base, piece.port)
+            listen = piece.vs["listen"]
+            piece.vs["listen"] = listen[0] if len(listen) == 1 else listen
+            self.out.virtual_servers.append(piece.vs)
+        by_upstream: dict[str, list[_Piece]] = {}
+        for piece in placed:
+            if piece.upstream is not None:
+                by_upstream.setdefault(piece.upstream, []).append(piece)
+        for name, copies in by_upstream.items():
+            self.shared_state(self.upstreams[name].directive, copies)
+
+    def shared_state(self, upstream: Directive, copies: list[_Piece]) -> None:
+        """One line when an upstream is served by several virtual servers: each counts
+        its real servers' connections and balances on its own, where nginx shares."""
+        if len(copies) < 2:
+            return
+        names = [p.vs["name"] for p in copies]
+        shown = ", ".join(names[:-1]) + f" and {names[-1]}"
+        limited = any("max_connections" in s for s in copies[0].vs["real_servers"])
+        protocols = [p.vs.get("protocol", "tcp") for p in copies]
+        if sorted(protocols) == ["tcp", "udp"]:
+            # a TCP and a UDP virtual server are two in lbproxy, whatever their settings
+            if limited:
+                self.skip(
+                    upstream,
+                    f"upstream {upstream.args[0]}'s max_conns over TCP and UDP together "
+                    f"(virtual servers {shown} each count their own connections, one "
+                    "protocol each; nginx counts both against max_conns)",
+                )
+            return
+        kept = ["max_conns counts"] if limited else []
+        scheduler = copies[0].vs["scheduler"]
+        if scheduler in ("lc", "wlc"):
+            kept.append("least_conn counts")
+        elif scheduler in ("rr", "wrr"):
+            kept.append("round-robin position")
+        kept.append("max_fails failures")
+        what = " and ".join((", ".join(kept[:-1]), kept[-1])) if len(kept) > 1 else kept[0]
+        routes = " and map routes" if any("sni" in p.vs for p in copies) else ""
+        self.skip(
+            upstream,
+            f"upstream {upstream.args[0]}'s shared state (the server {{ }} blocks{routes} "
+            f"proxying to it differ in their settings: virtual servers {shown} each keep "
+            f"their own {what}, where nginx keeps one for the upstream)",
+        )
+
     def read_map(self, d: Directive) -> None:
         assert d.block is not None
         if len(d.args) != 2 or not d.args[1].startswith("$"):
@@ -519,8 +620,9 @@ class _Translator:
         for entry in d.block:
             if entry.name == "hostnames" and not entry.args:
                 m.hostnames = True
+                m.flags.append(entry)
             elif entry.name == "volatile" and not entry.args:
-                pass
+                m.flags.append(entry)
             elif entry.name == "default" and len(entry.args) == 1:
                 m.default = (entry, entry.args[0])
             elif len(entry.args) == 1 and entry.block is None:
@@ -576,18 +678,16 @@ class _Translator:
             settings["deny"] = own.get("deny", [])
 
         groups: dict[tuple[str, bool], list[str]] = {}
-        first_port = ""
         errors: list[str] = []
         pending: dict[tuple[str, str], list[str]] = {}
         for listen in listens:
             try:
-                address, protocol, accept_proxy = self.listen(listen, pending)
+                addresses, protocol, accept_proxy = self.listen(listen, pending)
             except _Invalid as e:
                 self.skip(listen, str(e))
                 errors.append(str(e))
                 continue
-            groups.setdefault((protocol, accept_proxy), []).append(address)
-            first_port = first_port or address.rpartition(":")[2]
+            groups.setdefault((protocol, accept_proxy), []).extend(addresses)
         if not groups:
             raise _Invalid(errors[0] if errors else "no listen")
         if proxy_pass is None or len(proxy_pass.args) != 1:
@@ -596,25 +696,22 @@ class _Translator:
         self.took(server)
         self.took(proxy_pass)
         self.settings_read.extend(d for found in own.values() for d in found)
-        made = [
-            self.virtual_server(
-                base, first_port, protocol, accept_proxy, addresses, sni, target, settings
-            )
+        self.pieces.extend(
+            self.virtual_server(base, protocol, accept_proxy, addresses, sni, target, settings)
             for (protocol, accept_proxy), addresses in groups.items()
             for base, sni, target in routes
-        ]
-        self.out.virtual_servers.extend(made)
+        )
         for key, hosts in pending.items():
             self.bound.setdefault(key, []).extend(hosts)
 
     def listen(
         self, d: Directive, pending: dict[tuple[str, str], list[str]]
-    ) -> tuple[str, str, bool]:
-        """(address, protocol, accept_proxy); _Invalid when it cannot be bound."""
+    ) -> tuple[list[str], str, bool]:
+        """(addresses, protocol, accept_proxy); _Invalid when it cannot be bound."""
         if not d.args:
             raise _Invalid("listen (no address)")
         try:
-            address = _listen_address(d.args[0])
+            addresses = _listen_addresses(d.args[0])
         except _Invalid as e:
             raise _Invalid(f"listen {' '.join(d.args)}: {e}") from None
         protocol, accept_proxy, ignored = "tcp", False, []
@@ -630,21 +727,25 @@ class _Translator:
         if protocol == "udp" and accept_proxy:
             accept_proxy = False
             ignored.append("proxy_protocol")
-        host, _, port = address.rpartition(":")
-        for other in self.bound.get((protocol, port), []) + pending.get((protocol, port), []):
-            if other == host or (
-                (_wildcard(host) or _wildcard(other)) and (":" in host) == (":" in other)
-            ):
-                # nginx binds the wildcard alone and tells the servers apart by the
-                # address a client reached; lbproxy binds each address it is given
-                raise _Invalid(
-                    f"listen {' '.join(d.args)} (port {port} is already bound on {other})"
-                )
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            taken = self.bound.get((protocol, port), []) + pending.get((protocol, port), [])
+            for other in taken:
+                if other == host or (
+                    (_wildcard(host) or _wildcard(other)) and (":" in host) == (":" in other)
+                ):
+                    # nginx binds the wildcard alone and tells the servers apart by the
+                    # address a client reached; lbproxy binds each address it is given
+                    raise _Invalid(
+                        f"listen {' '.join(d.args)} (port {port} is already bound on {other})"
+                    )
         if ignored:
             self.skip(d, f"listen {d.args[0]} {' '.join(ignored)}")
         self.took(d)
-        pending.setdefault((protocol, port), []).append(host)
-        return address, protocol, accept_proxy
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            pending.setdefault((protocol, port), []).append(host)
+        return addresses, protocol, accept_proxy
 
     def routes(
         self, proxy_pass: Directive, settings: dict[str, list[Directive]]
@@ -667,7 +768,10 @@ class _Translator:
         if preread:
             self.took(preread[-1])
         self.took(m.directive)
+        for flag in m.flags:
+            self.took(flag)
         by_target: dict[str, list[str]] = {}
+        wildcards: list[tuple[Directive, str, str]] = []
         for entry, key, value in m.entries:
             if not preread_on:
                 self.skip(
@@ -682,11 +786,9 @@ class _Translator:
                 self.skip(entry, f"map entry {entry.name} {value}: {error}")
             elif names is not None:
                 by_target.setdefault(value, []).extend(names)
+                wildcards.extend((entry, n, value) for n in names if n.startswith("*."))
                 self.took(entry)
-        routes: list[tuple[str, list[str] | None, str]] = [
-            (value, sorted(set(names), key=names.index), value)
-            for value, names in by_target.items()
-        ]
+        default: str | None = None
         if m.default is not None:
             entry, value = m.default
             error = self.target_error(value)
@@ -694,10 +796,43 @@ class _Translator:
                 self.skip(entry, f"map default {value}: {error}")
             else:
                 self.took(entry)
-                routes.append((value, None, value))
+                default = value
+        if default in by_target:
+            self.fold_into_default(by_target, default)
+        for entry, name, value in wildcards:
+            if value != default:
+                # lbproxy's `*.` stands for one label and has no suffix form
+                self.skip(
+                    entry,
+                    f"map entry {entry.name} {value} for names deeper than {name} (nginx's "
+                    f"wildcard matches any depth, lbproxy's one label: a.b.{name[2:]} gets "
+                    + ("the map's default)" if default is not None else "no route)"),
+                )
+        routes: list[tuple[str, list[str] | None, str]] = [
+            (value, sorted(set(names), key=names.index), value)
+            for value, names in by_target.items()
+        ]
+        if default is not None:
+            routes.append((default, None, default))
         if not routes:
             raise _Invalid(f"proxy_pass {target}: no route of the map can be carried over")
         return routes
+
+    @staticmethod
+    def fold_into_default(by_target: dict[str, list[str]], default: str) -> None:
+        """Names routed to the map's default target need no route of their own (which
+        would be a second virtual server for that target, with counts of its own),
+        unless another route's wildcard would catch them without it."""
+        caught = {n[2:] for value, names in by_target.items() if value != default for n in names}
+        kept = [
+            n
+            for n in by_target[default]
+            if not n.startswith("*.") and "." in n and n.split(".", 1)[1] in caught
+        ]
+        if kept:
+            by_target[default] = kept
+        else:
+            del by_target[default]
 
     def sni_names(self, entry: Directive, key: str, hostnames: bool) -> list[str] | None:
         if key.startswith("~"):
@@ -734,22 +869,23 @@ class _Translator:
     def virtual_server(
         self,
         base: str,
-        port: str,
         protocol: str,
         accept_proxy: bool,
         addresses: list[str],
         sni: list[str] | None,
         target: str,
         settings: dict[str, list[Directive]],
-    ) -> dict[str, Any]:
+    ) -> _Piece:
         upstream = self.upstreams.get(target)
+        # a copy's name tells its own listen address apart
+        port = addresses[0].rpartition(":")[2]
         base = _safe_name(base) if upstream is not None else f"stream-{port}"
         if protocol == "udp":
             base = f"{base}-udp"
-        vs: dict[str, Any] = {"name": self.unique(base, port)}
+        vs: dict[str, Any] = {"name": ""}  # named once the pieces are placed
         if protocol == "udp":
             vs["protocol"] = "udp"
-        vs["listen"] = addresses[0] if len(addresses) == 1 else addresses
+        vs["listen"] = list(addresses)
         if sni is not None:
             vs["sni"] = sni
         pool = self.pool(upstream, target)
@@ -797,7 +933,7 @@ class _Translator:
             vs["udp"] = udp
         vs["health_check"] = pool.health
         vs["real_servers"] = pool.servers
-        return vs
+        return _Piece(target if upstream is not None else None, base, port, vs)
 
     def time(self, settings: dict[str, list[Directive]], name: str, default: str) -> str:
         found = settings.get(name, [])
@@ -943,6 +1079,24 @@ class _Translator:
                     f"hash {' '.join(method.args)} (lbproxy hashes the client "
                     "address, or address and port)",
                 )
+        elif (
+            method is not None
+            and method.name == "random"
+            and method.args
+            in (
+                ("two",),
+                ("two", "least_conn"),
+            )
+        ):
+            # nginx's default method for two is least_conn: the closer of lbproxy's
+            # schedulers, though it compares every server, not two picked at random
+            scheduler = {"scheduler": "wlc" if weighted else "lc"}
+            self.skip(
+                method,
+                f"{' '.join((method.name, *method.args))} (lbproxy's "
+                f"{scheduler['scheduler']} takes the least loaded of all the servers, "
+                "nginx of two picked at random)",
+            )
         elif method is not None:
             self.skip(method, f"{' '.join((method.name, *method.args))} (kept round robin)")
         fall, interval = NGINX_MAX_FAILS, NGINX_FAIL_TIMEOUT
@@ -1006,9 +1160,24 @@ class _Translator:
                 self.skip(d, f"server {d.args[0]} {parameter}: {e}")
         if ignored:
             self.skip(d, f"server {d.args[0]} {' '.join(ignored)}")
-        passive.append((d, max(fall, 1), interval))
+        if server.get("state") != "disabled":  # a server nginx never uses has no health
+            passive.append((d, max(fall, 1), interval))
         self.took(d)
         return server
+
+
+@dataclass
+class _Piece:
+    """A virtual server as one server { } (one protocol, one route) makes it, before
+    those proxying to the same upstream alike are merged; named once placed."""
+
+    upstream: str | None  # None: proxy_pass to an address, an upstream of its own
+    base: str
+    port: str
+    vs: dict[str, Any]
+
+    def settings(self) -> dict[str, Any]:
+        return {k: v for k, v in self.vs.items() if k not in ("name", "listen")}
 
 
 @dataclass

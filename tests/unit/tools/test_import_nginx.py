@@ -217,8 +217,17 @@ def test_upstream_methods_are_schedulers(tmp_path):
         f"{tmp_path}/nginx.conf:2: not translated: hash $ssl_preread_server_name (lbproxy "
         "hashes the client address, or address and port)"
     ]
+    # nginx's power of two choices is closer to least connections than to round robin
     found, stderr = scheduler("random two least_conn; " + one_two)
-    assert found == {"scheduler": "rr"} and "random two least_conn (kept round robin)" in stderr[0]
+    assert found == {"scheduler": "lc"}
+    assert stderr == [
+        f"{tmp_path}/nginx.conf:2: not translated: random two least_conn (lbproxy's lc takes "
+        "the least loaded of all the servers, nginx of two picked at random)"
+    ]
+    found, stderr = scheduler("random two; " + weighted)
+    assert found == {"scheduler": "wlc"} and len(stderr) == 1
+    found, stderr = scheduler("random; " + one_two)
+    assert found == {"scheduler": "rr"} and "random (kept round robin)" in stderr[0]
 
 
 def test_upstream_server_parameters(tmp_path):
@@ -380,9 +389,177 @@ def test_an_ssl_preread_map_is_sni_routes_on_one_address(tmp_path):
         ("web", "127.0.0.1:8443", ["example.org", "*.example.org", "*.example.com"]),
         ("stream-8443", "127.0.0.1:8443", None),
     ]
+    conf = f"{tmp_path}/nginx.conf"
     assert stderr == [
-        f"{tmp_path}/nginx.conf:7: not translated: map entry ~^db[0-9]+\\. (a regular expression)"
+        # nginx's wildcards match any depth, lbproxy's one label: each is named
+        f"{conf}:5: not translated: map entry .example.org web for names deeper than "
+        "*.example.org (nginx's wildcard matches any depth, lbproxy's one label: "
+        "a.b.example.org gets the map's default)",
+        f"{conf}:6: not translated: map entry *.example.com web for names deeper than "
+        "*.example.com (nginx's wildcard matches any depth, lbproxy's one label: "
+        "a.b.example.com gets the map's default)",
+        f"{conf}:7: not translated: map entry ~^db[0-9]+\\. (a regular expression)",
     ]
+
+
+def test_servers_proxying_to_one_upstream_alike_are_one_virtual_server(tmp_path):
+    """nginx keeps one connection count (max_conns) and one balancing state per
+    upstream, whichever server { } a client came through: so does one virtual server."""
+    document, stderr = imported(
+        tmp_path,
+        stream(
+            """\
+            upstream u { server 127.0.0.1:9001 max_conns=1; server 127.0.0.1:9002; }
+            server { listen 127.0.0.1:7001; listen 127.0.0.1:7002; proxy_pass u; }
+            server { listen 127.0.0.1:7003; proxy_pass u; }
+            server { listen 127.0.0.1:7003 udp; proxy_pass u; }
+            server { listen 127.0.0.1:7004 udp; proxy_pass u; }
+            server { listen 127.0.0.1:7005; proxy_pass 127.0.0.1:9003; }
+            server { listen 127.0.0.1:7006; proxy_pass 127.0.0.1:9003; }
+            """
+        ),
+    )
+    vss = {vs["name"]: vs for vs in document["virtual_servers"]}
+    assert list(vss) == ["u", "u-udp", "stream-7005", "stream-7006"]
+    assert vss["u"]["listen"] == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
+    assert vss["u-udp"]["listen"] == ["127.0.0.1:7003", "127.0.0.1:7004"]
+    # TCP and UDP are two virtual servers in lbproxy: max_conns counts them apart
+    assert stderr == [
+        f"{tmp_path}/nginx.conf:2: not translated: upstream u's max_conns over TCP and UDP "
+        "together (virtual servers u and u-udp each count their own connections, one "
+        "protocol each; nginx counts both against max_conns)"
+    ]
+
+
+def test_servers_proxying_to_one_upstream_differently_are_copies_named_once(tmp_path):
+    document, stderr = imported(
+        tmp_path,
+        stream(
+            """\
+            upstream u {
+                least_conn;
+                server 127.0.0.1:9001 max_conns=5;
+                server 127.0.0.1:9002;
+            }
+            server { listen 127.0.0.1:7001; proxy_pass u; proxy_next_upstream off; }
+            server { listen 127.0.0.1:7002; proxy_pass u; }
+            server { listen 127.0.0.1:7003; proxy_pass u; deny 10.0.0.0/8; }
+            server { listen 127.0.0.1:7004; proxy_pass u; }
+            """
+        ),
+    )
+    routes = [(vs["name"], vs["listen"]) for vs in document["virtual_servers"]]
+    assert routes == [
+        ("u", "127.0.0.1:7001"),
+        ("u-7002", ["127.0.0.1:7002", "127.0.0.1:7004"]),
+        ("u-7003", "127.0.0.1:7003"),
+    ]
+    assert stderr == [
+        f"{tmp_path}/nginx.conf:2: not translated: upstream u's shared state (the server "
+        "{ } blocks proxying to it differ in their settings: virtual servers u, u-7002 and "
+        "u-7003 each keep their own max_conns counts, least_conn counts and max_fails "
+        "failures, where nginx keeps one for the upstream)"
+    ]
+
+
+def test_a_listen_port_range_is_one_address_per_port(tmp_path):
+    document, stderr = imported(
+        tmp_path,
+        stream(
+            """\
+            server {
+                listen 127.0.0.1:7001-7003;
+                listen 7010-7011 udp;
+                listen [::1]:7020-7021;
+                proxy_pass 127.0.0.1:9001;
+            }
+            server { listen 127.0.0.1:8000-8064; proxy_pass 127.0.0.1:9002; }
+            server { listen 127.0.0.1:8003-8001; proxy_pass 127.0.0.1:9002; }
+            """
+        ),
+    )
+    tcp, udp = document["virtual_servers"]
+    assert tcp["listen"] == [
+        "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003", "[::1]:7020", "[::1]:7021"
+    ]  # fmt: skip
+    assert udp["listen"] == ["0.0.0.0:7010", "0.0.0.0:7011"]
+    conf = f"{tmp_path}/nginx.conf"
+    assert stderr == [
+        f'{conf}:8: not translated: server {{ }} (listen 127.0.0.1:8000-8064: "127.0.0.1:'
+        '8000-8064" is a range of 65 ports (lbproxy binds each port of a range as an '
+        "address of its own: up to 64; list the ports in use instead))",
+        f'{conf}:9: not translated: server {{ }} (listen 127.0.0.1:8003-8001: "127.0.0.1:'
+        '8003-8001" is not a port range from 1 to 65535)',
+    ]
+
+
+def test_sni_names_routed_to_the_map_s_default_need_no_route_of_their_own(tmp_path):
+    """A route to the default's upstream would be a second virtual server for it, with
+    counts of its own; the default takes those names, unless another route's
+    wildcard would catch them then."""
+    document, stderr = imported(
+        tmp_path,
+        stream(
+            """\
+            map $ssl_preread_server_name $route {
+                hostnames;
+                a.example.com      main;
+                *.b.example.com    main;
+                x.c.example.com    main;
+                *.c.example.com    other;
+                default            main;
+            }
+            upstream main { server 127.0.0.1:9001; }
+            upstream other { server 127.0.0.1:9002; }
+            server { listen 127.0.0.1:8443; ssl_preread on; proxy_pass $route; }
+            """
+        ),
+    )
+    routes = [(vs["name"], vs.get("sni")) for vs in document["virtual_servers"]]
+    assert routes == [
+        ("main", ["x.c.example.com"]),
+        ("other", ["*.c.example.com"]),
+        ("main-8443", None),
+    ]
+    conf = f"{tmp_path}/nginx.conf"
+    assert stderr == [
+        f"{conf}:7: not translated: map entry *.c.example.com other for names deeper than "
+        "*.c.example.com (nginx's wildcard matches any depth, lbproxy's one label: "
+        "a.b.c.example.com gets the map's default)",
+        f"{conf}:10: not translated: upstream main's shared state (the server {{ }} blocks "
+        "and map routes proxying to it differ in their settings: virtual servers main and "
+        "main-8443 each keep their own round-robin position and max_fails failures, where "
+        "nginx keeps one for the upstream)",
+    ]
+
+
+def test_a_deny_outside_every_allowed_network_is_left_out(tmp_path):
+    document, _ = imported(
+        tmp_path,
+        stream(
+            "server { listen 127.0.0.1:7000; allow 127.0.0.1; deny 127.0.0.0/8; "
+            "allow 10.0.0.0/8; deny all; proxy_pass 127.0.0.1:9001; }\n"
+        ),
+    )
+    vs = only_vs(document)
+    assert (vs["allow"], vs.get("deny")) == (["127.0.0.1/32", "10.0.0.0/8"], None)
+
+
+def test_a_down_server_s_health_settings_are_not_named(tmp_path):
+    document, stderr = imported(
+        tmp_path,
+        stream(
+            """\
+            upstream u {
+                server 127.0.0.1:9001 max_fails=3 fail_timeout=30s;
+                server 127.0.0.1:9002 down;
+            }
+            server { listen 127.0.0.1:7000; proxy_pass u; }
+            """
+        ),
+    )
+    assert only_vs(document)["health_check"] == {"type": "none", "fall": 3, "interval": "30s"}
+    assert stderr == []
 
 
 def test_outside_stream_each_block_and_directive_is_one_line(tmp_path):

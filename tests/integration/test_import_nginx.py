@@ -17,6 +17,7 @@ import yaml
 from tests.integration.harness import (
     ROOT,
     ask_name,
+    closed_without_a_byte,
     free_port,
     open_and_read_name,
     read_name,
@@ -158,6 +159,52 @@ def test_hash_keeps_each_client_on_one_server_and_spreads_clients_as_nginx(
         # every server has clients; s3 (weight 2) about half of them in both
         assert set(clients_per_server) == {"s1", "s2", "s3"}, clients_per_server
         assert 5 <= clients_per_server["s3"] <= 25, clients_per_server
+
+
+def test_one_upstream_behind_two_servers_keeps_one_max_conns_as_nginx(
+    tmp_path, name_servers, lbproxy
+):
+    """Two server { } blocks proxying to one upstream share its max_conns in nginx: the
+    import is one virtual server on both addresses, so a client held on one address
+    fills the real server for a client of the other, which is turned away (no queue,
+    as in nginx) until the first leaves."""
+    (s1,) = name_servers("s1")
+
+    def second_address_while_first_held(ports: tuple[int, int]) -> bool:
+        first, second = ports
+        held: list[socket.socket] = []
+
+        def served_and_held() -> bool:
+            # the readiness probe's connection may hold the one slot a moment
+            s = socket.create_connection(("127.0.0.1", first), timeout=5)
+            if read_name(s) == "s1":
+                held.append(s)
+                return True
+            s.close()
+            return False
+
+        wait_for(served_and_held, 10, "a client on the first address to be served")
+        try:
+            turned_away = closed_without_a_byte(second)
+        finally:
+            held[0].close()
+        wait_for(lambda: ask_name(second) == "s1", 10, "the second address to serve again")
+        return turned_away
+
+    nginx_ports, lbproxy_ports = (free_port(), free_port()), (free_port(), free_port())
+    conf = render(DATA / "shared-upstream.conf", LB=nginx_ports[0], LB2=nginx_ports[1], S1=s1.port)
+    with Nginx(tmp_path / "nginx", conf).start(wait_ports=list(nginx_ports)) as nginx:
+        through_nginx = second_address_while_first_held(nginx_ports)
+        config = imported(nginx)
+    for nginx_port, lbproxy_port in zip(nginx_ports, lbproxy_ports, strict=True):
+        config = config.replace(f":{nginx_port}", f":{lbproxy_port}")
+    [vs] = yaml.safe_load(config)["virtual_servers"]
+    assert (vs["name"], vs["listen"]) == ("one", [f"127.0.0.1:{p}" for p in lbproxy_ports])
+    proxy = lbproxy(config, list(lbproxy_ports))
+    through_lbproxy = second_address_while_first_held(lbproxy_ports)
+    proxy.stop()
+    assert through_nginx is True
+    assert through_lbproxy == through_nginx
 
 
 def test_limit_conn_per_client_address_as_nginx(tmp_path, name_servers, lbproxy):

@@ -3,9 +3,11 @@ fills, nginx_reader.py for the grammar).
 
 Each `server { }` of `stream { }` becomes a virtual server (two when it listens on TCP
 and UDP, one per route of an `ssl_preread` map), with the real servers of the upstream
-its `proxy_pass` names. Settings nginx inherits from `stream { }` into a server are
-inherited here too, and where nginx's default differs from lbproxy's (timeouts, passive
-health, retries) nginx's is written out, so the traffic behaves as it did."""
+its `proxy_pass` names; the servers proxying to one upstream with the same settings are
+one virtual server on all their addresses, sharing its counts as nginx does. Settings
+nginx inherits from `stream { }` into a server are inherited here too, and where
+nginx's default differs from lbproxy's (timeouts, passive health, retries) nginx's is
+written out, so the traffic behaves as it did."""
 
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ from typing import Any
 
 from lbproxy.tools.importer.nginx_reader import Directive, NginxSyntaxError, read
 from lbproxy.tools.importer.translation import Mapping, Translation, Untranslated
+
+# A port range is one listen address per port: a wide one is more likely a mistake (or
+# a job for a firewall rule) than a set of ports to bind one by one. The HAProxy
+# importer takes bind ranges up to the same size.
+MAX_LISTEN_RANGE = 64
 
 
 def _row(directive: str, lbproxy: str, note: str = "") -> Mapping:
@@ -45,12 +52,17 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "server { } (in stream)",
         "virtual_servers[].name",
-        "named after the upstream it proxies to; a server listening on TCP and UDP becomes two",
+        "named after the upstream it proxies to. The servers proxying to one upstream "
+        "with the same settings are one virtual server listening on all their addresses, "
+        "so they share its counts (`max_conns`, `least_conn`) and round robin, as nginx "
+        "does; where settings differ each is a virtual server of its own and the upstream "
+        "is named. A server listening on TCP and UDP becomes two",
     ),
     _row(
         "listen ADDRESS:PORT",
         "virtual_servers[].listen",
-        "`listen PORT` and `*:PORT` are `0.0.0.0:PORT`; "
+        "`listen PORT` and `*:PORT` are `0.0.0.0:PORT`; a port range (`15001-15003`) "
+        f"is one address per port, up to {MAX_LISTEN_RANGE}; "
         "host names and `unix:` sockets are not translated",
     ),
     _row("listen ... udp", "virtual_servers[].protocol", "`udp`"),
@@ -87,7 +99,8 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "one virtual server per route; the map's `default` is the virtual "
         "server without `sni`; exact names, `*.example.com` and `.example.com` "
         "(with `hostnames`) are translated, regular expressions are not; nginx's "
-        "`*.example.com` matches deeper names too, lbproxy's one label",
+        "`*.example.com` matches deeper names too, lbproxy's one label: each such entry "
+        "is named. Names routed to the default's upstream need no route of their own",
     ),
     _row(
         "ssl_preread on",
@@ -157,7 +170,9 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "upstream { }",
         "virtual_servers[].real_servers[]",
-        "an upstream no server proxies to is named",
+        "an upstream no server proxies to is named; so is one several virtual servers "
+        "serve (settings that differ, or TCP and UDP with `max_conns`), whose counts "
+        "are then not shared",
     ),
     _row(
         "(round robin)",
@@ -182,7 +197,13 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "client gets differs. `$remote_addr$remote_port` is `hash_key: source_port`; "
         "other keys are not translated",
     ),
-    _row("random", "", "no random scheduler: the upstream keeps round robin"),
+    _row(
+        "random",
+        "",
+        "no random scheduler: `random` keeps round robin; `random two [least_conn]` "
+        "becomes `lc` (`wlc` with weights), named: lbproxy compares every server, nginx "
+        "two picked at random",
+    ),
     _row("server ... weight=", "virtual_servers[].real_servers[].weight"),
     _row("server ... max_conns=", "virtual_servers[].real_servers[].max_connections"),
     _row(
@@ -308,10 +329,6 @@ def _address(text: str) -> str:
     return f"{shown}:{int(port)}"
 
 
-# A port range is one listen address per port: a wide one is more likely a mistake (or
-# a job for a firewall rule) than a set of ports to bind one by one. The HAProxy
-# importer takes bind ranges up to the same size.
-MAX_LISTEN_RANGE = 64
 _PORT_RANGE = re.compile(r"([0-9]+)-([0-9]+)", re.ASCII)
 
 

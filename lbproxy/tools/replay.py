@@ -51,6 +51,7 @@ class Traffic:
     client_ids: array[int] = field(default_factory=lambda: array("I"))  # into clients
     ports: array[int] = field(default_factory=lambda: array("H"))
     virtual_servers: list[str] = field(default_factory=list)
+    frontends: list[str] = field(default_factory=list)  # each virtual server's ("": none)
     clients: list[str] = field(default_factory=list)
     lines: int = 0  # lines read
     malformed: int = 0
@@ -75,7 +76,7 @@ def read_log(lines: Iterable[str], log_format: str, source: str = "-") -> Traffi
     parse: Callable[[str], Logged | Malformed | None] = PARSERS[log_format]
     raw_starts, durations = array("d"), array("d")
     vs_ids, client_ids, ports = array("I"), array("I"), array("H")
-    vs_index: dict[str, int] = {}
+    vs_index: dict[tuple[str, str], int] = {}
     client_index: dict[str, int] = {}
     traffic = Traffic(source)
     number = 0
@@ -88,12 +89,12 @@ def read_log(lines: Iterable[str], log_format: str, source: str = "-") -> Traffi
             if len(traffic.first_malformed) < MALFORMED_SHOWN:
                 traffic.first_malformed.append((number, parsed.reason))
             continue
-        start, duration, vs, client, port = parsed
+        start, duration, vs, client, port, frontend = parsed
         raw_starts.append(start)
         durations.append(duration)
-        vs_id = vs_index.get(vs)
+        vs_id = vs_index.get((vs, frontend))
         if vs_id is None:
-            vs_id = vs_index[vs] = len(vs_index)
+            vs_id = vs_index[vs, frontend] = len(vs_index)
         vs_ids.append(vs_id)
         client_id = client_index.get(client)
         if client_id is None:
@@ -101,7 +102,8 @@ def read_log(lines: Iterable[str], log_format: str, source: str = "-") -> Traffi
         client_ids.append(client_id)
         ports.append(port)
     traffic.lines = number
-    traffic.virtual_servers = list(vs_index)
+    traffic.virtual_servers = [vs for vs, _ in vs_index]
+    traffic.frontends = [frontend for _, frontend in vs_index]
     traffic.clients = list(client_index)
     if not raw_starts:
         return traffic
@@ -229,11 +231,17 @@ def replay(traffic: Traffic, config: Config, label: str) -> ConfigurationReplay:
     pools: list[Pool | None] = []
     results: list[VirtualServerReplay | None] = []
     configured = {vs.name: vs for vs in config.virtual_servers}
-    for name in traffic.virtual_servers:
+    made_for: dict[str, tuple[Pool, VirtualServerReplay]] = {}
+    for logged, frontend in zip(traffic.virtual_servers, traffic.frontends, strict=True):
+        name = _virtual_server_of(logged, frontend, configured)
         vs = configured.get(name)
         if vs is None:
             pools.append(None)
             results.append(None)
+            continue
+        if name in made_for:  # several frontends' lines, one virtual server
+            pools.append(made_for[name][0])
+            results.append(made_for[name][1])
             continue
         made = Pool(vs, now=0.0)
         pools.append(made)
@@ -241,15 +249,15 @@ def replay(traffic: Traffic, config: Config, label: str) -> ConfigurationReplay:
         standby = frozenset(
             rs.name for rs in vs.real_servers if rs.state != ENABLED or rs.weight == 0 or rs.backup
         )
-        results.append(
-            VirtualServerReplay(
-                name,
-                vs.scheduler,
-                dict.fromkeys(names, 0),
-                dict.fromkeys(names, 0),
-                standby=standby,
-            )
+        made_result = VirtualServerReplay(
+            name,
+            vs.scheduler,
+            dict.fromkeys(names, 0),
+            dict.fromkeys(names, 0),
+            standby=standby,
         )
+        results.append(made_result)
+        made_for[name] = (made, made_result)
     missing = dict.fromkeys(
         (name for name, pool in zip(traffic.virtual_servers, pools, strict=True) if pool is None),
         0,
@@ -290,6 +298,16 @@ def replay(traffic: Traffic, config: Config, label: str) -> ConfigurationReplay:
         {r.name: r for r in results if r is not None},
         {name: n for name, n in missing.items()},
     )
+
+
+def _virtual_server_of(logged: str, frontend: str, configured: dict[str, Any]) -> str:
+    """The virtual server of a log line: HAProxy's backend, or the copy `lbproxy import`
+    made of it for this frontend (`BACKEND-FRONTEND`, `:` written `-`) when there is one."""
+    if frontend:
+        copy = f"{logged}-{frontend}".replace(":", "-")
+        if copy in configured:
+            return copy
+    return logged
 
 
 def compare(first: ConfigurationReplay, other: ConfigurationReplay) -> list[Moved]:

@@ -12,10 +12,12 @@ PURE (no clock, no sockets). Two formats:
       127.0.0.1:45544 [05/Dec/2026:17:22:52.799] fe web/a 1/-1/3005 0 SC 2/2/1/0/3 0/0
 
   client:port [accept date] frontend backend/server Tw/Tc/Tt bytes_read termination ...
-  The backend's name is the virtual server's; the accept date is the start and Tt (ms,
-  `+Tt` with `option logasap`) the duration. HAProxy writes the accept date in its
-  local time without a zone: it is read as UTC, which changes no interval between
-  two lines unless the log spans a daylight-saving change.
+  The backend's name is the virtual server's (`BACKEND-FRONTEND` when the configuration
+  has one by that name: `lbproxy import` names so the copy of a backend one frontend
+  uses alone, when frontends sharing it take clients differently); the accept date is
+  the start and Tt (ms, `+Tt` with `option logasap`) the duration. HAProxy writes the
+  accept date in its local time without a zone: it is read as UTC, which changes no
+  interval between two lines unless the log spans a daylight-saving change.
 
 A parser returns a `Logged`, None for a line that is not a connection (blank, another
 logger's record), or a `Malformed` saying what is wrong with it. It never raises.
@@ -42,6 +44,7 @@ class Logged(NamedTuple):
     virtual_server: str
     client: str  # the source address
     client_port: int  # 0: not logged
+    frontend: str = ""  # HAProxy's frontend ("" in lbproxy's own log)
 
 
 class Malformed(NamedTuple):
@@ -127,7 +130,7 @@ def parse_lbproxy_decoding(text: str) -> Parsed:
 _TCPLOG = re.compile(
     r"(?P<client>[^\s\[\]]+):(?P<port>\d{1,5}) "
     r"\[(?P<date>\d{2}/[A-Z][a-z]{2}/\d{4}:\d{2}:\d{2}:\d{2})\.(?P<ms>\d{3})\] "
-    r"\S+ (?P<backend>[^\s/]+)/\S+ "
+    r"(?P<frontend>[^\s~]+)~? (?P<backend>[^\s/]+)/\S+ "
     r"-?\d+/-?\d+/\+?(?P<tt>-?\d+) \+?\d+ \S\S"
     r"(?: |$)"
 )
@@ -159,7 +162,9 @@ def parse_haproxy(line: str) -> Parsed:
     if port > 65535:
         return Malformed(f"client port {port} out of range")
     start = second + int(match["ms"]) / 1000
-    return Logged(start, total_ms / 1000, match["backend"], match["client"], port)
+    return Logged(
+        start, total_ms / 1000, match["backend"], match["client"], port, match["frontend"]
+    )
 
 
 PARSERS = {"lbproxy": parse_lbproxy, "haproxy": parse_haproxy}

@@ -320,3 +320,29 @@ def test_a_killed_server_goes_down_in_both(pair, name_servers):
         names = [name_from(port) for _ in range(4)]
         assert sorted(names) == ["s1", "s1", "s3", "s3"], (port, names)
         assert names[0] != names[1] and names[:2] == names[2:], (port, names)
+
+
+def test_frontends_sharing_a_backend_share_its_servers_limits(pair, name_servers):
+    # balance first with maxconn 2: clients coming in turn through ft_a and ft_b fill s1
+    # with 2, then s2, in HAProxy; copies of the backend per frontend would let s1 take 4
+    servers = servers_named(name_servers, "s1", "s2", "m1")
+    both = pair("frontends-shared-backend.cfg", servers)
+    for side in (0, 1):
+        ft_a, ft_b = both.ports(8091)[side], both.ports(8092)[side]
+        opened = []
+        for port in (ft_a, ft_b, ft_a, ft_b):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            opened.append((s, first_line(s)))
+        assert [name for _, name in opened] == ["s1", "s1", "s2", "s2"], side
+        for s, _ in opened:
+            s.close()
+
+
+def test_accept_proxy_on_one_bind_leaves_the_other_plain(pair, name_servers):
+    servers = servers_named(name_servers, "s1", "s2", "m1")
+    both = pair("frontends-shared-backend.cfg", servers)
+    for side in (0, 1):
+        plain, with_proxy = both.ports(8093)[side], both.ports(8094)[side]
+        assert name_from(plain) == "m1", side  # a plain client, no PROXY header
+        header = f"PROXY TCP4 192.0.2.7 127.0.0.1 40000 {with_proxy}\r\n".encode()
+        assert name_from(with_proxy, hello=header) == "m1", side

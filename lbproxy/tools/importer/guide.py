@@ -51,6 +51,12 @@ with: each row is a directive and the lbproxy key it becomes.
 
 Imported names follow HAProxy's logs: a virtual server is named after the backend (or
 `listen` section) it serves, so a replayed `tcplog` line finds its virtual server.
+Frontends that send their clients to one backend alike share its virtual server (on
+all their addresses), so its servers' `maxconn` and its balancing count every client,
+as HAProxy's do. When one of them takes clients otherwise (its own `maxconn`, ACLs,
+`accept-proxy` ...), it gets a copy named `BACKEND-FRONTEND`, and one stderr line says
+the copies no longer share their servers' limits nor their balancing; a replayed line
+from that frontend goes to its copy.
 """
 
 NGINX_INTRO = """\

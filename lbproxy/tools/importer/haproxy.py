@@ -7,7 +7,12 @@ haproxy.cfg). Here each `mode tcp` proxy becomes virtual servers:
 - a `frontend` gives one virtual server per backend it routes to (its
   `default_backend`, and every backend `use_backend ... if { req.ssl_sni ... }` names,
   on the frontend's addresses with the names as `sni`), named after the backend (as
-  HAProxy's logs name it), or `BACKEND-FRONTEND` when two frontends share it;
+  HAProxy's logs name it);
+- frontends that send clients to one backend alike share its virtual server (on all
+  their addresses: the servers' limits and the scheduler are shared, as in HAProxy);
+  a frontend that takes them otherwise (its own maxconn, ACLs, accept-proxy ...) gets a
+  copy, `BACKEND-FRONTEND` (`BACKEND-PORT` for binds of one frontend that differ in
+  accept-proxy), and one line says the copies share nothing;
 - a proxy takes every setting of the last `defaults` section above it (or the one its
   `from NAME` names) that it does not set itself.
 
@@ -46,7 +51,10 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "frontend NAME + default_backend B",
         "virtual_servers[].name",
-        "one virtual server per backend the frontend routes to, named after the backend",
+        "one virtual server per backend the frontend routes to, named after the backend; "
+        "frontends that take clients alike (same ACLs, maxconn, accept-proxy) share it, on "
+        "all their addresses; another gets a copy `BACKEND-FRONTEND`, named on stderr (its "
+        "servers' limits and balancing are its own)",
     ),
     _row(
         "defaults [NAME], from NAME",
@@ -55,7 +63,12 @@ DIRECTIVES: tuple[Mapping, ...] = (
     ),
     _row("mode tcp", "virtual_servers[].protocol", "`tcp` (a `mode http` proxy is skipped)"),
     _row("bind ADDR:PORT[,...] (several binds)", "virtual_servers[].listen", "a list"),
-    _row("bind ... accept-proxy", "virtual_servers[].accept_proxy"),
+    _row(
+        "bind ... accept-proxy",
+        "virtual_servers[].accept_proxy",
+        "the binds with it and those without become virtual servers of their own "
+        "(`BACKEND-PORT` for the first port of the second)",
+    ),
     _row(
         "tcp-request connection expect-proxy layer4 if { src ... }",
         "virtual_servers[].accept_proxy_from",
@@ -540,7 +553,7 @@ class _Proxy:
     stick_table: Statement | None = None
     stick_rules: list[Statement] = field(default_factory=list)
     disabled: Statement | None = None
-    accept_proxy: Statement | None = None
+    accept_proxy_binds: list[Statement] = field(default_factory=list)
 
     def inherit(self, section: Section) -> _Proxy:
         """A copy for `section`, keeping what defaults may pass on."""
@@ -572,6 +585,19 @@ class _Route:
     statements: list[Statement]
 
 
+@dataclass
+class _Planned:
+    """A frontend's addresses that send clients to `backend` alike (`front`: the keys
+    the frontend gives a virtual server; `split`: the frontend's binds differ)."""
+
+    backend: str
+    frontend: _Proxy
+    listen: list[str]
+    names: list[str]
+    front: dict[str, Any]
+    split: bool
+
+
 class _Translator:
     def __init__(self, parsed: Parsed, file: str, read: ReadFile):
         self.parsed = parsed
@@ -586,6 +612,7 @@ class _Translator:
         self.vs_names: set[str] = set()
         self.routed: set[str] = set()  # backends some frontend sends clients to
         self.bound: list[tuple[IPAddress, int, _Proxy]] = []  # listen addresses taken
+        self.planned: list[_Planned] = []
 
     # bookkeeping
 
@@ -640,6 +667,7 @@ class _Translator:
         for proxy in self.proxies:
             if proxy.section is not None and proxy.section.kind in ("frontend", "listen"):
                 self.build_frontend(proxy)
+        self.build_virtual_servers()
         self.report_unused_backends()
         self.admin_elsewhere()
         # without a virtual server the rest (global settings) is no configuration
@@ -815,6 +843,8 @@ class _Translator:
     # frontends and listens
 
     def build_frontend(self, proxy: _Proxy) -> None:
+        """Plan the frontend's virtual servers (one per backend it routes to and group of
+        its binds that agree on accept-proxy); `build_virtual_servers` makes them."""
         section = proxy.section
         assert section is not None
         header = section.header
@@ -827,12 +857,12 @@ class _Translator:
                 section, f"{section.kind} {section.name}: mode {mode} (lbproxy is Layer 4)"
             )
             return
-        listen = self.listen_addresses(proxy)
-        if not listen:
+        bound = self.listen_addresses(proxy)
+        if not bound:
             self.skip(header, f"{section.kind} {section.name}: no address lbproxy can listen on")
             return
-        front: dict[str, Any] = {"listen": listen if len(listen) > 1 else listen[0]}
         self.use(header, proxy.mode[1] if proxy.mode else None)
+        front: dict[str, Any] = {}
         self.front_settings(proxy, front)
         if proxy.tcplog is not None:  # HAProxy logs a connection in its frontend
             self.translation.settings.setdefault("global", {})["access_log"] = True
@@ -849,7 +879,18 @@ class _Translator:
                 self.skip(st, st.text)
             if proxy.inspect_delay is not None:
                 self.skip(proxy.inspect_delay, proxy.inspect_delay.text)
-        ports = {address.rsplit(":", 1)[1] for address in listen}
+        # `accept-proxy` is a bind's: lbproxy's accept_proxy a virtual server's, so the
+        # binds with it and those without become virtual servers of their own
+        groups: list[tuple[list[str], dict[str, Any]]] = []
+        for wants_proxy in (False, True):
+            listen = [address for address, on in bound if on == wants_proxy]
+            if not listen:
+                continue
+            settings = dict(front)
+            if wants_proxy:
+                settings["accept_proxy"] = True
+                self.use(*proxy.accept_proxy_binds)
+            groups.append((listen, settings))
         for route in routes:
             backend = self.backends[route.backend]
             self.routed.add(route.backend)
@@ -864,22 +905,71 @@ class _Translator:
                         f"backend {route.backend}: mode {backend_mode} (lbproxy is Layer 4)",
                     )
                 continue
-            vs: dict[str, Any] = {"name": self.vs_name(route.backend, section.name)}
-            vs["listen"] = _copy(front["listen"])
-            if route.names:
-                vs["sni"] = route.names
             self.use(*route.statements)
-            port = next(iter(ports)) if len(ports) == 1 else None
-            self.back_settings(backend, vs, front, port, proxy.timeouts.get("client"))
-            if vs["real_servers"]:
-                self.translation.virtual_servers.append(vs)
-            else:
-                self.vs_names.discard(vs["name"])
-                where = backend.section.header if backend.section else header
-                self.skip(where, f"{route.backend}: no server lbproxy can use")
+            for listen, settings in groups:
+                self.planned.append(
+                    _Planned(route.backend, proxy, listen, route.names, settings, len(groups) > 1)
+                )
 
-    def listen_addresses(self, proxy: _Proxy) -> list[str]:
-        addresses: list[str] = []
+    def build_virtual_servers(self) -> None:
+        """One virtual server per backend and set of front settings: frontends that send
+        their clients alike to a backend share one (its server limits and scheduler, as
+        in HAProxy), on all their addresses."""
+        merged: dict[tuple[str, str], list[_Planned]] = {}
+        for plan in self.planned:
+            backend = self.backends[plan.backend]
+            client = plan.frontend.timeouts.get("client")
+            key = [plan.front, plan.names, client[0] if client else None]
+            if any(not (_host_port(s.address) or ("", ""))[1] for s in backend.servers):
+                key.append(_ports(plan.listen))  # a server without port takes the client's
+            merged.setdefault((plan.backend, repr(key)), []).append(plan)
+        copies: dict[str, list[list[_Planned]]] = {}
+        for (backend_name, _), plans in merged.items():
+            copies.setdefault(backend_name, []).append(plans)
+        for backend_name, variants in copies.items():
+            backend = self.backends[backend_name]
+            assert backend.section is not None
+            if len(variants) > 1:
+                self.skip(
+                    backend.section.header,
+                    f"backend {backend_name}: {len(variants)} virtual servers, one for each "
+                    "way its frontends' addresses take clients ("
+                    + "; ".join(_variant(plans) for plans in variants)
+                    + "): each has its own server limits (maxconn) and balancing state, "
+                    "which HAProxy shares",
+                )
+            for index, plans in enumerate(variants):
+                self.build_virtual_server(backend_name, plans, index)
+
+    def build_virtual_server(self, backend_name: str, plans: list[_Planned], index: int) -> None:
+        backend = self.backends[backend_name]
+        first = plans[0]
+        section = first.frontend.section
+        assert section is not None and backend.section is not None
+        listen: list[str] = []
+        for plan in plans:
+            listen.extend(a for a in plan.listen if a not in listen)
+        if index == 0:
+            name = self.vs_name(backend_name)
+        elif first.split:
+            name = self.vs_name(f"{backend_name}-{_ports(first.listen)[0]}")
+        else:
+            name = self.vs_name(f"{backend_name}-{section.name}")
+        vs: dict[str, Any] = {"name": name, "listen": listen if len(listen) > 1 else listen[0]}
+        if first.names:
+            vs["sni"] = list(first.names)
+        ports = _ports(listen)
+        port = ports[0] if len(ports) == 1 else None
+        self.back_settings(backend, vs, first.front, port, first.frontend.timeouts.get("client"))
+        if vs["real_servers"]:
+            self.translation.virtual_servers.append(vs)
+        else:
+            self.vs_names.discard(vs["name"])
+            self.skip(backend.section.header, f"{backend_name}: no server lbproxy can use")
+
+    def listen_addresses(self, proxy: _Proxy) -> list[tuple[str, bool]]:
+        """The addresses of the binds, each with whether it takes a PROXY header."""
+        addresses: list[tuple[str, bool]] = []
         for st in proxy.binds:
             if len(st.words) < 2:
                 self.skip(st, f"{st.text} (no address)")
@@ -908,15 +998,17 @@ class _Translator:
                     else:
                         found.append(_address(host, number))
                         self.bound.append((ip, number, proxy))
-            if found:
-                addresses.extend(a for a in found if a not in addresses)
-                self.use(st)
             options = list(st.words[2:])
+            accept_proxy = "accept-proxy" in options
+            if found:
+                taken = {a for a, _ in addresses}
+                addresses.extend((a, accept_proxy) for a in found if a not in taken)
+                self.use(st)
             i = 0
             while i < len(options):
                 word = options[i]
                 if word == "accept-proxy":
-                    proxy.accept_proxy = st
+                    proxy.accept_proxy_binds.append(st)
                     i += 1
                     continue
                 takes_value = word in _BIND_VALUED
@@ -925,6 +1017,8 @@ class _Translator:
                 )
                 if word == "ssl":
                     what = "bind ... ssl (TLS termination: lbproxy passes TLS through)"
+                elif found:
+                    what += f" (the address {st.words[1]} is translated without it)"
                 self.skip(st, what)
                 i += 2 if takes_value else 1
         return addresses
@@ -954,9 +1048,6 @@ class _Translator:
             settings["admin"] = {"listen": f"127.0.0.1:{port}"}
 
     def front_settings(self, proxy: _Proxy, front: dict[str, Any]) -> None:
-        if proxy.accept_proxy is not None:
-            front["accept_proxy"] = True
-            self.use(proxy.accept_proxy)
         self.connection_rules(proxy, front)
         if proxy.maxconn is not None:
             front["max_connections"] = proxy.maxconn[0]
@@ -1121,10 +1212,8 @@ class _Translator:
                 result.append(_Route(name, [], [default]))
         return result
 
-    def vs_name(self, backend: str, frontend: str) -> str:
-        name = _name(backend)
-        if name in self.vs_names:
-            name = _name(f"{backend}-{frontend}")
+    def vs_name(self, wanted: str) -> str:
+        name = _name(wanted)
         while name in self.vs_names:
             name += "-2"
         self.vs_names.add(name)
@@ -1650,6 +1739,21 @@ def _port_range(text: str) -> list[int] | None:
         if 0 < first <= last < 65536 and last - first < _MAX_BIND_RANGE:
             return list(range(first, last + 1))
     return None
+
+
+def _ports(listen: list[str]) -> list[str]:
+    """The ports of listen addresses, each once, in order."""
+    return list(dict.fromkeys(address.rsplit(":", 1)[1] for address in listen))
+
+
+def _variant(plans: list[_Planned]) -> str:
+    """A virtual server of a shared backend, for the line that names the copies."""
+    frontends = ", ".join(
+        dict.fromkeys(p.frontend.section.name for p in plans if p.frontend.section)
+    )
+    listen = ", ".join(dict.fromkeys(a for p in plans for a in p.listen))
+    proxy = " with accept-proxy" if plans[0].front.get("accept_proxy") else ""
+    return f"{frontends} on {listen}{proxy}"
 
 
 def _copy(value: Any) -> Any:

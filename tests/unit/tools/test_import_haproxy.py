@@ -162,11 +162,11 @@ def test_a_mode_http_proxy_is_one_line_at_its_start(tmp_path):
 # --- directives -----------------------------------------------------------------------
 
 
-def test_binds_several_addresses_and_accept_proxy(tmp_path):
+def test_binds_several_addresses(tmp_path):
     vs = only(
         """
         frontend f
-            bind :7001,127.0.0.1:7002 accept-proxy
+            bind :7001,127.0.0.1:7002
             bind [::1]:7003
             bind 127.0.0.1:7010-7012
             default_backend b
@@ -183,8 +183,59 @@ def test_binds_several_addresses_and_accept_proxy(tmp_path):
         "127.0.0.1:7011",
         "127.0.0.1:7012",
     ]
-    assert vs["accept_proxy"] is True
+    assert "accept_proxy" not in vs
     assert vs["name"] == "b"  # named after the backend, as HAProxy's logs name it
+
+
+def test_accept_proxy_is_the_binds_that_say_it_only(tmp_path):
+    servers, left, _ = imported(
+        """
+        frontend f
+            bind :7001,127.0.0.1:7002 accept-proxy
+            bind [::1]:7003
+            default_backend b
+        backend b
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert [(vs["name"], vs["listen"], vs.get("accept_proxy")) for vs in servers] == [
+        ("b", "[::1]:7003", None),
+        ("b-7001", ["0.0.0.0:7001", "127.0.0.1:7002"], True),
+    ]
+    assert any(line.startswith("6: backend b: 2 virtual servers") for line in left)
+
+
+def test_accept_proxy_on_every_bind_is_one_virtual_server(tmp_path):
+    vs = only(
+        """
+        frontend f
+            bind 127.0.0.1:7001 accept-proxy
+            bind 127.0.0.1:7002 accept-proxy
+            default_backend b
+        backend b
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert (vs["name"], vs["listen"], vs["accept_proxy"]) == (
+        "b",
+        ["127.0.0.1:7001", "127.0.0.1:7002"],
+        True,
+    )
+
+
+def test_a_dropped_bind_option_says_the_address_is_kept(tmp_path):
+    servers, left, _ = imported(
+        """
+        listen l
+            bind [::]:15000 ipv6only=on
+            server s1 127.0.0.1:9001
+        """,
+        tmp_path,
+    )
+    assert servers[0]["listen"] == "[::]:15000"
+    assert "3: bind option ipv6only=on (the address [::]:15000 is translated without it)" in left
 
 
 @pytest.mark.parametrize(
@@ -816,10 +867,46 @@ def test_a_default_backend_in_defaults_serves_every_frontend_below(tmp_path):
         """,
         tmp_path,
     )
+    # one virtual server: the frontends share the backend's servers, as in HAProxy
     assert [(vs["name"], vs["listen"]) for vs in servers] == [
-        ("pool", "127.0.0.1:7001"),
-        ("pool-b", "127.0.0.1:7002"),
+        ("pool", ["127.0.0.1:7001", "127.0.0.1:7002"])
     ]
+
+
+def test_frontends_that_take_clients_alike_share_their_backends_virtual_server(tmp_path):
+    servers, left, _ = imported(
+        """
+        defaults
+            mode tcp
+            timeout client 30s
+        frontend ft_a
+            bind 127.0.0.1:11001
+            default_backend bk_shared
+        frontend ft_b
+            bind 127.0.0.1:11002
+            default_backend bk_shared
+        frontend ft_c
+            bind 127.0.0.1:11003
+            maxconn 50
+            default_backend bk_shared
+        backend bk_shared
+            server s1 127.0.0.1:9201 maxconn 5
+            server s2 127.0.0.1:9202 maxconn 5
+        """,
+        tmp_path,
+    )
+    assert [(vs["name"], vs["listen"], vs.get("max_connections")) for vs in servers] == [
+        ("bk_shared", ["127.0.0.1:11001", "127.0.0.1:11002"], None),
+        ("bk_shared-ft_c", "127.0.0.1:11003", 50),
+    ]
+    assert servers[0]["real_servers"][0]["max_connections"] == 5
+    # ft_c's maxconn differs: its copy's servers take 5 more, and that is said
+    assert (
+        "15: backend bk_shared: 2 virtual servers, one for each way its frontends' addresses "
+        "take clients (ft_a, ft_b on 127.0.0.1:11001, 127.0.0.1:11002; ft_c on "
+        "127.0.0.1:11003): each has its own server limits (maxconn) and balancing state, "
+        "which HAProxy shares"
+    ) in left
 
 
 def test_a_store_without_a_lookup_is_no_persistence(tmp_path):

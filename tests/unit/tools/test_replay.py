@@ -100,13 +100,15 @@ HAPROXY_SYSLOG = (
 
 
 def test_haproxy_tcplog_parses_to_its_facts():
-    assert parse_haproxy(HAPROXY_RAW) == Logged(T0 + 2.799, 3.005, "web", "127.0.0.1", 45544)
-    assert parse_haproxy(HAPROXY_SYSLOG) == Logged(T0 + 1.443, 5.007, "bck", "10.0.1.2", 33313)
+    assert parse_haproxy(HAPROXY_RAW) == Logged(T0 + 2.799, 3.005, "web", "127.0.0.1", 45544, "fe")
+    assert parse_haproxy(HAPROXY_SYSLOG) == Logged(
+        T0 + 1.443, 5.007, "bck", "10.0.1.2", 33313, "fnt"
+    )
 
 
 def test_haproxy_logasap_ipv6_and_no_server():
     line = "::1:4000 [05/Dec/2026:10:00:00.000] fe web/<NOSRV> -1/-1/+12 +0 SC 0/0/0/0/0 0/0"
-    assert parse_haproxy(line) == Logged(T0, 0.012, "web", "::1", 4000)
+    assert parse_haproxy(line) == Logged(T0, 0.012, "web", "::1", 4000, "fe")
 
 
 @pytest.mark.parametrize(
@@ -199,6 +201,27 @@ def test_a_virtual_server_the_configuration_lacks_is_counted():
     result = replay(traffic, config("rr"), "one")
     assert result.missing == {"api": 2}
     assert list(result.virtual_servers) == ["web"]
+
+
+def tcplog(second: int, frontend: str, backend: str, client: str = "10.0.0.1") -> str:
+    return (
+        f"{client}:4000{second} [05/Dec/2026:10:00:0{second}.000] {frontend} {backend}/a "
+        "0/0/5000 10 -- 1/1/1/0/0 0/0"
+    )
+
+
+def test_haproxy_lines_meet_the_imports_copy_for_their_frontend_or_the_shared_one():
+    # `lbproxy import` merges the frontends that take clients alike into one virtual
+    # server named after the backend, and names BACKEND-FRONTEND a copy for another
+    lines = [tcplog(0, "ft_a", "bk"), tcplog(1, "ft_b", "bk"), tcplog(2, "ft_c", "bk")]
+    traffic = read_log(lines, "haproxy")
+    shared = dataclasses.replace(config("rr", "xy", name="bk").virtual_servers[0])
+    copy = dataclasses.replace(shared, name="bk-ft_c")
+    result = replay(traffic, Config(virtual_servers=(shared, copy)), "imported")
+    assert result.missing == {}
+    # ft_a's and ft_b's lines share bk's pool: rr goes on from x to y
+    assert result.virtual_servers["bk"].connections == {"x": 1, "y": 1}
+    assert result.virtual_servers["bk-ft_c"].connections == {"x": 1, "y": 0}
 
 
 def test_no_server_available_is_not_placed():

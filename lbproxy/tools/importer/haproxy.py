@@ -137,26 +137,40 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "server ... agent-check agent-port agent-inter agent-addr agent-send",
         "virtual_servers[].agent_check",
-        "when every server has one",
+        "when every server has one; else each one's `real_servers[].agent_check` (port, "
+        "address: lbproxy asks those only, every 2 s); agent-inter and agent-send are one "
+        "value per virtual server (others named)",
     ),
     _row("default-server ...", "virtual_servers[].real_servers[]", "applied to each server"),
     _row("option tcp-check", "virtual_servers[].health_check.type", "`tcp`, or the sequence's"),
     _row("option pgsql-check user U", "virtual_servers[].health_check.type", "`pgsql`, `user`"),
     _row("option mysql-check user U", "virtual_servers[].health_check.type", "`mysql`, `user`"),
     _row("option redis-check", "virtual_servers[].health_check.type", "`redis`"),
-    _row("option smtpchk [EHLO name]", "virtual_servers[].health_check.type", "`smtp`, `helo`"),
+    _row(
+        "option smtpchk [EHLO name]",
+        "virtual_servers[].health_check.type",
+        "`smtp`, `helo` (lbproxy says EHLO: HELO is named)",
+    ),
     _row("option ssl-hello-chk", "virtual_servers[].health_check.type", "`tls` (a handshake)"),
     _row(
-        "option httpchk [METHOD] [URI]",
+        "option httpchk [METHOD] [URI] [VERSION\\r\\nHost:\\ NAME]",
         "virtual_servers[].health_check.type",
-        "`http`, `method`, `path`",
+        "`http`, `method` (HAProxy's default `OPTIONS`), `path`, a Host header as `host`; "
+        "lbproxy speaks HTTP/1.1 with its own headers (another version or header is named)",
     ),
+    _row(
+        "http-check send meth M uri U hdr Host NAME",
+        "virtual_servers[].health_check.method",
+        "with `path` and `host`",
+    ),
+    _row("http-check expect string|rstring S", "virtual_servers[].health_check.expect_body"),
     _row("http-check expect status N", "virtual_servers[].health_check.expect_status"),
     _row(
         "tcp-check send/expect sequence",
         "virtual_servers[].health_check.type",
-        "Redis `role:`: `redis` with `role`; a PostgreSQL StartupMessage: `pgsql`; `220` "
-        "then EHLO: `smtp`; else `send_expect` with the first send and expect (the rest "
+        "sends in a row are one message; Redis `role:`: `redis` with `role`; a PostgreSQL "
+        "StartupMessage: `pgsql`; a MySQL handshake response: `mysql` with its user; `220` "
+        "then EHLO: `smtp`; else `send_expect` with the first message and expect (the rest "
         "named on stderr)",
     ),
     _row("tcp-check connect port N", "virtual_servers[].health_check.port"),
@@ -1515,6 +1529,8 @@ class _Translator:
             check["type"] = "smtp"
             if len(args) >= 2 and args[0].upper() in ("EHLO", "HELO"):
                 check["helo"] = args[1]
+                if args[0].upper() == "HELO":
+                    self.skip(option, f"{option.text} (lbproxy's smtp check says EHLO)")
         elif kind == "ssl-hello-chk":
             check["type"] = "tls"
         elif kind == "httpchk":
@@ -1530,29 +1546,87 @@ class _Translator:
                 self.skip(st, f"{st.text} (option {kind} is the check)")
 
     def http_check(self, backend: _Proxy, args: list[str], check: dict[str, Any]) -> None:
+        """`option httpchk [[METHOD] URI [VERSION]]` (HAProxy sends `OPTIONS / HTTP/1.0`
+        by default; headers ride on the version, after `\\r\\n`) and `http-check`."""
+        option = backend.check_option
+        assert option is not None
         check["type"] = "http"
-        if len(args) == 1:
-            args = ["OPTIONS", args[0]]
-        if args:
-            check["method"] = args[0].upper()
-        if len(args) >= 2 and args[1].startswith("/"):
-            check["path"] = args[1]
+        if len(args) <= 1:
+            args = ["OPTIONS", args[0] if args else "/"]
+        check["method"] = args[0].upper()
+        if args[1].startswith("/"):
+            if args[1] != "/":
+                check["path"] = args[1]
+        else:
+            self.skip(option, f"{option.text} (the URI {args[1]}: lbproxy asks for a path)")
+        if len(args) >= 3:
+            version, *headers = args[2].split("\r\n")
+            self.request_extras(option, check, version, [h.partition(":") for h in headers])
         for st in backend.http_checks:
             words = list(st.words[1:])
             if words[:2] == ["expect", "status"] and len(words) == 3 and words[2].isdigit():
                 check["expect_status"] = int(words[2])
                 self.use(st)
+            elif words[:1] == ["expect"] and len(words) == 3 and words[1] in ("string", "rstring"):
+                pattern = words[2]
+                check["expect_body"] = re.escape(pattern) if words[1] == "string" else pattern
+                self.use(st)
+            elif words[:1] == ["send"]:
+                self.http_send(st, words[1:], check)
             else:
                 self.skip(st, st.text)
+
+    def http_send(self, st: Statement, words: list[str], check: dict[str, Any]) -> None:
+        """`http-check send [meth M] [uri U] [ver V] [hdr NAME VALUE]...`."""
+        headers: list[tuple[str, str, str]] = []
+        version = ""
+        i = 0
+        while i + 1 < len(words):
+            key, value = words[i], words[i + 1]
+            if key == "meth":
+                check["method"] = value.upper()
+            elif key == "uri" and value.startswith("/"):
+                check["path"] = value
+            elif key == "ver":
+                version = value
+            elif key == "hdr" and i + 2 < len(words):
+                headers.append((value, ":", words[i + 2]))
+                i += 1
+            else:
+                self.skip(st, f"http-check send ... {key} {value}")
+            i += 2
+        if i < len(words):
+            self.skip(st, f"http-check send ... {words[i]}")
+        if check.get("path") == "/":
+            del check["path"]
+        self.use(st)
+        self.request_extras(st, check, version, headers)
+
+    def request_extras(
+        self,
+        st: Statement,
+        check: dict[str, Any],
+        version: str,
+        headers: list[tuple[str, str, str]],
+    ) -> None:
+        """An HTTP check's version and headers: a Host header is lbproxy's `host`; the
+        rest is named (lbproxy's check speaks HTTP/1.1 with its own headers)."""
+        if version and version.upper() != "HTTP/1.1":
+            self.skip(st, f"the check's HTTP version {version} (lbproxy's: HTTP/1.1)")
+        for name, sep, value in headers:
+            if sep and name.strip().lower() == "host" and value.strip():
+                check["host"] = value.strip()
+            elif name.strip():
+                self.skip(st, f"the check's header {name.strip()}{sep} {value.strip()}".rstrip())
 
     def tcp_check(self, rules: list[Statement], check: dict[str, Any]) -> None:
         """A `tcp-check` sequence as one of lbproxy's check types."""
         if not rules:
             return
-        sends = [(st, sent[1]) for st in rules if (sent := _tcp_send(st)) and sent[0] == "send"]
-        binaries = [
-            (st, sent[1]) for st in rules if (sent := _tcp_send(st)) and sent[0] == "send-binary"
-        ]
+        # a message is often written over several sends in a row: one message each run
+        runs = _send_runs(rules)
+        sends = [(run[0], data) for kind, data, run in runs if kind == "send"]
+        binaries = [(run[0], data) for kind, data, run in runs if kind == "send-binary"]
         expects = [st for st in rules if _second(st) == "expect"]
         connects = [st for st in rules if _second(st) == "connect"]
         comments = [st for st in rules if _second(st) == "comment"]
@@ -1574,6 +1648,19 @@ class _Translator:
             check["type"] = "pgsql"
             check["user"] = _pgsql_user(binaries[0][1])
             matched = [*rules]
+        elif binaries and _mysql_user(binaries[0][1]) is not None:
+            check["type"] = "mysql"
+            check["user"] = _mysql_user(binaries[0][1])
+            matched = [*rules]
+            packet = bytes.fromhex(binaries[0][1])
+            declared = int.from_bytes(packet[:3], "little")
+            if declared != len(packet) - 4:
+                self.skip(
+                    binaries[0][0],
+                    f"tcp-check send-binary ... (its MySQL packet says {declared} bytes and "
+                    f"holds {len(packet) - 4}: HAProxy's check waits for the rest; lbproxy's "
+                    "mysql check sends a whole one)",
+                )
         elif any("220" in pattern for pattern in patterns[:1]) and any(
             value.upper().startswith(("EHLO", "HELO")) for _, value in sends
         ):
@@ -1604,17 +1691,17 @@ class _Translator:
 
     def send_expect(self, rules: list[Statement], check: dict[str, Any]) -> list[Statement]:
         matched: list[Statement] = []
-        send = next((st for st in rules if _tcp_send(st) is not None), None)
+        runs = _send_runs(rules)
         expect = next((st for st in rules if _second(st) == "expect"), None)
-        if send is None and expect is None:
+        if not runs and expect is None:
             return [st for st in rules if _second(st) == "connect"]
-        if send is not None:
-            kind, data = _tcp_send(send) or ("", "")
+        if runs:
+            kind, data, sent = runs[0]
             if kind == "send":
                 check["send"] = data.replace("\\", "\\\\")
             else:
                 check["send_hex"] = data
-            matched.append(send)
+            matched.extend(sent)
         parsed = _tcp_expect(expect) if expect is not None else None
         if expect is not None and parsed is not None:
             negated, kind, pattern = parsed
@@ -1630,38 +1717,37 @@ class _Translator:
     def agent(
         self, vs: dict[str, Any], servers: list[_Server], rs_list: list[dict[str, Any]]
     ) -> None:
+        """`agent-check`: the virtual server's `agent_check` when every server has one,
+        else each server's own `{port, address}` (lbproxy then asks only those, every
+        2 s and sending nothing: other agent-inter and agent-send are named)."""
         agents = [s for s in servers if "agent-check" in s.options]
         if not agents:
             return
-        if len(agents) != len(servers):
-            for server in agents:
-                self.skip(
-                    server.options["agent-check"][1],
-                    f"server {server.name} agent-check (lbproxy: on every server or none)",
-                )
+        ports = {s.name: _port(s.options.get("agent-port", (None, None))[0]) for s in agents}
+        for server in [s for s in agents if ports[s.name] is None]:
+            self.skip(
+                server.options["agent-check"][1],
+                f"server {server.name} agent-check without a valid agent-port",
+            )
+            agents.remove(server)
+        if not agents:
             return
+        everyone = len(agents) == len(servers)
         by_name = {rs["name"]: rs for rs in rs_list}
         block: dict[str, Any] = {}
         first = agents[0].options
-        ports = {s.name: _port(s.options.get("agent-port", (None, None))[0]) for s in agents}
-        if None in ports.values():
-            for server in agents:
-                self.skip(
-                    server.options["agent-check"][1],
-                    f"server {server.name} agent-check without a valid agent-port",
-                )
-            return
-        distinct = set(ports.values())
-        if len(distinct) == 1:
+        distinct = {ports[s.name] for s in agents}
+        if everyone and len(distinct) == 1:
             block["port"] = distinct.pop()
-        inter = first.get("agent-inter", (None, None))[0]
+        inter = first.get("agent-inter", (None, None))[0] if everyone else None
         inter_ms = _time_ms(inter) if inter is not None else None
         if inter_ms:
             block["interval"] = _duration(inter_ms)
-        send = first.get("agent-send", (None, None))[0]
+        send = first.get("agent-send", (None, None))[0] if everyone else None
         if send:
             block["send"] = send.replace("\\", "\\\\")
-        vs["agent_check"] = block
+        if everyone:
+            vs["agent_check"] = block
         for server in agents:
             own: dict[str, Any] = {}
             if "port" not in block:
@@ -1670,9 +1756,28 @@ class _Translator:
                 own["address"] = server.options["agent-addr"][0]
             if own:
                 by_name[_name(server.name)]["agent_check"] = own
-            for key in ("agent-check", "agent-port", "agent-inter", "agent-addr", "agent-send"):
+            for key in ("agent-check", "agent-port", "agent-addr"):
                 if key in server.options:
                     self.use(server.options[key][1])
+            for key, lbproxy, default in (
+                ("agent-inter", inter, "2s"),
+                ("agent-send", send, None),
+            ):
+                value, where = server.options.get(key, (None, None))
+                if where is None:
+                    continue
+                same = value == lbproxy or (
+                    key == "agent-inter" and lbproxy is None and _time_ms(value or "") == 2000
+                )
+                if same:
+                    self.use(where)
+                else:
+                    kept = lbproxy if lbproxy is not None else default or "nothing"
+                    self.skip(
+                        where,
+                        f"server {server.name} {key} {value} (lbproxy's agents share one "
+                        f"value per virtual server: {kept})",
+                    )
 
     def persistence(self, backend: _Proxy, vs: dict[str, Any]) -> None:
         rules = backend.stick_rules
@@ -1803,6 +1908,49 @@ def _port(text: str | None) -> int | None:
 
 def _count(text: str | None) -> int | None:
     return int(text) if text is not None and text.isdigit() and int(text) > 0 else None
+
+
+def _send_runs(rules: list[Statement]) -> list[tuple[str, str, list[Statement]]]:
+    """The sends of a sequence, those in a row of one kind joined (`send-binary 0000`
+    then `send-binary 0025` is one message): kind, data, statements."""
+    runs: list[tuple[str, str, list[Statement]]] = []
+    previous = ""
+    for st in rules:
+        sent = _tcp_send(st)
+        if sent is None:
+            if _second(st) != "comment":
+                previous = ""
+            continue
+        kind, data = sent
+        if kind == previous:
+            _, joined, statements = runs[-1]
+            runs[-1] = (kind, joined + data, [*statements, st])
+        else:
+            runs.append((kind, data, [st]))
+        previous = kind
+    return runs
+
+
+def _mysql_user(hex_text: str) -> str | None:
+    """The user of a MySQL handshake response (the client's first packet, sequence 1)
+    written as `tcp-check send-binary` hex, as `option mysql-check user U` sends it."""
+    try:
+        data = bytes.fromhex(hex_text)
+    except ValueError:
+        return None
+    if len(data) < 10 or data[3] != 1:
+        return None
+    payload = data[4:]
+    protocol_41 = int.from_bytes(payload[:2], "little") & 0x200
+    # 4.1: flags (4), max packet (4), charset (1), 23 zeros; before: flags (2), max (3)
+    user, nul, _ = payload[32 if protocol_41 else 5 :].partition(b"\x00")
+    if not nul or not user:
+        return None
+    try:
+        text = user.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return text if text.isprintable() else None
 
 
 def _pgsql_user(hex_text: str) -> str | None:

@@ -354,6 +354,95 @@ def test_agent_check(tmp_path):
     assert vs["real_servers"][1]["agent_check"] == {"address": "127.0.0.3"}
 
 
+def test_an_agent_on_some_servers_is_theirs_alone(tmp_path):
+    servers, left, _ = imported(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001 check agent-check agent-port 9999 agent-inter 2s
+            server s2 127.0.0.1:9002 check
+            server s3 127.0.0.1:9003 check agent-check agent-port 9998 agent-inter 5s
+        """,
+        tmp_path,
+    )
+    vs = servers[0]
+    assert "agent_check" not in vs  # else lbproxy would ask s2's host too
+    assert [rs.get("agent_check") for rs in vs["real_servers"]] == [
+        {"port": 9999},
+        None,
+        {"port": 9998},
+    ]
+    assert left[: len(left) // 2] == [
+        "server s3 agent-inter 5s (lbproxy's agents share one value per virtual server: 2s)"
+    ]
+
+
+def test_agent_settings_that_differ_between_servers_are_named(tmp_path):
+    servers, left, _ = imported(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001 check agent-check agent-port 9 agent-send ready
+            server s2 127.0.0.1:9002 check agent-check agent-port 9 agent-send up
+        """,
+        tmp_path,
+    )
+    assert servers[0]["agent_check"] == {"port": 9, "send": "ready"}
+    assert left[0].startswith("server s2 agent-send up ")
+
+
+@pytest.mark.parametrize(
+    "lines, check, named",
+    [
+        # HAProxy's default request is OPTIONS /
+        (["option httpchk"], {"method": "OPTIONS"}, []),
+        (["option httpchk /ping"], {"method": "OPTIONS", "path": "/ping"}, []),
+        (
+            [r"option httpchk GET /health HTTP/1.1\r\nHost:\ example.com\r\nX-Check:\ 1"],
+            {"method": "GET", "path": "/health", "host": "example.com"},
+            ["the check's header X-Check: 1"],
+        ),
+        (
+            ["option httpchk HEAD / HTTP/1.0"],
+            {"method": "HEAD"},
+            ["the check's HTTP version HTTP/1.0 (lbproxy's: HTTP/1.1)"],
+        ),
+        (
+            [
+                "option httpchk",
+                "http-check send meth GET uri /ready ver HTTP/1.1 hdr Host example.com",
+                "http-check expect string ok.",
+            ],
+            {"method": "GET", "path": "/ready", "host": "example.com", "expect_body": r"ok\."},
+            [],
+        ),
+    ],
+)
+def test_httpchk_carries_its_method_path_and_host(tmp_path, lines, check, named):
+    body = "\n".join(f"    {line}" for line in lines)
+    servers, left, _ = imported(
+        f"listen w\n    bind 127.0.0.1:7001\n{body}\n    server w1 127.0.0.1:8081 check\n",
+        tmp_path,
+    )
+    assert check_of(servers[0]) == {"type": "http", **check}
+    assert [line.split(" (lbproxy")[0] for line in left[: len(left) // 2]] == [
+        n.split(" (lbproxy")[0] for n in named
+    ]
+
+
+def test_smtpchk_helo_is_named_lbproxy_says_ehlo(tmp_path):
+    servers, left, _ = imported(
+        "listen m\n bind 127.0.0.1:7001\n option smtpchk HELO example.com\n"
+        " server m1 127.0.0.1:25 check\n",
+        tmp_path,
+    )
+    assert check_of(servers[0]) == {"type": "smtp", "helo": "example.com"}
+    assert left == [
+        "option smtpchk HELO example.com (lbproxy's smtp check says EHLO)",
+        "3: option smtpchk HELO example.com (lbproxy's smtp check says EHLO)",
+    ]
+
+
 @pytest.mark.parametrize(
     "option, check",
     [
@@ -428,6 +517,83 @@ def test_an_smtp_sequence_and_a_pgsql_startup_message(tmp_path):
         tmp_path,
     )
     assert check_of(vs) == {"type": "pgsql", "user": "haproxy", "port": 5432}
+
+
+def test_a_startup_message_over_several_sends_is_one_message(tmp_path):
+    # the usual way to write the pgsql check: a field a line
+    vs = only(
+        """
+        listen pg
+            bind 127.0.0.1:7001
+            option tcp-check
+            tcp-check connect
+            tcp-check send-binary 00000025
+            tcp-check send-binary 00030000
+            tcp-check send-binary 7573657200
+            tcp-check send-binary 706f737467726573
+            tcp-check send-binary 00
+            tcp-check send-binary 6461746162617365
+            tcp-check send-binary 00
+            tcp-check send-binary 706f737467726573
+            tcp-check send-binary 0000
+            tcp-check expect binary 52
+            server p1 127.0.0.1:5432 check
+        """,
+        tmp_path,
+    )
+    assert check_of(vs) == {"type": "pgsql", "user": "postgres"}
+    # and a send_expect's message is the sends in a row, joined
+    vs = only(
+        """
+        listen raw
+            bind 127.0.0.1:7001
+            option tcp-check
+            tcp-check send-binary 0102
+            tcp-check send-binary 0304
+            tcp-check expect binary 05
+            server p1 127.0.0.1:5432 check
+        """,
+        tmp_path,
+    )
+    assert check_of(vs) == {"type": "send_expect", "send_hex": "01020304", "expect_hex": "05"}
+
+
+MYSQL_41 = (  # what `option mysql-check user haproxy post-41` sends: flags, max, charset
+    "28000001" + "00a20000" + "00000001" + "21" + "00" * 23 + b"haproxy\0".hex()
+)
+
+
+@pytest.mark.parametrize(
+    "sends",
+    [
+        [MYSQL_41],
+        [MYSQL_41[:8], MYSQL_41[8:40], MYSQL_41[40:]],  # over several lines
+        ["0e000001" + "8500" + "000000" + b"haproxy\0".hex() + "00"],  # before 4.1
+    ],
+)
+def test_the_usual_mysql_sequence_is_the_mysql_check(tmp_path, sends):
+    lines = "\n".join(f"    tcp-check send-binary {hex_text}" for hex_text in sends)
+    servers, left, _ = imported(
+        "listen db\n    bind 127.0.0.1:7001\n    option tcp-check\n    tcp-check connect\n"
+        f"{lines}\n    tcp-check expect binary 0700000200000002000000\n"
+        "    server db1 127.0.0.1:3306 check\n",
+        tmp_path,
+    )
+    assert check_of(servers[0]) == {"type": "mysql", "user": "haproxy"}
+    assert left == []
+
+
+def test_a_mysql_packet_whose_length_is_wrong_is_named(tmp_path):
+    wrong = "2b000001" + MYSQL_41[8:]  # says 43 bytes, holds 40
+    servers, left, _ = imported(
+        f"listen db\n bind 127.0.0.1:7001\n option tcp-check\n tcp-check send-binary {wrong}\n"
+        " server db1 127.0.0.1:3306 check\n",
+        tmp_path,
+    )
+    assert check_of(servers[0]) == {"type": "mysql", "user": "haproxy"}
+    assert any(
+        line.startswith("4: tcp-check send-binary ... (its MySQL packet says 43") for line in left
+    )
 
 
 def test_another_sequence_keeps_its_first_send_and_expect_and_names_the_rest(tmp_path):
@@ -778,7 +944,11 @@ EXAMPLES = {
     "option redis-check": _listen("option redis-check"),
     "option smtpchk [EHLO name]": _listen("option smtpchk"),
     "option ssl-hello-chk": _listen("option ssl-hello-chk"),
-    "option httpchk [METHOD] [URI]": _listen("option httpchk GET /"),
+    "option httpchk [METHOD] [URI] [VERSION\\r\\nHost:\\ NAME]": _listen("option httpchk GET /"),
+    "http-check send meth M uri U hdr Host NAME": _listen(
+        "option httpchk", "http-check send meth GET uri /ready hdr Host h.example"
+    ),
+    "http-check expect string|rstring S": _listen("option httpchk", "http-check expect string ok"),
     "http-check expect status N": _listen("option httpchk GET /", "http-check expect status 204"),
     "tcp-check send/expect sequence": _listen(
         "option tcp-check", "tcp-check send PING", "tcp-check expect string PONG"

@@ -204,6 +204,12 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "lbproxy matches any case, as `-i` (without it HAProxy matches the case written)",
     ),
     _row(
+        "use_backend %[req.ssl_sni,lower,map(FILE,DEFAULT)]",
+        "virtual_servers[].sni",
+        "each `NAME BACKEND` line of the map (read from the configuration's folder) a route, "
+        "DEFAULT the default; map_beg, map_end, map_reg are not translated",
+    ),
+    _row(
         "tcp-request inspect-delay, tcp-request content accept if { req.ssl_hello_type 1 }",
         "virtual_servers[].sni",
         "lbproxy pre-reads the ClientHello on an SNI address within `connect_timeout`",
@@ -271,6 +277,10 @@ _CHECK_OPTIONS = (
     "external-check",
 )
 _MAX_BIND_RANGE = 64
+# `%[req.ssl_sni,lower,map(FILE,DEFAULT)]`: the fetch, the map converter, file, default
+_SNI_MAP = re.compile(
+    r"^%\[(req\.ssl_sni|req_ssl_sni)(?:,lower)?,(map\w*)\(([^,()]+)(?:,([^,()]+))?\)\]$"
+)
 
 
 def translate(path: Path) -> Translation:
@@ -1185,10 +1195,16 @@ class _Translator:
         section = proxy.section
         assert section is not None
         routes: dict[str, _Route] = {}
+        map_default: _Route | None = None
         for st in proxy.use_backends:
             words = list(st.words)
             if len(words) < 2:
                 self.skip(st, st.text)
+                continue
+            if words[1].startswith("%[") and len(words) == 2:
+                found = self.sni_map(st, words[1], routes)
+                if found is not None and map_default is None:
+                    map_default = found
                 continue
             backend = words[1]
             if backend not in self.backends:
@@ -1210,6 +1226,12 @@ class _Translator:
             assert not isinstance(groups, str)
             route.statements.extend(self.acl_lines(proxy, [t for g in groups for t in g]))
         default = proxy.default_backend
+        if map_default is not None and map_default.backend:
+            if default is not None:
+                self.skip(default, f"{default.text} (the map's default comes first)")
+            if map_default.backend not in routes:
+                routes[map_default.backend] = map_default
+            default = None
         result = list(routes.values())
         if section.kind == "listen" and proxy.servers:
             if section.name not in routes:
@@ -1225,6 +1247,48 @@ class _Translator:
             else:
                 result.append(_Route(name, [], [default]))
         return result
+
+    def sni_map(self, st: Statement, expression: str, routes: dict[str, _Route]) -> _Route | None:
+        """`use_backend %[req.ssl_sni,lower,map(FILE[,DEFAULT])]`: each `NAME BACKEND` line
+        of the map an SNI route (lbproxy matches any case, as `lower` makes HAProxy do);
+        the route of the map's default (no backend: none given), or None when it cannot
+        be read."""
+        match = _SNI_MAP.match(expression)
+        if match is None:
+            self.skip(st, f"{st.text} (lbproxy routes on req.ssl_sni through a map(FILE,DEFAULT))")
+            return None
+        converter, name, fallback = match.group(2), match.group(3), match.group(4)
+        if converter not in ("map", "map_str"):
+            self.skip(st, f"{st.text} ({converter}: lbproxy matches whole names)")
+            return None
+        content = self.read(name)
+        if content is None:
+            self.skip(st, f"{st.text} (the map {name} cannot be read)")
+            return None
+        self.use(st)
+        taken = {n for route in routes.values() for n in route.names}
+        for number, line in enumerate(content.splitlines(), start=1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            key, backend = fields[0].lower(), " ".join(fields[1:])
+            if backend not in self.backends:
+                why = "no backend" if not backend else f"no backend {backend}"
+                self.skip(st, f"{name}:{number}: {line.strip()} ({why})")
+                continue
+            if key in taken:
+                continue  # the first line naming a server name wins, as in HAProxy
+            taken.add(key)
+            route = routes.setdefault(backend, _Route(backend, [], []))
+            route.names.append(key)
+            if st not in route.statements:
+                route.statements.append(st)
+        if fallback is None:
+            return _Route("", [], [])
+        if fallback not in self.backends:
+            self.skip(st, f"{st.text} (no backend {fallback})")
+            return None
+        return _Route(fallback, [], [st])
 
     def vs_name(self, wanted: str) -> str:
         name = _name(wanted)

@@ -877,6 +877,7 @@ def test_every_translated_row_names_a_key_the_importer_writes(tmp_path):
             _, _, document = imported(EXAMPLES["mode tcp"], tmp_path)
             assert document["virtual_servers"] and "protocol" not in document["virtual_servers"][0]
             continue
+        (tmp_path / "sni.map").write_text("a.example.com b\n")  # the map an example reads
         assert row.directive in EXAMPLES, f"no example for the row {row.directive!r}"
         _, _, document = imported(EXAMPLES[row.directive], tmp_path)
         assert has_key(document, row.lbproxy), (row.directive, row.lbproxy, document)
@@ -892,6 +893,9 @@ _FRONT = (
     "backend b\n    server s1 127.0.0.1:9001\n"
 )
 EXAMPLES = {
+    "use_backend %[req.ssl_sni,lower,map(FILE,DEFAULT)]": _FRONT.format(
+        "    use_backend %[req.ssl_sni,lower,map(sni.map,b)]"
+    ),
     "listen NAME": _listen(),
     "defaults [NAME], from NAME": "defaults d\n    balance first\nlisten a from d\n"
     "    bind 127.0.0.1:7001\n    server s1 127.0.0.1:9001\n",
@@ -1186,3 +1190,46 @@ def test_timeout_client_is_the_frontends_and_timeout_server_the_backends(tmp_pat
         tmp_path,
     )
     assert vs["idle_timeout"] == "3m"
+
+
+def test_sni_routing_through_a_map_becomes_the_maps_routes(tmp_path):
+    (tmp_path / "sni.map").write_text(
+        "# server name -> backend\nA.example.com bk_a\nb.example.com bk_b\nc.example.com nope\n"
+    )
+    servers, left, _ = imported(
+        """
+        frontend ft_tls
+            mode tcp
+            bind 127.0.0.1:10443
+            tcp-request inspect-delay 5s
+            tcp-request content accept if { req_ssl_hello_type 1 }
+            use_backend %[req.ssl_sni,lower,map(sni.map,bk_default)]
+        backend bk_a
+            server a1 127.0.0.1:8443
+        backend bk_b
+            server b1 127.0.0.1:9443
+        backend bk_default
+            server d1 127.0.0.1:7443
+        """,
+        tmp_path,
+    )
+    assert [(vs["name"], vs.get("sni")) for vs in servers] == [
+        ("bk_a", ["a.example.com"]),
+        ("bk_b", ["b.example.com"]),
+        ("bk_default", None),
+    ]
+    assert left[: len(left) // 2] == ["sni.map:4: c.example.com nope (no backend nope)"]
+
+
+@pytest.mark.parametrize("converter", ["map_beg", "map_reg"])
+def test_a_map_lbproxy_cannot_match_is_named(tmp_path, converter):
+    (tmp_path / "sni.map").write_text("a.example.com bk_a\n")
+    _, left, _ = imported(
+        f"frontend f\n bind 127.0.0.1:10443\n"
+        f" use_backend %[req.ssl_sni,lower,{converter}(sni.map,bk_a)]\n"
+        " default_backend bk_a\nbackend bk_a\n server a1 127.0.0.1:8443\n",
+        tmp_path,
+    )
+    assert f"3: use_backend %[req.ssl_sni,lower,{converter}(sni.map,bk_a)] ({converter}: " in (
+        "\n".join(left)
+    )

@@ -43,6 +43,7 @@ from lbproxy.wire.cluster_messages import (
     encode_member,
     entries_prefix,
     entry_kind,
+    server_entry,
 )
 
 names = st.from_regex(NAME, fullmatch=True)
@@ -143,6 +144,8 @@ def assert_valid_or_refused(decode, data) -> None:
             assert weight_error(decoded.value) is None
         elif decoded.kind == "state":
             assert state_error(decoded.value) is None
+        elif decoded.kind == "topology":  # removed (None), or an entry the codec checked
+            assert decoded.value is None or decoded.value == server_entry(decoded.value)
         else:
             assert math.isfinite(decoded.value) and 0 <= decoded.value <= MAX_LOAD
         assert decode_change(encode_change(decoded)) == decoded
@@ -180,6 +183,7 @@ def test_any_json_object_decodes_or_is_refused(document):
 
 @given(changes(), st.sampled_from(["vs", "rs", "origin", "value", "version", "v", "kind"]),
        json_values)  # fmt: skip
+@example(Change("topology", "w", "a", None, None, 0, "x"), "value", None)  # a removal
 def test_a_valid_change_with_one_field_replaced_is_whole_or_refused(change, key, value):
     document = json.loads(encode_change(change))
     document[key] = value

@@ -678,8 +678,9 @@ TCP_ONLY_KEYS = (
 
 OUTLIER_DETECTION_FIELDS: dict[str, Converter] = {
     "consecutive_failures": integer(1).about(
-        "client connects to one real server that fail in a row (refused, timeout, reset) "
-        "before it is ejected; a connect that completes starts the count again"
+        "client connects to one real server that fail in a row (refused, timeout, or reset "
+        "by the server before its first byte) before it is ejected; the server's first "
+        "byte on a connection starts the count again"
     ),
     "base_ejection_time": duration(positive=True).about(
         "an ejected server gets no new connection for this long times the number of "

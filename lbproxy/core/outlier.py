@@ -3,13 +3,19 @@
 PURE: no trio, no sockets, no clock (time is passed in as `now`).
 
 Envoy's `outlier_detection` (source/common/upstream/outlier_detection_impl.cc) is the
-model, cut down to what a TCP balancer sees: the result of each client connect.
+model, cut down to what a TCP balancer sees: whether each client connect reached a
+server that answers.
 
-- `consecutive_failures` connects in a row that fail (refused, timed out, reset during
-  the handshake) eject the server: it is not picked for `base_ejection_time` times the
-  number of times it was ejected in a row, at most `max_ejection_time`, whatever its
-  health check says. Its failure count starts again at each ejection.
-- A connect that completes clears both the failure count and the ejections in a row.
+- `consecutive_failures` connects in a row that fail (refused, timed out, or accepted
+  and then reset before the server's first byte) eject the server: it is not picked
+  for `base_ejection_time` times the number of times it was ejected in a row, at most
+  `max_ejection_time`, whatever its health check says. Its failure count starts again
+  at each ejection.
+- The server's first byte on a connection clears both the failure count and the
+  ejections in a row (a completed handshake alone does not: a server that accepts and
+  resets completes every one). A server that closes cleanly (FIN) without a byte is no
+  failure: a client that only sends (logs, a command) meets that from healthy servers.
+  Only a reset is, as Envoy's and HAProxy's layer-4 observers count it.
 - The ejection ends on time, not on a check: the server gets traffic again at once.
 - Never more than `max_ejection_percent` of the non-backup servers (rounded down) are
   ejected at once, and at least one stays: a failure that would eject one more only
@@ -19,8 +25,9 @@ Ejection is kept apart from health (health.py): health decides whether a server 
 ejection only holds an up server back. The pool (pool.py) asks `is_ejected` when it
 recomputes a server's availability and releases servers from its own timer (`due`).
 
-Cost per connection: one attribute test on the server (`rs.outlier is None`) after a
-connect completes; a failing server's record is touched only on its failures.
+Cost per connection: at its end, one test of the server's byte count and one of
+`rs.outlier is None` (no Python call); a failing server's record is touched only on its
+failures and, once per connection, on the first byte of a connection it answered.
 """
 
 from __future__ import annotations
@@ -35,13 +42,13 @@ __all__ = ["Ejection", "OutlierDetector"]
 
 class Ejection:
     """One real server's outlier record, kept (as `rs.outlier`) only while it has
-    failed since its last completed connect."""
+    failed since it last answered a client."""
 
     __slots__ = ("ejections", "failures", "until")
 
     def __init__(self) -> None:
-        self.failures = 0  # connects failed in a row since the last ejection or success
-        self.ejections = 0  # ejections in a row (no completed connect between them)
+        self.failures = 0  # connects failed in a row since the last ejection or answer
+        self.ejections = 0  # ejections in a row (no answer between them)
         self.until: float | None = None  # when the current ejection ends; None: not ejected
 
     @property
@@ -92,7 +99,7 @@ class OutlierDetector:
 
     @staticmethod
     def succeeded(rs: Any) -> None:
-        """A connect to `rs` completed: its failures and ejections in a row are over
+        """`rs` answered a client: its failures and ejections in a row are over
         (an ejection under way still runs to its end)."""
         record = rs.outlier
         if record is None:
@@ -116,7 +123,7 @@ class OutlierDetector:
                 del self.ejected[rs]
                 record.until = None
                 record.failures = 0
-                if record.ejections == 0:  # a connect completed during the ejection
+                if record.ejections == 0:  # it answered a client during the ejection
                     rs.outlier = None
                 released.append(rs)
             else:

@@ -131,13 +131,15 @@ def _shown(value: object, limit: int = 60) -> str:
 class Lease:
     """One connection to a real server, from `Pool.take` to `Pool.drop`."""
 
-    __slots__ = ("epoch", "handle", "server", "sticky")
+    __slots__ = ("answered", "epoch", "handle", "server", "sticky")
 
     def __init__(self, server: RealServer, epoch: int, handle: Any) -> None:
         self.server = server
         self.epoch = epoch
         self.handle = handle  # the proxy's per-connection object (byte counters, close)
         self.sticky: Entry | None = None  # its client's persistence entry, if any
+        # Its server's first byte has been counted by outlier detection (`_answers`)
+        self.answered = False
 
 
 @dataclass(frozen=True)
@@ -361,8 +363,9 @@ class Pool:
             self._apply(rs, now)
 
     def connect_failed(self, rs: RealServer, now: float) -> float | None:
-        """A client connect to `rs` failed (refused, timed out, reset): outlier
-        detection counts it and may eject `rs` (the caller feeds health apart).
+        """A client connect to `rs` failed (refused, timed out), or its server reset an
+        established connection before sending a byte: outlier detection counts it and
+        may eject `rs` (the caller feeds health apart).
 
         Returns when the ejection ends if this failure ejected `rs`, else None: a
         caller with a clock of its own calls `advance` then, so the server returns on
@@ -370,6 +373,9 @@ class Pool:
         outlier = self.outlier
         if outlier is None or rs.backup or rs.removed:
             return None
+        record = rs.outlier
+        if record is None or record.until is None:  # (an ejected server's are ignored)
+            self._answers(rs)
         if outlier.failed(rs, now, len(self.servers) - len(self._backups)):
             rs.counters.ejections += 1
             log.warning(  # once per ejection, never per connection
@@ -384,9 +390,33 @@ class Pool:
             return rs.outlier.until  # type: ignore[union-attr]  # set by failed()
         return None
 
-    def connect_completed(self, rs: RealServer, now: float) -> None:
-        """A client connect to `rs` completed while it had an outlier record
-        (`rs.outlier` is not None: the caller's test, so a healthy server costs nothing)."""
+    def _answers(self, rs: RealServer) -> None:
+        """Before a failure of `rs` is counted: a connection of its that has had its
+        server's first byte since the last failure is a success in between, which ends
+        the failures in a row. The first byte is noticed here and at the connection's
+        end (`answered`) rather than when it arrives, which would cost the pump a test
+        per chunk; the count only matters at a failure, so the result is the same.
+        O(rs's open connections), on a failure only, never on a healthy server's path."""
+        answered = False
+        for lease in rs.leases:
+            if not lease.answered and getattr(lease.handle, "bytes_out", 0) > 0:
+                lease.answered = answered = True
+        if answered:
+            self.connect_completed(rs)
+
+    def answered(self, lease: Lease) -> None:
+        """An established connection ended having had bytes from its server while that
+        server had an outlier record (the caller's test, `rs.outlier is not None`): its
+        first byte, unless counted already, is a success."""
+        if not lease.answered:
+            lease.answered = True
+            self.connect_completed(lease.server)
+
+    def connect_completed(self, rs: RealServer, now: float = 0.0) -> None:
+        """`rs` answered a client (its first byte) while it had an outlier record
+        (`rs.outlier` is not None: the caller's test, so a healthy server costs nothing):
+        its failures and ejections in a row are over. (`now` is unused: the simulator's
+        call.)"""
         if self.outlier is None:
             rs.outlier = None
             return

@@ -203,9 +203,17 @@ class ClientConnection(Flow):
                     pump = self.pump  # None: the pump never started (its open() raised)
                     if pump is not None:  # its counts read directly: no Flow property frames
                         counters.bytes_in += pump.bytes_in
-                        counters.bytes_out += pump.bytes_out
-                    if how == SERVER_RESET:
-                        counters.resets += 1
+                        answered = pump.bytes_out
+                        counters.bytes_out += answered
+                        # Outlier detection: a reset before the server's first byte is a
+                        # failed connect; a first byte, a success (only a server that
+                        # failed lately has a record: a healthy one costs this test).
+                        if how == SERVER_RESET:
+                            counters.resets += 1
+                            if not answered:
+                                handler._outlier_failure(rs, now)
+                        if answered and rs.outlier is not None:
+                            pool.answered(lease)
                     pool.drop(lease, now)
                     pool.durations.observe(now - self.started)
                 else:
@@ -537,10 +545,17 @@ class Handler:
             return None
         rs.counters.connect_failures[exc.reason] += 1
         record_health(pool, rs, False, now, f"connect {exc.reason}", passive=True)
-        ejected_until = pool.connect_failed(rs, now)  # outlier detection, apart from health
+        self._outlier_failure(rs, now)
+        return self._pick(c, now)
+
+    def _outlier_failure(self, rs: RealServer, now: float) -> None:
+        """A connect to `rs` failed, or its server reset an established connection
+        before its first byte (to the client the same thing): outlier detection counts
+        it. Apart from health, whose passive results stay the connects' alone."""
+        pool = self.pool
+        ejected_until = pool.connect_failed(rs, now)
         if ejected_until is not None:  # back on time, even with no pick to run the pool's timer
             deadlines().at(ejected_until, _Advance(pool))
-        return self._pick(c, now)
 
     def _no_server(self, c: ClientConnection, rejected: str) -> None:
         """No server to connect to (none available, or every attempt failed)."""
@@ -562,8 +577,6 @@ class Handler:
             # without an active check, a good connect ends a failure streak (or is a down
             # server's trial); with one it changes nothing (a call, only while failing)
             record_health(self.pool, rs, True, self._clock(), "connect succeeded", passive=True)
-        if rs.outlier is not None:  # it failed lately: outlier detection starts again
-            self.pool.connect_completed(rs, self._clock())
         queue = self.vs.queue
         if queue is not None and queue.waiting:
             queue.kick()  # the slot is taken: the next waiter, if room is left

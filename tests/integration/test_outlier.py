@@ -1,17 +1,21 @@
 """Outlier ejection and panic (SPEC §23) through real `lbproxy run` processes, on both
 connection paths (compiled and LBPROXY_PURE=1).
 
-Real servers here are NameServers (they say their name, then echo), a closed port (a
-connect is refused) and a black hole: a listener with `listen(0)` whose one-connection
+Real servers here are NameServers (they say their name, then echo, or only echo), a
+closed port (a connect is refused), a Resetter (accepts, then resets before a byte) and a
+black hole: a listener with `listen(0)` whose one-connection
 accept queue the test fills and never accepts, so the kernel drops every further SYN
 and a connect times out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import socket
+import struct
+import threading
 import time
 from collections import Counter
 
@@ -25,6 +29,7 @@ from tests.integration.harness import (
     free_port,
     get_json,
     open_and_read_name,
+    read_name,
     run_cli,
     servers_of,
     vs_config,
@@ -68,6 +73,57 @@ class BlackHole:
         for filler in self.fillers:
             filler.close()
         self.listener.close()
+
+
+class Resetter:
+    """A real server that accepts every connection, reads the client's first bytes and
+    resets it (SO_LINGER 0) without a byte of its own: every connect completes (the
+    client's bytes came through the proxy), no client is ever served."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed: done
+            while True:
+                conn, _ = self.listener.accept()
+                self.accepted += 1
+                threading.Thread(target=self._reset, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _reset(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(10)
+            conn.recv(100)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self.listener.close()
+        self._thread.join(5)
+
+
+def ask_after_hello(port: int) -> str:
+    """A client that speaks first: the name line it gets back ("" if none)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"hello\n")
+        try:
+            return read_name(s).partition("\n")[0]  # (its echo may come with it)
+        except ConnectionResetError:
+            return ""
+
+
+@pytest.fixture
+def resetter():
+    server = Resetter("resetting")
+    yield server
+    server.close()
 
 
 @pytest.fixture
@@ -388,3 +444,63 @@ def test_a_queued_client_gets_the_server_whose_ejection_ends(path, name_servers,
     print(f"the queued client was served after {waited:.2f}s (ejection 1s, queue timeout 20s)")
     assert waited < 10, proxy.log()
     assert counted(admin_port, "lbproxy_rejected_connections_total", reason="queue_timeout") == 0
+
+
+def test_a_server_that_accepts_and_resets_is_ejected(path, name_servers, lbproxy, resetter):
+    """Its connects all complete, yet it serves nobody: each reset before its first byte
+    is a failed connect, and two in a row eject it."""
+    (a,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    proxy = lbproxy(outlier_config(port, admin_port, [a, resetter], "60s"))
+    wait_for(
+        lambda: ask_after_hello(port) == "a" and ejections(admin_port, "resetting") == 1,
+        what="resetting ejected",
+        details=proxy.log,
+    )
+    assert ejected_gauge(admin_port, "resetting") == 1
+    assert ejected_until(admin_port, "resetting") is not None
+    errors = servers_of(admin_port)["resetting"]["errors"]
+    assert errors["reset"] == 2 and errors["connect_error"] == 0, errors  # after the connect
+    accepted = resetter.accepted
+    assert [ask_after_hello(port) for _ in range(6)] == ["a"] * 6  # held back: all served
+    assert resetter.accepted == accepted
+    assert "web/resetting ejected for 60s: 2 connects failed in a row" in proxy.log()
+
+
+def echoed(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        return data
+
+
+def test_servers_that_answer_or_stay_silent_are_never_ejected(path, name_servers, lbproxy):
+    """With one failure enough to eject: a server that speaks first, an echo server that
+    speaks only when spoken to, and clients that leave before either says a word."""
+    (speaks_first,) = name_servers("speaks_first")
+    echo = NameServer("echo", greeting=False)
+    try:
+        port, admin_port = free_port(), free_port()
+        extra = (
+            "health_check: {type: none, fall: 1000}\n"
+            "outlier_detection: {consecutive_failures: 1, base_ejection_time: 60s}"
+        )
+        proxy = lbproxy(with_admin(vs_config(port, [speaks_first, echo], "rr", extra), admin_port))
+        for _ in range(10):
+            answer = echoed(port, b"ping\n")
+            assert answer in (b"ping\n", b"speaks_first\nping\n"), answer
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass  # gone before a byte either way
+        wait_for(  # every one ended: counted (or not) by outlier detection
+            lambda: counted(admin_port, "lbproxy_connection_duration_seconds_count") >= 20,
+            what="every connection ended",
+            details=proxy.log,
+        )
+        assert ejections(admin_port, "speaks_first") == 0
+        assert ejections(admin_port, "echo") == 0
+        assert ejected_gauge(admin_port) == 0
+    finally:
+        echo.stop()

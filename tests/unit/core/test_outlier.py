@@ -208,3 +208,45 @@ def test_a_reload_can_set_and_clear_the_threshold(threshold):
     assert pool.panic is (threshold == 80)
     pool.reconfigure(replace(pool.config, panic_threshold=80 - threshold), 2.0)
     assert pool.panic is (threshold == 0)
+
+
+class Connection:
+    """A lease's handle as the pool reads it: the bytes its server has sent so far."""
+
+    bytes_out = 0
+
+
+def test_the_servers_first_byte_ends_the_failures_in_a_row_once():
+    """The success is a connection's first server byte, noticed at the next failure or at
+    the connection's end -- and counted once, however many failures follow."""
+    pool = pool_of()
+    s1 = pool.by_name["s1"]
+    held = Connection()
+    lease = pool.take(s1, 0.0, held)  # established, nothing from the server yet
+    fail(pool, "s1", 1.0, times=2)
+    held.bytes_out = 10  # its first bytes, between the 2nd and the 3rd failure
+    fail(pool, "s1", 2.0, times=2)
+    assert ejected(pool) == set()  # 2 in a row since the answer, not 4
+    fail(pool, "s1", 3.0)
+    assert ejected(pool) == {"s1"}  # the same answer does not count again
+    pool.drop(lease, 4.0)
+    # A connection that answered and ended while its server had a record: the end counts it
+    pool.advance(20.0)
+    other = pool.take(s1, 20.0, Connection())
+    fail(pool, "s1", 20.0, times=2)
+    other.handle.bytes_out = 1
+    pool.answered(other)
+    pool.answered(other)  # once only
+    pool.drop(other, 21.0)
+    assert s1.outlier is None  # no failures, no ejections in a row left
+    fail(pool, "s1", 22.0, times=2)
+    assert ejected(pool) == set()
+
+
+def test_a_connection_that_never_answered_is_no_success():
+    pool = pool_of()
+    s1 = pool.by_name["s1"]
+    lease = pool.take(s1, 0.0, Connection())
+    fail(pool, "s1", 1.0, times=3)  # an open, silent connection clears nothing
+    assert ejected(pool) == {"s1"}
+    pool.drop(lease, 2.0)

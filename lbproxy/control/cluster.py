@@ -47,7 +47,8 @@ shared: each instance measures its own (as HAProxy's peers share stick tables on
 The per-source counts of a virtual server with `per_source.shared` are (SPEC §23): each
 instance publishes its networks' open connections and recent arrivals every
 SOURCES_INTERVAL and adds the others' latest publications (dropped after SOURCES_TTL
-without one) to its table's limits; nothing is asked of Redis per connection.
+without one, and all at once when the session ends: alone, an instance serves on its
+own counts) to its table's limits; nothing is asked of Redis per connection.
 
 Everything read from Redis is hostile input: its MAC checked, decoded and validated
 whole by the codec, and names are looked up in this instance's configuration; anything
@@ -141,10 +142,11 @@ MAX_COUNT_STEPS = 10_000  # steps of that count, at most (a keyspace of 100M key
 RESYNC_TIMEOUT = 60.0  # a resync not done by then ends the session (and is retried)
 # per_source.shared: how often each instance publishes its counts and applies the others'
 # (a count is then at most about twice this old), and how long an instance's last
-# publication counts without a newer one (an instance that stopped must not hold its
-# networks' counts for ever).
+# publication counts without a newer one: twice the interval, so that a publication a
+# little late is no gap, and an instance gone silent stops counting within TTL plus an
+# interval (1.5 s). While Redis is away the others' counts do not count at all.
 SOURCES_INTERVAL = 0.5
-SOURCES_TTL = 3.0
+SOURCES_TTL = 1.0
 SOURCES_STEP = 1000  # networks counted between two turns of the data plane
 KIND_INVALID = "invalid"
 
@@ -437,6 +439,16 @@ class Cluster:
             self.lost_at = trio.current_time()
         self.connected = False
         self._trim_outboxes()
+        self._forget_remote_sources()
+
+    def _forget_remote_sources(self) -> None:
+        """The session is over: the others' per-source counts can no longer be renewed
+        nor expired (that is `_sources`' work, gone with the session), so they stop
+        counting now and each shared table serves on this instance's own counts until
+        the others publish again. O(remote networks), once per outage."""
+        self.remote_sources.clear()
+        for table in self.target.shared_sources().values():
+            table.set_remote({})
 
     def _trim_outboxes(self) -> None:
         """While Redis is away the outboxes only grow: keep each within its table's

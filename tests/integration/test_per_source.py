@@ -18,6 +18,8 @@ Clients that must come from another address bind to another loopback address
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 from types import SimpleNamespace
@@ -415,6 +417,93 @@ def test_shared_limits_add_the_other_instances_counts(tmp_path, name_servers, lb
                 sock.close()
         assert rejected(lb1.admin) == 0
     finally:
+        stop_all(lbproxy.started)
+        redis.stop()
+
+
+def two_sharing(tmp_path, redis, server, lbproxy, limits: str):
+    """lb1 and lb2 on `redis`, both connected, with `per_source: {limits, shared: true}`:
+    (lb1, lb2, lb2's process)."""
+    lb1, lb2 = (SimpleNamespace(port=free_port(), admin=free_port()) for _ in range(2))
+    processes = []
+    for name, one in (("lb1", lb1), ("lb2", lb2)):
+        text = shared_config(redis, name, one.port, one.admin, server, limits)
+        processes.append(lbproxy(text, [one.admin], folder=tmp_path / name))
+    for one in (lb1, lb2):
+        wait_for(lambda one=one: cluster_connected(one.admin), what="connected to Redis")
+    return lb1, lb2, processes[1]
+
+
+def hold_at_limit(lb1, lb2, count: int) -> list[socket.socket]:
+    """`count` connections from 127.0.0.2 held through lb2, seen by lb1, which then
+    refuses 127.0.0.2."""
+    held = [connect_from("127.0.0.2", lb2.port) for _ in range(count)]
+    assert all(served(sock) for sock in held)
+    wait_for(
+        lambda: virtual_server_document(lb1.admin)["per_source"]["remote_open"] == count,
+        what="lb2's connections counted at lb1",
+    )
+    with connect_from("127.0.0.2", lb1.port) as refused:
+        assert not served(refused)
+    return held
+
+
+def admits(port: int, source: str = "127.0.0.2") -> bool:
+    with connect_from(source, port) as sock:
+        return served(sock)
+
+
+@requires_redis
+def test_without_redis_each_instance_serves_on_its_own_counts(tmp_path, name_servers, lbproxy):
+    """lb2 holds 127.0.0.2's whole shared limit; Redis stops and lb2's clients leave:
+    lb1, which can no longer hear from lb2, admits 127.0.0.2 again within a second or
+    two (on its own counts), not for as long as Redis is away."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        (server,) = name_servers("a")
+        lb1, lb2, _ = two_sharing(tmp_path, redis, server, lbproxy, "max_connections: 2")
+        held = hold_at_limit(lb1, lb2, 2)
+        redis.stop()
+        for sock in held:
+            sock.close()
+        left = time.monotonic()
+        wait_for(lambda: admits(lb1.port), timeout=5.0, what="lb1 admitting 127.0.0.2")
+        waited = time.monotonic() - left
+        print(f"lb1 admitted 127.0.0.2 {waited:.2f}s after lb2's clients left")
+        assert waited < 3.0
+        assert not cluster_connected(lb1.admin)
+        assert virtual_server_document(lb1.admin)["per_source"]["remote_open"] == 0
+    finally:
+        stop_all(lbproxy.started)
+        redis.stop()
+
+
+@requires_redis
+def test_a_silent_instances_counts_stop_counting_within_a_second_and_a_half(
+    tmp_path, name_servers, lbproxy
+):
+    """lb2 holds 127.0.0.2's whole shared limit, then stops publishing (SIGSTOP, Redis
+    still up): lb1 drops lb2's last counts about a second after they stop coming."""
+    redis = RedisServer(tmp_path / "redis").start()
+    stopped = None
+    try:
+        (server,) = name_servers("a")
+        lb1, lb2, process = two_sharing(tmp_path, redis, server, lbproxy, "max_connections: 2")
+        held = hold_at_limit(lb1, lb2, 2)
+        stopped = process.proc.pid
+        os.kill(stopped, signal.SIGSTOP)
+        silent = time.monotonic()
+        wait_for(lambda: admits(lb1.port), timeout=5.0, what="lb1 admitting 127.0.0.2")
+        waited = time.monotonic() - silent
+        print(f"lb1 admitted 127.0.0.2 {waited:.2f}s after lb2 went silent")
+        assert waited < 2.5  # TTL 1 s + one 0.5 s turn, and the scheduling of a busy host
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        for sock in held:
+            sock.close()
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
         stop_all(lbproxy.started)
         redis.stop()
 

@@ -128,6 +128,17 @@ def _shown(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# The keys of a virtual server a reload applies to the next connections without the pool
+# (its summary names them).
+RESILIENCE_KEYS = (
+    "allow",
+    "deny",
+    "per_source",
+    "max_connection_duration",
+    "max_connection_duration_jitter",
+)
+
+
 class Lease:
     """One connection to a real server, from `Pool.take` to `Pool.drop`."""
 
@@ -615,6 +626,12 @@ class Pool:
             changes.append(
                 f"panic_threshold {old_config.panic_threshold} -> {config.panic_threshold}"
             )
+        # Read from the configuration by the connection handler (the ACL, the per-source
+        # table, the lifetime drawn at establishment): nothing to apply here, but the
+        # summary names them, as they take effect for the next connections.
+        for key in RESILIENCE_KEYS:
+            if getattr(config, key) != getattr(old_config, key):
+                changes.append(f"{key} changed")
         if (config.scheduler, config.options) != (old_config.scheduler, old_config.options):
             if config.scheduler != old_config.scheduler:
                 changes.append(f"scheduler {old_config.scheduler} -> {config.scheduler}")

@@ -108,6 +108,36 @@ def config(port: int, admin: int, server, per_source: str, extra: str = "") -> s
     return with_admin(text, admin)
 
 
+def test_a_reload_names_the_resilience_keys_it_changed(name_servers, lbproxy):
+    """Only per_source, allow/deny and max_connection_duration(_jitter) change: the
+    reload's summary names each (not "no changes"), and they apply to the next clients."""
+    (server,) = name_servers("a")
+    port, admin = free_port(), free_port()
+    proxy = lbproxy(config(port, admin, server, "{max_connections: 5}"), [admin])
+    proxy.reload()  # the same file
+    assert proxy.log().splitlines()[-1].endswith("reloaded: no changes"), proxy.log()
+    changed = (
+        "deny: [127.0.0.3]\nmax_connection_duration: 1h\nmax_connection_duration_jitter: 10%\n"
+    )
+    proxy.reload(config(port, admin, server, "{max_connections: 1}", changed))
+    (line,) = [line for line in proxy.log().splitlines() if "reloaded:" in line][-1:]
+    assert line.endswith(
+        "reloaded: web: deny changed; web: per_source changed; "
+        "web: max_connection_duration changed; web: max_connection_duration_jitter changed"
+    ), line
+    with connect_from("127.0.0.3", port) as denied:
+        assert not served(denied)
+    with connect_from("127.0.0.2", port) as first, connect_from("127.0.0.2", port) as second:
+        assert served(first)
+        assert not served(second)  # max_connections: 1 now
+    proxy.reload(config(port, admin, server, "{max_connections: 1}", "allow: [127.0.0.0/8]\n"))
+    line = [line for line in proxy.log().splitlines() if "reloaded:" in line][-1]
+    assert line.endswith(
+        "reloaded: web: allow changed; web: deny changed; web: max_connection_duration "
+        "changed; web: max_connection_duration_jitter changed"
+    ), line
+
+
 def test_max_connections_per_source_closes_the_rest_at_accept(name_servers, lbproxy, path):
     (server,) = name_servers("a")
     port, admin = free_port(), free_port()

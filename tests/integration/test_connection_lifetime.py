@@ -492,3 +492,31 @@ def test_a_drain_of_10000_connections_at_500_a_second_ends_in_about_20_s(held_se
     finally:
         close_all(held)
         resource.setrlimit(resource.RLIMIT_NOFILE, saved)
+
+
+def test_the_jitter_is_a_percentage_from_0_to_50(tmp_path):
+    """`lbproxy check`: 60% and -5% are FILE:LINE errors (exit 2); 0% and 50% are fine."""
+
+    def vs(name: str, port: int, jitter: str) -> str:
+        return (
+            f"  - name: {name}\n"
+            f"    listen: 127.0.0.1:{port}\n"
+            "    max_connection_duration: 10s\n"
+            f"    max_connection_duration_jitter: {jitter}\n"
+            "    real_servers:\n"
+            "      - {name: s1, address: 127.0.0.1:19001}\n"
+        )
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("virtual_servers:\n" + vs("web", 19200, "60%") + vs("api", 19201, "-5%"))
+    out = run_cli("check", str(bad))
+    assert out.returncode == 2, out.stdout
+    requirement = "must be a percentage from 0% to 50% (like 20%)"
+    assert out.stderr.splitlines()[:2] == [
+        f"{bad}:5: max_connection_duration_jitter {requirement}, got '60%'",
+        f"{bad}:11: max_connection_duration_jitter {requirement}, got '-5%'",
+    ]
+    good = tmp_path / "good.yaml"
+    good.write_text("virtual_servers:\n" + vs("web", 19200, "0%") + vs("api", 19201, "50%"))
+    out = run_cli("check", str(good))
+    assert out.returncode == 0, out.stderr

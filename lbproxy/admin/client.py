@@ -205,7 +205,8 @@ class AdminClient:
 
     def _explain(self, status: int, document: dict[str, Any]) -> str:
         message = document.get("error", http.client.responses.get(status, "error"))
-        errors = document.get("errors") or []
+        # `error` is the one problem of a list of one, or what the list is about
+        errors = [error for error in document.get("errors") or [] if error != message]
         if self.socket_path:
             hints = {403: " (run as the user lbproxy runs as, or root)"}
         else:

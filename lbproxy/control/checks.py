@@ -330,6 +330,8 @@ async def _socket_for(address: Address, kind: int) -> tuple[trio.socket.SocketTy
     of descriptors (lbproxy's problem, not the server's)."""
     try:
         infos = await trio.socket.getaddrinfo(address.host, address.port, type=kind)
+    except socket.gaierror as exc:  # the resolver's own words (its codes are not errnos)
+        raise _Failed(f"cannot resolve {address.host}: {exc.strerror or exc}") from None
     except OSError as exc:
         raise _Failed(f"cannot resolve {address.host}: {_describe(exc)}") from None
     family, _, _, _, sockaddr = infos[0]

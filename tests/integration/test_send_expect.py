@@ -9,6 +9,7 @@ passed. The reason in the log names what was received, escaped, cut at 60 charac
 from __future__ import annotations
 
 import re
+import socket
 
 import trio
 from hypothesis import given
@@ -122,6 +123,34 @@ def test_probe_results_and_reasons():
             server.stop()
     result, reason = _probe(None, check, free_port())
     assert (result, reason) == ("fail", "send_expect check: connection refused")
+
+
+def _resolver_says(host: str) -> str:
+    """What the system's resolver says of `host` (its text, as getaddrinfo gives it)."""
+    try:
+        socket.getaddrinfo(host, 80)
+    except socket.gaierror as exc:
+        return exc.strerror
+    raise AssertionError(f"{host} resolved")
+
+
+def test_a_name_that_does_not_resolve_says_what_the_resolver_said():
+    """Not "unknown error -2" (a resolver code read as an errno): the resolver's words,
+    for a connect check, a protocol check and a UDP check alike."""
+    host = "no-such-host.invalid"  # RFC 6761: never resolves
+    said = _resolver_says(host)
+    address = Address(host, 6379)
+    for check, name in (
+        (HealthCheckConfig(), "tcp check"),
+        (HealthCheckConfig(type="redis"), "redis"),
+        (HealthCheckConfig(type="udp"), "udp check"),
+    ):
+
+        async def main(check=check):
+            with trio.fail_after(30):
+                return await probe(address, check)
+
+        assert trio.run(main) == ("fail", f"{name}: cannot resolve {host}: {said}")
 
 
 @given(st.binary(max_size=200))

@@ -151,7 +151,12 @@ def _health_summary(check: HealthCheckConfig) -> str:
             f" port {check.port}" if check.port else ""
         )
     every = f"every {check.interval:g}s, rise {check.rise}, fall {check.fall}"
-    return f"{_check_words(check)}{where} {every}"
+    words = _check_words(check)
+    if check.tls and check.type in ("send_expect", "redis", "smtp"):
+        verified = f"verified by {check.verify}" if check.verify else "not verified"
+        sni = f"SNI {check.sni}, " if check.sni else ""
+        words += f" over TLS ({sni}{verified})"
+    return f"{words}{where} {every}"
 
 
 def _check_words(check: HealthCheckConfig) -> str:

@@ -432,10 +432,14 @@ HEALTH_CHECK_FIELDS: dict[str, Converter] = {
         "`http`: a regular expression searched in the first 4 KiB of the body",
         default="none (any body)",
     ),
-    "tls": boolean.about("`http`: HTTPS (a TLS handshake first; `sni`, `verify`)"),
+    "tls": boolean.about(
+        "`http` (HTTPS), `send_expect`, `redis`, `smtp` (SMTPS): a TLS handshake first, "
+        "then the check over TLS (`sni`, `verify`); not `pgsql` nor `mysql`, which start "
+        "TLS inside their protocol"
+    ),
     "sni": server_name.about(
-        "`tls`, `http` with `tls: true`: the server name sent in the handshake (and verified "
-        "with `verify`)",
+        "`tls`, and the checks with `tls: true`: the server name sent in the handshake (and "
+        "verified with `verify`)",
         default="none (a host name address is sent)",
     ),
     "alpn": alpn_protocols.about(
@@ -443,7 +447,7 @@ HEALTH_CHECK_FIELDS: dict[str, Converter] = {
         default="none offered",
     ),
     "verify": verify_with.about(
-        "`tls`, `http` with `tls: true`: `none` (any certificate), or a PEM file of CA "
+        "`tls`, and the checks with `tls: true`: `none` (any certificate), or a PEM file of CA "
         "certificates: the chain and the name (`sni`, else the address) are verified",
         default="none",
     ),

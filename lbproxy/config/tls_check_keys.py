@@ -7,9 +7,11 @@ unreadable one, or one without a certificate, is a FILE:LINE error at load, not 
 that fails at run time.
 
 The rules across keys (`misplaced_keys`):
-- `tls: true` is for `http` (a `tls` check is TLS already; a send/expect over TLS is a
-  `tls` check with `send` and `expect`);
-- `sni` and `verify` need a check that speaks TLS: `type: tls`, or `http` with `tls: true`;
+- `tls: true` is for the checks whose servers may speak implicit TLS (TLS_OVER): `http`
+  (HTTPS), `send_expect`, `redis`, `smtp` (SMTPS); not for `pgsql` nor `mysql`, which
+  start TLS inside their own protocol (a handshake first would not be understood), and
+  not for `tls` (TLS already);
+- `sni` and `verify` need a check that speaks TLS: `type: tls`, or one with `tls: true`;
 - `alpn` is for `tls` (an HTTPS check speaks HTTP/1.1 and offers nothing else);
 - `method`, `host` and `expect_body` are for `http` (and `expect_body` not with HEAD).
 """
@@ -38,11 +40,18 @@ _HOST_HEADER = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5}
 _ALPN_NAME = re.compile(r"[\x21-\x7e]{1,255}")
 
 TLS_TYPES = ("tls",)  # check types that are TLS whatever else they say
+# Check types that run over TLS with `tls: true` (implicit TLS, as HAProxy's check-ssl).
+TLS_OVER = ("http", "send_expect", "redis", "smtp")
+# Check types whose protocol starts TLS itself: why `tls: true` is refused there.
+_TLS_INSIDE = {
+    "pgsql": "PostgreSQL starts TLS inside its protocol (SSLRequest)",
+    "mysql": "MySQL starts TLS inside its handshake",
+}
 
 
 def speaks_tls(check: HealthCheckConfig) -> bool:
     """The check's connection starts with a TLS handshake."""
-    return check.type in TLS_TYPES or (check.type == "http" and check.tls)
+    return check.type in TLS_TYPES or (check.type in TLS_OVER and check.tls)
 
 
 @accepting(
@@ -162,20 +171,21 @@ def host_header(node: yaml.Node, label: str) -> str:
 def misplaced_keys(check: HealthCheckConfig, written: Collection[str]) -> list[tuple[str, str]]:
     """(key, message) for each key written that the check's type does not take."""
     problems = []
-    if "tls" in written and check.type != "http":
-        hint = (
-            " (for send/expect over TLS use type: tls with send and expect)"
-            if check.type == "send_expect"
-            else " (a tls check is TLS already)"
-            if check.type == "tls"
-            else ""
-        )
-        problems.append(("tls", f"health_check.tls is for http checks{hint}"))
+    if "tls" in written and check.type not in TLS_OVER:
+        allowed = f"{', '.join(TLS_OVER[:-1])} and {TLS_OVER[-1]}"
+        if check.type in _TLS_INSIDE:
+            why = _TLS_INSIDE[check.type]
+            message = (
+                f"health_check.tls is not for {check.type} checks: {why}, which the check "
+                f"does not do (tls is for {allowed} checks)"
+            )
+        else:
+            hint = " (a tls check is TLS already)" if check.type == "tls" else ""
+            message = f"health_check.tls is for {allowed} checks{hint}"
+        problems.append(("tls", message))
     for key in ("sni", "verify"):
         if key in written and not speaks_tls(check):
-            problems.append(
-                (key, f"health_check.{key} needs type: tls, or type: http with tls: true")
-            )
+            problems.append((key, f"health_check.{key} needs type: tls, or a check with tls: true"))
     if "alpn" in written and check.type != "tls":
         problems.append(("alpn", "health_check.alpn is for tls checks"))
     for key in ("method", "host", "expect_body"):

@@ -26,6 +26,9 @@ What this module owns:
                  (SPEC §22) the server's own protocol: each a sans-io exchange in
                  lbproxy/wire/health, driven by `converse`, the one runner, which owns
                  the stream, the 16 KiB bound on what is read and the timeout
+  send_expect, redis and smtp run over TLS with `tls: true` (a server that speaks
+  implicit TLS: the handshake first, as HAProxy's `check-ssl`); pgsql and mysql start
+  TLS inside their protocol, which the checks do not do (the configuration refuses it).
     udp, dns     (UDP virtual servers, SPEC §19) a datagram (`send`) whose reply must
                  contain `expect`, or a DNS query (`query`, `query_type`) whose answer
                  must be NOERROR; ICMP port unreachable fails at once (a reply is read
@@ -250,14 +253,23 @@ async def _protocol_probe(address: Address, check: HealthCheckConfig) -> tuple[s
     except (OSError, ValueError) as exc:  # the password file is gone or not text
         return FAIL, f"{name}: cannot read password_file {check.password_file}: {_describe(exc)}"
     deadline = trio.current_time() + check.timeout
+    tls = TlsLayer(address, check) if speaks_tls(check) else None  # redis, smtp over TLS
+    stream: trio.abc.Stream | None = None
     try:
         with trio.fail_at(deadline):
             stream = await _connect(address)
+            if tls is not None:
+                stream = await tls.wrap(stream)
     except trio.TooSlowError:
+        handshake = tls.timeout_reason(check.timeout) if tls is not None and stream else None
+        if handshake is not None:
+            return (FAIL if handshake.startswith("tls: not") else TIMEOUT), f"{name}: {handshake}"
         return TIMEOUT, f"{name}: connect did not complete within {check.timeout:g}s"
+    except TlsFailed as exc:
+        return FAIL, f"{name}: {exc}"
     except _Failed as exc:
         return FAIL, f"{name}: {exc}"
-    except OSError as exc:
+    except _STREAM_ERRORS as exc:
         return FAIL, f"{name}: {_describe(exc)}"
     async with stream:
         return await converse(stream, exchange, deadline=deadline, timeout=check.timeout)

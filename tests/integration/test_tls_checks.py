@@ -9,7 +9,9 @@ and the check results counted in /metrics.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +21,9 @@ from tests.integration.harness import (
     get_json,
     run_cli,
     wait_for,
+    wait_port,
 )
+from tests.integration.redis_server import REDIS_SERVER, requires_redis
 from tests.integration.tls_servers import (
     Certificates,
     HttpsServer,
@@ -184,6 +188,58 @@ def test_send_expect_over_tls_and_an_endless_answer(certs, servers, lbproxy):
     assert set(pong.requests) == {b"PING\r\n"}  # sent over TLS, read by the server
 
 
+@requires_redis
+def test_redis_and_send_expect_checks_over_tls(certs, servers, lbproxy, tmp_path):
+    """A redis-server that listens with TLS only (`tls-port`, as HAProxy's `check-ssl`
+    with `redis-check` expects), checked by a redis check with `tls: true`, the
+    certificate verified; and send_expect with `tls: true`: the request over TLS, a
+    self-signed certificate refused."""
+    cert = certs.signed("cache", "cache.example", "127.0.0.1")
+    port = free_port()
+    assert REDIS_SERVER is not None
+    redis = subprocess.Popen(
+        [
+            REDIS_SERVER, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+            "--tls-cert-file", cert[0], "--tls-key-file", cert[1],
+            "--tls-ca-cert-file", certs.ca, "--tls-auth-clients", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_port(port)
+        pong = servers(TlsServer("pong", cert, answer=b"+PONG\r\n"))
+        own = certs.self_signed("own", "cache.example", "127.0.0.1")
+        self_signed = servers(TlsServer("own", own, answer=b"+PONG\r\n"))
+        admin_port = free_port()
+        redis_check = f"type: redis, tls: true, sni: cache.example, verify: {certs.ca}"
+        ping = (
+            'type: send_expect, tls: true, send: "PING\\r\\n", expect: "^\\\\+PONG", '
+            f"verify: {certs.ca}"
+        )
+        config = _config(
+            admin_port,
+            [
+                ("cache", redis_check, [SimpleNamespace(name="a", port=port)]),
+                ("raw", ping, [pong, self_signed]),
+            ],
+        )
+        proxy = lbproxy(config)
+        assert _reason_down(proxy, "raw", "own") == (
+            "tls: certificate verify failed: self-signed certificate"
+        )
+        wait_for(lambda: _checked(admin_port, "cache", "a", "ok") >= 2, what="redis checks")
+        wait_for(lambda: _checked(admin_port, "raw", "pong", "ok") >= 2, what="TLS PINGs")
+        health = _health(admin_port)
+        assert (health[("cache", "a")], health[("raw", "pong")]) == ("up", "up")
+        assert _checked(admin_port, "cache", "a", "fail") == 0
+        assert set(pong.requests) == {b"PING\r\n"}  # sent over TLS, read by the server
+    finally:
+        redis.terminate()
+        redis.wait(30)
+
+
 def test_https_check_of_a_patroni_style_primary(certs, servers, lbproxy):
     """`/primary` answers 200 on the leader and 503 on a replica (Patroni's REST API);
     the body must say the database is running."""
@@ -275,7 +331,7 @@ def test_invalid_tls_and_http_keys_are_errors_at_their_line(tmp_path):
         "    real_servers: [{name: a, address: 127.0.0.1:8081}]\n"
         "  - name: mail\n"
         "    listen: 127.0.0.1:2525\n"
-        "    health_check: {type: send_expect, expect: '^220', tls: true}\n"  # line 18
+        "    health_check: {type: pgsql, tls: true}\n"  # line 18
         "    real_servers: [{name: a, address: 127.0.0.1:25}]\n"
     )
     result = run_cli("check", str(path))
@@ -287,8 +343,9 @@ def test_invalid_tls_and_http_keys_are_errors_at_their_line(tmp_path):
         line.startswith(f"{path}:14: health_check.expect_body must be a regular") for line in lines
     )
     assert (
-        f"{path}:18: health_check.tls is for http checks "
-        "(for send/expect over TLS use type: tls with send and expect)"
+        f"{path}:18: health_check.tls is not for pgsql checks: PostgreSQL starts TLS inside "
+        "its protocol (SSLRequest), which the check does not do (tls is for http, "
+        "send_expect, redis and smtp checks)"
     ) in lines
 
 

@@ -79,15 +79,34 @@ def test_tls_and_https_checks_are_read(tmp_path, ca_file):
     assert (default.tls, default.method, default.host, default.alpn) == (False, "GET", None, ())
 
 
-NEEDS_TLS = "needs type: tls, or type: http with tls: true"
+@pytest.mark.parametrize("kind", ["send_expect, expect: PONG", "redis", "smtp"])
+def test_the_checks_of_implicit_tls_servers_take_tls_sni_and_verify(tmp_path, ca_file, kind):
+    written = f"{{type: {kind}, tls: true, sni: cache.example, verify: {ca_file}}}"
+    check = load([_file(tmp_path, written)]).virtual_servers[0].health_check
+    assert (check.tls, check.sni, check.verify) == (True, "cache.example", ca_file)
+
+
+NEEDS_TLS = "needs type: tls, or a check with tls: true"
 FOR_HTTP = "is for http checks"
+FOR_TLS_OVER = "is for http, send_expect, redis and smtp checks"
 REFUSED = [
     ("{type: tcp, alpn: h2}", "health_check.alpn is for tls checks"),
     ("{type: http, tls: true, alpn: [h2]}", "health_check.alpn is for tls checks"),
     ("{type: http, sni: a.example}", f"health_check.sni {NEEDS_TLS}"),
+    ("{type: redis, sni: a.example}", f"health_check.sni {NEEDS_TLS}"),
     ("{type: tcp, verify: none}", f"health_check.verify {NEEDS_TLS}"),
-    ("{type: tls, tls: true}", f"health_check.tls {FOR_HTTP} (a tls check is TLS already)"),
-    ("{type: tcp, tls: true}", f"health_check.tls {FOR_HTTP}"),
+    ("{type: tls, tls: true}", f"health_check.tls {FOR_TLS_OVER} (a tls check is TLS already)"),
+    ("{type: tcp, tls: true}", f"health_check.tls {FOR_TLS_OVER}"),
+    (
+        "{type: pgsql, tls: true}",
+        "health_check.tls is not for pgsql checks: PostgreSQL starts TLS inside its protocol "
+        f"(SSLRequest), which the check does not do (tls {FOR_TLS_OVER})",
+    ),
+    (
+        "{type: mysql, tls: true}",
+        "health_check.tls is not for mysql checks: MySQL starts TLS inside its handshake, "
+        f"which the check does not do (tls {FOR_TLS_OVER})",
+    ),
     ("{type: tls, method: GET}", f"health_check.method {FOR_HTTP}"),
     ("{type: send_expect, expect: x, host: a}", f"health_check.host {FOR_HTTP}"),
     ("{type: tcp, expect_body: x}", f"health_check.expect_body {FOR_HTTP}"),

@@ -195,6 +195,9 @@ class HealthCheckConfig:
     password_file: str | None = None  # redis: AUTH with this file's content
     role: str | None = None  # redis: master | replica; None: PING only
     helo: str | None = None  # smtp: the EHLO name; None: this host's name
+    # PROXY header first on each check connection (control/checks.py `check_proxy_header`):
+    # None: as the data path, when the check goes to the server's own address and port
+    send_proxy: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,10 +215,12 @@ class AgentCheckConfig:
 
 @dataclass(frozen=True, slots=True)
 class RealServerCheckConfig:
-    """A real server's own `health_check: {port, address}`: where its checks go."""
+    """A real server's own `health_check: {port, address, send_proxy}`: where its checks
+    go, and whether they begin with a PROXY header (over the virtual server's)."""
 
     port: int | None = None
     address: str | None = None
+    send_proxy: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,6 +156,8 @@ def _health_summary(check: HealthCheckConfig) -> str:
         verified = f"verified by {check.verify}" if check.verify else "not verified"
         sni = f"SNI {check.sni}, " if check.sni else ""
         words += f" over TLS ({sni}{verified})"
+    if check.send_proxy is not None:
+        words += ", with a PROXY header" if check.send_proxy else ", without a PROXY header"
     return f"{words}{where} {every}"
 
 
@@ -214,6 +216,10 @@ def _real_server_row(vs: VirtualServerConfig, rs: RealServerConfig) -> list[str]
         row.append(
             f"checked on {own.address or vs.health_check.address or rs.address.host}"
             f" port {own.port or vs.health_check.port or rs.address.port}"
+        )
+    if own is not None and own.send_proxy is not None and vs.health_check.type != "none":
+        row.append(
+            "checks with a PROXY header" if own.send_proxy else "checks without a PROXY header"
         )
     if rs.snmp is not None and vs.scheduler in schedulers.reading(schedulers.SNMP):
         row.append(f"snmp {rs.snmp.host}:{rs.snmp.port}")

@@ -451,6 +451,13 @@ HEALTH_CHECK_FIELDS: dict[str, Converter] = {
         "certificates: the chain and the name (`sni`, else the address) are verified",
         default="none",
     ),
+    "send_proxy": boolean.about(
+        "a PROXY protocol header first on each check connection (before TLS), as HAProxy's "
+        "`check-send-proxy`: `true` always (the virtual server's `send_proxy` version, "
+        "else v1), `false` never",
+        default="as the traffic: when the virtual server has `send_proxy` and the check goes "
+        "to the server's own address and port",
+    ),
     "on_down": choice("keep", "close").about(
         "`keep` or `close` the established connections of a server that goes down"
     ),
@@ -489,6 +496,11 @@ REAL_SERVER_CHECK_FIELDS: dict[str, Converter] = {
     "address": host.about(
         "check this host for this server (over the virtual server's `health_check.address`)",
         default="the virtual server's `health_check.address`, else the server's host",
+    ),
+    "send_proxy": boolean.about(
+        "a PROXY protocol header first on this server's check connections, `true` or "
+        "`false` (over the virtual server's `health_check.send_proxy`)",
+        default="the virtual server's `health_check.send_proxy`",
     ),
 }
 
@@ -951,8 +963,9 @@ SECTIONS = Section(
                         "health_check": Section(
                             REAL_SERVER_CHECK_FIELDS,
                             RealServerCheckConfig,
-                            "where this server's health checks go, e.g. `{port: 8008}`; "
-                            "the rest is the virtual server's `health_check`",
+                            "where this server's health checks go, e.g. `{port: 8008}`, and "
+                            "whether they send a PROXY header; the rest is the virtual "
+                            "server's `health_check`",
                             page="concepts/health.md",
                         ),
                         "snmp": Section(

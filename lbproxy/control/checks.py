@@ -35,6 +35,11 @@ What this module owns:
                  up to 16 KiB)
   `address` is where the checks go: `check_address` gives it from the real server's own
   `health_check: {port, address}`, the virtual server's, and the server's address.
+  A TCP check's connection may begin with a PROXY header (`check_proxy_header`: as the
+  virtual server's `send_proxy` when the check goes to the server's own address and
+  port, else as `health_check.send_proxy` says), sent before anything else, a TLS
+  handshake too: a server that requires the header on its traffic port refuses any
+  connection without it, and would be marked down although it serves.
 - `HealthChecks`: one task per real server of every virtual server whose check type is
   not `none`, kept in step with the configuration by the one reconciler (reconcile.py,
   `sync()` after start-up and after each reload, as every control-plane subsystem). A
@@ -89,6 +94,7 @@ from lbproxy.core.pool import Pool, RealServer
 from lbproxy.core.real_server import CheckRecord
 from lbproxy.net.accept import CAPACITY_ERRNOS, LocalCapacityError
 from lbproxy.net.barrier import record
+from lbproxy.wire import proxy_protocol
 from lbproxy.wire.health.exchange import (
     ANSWER_LIMIT,
     EXCERPT_LIMIT,
@@ -113,6 +119,7 @@ __all__ = [
     "HealthChecks",
     "LocalCapacityError",
     "check_address",
+    "check_proxy_header",
     "close_leases",
     "converse",
     "probe",
@@ -163,23 +170,25 @@ def host_header(address: Address) -> str:
 describe_received = excerpt
 
 
-async def probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
+async def probe(address: Address, check: HealthCheckConfig, proxy: str = "none") -> tuple[str, str]:
     """Run one check of the real server at `address` (where its checks go: see
-    `check_address`): (result, reason for the log).
+    `check_address`): (result, reason for the log). `proxy` ("none", "v1", "v2", see
+    `check_proxy_header`): the PROXY header the connection begins with, before anything
+    else the check sends (a TLS handshake too).
 
     Raises LocalCapacityError when this process is out of descriptors or memory.
     """
     if check.type in DATAGRAM_CHECKS:
         return await _datagram_probe(address, check)
     if check.type in PROTOCOL_CHECKS:
-        return await _protocol_probe(address, check)
+        return await _protocol_probe(address, check, proxy)
     connected = False
     answer = bytearray()  # send_expect: what the server has sent so far
     tls = TlsLayer(address, check) if speaks_tls(check) else None
     expects = check.type == "send_expect" or (check.type == "tls" and check.expect is not None)
     try:
         with trio.fail_after(check.timeout):
-            stream: trio.abc.Stream = await _connect(address)
+            stream: trio.abc.Stream = await _connect(address, proxy)
             connected = True
             if tls is not None:
                 stream = await tls.wrap(stream)
@@ -225,6 +234,32 @@ def check_address(
     return Address(host, port)
 
 
+def check_proxy_header(
+    served_at: Address,
+    check: HealthCheckConfig,
+    own: RealServerCheckConfig | None,
+    traffic: str,
+) -> str:
+    """The PROXY header ("none", "v1", "v2") the checks of a real server served at
+    `served_at` begin with, when the virtual server sends `traffic` ("none", "v1", "v2",
+    its `send_proxy`) on client connections. HAProxy's rule: by default as the traffic
+    when the checks go to the server's own address and port (a server that requires the
+    header there would refuse a check without it), none when they go elsewhere (a
+    management port does not expect it); `send_proxy: true` or `false` (the server's
+    own, else the virtual server's) decides instead, as `check-send-proxy`, with the
+    traffic's version or else v1 (HAProxy's default line)."""
+    if check.type in DATAGRAM_CHECKS:
+        return "none"
+    forced = own.send_proxy if own is not None and own.send_proxy is not None else None
+    if forced is None:
+        forced = check.send_proxy
+    if forced is None:
+        return traffic if check_address(served_at, check, own) == served_at else "none"
+    if not forced:
+        return "none"
+    return traffic if traffic != "none" else "v1"
+
+
 # -- protocol checks: one runner for every exchange (lbproxy/wire/health) --------------
 
 
@@ -246,7 +281,9 @@ def exchange_for(check: HealthCheckConfig) -> Exchange:
     raise ValueError(f"not a protocol check: {check.type}")
 
 
-async def _protocol_probe(address: Address, check: HealthCheckConfig) -> tuple[str, str]:
+async def _protocol_probe(
+    address: Address, check: HealthCheckConfig, proxy: str
+) -> tuple[str, str]:
     name = check.type
     try:
         exchange = exchange_for(check)
@@ -257,7 +294,7 @@ async def _protocol_probe(address: Address, check: HealthCheckConfig) -> tuple[s
     stream: trio.abc.Stream | None = None
     try:
         with trio.fail_at(deadline):
-            stream = await _connect(address)
+            stream = await _connect(address, proxy)
             if tls is not None:
                 stream = await tls.wrap(stream)
     except trio.TooSlowError:
@@ -355,14 +392,20 @@ async def _socket_for(address: Address, kind: int) -> tuple[trio.socket.SocketTy
         raise
 
 
-async def _connect(address: Address) -> trio.SocketStream:
+async def _connect(address: Address, proxy: str = "none") -> trio.SocketStream:
+    """A connected stream to `address`; with `proxy` ("v1", "v2") the PROXY header of a
+    health check (wire/proxy_protocol.py) is sent on it first."""
     sock, sockaddr = await _socket_for(address, socket.SOCK_STREAM)
     try:
         await sock.connect(sockaddr)
+        stream = trio.SocketStream(sock)
+        if proxy != "none":
+            local, peer = sock.getsockname(), sock.getpeername()
+            await stream.send_all(proxy_protocol.health_check_header(proxy, local, peer))
     except BaseException:
         sock.close()
         raise
-    return trio.SocketStream(sock)
+    return stream
 
 
 async def _send_expect(
@@ -536,7 +579,11 @@ def _describe(exc: BaseException) -> str:
 # -- the tasks ----------------------------------------------------------------------
 
 
-class HealthChecks(Reconciler[RealServer, tuple[HealthCheckConfig, Address, Pool]]):
+# What a check task runs: the check, where it goes, its PROXY header, the pool.
+_Spec = tuple[HealthCheckConfig, Address, str, Pool]
+
+
+class HealthChecks(Reconciler[RealServer, _Spec]):
     """One check task per real server, in step with the configuration (reconcile.py).
 
     A real server that is gone (removed, or its virtual server removed, or checks turned
@@ -544,28 +591,29 @@ class HealthChecks(Reconciler[RealServer, tuple[HealthCheckConfig, Address, Pool
     changed gets a new task (and a new random offset).
     """
 
-    def wanted(
-        self, virtual_servers: Iterable[Configured]
-    ) -> dict[RealServer, tuple[HealthCheckConfig, Address, Pool]]:
+    def wanted(self, virtual_servers: Iterable[Configured]) -> dict[RealServer, _Spec]:
         wanted = {}
         for vs in virtual_servers:
             pool = vs.pool
             check = pool.config.health_check
             if check.type == "none":
                 continue
+            traffic = pool.config.send_proxy
             for rs in pool.servers:
-                target = check_address(rs.address, check, rs.config.health_check)
-                wanted[rs] = (check, target, pool)  # a real server's pool never changes
+                own = rs.config.health_check
+                target = check_address(rs.address, check, own)
+                proxy = check_proxy_header(rs.address, check, own, traffic)
+                wanted[rs] = (check, target, proxy, pool)  # a real server's pool never changes
         return wanted
 
-    def start(
-        self, key: RealServer, spec: tuple[HealthCheckConfig, Address, Pool]
-    ) -> Callable[[], Awaitable[None]]:
-        check, target, pool = spec
-        return functools.partial(self._run, pool, key, check, target)
+    def start(self, key: RealServer, spec: _Spec) -> Callable[[], Awaitable[None]]:
+        check, target, proxy, pool = spec
+        return functools.partial(self._run, pool, key, check, target, proxy)
 
     @staticmethod
-    async def _run(pool: Pool, rs: RealServer, check: HealthCheckConfig, address: Address) -> None:
+    async def _run(
+        pool: Pool, rs: RealServer, check: HealthCheckConfig, address: Address, proxy: str
+    ) -> None:
         out_of_capacity = False
         await trio.sleep(random.uniform(0, check.interval))
         next_at = trio.current_time()
@@ -573,7 +621,7 @@ class HealthChecks(Reconciler[RealServer, tuple[HealthCheckConfig, Address, Pool
             result: str | None = None  # None: no result (out of descriptors here)
             started = trio.current_time()
             try:
-                result, reason = await probe(address, check)
+                result, reason = await probe(address, check, proxy)
             except LocalCapacityError as exc:
                 if not out_of_capacity:  # once per burst
                     log.warning("%s/%s: health check skipped: %s", pool.name, rs.name, exc)

@@ -50,6 +50,7 @@ __all__ = [
     "encode_v1",
     "encode_v2",
     "header_length",
+    "health_check_header",
     "parse",
 ]
 
@@ -65,6 +66,9 @@ _V2_CMD_LOCAL = 0x0
 _V2_CMD_PROXY = 0x1
 _V2_TCP4 = 0x11
 _V2_TCP6 = 0x21
+# LOCAL, family UNSPEC, no address block: "the connection endpoints are the sender and
+# the receiver" (a proxy's own connection, as a health check's)
+_V2_LOCAL = V2_HEADER.pack(V2_SIGNATURE, _V2_VERSION | _V2_CMD_LOCAL, 0x00, 0)
 # Valid family/transport bytes we accept but do not turn into an address (UNSPEC mode).
 _V2_FALLBACK_FAMILIES = frozenset({0x00, 0x01, 0x02, 0x10, 0x12, 0x20, 0x22, 0x30, 0x31, 0x32})
 
@@ -149,13 +153,26 @@ def encode_v2(src: SockAddr, dst: SockAddr) -> bytes:
     sport, dport = _port(src), _port(dst)
     pair = _pair(src, dst)
     if pair is None:
-        return V2_HEADER.pack(V2_SIGNATURE, _V2_VERSION | _V2_CMD_LOCAL, 0x00, 0)
+        return _V2_LOCAL
     a, b = pair
     if a.version == 4:
         fam, block = _V2_TCP4, V2_ADDR4.pack(a.packed, b.packed, sport, dport)
     else:
         fam, block = _V2_TCP6, V2_ADDR6.pack(a.packed, b.packed, sport, dport)
     return V2_HEADER.pack(V2_SIGNATURE, _V2_VERSION | _V2_CMD_PROXY, fam, len(block)) + block
+
+
+def health_check_header(version: str, local: SockAddr, peer: SockAddr) -> bytes:
+    """The header a health check opens its connection with, as HAProxy's checks send it:
+    v1, the check connection's own addresses (``local`` to ``peer``; v1 has no way to
+    say "no client"); v2, the LOCAL command with no address block, which the
+    specification (section 2.2) gives for "health-checks": a connection the proxy opened
+    itself, for which the receiver uses the connection's real addresses."""
+    if version == "v1":
+        return encode_v1(local, peer)
+    if version == "v2":
+        return _V2_LOCAL
+    raise ValueError(f"unknown PROXY protocol version: {version!r}")
 
 
 def encode(version: Literal["v1", "v2"], src: SockAddr, dst: SockAddr) -> bytes:

@@ -17,6 +17,7 @@ from lbproxy.wire.proxy_protocol import (
     encode,
     encode_v1,
     encode_v2,
+    health_check_header,
     parse,
 )
 
@@ -244,3 +245,18 @@ def test_encode_rejects_bad_input() -> None:
 def test_parse_accepts_bytearray_and_memoryview() -> None:
     header = encode_v1(*V4)
     assert parse(bytearray(header)) == parse(memoryview(header)) == parse(header)
+
+
+def test_a_health_checks_header_is_haproxys() -> None:
+    """v1: the check connection's own addresses; v2: LOCAL, family UNSPEC, no address
+    block (the 16 bytes HAProxy's checks send), which a receiver reads as "use the
+    connection's real addresses"."""
+    local, peer = ("127.0.0.1", 40001), ("127.0.0.1", 6379)
+    assert (
+        health_check_header("v1", local, peer) == b"PROXY TCP4 127.0.0.1 127.0.0.1 40001 6379\r\n"
+    )
+    v2 = health_check_header("v2", local, peer)
+    assert v2 == SIG + b"\x20\x00\x00\x00"
+    assert parse(v2) == ParseResult(2, None, None, 16)
+    with pytest.raises(ValueError):
+        health_check_header("v3", local, peer)

@@ -1427,6 +1427,9 @@ class _Translator:
             elif key == "addr" and value is not None:
                 rs.setdefault("health_check", {})["address"] = value
                 self.use(st)
+            elif key == "check-send-proxy":
+                rs.setdefault("health_check", {})["send_proxy"] = True
+                self.use(st)
             elif key in handled or key in _SERVER_FLAGS_IGNORED or key.startswith("no-"):
                 continue
             else:

@@ -340,6 +340,22 @@ def test_send_proxy_differing_between_servers_is_named(tmp_path):
     assert "5: server s2: send_proxy none (lbproxy has one per virtual server: v1)" in left
 
 
+def test_check_send_proxy_is_the_servers_health_check_send_proxy(tmp_path):
+    vs_list, left, _ = imported(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001 check port 8080 check-send-proxy
+            server s2 127.0.0.1:9002 check port 8080
+        """,
+        tmp_path,
+    )
+    s1, s2 = vs_list[0]["real_servers"]
+    assert s1["health_check"] == {"port": 8080, "send_proxy": True}
+    assert s2["health_check"] == {"port": 8080}
+    assert not any("check-send-proxy" in line for line in left), left
+
+
 def test_agent_check(tmp_path):
     vs = only(
         """

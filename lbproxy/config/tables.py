@@ -695,8 +695,8 @@ TCP_ONLY_KEYS = (
 OUTLIER_DETECTION_FIELDS: dict[str, Converter] = {
     "consecutive_failures": integer(1).about(
         "client connects to one real server that fail in a row (refused, timeout, or reset "
-        "by the server before its first byte) before it is ejected; the server's first "
-        "byte on a connection starts the count again"
+        "by the server before its first byte) before it is ejected; a connection that "
+        "has the server's first byte, or ends without such a reset, starts the count again"
     ),
     "base_ejection_time": duration(positive=True).about(
         "an ejected server gets no new connection for this long times the number of "

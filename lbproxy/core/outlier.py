@@ -11,11 +11,12 @@ server that answers.
   for `base_ejection_time` times the number of times it was ejected in a row, at most
   `max_ejection_time`, whatever its health check says. Its failure count starts again
   at each ejection.
-- The server's first byte on a connection clears both the failure count and the
-  ejections in a row (a completed handshake alone does not: a server that accepts and
-  resets completes every one). A server that closes cleanly (FIN) without a byte is no
-  failure: a client that only sends (logs, a command) meets that from healthy servers.
-  Only a reset is, as Envoy's and HAProxy's layer-4 observers count it.
+- A connection that reached its server and did not end in such a reset clears both the
+  failure count and the ejections in a row, at the server's first byte or at its end,
+  whichever comes first (a completed handshake alone does not: a server that accepts
+  and resets completes every one). A server that closes cleanly (FIN) without a byte is
+  no failure: a client that only sends (logs, a command) meets that from healthy
+  servers. Only a reset is, as Envoy's and HAProxy's layer-4 observers count it.
 - The ejection ends on time, not on a check: the server gets traffic again at once.
 - Never more than `max_ejection_percent` of the non-backup servers (rounded down) are
   ejected at once, and at least one stays: a failure that would eject one more only

@@ -416,9 +416,9 @@ class Pool:
             self.connect_completed(rs)
 
     def answered(self, lease: Lease) -> None:
-        """An established connection ended having had bytes from its server while that
-        server had an outlier record (the caller's test, `rs.outlier is not None`): its
-        first byte, unless counted already, is a success."""
+        """An established connection ended other than by its server's reset before a
+        byte, while that server had an outlier record (the caller's test, `rs.outlier is
+        not None`): unless its first byte was counted already, a success."""
         if not lease.answered:
             lease.answered = True
             self.connect_completed(lease.server)

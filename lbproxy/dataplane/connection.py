@@ -206,13 +206,13 @@ class ClientConnection(Flow):
                         answered = pump.bytes_out
                         counters.bytes_out += answered
                         # Outlier detection: a reset before the server's first byte is a
-                        # failed connect; a first byte, a success (only a server that
+                        # failed connect; any other end, a success (only a server that
                         # failed lately has a record: a healthy one costs this test).
                         if how == SERVER_RESET:
                             counters.resets += 1
-                            if not answered:
-                                handler._outlier_failure(rs, now)
-                        if answered and rs.outlier is not None:
+                        if how == SERVER_RESET and not answered:
+                            handler._outlier_failure(rs, now)
+                        elif rs.outlier is not None:
                             pool.answered(lease)
                     pool.drop(lease, now)
                     pool.durations.observe(now - self.started)

@@ -43,13 +43,14 @@ from lbproxy.admin.stat_csv import CONTENT_TYPE as STAT_CSV_TYPE
 from lbproxy.admin.stat_csv import stat_csv
 from lbproxy.config.secret_files import SECRETS
 from lbproxy.config.values import parse_duration
-from lbproxy.core.explain import explain
+from lbproxy.core.explain import Admission, explain
 from lbproxy.core.locate import Located
 from lbproxy.core.pool import DRAIN, Pool, state_error, weight_error
 from lbproxy.core.rate import Rate
 from lbproxy.core.real_server import CheckRecord, ServerCounters
 from lbproxy.net import wall_clock
 from lbproxy.net.compiled import IMPLEMENTATION
+from lbproxy.net.descriptors import clients as process_clients
 
 if TYPE_CHECKING:
     import socket
@@ -635,7 +636,15 @@ class AdminApp:
         if vs is None:
             raise HTTPError(404, f"no virtual server {vs_name!r}")
         pool = vs.pool
-        answer = explain(pool, client, trio.current_time(), queue=pool.config.queue is not None)
+        admission = None
+        if pool.config.protocol == "tcp":  # a UDP relay decides its sessions apart
+            admission = Admission(
+                clients_full=process_clients.open >= process_clients.limit,
+                throttle=vs.throttle_model,
+                per_source=vs.per_source,
+            )
+        now = trio.current_time()
+        answer = explain(pool, client, now, pool.config.queue is not None, admission)
         document = {"virtual_server": vs_name, "client": client[0], **answer.document()}
         document["worker"] = None  # a single process; the supervisor names its worker
         return 200, json_body(document), "json"

@@ -27,7 +27,7 @@ from lbproxy.core.histogram import Histogram
 from lbproxy.core.per_source import PerSourceTable
 from lbproxy.core.persistence import RESULTS as PERSISTENCE_RESULTS
 from lbproxy.core.pool import REJECT_REASONS, Pool
-from lbproxy.core.throttle import MODE_VALUES
+from lbproxy.core.throttle import MODE_VALUES, Throttle
 from lbproxy.core.udp_stats import DIRECTIONS as UDP_DIRECTIONS
 from lbproxy.core.udp_stats import DROP_REASONS as UDP_DROP_REASONS
 from lbproxy.net.barrier import WHERE as INTERNAL_ERROR_PLACES
@@ -73,6 +73,9 @@ class VirtualServerView(Protocol):
 
     @property
     def throttle_mode(self) -> str: ...
+
+    @property
+    def throttle_model(self) -> Throttle | None: ...
 
     @property
     def queue_stats(self) -> QueueView: ...

@@ -219,6 +219,29 @@ class PerSourceTable:
         entry.open += 1
         return entry
 
+    def would_admit(self, host: str, now: float) -> bool:
+        """Whether `admit(host, now)` would let an arrival in, read without admitting,
+        counting or moving anything (for `lbproxy explain`). A network the table does
+        not know has nothing counted against it: admitted (tracked or not)."""
+        limits = self.limits
+        key = network_key(host, limits.prefix_v4, limits.prefix_v6)
+        entry = self._busy.get(key)
+        if entry is None:
+            entry = self._idle.get(key)
+            if entry is None:
+                return True
+        maximum = limits.max_connections
+        if maximum and entry.open + entry.remote_open >= maximum:
+            return False
+        rate = limits.rate
+        if rate:
+            times = entry.times
+            need = rate - entry.remote_rate
+            n = len(times)
+            if need <= 0 or (need <= n and now - times[(entry.head - need) % n] < limits.interval):
+                return False
+        return True
+
     def _refuse(
         self, idle: OrderedDict[NetworkKey, SourceEntry] | None, key: NetworkKey, entry: SourceEntry
     ) -> None:

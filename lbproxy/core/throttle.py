@@ -226,6 +226,18 @@ class Throttle:
         self.window.add(now)  # refused or not, it counts toward the rate
         return change
 
+    def would_refuse(self, now: float, active: int) -> bool:
+        """Whether an arrival at `now`, with `active` client connections open, would be
+        refused (`arrival`'s verdict), without counting it or changing the mode: for
+        `lbproxy explain`. Reading the window moves it on to `now`, as any reader does."""
+        if self.refusing:
+            return True
+        if active >= self._active_trigger or self.window.count(now) >= self._rate_trigger:
+            config = self.config
+            load = load_of(config, active, self.window.rate(now))
+            return next_mode(self.mode, load, config.digg_factor) == DIGG
+        return False
+
     def rate(self, now: float) -> float:
         return self.window.rate(now)
 

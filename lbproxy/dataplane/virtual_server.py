@@ -19,7 +19,7 @@ from typing import Protocol
 from lbproxy.config.model import PerSourceConfig
 from lbproxy.core.per_source import Limits, PerSourceTable
 from lbproxy.core.pool import Pool
-from lbproxy.core.throttle import LOW
+from lbproxy.core.throttle import LOW, Throttle
 from lbproxy.dataplane.queue import Queue, QueueStats
 
 log = logging.getLogger("lbproxy.virtual_server")
@@ -40,6 +40,11 @@ class Admission(Protocol):
     @property
     def mode(self) -> str:
         """low | high | digg, the throttle's own state (for the metrics and the API)."""
+        ...
+
+    @property
+    def model(self) -> Throttle:
+        """The throttle's state, which `lbproxy explain` reads without counting an arrival."""
         ...
 
 
@@ -77,6 +82,12 @@ class VirtualServer:
         limits = Limits.of(config)
         table = self.per_source
         self.per_source = PerSourceTable(limits) if table is None else table.reconfigure(limits)
+
+    @property
+    def throttle_model(self) -> Throttle | None:
+        """The admission monitor's state (None: no `throttle:` block), for explain."""
+        throttle = self.throttle
+        return None if throttle is None else throttle.model
 
     @property
     def throttle_mode(self) -> str:

@@ -720,6 +720,17 @@ def _number(value: float) -> str:
     return str(int(value)) if value == int(value) else f"{value:.2f}"
 
 
+# Why explain says a new connection would be refused, by lbproxy_rejected_total's reason.
+REFUSALS = {
+    "max_clients": "the process holds global.max_clients clients",
+    "throttle": "the throttle is in digg",
+    "acl": "the address is outside allow or in deny",
+    "max_connections": "the virtual server holds its max_connections clients",
+    "per_source": "the client's network is at its per_source limit",
+    "no_server": "no server can take it",
+}
+
+
 def live_explain_lines(document: dict) -> list[str]:
     """`lbproxy explain VS IP`: the answer in one sentence, then one aligned row per real
     server (ELIGIBLE yes/no, WHY not, the scheduler's SCORE; "-" for none)."""
@@ -731,7 +742,9 @@ def live_explain_lines(document: dict) -> list[str]:
     elif by == "queue":
         head += "would wait in the queue (every eligible server is full)"
     else:
-        head += "would be refused (no server can take it)"
+        reason = document.get("reason") or "no_server"
+        why = REFUSALS.get(reason, reason)
+        head += f"would be refused ({reason}: {why})"
     lines = [head]
     if document.get("panic"):
         lines.append("panic: too few servers up; every enabled server is offered as if up")

@@ -315,3 +315,64 @@ def test_with_workers_one_worker_answers_and_is_named(name_servers, lbproxy):
     assert status == 400 and "not an IPv4 or IPv6 address" in json.loads(body)["error"]
     shown = run_cli("explain", "web", "127.0.0.2", "--admin", f"http://127.0.0.1:{admin_port}")
     assert "answered by worker 1" in shown.stdout
+
+
+def rejected(admin_port: int) -> dict[str, int]:
+    """The virtual server's refusals so far, by reason (the reasons counted at all)."""
+    vs = get_json(admin_port, "/api/v1/virtual-servers")["virtual_servers"][0]
+    return {reason: n for reason, n in vs["rejected"].items() if n}
+
+
+def test_denied_and_per_source_limited_clients_are_explained_as_rejected(name_servers, lbproxy):
+    """Explain runs the accept's admission checks without counting: a denied client and
+    a client network at its per_source limit get `by: reject` with the reason their
+    real connection is then refused (and counted) under."""
+    servers = name_servers("a", "b")
+    port, admin_port = free_port(), free_port()
+    extra = f"{NO_HEALTH}\ndeny: [127.0.0.9/32]\nper_source: {{max_connections: 1}}"
+    lbproxy(with_admin(vs_config(port, servers, "rr", extra), admin_port), [port])
+    denied = explain(admin_port, "127.0.0.9")
+    assert (denied["pick"], denied["by"], denied["reason"]) == (None, "reject", "acl")
+    assert {v["name"] for v in denied["servers"] if v["eligible"]} == {"a", "b"}
+    admin = ("--admin", f"http://127.0.0.1:{admin_port}")
+    shown = run_cli("explain", "web", "127.0.0.9", *admin)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[0] == (
+        "web: a new connection from 127.0.0.9 would be refused"
+        " (acl: the address is outside allow or in deny)"
+    )
+    with socket.create_connection(
+        ("127.0.0.1", port), timeout=5, source_address=("127.0.0.9", 0)
+    ) as s:
+        assert read_name(s) == ""  # closed: the answer was right
+    wait_for(lambda: rejected(admin_port) == {"acl": 1}, what="the acl refusal")
+
+    free = explain(admin_port, "127.0.0.4")
+    assert (free["by"], free["reason"]) == ("scheduler", None)
+    held, name = connect_from(port, "127.0.0.4")  # the network's one connection
+    try:
+        assert name == free["pick"]
+        for _ in range(3):  # asking again and again is no arrival
+            limited = explain(admin_port, "127.0.0.4")
+            assert (limited["pick"], limited["by"], limited["reason"]) == (
+                None,
+                "reject",
+                "per_source",
+            )
+        as_json = json.loads(run_cli("explain", "web", "127.0.0.4", "--json", *admin).stdout)
+        assert (as_json["by"], as_json["reason"]) == ("reject", "per_source")
+        assert rejected(admin_port) == {"acl": 1}  # explain counted nothing
+        assert explain(admin_port, "127.0.0.5")["reason"] is None  # another network
+        refused, second = connect_from(port, "127.0.0.4")
+        refused.close()
+        assert second == ""  # refused, as explained
+        wait_for(
+            lambda: rejected(admin_port) == {"acl": 1, "per_source": 1},
+            what="the per_source refusal",
+        )
+    finally:
+        held.close()
+    wait_for(
+        lambda: explain(admin_port, "127.0.0.4")["reason"] is None,
+        what="the network's connection to end",
+    )

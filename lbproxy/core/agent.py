@@ -112,7 +112,13 @@ class AgentState:
             "weight_percent": self.weight_percent,
             "max_connections": self.max_connections,
             "reason": self.reason,
-            "at": None
-            if self.at is None
-            else datetime.fromtimestamp(self.at, UTC).isoformat(timespec="milliseconds"),
+            "at": None if self.at is None else iso_utc(self.at),
         }
+
+
+def iso_utc(wall: float) -> str:
+    """A wall-clock time as the API writes every time: ISO 8601 UTC to the millisecond,
+    with `Z` (2026-12-05T15:04:23.120Z), as a check's `at` is."""
+    return (
+        datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    )

@@ -118,7 +118,7 @@ def test_document():
         "weight_percent": 75,
         "max_connections": 30,
         "reason": "deploy",
-        "at": "2023-11-14T22:13:20.000+00:00",
+        "at": "2023-11-14T22:13:20.000Z",  # as a check's `at` and `since`
     }
     assert p.by_name["a"].agent is None
 

@@ -11,7 +11,9 @@ unreachable. A 1280x800 screenshot is saved in the test's temporary folder.
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
+import io
 import json
 import os
 import re
@@ -117,7 +119,8 @@ def expected_row(rs: dict) -> dict[str, str]:
         "name": rs["name"] + (" backup" if rs.get("backup") else ""),
         "address": rs["address"],
         "state": rs["state"] + agent_text(rs.get("agent")),
-        "health": rs["health"],
+        # an ejected server's health cell adds "ejected" and the time left (its own test)
+        **({} if rs.get("ejected_until") else {"health": rs["health"]}),
         "w-static": number(rs["weight"]["static"]),
         "w-dynamic": number(rs["weight"]["dynamic"]),
         "w-effective": number(rs["weight"]["effective"]),
@@ -758,3 +761,60 @@ def test_dashboard_says_why_a_server_is_down_and_filters_those_up(browser, lbpro
     finally:
         for server in servers:
             server.stop()
+
+
+def test_dashboard_shows_ejection_and_panic_and_never_hides_an_ejected_server(
+    browser, name_servers, lbproxy
+):
+    """Outlier detection ejects `refusing` (nothing listens there; no health check, so
+    its health stays up): its row says "ejected" and for how long, with the time it
+    comes back as the tooltip, and "hide servers that are up" keeps it shown; with one
+    server of three ejected, panic_threshold 70 puts the virtual server in panic, shown
+    beside its name. The CSV says both, in columns appended at the end."""
+    a, b = name_servers("a", "b")
+    refusing = SimpleNamespace(name="refusing", port=free_port())
+    port, admin_port = free_port(), free_port()
+    extra = (
+        "retries: 3\nconnect_timeout: 300ms\nhealth_check: {type: none}\npanic_threshold: 70\n"
+        "outlier_detection: {consecutive_failures: 2, base_ejection_time: 120s, "
+        "max_ejection_time: 120s, max_ejection_percent: 100}"
+    )
+    lbproxy(with_admin(vs_config(port, [a, b, refusing], "rr", extra), admin_port), [port])
+
+    def ejected() -> dict | None:
+        ask_name(port)
+        (vs,) = api(admin_port)["virtual_servers"]
+        rs = {s["name"]: s for s in vs["real_servers"]}
+        return vs if rs["refusing"]["ejected_until"] and vs["panic"] else None
+
+    vs = wait_for(ejected, what="refusing ejected and the virtual server in panic")
+    until = {s["name"]: s for s in vs["real_servers"]}["refusing"]["ejected_until"]
+    browser.get(f"http://127.0.0.1:{admin_port}/")
+    wait_until(lambda: page_matches_api(browser, admin_port), what="the page to match")
+    pill = read_page(
+        lambda: _row(browser, "web", "refusing").find_element("css selector", ".health .ejected")
+    )
+    assert re.fullmatch(r"ejected (1m \d+s|\d+s)", pill.text), pill.text
+    assert pill.get_attribute("title").endswith(f"not picked until {until}")
+    assert _row(browser, "web", "a").find_elements("css selector", ".health .ejected") == []
+    panic = browser.find_element("css selector", 'section.vs[data-vs="web"] .vs-head .panic')
+    assert panic.text == "panic" and "as if up" in panic.get_attribute("title")
+
+    browser.find_element("id", "hide-up").click()
+    wait_until(
+        lambda: (
+            not _row(browser, "web", "a").is_displayed()
+            and not _row(browser, "web", "b").is_displayed()
+            and _row(browser, "web", "refusing").is_displayed()
+        ),
+        what="a and b hidden, the ejected server still shown",
+    )
+
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers.csv")
+    assert status == 200
+    header, *rows = list(csv.reader(io.StringIO(body.decode())))
+    assert header[-5:-3] == ["ejected_until", "panic"]
+    by_name = {row[1]: dict(zip(header, row, strict=True)) for row in rows}
+    assert by_name["refusing"]["ejected_until"] == until
+    assert by_name["a"]["ejected_until"] == ""
+    assert {row["panic"] for row in by_name.values()} == {"1"}

@@ -9,7 +9,7 @@ import io
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COLUMNS", "CONTENT_TYPE", "stat_csv"]
+__all__ = ["AGENT_COLUMNS", "COLUMNS", "CONTENT_TYPE", "VIRTUAL_SERVER_COLUMNS", "stat_csv"]
 
 CONTENT_TYPE = "text/csv; charset=utf-8"
 
@@ -48,6 +48,19 @@ COLUMNS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "reset": _get("errors", "reset"),
     "check_result": _get("check", "result"),
     "check_reason": _get("check", "reason"),
+    # Appended, not inserted, so that the columns above keep their places.
+    "ejected_until": _get("ejected_until"),  # outlier detection: not picked until then
+}
+# Of the virtual server, repeated on each of its rows (as `virtual_server`): 1 while in
+# panic (too few servers up: every enabled one is offered as if up), else 0.
+VIRTUAL_SERVER_COLUMNS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "panic": lambda vs: int(bool(vs.get("panic"))),
+}
+# What the agent check last said (HAProxy's agent_status and agent_desc); empty: no agent.
+AGENT_COLUMNS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "agent_state": _get("agent", "state"),
+    "agent_weight_percent": _get("agent", "weight_percent"),
+    "agent_reason": _get("agent", "reason"),
 }
 
 
@@ -56,8 +69,16 @@ def stat_csv(document: dict[str, Any]) -> bytes:
     real server (an empty field: none, e.g. no check yet, no limit)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\r\n")
-    writer.writerow(["virtual_server", *COLUMNS])
+    writer.writerow(["virtual_server", *COLUMNS, *VIRTUAL_SERVER_COLUMNS, *AGENT_COLUMNS])
     for vs in document.get("virtual_servers", []):
+        of_vs = [read(vs) for read in VIRTUAL_SERVER_COLUMNS.values()]
         for rs in vs.get("real_servers", []):
-            writer.writerow([vs.get("name"), *(read(rs) for read in COLUMNS.values())])
+            writer.writerow(
+                [
+                    vs.get("name"),
+                    *(read(rs) for read in COLUMNS.values()),
+                    *of_vs,
+                    *(read(rs) for read in AGENT_COLUMNS.values()),
+                ]
+            )
     return out.getvalue().encode()

@@ -98,6 +98,11 @@ PLAIN_COLUMNS = (
     "BACKUP",  # yes: `backup: true`, takes connections only while no primary is online
     "QUEUED",  # the virtual server's clients waiting in its queue (repeated, as SCHEDULER)
     "SINCE",  # how long STATE and HEALTH have been as they are, e.g. 3m12s
+    # What the agent check last said: its state, weight percent and max_connections
+    # (drain:50%:maxconn=30), and its reason with blanks as `_`; - without an agent.
+    # DESC, not REASON: `--wide`'s REASON is found by its header's place in the line.
+    "AGENT",
+    "AGENT_DESC",
 )
 # `--wide`: the last check's result and reason, last: the reason is the rest of the line.
 WIDE_COLUMNS = ("CHECK", "REASON")
@@ -150,6 +155,7 @@ def status_plain(document: dict, *, wide: bool = False, now: float | None = None
                     "yes" if rs.get("backup") else "no",
                     str(vs.get("queued", 0)),
                     _for_how_long(rs.get("since"), now),
+                    *_agent_cells(rs),
                     *([_load(rs)] if loads else []),
                     *(_check_cells(rs) if wide else []),
                 ]
@@ -175,6 +181,21 @@ def _for_how_long(since: object, now: float) -> str:
     if minutes:
         return f"{minutes}m{seconds % 60}s"
     return f"{seconds}s"
+
+
+def _agent_cells(rs: dict) -> list[str]:
+    """What the agent last said, as two words: `drain:50%:maxconn=30` and its reason
+    (`deploy_window`: blanks as `_`); `-` for none."""
+    agent = rs.get("agent")
+    if not agent:
+        return ["-", "-"]
+    said = [str(agent.get("state") or "-")]
+    if agent.get("weight_percent") not in (None, 100):
+        said.append(f"{agent['weight_percent']}%")
+    if agent.get("max_connections") is not None:
+        said.append(f"maxconn={agent['max_connections']}")
+    reason = "_".join(str(agent.get("reason") or "").split())
+    return [":".join(said), reason or "-"]
 
 
 def _check_cells(rs: dict) -> list[str]:

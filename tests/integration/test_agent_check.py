@@ -11,7 +11,10 @@ is counted; the API shows the agent's state beside the operator's.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import re
 
 import pytest
 import trio
@@ -26,6 +29,7 @@ from tests.integration.harness import (
     ask_name,
     counted,
     free_port,
+    http,
     open_and_read_name,
     read_name,
     ready,
@@ -440,6 +444,29 @@ def test_lbproxy_status_shows_the_agent_beside_the_state(name_servers, lbproxy):
         assert "agent" not in line_a
         narrow = run_in_terminal(40, "status", "--admin", admin)
         assert "(agent drain 50%: deploy)" in narrow.replace("\n    ", " ")
+        # Piped: the agent's last answer in two one-word columns, on every server's line.
+        piped = run_cli("status", "--admin", admin)
+        assert piped.returncode == 0, piped.stderr
+        header, *lines = (line.split() for line in piped.stdout.splitlines())
+        at = header.index("AGENT")
+        assert header[at : at + 2] == ["AGENT", "AGENT_DESC"]
+        assert {line[3]: line[at : at + 2] for line in lines} == {
+            "a": ["ready", "-"],
+            "b": ["drain:50%", "deploy"],
+        }
+        # The CSV: the agent's state, weight percent and reason, as HAProxy's show stat
+        # has agent_status and agent_desc.
+        csv_text = http("GET", f"{admin}/api/v1/virtual-servers.csv")[1].decode()
+        rows = {row["real_server"]: row for row in csv.DictReader(io.StringIO(csv_text))}
+        assert [rows["b"][k] for k in ("agent_state", "agent_weight_percent", "agent_reason")] == [
+            "drain",
+            "50",
+            "deploy",
+        ]
+        assert rows["a"]["agent_state"] == "ready" and rows["a"]["agent_reason"] == ""
+        # `at` is written as every other time of the document: ISO 8601 UTC with Z.
+        at_b = servers_of(admin_port)["b"]["agent"]["at"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", at_b), at_b
     finally:
         for agent in agents:
             agent.stop()

@@ -87,7 +87,7 @@ def test_why_a_server_is_down_json_and_status_wide(lbproxy):
         assert out.returncode == 0, out.stderr
         header, *lines = out.stdout.splitlines()
         columns = header.split()
-        assert columns[-4:] == ["QUEUED", "SINCE", "CHECK", "REASON"], header
+        assert columns[-6:] == ["QUEUED", "SINCE", "AGENT", "AGENT_DESC", "CHECK", "REASON"]
         reason_at = header.index("REASON")
         by_name = {line.split()[3]: line for line in lines if line.strip()}
         for name, (health, result, reason) in expected.items():
@@ -97,7 +97,7 @@ def test_why_a_server_is_down_json_and_status_wide(lbproxy):
             assert by_name[name][reason_at:] == (reason or "-"), by_name[name]
 
         out = run_cli("status", "--admin", admin)  # without --wide: no check columns
-        assert out.stdout.splitlines()[0].split()[-1] == "SINCE", out.stdout
+        assert out.stdout.splitlines()[0].split()[-3:] == ["SINCE", "AGENT", "AGENT_DESC"]
 
         status, body = http("GET", f"{admin}/api/v1/virtual-servers.csv")
         assert status == 200

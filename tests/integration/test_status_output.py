@@ -106,11 +106,12 @@ def test_piped_status_is_plain_aligned_columns_one_real_server_a_line(status_set
     assert lines[0].split() == [
         "VIRTUAL_SERVER", "SCHEDULER", "THROTTLE", "REAL_SERVER", "ADDRESS", "STATE",
         "HEALTH", "WEIGHT", "DYNAMIC", "EFFECTIVE", "ACTIVE", "TOTAL", "BYTES_IN", "BYTES_OUT",
-        "DISCOVERED", "BACKUP", "QUEUED", "SINCE",
+        "DISCOVERED", "BACKUP", "QUEUED", "SINCE", "AGENT", "AGENT_DESC",
     ]  # fmt: skip
     expected = [plain_fields(vs, rs) for vs, rs in rows(document)]
-    assert [line.split()[:-1] for line in lines[1:]] == expected
-    assert all(SINCE.fullmatch(line.split()[-1]) for line in lines[1:]), lines
+    assert [line.split()[:-3] for line in lines[1:]] == expected
+    assert all(SINCE.fullmatch(line.split()[-3]) for line in lines[1:]), lines
+    assert all(line.split()[-2:] == ["-", "-"] for line in lines[1:])  # no agent check
     # the exact values: the traffic went to alpha and bravo, 3 and 2 rr picks
     by_name = {fields[3]: fields for fields in expected}
     assert by_name[NAMES[0]][11] == "3" and by_name[NAMES[1]][11] == "2"
@@ -134,7 +135,7 @@ def test_status_through_grep_finds_the_whole_line(status_setup):
     )
     assert out.returncode == 0, out.stderr
     ((vs, rs),) = [(vs, rs) for vs, rs in rows(document) if rs["name"] == NAMES[1]]
-    assert out.stdout.split()[:-1] == plain_fields(vs, rs)
+    assert out.stdout.split()[:-3] == plain_fields(vs, rs)  # then SINCE, AGENT, AGENT_DESC
 
 
 @pytest.mark.parametrize("columns", [40, 80])
@@ -203,7 +204,7 @@ def test_status_shows_the_backup_mark_and_the_queued_clients(name_servers, lbpro
         out = run_cli("status", "--admin", admin)
         assert out.returncode == 0, out.stderr
         header, *lines = (line.split() for line in out.stdout.splitlines())
-        assert header[15:] == ["BACKUP", "QUEUED", "SINCE"]
+        assert header[15:18] == ["BACKUP", "QUEUED", "SINCE"]
         assert {line[3]: line[15:17] for line in lines} == {
             "primary": ["no", "2"],
             "standby": ["yes", "2"],

@@ -56,10 +56,10 @@ def test_plain_columns_keep_every_value_and_a_row_for_an_empty_virtual_server():
     lines = status_plain(DOCUMENT)
     assert [line.split() for line in lines[1:]] == [
         ["snmp-weighted", "dwd", "high", "alpha", "127.0.0.1:9001", "enabled", "up", "3", "40",
-         "2.5", "1", "123456789", "1234567", "89", "no", "no", "0", "-"],
+         "2.5", "1", "123456789", "1234567", "89", "no", "no", "0", "-", "-", "-"],
         ["snmp-weighted", "dwd", "high", "far", LONG_HOST, "enabled", "up", "3", "-", "2.5",
-         "1", "7", "1234567", "89", "yes", "no", "0", "-"],
-        ["empty", "rr", "low"] + ["-"] * 15,
+         "1", "7", "1234567", "89", "yes", "no", "0", "-", "-", "-"],
+        ["empty", "rr", "low"] + ["-"] * 17,
     ]  # fmt: skip
     assert render(30, terminal=False) == "".join(line + "\n" for line in lines)
 
@@ -83,7 +83,7 @@ def test_since_is_one_word_saying_how_long(since, shown):
     rs = {**real_server("alpha", "127.0.0.1:9001"), "since": since}
     document = {"virtual_servers": [{**DOCUMENT["virtual_servers"][1], "real_servers": [rs]}]}
     header, row = status_plain(document, now=NOW)
-    assert header.split()[-1] == "SINCE" and row.split()[-1] == shown
+    assert header.split()[17] == "SINCE" and row.split()[17] == shown
 
 
 def test_wide_ends_each_row_with_the_last_check_and_its_whole_reason():
@@ -95,7 +95,7 @@ def test_wide_ends_each_row_with_the_last_check_and_its_whole_reason():
     unchecked = {**real_server("beta", "127.0.0.1:9002"), "check": None}
     vs = {**DOCUMENT["virtual_servers"][1], "real_servers": [failed, unchecked]}
     header, alpha, beta = status_plain({"virtual_servers": [vs]}, wide=True, now=NOW)
-    assert header.split()[-3:] == ["SINCE", "CHECK", "REASON"]
+    assert header.split()[-5:] == ["SINCE", "AGENT", "AGENT_DESC", "CHECK", "REASON"]
     assert alpha[header.index("REASON") :] == reason
     assert alpha.split()[-len(reason.split()) - 1] == "fail"
     assert beta.split()[-2:] == ["-", "-"]
@@ -160,8 +160,8 @@ def test_backups_and_queued_clients_are_shown_in_the_table_and_the_blocks():
         assert text.count("(backup)") == 1  # only the backup server
     # Piped: a BACKUP column per real server, the virtual server's QUEUED on each line.
     header, *lines = (line.split() for line in status_plain(document))
-    assert header[-3:-1] == ["BACKUP", "QUEUED"]
-    assert {line[3]: line[-3:-1] for line in lines} == {"main": ["no", "3"], "sorry": ["yes", "3"]}
+    assert header[15:17] == ["BACKUP", "QUEUED"]
+    assert {line[3]: line[15:17] for line in lines} == {"main": ["no", "3"], "sorry": ["yes", "3"]}
 
 
 def test_panic_and_ejected_servers_follow_the_rows_with_the_time_left():
@@ -211,3 +211,29 @@ def test_per_source_tables_follow_the_rows_plain_and_on_a_terminal():
         in screen.getvalue()
     )
     assert per_source_plain(DOCUMENT) == []  # no table: nothing
+
+
+def test_plain_status_shows_what_the_agent_last_said_in_two_words():
+    said = {
+        **real_server("alpha", "127.0.0.1:9001"),
+        "agent": {"state": "drain", "weight_percent": 50, "max_connections": 30,
+                  "reason": " deploy  window\n2 ", "at": "2026-12-05T15:00:00.000Z"},
+    }  # fmt: skip
+    ready = {
+        **real_server("beta", "127.0.0.1:9002"),
+        "agent": {"state": "ready", "weight_percent": 100, "max_connections": None,
+                  "reason": "", "at": None},
+    }  # fmt: skip
+    none = real_server("gamma", "127.0.0.1:9003")
+    vs = {**DOCUMENT["virtual_servers"][1], "real_servers": [said, ready, none]}
+    for wide in (False, True):
+        header, *rows = (
+            line.split() for line in status_plain({"virtual_servers": [vs]}, wide=wide)
+        )
+        at = header.index("AGENT")
+        assert header[at : at + 2] == ["AGENT", "AGENT_DESC"] and at == 18
+        assert {row[3]: row[at : at + 2] for row in rows} == {
+            "alpha": ["drain:50%:maxconn=30", "deploy_window_2"],
+            "beta": ["ready", "-"],
+            "gamma": ["-", "-"],
+        }

@@ -153,7 +153,10 @@ class AgentChecks(Reconciler[RealServer, Spec]):
 
 async def _run(pool: Pool, rs: RealServer, check: AgentCheckConfig, address: Address) -> None:
     out_of_capacity = False
-    failing = False  # log the first of a run of failed exchanges only
+    # The kind of failure (fail, timeout, bad_answer) of the current run of failed
+    # exchanges, None after a good answer: a run is logged at INFO once, and again when
+    # its kind changes (an agent that closed now talks nonsense), not at every check.
+    failing: str | None = None
     await trio.sleep(random.uniform(0, check.interval))
     next_at = trio.current_time()
     while True:
@@ -171,10 +174,10 @@ async def _run(pool: Pool, rs: RealServer, check: AgentCheckConfig, address: Add
             out_of_capacity = False
             rs.counters.agent_checks[result] += 1
             if answer is not None:
-                failing = False
+                failing = None
                 _apply(pool, rs, answer, reason)
-            elif not failing:
-                failing = True
+            elif failing != result:
+                failing = result
                 log.info("%s/%s: agent %s (%s); no change", pool.name, rs.name, result, reason)
             else:
                 log.debug("%s/%s: agent %s (%s)", pool.name, rs.name, result, reason)

@@ -264,6 +264,39 @@ def test_bad_answers_change_nothing_and_are_counted(name_servers, lbproxy):
             agent.stop()
 
 
+def test_a_change_of_failure_kind_is_logged_once_at_info(name_servers, lbproxy):
+    """A run of failed exchanges is logged once; when the kind of failure changes (the
+    agent that closed at once now talks nonsense, then says nothing) that is news, logged
+    once again, and the checks in between are not."""
+    a, b = name_servers("a", "b")
+    agents = [Agent(b"ready\n"), Agent(b"ready\n")]
+    port, admin_port = free_port(), free_port()
+    try:
+        config = _agent_config(port, [a, b], agents, admin_port)
+        config = config.replace("timeout: 1s}", "timeout: 300ms}")
+        proxy = lbproxy(config, wait_ports=[port])
+        _wait_agent(admin_port, "b", state="ready")
+        runs = [(b"", "fail"), (b"9999%\n", "bad_answer"), (SILENT, "timeout"), (b"", "fail")]
+        for answer, result in runs:
+            labels = {"real_server": "b", "result": result}
+            seen = counted(admin_port, "lbproxy_agent_checks_total", **labels)
+            agents[1].say(answer)
+            wait_for(
+                lambda labels=labels, seen=seen: (
+                    counted(admin_port, "lbproxy_agent_checks_total", **labels) >= seen + 3
+                ),
+                what=f"3 more {result} checks",
+            )
+        logged = [line for line in proxy.log().splitlines() if line.endswith("; no change")]
+        logged = [line for line in logged if "web/b: agent " in line]
+        kinds = [line.split("web/b: agent ", 1)[1].split()[0] for line in logged]
+        assert kinds == ["fail", "bad_answer", "timeout", "fail"], logged
+        assert all(" INFO " in line for line in logged), logged
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
 def test_agent_max_connections_limits_the_server(name_servers, lbproxy):
     """`maxconn:1`: b takes one connection at a time, as with max_connections: 1."""
     a, b = name_servers("a", "b")

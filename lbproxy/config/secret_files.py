@@ -1,6 +1,7 @@
-"""Files that hold secrets: `global.admin.token_file`, `global.cluster.redis.password_file`,
-SNMPv3's `auth_key_file` and `priv_key_file` (SPEC §21): who may own them, and their
-contents once read.
+"""Files that hold secrets: `global.admin.token_file`, `global.cluster.key_file`,
+`global.cluster.redis.password_file`, a `redis` health check's `password_file`, SNMPv3's
+`auth_key_file` and `priv_key_file` (SPEC §21): who may own them, and their contents
+once read.
 
 PURE in the sense of the configuration package (no trio, no sockets, no clock); like
 the reader, it reads files.

@@ -88,12 +88,14 @@ An access line costs about 10 µs of CPU (text) or 16 µs (json) per connection;
 SECRETS = """\
 ## Secret files {#secret-files}
 
-`global.admin.token_file`, `global.cluster.redis.password_file`, a `redis` health
-check's `password_file` and SNMPv3's `auth_key_file` and `priv_key_file` name files that
-hold secrets. Each must be owned by
+`global.admin.token_file`, `global.cluster.key_file`, `global.cluster.redis.password_file`,
+a `redis` health check's `password_file` and SNMPv3's `auth_key_file` and
+`priv_key_file` name files that hold secrets. Each must be owned by
 root or by the user lbproxy runs as (the one it was started as, or `global.user`), and be
 neither readable nor writable by other users nor writable by its group. It may be
-readable by its group only when root owns it and the group is the one lbproxy runs as
+readable by its group only when root owns it and the group is the one lbproxy runs as:
+the group it was started with, or `global.group` (by default `global.user`'s own
+group); a supplementary group does not count
 (PostgreSQL's rule for its key file; a Kubernetes Secret mounted with `defaultMode: 0440`
 and `fsGroup`). A link is judged by the file it names. Anything else is a configuration
 error at the key's line, naming the file and its mode, for `lbproxy check`, `lbproxy run`

@@ -230,11 +230,14 @@ def test_discovered_names_in_patch_status_and_reload(name_servers, lbproxy, dnsm
         name_a: "yes",
         f"b.node.test:{b.port}": "yes",
     }
-    as_json = json.loads(run_cli("status", "--json", "--admin", admin).stdout)
-    assert (
-        as_json["virtual_servers"][0]["real_servers"]
-        == virtual_server_document(admin_port)["real_servers"]
-    )
+
+    def status_json_is_the_api_document() -> bool:
+        # Two reads: the same unless the once-a-second rate sample falls between them.
+        as_json = json.loads(run_cli("status", "--json", "--admin", admin).stdout)
+        document = virtual_server_document(admin_port)
+        return as_json["virtual_servers"][0]["real_servers"] == document["real_servers"]
+
+    wait_for(status_json_is_the_api_document, 10, "status --json and the API agree")
 
 
 # -- A records: hold, outage, start-up -------------------------------------------------------

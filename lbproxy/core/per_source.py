@@ -21,11 +21,20 @@ let in untracked (counted in `untracked`): refusing every new client because the
 full would be worse than not limiting the few beyond it (HAProxy's stick tables do the
 same when no entry can be freed).
 
+The operator's view (`lbproxy per-source`, HAProxy's `show table` and `clear table`):
+`listing` walks every tracked network once (O(tracked), off the connection path) and
+names the busiest; `clear` forgets the arrivals of one network or of all. Open
+connections cannot be forgotten: each still holds its entry and gives its count back
+when it ends, so a cleared network with open connections keeps its entry and its open
+count, and only a network with none (here or, `shared`, at the other instances) is
+removed, as HAProxy's `clear table` removes only the entries not in use.
+
 The clock is the caller's: every method takes `now` (seconds, monotonic).
 """
 
 from __future__ import annotations
 
+import heapq
 import ipaddress
 from array import array
 from bisect import bisect_left
@@ -36,13 +45,18 @@ from dataclasses import dataclass
 from lbproxy.config.model import PerSourceConfig
 
 __all__ = [
+    "MAX_LISTED",
     "Limits",
+    "NetworkCounts",
     "PerSourceTable",
     "SourceEntry",
     "network_key",
+    "network_named",
     "network_of_text",
     "network_text",
 ]
+
+MAX_LISTED = 10_000  # networks one listing names at most
 
 # What the table keys a network by: an IPv4 address at /32 is the accept's string as it
 # is (no parse); anything else (version, network number).
@@ -118,6 +132,50 @@ def network_of_text(text: str, prefix_v4: int, prefix_v6: int) -> NetworkKey | N
     if network.prefixlen != prefix:
         return None
     return network.version, int(network.network_address) >> (network.max_prefixlen - prefix)
+
+
+def network_named(text: str, prefix_v4: int, prefix_v6: int) -> NetworkKey:
+    """The key of the network an operator names: an address (the network it is in) or
+    `ADDRESS/PREFIX` at the configured prefix length, as `listing` writes it. ValueError
+    saying what is wrong."""
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    address, slash, prefix = text.partition("/")
+    if "%" in address:
+        raise ValueError(f"{shown!r}: an IPv6 zone is not a client network")
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        raise ValueError(
+            f"{shown!r} is not an address or ADDRESS/PREFIX (e.g. 203.0.113.7, 203.0.113.0/24)"
+        ) from None
+    if not slash:
+        return network_key(str(ip), prefix_v4, prefix_v6)
+    expected = prefix_v4 if ip.version == 4 else prefix_v6
+    if not (prefix.isascii() and prefix.isdigit()) or int(prefix) != expected:
+        raise ValueError(
+            f"{shown!r}: this table counts IPv{ip.version} clients by /{expected}; "
+            f"name an address or its /{expected}"
+        )
+    try:
+        network = ipaddress.ip_network(f"{ip}/{expected}")
+    except ValueError:
+        raise ValueError(
+            f"{shown!r} has host bits set: the /{expected} is "
+            f"{ipaddress.ip_network(f'{ip}/{expected}', strict=False)}"
+        ) from None
+    return network_key(str(network.network_address), prefix_v4, prefix_v6)
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkCounts:
+    """One tracked network as `listing` names it."""
+
+    network: str  # the address, ADDRESS/PREFIX, or the key as it is when it is no address
+    open: int  # connections open here
+    arrivals: int | None  # accepted within the last interval (None: no `rate`, none kept)
+    remote_open: int  # the other instances' (`shared`), as last published
+    remote_arrivals: int
+    limited_by: str | None  # "max_connections", "rate": its next arrival would be refused
 
 
 class SourceEntry:
@@ -230,17 +288,78 @@ class PerSourceTable:
             entry = self._idle.get(key)
             if entry is None:
                 return True
+        return self.limited_by(entry, now) is None
+
+    def limited_by(self, entry: SourceEntry, now: float) -> str | None:
+        """The limit `entry`'s next arrival would be refused by ("max_connections",
+        "rate"), None when it would be let in; `admit`'s tests, read only."""
+        limits = self.limits
         maximum = limits.max_connections
         if maximum and entry.open + entry.remote_open >= maximum:
-            return False
+            return "max_connections"
         rate = limits.rate
         if rate:
             times = entry.times
             need = rate - entry.remote_rate
             n = len(times)
             if need <= 0 or (need <= n and now - times[(entry.head - need) % n] < limits.interval):
-                return False
-        return True
+                return "rate"
+        return None
+
+    def listing(self, now: float, limit: int) -> list[NetworkCounts]:
+        """The `limit` busiest tracked networks: most open connections first, then most
+        arrivals within the last interval, then by name. One pass over the table
+        (O(tracked), for the admin API, never per connection); only the networks named
+        are written out."""
+        limits = self.limits
+        interval, rate = limits.interval, limits.rate
+        counted = (
+            (entry.open, entry.recent(now, interval) if rate else 0, entry)
+            for entry in [*self._busy.values(), *self._idle.values()]
+        )
+        busiest = heapq.nlargest(limit, counted, key=lambda item: (item[0], item[1]))
+        rows = [
+            NetworkCounts(
+                network=self._text(entry.key),
+                open=open_here,
+                arrivals=arrivals if rate else None,
+                remote_open=entry.remote_open,
+                remote_arrivals=entry.remote_rate,
+                limited_by=self.limited_by(entry, now),
+            )
+            for open_here, arrivals, entry in busiest
+        ]
+        rows.sort(key=lambda row: (-row.open, -(row.arrivals or 0), row.network))
+        return rows
+
+    def _text(self, key: NetworkKey) -> str:
+        limits = self.limits
+        text = network_text(key, limits.prefix_v4, limits.prefix_v6)
+        return text if text is not None else str(key)
+
+    def clear(self, key: NetworkKey | None = None) -> tuple[int, int]:
+        """Forget the arrivals of the network `key` (None: of every network), so a
+        network at its `rate` is let in again. (cleared, kept): the networks cleared,
+        and of those the ones still tracked because they hold open connections here
+        or, `shared`, at the other instances; the others are forgotten whole. Open
+        connections stay counted: each still holds its entry, which `release` counts
+        down at its end. Arrivals the other instances published still count until
+        they leave their window there."""
+        if key is None:
+            entries = [*self._busy.values(), *self._idle.values()]
+        else:
+            found = self._busy.get(key) or self._idle.get(key)
+            entries = [] if found is None else [found]
+        kept = 0
+        idle = self._idle
+        for entry in entries:
+            entry.times = array("d")
+            entry.head = 0
+            if entry.open or entry.remote_open or entry.remote_rate:
+                kept += 1
+            else:
+                del idle[entry.key]  # no open connection here: an idle entry
+        return len(entries), kept
 
     def _refuse(
         self, idle: OrderedDict[NetworkKey, SourceEntry] | None, key: NetworkKey, entry: SourceEntry

@@ -747,6 +747,71 @@ def shutdown_sessions(vs: str, rs: str, admin, token_file, socket_path, insecure
 
 
 @main.command(
+    "per-source",
+    epilog=_examples(
+        "lbproxy per-source web",
+        "lbproxy per-source web --json | jq '.networks[] | select(.at_limit)'",
+        "lbproxy per-source web --limit 1000 | awk 'NR > 1 && $2 >= 5'",
+        "lbproxy per-source web --clear 203.0.113.7",
+        "lbproxy per-source web --clear 203.0.113.0/24",
+        "lbproxy per-source web --clear          # every network",
+    ),
+)
+@click.argument("vs")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 10_000),
+    default=100,
+    show_default=True,
+    help="Networks to show, busiest first.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON document.")
+@click.option(
+    "--clear",
+    "network",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[NETWORK]",
+    help="Forget NETWORK's arrivals (an address or ADDRESS/PREFIX; alone: every network's).",
+)
+@admin_options
+def per_source(
+    vs: str,
+    limit: int,
+    as_json: bool,
+    network: str | None,
+    admin,
+    token_file,
+    socket_path,
+    insecure,
+) -> None:
+    """The client networks virtual server VS's per_source block tracks (HAProxy's show
+    table): open connections, arrivals within the window, and whether the next arrival
+    would be refused; --clear forgets arrivals (HAProxy's clear table), never open
+    connections."""
+    client = _client(admin, token_file, socket_path, insecure)
+    if network is not None:
+        result = _call(client.clear_per_source, vs, network or None)
+        if as_json:
+            click.echo(json.dumps(result, indent=2))
+            return
+        kept = result["kept"]
+        click.echo(
+            f"{vs}: cleared the arrivals of {result['cleared']} network(s)"
+            + (f"; {kept} kept: their open connections stay counted" if kept else "")
+        )
+        return
+    document = _call(client.per_source, vs, limit)
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+        return
+    from lbproxy.tools.render import print_per_source
+
+    print_per_source(document)
+
+
+@main.command(
     "add-server",
     epilog=_examples(
         "lbproxy add-server web s3 10.0.0.13:80",

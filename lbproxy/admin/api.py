@@ -45,6 +45,7 @@ from lbproxy.config.secret_files import SECRETS
 from lbproxy.config.values import parse_duration
 from lbproxy.core.explain import Admission, explain
 from lbproxy.core.locate import Located
+from lbproxy.core.per_source import MAX_LISTED, Limits, PerSourceTable, network_named
 from lbproxy.core.pool import DRAIN, Pool, state_error, weight_error
 from lbproxy.core.rate import Rate
 from lbproxy.core.real_server import CheckRecord, ServerCounters
@@ -344,6 +345,103 @@ def per_source_document(vs: VirtualServerView) -> dict[str, Any] | None:
         "untracked": table.untracked,
         "remote_open": table.remote_open(),  # shared: the other instances' open connections
     }
+
+
+DEFAULT_LISTED = 100  # networks GET .../per-source names without `?limit=`
+MAX_LISTING_QUERY = 64  # bytes of `?limit=N`
+
+
+def parse_listing_limit(query: bytes) -> int:
+    """`limit=N` of GET .../per-source: 1 to MAX_LISTED, DEFAULT_LISTED when absent;
+    HTTPError 400 with what is wrong."""
+    if len(query) > MAX_LISTING_QUERY:
+        raise HTTPError(400, f"query too long (over {MAX_LISTING_QUERY} bytes)")
+    try:
+        fields = urllib.parse.parse_qs(
+            query.decode("ascii"), keep_blank_values=True, strict_parsing=bool(query)
+        )
+    except (UnicodeDecodeError, ValueError):
+        raise HTTPError(400, "query must be limit=N (ASCII, URL-encoded)") from None
+    unknown = sorted(set(fields) - {"limit"})
+    if unknown:
+        raise HTTPError(400, f"unknown query parameter {unknown[0][:40]!r} (limit)")
+    values = fields.get("limit", [str(DEFAULT_LISTED)])
+    text = values[0]
+    if len(values) > 1 or not (text.isascii() and text.isdigit()):
+        raise HTTPError(400, f"limit must be a number from 1 to {MAX_LISTED}, not {text[:20]!r}")
+    limit = int(text)
+    if not 1 <= limit <= MAX_LISTED:
+        raise HTTPError(400, f"limit must be a number from 1 to {MAX_LISTED}, not {limit}")
+    return limit
+
+
+def per_source_table(vs: VirtualServerView | None, name: str) -> PerSourceTable | None:
+    """The table of the virtual server `name` under its configuration in force (a
+    reload's limits applied, as the next connection would); None while it has none yet.
+    A 404 for an unknown name and for one without `per_source:`, as for any route of a
+    feature the process does not run."""
+    if vs is None:
+        raise HTTPError(404, f"no virtual server {name!r}")
+    config = vs.pool.config
+    if config.per_source is None:
+        why = (
+            "is UDP: its sessions per source are counted by udp.max_sessions_per_source"
+            if config.protocol == "udp"
+            else "has no per_source block: no client network is tracked"
+        )
+        raise HTTPError(404, f"virtual server {name!r} {why}")
+    vs.sync_per_source(config.per_source)
+    return vs.per_source
+
+
+def per_source_listing(
+    vs: VirtualServerView | None, name: str, limit: int, now: float
+) -> dict[str, Any]:
+    """GET .../per-source: the `limit` busiest networks of the virtual server `name`'s
+    table, its size and its limits (HAProxy's `show table`); 404 as per_source_table."""
+    table = per_source_table(vs, name)
+    assert vs is not None and vs.pool.config.per_source is not None  # or a 404 above
+    config = vs.pool.config.per_source
+    limits = table.limits if table is not None else Limits.of(config)
+    rows = table.listing(now, limit) if table is not None else []
+    return {
+        "virtual_server": vs.pool.name,
+        "tracked": 0 if table is None else len(table),
+        "max_tracked": limits.max_tracked,
+        "limits": {
+            "max_connections": limits.max_connections or None,
+            "rate": limits.rate or None,
+            "interval": _number(limits.interval),
+            "prefix_v4": limits.prefix_v4,
+            "prefix_v6": limits.prefix_v6,
+            "shared": config.shared,
+        },
+        "limit": limit,
+        "networks": [
+            {
+                "network": row.network,
+                "open": row.open,
+                "arrivals": row.arrivals,
+                "at_limit": row.limited_by is not None,
+                "limited_by": row.limited_by,
+                # the other instances' counts (shared), as this table last had them
+                "remote_open": row.remote_open if config.shared else None,
+                "remote_arrivals": row.remote_arrivals if config.shared and limits.rate else None,
+            }
+            for row in rows
+        ],
+    }
+
+
+def asked_by(scope: dict[str, Any]) -> str:
+    """Who sent a change, for its log line: the TCP peer (which gave the token) or the
+    admin socket's peer uid. Nothing secret."""
+    client = scope.get("client")
+    if client is not None:
+        host, port = client[0], client[1]
+        return f"{'[' + host + ']' if ':' in host else host}:{port} over TCP with the token"
+    uid = (scope.get("extensions") or {}).get(http_server.PEER_UID)
+    return f"the admin socket (uid {uid})"
 
 
 def _number(value: float | None) -> float | int | None:
@@ -648,6 +746,52 @@ class AdminApp:
         document = {"virtual_server": vs_name, "client": client[0], **answer.document()}
         document["worker"] = None  # a single process; the supervisor names its worker
         return 200, json_body(document), "json"
+
+    async def on_per_source(self, request: Request) -> Answer:
+        """GET .../per-source: the busiest networks; DELETE: clear every network."""
+        vs_name = request.params[0]
+        if request.method == "GET":
+            limit = parse_listing_limit(request.scope.get("query_string", b""))
+            vs = self.server.virtual_servers.get(vs_name)
+            document = per_source_listing(vs, vs_name, limit, trio.current_time())
+            return 200, json_body(document), "json"
+        return await self._clear_per_source(request, None)
+
+    async def on_per_source_network(self, request: Request) -> Answer:
+        return await self._clear_per_source(request, request.params[1])
+
+    async def on_per_source_prefix(self, request: Request) -> Answer:
+        return await self._clear_per_source(request, "/".join(request.params[1:]))
+
+    async def _clear_per_source(self, request: Request, network: str | None) -> Answer:
+        """DELETE .../per-source[/NETWORK]: forget the arrivals of one network or of
+        all (HAProxy's `clear table`); open connections stay counted (PerSourceTable.
+        clear). `{"cleared": N, "kept": K}`: the networks cleared, and of those the
+        ones still listed because they hold open connections."""
+        await read_body(request.receive)  # nothing is read from it
+        vs_name = request.params[0]
+        table = per_source_table(self.server.virtual_servers.get(vs_name), vs_name)
+        key = None
+        if network is not None:
+            limits = table.limits if table is not None else None
+            prefixes = (limits.prefix_v4, limits.prefix_v6) if limits is not None else (32, 64)
+            try:
+                key = network_named(network, *prefixes)
+            except ValueError as exc:
+                raise HTTPError(400, str(exc)) from None
+        cleared, kept = (0, 0) if table is None else table.clear(key)
+        # A worker is asked by its supervisor, which logs the change and who asked.
+        worker = getattr(self.server, "admin_sock", None) is not None
+        log.log(
+            logging.DEBUG if worker else logging.INFO,
+            "%s: per_source %s cleared: %d network(s), %d kept with open connections (by %s)",
+            vs_name,
+            "every network" if network is None else network,
+            cleared,
+            kept,
+            "the supervisor" if worker else asked_by(request.scope),
+        )
+        return 200, json_body({"cleared": cleared, "kept": kept}), "json"
 
     # -- the locator (SPEC §10) ------------------------------------------------------
 

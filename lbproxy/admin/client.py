@@ -241,6 +241,21 @@ class AdminClient:
         path = f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}/explain?{query}"
         return self.request("GET", path)
 
+    def per_source(self, vs: str, limit: int | None = None) -> dict[str, Any]:
+        """GET .../per-source: the busiest client networks of `per_source:`'s table."""
+        query = f"?limit={limit}" if limit is not None else ""
+        return self.request(
+            "GET", f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}/per-source{query}"
+        )
+
+    def clear_per_source(self, vs: str, network: str | None = None) -> dict[str, Any]:
+        """DELETE .../per-source[/NETWORK]: `{"cleared": N, "kept": K}`. NETWORK is an
+        address or ADDRESS/PREFIX, its "/" a path separator (the API takes both)."""
+        path = f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}/per-source"
+        if network is not None:
+            path += "/" + urllib.parse.quote(network, safe="/:")
+        return self.request("DELETE", path)
+
     def add_server(self, vs: str, entry: dict[str, Any]) -> dict[str, Any]:
         """POST .../real-servers: the new real server's document."""
         path = f"/api/v1/virtual-servers/{urllib.parse.quote(vs, safe='')}/real-servers"

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from lbproxy.admin.metric_families import counter, gauge, histogram
+from lbproxy.config.model import PerSourceConfig
 from lbproxy.core.agent import RESULTS as AGENT_RESULTS
 from lbproxy.core.closing import ON_PURPOSE_REASONS
 from lbproxy.core.discovery_model import REFUSALS as DISCOVERY_REFUSALS
@@ -82,6 +83,8 @@ class VirtualServerView(Protocol):
 
     @property
     def per_source(self) -> PerSourceTable | None: ...
+
+    def sync_per_source(self, config: PerSourceConfig | None) -> None: ...
 
 
 class MetricsSource(Protocol):

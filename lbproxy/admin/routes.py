@@ -69,6 +69,11 @@ ROUTES = (
     Route("locate", "/api/v1/virtual-servers/{}/locate", ("GET",)),
     Route("load", "/api/v1/virtual-servers/{}/real-servers/{}/load", ("PUT",)),
     Route("explain", "/api/v1/virtual-servers/{}/explain", ("GET",)),
+    # per_source's table (HAProxy's `show table` and `clear table`): a network is an
+    # address or ADDRESS/PREFIX, whose "/" (or %2F) makes it two path segments.
+    Route("per_source", "/api/v1/virtual-servers/{}/per-source", ("GET", "DELETE")),
+    Route("per_source_network", "/api/v1/virtual-servers/{}/per-source/{}", ("DELETE",)),
+    Route("per_source_prefix", "/api/v1/virtual-servers/{}/per-source/{}/{}", ("DELETE",)),
     Route(
         "shutdown_sessions",
         "/api/v1/virtual-servers/{}/real-servers/{}/shutdown-sessions",

@@ -784,3 +784,74 @@ def live_explain_lines(document: dict) -> list[str]:
         )
     lines.extend(aligned(rows, gap="  "))
     return lines
+
+
+# -- `lbproxy per-source` ----------------------------------------------------------------
+
+PER_SOURCE_NETWORK_COLUMNS = ("NETWORK", "OPEN", "ARRIVALS", "AT_LIMIT")
+PER_SOURCE_REMOTE_COLUMNS = ("REMOTE_OPEN", "REMOTE_ARRIVALS")
+
+
+def _count(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def per_source_rows(document: dict) -> list[list[str]]:
+    """`lbproxy per-source VS`: a header, then one row per network listed, one word per
+    column ("-" for a count the table does not keep: ARRIVALS without `rate`); AT_LIMIT
+    is the limit its next arrival would meet, `-` for none; with `shared` the other
+    instances' counts end each row."""
+    shared = bool((document.get("limits") or {}).get("shared"))
+    header = [*PER_SOURCE_NETWORK_COLUMNS, *(PER_SOURCE_REMOTE_COLUMNS if shared else ())]
+    rows = [header]
+    for network in document.get("networks", []):
+        row = [
+            str(network["network"]),
+            _count(network["open"]),
+            _count(network["arrivals"]),
+            network.get("limited_by") or "-",
+        ]
+        if shared:
+            row += [_count(network.get("remote_open")), _count(network.get("remote_arrivals"))]
+        rows.append(row)
+    return rows
+
+
+def per_source_summary(document: dict) -> str:
+    """One line: the virtual server, how many networks are tracked and shown, the limits."""
+    limits = document.get("limits") or {}
+    rules = []
+    if limits.get("max_connections"):
+        rules.append(f"max_connections {limits['max_connections']}")
+    if limits.get("rate"):
+        rules.append(f"rate {limits['rate']} per {limits.get('interval')}s")
+    rules.append(f"by /{limits.get('prefix_v4')} (IPv4) and /{limits.get('prefix_v6')} (IPv6)")
+    if limits.get("shared"):
+        rules.append("shared")
+    tracked = document.get("tracked", 0)
+    shown = len(document.get("networks", []))
+    more = f", the {shown} busiest shown" if shown < tracked else ""
+    return (
+        f"{document.get('virtual_server')}: {tracked} client network(s) tracked "
+        f"(at most {document.get('max_tracked')}){more}; {', '.join(rules)}"
+    )
+
+
+def print_per_source(document: dict, console: Console | None = None) -> None:
+    """`lbproxy per-source VS`: plain columns when piped (the summary on stderr, so the
+    rows stay columns for awk), a table under its summary on a terminal."""
+    if console is None:
+        console = Console(highlight=False, force_terminal=_isatty(sys.stdout))
+    rows = per_source_rows(document)
+    if not console.is_terminal:
+        sys.stderr.write(per_source_summary(document) + "\n")
+        console.file.write("".join(line + "\n" for line in aligned(rows)))
+        console.file.flush()
+        return
+    table = Table(title=per_source_summary(document), box=box.SIMPLE_HEAD, title_justify="left")
+    for index, column in enumerate(rows[0]):
+        table.add_column(column.lower().replace("_", " "), justify="left" if not index else "right")
+    for row in rows[1:]:
+        style = "yellow" if row[3] != "-" else None
+        table.add_row(*row, style=style)
+    console.print(table)

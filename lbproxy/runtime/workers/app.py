@@ -7,7 +7,15 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from lbproxy.admin import dashboard
-from lbproxy.admin.api import AdminApp, Answer, json_body, parse_explain_client, read_body
+from lbproxy.admin.api import (
+    AdminApp,
+    Answer,
+    asked_by,
+    json_body,
+    parse_explain_client,
+    parse_listing_limit,
+    read_body,
+)
 from lbproxy.admin.routes import HTTPError, Request
 
 
@@ -54,6 +62,12 @@ class Supervisor(Protocol):
     async def add_server(self, vs_name: str, body: bytes) -> tuple[int, bytes]: ...
 
     async def remove_server(self, vs_name: str, rs_name: str) -> tuple[int, bytes]: ...
+
+    async def per_source(self, vs_name: str, limit: int) -> tuple[int, bytes]: ...
+
+    async def clear_per_source(
+        self, vs_name: str, network: str | None, who: str
+    ) -> tuple[int, bytes]: ...
 
 
 class SupervisorApp(AdminApp):
@@ -168,6 +182,27 @@ class SupervisorApp(AdminApp):
         quoted = [urllib.parse.quote(name, safe="") for name in request.params]
         status, answer = await self.supervisor.report_load(
             f"/api/v1/virtual-servers/{quoted[0]}/real-servers/{quoted[1]}/load", body
+        )
+        return status, answer, "json"
+
+    async def on_per_source(self, request: Request) -> Answer:
+        """GET: the workers' tables merged; DELETE: every worker clears every network."""
+        if request.method == "GET":
+            limit = parse_listing_limit(request.scope.get("query_string", b""))
+            status, answer = await self.supervisor.per_source(request.params[0], limit)
+            return status, answer, "json"
+        return await self._clear_per_source(request, None)
+
+    async def on_per_source_network(self, request: Request) -> Answer:
+        return await self._clear_per_source(request, request.params[1])
+
+    async def on_per_source_prefix(self, request: Request) -> Answer:
+        return await self._clear_per_source(request, "/".join(request.params[1:]))
+
+    async def _clear_per_source(self, request: Request, network: str | None) -> Answer:
+        await read_body(request.receive)  # nothing is read from it
+        status, answer = await self.supervisor.clear_per_source(
+            request.params[0], network, asked_by(request.scope)
         )
         return status, answer, "json"
 

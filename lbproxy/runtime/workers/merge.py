@@ -148,3 +148,36 @@ def merge_real_servers(documents: list[dict[str, Any]]) -> dict[str, Any]:
     for document in documents[1:]:
         _merge_real_server(merged, document)
     return merged
+
+
+def merge_per_source(documents: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """The workers' GET .../per-source answers as one: each worker tracks the networks
+    whose connections it accepted, so a network's open connections and arrivals add up;
+    it is at its limit when any worker would refuse its next arrival (each worker
+    applies the limits to its own counts); the other instances' counts (`shared`) are
+    the highest any worker holds (each worker's view of every other member, the other
+    workers included, so they are not added). `tracked` adds the workers' tables up, as
+    the virtual server's document does. The `limit` busiest, ordered as one table's."""
+    merged = copy.deepcopy(documents[0])
+    merged["tracked"] = sum(document.get("tracked", 0) for document in documents)
+    merged["limit"] = limit
+    rows: dict[str, dict[str, Any]] = {}
+    for document in documents:
+        for row in document.get("networks", []):
+            seen = rows.get(row["network"])
+            if seen is None:
+                rows[row["network"]] = dict(row)
+                continue
+            seen["open"] += row["open"]
+            if seen["arrivals"] is not None or row["arrivals"] is not None:
+                seen["arrivals"] = (seen["arrivals"] or 0) + (row["arrivals"] or 0)
+            seen["limited_by"] = seen["limited_by"] or row["limited_by"]
+            seen["at_limit"] = seen["limited_by"] is not None
+            for key in ("remote_open", "remote_arrivals"):
+                if row.get(key) is not None:
+                    seen[key] = max(seen.get(key) or 0, row[key])
+    ordered = sorted(
+        rows.values(), key=lambda row: (-row["open"], -(row["arrivals"] or 0), row["network"])
+    )
+    merged["networks"] = ordered[:limit]
+    return merged

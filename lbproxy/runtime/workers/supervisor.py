@@ -45,6 +45,7 @@ from lbproxy.admin.routes import HTTPError
 from lbproxy.config.model import Address, Config, VirtualServerConfig
 from lbproxy.config.reader import read_real_server
 from lbproxy.config.secret_files import SECRETS
+from lbproxy.core.per_source import MAX_LISTED
 from lbproxy.core.persistence import client_key
 from lbproxy.dataplane.listener import BindError, listen_socket
 from lbproxy.dataplane.udp import UdpAddress, udp_socket
@@ -61,6 +62,7 @@ from lbproxy.runtime.workers.merge import (
     COUNTER_TYPES,
     MetricSums,
     merge_documents,
+    merge_per_source,
     merge_real_servers,
     parse_metrics,
 )
@@ -784,6 +786,55 @@ class Supervisor:
                     return status, answer
                 closed += json.loads(answer)["closed"]
             return 200, json_body({"closed": closed})
+
+    async def per_source(self, vs_name: str, limit: int) -> tuple[int, bytes]:
+        """GET .../per-source: every worker's busiest networks, merged (merge.py). Each
+        worker is asked for MAX_LISTED networks so that a network's counts add up
+        exactly unless a worker tracks more networks than that."""
+        path = "/api/v1/virtual-servers/{}/per-source?limit={}".format(
+            urllib.parse.quote(vs_name, safe=""), MAX_LISTED
+        )
+        answers = await self._each("GET", path)
+        if not answers:
+            raise HTTPError(503, "no worker is ready")
+        for _, status, answer in answers:
+            if status != 200:
+                return status, answer  # a 404 or 400: the same from every worker
+        documents = [json.loads(answer) for _, _, answer in answers]
+        return 200, json_body(merge_per_source(documents, limit))
+
+    async def clear_per_source(
+        self, vs_name: str, network: str | None, who: str
+    ) -> tuple[int, bytes]:
+        """DELETE .../per-source[/NETWORK] on every worker; the clears add up. Logged
+        here, once, with who asked (the workers log it at debug)."""
+        async with self._changes:
+            path = "/api/v1/virtual-servers/{}/per-source".format(
+                urllib.parse.quote(vs_name, safe="")
+            )
+            if network is not None:
+                path += "/" + urllib.parse.quote(network, safe="/")
+            answers = await self._each("DELETE", path, b"")
+            if not answers:
+                raise HTTPError(503, "no worker is ready")
+            cleared = kept = 0
+            for _, status, answer in answers:
+                if status != 200:
+                    return status, answer
+                document = json.loads(answer)
+                cleared += document["cleared"]
+                kept += document["kept"]
+            log.info(
+                "%s: per_source %s cleared: %d network(s), %d kept with open connections "
+                "(by %s; %d workers)",
+                vs_name,
+                "every network" if network is None else network,
+                cleared,
+                kept,
+                who,
+                len(answers),
+            )
+            return 200, json_body({"cleared": cleared, "kept": kept})
 
     def _status_line(self, active: int | None) -> str:
         """systemd's STATUS= text: virtual servers, active connections, workers."""

@@ -848,9 +848,11 @@ def print_per_source(document: dict, console: Console | None = None) -> None:
         console.file.write("".join(line + "\n" for line in aligned(rows)))
         console.file.flush()
         return
-    table = Table(title=per_source_summary(document), box=box.SIMPLE_HEAD, title_justify="left")
-    for index, column in enumerate(rows[0]):
-        table.add_column(column.lower().replace("_", " "), justify="left" if not index else "right")
+    console.print(Text(per_source_summary(document), style="bold"), overflow="fold")
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in rows[0]:
+        words = column in ("NETWORK", "AT_LIMIT")
+        table.add_column(column.lower().replace("_", " "), justify="left" if words else "right")
     for row in rows[1:]:
         style = "yellow" if row[3] != "-" else None
         table.add_row(*row, style=style)

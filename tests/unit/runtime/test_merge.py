@@ -11,6 +11,7 @@ from lbproxy.runtime.workers.merge import (
     COUNTER_TYPES,
     MetricSums,
     merge_documents,
+    merge_per_source,
     merge_real_servers,
     parse_metrics,
 )
@@ -450,3 +451,74 @@ def test_rates_and_errors_add_up_since_is_the_latest_downtime_the_least():
     }
     assert rs["since"] == "2026-12-05T15:01:00.000Z" and rs["downtime_s"] == 10.0
     assert rs["max_connections"] == 10  # each worker's limit, as configured
+
+
+# -- GET .../per-source ---------------------------------------------------------------
+
+
+def per_source_answer(tracked: int, *rows: tuple, shared: bool = False) -> dict[str, Any]:
+    """A worker's GET .../per-source answer; rows: (network, open, arrivals, limited_by
+    [, remote_open, remote_arrivals])."""
+    networks = []
+    for network, open_here, arrivals, limited_by, *remote in rows:
+        networks.append(
+            {
+                "network": network,
+                "open": open_here,
+                "arrivals": arrivals,
+                "at_limit": limited_by is not None,
+                "limited_by": limited_by,
+                "remote_open": remote[0] if remote else None,
+                "remote_arrivals": remote[1] if remote else None,
+            }
+        )
+    limits = {"max_connections": 4, "rate": 5, "interval": 1, "prefix_v4": 32, "prefix_v6": 64}
+    return {
+        "virtual_server": "web",
+        "tracked": tracked,
+        "max_tracked": 100000,
+        "limits": {**limits, "shared": shared},
+        "limit": 10000,
+        "networks": networks,
+    }
+
+
+def test_per_source_listings_add_up_per_network_and_sort_again():
+    """A network both workers track has its open connections and arrivals added up and
+    is at its limit when either worker is; the order is the busiest first again, cut to
+    the limit asked; `tracked` is added up as in the document."""
+    one = per_source_answer(
+        3, ("10.0.0.1", 2, 2, None), ("10.0.0.2", 1, 5, "rate"), ("10.0.0.3", 0, 1, None)
+    )
+    two = per_source_answer(2, ("10.0.0.3", 3, 3, None), ("10.0.0.1", 1, 1, None))
+    merged = merge_per_source([one, two], 3)
+    assert merged["tracked"] == 5 and merged["limit"] == 3
+    rows = [(r["network"], r["open"], r["arrivals"], r["at_limit"]) for r in merged["networks"]]
+    assert rows == [
+        ("10.0.0.3", 3, 4, False),
+        ("10.0.0.1", 3, 3, False),
+        ("10.0.0.2", 1, 5, True),
+    ]
+    assert [r["network"] for r in merge_per_source([one, two], 1)["networks"]] == ["10.0.0.3"]
+    assert one["networks"][0]["open"] == 2  # the workers' answers are left alone
+
+
+def test_per_source_remote_counts_are_the_highest_not_added():
+    """With `shared` each worker holds every other member's counts, the other workers'
+    included: adding them would count the same connections twice."""
+    one = per_source_answer(1, ("10.0.0.1", 1, 1, None, 4, 2), shared=True)
+    two = per_source_answer(1, ("10.0.0.1", 2, 2, None, 3, 1), shared=True)
+    (row,) = merge_per_source([one, two], 10)["networks"]
+    assert (row["open"], row["arrivals"], row["remote_open"], row["remote_arrivals"]) == (
+        3,
+        3,
+        4,
+        2,
+    )
+
+
+def test_per_source_without_rate_keeps_arrivals_null():
+    one = per_source_answer(1, ("10.0.0.1", 1, None, None))
+    two = per_source_answer(1, ("10.0.0.1", 1, None, "max_connections"))
+    (row,) = merge_per_source([one, two], 10)["networks"]
+    assert (row["open"], row["arrivals"], row["limited_by"]) == (2, None, "max_connections")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 from tests.integration.harness import (
     free_port,
@@ -26,10 +27,13 @@ from tests.integration.harness import (
     local_http,
     read_name,
     run_cli,
+    stop_all,
     vs_config,
     wait_for,
     with_admin,
 )
+from tests.integration.redis_server import RedisServer, requires_redis
+from tests.integration.test_per_source import cluster_connected, shared_config
 
 TOKEN = "per-source-token"
 LIMITS = "{max_connections: 2, rate: 3, interval: 60s}"
@@ -251,3 +255,44 @@ def test_with_two_workers_the_tables_add_up_and_a_clear_reaches_every_worker(nam
     finally:
         for sock in held:
             sock.close()
+
+
+@requires_redis
+def test_with_shared_the_other_instances_counts_are_listed(tmp_path, name_servers, lbproxy):
+    """Two instances with `shared: true` and a real redis-server: 3 connections held
+    from 127.0.0.2 through lb1 are listed at lb2 as that network's remote_open, and put
+    it at its limit there (max_connections 3); a clear at lb2 keeps the network (held
+    elsewhere) and its remote count."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        (server,) = name_servers("a")
+        lb1, lb2 = (SimpleNamespace(port=free_port(), admin=free_port()) for _ in range(2))
+        for name, one in (("lb1", lb1), ("lb2", lb2)):
+            text = shared_config(redis, name, one.port, one.admin, server, "max_connections: 3")
+            lbproxy(text, [one.admin], folder=tmp_path / name)
+        held = []
+        try:
+            wait_for(lambda: cluster_connected(lb1.admin) and cluster_connected(lb2.admin))
+            held = [connect_from("127.0.0.2", lb1.port) for _ in range(3)]
+            assert all(served(sock) for sock in held)
+            wait_for(
+                lambda: networks(lb2.admin).get("127.0.0.2", {}).get("remote_open") == 3,
+                what="lb1's connections listed at lb2",
+            )
+            row = networks(lb2.admin)["127.0.0.2"]
+            assert (row["open"], row["at_limit"], row["limited_by"]) == (
+                0,
+                True,
+                "max_connections",
+            )
+            assert row["remote_arrivals"] is None  # no rate: no arrivals kept
+            assert listing(lb2.admin)["limits"]["shared"] is True
+            status, body = local_http("DELETE", url(lb2.admin, "/127.0.0.2"))
+            assert (status, json.loads(body)) == (200, {"cleared": 1, "kept": 1})
+            assert networks(lb2.admin)["127.0.0.2"]["remote_open"] == 3
+        finally:
+            for sock in held:
+                sock.close()
+    finally:
+        stop_all(lbproxy.started)
+        redis.stop()

@@ -30,7 +30,6 @@ from lbproxy.wire.proxy_protocol import encode_v1
 from tests.factories import real_hello
 from tests.integration.harness import (
     free_port,
-    get_json,
     metrics,
     read_name,
     run_cli,
@@ -43,6 +42,10 @@ from tests.integration.harness import (
     with_admin,
 )
 from tests.integration.redis_server import RedisServer, requires_redis
+from tests.integration.shared_per_source import (
+    cluster_connected,
+    shared_config,
+)
 
 REJECTED = "lbproxy_rejected_connections_total"
 
@@ -367,40 +370,6 @@ def test_bad_per_source_blocks_are_file_line_errors(tmp_path):
 
 
 # -- shared across a cluster ---------------------------------------------------------------
-
-CLUSTER_KEY = "per-source-test-key-" + "0123456789abcdef" * 3
-
-
-def shared_config(redis: RedisServer, name: str, port: int, admin: int, server, limits: str) -> str:
-    """An instance of a cluster on `redis` (its key in a 0600 file), one virtual server
-    with `per_source: {limits, shared: true}` in front of `server`."""
-    key = redis.folder / "cluster.key"
-    if not key.exists():
-        key.write_text(CLUSTER_KEY + "\n")
-        key.chmod(0o600)
-    return (
-        "global:\n"
-        f"  admin: {{listen: 127.0.0.1:{admin}}}\n"
-        "  drain_timeout: 2s\n"
-        "  cluster:\n"
-        f"    key_file: {key}\n"
-        f"    redis: {{url: '{redis.url}', name: {name}}}\n"
-        "virtual_servers:\n"
-        "  - name: web\n"
-        f"    listen: 127.0.0.1:{port}\n"
-        "    health_check: {type: none}\n"
-        "    connect_timeout: 60s\n"
-        f"    per_source: {{{limits}, shared: true}}\n"
-        f"    real_servers: [{{name: {server.name}, address: '127.0.0.1:{server.port}'}}]\n"
-    )
-
-
-def cluster_connected(admin: int) -> bool:
-    return bool((virtual_servers_json(admin).get("cluster") or {}).get("connected"))
-
-
-def virtual_servers_json(admin: int) -> dict:
-    return get_json(admin, "/api/v1/virtual-servers")
 
 
 @requires_redis

@@ -33,7 +33,7 @@ from tests.integration.harness import (
     with_admin,
 )
 from tests.integration.redis_server import RedisServer, requires_redis
-from tests.integration.test_per_source import cluster_connected, shared_config
+from tests.integration.shared_per_source import cluster_connected, shared_config
 
 TOKEN = "per-source-token"
 LIMITS = "{max_connections: 2, rate: 3, interval: 60s}"

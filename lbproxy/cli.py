@@ -195,7 +195,9 @@ def _print_discovered(cfg: Config) -> bool:
 def import_configuration(file: str, source: str | None) -> None:
     """Print FILE (an HAProxy `mode tcp` or nginx `stream` configuration) as lbproxy's
     configuration on stdout; every directive not carried over is named on stderr as
-    FILE:LINE. Exits 2 when nothing could be translated."""
+    FILE:LINE. Exits 2 when nothing could be translated. HAProxy's environment
+    variables and `.if` blocks are read with the environment this command runs in."""
+    import os
     from pathlib import Path
 
     from lbproxy.tools.importer.translation import guess_source, to_yaml
@@ -213,10 +215,15 @@ def import_configuration(file: str, source: str | None) -> None:
         )
         sys.exit(EXIT_USAGE)
     if chosen == "haproxy":
-        from lbproxy.tools.importer.haproxy import translate
+        from lbproxy.tools.importer import haproxy
+
+        # HAProxy expands environment variables and decides `.if` blocks when it reads
+        # its file: the import does so with the environment it runs in.
+        translation = haproxy.translate(path, os.environ)
     else:
-        from lbproxy.tools.importer.nginx import translate
-    translation = translate(path)
+        from lbproxy.tools.importer import nginx
+
+        translation = nginx.translate(path)
     for left in translation.untranslated:
         click.echo(str(left), err=True)
     if translation.translated == 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Callable
+from collections.abc import Mapping as Environment
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,8 +284,9 @@ _SNI_MAP = re.compile(
 )
 
 
-def translate(path: Path) -> Translation:
-    """Read `path` (one haproxy.cfg) and translate it; never raises on its content. The
+def translate(path: Path, env: Environment[str, str] | None = None) -> Translation:
+    """Read `path` (one haproxy.cfg) and translate it as HAProxy reads it with the
+    environment variables `env` (none by default); never raises on its content. The
     address lists its ACLs name (`src -f FILE`) are read too, a relative name from the
     configuration's folder."""
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -295,13 +297,19 @@ def translate(path: Path) -> Translation:
         except (OSError, ValueError):
             return None
 
-    return translate_text(text, str(path), read)
+    return translate_text(text, str(path), read, env)
 
 
-def translate_text(text: str, file: str, read: ReadFile | None = None) -> Translation:
-    """The translation of `text`, the content of `file`; `read(NAME)` gives the content
-    of a file an ACL names, None when there is none (pure: no file is read here)."""
-    return _Translator(parse(text, file), file, read or _no_files).run()
+def translate_text(
+    text: str,
+    file: str,
+    read: ReadFile | None = None,
+    env: Environment[str, str] | None = None,
+) -> Translation:
+    """The translation of `text`, the content of `file`, with the environment variables
+    `env`; `read(NAME)` gives the content of a file an ACL names, None when there is
+    none (pure: no file is read here)."""
+    return _Translator(parse(text, file, env), file, read or _no_files).run()
 
 
 def _no_files(name: str) -> str | None:
@@ -630,6 +638,7 @@ class _Translator:
         self.translation = Translation(source="haproxy", path=file)
         self.used: set[tuple[str, int]] = set()
         self.left: dict[tuple[str, int, str], None] = {}
+        self.notes: set[tuple[str, int, str]] = set()  # of `left`: said, not left behind
         self.defaults: dict[str, _Proxy] = {}
         self.proxies: list[_Proxy] = []
         self.backends: dict[str, _Proxy] = {}
@@ -663,6 +672,9 @@ class _Translator:
     def run(self) -> Translation:
         for problem in self.parsed.problems:
             self.left[(problem.file, problem.line, problem.message)] = None
+        for note in self.parsed.notes:
+            self.left[(note.file, note.line, note.message)] = None
+            self.notes.add((note.file, note.line, note.message))
         for statement in self.parsed.before_sections:
             self.skip(statement, f"{statement.text} (outside any section)")
         current = _Proxy(section=None)
@@ -697,7 +709,8 @@ class _Translator:
         # without a virtual server the rest (global settings) is no configuration
         self.translation.translated = len(self.used) if self.translation.virtual_servers else 0
         self.translation.untranslated.extend(
-            Untranslated(file, line, what) for file, line, what in sorted(self.left, key=_order)
+            Untranslated(file, line, what, note=(file, line, what) in self.notes)
+            for file, line, what in sorted(self.left, key=_order)
         )
         return self.translation
 
@@ -712,6 +725,8 @@ class _Translator:
                 key = "user" if words[0] in ("user", "uid") else "group"
                 settings[key] = int(words[1]) if words[1].isdigit() else words[1]
                 self.use(st)
+            elif words[0] in ("setenv", "presetenv", "unsetenv", "resetenv"):
+                self.use(st)  # the grammar applied it to the lines below, as HAProxy does
             else:
                 self.skip(st, st.text)
         if not settings:

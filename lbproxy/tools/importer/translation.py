@@ -20,13 +20,18 @@ SCHEMA_COMMENT = "# yaml-language-server: $schema=lbproxy.schema.json"
 
 @dataclass(frozen=True)
 class Untranslated:
-    """A directive (or a whole section, named once at its start) not carried over."""
+    """A directive (or a whole section, named once at its start) not carried over; or,
+    with `note`, what the import decided there that a reader should know (a variable
+    that is not set, a conditional block left out as the original leaves it out)."""
 
     file: str
     line: int
     what: str
+    note: bool = False
 
     def __str__(self) -> str:
+        if self.note:
+            return f"{self.file}:{self.line}: {self.what}"
         return f"{self.file}:{self.line}: not translated: {self.what}"
 
 
@@ -69,7 +74,8 @@ def to_yaml(translation: Translation) -> str:
         SCHEMA_COMMENT,
         f"# Imported from {translation.source}: {translation.path}",
         f"# {translation.translated} directives translated, "
-        f"{len(translation.untranslated)} not (listed on stderr by `lbproxy import`).",
+        f"{sum(not left.note for left in translation.untranslated)} not (listed on stderr by "
+        "`lbproxy import`).",
         "",
     ]
     return "\n".join(header) + body

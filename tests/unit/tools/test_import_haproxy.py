@@ -37,7 +37,7 @@ def imported(text: str, tmp_path: Path) -> tuple[list[dict], list[str], dict]:
         written = tmp_path / "lbproxy.yaml"
         written.write_text(document_text)
         load([written])  # raises ConfigError with every FILE:LINE problem
-    left = [str(u).split(": not translated: ", 1)[1] for u in translation.untranslated]
+    left = [u.what for u in translation.untranslated]
     lines = [f"{u.line}: {u.what}" for u in translation.untranslated]
     return translation.virtual_servers, left + lines, document
 

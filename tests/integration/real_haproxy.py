@@ -17,7 +17,10 @@ class Haproxy:
     """`haproxy -db -f FILE` on `config` (a `global` with a stats socket put in front of
     it); `stop()` ends it by its PID."""
 
-    def __init__(self, folder: Path, config: str, ports: list[int]):
+    def __init__(
+        self, folder: Path, config: str, ports: list[int], env: dict[str, str] | None = None
+    ):
+        self.env = env  # its environment variables (this process's when None)
         self.program = need("haproxy", "haproxy")
         folder.mkdir(parents=True, exist_ok=True)
         self.socket_path = str(folder / "haproxy.sock")
@@ -35,6 +38,7 @@ class Haproxy:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.path.parent,  # where the relative names of `-f` lists are
+                env=self.env,
             )
 
         def ready() -> bool:

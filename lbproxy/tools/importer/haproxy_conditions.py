@@ -178,6 +178,8 @@ class _Reader:
         `,` and `)` end one outside quotes; exactly `count` of them, then `)`."""
         text = self.text
         if self.at >= len(text) or text[self.at] != "(":
+            if count == 1:
+                return [""]  # make_arg_list: no parentheses is one empty argument
             raise _Refused(
                 f"missing arguments (got 0/{count}), type 'string' expected in argument 0 "
                 f"of predicate '{predicate}' used in conditional expression"

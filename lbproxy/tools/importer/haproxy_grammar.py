@@ -470,7 +470,8 @@ class _Reader:
         level.seen_else = keyword == ".else"
         if level.inside_left_out:
             return
-        if keyword == ".else":
+        if keyword == ".else" or level.status == "taken":
+            # HAProxy does not evaluate an .elif after a branch it took
             self.decide(level, True, number)
             return
         self.unset(read.unset)

@@ -1249,3 +1249,381 @@ def test_a_map_lbproxy_cannot_match_is_named(tmp_path, converter):
     assert f"3: use_backend %[req.ssl_sni,lower,{converter}(sni.map,bk_a)] ({converter}: " in (
         "\n".join(left)
     )
+
+
+# --- environment variables and .if blocks, as HAProxy 2.6 reads them ---------------
+
+
+def run_import(text: str, tmp_path: Path, env: dict[str, str]) -> tuple[dict, list[str]]:
+    """`lbproxy import` in the environment `env` (and no other variable): the document
+    and its stderr lines without the file name."""
+    source = tmp_path / "haproxy.cfg"
+    source.write_text(textwrap.dedent(text).lstrip("\n"))
+    names = ("LB_ADDR", "MODE", "PROD", "UNSET_ONE", "SRV", "STAGE", "A", "B", "C", "L", "E")
+    environment: dict[str, str | None] = dict.fromkeys(names)
+    environment.update(env)
+    result = CliRunner().invoke(main, ["import", str(source)], env=environment)
+    lines = [line.removeprefix(f"{source}:") for line in result.stderr.splitlines()]
+    assert result.exit_code == 0, result.stderr
+    return yaml.safe_load(result.stdout), lines
+
+
+BACKEND = """
+backend b
+    server s 127.0.0.1:9001
+"""
+
+
+def listens(document: dict) -> list[str]:
+    """Every address the virtual servers listen on (one is written without a list)."""
+    found = []
+    for vs in document["virtual_servers"]:
+        found += [vs["listen"]] if isinstance(vs["listen"], str) else vs["listen"]
+    return found
+
+
+@pytest.mark.parametrize(
+    "line, env, words",
+    [
+        ('x "${A}" "$A." "a${A}b"', {"A": "1"}, ["x", "1", "1.", "a1b"]),
+        ("x '${A}' $A ${A}", {"A": "1"}, ["x", "${A}", "$A", "${A}"]),  # quoted '' or not
+        ('x "${A-dflt}" "${U-dflt}" "${E-dflt}"', {"A": "1", "E": ""}, ["x", "1", "dflt", ""]),
+        ('x "${L[*]}" y', {"L": "a  b c"}, ["x", "a", "b", "c", "y"]),
+        ('x "${L}"', {"L": "a b"}, ["x", "a b"]),
+        ('x "\\$A" \\$A', {"A": "1"}, ["x", "$A", "\\$A"]),
+        ('x "${U}" "a$U"', {}, ["x", "", "a"]),
+    ],
+)
+def test_variables_expand_within_double_quotes_only(line, env, words):
+    assert split_words(line, env.get) == (words, None)
+
+
+@pytest.mark.parametrize("line", ['x "${A:-d}"', 'x "$1"', 'x "${A"', 'x "${A[x]}"'])
+def test_a_variable_haproxy_refuses_is_a_problem(line):
+    assert split_words(line, {"A": "1"}.get)[1]
+
+
+def test_an_unquoted_variable_in_an_address_is_expanded_as_haproxy_does(tmp_path):
+    document, lines = run_import(
+        """
+        defaults
+            mode tcp
+        frontend f
+            bind ${LB_ADDR}:15433
+            bind "$LB_ADDR:15434",'${LB_ADDR}:15435'
+            bind "${STAGE-127.0.0.3}:15436"
+            default_backend b
+        backend b
+            server s $SRV:9001
+        """,
+        tmp_path,
+        {"LB_ADDR": "127.0.0.2", "SRV": "127.0.0.9"},
+    )
+    assert listens(document) == [
+        "127.0.0.2:15433",
+        "127.0.0.2:15434",
+        "127.0.0.2:15435",
+        "127.0.0.3:15436",
+    ]
+    assert document["virtual_servers"][0]["real_servers"][0]["address"] == "127.0.0.9:9001"
+    assert lines == []
+
+
+def test_a_variable_not_set_is_empty_with_one_line(tmp_path):
+    document, lines = run_import(
+        """
+        defaults
+            mode tcp
+        frontend f
+            bind "${LB_ADDR}:15433"
+            bind ${UNSET_ONE}:15434
+            default_backend b
+        """
+        + BACKEND,
+        tmp_path,
+        {},
+    )
+    assert listens(document) == ["0.0.0.0:15433", "0.0.0.0:15434"]
+    assert lines == [
+        "4: environment variable LB_ADDR is not set: empty here",
+        "5: environment variable UNSET_ONE is not set: empty here",
+    ]
+
+
+def test_global_setenv_changes_the_lines_below(tmp_path):
+    document, lines = run_import(
+        """
+        global
+            setenv LB_ADDR 127.0.0.4
+            presetenv STAGE 127.0.0.5
+        defaults
+            mode tcp
+        frontend f
+            bind "${LB_ADDR}:1"
+            bind "${STAGE}:2"
+            default_backend b
+        """
+        + BACKEND,
+        tmp_path,
+        {"LB_ADDR": "127.0.0.2", "STAGE": "127.0.0.6"},
+    )
+    assert listens(document) == ["127.0.0.4:1", "127.0.0.6:2"]
+    assert lines == []
+
+
+CONDITIONAL = """
+defaults
+    mode tcp
+.if defined(PROD)
+frontend prod
+    bind 127.0.0.1:15001
+    default_backend b
+.elif streq("$MODE",staging) || strneq("${MODE-x}",x) && 0
+frontend staging
+    bind 127.0.0.1:15002
+    default_backend b
+.elif !(0x0 || defined(MODE))
+frontend dev
+    bind 127.0.0.1:15003
+    .if streq("${A}",1)
+    bind 127.0.0.1:15004
+    .else
+    bind 127.0.0.1:15005
+    .endif
+    default_backend b
+.else
+frontend other
+    bind 127.0.0.1:15006
+    default_backend b
+.endif
+"""
+
+
+@pytest.mark.parametrize(
+    "env, ports, said",
+    [
+        (
+            {"PROD": ""},
+            ["15001"],
+            [
+                '7: .elif streq("$MODE",staging) || strneq("${MODE-x}",x) && 0 is not '
+                "taken here (line 3 is): lines 8-10 left out",
+                "11: .elif !(0x0 || defined(MODE)) is not taken here (line 3 is): "
+                "lines 12-19 left out",
+                "20: .else is not taken here (line 3 is): lines 21-23 left out",
+            ],
+        ),
+        (
+            {"MODE": "staging"},
+            ["15002"],
+            [
+                "3: .if defined(PROD) is false here: lines 4-6 left out",
+                "11: .elif !(0x0 || defined(MODE)) is not taken here (line 7 is): "
+                "lines 12-19 left out",
+                "20: .else is not taken here (line 7 is): lines 21-23 left out",
+            ],
+        ),
+        (
+            {"A": "1"},
+            ["15003", "15004"],
+            [
+                "3: .if defined(PROD) is false here: lines 4-6 left out",
+                "7: environment variable MODE is not set: empty here",
+                '7: .elif streq("$MODE",staging) || strneq("${MODE-x}",x) && 0 is false '
+                "here: lines 8-10 left out",
+                "16: .else is not taken here (line 14 is): line 17 left out",
+                "20: .else is not taken here (line 11 is): lines 21-23 left out",
+            ],
+        ),
+        (
+            {"MODE": "prod"},
+            ["15006"],
+            [
+                "3: .if defined(PROD) is false here: lines 4-6 left out",
+                '7: .elif streq("$MODE",staging) || strneq("${MODE-x}",x) && 0 is false '
+                "here: lines 8-10 left out",
+                "11: .elif !(0x0 || defined(MODE)) is false here: lines 12-19 left out",
+            ],
+        ),
+    ],
+)
+def test_if_elif_else_keep_the_lines_haproxy_keeps(tmp_path, env, ports, said):
+    document, lines = run_import(CONDITIONAL + BACKEND, tmp_path, env)
+    assert [a.rsplit(":", 1)[1] for a in listens(document)] == ports
+    assert lines == said
+
+
+def test_a_condition_only_haproxy_can_tell_leaves_its_block_out_named(tmp_path):
+    document, lines = run_import(
+        """
+        defaults
+            mode tcp
+        frontend f
+            bind 127.0.0.1:15001
+        .if feature(OPENSSL) && defined(PROD)
+            bind 127.0.0.1:15002
+        .elif version_atleast(2.4)
+            bind 127.0.0.1:15003
+        .else
+            bind 127.0.0.1:15004
+        .endif
+        .if 0 && version_before(3.0)
+            bind 127.0.0.1:15005
+        .endif
+        .if 1 || feature(LUA)
+            bind 127.0.0.1:15006
+        .endif
+            default_backend b
+        """
+        + BACKEND,
+        tmp_path,
+        {"PROD": "1"},
+    )
+    assert listens(document) == ["127.0.0.1:15001", "127.0.0.1:15006"]
+    assert lines == [
+        "5: not translated: .if feature(OPENSSL) && defined(PROD): only HAProxy itself can "
+        "tell feature(OPENSSL) (lbproxy is not HAProxy): line 6 left out",
+        "7: not translated: .elif version_atleast(2.4): only HAProxy itself can tell "
+        "version_atleast(2.4) (lbproxy is not HAProxy): line 8 left out",
+        "9: not translated: .else: taken only if the branches above it are not, which "
+        "lbproxy cannot tell: line 10 left out",
+        "12: .if 0 && version_before(3.0) is false here: line 13 left out",
+    ]
+
+
+def test_a_condition_haproxy_refuses_leaves_its_block_out_named(tmp_path):
+    document, lines = run_import(
+        """
+        defaults
+            mode tcp
+        frontend f
+            bind 127.0.0.1:15001
+        .if yes
+            bind 127.0.0.1:15002
+        .endif
+        .if streq(a)
+            bind 127.0.0.1:15003
+        .endif
+            default_backend b
+        """
+        + BACKEND,
+        tmp_path,
+        {},
+    )
+    assert listens(document) == ["127.0.0.1:15001"]
+    assert lines[0] == (
+        "5: not translated: .if yes: HAProxy refuses it (unparsable conditional expression "
+        "'yes'): line 6 left out"
+    )
+    assert lines[1].startswith("8: not translated: .if streq(a): HAProxy refuses it (missing")
+    assert lines[1].endswith(": line 9 left out")
+
+
+def test_a_block_left_out_takes_its_sections_header_with_it(tmp_path):
+    """A `frontend` line left out: the lines after the block belong to the section
+    above it again, as in HAProxy."""
+    document, lines = run_import(
+        """
+        defaults
+            mode tcp
+        listen kept
+            bind 127.0.0.1:15001
+        .if 0
+        listen gone
+            bind 127.0.0.1:15002
+        .endif
+            server s 127.0.0.1:9001
+        """,
+        tmp_path,
+        {},
+    )
+    assert [(vs["name"], vs["listen"]) for vs in document["virtual_servers"]] == [
+        ("kept", "127.0.0.1:15001")
+    ]
+    assert lines == ["5: .if 0 is false here: lines 6-7 left out"]
+
+
+def test_messages_and_misplaced_directives_are_named(tmp_path):
+    _, lines = run_import(
+        """
+        defaults
+            mode tcp
+        .notice "hello"
+        .if 0
+            .alert "never said"
+        .else
+            .warning "careful"
+            .alert "stop"
+        .endif
+        .endif
+        .if 1
+        listen a
+            bind 127.0.0.1:15001
+            server s 127.0.0.1:9001
+        """,
+        tmp_path,
+        {},
+    )
+    assert lines == [
+        "3: not translated: .notice hello (HAProxy's notice when it starts)",
+        "4: .if 0 is false here: line 5 left out",
+        "7: not translated: .warning careful (HAProxy's warning when it starts (in "
+        "strict-mode it refuses to start))",
+        "8: not translated: .alert stop (HAProxy refuses to start here)",
+        "10: not translated: .endif without an .if above it: HAProxy refuses the file",
+        "11: not translated: this .if has no .endif: HAProxy refuses the file",
+    ]
+
+
+@pytest.mark.parametrize(
+    "condition, value",
+    [
+        ("", False),
+        ("0", False),
+        ("1", True),
+        ("-1", True),
+        ("0x10", True),
+        ("00", False),
+        ("!0", True),
+        ("! ! 1", True),
+        ("1 && 0 || 1", True),
+        ("0 || 1 && 0", False),
+        ("(0 || 1) && 0", False),
+        ("!(1 && 0)", True),
+        ("defined(A)", True),
+        ("defined(B)", False),
+        ("defined()", False),
+        ("streq(x,x)", True),
+        ("streq('a b',\"a b\")", True),
+        ("streq(\"a,b\",'a,b')", True),
+        ("streq(a\\ b,'a b')", True),
+        ("strneq(x,y)", True),
+        ("streq(,)", True),
+        ("defined", False),  # one empty argument, as without parentheses HAProxy reads
+    ],
+)
+def test_conditions_evaluate_as_haproxys(condition, value):
+    from lbproxy.tools.importer.haproxy_conditions import evaluate
+
+    assert evaluate(condition, {"A": ""}) is value
+
+
+@pytest.mark.parametrize(
+    "condition",
+    [
+        "yes",
+        "1 &&",
+        "(1",
+        "defined (A)",
+        "streq(a)",
+        "streq(a,b,c)",
+        "streq(a\\,b,a)",  # a lone backslash: the comma still ends the argument
+        "1 1",
+        "08",
+        "feature(X",
+    ],
+)
+def test_conditions_haproxy_refuses_are_malformed(condition):
+    from lbproxy.tools.importer.haproxy_conditions import Malformed, evaluate
+
+    assert isinstance(evaluate(condition, {}), Malformed)

@@ -59,6 +59,29 @@ the copies no longer share their servers' limits nor their balancing; a replayed
 from that frontend goes to its copy.
 """
 
+HAPROXY_INTRO = """\
+The file is read as HAProxy 2.6 reads it, **with the environment `lbproxy import` runs
+in**: run the import where HAProxy runs (same user, same service environment), or the
+variables it reads may differ.
+
+- **Environment variables** are expanded where HAProxy expands them: within double
+  quotes (`"$VAR"`, `"${VAR}"`, `"${VAR-default}"`, `"${VAR[*]}"`, `"${.LINE}"`), and in
+  addresses (`bind`, a server's address, `addr`, `source`) whatever the quotes, so
+  `bind ${LB_ADDR}:15433` listens where HAProxy would. In single quotes, or unquoted
+  elsewhere, `$` is text. A variable that is not set is empty, as in HAProxy, and one
+  line says so: `FILE:LINE: environment variable X is not set: empty here`. The global
+  `setenv`, `presetenv`, `unsetenv` and `resetenv` apply to the lines below them.
+- **Conditional blocks** (`.if`, `.elif`, `.else`, `.endif`) keep the lines HAProxy
+  would keep: integers, `defined()`, `streq()`, `strneq()`, `!`, `&&`, `||` and
+  parentheses are decided exactly. A block left out says so once, `FILE:LINE: .if ... is
+  false here: lines A-B left out`. `feature()`, `version_atleast()`, `version_before()`
+  and the `openssl_*`/`ssllib_*` predicates ask about the HAProxy binary, which lbproxy
+  is not: such a block is left out and named as not translated (check it by hand), as is
+  a condition HAProxy would refuse.
+- `.diag`, `.notice`, `.warning` and `.alert` are named as not translated; an `.alert`
+  that is read means HAProxy refuses to start with this file (in this environment).
+"""
+
 NGINX_INTRO = """\
 How the whole file is read (`include`, what nginx would refuse) and nginx's own
 `ssl_preread` example imported: [Importing from nginx](import-nginx.md).
@@ -115,7 +138,7 @@ def markdown() -> str:
     """The whole page, from the importers' tables as they are now."""
     lines = [INTRO]
     for title, intro, rows, empty in (
-        ("HAProxy", "", haproxy.DIRECTIVES, "HAProxy's table is not written yet."),
+        ("HAProxy", HAPROXY_INTRO, haproxy.DIRECTIVES, "HAProxy's table is not written yet."),
         ("nginx `stream`", NGINX_INTRO, nginx.DIRECTIVES, "nginx's table is not written yet."),
     ):
         lines.append(f"## {title}\n")

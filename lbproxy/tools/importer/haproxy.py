@@ -130,6 +130,12 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "`v1`, `v2`: one value for the virtual server",
     ),
     _row(
+        "server ... check-send-proxy",
+        "virtual_servers[].real_servers[].health_check.send_proxy",
+        "`true`: that server's checks start with a PROXY header (v1 unless the virtual "
+        "server's `send_proxy` is v2)",
+    ),
+    _row(
         "server ... slowstart T",
         "virtual_servers[].slow_start",
         "one value for the virtual server; lbproxy ramps at start-up too, HAProxy only a "

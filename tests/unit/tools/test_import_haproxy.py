@@ -953,6 +953,9 @@ EXAMPLES = {
     "server ... send-proxy, send-proxy-v2": _listen(
         servers="    server s1 127.0.0.1:9001 send-proxy"
     ),
+    "server ... check-send-proxy": _listen(
+        servers="    server s1 127.0.0.1:9001 check port 8080 check-send-proxy"
+    ),
     "server ... slowstart T": _listen(servers="    server s1 127.0.0.1:9001 slowstart 5s"),
     "server ... agent-check agent-port agent-inter agent-addr agent-send": _listen(
         servers="    server s1 127.0.0.1:9001 agent-check agent-port 9777"

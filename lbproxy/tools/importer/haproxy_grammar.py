@@ -92,7 +92,9 @@ class Section:
 
 @dataclass(frozen=True)
 class Problem:
-    """A line that could not be read (an unterminated quote, a bad escape)."""
+    """What the reader says about one line: in `Parsed.problems` what could not be read
+    or carried over (an unterminated quote, a condition only HAProxy can decide, an
+    `.alert`), in `Parsed.notes` what it decided (a variable not set, a block left out)."""
 
     file: str
     line: int

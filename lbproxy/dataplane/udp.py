@@ -19,8 +19,9 @@ Two relays behave alike, as the pump's two implementations do (net/compiled.py p
   the reactor's epoll set, client datagrams read in recvmmsg batches, the session found
   by the client's address in a C hash table, the idle timeout an entry in the reactor's
   deadline heap). Python is called once when a client address opens a session (the
-  decision below, `_decide`) and once at its end (the accounts, `_ended`); the counts per
-  datagram accumulate in C and reach the pool's `UdpCounters` when read (`settle`).
+  decision below, `_decide`) and once at its end (the accounts, `_ended`), and for a
+  session to a failing server once more, at its first reply (`_answered`); the counts
+  per datagram accumulate in C and reach the pool's `UdpCounters` when read (`settle`).
 * `PureUdpRelay` (LBPROXY_PURE=1, or no compiled extension): no task per session and
   none per datagram. It has its own level-triggered epoll set holding the listening
   socket and every session's socket, served by one trio task: a wake-up handles every
@@ -34,6 +35,11 @@ Two relays behave alike, as the pump's two implementations do (net/compiled.py p
 
 On both, ECONNREFUSED on a session's socket (the real server's ICMP port unreachable,
 reported by epoll as an error) is a passive health failure, as a refused TCP connect is.
+Without an active check, a session opened while its server was failing (passively down,
+so this is its trial; or failures in a row) is watched: its first reply is a passive
+success, reported once per session (`_answered`), which brings a down server back as a
+TCP trial's connect does. A healthy server's sessions are not watched: the common path
+pays one test per reply (a field in C, an attribute in the pure relay), never a call.
 
 The server runs one `UdpListener` (a `UdpRelay` behind the accept-loop interface of
 listener.py's `Listener`) per UDP listen address, keyed by `UdpAddress` so that a TCP
@@ -111,6 +117,7 @@ class Session:
         "sock",
         "source",
         "started",
+        "watched",
     )
 
     def __init__(self, relay, client, server, lease, sock, now, idle_timeout, keys, source) -> None:
@@ -134,6 +141,7 @@ class Session:
         self.bytes_in = 0  # client -> real server
         self.bytes_out = 0  # real server -> client
         self.ended = ""
+        self.watched = False  # its first reply is its failing server's passive success
 
     @property
     def flow(self) -> Session:
@@ -264,14 +272,26 @@ class _Sessions:
             return None
         return rs, pool.take(rs, now, None, client), idle, source
 
-    def _opened(self, session, rs: RealServer, lease: Lease, source: object) -> None:
-        """A session is open: its lease, per source and sessions_total count it."""
+    def _opened(self, session, rs: RealServer, lease: Lease, source: object) -> bool:
+        """A session is open: its lease, per source and sessions_total count it.
+
+        Returns whether its first reply must be reported (`_answered`): its server is
+        failing (passively down, so this is its trial, or failures in a row) and has no
+        active check, whose results alone would count. A healthy server's: one test."""
         rs.counters.connections_total += 1  # Pool.established(lease), inline
         lease.handle = session
-        self.pool.clients += 1
+        pool = self.pool
+        pool.clients += 1
         per_source = self.per_source
         per_source[source] = per_source.get(source, 0) + 1
-        self.pool.udp.sessions_total[rs.name] += 1
+        pool.udp.sessions_total[rs.name] += 1
+        return not rs.health.clean and pool.config.health_check.type == "none"
+
+    def _answered(self, session) -> None:
+        """The first reply of a session opened while its server was failing: a passive
+        success, as a TCP connect's (once per session, never per datagram). It ends the
+        failures in a row, or brings a passively-down server back up (its trial)."""
+        record_health(self.pool, session.server, True, self.clock(), "udp reply", passive=True)
 
     def _session_failed(self, rs: RealServer, lease: Lease, now: float, exc: OSError) -> None:
         self.pool.drop(lease, now)
@@ -471,7 +491,7 @@ class PureUdpRelay(_Sessions):
         if keys is None:
             keys = self._keys[rs.name] = ((rs.name, "in"), (rs.name, "out"))
         session = Session(self, client, rs, lease, sock, now, idle, keys, source)
-        self._opened(session, rs, lease, source)
+        session.watched = self._opened(session, rs, lease, source)
         self.sessions[client] = session
         self.by_fd[session.fd] = session
         if idle >= _DEFER_IDLE:
@@ -509,6 +529,11 @@ class PureUdpRelay(_Sessions):
             self._close(session)
             return
         session.last = now
+        if session.watched:  # the server answered: even a reply dropped below counts
+            session.watched = False
+            self._answered(session)
+            if self.sessions.get(session.client) is not session:
+                return  # closed by a health change
         responses = self.pool.config.udp.responses
         if responses is not None and session.replies >= session.requests * responses:
             self.counters.dropped["unrequested"] += 1  # no amplification
@@ -560,7 +585,8 @@ class CompiledUdpRelay(_Sessions):
     """The same sessions with every datagram handled in C, in the run's reactor (its
     `udp()`: lbproxy/net/_cpump_udp.h): a client datagram costs a recvmmsg batch's share and
     one send, a reply one recv and one sendto, neither a Python call. Python is called
-    once when a client address opens a session (`_decide`) and once at its end."""
+    once when a client address opens a session (`_decide`) and once at its end, and
+    once at the first reply of a session opened to a failing server (`_answered`)."""
 
     def __init__(
         self,
@@ -679,7 +705,8 @@ class CompiledUdpRelay(_Sessions):
         except OSError as exc:
             self._session_failed(rs, lease, now, exc)
             return None
-        self._opened(session, rs, lease, source)
+        if self._opened(session, rs, lease, source):
+            session.on_reply = self._answered  # the C relay calls it at the first reply
         self._open_count += 1
         return session
 

@@ -18,7 +18,10 @@
  * scheduler, lease; it counts its own drops), and a session's end one more,
  * on_end(session, reason). A session's socket gives one datagram per event (level-
  * triggered), sent on to the client from the listening socket; `responses` bounds the
- * replies per request (nginx's proxy_responses: no amplification). The idle timeout is
+ * replies per request (nginx's proxy_responses: no amplification). A session the Python
+ * side gave an `on_reply` (one opened to a failing server: its trial) costs one more
+ * call, on_reply(session), at its first reply, which is the server's passive success;
+ * every other reply costs the test of that field. The idle timeout is
  * the session's entry in the reactor's deadline heap, moved on only when it rings early.
  * Counts per real server (by the index the Python side gave the session) and the drops
  * met here accumulate in the relay until take_counts() collects them. */
@@ -58,6 +61,7 @@ struct UdpSession {
     uint32_t hash;
     UdpKey key;
     PyObject *client, *server, *lease, *source; /* for the Python side */
+    PyObject *on_reply; /* called once, at the first reply; NULL: nothing to call */
     double started, last, idle_timeout, own_idle_timeout;
     long long requests, replies, bytes_in, bytes_out;
 };
@@ -293,6 +297,7 @@ us_end(UdpSession *s, int reason)
     }
     /* the lease points back at the session: the cycle is broken here, not by the GC */
     Py_CLEAR(s->lease);
+    Py_CLEAR(s->on_reply);
     Py_XDECREF(ref);
     Py_DECREF(u);
 }
@@ -316,6 +321,24 @@ us_ring(Reactor *r, UdpSession *s, double now)
     heap_down(r, s->timed.heap_index);
 }
 
+/* s's first reply, when the Python side asked for it: on_reply(session) once. */
+static void
+us_answered(UdpSession *s)
+{
+    PyObject *on_reply = s->on_reply;
+    s->on_reply = NULL; /* once per session, never per datagram */
+    python_ran++;
+    PyObject *res = PyObject_CallOneArg(on_reply, (PyObject *)s);
+    if (res == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_Exception))
+            rx_record(s->relay == NULL ? NULL : s->relay->reactor, s_where_udp);
+        else
+            PyErr_WriteUnraisable(on_reply);
+    }
+    Py_XDECREF(res);
+    Py_DECREF(on_reply);
+}
+
 /* A datagram from the real server (s's socket readable, or an error on it). */
 static void
 us_on_event(UdpSession *s)
@@ -332,6 +355,14 @@ us_on_event(UdpSession *s)
     if (rx_now(u->reactor, &s->last) < 0) {
         rx_record(u->reactor, s_where_udp);
         return;
+    }
+    if (s->on_reply != NULL) { /* the server answered: even a reply dropped below counts */
+        Py_INCREF(s);
+        us_answered(s);
+        int ended = s->relay != u; /* by on_reply (a health change that closes sessions) */
+        Py_DECREF(s);
+        if (ended)
+            return;
     }
     long long allowed = u->responses < 0 ? -1 : s->requests * u->responses;
     if (allowed >= 0 && s->replies >= allowed) {
@@ -577,6 +608,7 @@ UdpSession_traverse(UdpSession *s, visitproc visit, void *arg)
     Py_VISIT(s->server);
     Py_VISIT(s->lease);
     Py_VISIT(s->source);
+    Py_VISIT(s->on_reply);
     return 0;
 }
 
@@ -587,6 +619,7 @@ UdpSession_clear(UdpSession *s)
     Py_CLEAR(s->server);
     Py_CLEAR(s->lease);
     Py_CLEAR(s->source);
+    Py_CLEAR(s->on_reply);
     return 0;
 }
 
@@ -665,6 +698,25 @@ UdpSession_set_idle_timeout(UdpSession *s, PyObject *value, void *c)
 }
 
 static PyObject *
+UdpSession_get_on_reply(UdpSession *s, void *c)
+{
+    return Py_NewRef(s->on_reply == NULL ? Py_None : s->on_reply);
+}
+
+static int
+UdpSession_set_on_reply(UdpSession *s, PyObject *value, void *c)
+{
+    if (value == Py_None)
+        value = NULL;
+    if (value != NULL && !PyCallable_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "on_reply must be callable or None");
+        return -1;
+    }
+    Py_XSETREF(s->on_reply, Py_XNewRef(value));
+    return 0;
+}
+
+static PyObject *
 UdpSession_get_open(UdpSession *s, void *c)
 {
     return PyBool_FromLong(s->relay != NULL);
@@ -704,6 +756,9 @@ static PyGetSetDef UdpSession_getset[] = {
     {"idle_timeout", (getter)UdpSession_get_idle_timeout, (setter)UdpSession_set_idle_timeout,
      "seconds without a datagram either way that end it; a new value applies at once", NULL},
     {"open", (getter)UdpSession_get_open, NULL, "in its relay (not ended)", NULL},
+    {"on_reply", (getter)UdpSession_get_on_reply, (setter)UdpSession_set_on_reply,
+     "called as on_reply(session) at its first reply from the real server, once, then\n"
+     "None (a reply dropped as unrequested counts); None: nothing is called", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

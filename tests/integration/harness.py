@@ -1080,6 +1080,14 @@ class Echo:
         """Nothing listens on the port any more: the kernel answers ICMP port unreachable."""
         self.sock.close()
 
+    def restart(self) -> None:
+        """Listen on the same port again (after `close`), as a restarted server does."""
+        self.thread.join(timeout=5)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", self.port))
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
 
 def udp_client(source: str = "127.0.0.1", timeout: float = 2.0) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -1,10 +1,16 @@
 """Health of a UDP virtual server's real servers (SPEC §19), through a real `lbproxy`:
-the `dns` check against real dnsmasq servers, the `udp` check against echo servers, and
-ICMP port unreachable on a session's socket as a passive failure that moves sessions."""
+the `dns` check against real dnsmasq servers, the `udp` check against echo servers,
+ICMP port unreachable on a session's socket as a passive failure that moves sessions,
+and a passively-down server's answered trial session bringing it back (on both relays:
+the compiled one and LBPROXY_PURE=1's)."""
 
 from __future__ import annotations
 
+import collections
+import json
 import socket
+
+import pytest
 
 from tests.integration.dnsmasq import Dnsmasq, requires_dnsmasq
 from tests.integration.harness import (
@@ -13,11 +19,19 @@ from tests.integration.harness import (
     free_port,
     metrics,
     requires_dig,
+    run_cli,
     sample,
     wait_for,
 )
 
 FAST_CHECK = "interval: 100ms, timeout: 300ms, rise: 1, fall: 1"
+
+
+@pytest.fixture(params=["default", "pure"])
+def path(request, monkeypatch):
+    if request.param == "pure":
+        monkeypatch.setenv("LBPROXY_PURE", "1")
+    return request.param
 
 
 def up(admin: int, vs: str, rs: str) -> float:
@@ -168,6 +182,79 @@ def test_icmp_port_unreachable_is_a_passive_failure_and_sessions_move(lbproxy):
             samples = metrics(admin)
             labels = {"virtual_server": "game", "real_server": "b"}
             assert sample(samples, "lbproxy_udp_active_sessions", **labels) == 4
+    finally:
+        for client in clients:
+            client.close()
+        a.close()
+        b.close()
+
+
+def test_a_passively_down_server_restarted_comes_back_once_its_trial_session_is_answered(
+    lbproxy, path
+):
+    """Stopped, `a` goes down on ICMP port unreachable; restarted, the one trial session
+    `interval` later is answered, which brings it up (as a TCP server's trial connect
+    does), and new clients are shared by rr again."""
+    a, b = Echo(b"a:"), Echo(b"b:")
+    port, admin = free_port(), free_port()
+    config = f"""
+        global:
+          admin: {{listen: 127.0.0.1:{admin}}}
+          drain_timeout: 1s
+        virtual_servers:
+          - name: echo
+            protocol: udp
+            listen: 127.0.0.1:{port}
+            scheduler: rr
+            udp: {{idle_timeout: 30s}}
+            health_check: {{type: none, interval: 300ms}}
+            real_servers:
+              - {{name: a, address: 127.0.0.1:{a.port}}}
+              - {{name: b, address: 127.0.0.1:{b.port}}}
+        """
+    clients: list[socket.socket] = []
+
+    def new_client_asks() -> bytes | None:
+        """A new client address (a new session, picked by rr) sends one datagram."""
+        client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        clients.append(client)
+        client.settimeout(0.5)
+        client.sendto(b"hi", ("127.0.0.1", port))
+        try:
+            return client.recvfrom(100)[0]
+        except TimeoutError:  # a session on a stopped `a`: refused, no answer
+            return None
+
+    def answered_by(n: int) -> collections.Counter:
+        return collections.Counter((new_client_asks() or b"--")[:2] for _ in range(n))
+
+    try:
+        with lbproxy(config) as proxy:
+            assert answered_by(4) == {b"a:": 2, b"b:": 2}
+            a.close()
+            wait_for(
+                lambda: [new_client_asks(), up(admin, "echo", "a") == 0][-1],
+                what="stopped: a passively down",
+            )
+            assert "echo/a is down (udp port unreachable)" in proxy.log()
+            a.restart()
+            # New clients keep coming, as a service's do; one of them, `interval` after
+            # the last failure, is a's trial session, and its answer brings a up.
+            wait_for(
+                lambda: new_client_asks() and up(admin, "echo", "a") == 1,
+                timeout=5,
+                what="restarted and answered: a up again",
+                details=proxy.log,
+            )
+            assert "echo/a is up (udp reply)" in proxy.log()
+            assert answered_by(20) == {b"a:": 10, b"b:": 10}
+            status = run_cli("status", "--json", "--admin", f"http://127.0.0.1:{admin}")
+            assert status.returncode == 0, status.stderr
+            [vs] = json.loads(status.stdout)["virtual_servers"]
+            assert {rs["name"]: rs["health"] for rs in vs["real_servers"]} == {
+                "a": "up",
+                "b": "up",
+            }
     finally:
         for client in clients:
             client.close()

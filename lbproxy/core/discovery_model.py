@@ -6,9 +6,11 @@ PURE: no trio, no sockets, no clock — `DiscoveryState.record` takes `now`. The
 - *Answers -> servers* (`servers_from_srv`, `servers_from_addresses`): one
   RealServerConfig per target and port, named `HOST:PORT` (SRV: the target without its
   trailing dot; A/AAAA: the address, `[v6]:PORT` for IPv6). An SRV record's weight is the
-  static weight, 0 included; the records of the lowest priority are the primaries and
-  every higher priority is `backup` (RFC 2782: "a client MUST attempt to contact the
-  target host with the lowest-numbered priority it can reach"). Anything unusable — the
+  static weight, 0 included, except that a priority whose records all have weight 0
+  gives each of them weight 1 (RFC 2782 chooses among them alike); the records of the
+  lowest priority are the primaries and every higher priority is `backup` (RFC 2782: "a
+  client MUST attempt to contact the target host with the lowest-numbered priority it
+  can reach"). Anything unusable — the
   target `.` ("decidedly not available", RFC 2782), port 0, a name that is no host name —
   is skipped and reported, never raised: these values come from the network.
 - *What to keep* (`DiscoveryState`): HAProxy's resolvers keep a server through resolution
@@ -229,9 +231,18 @@ def servers_from_srv(
     if not best:
         return (), skipped
     primary = min(priority for priority, _, _ in best.values())
+    # RFC 2782: when every record of a priority has weight 0 they are chosen alike.
+    # CoreDNS gives each record of a headless service floor(100/N), so beyond 100
+    # endpoints every weight is 0: taken literally, nobody would be served.
+    weighted = {priority for priority, negative_weight, _ in best.values() if negative_weight}
     ordered = sorted(best.items(), key=lambda item: (item[1][0], item[0]))
     servers = tuple(
-        discovered_server(name, address, -negative_weight, backup=priority > primary)
+        discovered_server(
+            name,
+            address,
+            -negative_weight if priority in weighted else 1,
+            backup=priority > primary,
+        )
         for name, (priority, negative_weight, address) in ordered
     )
     return servers, skipped

@@ -169,6 +169,19 @@ def test_srv_servers_appear_and_follow_weight_changes(name_servers, lbproxy, dns
     )
 
 
+def test_srv_records_all_of_weight_0_share_connections_alike(name_servers, lbproxy, dnsmasq):
+    # What CoreDNS answers for a headless service of more than 100 endpoints.
+    servers = name_servers("a", "b", "c")
+    dns = dnsmasq(srv=srv_for(*servers, weights=dict.fromkeys("abc", 0)), hosts=glue_for(*servers))
+    port, admin_port = free_port(), free_port()
+    lbproxy(config(port, admin_port, dns))
+    names = {f"{s.name}.node.test:{s.port}" for s in servers}
+    found = wait_for_names(admin_port, names)
+    assert [found[n]["weight"]["static"] for n in sorted(names)] == [1, 1, 1]
+    assert picks(port, 9) == {"a": 3, "b": 3, "c": 3}  # smooth wrr: exact per cycle of 3
+    assert counted(admin_port, "lbproxy_rejected_total", reason="no_server") == 0
+
+
 def test_check_resolve_prints_what_would_be_added(name_servers, dnsmasq, tmp_path):
     a, b, c = name_servers("a", "b", "c")
     dns = dnsmasq(srv=srv_for(a, b, c, weights={"b": 0}, priorities={"c": 5}), hosts=glue_for(a, b))

@@ -54,6 +54,42 @@ def test_srv_names_weights_and_backups():
     assert all(rs.discovered and rs.state == "enabled" for rs in servers)
 
 
+def test_srv_a_priority_of_weight_0_only_is_served_alike():
+    # CoreDNS answers weight floor(100/N) per endpoint: 0 for every one beyond 100.
+    servers, _ = servers_from_srv(
+        [
+            srv(0, 0, 80, "a."),
+            srv(0, 0, 80, "b."),
+            srv(0, 0, 80, "c."),
+            srv(1, 0, 80, "d."),  # a backup priority: decided on its own
+            srv(2, 3, 80, "e."),
+            srv(2, 0, 80, "f."),  # beside a weighted record: stays 0
+        ]
+    )
+    assert [(rs.name, rs.weight, rs.backup) for rs in servers] == [
+        ("a:80", 1, False),
+        ("b:80", 1, False),
+        ("c:80", 1, False),
+        ("d:80", 1, True),
+        ("e:80", 3, True),
+        ("f:80", 0, True),
+    ]
+
+
+def test_srv_weight_0_beside_a_weighted_record_of_its_priority_stays_0():
+    servers, _ = servers_from_srv([srv(0, 0, 80, "a."), srv(0, 1, 80, "b."), srv(1, 0, 80, "c.")])
+    assert [(rs.name, rs.weight) for rs in servers] == [("a:80", 0), ("b:80", 1), ("c:80", 1)]
+
+
+def test_srv_a_target_listed_twice_counts_its_best_record_for_the_weight_0_rule():
+    # a:80 counts at priority 0 with weight 0; b:80 at priority 0 with weight 0 too.
+    servers, _ = servers_from_srv([srv(0, 0, 80, "a."), srv(1, 5, 80, "a."), srv(0, 0, 80, "b.")])
+    assert [(rs.name, rs.weight, rs.backup) for rs in servers] == [
+        ("a:80", 1, False),
+        ("b:80", 1, False),
+    ]
+
+
 def test_srv_primaries_are_the_lowest_priority_whatever_its_number():
     servers, _ = servers_from_srv(
         [srv(10, 1, 80, "a."), srv(20, 1, 80, "b."), srv(10, 2, 81, "c.")]

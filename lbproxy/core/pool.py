@@ -79,6 +79,7 @@ REJECT_REASONS = (
     "acl",
     "queue_timeout",
     "queue_full",
+    "queue_abandoned",  # a queued client reset its connection before its turn
     "no_route",
     "proxy_untrusted",  # a PROXY sender outside accept_proxy_from (SPEC §21)
     "max_clients",  # beyond global.max_clients: closed at accept (SPEC §21)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
@@ -669,10 +670,11 @@ class Handler:
 
     async def _queued(self, c: ClientConnection) -> Wait | None:
         """queued: until a server is free (then picked before the next checkpoint, as
-        the queue asks), or refused (queue_full, queue_timeout)."""
+        the queue asks), or refused (queue_full, queue_timeout, queue_abandoned: the
+        client reset its connection meanwhile)."""
         queue = self.vs.queue
         assert queue is not None
-        reason = await queue.wait()
+        reason = await queue.wait(functools.partial(client_reset, c.fd))
         if reason is not None:
             c.reject(reason)
             return None
@@ -877,6 +879,25 @@ def _local_address(fd: int) -> tuple:
     sock = socket.socket(-1, socket.SOCK_STREAM, 0, fd)
     try:
         return sock.getsockname()
+    finally:
+        sock.detach()
+
+
+_TCP_CLOSE = 7  # tcp_info's tcpi_state once a reset came (linux/tcp_states.h)
+
+
+def client_reset(fd: int) -> bool:
+    """Did the client reset its connection (or is its descriptor unusable)?
+
+    Read from the kernel's TCP state, which a reset puts in TCP_CLOSE even with unread
+    bytes in the receive queue (a peek would return those first). A FIN only leaves
+    CLOSE_WAIT: it may be a half-close, so it is not a reset. One getsockopt.
+    """
+    sock = socket.socket(-1, socket.SOCK_STREAM, 0, fd)
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE
+    except OSError:
+        return True
     finally:
         sock.detach()
 

@@ -30,6 +30,14 @@ How a freed slot reaches the oldest waiter, and not a newcomer:
   room for several connections becomes available only once, so the next waiter is
   woken in turn.
 
+A client that goes away while it waits must not take a slot when its turn comes (Envoy
+drops a downstream that left; HAProxy has `option abortonclose`). The handler's `gone`
+looks at the client's socket when the wait ends, not while it waits (no task, no timer
+per waiter): a client that reset its connection is ABANDONED (counted, closed), and the
+slot goes to the next waiter. A client that only sent its FIN is still served: at L4 a
+FIN may be a half-close (the request sent, the reply awaited), which TCP allows. Until
+its turn, an abandoned client keeps its place (and counts toward `max`).
+
 What the metrics and the API read is the queue's own: `QueueStats` (its length and its
 waits), one per virtual server (`VirtualServer.queue_stats`), kept when a reload removes
 the queue so that the waits already counted stay counted.
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -55,6 +64,7 @@ log = logging.getLogger("lbproxy.waiting")
 
 _QUEUED, _WOKEN, _DONE = 0, 1, 2
 _TIMEOUT = "queue_timeout"
+ABANDONED = "queue_abandoned"
 
 
 class QueueStats:
@@ -111,11 +121,13 @@ class Queue:
             self.waiting or self.woken or (not pool.available_servers and pool.full_servers)
         )
 
-    async def wait(self) -> str | None:
+    async def wait(self, gone: Callable[[], bool] | None = None) -> str | None:
         """Wait for a free server: None when there is one now, else the reject reason.
 
         The caller picks and takes a server before its next checkpoint, then calls
         `kick()`. Cancellation (the drain deadline) leaves the queue and re-raises.
+        `gone()` (asked when the wait ends, not before) says whether the client went
+        away meanwhile: then it is ABANDONED and a free slot goes to the next waiter.
         """
         if self.waiting + self.woken >= self.config.max:
             return "queue_full"
@@ -133,13 +145,17 @@ class Queue:
             while True:
                 await trio.lowlevel.wait_task_rescheduled(lambda _: self._abort(waiter))
                 if waiter.timed_out:
-                    return _TIMEOUT
+                    return ABANDONED if gone is not None and gone() else _TIMEOUT
                 self.woken -= 1
                 if self.pool.available_servers or self.closed:
+                    if gone is not None and gone():
+                        waiter.state = _DONE
+                        self.kick()  # the slot it was woken for goes to the next one
+                        return ABANDONED
                     return None
                 if waiter.expired:
                     waiter.state = _DONE
-                    return _TIMEOUT
+                    return ABANDONED if gone is not None and gone() else _TIMEOUT
                 waiter.state = _QUEUED  # beaten to it: back to the head of the line
                 self._deque.appendleft(waiter)
                 self.waiting += 1

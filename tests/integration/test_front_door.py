@@ -12,6 +12,7 @@ import select
 import socket
 import socketserver
 import ssl
+import struct
 import subprocess
 import threading
 import time
@@ -310,6 +311,57 @@ def test_beyond_max_waiting_clients_a_newcomer_is_refused_at_once(name_servers, 
         holder.close()
         for s in waiting:
             s.close()
+
+
+def test_a_queued_client_that_resets_takes_no_slot_one_that_half_closes_is_served(
+    name_servers, lbproxy
+):
+    (server,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    config = vs_config(
+        port,
+        [server],
+        "rr",
+        "health_check: {type: none}\nqueue: {max: 10, timeout: 20s}",
+        rs_extra={"a": "max_connections: 1"},
+    )
+    lbproxy(with_admin(config, admin_port), wait_ports=[port])
+    wait_for(lambda: gauge(admin_port, "lbproxy_active_connections", real_server="a") == 0)
+    holder, _ = open_and_read_name(port)
+    gone = socket.create_connection(("127.0.0.1", port), timeout=5)
+    half = socket.socket()
+    try:
+        gone.sendall(b"from a client that left\n")
+        wait_for(lambda: gauge(admin_port, "lbproxy_queued_connections") == 1, what="1 queued")
+        half.settimeout(5)
+        half.connect(("127.0.0.1", port))  # after it: the oldest waiter is the one that leaves
+        half.sendall(b"request\n")
+        half.shutdown(socket.SHUT_WR)  # sent its request, awaits the reply: legitimate
+        wait_for(lambda: gauge(admin_port, "lbproxy_queued_connections") == 2, what="2 queued")
+        # a reset: close() with SO_LINGER 0 sends RST
+        gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        gone.close()
+        served_before = gauge(admin_port, "lbproxy_connections_total", real_server="a")
+
+        holder.close()  # the slot goes to the oldest waiter: the one that left
+        reply = b""
+        while chunk := half.recv(100):
+            reply += chunk
+        assert reply == b"a\nrequest\n"  # served in full after its half-close
+
+        samples = metrics(admin_port)
+        served_after = sample(
+            samples, "lbproxy_connections_total", virtual_server="web", real_server="a"
+        )
+        assert served_after == served_before + 1  # the half-closed client only
+        rejected = "lbproxy_rejected_connections_total"
+        assert sample(samples, rejected, virtual_server="web", reason="queue_abandoned") == 1
+        assert sample(samples, "lbproxy_queued_connections", virtual_server="web") == 0
+        assert b"from a client that left\n" not in b"".join(server.received)
+    finally:
+        holder.close()
+        gone.close()
+        half.close()
 
 
 # -- SNI routing (TLS passthrough) ------------------------------------------------------

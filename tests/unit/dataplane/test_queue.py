@@ -24,9 +24,13 @@ def full_pool(slots: int = 1, **queue) -> tuple[Pool, Queue, list]:
     return pool, q, leases
 
 
-async def client(pool: Pool, q: Queue, name: str, served: list, leases: list) -> None:
-    """The handler's part: wait if it must, then pick and take before a checkpoint."""
-    reason = await q.wait() if q.must_wait() else None
+async def client(
+    pool: Pool, q: Queue, name: str, served: list, leases: list, gone: set | None = None
+) -> None:
+    """The handler's part: wait if it must, then pick and take before a checkpoint.
+    A client whose name is put in `gone` has reset its connection."""
+    left = (lambda: name in gone) if gone is not None else None
+    reason = await q.wait(left) if q.must_wait() else None
     if reason is not None:
         served.append((name, reason))
         return
@@ -95,6 +99,28 @@ def test_timeout_and_full():
             await trio.sleep(0.01)
         assert served[2:] == [("c1", "served")]
         assert q.stats.waits.count == 2  # c0's timed-out wait counts, c2 never waited
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_waiter_that_left_gives_its_turn_to_the_next():
+    async def main() -> None:
+        pool, q, leases = full_pool(timeout=5.0)
+        served: list = []
+        gone: set = set()
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(client, pool, q, f"c{i}", served, leases, gone)
+                await trio.sleep(0.01)
+            gone.add("c0")
+            pool.drop(leases.pop(0), trio.current_time())
+            await trio.sleep(0.01)
+            assert served == [("c0", "queue_abandoned"), ("c1", "served")]
+            assert len(leases) == 1 and q.stats.queued == 1
+            gone.add("c2")
+            await trio.sleep(5.0)  # c2's timeout: it had left, so it counts as such
+            assert served[2:] == [("c2", "queue_abandoned")]
+        assert q.stats.queued == 0 and q.stats.waits.count == 3
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 

@@ -234,7 +234,9 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "stick-table type ip size N expire T + stick on src",
         "virtual_servers[].persistence",
-        "`max_entries`, `timeout` (also `stick match` + `stick store-request`)",
+        "`max_entries`, `timeout` (also `stick match` + `stick store-request`); a server "
+        "that is drained, weight 0 or full loses its sticky clients' new connections at "
+        "once (HAProxy's `drain` and weight 0 keep serving them; a full one queues them)",
     ),
     _row("balance uri, hdr, url_param, rdp-cookie, random", "", "not translated"),
     _row("mode http, option http*, http-request", "", "lbproxy is Layer 4"),

@@ -221,7 +221,8 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "server ... resolve / service= / slow_start= / route= / drain",
         "",
-        "NGINX Plus parameters (see `discovery` and `slow_start`)",
+        "NGINX Plus parameters (see `discovery` and `slow_start`); Plus's `drain` keeps "
+        "serving the clients bound to the server, lbproxy's `drain` sends them elsewhere",
     ),
     _row("zone", "", "shared memory: lbproxy's state is its own process's"),
     _row(

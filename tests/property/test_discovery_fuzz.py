@@ -57,13 +57,17 @@ def check_servers(servers, records: list[SrvRecord]) -> None:
         assert 1 <= int(port) <= 65535 and rs.address.port == int(port)
         assert 0 <= rs.weight <= 65535
         assert rs.discovered and rs.state == "enabled"
+        # its record's weight, or 1 for a record of weight 0 whose priority has only those
         assert any(
-            r.port == int(port) and r.weight == rs.weight and r.target.lower().rstrip(".") == host
+            r.port == int(port)
+            and rs.weight in (r.weight, 1 if r.weight == 0 else r.weight)
+            and r.target.lower().rstrip(".") == host
             for r in records
         )
     if servers:
         primaries = [rs for rs in servers if not rs.backup]
         assert primaries, "there is always a primary"
+        assert any(rs.weight for rs in primaries), "the primaries never all have weight 0"
 
 
 @settings(max_examples=200, deadline=None)

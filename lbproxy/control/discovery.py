@@ -25,6 +25,7 @@ listener) is asked of the kernel: binding a socket to it succeeds only if it is.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable
@@ -172,15 +173,21 @@ async def resolve(
             ),
         )
     records, beyond = best_records(srv_records(answer.rrset), config.max_servers)
-    glued = glue(answer.response.additional)  # target host -> address
+    several: dict[str, int] = {}  # target host -> how many addresses it has (> 1)
+    glued = glue(answer.response.additional, several)  # target host -> address
     missing = {target_host(r.target) for r in records} - glued.keys() - {""}
     if missing:
         # Within the same round: a target not found by then keeps its name.
         with trio.move_on_at(deadline):
-            await _lookup(resolver, missing, glued)
-    raw = (sorted(map(astuple, records)), sorted(glued.items()), beyond, policy)
+            await _lookup(resolver, missing, glued, several)
+    used = {target_host(r.target) for r in records}
+    multiple = tuple(sorted((h, n, glued[h]) for h, n in several.items() if h in used))
+    raw = (sorted(map(astuple, records)), sorted(glued.items()), multiple, beyond, policy)
     return last.convert(
-        raw, lambda: resolution(*servers_from_srv(records, glued), beyond=beyond, refuse=refuse)
+        raw,
+        lambda: resolution(
+            *servers_from_srv(records, glued), beyond=beyond, refuse=refuse, multiple=multiple
+        ),
     )
 
 
@@ -196,22 +203,39 @@ def srv_records(rrset: Iterable[Any]) -> list[SrvRecord]:
     return [SrvRecord(r.priority, r.weight, r.port, r.target.to_text()) for r in rrset]
 
 
-def glue(additional: Iterable[dns.rrset.RRset]) -> dict[str, str]:
-    """Addresses the answer brought for its targets (Consul and dnsmasq send them)."""
-    found: dict[str, list[str]] = {}
+def glue(
+    additional: Iterable[dns.rrset.RRset], several: dict[str, int] | None = None
+) -> dict[str, str]:
+    """Addresses the answer brought for its targets (Consul and dnsmasq send them); a
+    target with more than one is counted in `several` (host -> how many)."""
+    found: dict[str, set[str]] = {}
     for rrset in additional:
         if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
-            found.setdefault(target_host(rrset.name.to_text()), []).extend(r.address for r in rrset)
-    # The lowest address: a stable choice when a target has several (no flapping).
+            found.setdefault(target_host(rrset.name.to_text()), set()).update(
+                r.address for r in rrset
+            )
+    if several is not None:
+        several.update((host, len(ips)) for host, ips in found.items() if len(ips) > 1)
+    # One real server per target and port (its name is HOST:PORT), so one address: the
+    # lowest, a stable choice that does not flap from round to round.
     return {host: min(ips, key=_ip_order) for host, ips in found.items() if ips}
 
 
-def _ip_order(text: str) -> tuple[int, str]:
-    return (":" in text, text)  # IPv4 first; any fixed order will do
+def _ip_order(text: str) -> tuple[int, int]:
+    """IPv4 first, then by number (10.0.0.9 before 10.0.0.10); text that is no address
+    last (dnspython gives none such; the answer is the network's)."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return (7, 0)
+    return (ip.version, int(ip))
 
 
 async def _lookup(
-    resolver: dns.asyncresolver.Resolver, hosts: set[str], addresses: dict[str, str]
+    resolver: dns.asyncresolver.Resolver,
+    hosts: set[str],
+    addresses: dict[str, str],
+    several: dict[str, int] | None = None,
 ) -> None:
     """Find an address for each SRV target the answer had none for, A then AAAA, each
     target once (`hosts` is a set), at most LOOKUP_CONCURRENCY at a time (an answer of
@@ -221,7 +245,7 @@ async def _lookup(
 
     async def one(host: str) -> None:
         async with limiter:
-            await _lookup_one(resolver, host, addresses)
+            await _lookup_one(resolver, host, addresses, several)
 
     async with trio.open_nursery() as nursery:
         for host in sorted(hosts):
@@ -229,9 +253,13 @@ async def _lookup(
 
 
 async def _lookup_one(
-    resolver: dns.asyncresolver.Resolver, host: str, addresses: dict[str, str]
+    resolver: dns.asyncresolver.Resolver,
+    host: str,
+    addresses: dict[str, str],
+    several: dict[str, int] | None = None,
 ) -> None:
-    """One target's address, A then AAAA, into `addresses`; nothing when it has none."""
+    """One target's address, A then AAAA, into `addresses` (the lowest, as `glue`
+    chooses; more than one counted in `several`); nothing when it has none."""
     for rdtype in ("A", "AAAA"):
         try:
             answer = await resolver.resolve(
@@ -240,7 +268,10 @@ async def _lookup_one(
         except (dns.exception.DNSException, OSError, ValueError):
             continue
         if answer.rrset is not None and len(answer.rrset):
-            addresses[host] = min((r.address for r in answer), key=_ip_order)
+            found = {r.address for r in answer}
+            addresses[host] = min(found, key=_ip_order)
+            if several is not None and len(found) > 1:
+                several[host] = len(found)
             return
 
 

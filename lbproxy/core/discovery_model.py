@@ -5,7 +5,10 @@ PURE: no trio, no sockets, no clock — `DiscoveryState.record` takes `now`. The
 
 - *Answers -> servers* (`servers_from_srv`, `servers_from_addresses`): one
   RealServerConfig per target and port, named `HOST:PORT` (SRV: the target without its
-  trailing dot; A/AAAA: the address, `[v6]:PORT` for IPv6). An SRV record's weight is the
+  trailing dot; A/AAAA: the address, `[v6]:PORT` for IPv6), at one address: a target
+  with several is one server at its lowest (IPv4 first; logged once per target), since
+  one server per address would need names other than HOST:PORT, which SPEC §14 gives and
+  the admin API's paths use. An SRV record's weight is the
   static weight, 0 included, except that a priority whose records all have weight 0
   gives each of them weight 1 (RFC 2782 chooses among them alike); the records of the
   lowest priority are the primaries and every higher priority is `backup` (RFC 2782: "a
@@ -84,6 +87,8 @@ class Resolution:
     detail: str = ""  # why: an error, or the records skipped
     beyond: int = 0  # servers of the answer left out by `max_servers`
     refused: tuple[tuple[str, str], ...] = ()  # (server name, REFUSALS reason), left out
+    # SRV targets with several addresses: (host, how many, the one used)
+    multiple: tuple[tuple[str, int, str], ...] = ()
 
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -336,6 +341,7 @@ def resolution(
     max_servers: int | None = None,
     beyond: int = 0,
     refuse: Callable[[Address], str | None] | None = None,
+    multiple: tuple[tuple[str, int, str], ...] = (),
 ) -> Resolution:
     """An answer's Resolution: `empty` when no record in it was usable. Servers that
     `refuse` names a reason for are left out and listed in `refused`. With
@@ -356,7 +362,9 @@ def resolution(
     if max_servers is not None and len(servers) > max_servers:
         beyond += len(servers) - max_servers
         servers = servers[:max_servers]
-    return Resolution("ok" if servers else "empty", servers, detail, beyond, tuple(refused))
+    return Resolution(
+        "ok" if servers else "empty", servers, detail, beyond, tuple(refused), multiple
+    )
 
 
 class DiscoveryState:
@@ -377,6 +385,7 @@ class DiscoveryState:
         self.results: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # by REFUSALS reason, every round
         self._last_refused: tuple[tuple[str, str], ...] = ()
+        self._multiple: set[str] = set()  # targets said to have several addresses
         self.error_streak = 0
         self.empty_since: float | None = None
         self._shadowed: set[str] = set()  # discovered names a static server has: warned
@@ -416,6 +425,7 @@ class DiscoveryState:
         self._last_skipped = outcome.detail
         self._count_refused(outcome.refused)
         if outcome.result == "ok":
+            self._say_multiple(outcome.multiple)
             if outcome.beyond != self._last_beyond:  # once per change, not every round
                 if outcome.beyond:
                     log.warning(
@@ -455,6 +465,21 @@ class DiscoveryState:
             )
             return self._replace(())
         return False
+
+    def _say_multiple(self, multiple: tuple[tuple[str, int, str], ...]) -> None:
+        """Once per target (again only if it had one address meanwhile): a target of
+        several addresses is one real server, at one of them."""
+        for host, count, used in multiple:
+            if host not in self._multiple:
+                log.info(
+                    "%s: SRV target %s has %d addresses; only %s is used (one real "
+                    "server per target and port, at its lowest address)",
+                    self.what,
+                    host,
+                    count,
+                    used,
+                )
+        self._multiple = {host for host, _, _ in multiple}
 
     def _count_refused(self, refused: tuple[tuple[str, str], ...]) -> None:
         """Count this round's refused addresses; log them when they changed."""

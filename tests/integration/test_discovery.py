@@ -30,6 +30,7 @@ from tests.integration.harness import (
     servers_of,
     virtual_server_document,
     wait_for,
+    wait_for_log,
 )
 
 pytestmark = [pytest.mark.integration, requires_dnsmasq]
@@ -180,6 +181,26 @@ def test_srv_records_all_of_weight_0_share_connections_alike(name_servers, lbpro
     assert [found[n]["weight"]["static"] for n in sorted(names)] == [1, 1, 1]
     assert picks(port, 9) == {"a": 3, "b": 3, "c": 3}  # smooth wrr: exact per cycle of 3
     assert counted(admin_port, "lbproxy_rejected_total", reason="no_server") == 0
+
+
+def test_an_srv_target_of_several_addresses_is_one_server_at_its_lowest(lbproxy, dnsmasq):
+    (a,) = servers = [NameServer("a")]
+    try:
+        # a.node.test has two addresses; only 127.0.0.1 has the real server
+        dns = dnsmasq(srv=srv_for(a), hosts={"a.node.test": ["127.0.0.2", "127.0.0.1"]})
+        port, admin_port = free_port(), free_port()
+        proxy = lbproxy(config(port, admin_port, dns))
+        name = f"a.node.test:{a.port}"
+        found = wait_for_names(admin_port, {name})
+        assert found[name]["address"] == f"127.0.0.1:{a.port}"  # the lowest
+        assert picks(port, 3) == {"a": 3}
+        said = "SRV target a.node.test has 2 addresses; only 127.0.0.1 is used"
+        wait_for_log(proxy, said)
+        rounds_go_by(admin_port, 3)
+        assert proxy.log().count(said) == 1  # once per target, not every round
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def test_check_resolve_prints_what_would_be_added(name_servers, dnsmasq, tmp_path):

@@ -188,6 +188,26 @@ def test_an_error_keeps_the_last_set_and_is_logged_once_per_streak(caplog):
     assert state.results == {"ok": 2, "error": 4}
 
 
+def test_a_target_of_several_addresses_is_said_once_while_it_has_them(caplog):
+    state = DiscoveryState("web", DNS)
+    several = replace(ok("a:1"), multiple=(("a", 3, "10.0.0.1"),))
+    with caplog.at_level(logging.INFO, logger="lbproxy.discovery_model"):
+        for now in (0.0, 10.0, 20.0):
+            state.record(several, now)
+        state.record(ok("a:1"), 30.0)  # one address now
+        state.record(several, 40.0)  # several again: said again
+    said = [r.message for r in caplog.records if "addresses" in r.message]
+    assert (
+        said
+        == [
+            "web: discovery SRV _web._tcp.service.consul: SRV target a has 3 addresses; only "
+            "10.0.0.1 is used (one real server per target and port, at its lowest address)"
+        ]
+        * 2
+    )
+    assert all(r.levelno == logging.INFO for r in caplog.records if "addresses" in r.message)
+
+
 def test_no_answer_yet_says_only_static_servers_serve(caplog):
     state = DiscoveryState("web", DNS)
     with caplog.at_level(logging.WARNING, logger="lbproxy.discovery_model"):

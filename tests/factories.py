@@ -37,11 +37,14 @@ def virtual_server(scheduler: str, servers: dict[str, dict[str, Any]], **options
 SNMP = SnmpConfig()
 
 
-def real_hello(server_name: str | None = "api.example.com") -> bytes:
-    """The first flight of a real TLS client (Python's ssl, OpenSSL), no network."""
+def real_hello(server_name: str | None = "api.example.com", alpn: list[str] | None = None) -> bytes:
+    """The first flight of a real TLS client (Python's ssl, OpenSSL), no network;
+    `alpn`: the protocols it offers (set_alpn_protocols)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
+    if alpn is not None:
+        context.set_alpn_protocols(alpn)
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls = context.wrap_bio(incoming, outgoing, server_hostname=server_name)
     with pytest.raises(ssl.SSLWantReadError):

@@ -1,4 +1,5 @@
-"""The server name of a TLS ClientHello, read by a bounded state machine over bytes.
+"""The server name and ALPN protocols of a TLS ClientHello, read by a bounded state machine
+over bytes.
 
 PURE: no trio, no sockets, no clock. The listener (listener.py) feeds it whatever the
 client sends, as it arrives, and routes by the result; the bytes themselves go to the
@@ -7,9 +8,10 @@ real server unchanged (TLS passthrough: lbproxy never terminates TLS).
 The models are nginx's `ngx_stream_ssl_preread_parse_record`
 (src/stream/ngx_stream_ssl_preread_module.c: record header, handshake header, skip
 fields by their lengths, stop at the server_name extension) and HAProxy's
-`smp_fetch_ssl_hello_sni` (src/payload.c). The wire format is RFC 8446 §4.1.2 and
-§5.1 (TLS 1.3, the same ClientHello layout as TLS 1.0-1.2) and RFC 6066 §3
-(server_name).
+`smp_fetch_ssl_hello_sni` and `smp_fetch_ssl_hello_alpn` (src/payload.c). The wire
+format is RFC 8446 §4.1.2 and §5.1 (TLS 1.3, the same ClientHello layout as TLS
+1.0-1.2), RFC 6066 §3 (server_name) and RFC 7301 §3.1
+(application_layer_protocol_negotiation).
 
 How it reads, and where it gives up:
 
@@ -20,11 +22,16 @@ How it reads, and where it gives up:
   within `LIMIT` bytes of input (16 KiB, record headers included).
 - The body is parsed once it is complete: version, random, session id (<= 32), cipher
   suites (even, >= 2), compression methods (>= 1), then the extensions, each within its
-  declared length; the server_name extension's first host_name entry is the name.
+  declared length; the server_name extension's first host_name entry is the name, and
+  the ALPN extension's protocol names (each 1..255 bytes, kept as bytes, in the
+  client's order: the only allocation besides the name) are the protocols.
 - Anything else -- SSLv2-style hellos (the first byte has its high bit set), plain
   HTTP, random bytes, a wrong length anywhere, a record of another type in the middle,
-  more than `LIMIT` bytes without a complete hello -- is `NOT_TLS`. A hello without the
-  extension gives `Hello(None)`. The caller routes both to the default virtual server.
+  more than `LIMIT` bytes without a complete hello -- is `NOT_TLS`; so is a malformed
+  ALPN extension (a list length that is not the extension's, an empty list or name, a
+  second ALPN extension), as a malformed server_name is. A hello without the
+  extensions gives `Hello(None)` (no protocols: `()`). The caller routes NOT_TLS as a
+  hello without either: to the address's route for no name and no protocol.
 
 `feed()` never raises on any input; a test fuzzes it with hypothesis.
 """
@@ -41,15 +48,18 @@ _HANDSHAKE = 22
 _CLIENT_HELLO = 1
 _SERVER_NAME = 0
 _HOST_NAME = 0
+_ALPN = 16  # application_layer_protocol_negotiation (RFC 7301 §3.1)
 _MAX_RECORD = 1 << 14
 _RECORD_HEADER = 5
 
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """A well-formed ClientHello: its server name (lower case, no trailing dot) or None."""
+    """A well-formed ClientHello: its server name (lower case, no trailing dot) or None,
+    and the ALPN protocol names it offers, in its order of preference (() for none)."""
 
     server_name: str | None
+    alpn: tuple[bytes, ...] = ()
 
 
 class _NotTLS:
@@ -162,6 +172,7 @@ def parse_hello_body(body: bytes) -> Hello | _NotTLS:
         return NOT_TLS
     name: str | None = None
     seen_name = False
+    protocols: tuple[bytes, ...] | None = None  # None: no ALPN extension seen yet
     while pos < extensions_end:
         if pos + 4 > extensions_end:
             return NOT_TLS
@@ -178,8 +189,15 @@ def parse_hello_body(body: bytes) -> Hello | _NotTLS:
             if parsed is NOT_TLS:
                 return NOT_TLS
             name = parsed  # type: ignore[assignment]  # not NOT_TLS (above): mypy narrows no sentinel
+        elif kind == _ALPN:
+            if protocols is not None:
+                return NOT_TLS  # RFC 8446 §4.2: at most one extension of each type
+            offered = _protocol_names(body, pos, pos + length)
+            if offered is NOT_TLS:
+                return NOT_TLS
+            protocols = offered  # type: ignore[assignment]  # not NOT_TLS (above)
         pos += length
-    return Hello(name)
+    return Hello(name, protocols or ())
 
 
 def _server_name(body: bytes, pos: int, end: int) -> str | _NotTLS | None:
@@ -201,6 +219,26 @@ def _server_name(body: bytes, pos: int, end: int) -> str | _NotTLS | None:
             return _host_name(body[pos : pos + length])
         pos += length
     return None  # no host_name entry: as if there were no extension
+
+
+def _protocol_names(body: bytes, pos: int, end: int) -> tuple[bytes, ...] | _NotTLS:
+    """RFC 7301 §3.1: ProtocolNameList protocol_name_list<2..2^16-1>, each
+    ProtocolName<1..2^8-1>: a 2-byte list length equal to the rest of the extension,
+    then names of a 1-byte length each. Opaque bytes, compared exactly."""
+    if pos + 2 > end or pos + 2 + ((body[pos] << 8) | body[pos + 1]) != end:
+        return NOT_TLS
+    pos += 2
+    if pos == end:
+        return NOT_TLS  # an empty list
+    names = []
+    while pos < end:
+        length = body[pos]
+        pos += 1
+        if length == 0 or pos + length > end:
+            return NOT_TLS
+        names.append(body[pos : pos + length])
+        pos += length
+    return tuple(names)
 
 
 def _host_name(raw: bytes) -> str | _NotTLS:

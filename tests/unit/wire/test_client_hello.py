@@ -3,6 +3,8 @@ cut and re-framed every way, and fuzzed with hypothesis."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 from dataclasses import replace
 
 import pytest
@@ -10,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbproxy.wire.client_hello import LIMIT, NOT_TLS, ClientHelloReader, Hello, parse_hello_body
+from tests import tools
 from tests.factories import real_hello
 
 
@@ -37,6 +40,86 @@ def reframe(hello: bytes, size: int) -> bytes:
 def test_a_real_hello_gives_its_server_name_in_lower_case():
     assert read(real_hello("API.Example.COM")) == Hello("api.example.com")
     assert read(real_hello(None)) == Hello(None)  # no SNI: the default route
+
+
+def test_a_real_hello_gives_its_alpn_protocols_in_the_clients_order():
+    hello = real_hello("example.com", ["acme-tls/1"])
+    assert read(hello) == Hello("example.com", (b"acme-tls/1",))
+    hello = real_hello("example.com", ["h2", "http/1.1"])
+    assert read(hello) == Hello("example.com", (b"h2", b"http/1.1"))
+    assert read(real_hello(None, ["xmpp-client"])) == Hello(None, (b"xmpp-client",))
+    assert read(real_hello("example.com")).alpn == ()  # no extension: no protocols
+    # a long name (RFC 7301 allows 255 bytes), and any bytes, compared exactly
+    assert read(real_hello(None, ["x" * 255, "H2"])).alpn == (b"x" * 255, b"H2")
+
+
+def openssl_hello(*options: str) -> bytes:
+    """The first flight of `openssl s_client` with these options, caught on loopback."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        command = ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", *options]
+        proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            server.settimeout(10)
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(10)
+                reader, data = ClientHelloReader(), b""
+                while reader.result is None:
+                    chunk = conn.recv(65536)
+                    assert chunk, "s_client closed before its hello"
+                    data += chunk
+                    reader.feed(chunk)
+                return data
+        finally:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
+@tools.requires("openssl", package="openssl")
+def test_openssl_s_client_hellos_with_alpn():
+    hello = openssl_hello("-alpn", "acme-tls/1", "-servername", "example.com")
+    assert read(hello) == Hello("example.com", (b"acme-tls/1",))
+    hello = openssl_hello("-alpn", "h2,http/1.1", "-servername", "www.example.com")
+    assert read(hello) == Hello("www.example.com", (b"h2", b"http/1.1"))
+    assert read(openssl_hello("-servername", "example.com")) == Hello("example.com")
+
+
+def alpn_extension(list_bytes: bytes, list_length: int | None = None) -> bytes:
+    """An ALPN extension (type 16) around these list bytes, its list length given or true."""
+    length = len(list_bytes) if list_length is None else list_length
+    data = length.to_bytes(2, "big") + list_bytes
+    return (16).to_bytes(2, "big") + len(data).to_bytes(2, "big") + data
+
+
+def body_with(*extensions: bytes) -> bytes:
+    """A minimal ClientHello body with these extensions."""
+    fields = bytes([3, 3]) + bytes(32) + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00"
+    joined = b"".join(extensions)
+    return fields + len(joined).to_bytes(2, "big") + joined
+
+
+def test_malformed_alpn_is_not_tls_as_a_malformed_server_name_is():
+    good = alpn_extension(b"\x02h2\x08http/1.1")
+    assert parse_hello_body(body_with(good)) == Hello(None, (b"h2", b"http/1.1"))
+    for bad in (
+        alpn_extension(b""),  # an empty list
+        alpn_extension(b"\x00"),  # an empty name
+        alpn_extension(b"\x02h2\x00"),  # an empty name after a good one
+        alpn_extension(b"\x03h2"),  # a name longer than the list
+        alpn_extension(b"\x02h2", list_length=4),  # the list longer than the extension
+        alpn_extension(b"\x02h2", list_length=2),  # shorter
+        (16).to_bytes(2, "big") + b"\x00\x01\x00",  # no room for the list length
+        good + good,  # two ALPN extensions
+    ):
+        assert parse_hello_body(body_with(bad)) is NOT_TLS, bad
+    # in a real hello too: the list length of Python's own extension made wrong
+    hello = bytearray(real_hello("example.com", ["h2"]))
+    at = bytes(hello).index(b"\x00\x10\x00\x05\x00\x03\x02h2")
+    hello[at + 5] = 4
+    assert read(bytes(hello)) is NOT_TLS
 
 
 def test_a_hello_fed_one_byte_at_a_time_needs_every_byte_and_no_more():
@@ -117,6 +200,7 @@ def test_more_than_16_kib_without_a_complete_hello():
 # -- fuzzing -----------------------------------------------------------------------------
 
 HELLO = real_hello()
+ALPN_HELLO = real_hello("example.com", ["acme-tls/1", "h2", "http/1.1"])
 
 
 @settings(max_examples=300, deadline=None)
@@ -147,6 +231,37 @@ def test_a_mutated_hello_never_raises(mutations):
         assert name == name.lower() and all(c.isalnum() or c in "-_." for c in name)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(ALPN_HELLO) - 1), st.integers(0, 255)), max_size=6))
+def test_a_mutated_hello_with_alpn_never_raises_and_its_names_are_sound(mutations):
+    data = bytearray(ALPN_HELLO)
+    for index, value in mutations:
+        data[index] = value
+    result = read(bytes(data))
+    assert result is NOT_TLS or isinstance(result, Hello)
+    if isinstance(result, Hello):
+        assert all(isinstance(p, bytes) and 1 <= len(p) <= 255 for p in result.alpn)
+    if not mutations:
+        assert result == Hello("example.com", (b"acme-tls/1", b"h2", b"http/1.1"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=0, max_size=300), max_size=8), st.integers(-2, 2))
+def test_any_alpn_list_is_read_exactly_or_refused(names, skew):
+    """Hand-built lists: names of 1..255 bytes with true lengths read back exactly;
+    any empty or too long name, or a list length off by `skew`, is NOT_TLS."""
+    encoded = b"".join(bytes([len(n) % 256]) + n for n in names)
+    result = parse_hello_body(body_with(alpn_extension(encoded, max(0, len(encoded) + skew))))
+    if names and skew == 0 and all(1 <= len(n) <= 255 for n in names):
+        assert result == Hello(None, tuple(names))
+    elif skew != 0 or not names or any(len(n) == 0 for n in names):
+        assert result is NOT_TLS
+    else:
+        # a name of 256+ bytes: its length byte is wrong, so the framing is read as
+        # other names or refused, never beyond the extension
+        assert result is NOT_TLS or all(1 <= len(p) <= 255 for p in result.alpn)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 400))
 def test_any_chunking_and_framing_gives_the_same_answer(cuts, record_size):
@@ -157,6 +272,9 @@ def test_any_chunking_and_framing_gives_the_same_answer(cuts, record_size):
         pos += cut
     chunks.append(framed[pos:])
     assert read(*chunks) == Hello("api.example.com")
+    framed = reframe(ALPN_HELLO, record_size)
+    chunks = [framed[i : i + cuts[0]] for i in range(0, len(framed), cuts[0])]
+    assert read(*chunks) == Hello("example.com", (b"acme-tls/1", b"h2", b"http/1.1"))
 
 
 # -- the route table of a shared address (listener.Routes) -------------------------------

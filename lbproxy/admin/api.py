@@ -320,6 +320,7 @@ def virtual_server_document(vs: VirtualServerView) -> dict[str, Any]:
         "active_connections": stats.active_connections,
         "clients": pool.clients,
         "sni": list(pool.config.sni),
+        "alpn": list(pool.config.alpn),
         "queued": vs.queue_stats.queued,
         "rejected": stats.rejected,
         "rate": _rate_document(pool.rate),

@@ -395,6 +395,9 @@ class VirtualServerConfig:
     # TLS server names routed here from a shared listen address (lower case); (): the
     # default of its addresses, or a virtual server alone on them
     sni: tuple[str, ...] = ()
+    # TLS ALPN protocol names routed here (exact, case-sensitive; tried before the same
+    # `sni` without `alpn`); (): any protocol, or none offered
+    alpn: tuple[str, ...] = ()
     conditioning: ConditioningConfig | None = None  # None: connections are never moved
     outlier_detection: OutlierDetectionConfig | None = None  # None: no server is ejected
     panic_threshold: int = 0  # percent of enabled primaries available; 0: never panic

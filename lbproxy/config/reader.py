@@ -261,6 +261,7 @@ class _VirtualServerRead:
     listen: list[tuple[Address, int]]  # each address with its own line
     config: VirtualServerConfig | None  # None when a problem prevented building it
     sni: list[tuple[str, int]] = field(default_factory=list)  # each name with its line
+    alpn: list[tuple[str, int]] = field(default_factory=list)  # each protocol with its line
     accept_proxy: tuple[bool, int] = (False, 0)  # and the line of the key, 0: default
     accept_proxy_from: tuple[Any, int] = ((), 0)  # the networks, and the key's line
     protocol: str = "tcp"  # a TCP and a UDP listener on one address do not clash
@@ -514,6 +515,14 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
         if name in seen:
             doc.error(line, f"duplicate sni name {name!r} (first at line {seen[name]})")
         seen.setdefault(name, line)
+    alpn = list(zip(vs.values.get("alpn", ()), _item_lines(vs.nodes.get("alpn")), strict=False))
+    seen.clear()
+    for protocol, line in alpn:
+        if protocol in seen:
+            doc.error(
+                line, f"duplicate alpn protocol {protocol!r} (first at line {seen[protocol]})"
+            )
+        seen.setdefault(protocol, line)
     accept_proxy = (vs.values.get("accept_proxy", False), vs.key_lines.get("accept_proxy", 0))
     accept_proxy_from = (
         vs.values.get("accept_proxy_from", PROXY_FROM_DEFAULT),
@@ -530,6 +539,7 @@ def _read_virtual_server(doc: _Document, node: yaml.Node) -> _VirtualServerRead 
         listen,
         config,
         sni=sni,
+        alpn=alpn,
         accept_proxy=accept_proxy,
         accept_proxy_from=accept_proxy_from,
         protocol=protocol,
@@ -987,11 +997,11 @@ def _check_port_clashes(
                     if claim.protocol == vs.protocol
                     and _clashes(address, claim.address)
                     # Two virtual servers on the very same address share it when one
-                    # of them routes by SNI (SPEC §13; two without are two defaults:
-                    # a clash). The rest is `_check_shared_addresses`' job.
+                    # of them routes by SNI or ALPN (SPEC §13; two without are two
+                    # defaults: a clash). The rest is `_check_shared_addresses`' job.
                     and not (
                         claim.vs not in (None, vs)
-                        and (vs.sni or claim.vs.sni)
+                        and (vs.sni or claim.vs.sni or vs.alpn or claim.vs.alpn)
                         and _same(address, claim.address)
                     )
                 ),
@@ -1066,22 +1076,25 @@ def _check_shared_addresses(servers: list[_VirtualServerRead], problems: list[Pr
     for group in groups.values():
         if len(group) < 2:
             continue
-        names: dict[str, tuple[_VirtualServerRead, int]] = {}
+        # Each (sni name or None, alpn protocol or None) routes to one virtual server.
+        routes: dict[tuple[str | None, str | None], tuple[_VirtualServerRead, int]] = {}
         first_vs, _, first_line = group[0]
         for vs, address, line in group:
-            for name, name_line in vs.sni:
-                if name in names:
-                    other, other_line = names[name]
+            for route, route_line in _route_keys(vs, line):
+                if route == (None, None):
+                    continue  # two defaults: `_check_port_clashes` says so
+                if route in routes:
+                    other, other_line = routes[route]
                     problems.append(
                         Problem(
                             vs.file,
-                            name_line,
-                            f"sni name {name!r} on {address} is routed to virtual server "
+                            route_line,
+                            f"{_route_words(route)} on {address} is routed to virtual server "
                             f"{other.name} already (at {_at(vs.file, other.file, other_line)})",
                         )
                     )
                 else:
-                    names[name] = (vs, name_line)
+                    routes[route] = (vs, route_line)
             if vs.accept_proxy[0] != first_vs.accept_proxy[0]:
                 problems.append(
                     Problem(
@@ -1105,6 +1118,29 @@ def _check_shared_addresses(servers: list[_VirtualServerRead], problems: list[Pr
                         f"(see {first_vs.name} at {_at(vs.file, first_vs.file, first_line)})",
                     )
                 )
+
+
+def _route_keys(
+    vs: _VirtualServerRead, listen_line: int
+) -> list[tuple[tuple[str | None, str | None], int]]:
+    """The (sni name, alpn protocol) pairs a virtual server takes on its address, each
+    with the line to blame: the protocol's, else the name's, else the listen line."""
+    names: list[tuple[str | None, int]] = list(vs.sni) or [(None, listen_line)]
+    protocols: list[tuple[str | None, int]] = list(vs.alpn) or [(None, 0)]
+    keys: dict[tuple[str | None, str | None], int] = {}  # a duplicate is reported already
+    for name, name_line in names:
+        for protocol, protocol_line in protocols:
+            keys.setdefault((name, protocol), protocol_line or name_line)
+    return list(keys.items())
+
+
+def _route_words(route: tuple[str | None, str | None]) -> str:
+    name, protocol = route
+    if protocol is None:
+        return f"sni name {name!r}"
+    if name is None:
+        return f"alpn protocol {protocol!r} without sni"
+    return f"sni name {name!r} with alpn protocol {protocol!r}"
 
 
 def _listen_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

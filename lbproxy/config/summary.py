@@ -71,6 +71,8 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
     ]
     if vs.sni:
         lines.append(f"  sni         {', '.join(vs.sni)}")
+    if vs.alpn:
+        lines.append(f"  alpn        {', '.join(vs.alpn)}")
     if vs.protocol == "udp":
         lines.append(f"  udp         {_udp_summary(vs)}")
     lines += [

@@ -317,6 +317,12 @@ VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
         "servers: exact names or `*.example.com` (one label), case-insensitive",
         default="none",
     ),
+    "alpn": alpn_protocols.about(
+        "TLS ALPN protocol names (exact, case-sensitive, as `acme-tls/1`, `h2`) routed "
+        "here from a listen address it shares: a ClientHello offering one of them goes "
+        "here before the virtual server of the same `sni` (or of none) without `alpn`",
+        default="none (any protocol, or none offered)",
+    ),
     "panic_threshold": integer(0, 100).about(
         "percent: when fewer than this share of the enabled non-backup real servers are "
         "available (health up, not ejected) and no backup is up, pick among every enabled "
@@ -680,6 +686,7 @@ SOURCE_PREFIX_FIELDS: dict[str, Converter] = {
 # Keys and sections a UDP virtual server refuses: they speak of TCP connections.
 TCP_ONLY_KEYS = (
     "sni",
+    "alpn",
     "accept_proxy",
     "accept_proxy_from",
     "send_proxy",

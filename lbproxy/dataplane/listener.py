@@ -6,13 +6,14 @@ wait, in a task in the server's handlers nursery (trio's `serve_listeners` is th
 the accept loop and the handlers live in separate nurseries, so stopping accepting does
 not cancel connections; connection.py says how connections without a task are drained).
 
-An address fed by one virtual server without `sni` passes each client straight to that
-virtual server's handler. An address shared by several (or one with `sni`) routes TLS
-passthrough (SPEC §13): it pre-reads the PROXY header (if `accept_proxy`) and the
-ClientHello (client_hello.py, pure), picks the virtual server by the server name
-(`Routes`), and hands the client over with the bytes read, which the handler forwards
-to the real server unchanged. A reload that only changes which virtual servers an
-address feeds re-routes its listener in place: the socket stays bound.
+An address fed by one virtual server without `sni` nor `alpn` passes each client straight
+to that virtual server's handler. An address shared by several (or one with `sni` or
+`alpn`) routes TLS passthrough (SPEC §13): it pre-reads the PROXY header (if
+`accept_proxy`) and the ClientHello (client_hello.py, pure), picks the virtual server by
+the server name and the ALPN protocols offered (`Routes`), and hands the client over
+with the bytes read, which the handler forwards to the real server unchanged. A reload
+that only changes which virtual servers an address feeds re-routes its listener in
+place: the socket stays bound.
 
 Data flows one way: client -> listener -> connection handler (connection.py) -> pump. This
 module imports the handler and the runtime virtual server; neither imports it.
@@ -91,52 +92,93 @@ def failure_lines(group: BaseExceptionGroup[Exception]) -> list[str]:
     return lines
 
 
-class Routes:
-    """Which virtual server a TLS server name goes to, on one listen address.
+class _Tier:
+    """The virtual servers of one `sni` entry (a name, a wildcard, or none): by ALPN
+    protocol, and the one without `alpn`."""
 
-    An exact name first, else the wildcard for the name's parent (`*.example.com`
-    stands for one label, so for `a.example.com` only `*.example.com` can match:
-    the "longest matching wildcard" of SPEC §13 is that one), else the default (the
-    virtual server without `sni`), else None: no route.
+    __slots__ = ("by_protocol", "plain")
+
+    def __init__(self) -> None:
+        self.by_protocol: dict[bytes, VirtualServer] = {}
+        self.plain: VirtualServer | None = None
+
+    def add(self, vs: VirtualServer) -> None:
+        protocols = vs.pool.config.alpn
+        if not protocols:
+            if self.plain is None:
+                self.plain = vs
+            return
+        for protocol in protocols:
+            self.by_protocol.setdefault(protocol.encode("ascii"), vs)
+
+    def pick(self, alpn: tuple[bytes, ...]) -> VirtualServer | None:
+        """The virtual server of the client's most preferred protocol that has one,
+        else the one without `alpn`, else None."""
+        by_protocol = self.by_protocol
+        if by_protocol:
+            for protocol in alpn:
+                vs = by_protocol.get(protocol)
+                if vs is not None:
+                    return vs
+        return self.plain
+
+
+class Routes:
+    """Which virtual server a TLS ClientHello goes to, on one listen address.
+
+    The tiers, in order: the exact server name, the wildcard for the name's parent
+    (`*.example.com` stands for one label, so for `a.example.com` only `*.example.com`
+    can match: the "longest matching wildcard" of SPEC §13 is that one), then the
+    virtual servers without `sni`. In each tier, the virtual server whose `alpn` lists
+    the client's most preferred offered protocol, else the tier's one without `alpn`;
+    a tier with neither passes to the next. None: no route.
+
+    Per connection: at most three dictionary lookups for the name, plus one per
+    offered protocol in a tier that has `alpn` routes (none without them).
     """
 
     __slots__ = ("default", "exact", "wildcard")
 
     def __init__(self, virtual_servers: Sequence[VirtualServer]) -> None:
-        self.exact: dict[str, VirtualServer] = {}
-        self.wildcard: dict[str, VirtualServer] = {}  # "example.com" for *.example.com
-        self.default: VirtualServer | None = None
+        self.exact: dict[str, _Tier] = {}
+        self.wildcard: dict[str, _Tier] = {}  # "example.com" for *.example.com
+        self.default = _Tier()  # the virtual servers without `sni`
         for vs in virtual_servers:
             names = vs.pool.config.sni
-            if not names and self.default is None:
-                self.default = vs
+            if not names:
+                self.default.add(vs)
             for name in names:
                 if name.startswith("*."):
-                    self.wildcard.setdefault(name[2:], vs)
+                    self.wildcard.setdefault(name[2:], _Tier()).add(vs)
                 else:
-                    self.exact.setdefault(name, vs)
+                    self.exact.setdefault(name, _Tier()).add(vs)
 
-    def match(self, server_name: str | None) -> VirtualServer | None:
+    def match(self, server_name: str | None, alpn: tuple[bytes, ...] = ()) -> VirtualServer | None:
         if server_name is not None:
-            vs = self.exact.get(server_name)
-            if vs is not None:
-                return vs
-            _, dot, parent = server_name.partition(".")
-            if dot:
-                vs = self.wildcard.get(parent)
+            tier = self.exact.get(server_name)
+            if tier is not None:
+                vs = tier.pick(alpn)
                 if vs is not None:
                     return vs
-        return self.default
+            _, dot, parent = server_name.partition(".")
+            if dot:
+                tier = self.wildcard.get(parent)
+                if tier is not None:
+                    vs = tier.pick(alpn)
+                    if vs is not None:
+                        return vs
+        return self.default.pick(alpn)
 
 
 class Listener:
     """One bound listening socket, the virtual servers it feeds, and its accept loop.
 
-    One virtual server without `sni` (the usual case): every client goes straight to
-    its handler, which checks it and reads the PROXY header itself; nothing here costs
-    a thing per connection. Otherwise (SNI routing) each client is screened at accept
-    (`_screen`: a PROXY sender outside `accept_proxy_from`, or a client every virtual
-    server's ACL refuses, is closed before a byte is read), then pre-read (`_route`):
+    One virtual server without `sni` nor `alpn` (the usual case): every client goes
+    straight to its handler, which checks it and reads the PROXY header itself; nothing
+    here costs a thing per connection. Otherwise (SNI/ALPN routing) each client is
+    screened at accept (`_screen`: a PROXY sender outside `accept_proxy_from`, or a
+    client every virtual server's ACL refuses, is closed before a byte is read), then
+    pre-read (`_route`):
     the PROXY header if `accept_proxy`, then the TLS ClientHello, within the first
     virtual server's `connect_timeout`; the bytes read go to the chosen virtual
     server's handler, to be forwarded unchanged, and its own ACL.
@@ -161,8 +203,8 @@ class Listener:
         """Feed these virtual servers (configuration order) from now on.
 
         Called when the listener is made and after every reload: the set of virtual
-        servers on an address, or their `sni` names, may change while the socket
-        stays bound. Connections already handed to a handler keep it.
+        servers on an address, or their `sni` names and `alpn` protocols, may change
+        while the socket stays bound. Connections already handed to a handler keep it.
         """
         old = self._handlers
         self._handlers = {vs: old.get(vs) or Handler(vs) for vs in virtual_servers}
@@ -179,7 +221,8 @@ class Listener:
         self._proxy_peers = SourceFilter(first.accept_proxy_from) if first.accept_proxy else None
         acls = [SourceFilter(vs.pool.config.allow, vs.pool.config.deny) for vs in virtual_servers]
         self._acls = None if any(acl.everyone for acl in acls) else acls
-        if len(virtual_servers) == 1 and not self.vs.pool.config.sni:
+        alone = len(virtual_servers) == 1
+        if alone and not (self.vs.pool.config.sni or self.vs.pool.config.alpn):
             # Served at once by the handler, with a task only if it has to wait.
             self.accept_client = self.handler.accept
         else:
@@ -268,10 +311,15 @@ class Listener:
                 log.debug("%s: no PROXY header within %ss", first.name, config.connect_timeout)
                 return
             result = reader.eof()  # incomplete at the deadline or EOF: not a hello
-            server_name = result.server_name if isinstance(result, Hello) else None
-            vs = routes.match(server_name)
+            if isinstance(result, Hello):
+                server_name, alpn = result.server_name, result.alpn
+            else:
+                server_name, alpn = None, ()
+            vs = routes.match(server_name, alpn)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s: sni %s -> %s", self.address, server_name, vs and vs.name)
+                log.debug(
+                    "%s: sni %s alpn %s -> %s", self.address, server_name, alpn, vs and vs.name
+                )
             if vs is None:
                 first.reject("no_route", source)
                 return

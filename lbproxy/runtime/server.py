@@ -911,7 +911,7 @@ class Server:
             listener = self.listeners.get(address)
             if listener is None:
                 continue
-            # A kept address: re-routed after reconfigure(), so new sni names count.
+            # A kept address: re-routed after reconfigure(), so new sni names and alpn count.
             before = [vs.name for vs in listener.virtual_servers]
             listener.route(feeds)
             if [vs.name for vs in feeds] != before:

@@ -302,3 +302,40 @@ def test_routes_exact_then_one_label_wildcard_then_default():
     assert routes.match("example.com") is default
     assert routes.match(None) is default
     assert Routes([api, wild]).match("other.org") is None  # no default: no route
+
+
+def test_routes_by_alpn_within_each_tier_then_the_next_tier():
+    from lbproxy.core.pool import Pool
+    from lbproxy.dataplane.listener import Routes
+    from lbproxy.dataplane.virtual_server import VirtualServer
+    from tests.factories import virtual_server
+
+    def vs(name, sni, alpn=()):
+        config = replace(virtual_server("rr", {"a": {}}), name=name, sni=sni, alpn=alpn)
+        return VirtualServer(Pool(config, 0.0))
+
+    certs = vs("certs", ("example.com",), ("acme-tls/1",))
+    web = vs("web", ("example.com",))
+    h2 = vs("h2", ("*.example.com",), ("h2",))
+    only_alpn = vs("only-alpn", ("alpn.example.com",), ("xmpp-client",))
+    xmpp = vs("xmpp", (), ("xmpp-client", "xmpp-server"))
+    default = vs("default", ())
+    routes = Routes([certs, web, h2, only_alpn, xmpp, default])
+    match = routes.match
+    assert match("example.com", (b"acme-tls/1",)) is certs  # the ACME challenge
+    assert match("example.com", (b"h2", b"http/1.1")) is web  # the same name, no alpn
+    assert match("example.com") is web  # no ALPN offered
+    assert match("example.com", (b"ACME-TLS/1",)) is web  # exact, case-sensitive
+    assert match("a.example.com", (b"http/1.1", b"h2")) is h2  # any offered protocol
+    assert match("a.example.com", (b"http/1.1",)) is default  # wildcard tier: none fits
+    assert match("alpn.example.com", (b"xmpp-client",)) is only_alpn
+    # a name tier with only alpn routes passes to the next tiers when none fits
+    assert match("alpn.example.com", (b"h2",)) is h2
+    assert match("alpn.example.com", (b"xmpp-server",)) is xmpp
+    assert match("other.org", (b"xmpp-server",)) is xmpp  # without sni: alpn first
+    assert match(None, (b"xmpp-client",)) is xmpp
+    assert match(None) is default and match("other.org", (b"h2",)) is default
+    # the client's order of preference decides between two alpn routes of a tier
+    a, b = vs("a", (), ("a",)), vs("b", (), ("b",))
+    assert Routes([a, b]).match(None, (b"b", b"a")) is b
+    assert Routes([a, b]).match(None, (b"c",)) is None  # no default: no route

@@ -785,17 +785,20 @@ def workers_config(port: int, servers, admin_port: int, workers: int = 2, rs_ext
 
 
 def sni_config(port: int, groups, admin_port: int | None = None, extra: str = "") -> str:
-    """Virtual servers sharing 127.0.0.1:`port`; groups: (name, sni list or None, servers)."""
+    """Virtual servers sharing 127.0.0.1:`port`; groups: (name, sni list or None, servers),
+    or (name, sni list or None, servers, alpn list)."""
     lines = [
         "global:",
         f"  admin: {{listen: {'127.0.0.1:' + str(admin_port) if admin_port else 'none'}}}",
         "  drain_timeout: 2s",
         "virtual_servers:",
     ]
-    for name, sni, servers in groups:
+    for name, sni, servers, *alpn in groups:
         lines += [f"  - name: {name}", f"    listen: 127.0.0.1:{port}"]
         if sni:
             lines.append(f"    sni: [{', '.join(repr(n) for n in sni)}]")
+        if alpn:
+            lines.append(f"    alpn: [{', '.join(repr(p) for p in alpn[0])}]")
         lines += [f"    {line}" for line in extra.strip().splitlines() if line.strip()]
         lines.append("    health_check: {type: none}")
         lines.append("    real_servers:")

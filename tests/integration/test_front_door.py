@@ -370,7 +370,14 @@ def test_a_queued_client_that_resets_takes_no_slot_one_that_half_closes_is_serve
 def self_signed(tmp_path, name: str, dns: str) -> tuple[str, str, bytes]:
     """(certificate file, key file, PEM) for `dns`, made now with `cryptography`."""
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns)])
+    # The server's name in the subject too: two servers of one name (ALPN routes) are
+    # two distinct CAs, which a client's trust store tells apart by subject.
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, dns),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, name),
+        ]
+    )
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
@@ -452,12 +459,21 @@ def tls_servers(tmp_path):
         server.stop()
 
 
-def tls_name(port: int, server_name: str | None, pems, verify: bool = True) -> str:
-    """A real TLS client through lbproxy: the handshake, then the server's name line."""
+def tls_name(
+    port: int,
+    server_name: str | None,
+    pems,
+    verify: bool = True,
+    alpn: list[str] | None = None,
+) -> str:
+    """A real TLS client through lbproxy: the handshake (offering the `alpn` protocols),
+    then the server's name line."""
     context = ssl.create_default_context(cadata="".join(p.decode() for p in pems))
     if not verify:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
+    if alpn is not None:
+        context.set_alpn_protocols(alpn)
     with (
         socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
         context.wrap_socket(raw, server_hostname=server_name) as tls,
@@ -722,3 +738,140 @@ def test_sni_routing_with_two_workers(tls_servers, lbproxy):
     for _ in range(4):  # whichever worker the kernel picks routes the same way
         assert tls_name(port, "api.example.com", pems) == "api"
         assert tls_name(port, "fallback.example.com", pems) == "fallback"
+
+
+# -- ALPN routing on a shared address ---------------------------------------------------
+
+
+def s_client_name(port: int, pems, tmp_path, *options: str) -> str:
+    """`openssl s_client` through lbproxy with these options: the server's name line."""
+    ca_file = tmp_path / "trusted.pem"
+    ca_file.write_bytes(b"".join(pems))
+    command = ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-quiet"]
+    command += ["-CAfile", str(ca_file), *options]
+    proc = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 10)
+        assert ready, "no answer from s_client"
+        return proc.stdout.readline().decode().strip()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+
+
+@pytest.fixture
+def acme_front(tls_servers, lbproxy):
+    """example.com: acme-tls/1 to the certificate manager, the rest to the web servers;
+    xmpp-client for any other name to xmpp; everything else to the default."""
+    certs = tls_servers("certs", "example.com")
+    web = tls_servers("web", "example.com")
+    xmpp = tls_servers("xmpp", "chat.example.org")
+    default = tls_servers("default", "default.example.org")
+    port, admin_port = free_port(), free_port()
+    groups = [
+        ("certs", ["example.com"], [certs], ["acme-tls/1"]),
+        ("web", ["example.com"], [web]),
+        ("xmpp", None, [xmpp], ["xmpp-client", "xmpp-server"]),
+        ("default", None, [default]),
+    ]
+    proxy = lbproxy(sni_config(port, groups, admin_port), wait_ports=[port])
+    return proxy, port, admin_port, tls_servers.pems
+
+
+def test_acme_tls_alpn_goes_to_the_certificate_manager_the_rest_to_the_web(acme_front):
+    _, port, admin_port, pems = acme_front
+    assert tls_name(port, "example.com", pems, alpn=["acme-tls/1"]) == "certs"
+    assert tls_name(port, "example.com", pems, alpn=["h2", "http/1.1"]) == "web"
+    assert tls_name(port, "example.com", pems, alpn=["http/1.1"]) == "web"
+    assert tls_name(port, "example.com", pems) == "web"  # no ALPN: the no-alpn route
+    assert tls_name(port, "example.com", pems, alpn=["ACME-TLS/1"]) == "web"  # exact
+    # the name's routes first; then those without sni: alpn, then the default
+    assert tls_name(port, "chat.example.org", pems, alpn=["xmpp-client"]) == "xmpp"
+    assert tls_name(port, None, pems, verify=False, alpn=["xmpp-server"]) == "xmpp"
+    assert tls_name(port, "default.example.org", pems, alpn=["h2"]) == "default"
+    assert tls_name(port, "default.example.org", pems) == "default"
+    # acme-tls/1 for a name without an acme route: nothing routes it but the default
+    assert tls_name(port, "default.example.org", pems, alpn=["acme-tls/1"]) == "default"
+    # the client's preference decides between two routes it could take
+    assert tls_name(port, "example.org", pems, verify=False, alpn=["xmpp-client", "h2"]) == ("xmpp")
+    samples = metrics(admin_port)
+    for vs, n in (("certs", 1), ("web", 4), ("xmpp", 3)):
+        assert sample(samples, "lbproxy_connections_total", virtual_server=vs, real_server=vs) == n
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers")
+    documents = {vs["name"]: vs for vs in json.loads(body)["virtual_servers"]}
+    assert documents["certs"]["alpn"] == ["acme-tls/1"]
+    assert documents["certs"]["sni"] == ["example.com"]
+    assert documents["web"]["alpn"] == []
+
+
+@tools.requires("openssl", package="openssl")
+def test_openssl_s_client_alpn_through_lbproxy(acme_front, tmp_path):
+    _, port, _, pems = acme_front
+    name = ["-servername", "example.com", "-verify_return_error"]
+    assert s_client_name(port, pems, tmp_path, "-alpn", "acme-tls/1", *name) == "certs"
+    assert s_client_name(port, pems, tmp_path, "-alpn", "h2,http/1.1", *name) == "web"
+    assert s_client_name(port, pems, tmp_path, *name) == "web"
+    other = ["-servername", "chat.example.org", "-verify_return_error"]
+    assert s_client_name(port, pems, tmp_path, "-alpn", "xmpp-client", *other) == "xmpp"
+
+
+def test_a_malformed_alpn_extension_goes_where_no_hello_would(tls_servers, lbproxy):
+    """A hello whose ALPN list is broken is not a ClientHello: the default route, bytes
+    and all, even though it names a server that has routes."""
+    from tests.factories import real_hello
+
+    (plain,) = [NameServer("plain")]
+    certs = tls_servers("certs", "example.com")
+    port = free_port()
+    try:
+        groups = [
+            ("certs", ["example.com"], [certs], ["acme-tls/1"]),
+            ("plain", None, [plain]),
+        ]
+        lbproxy(sni_config(port, groups, extra="connect_timeout: 2s"), wait_ports=[port])
+        hello = bytearray(real_hello("example.com", ["acme-tls/1"]))
+        at = bytes(hello).index(b"\x00\x10\x00\x0d\x00\x0b\x0aacme-tls/1")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            client.sendall(bytes(hello))
+            assert client.recv(5)[:2] == b"\x16\x03"  # the TLS server's ServerHello
+        hello[at + 5] = 0x0C  # the list one byte longer than its extension
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            client.sendall(bytes(hello))
+            assert client.recv(100).startswith(b"plain\n")
+    finally:
+        plain.stop()
+
+
+def test_reload_adds_alpn_routes_keeps_connections_and_the_listener(tls_servers, lbproxy):
+    certs = tls_servers("certs", "example.com")
+    web = tls_servers("web", "example.com")
+    port = free_port()
+    before_groups = [("web", ["example.com"], [web]), ("certs", ["certs.example.com"], [certs])]
+    proxy = lbproxy(sni_config(port, before_groups), wait_ports=[port])
+    pems = tls_servers.pems
+    assert tls_name(port, "example.com", pems, alpn=["acme-tls/1"]) == "web"
+    context = ssl.create_default_context(cadata="".join(p.decode() for p in pems))
+    context.set_alpn_protocols(["h2"])
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    held = context.wrap_socket(raw, server_hostname="example.com")
+    try:
+        assert held.recv(100) == b"web\n"
+        listening = proxy.log().count(f"listening on 127.0.0.1:{port}")
+        after_groups = [
+            ("web", ["example.com"], [web]),
+            ("certs", ["certs.example.com", "example.com"], [certs], ["acme-tls/1"]),
+        ]
+        proxy.reload(sni_config(port, after_groups))
+        assert "reloaded" in proxy.log() and "reload failed" not in proxy.log()
+        assert proxy.log().count(f"listening on 127.0.0.1:{port}") == listening  # not rebound
+        assert tls_name(port, "example.com", pems, alpn=["acme-tls/1"]) == "certs"
+        assert tls_name(port, "example.com", pems, alpn=["h2"]) == "web"
+        # certs.example.com now routes only acme-tls/1 there; nothing else routes it
+        with pytest.raises((ssl.SSLError, OSError)):
+            tls_name(port, "certs.example.com", pems, alpn=["h2"])
+        held.sendall(b"still here\n")  # the established connection was kept
+        assert held.recv(100) == b"still here\n"
+    finally:
+        held.close()

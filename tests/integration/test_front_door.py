@@ -800,6 +800,7 @@ def test_acme_tls_alpn_goes_to_the_certificate_manager_the_rest_to_the_web(acme_
     for vs, n in (("certs", 1), ("web", 4), ("xmpp", 3)):
         assert sample(samples, "lbproxy_connections_total", virtual_server=vs, real_server=vs) == n
     status, body = http("GET", f"http://127.0.0.1:{admin_port}/api/v1/virtual-servers")
+    assert status == 200
     documents = {vs["name"]: vs for vs in json.loads(body)["virtual_servers"]}
     assert documents["certs"]["alpn"] == ["acme-tls/1"]
     assert documents["certs"]["sni"] == ["example.com"]

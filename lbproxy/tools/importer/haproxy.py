@@ -211,6 +211,14 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "lbproxy matches any case, as `-i` (without it HAProxy matches the case written)",
     ),
     _row(
+        "use_backend B if { req.ssl_alpn PROTOCOL }",
+        "virtual_servers[].alpn",
+        "on the backend's virtual server, without `sni`; exact protocols (`-m str`, the "
+        "default), `||` and named ACLs; not `-i` (lbproxy compares case and all); a "
+        "`req.ssl_sni` rule after a `req.ssl_alpn` one is not translated (lbproxy tries "
+        "a name's own routes first)",
+    ),
+    _row(
         "use_backend %[req.ssl_sni,lower,map(FILE,DEFAULT)]",
         "virtual_servers[].sni",
         "each `NAME BACKEND` line of the map (read from the configuration's folder) a route, "
@@ -265,6 +273,7 @@ _NAME = re.compile(r"[^A-Za-z0-9._-]")
 _TIME = re.compile(r"^(\d+)(us|ms|s|m|h|d)?$")
 _UNIT_MS = {"us": 0.001, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, None: 1}
 _SNI_FETCHES = ("req.ssl_sni", "req_ssl_sni")
+_ALPN_FETCH = "req.ssl_alpn"
 _HELLO_FETCHES = ("req.ssl_hello_type", "req_ssl_hello_type")
 _BALANCE = {
     "roundrobin": "wrr",
@@ -399,13 +408,14 @@ class _Pattern:
     values: tuple[str, ...]
     files: tuple[str, ...] = ()  # `-f FILE`: more values, one a line
     from_map: bool = False  # `-M`
+    ignore_case: bool = False  # `-i`
 
 
 def _pattern(words: list[str]) -> _Pattern | None:
     if not words:
         return None
     fetch, rest = words[0], words[1:]
-    method, values, files, from_map = "", [], [], False
+    method, values, files, from_map, ignore_case = "", [], [], False, False
     i = 0
     while i < len(rest):
         word = rest[i]
@@ -413,6 +423,7 @@ def _pattern(words: list[str]) -> _Pattern | None:
             values.extend(rest[i + 1 :])
             break
         if word in ("-i", "-n", "-u"):
+            ignore_case = ignore_case or word == "-i"
             i += 1
         elif word in ("-m", "-f", "-M"):
             if i + 1 >= len(rest):
@@ -427,7 +438,7 @@ def _pattern(words: list[str]) -> _Pattern | None:
         else:
             values.append(word)
             i += 1
-    return _Pattern(fetch, method, tuple(values), tuple(files), from_map)
+    return _Pattern(fetch, method, tuple(values), tuple(files), from_map, ignore_case)
 
 
 @dataclass(frozen=True)
@@ -525,6 +536,29 @@ def _listed(name: str, read: ReadFile) -> list[tuple[str, str]] | str:
     return values
 
 
+def _alpn_condition(groups: list[list[_Term]]) -> bool:
+    """Whether a use_backend condition is on req.ssl_alpn alone (then `_alpn_names`)."""
+    return all(p.fetch == _ALPN_FETCH for group in groups for t in group for p in t.patterns)
+
+
+def _alpn_names(groups: list[list[_Term]]) -> list[str] | str:
+    """The protocols of `{ req.ssl_alpn X }` terms (OR-ed), exact as lbproxy's `alpn`
+    matches them; or why they do not translate."""
+    names: list[str] = []
+    for group in groups:
+        if len(group) != 1 or group[0].negated:
+            return "an ALPN condition other than a protocol list (negated, or AND-ed)"
+        for pattern in group[0].patterns:
+            if pattern.from_map or pattern.files:
+                return "ALPN protocols from a file or a map"
+            if pattern.method not in ("", "str"):
+                return f"req.ssl_alpn -m {pattern.method} (lbproxy matches exact protocol names)"
+            if pattern.ignore_case:
+                return "req.ssl_alpn -i (lbproxy matches protocol names exactly, case and all)"
+            names.extend(value for value in pattern.values if value not in names)
+    return names
+
+
 def _sni_names(groups: list[list[_Term]], read: ReadFile) -> list[str] | str:
     names: list[str] = []
     for group in groups:
@@ -532,7 +566,10 @@ def _sni_names(groups: list[list[_Term]], read: ReadFile) -> list[str] | str:
             return "a server-name condition other than a name list (negated, or AND-ed)"
         for pattern in group[0].patterns:
             if pattern.fetch not in _SNI_FETCHES:
-                return f"use_backend on {pattern.fetch} (lbproxy routes on req.ssl_sni)"
+                return (
+                    f"use_backend on {pattern.fetch} (lbproxy routes on req.ssl_sni, "
+                    "and on req.ssl_alpn alone)"
+                )
             if pattern.from_map:
                 return "server names matched against a map (-M)"
             if pattern.method not in ("", "str"):
@@ -623,6 +660,7 @@ class _Route:
     backend: str
     names: list[str]
     statements: list[Statement]
+    alpn: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -636,6 +674,7 @@ class _Planned:
     names: list[str]
     front: dict[str, Any]
     split: bool
+    alpn: list[str] = field(default_factory=list)
 
 
 class _Translator:
@@ -918,7 +957,7 @@ class _Translator:
         if not routes:
             self.skip(header, f"{section.kind} {section.name}: no backend to send clients to")
             return
-        sni = any(route.names for route in routes)
+        sni = any(route.names or route.alpn for route in routes)
         if sni:
             self.sni_idiom(proxy)
         else:
@@ -955,7 +994,15 @@ class _Translator:
             self.use(*route.statements)
             for listen, settings in groups:
                 self.planned.append(
-                    _Planned(route.backend, proxy, listen, route.names, settings, len(groups) > 1)
+                    _Planned(
+                        route.backend,
+                        proxy,
+                        listen,
+                        route.names,
+                        settings,
+                        len(groups) > 1,
+                        route.alpn,
+                    )
                 )
 
     def build_virtual_servers(self) -> None:
@@ -966,7 +1013,7 @@ class _Translator:
         for plan in self.planned:
             backend = self.backends[plan.backend]
             client = plan.frontend.timeouts.get("client")
-            key = [plan.front, plan.names, client[0] if client else None]
+            key = [plan.front, plan.names, plan.alpn, client[0] if client else None]
             if any(not (_host_port(s.address) or ("", ""))[1] for s in backend.servers):
                 key.append(_ports(plan.listen))  # a server without port takes the client's
             merged.setdefault((plan.backend, repr(key)), []).append(plan)
@@ -1005,6 +1052,8 @@ class _Translator:
         vs: dict[str, Any] = {"name": name, "listen": listen if len(listen) > 1 else listen[0]}
         if first.names:
             vs["sni"] = list(first.names)
+        if first.alpn:
+            vs["alpn"] = list(first.alpn)
         ports = _ports(listen)
         port = ports[0] if len(ports) == 1 else None
         self.back_settings(backend, vs, first.front, port, first.frontend.timeouts.get("client"))
@@ -1237,9 +1286,22 @@ class _Translator:
                 self.skip(st, f"{st.text} (unconditional: write it as default_backend)")
                 continue
             groups = _condition(words[2:], proxy.acls)
+            if not isinstance(groups, str) and _alpn_condition(groups):
+                self.alpn_route(st, backend, groups, routes, proxy)
+                continue
             names = _sni_names(groups, self.read) if not isinstance(groups, str) else groups
             if isinstance(names, str):
                 self.skip(st, f"{st.text} ({names})")
+                continue
+            if any(route.alpn for route in routes.values()):
+                # HAProxy tries its rules in order; lbproxy tries a name's own routes
+                # before the protocols of no name: only req.ssl_alpn rules after every
+                # req.ssl_sni rule keep their meaning.
+                self.skip(
+                    st,
+                    f"{st.text} (after a req.ssl_alpn rule, which HAProxy tries first and "
+                    "lbproxy after a name's own routes)",
+                )
                 continue
             taken = {name for route in routes.values() for name in route.names}
             route = routes.setdefault(backend, _Route(backend, [], []))
@@ -1270,6 +1332,39 @@ class _Translator:
             else:
                 result.append(_Route(name, [], [default]))
         return result
+
+    def alpn_route(
+        self,
+        st: Statement,
+        backend: str,
+        groups: list[list[_Term]],
+        routes: dict[str, _Route],
+        proxy: _Proxy,
+    ) -> None:
+        """`use_backend B if { req.ssl_alpn X }`: B's virtual server gets `alpn: [X]`
+        (without `sni`: any name, after the names' own routes)."""
+        protocols = _alpn_names(groups)
+        if isinstance(protocols, str):
+            self.skip(st, f"{st.text} ({protocols})")
+            return
+        long = next((p for p in protocols if len(p.encode()) > 255), None)
+        if long is not None:
+            self.skip(st, f"{st.text} (an ALPN protocol name is at most 255 bytes)")
+            return
+        route = routes.get(backend)
+        if route is not None and route.names:
+            self.skip(
+                st,
+                f"{st.text} (backend {backend} has req.ssl_sni routes too: lbproxy's alpn "
+                "would apply only with its sni names)",
+            )
+            return
+        taken = {p for other in routes.values() for p in other.alpn}
+        route = routes.setdefault(backend, _Route(backend, [], []))
+        # the first rule naming a protocol wins, as in HAProxy
+        route.alpn.extend(p for p in protocols if p not in taken and p not in route.alpn)
+        route.statements.append(st)
+        route.statements.extend(self.acl_lines(proxy, [t for g in groups for t in g]))
 
     def sni_map(self, st: Statement, expression: str, routes: dict[str, _Route]) -> _Route | None:
         """`use_backend %[req.ssl_sni,lower,map(FILE[,DEFAULT])]`: each `NAME BACKEND` line

@@ -704,6 +704,77 @@ def test_use_backend_on_req_ssl_sni_becomes_sni_routes(tmp_path):
     ]
 
 
+ALPN = """
+frontend tls
+    bind 127.0.0.1:8443
+    tcp-request inspect-delay 5s
+    tcp-request content accept if { req_ssl_hello_type 1 }
+    use_backend web if { req.ssl_sni -i www.example.com }
+    acl acme req.ssl_alpn acme-tls/1
+    use_backend certs if acme
+    use_backend xmpp if { req.ssl_alpn -m str xmpp-client } || { req.ssl_alpn xmpp-server }
+    use_backend web2 if { req.ssl_alpn -i h2 }
+    use_backend web2 if { req.ssl_alpn -m beg h }
+    use_backend web2 if { req.ssl_alpn h2 } { req.ssl_sni -i a.example.com }
+    default_backend other
+backend web
+    server w1 127.0.0.1:9451
+backend web2
+    server w2 127.0.0.1:9452
+backend certs
+    server c1 127.0.0.1:9461
+backend xmpp
+    server x1 127.0.0.1:9471
+backend other
+    server o1 127.0.0.1:9459
+"""
+
+
+def test_use_backend_on_req_ssl_alpn_becomes_alpn_routes(tmp_path):
+    servers, left, _ = imported(ALPN, tmp_path)
+    routes = {vs["name"]: (vs.get("sni"), vs.get("alpn")) for vs in servers}
+    assert routes == {
+        "web": (["www.example.com"], None),
+        "certs": (None, ["acme-tls/1"]),
+        "xmpp": (None, ["xmpp-client", "xmpp-server"]),
+        "other": (None, None),
+    }
+    assert [line for line in left if line[0].isdigit()] == [
+        "10: use_backend web2 if { req.ssl_alpn -i h2 } (req.ssl_alpn -i (lbproxy matches "
+        "protocol names exactly, case and all))",
+        "11: use_backend web2 if { req.ssl_alpn -m beg h } (req.ssl_alpn -m beg (lbproxy "
+        "matches exact protocol names))",
+        "12: use_backend web2 if { req.ssl_alpn h2 } { req.ssl_sni -i a.example.com } "
+        "(a server-name condition other than a name list (negated, or AND-ed))",
+        "16: backend web2: no frontend uses it",
+    ]
+
+
+def test_a_req_ssl_sni_rule_after_a_req_ssl_alpn_rule_is_left_out(tmp_path):
+    """HAProxy tries the ALPN rule first for every name; lbproxy would try the name's
+    own route first, so that route is not made (and said)."""
+    servers, left, _ = imported(
+        """
+        frontend tls
+            bind 127.0.0.1:8443
+            use_backend certs if { req.ssl_alpn acme-tls/1 }
+            use_backend web if { req.ssl_sni -i www.example.com }
+            default_backend web
+        backend web
+            server w1 127.0.0.1:9451
+        backend certs
+            server c1 127.0.0.1:9461
+        """,
+        tmp_path,
+    )
+    routes = {vs["name"]: (vs.get("sni"), vs.get("alpn")) for vs in servers}
+    assert routes == {"certs": (None, ["acme-tls/1"]), "web": (None, None)}
+    assert [line for line in left if line[0].isdigit()] == [
+        "5: use_backend web if { req.ssl_sni -i www.example.com } (after a req.ssl_alpn "
+        "rule, which HAProxy tries first and lbproxy after a name's own routes)"
+    ]
+
+
 @pytest.mark.parametrize(
     "rules, keys",
     [
@@ -988,6 +1059,7 @@ EXAMPLES = {
     "retries N, option redispatch": _listen("retries 1", "option redispatch"),
     "option tcplog": _listen("option tcplog"),
     "use_backend B if { req.ssl_sni -i NAME }": SNI,
+    "use_backend B if { req.ssl_alpn PROTOCOL }": ALPN,
     "tcp-request inspect-delay, tcp-request content accept if { req.ssl_hello_type 1 }": SNI,
     "tcp-request connection reject if { src ... }": _FRONT.format(
         "    tcp-request connection reject if { src 10.0.0.1 }"

@@ -9,7 +9,7 @@ of an AF_UNIX datagram socket. Each message is one datagram of `KEY=VALUE` lines
     RELOADING=1 + MONOTONIC_USEC=N   a reload starts (SIGHUP, POST /api/v1/reload);
                                      `Type=notify-reload` wants the CLOCK_MONOTONIC time
     READY=1                          ... and is over, applied or refused
-    STOPPING=1                       SIGTERM/SIGINT: draining
+    STOPPING=1                       SIGTERM/SIGINT/SIGUSR1/SIGQUIT: draining
     STATUS=...                       one line for `systemctl status`
     MAINPID=N + READY=1              the new process of `lbproxy upgrade` is ready: it
                                      is the service's main process from now on

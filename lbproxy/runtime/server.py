@@ -56,6 +56,12 @@ RATE_INTERVAL = 1.0  # seconds between readings of the connection rates (SPEC §
 
 log = logging.getLogger("lbproxy.server")
 
+# Each one a graceful stop, the same one: stop accepting, drain, exit 0. SIGTERM is what
+# service managers send; SIGINT is Ctrl-C; SIGUSR1 is HAProxy's soft stop and SIGQUIT
+# nginx's graceful shutdown, so an operator used to either drains instead of killing
+# the process at once (their default actions: terminate, and dump core).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGQUIT)
+
 REMOVED_POLL = 0.1  # seconds between looks at a removed server that still has connections
 
 
@@ -489,7 +495,7 @@ class Server:
         self._stop.set()
 
     async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
-        signals = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+        signals = (signal.SIGHUP, signal.SIGUSR2, *STOP_SIGNALS)
         with trio.open_signal_receiver(*signals) as sigs:
             task_status.started()
             async for signum in sigs:
@@ -499,7 +505,7 @@ class Server:
                     if self._service is not None and self.admin_sock is None:
                         self._service.start_soon(self._upgrade_on_signal)
                 else:
-                    log.info("received %s", signal.Signals(signum).name)
+                    log.info("received %s; stopping gracefully", signal.Signals(signum).name)
                     self.stop()
 
     # -- listeners ----------------------------------------------------------------
@@ -1031,7 +1037,7 @@ def run(
     initial_state: bytes | None = None,
     initial_state_is_one_workers: bool = False,
 ) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code. `passed`: the sockets
+    """Run until a stop signal (STOP_SIGNALS); returns the process exit code. `passed`: the sockets
     of the process this one replaces (an upgrade, which also sets `main_pid`: tell
     systemd this is the main process now, and passes its `initial_state`, one of its
     workers' when `initial_state_is_one_workers`); else systemd's, if it passed any."""

@@ -1,8 +1,9 @@
 """`global.workers: N` (N > 1): a supervisor process and N proxy workers (SPEC §2, §9).
 
     supervisor (`run`, the process `lbproxy run` started)
-      signals         SIGHUP: validate the files, then reload every worker; SIGTERM and
-                      SIGINT: passed on to every worker, exit 0 once all have exited
+      signals         SIGHUP: validate the files, then reload every worker; SIGTERM,
+                      SIGINT, SIGUSR1, SIGQUIT: SIGTERM to every worker, exit 0 once
+                      all have exited
       one task per worker slot
                       start `python -m lbproxy run --worker-fd FD -- CONFIG...`, send it
                       the configuration, wait for "ready", wait for its exit, restart it

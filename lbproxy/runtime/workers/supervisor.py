@@ -55,7 +55,7 @@ from lbproxy.runtime import logs, privileges, process_title
 from lbproxy.runtime.admin_socket import AdminSocket, handover_name, open_admin_socket
 from lbproxy.runtime.inherit import Inherited, Passed
 from lbproxy.runtime.notify import STATUS_INTERVAL, Notifier, status_line
-from lbproxy.runtime.server import dns_bind_error, load_for_reload
+from lbproxy.runtime.server import STOP_SIGNALS, dns_bind_error, load_for_reload
 from lbproxy.runtime.upgrade import Outcome, Upgrade, python_command
 from lbproxy.runtime.workers.app import SupervisorApp
 from lbproxy.runtime.workers.merge import (
@@ -324,7 +324,8 @@ class Supervisor:
             await taken.wait()
 
     def stop(self) -> None:
-        """Pass SIGTERM on to every worker; main() returns once all have exited."""
+        """Pass SIGTERM on to every worker (whichever of STOP_SIGNALS the supervisor
+        got: a worker drains alike on each); main() returns once all have exited."""
         if self._stop.is_set():
             return
         self.draining = True
@@ -367,7 +368,7 @@ class Supervisor:
                     worker.process.kill()
 
     async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
-        signals = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+        signals = (signal.SIGHUP, signal.SIGUSR2, *STOP_SIGNALS)
         with trio.open_signal_receiver(*signals) as sigs:
             task_status.started()
             async for signum in sigs:
@@ -1016,7 +1017,7 @@ def run(
     handed: dict[str, Any] | None = None,
     on_bound: Callable[[], Any] | None = None,
 ) -> int:
-    """The supervisor: run until SIGTERM/SIGINT; returns the process exit code.
+    """The supervisor: run until a stop signal (STOP_SIGNALS); returns the process exit code.
 
     `passed`, `on_ready`, `handed`: started by `lbproxy upgrade` (runtime/upgrade.py), the
     old process's sockets, what to call once every worker is ready, and the hand-over

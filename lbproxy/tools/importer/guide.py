@@ -47,7 +47,9 @@ with: each row is a directive and the lbproxy key it becomes.
    ([Command line](../reference/cli.md)).
 5. **Switch.** Run lbproxy beside the old balancer on another port, send it a share of
    the traffic, compare (`lbproxy status`, `/metrics`), then move the address over
-   ([Operating lbproxy](operating.md)).
+   ([Operating lbproxy](operating.md)). Signals mostly mean what you know, not always:
+   SIGTERM drains (not HAProxy's hard stop nor nginx's fast shutdown), and so do
+   HAProxy's SIGUSR1 and nginx's SIGQUIT ([Signals](../reference/cli.md#signals)).
 
 Imported names follow HAProxy's logs: a virtual server is named after the backend (or
 `listen` section) it serves, so a replayed `tcplog` line finds its virtual server.

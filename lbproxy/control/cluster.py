@@ -38,12 +38,13 @@ everywhere, whatever order they arrive in.
 One session is one connection to Redis: subscribe (first, so that nothing published
 from then on is missed), resynchronise (push every change this instance knows, with its
 version, so that a Redis that restarted empty is rebuilt and a change made while it was
-away is published; read the hash back and apply what is newer; push the persistence
-outbox and read every shared entry), then receive, flush and heartbeat until anything
-fails. Then the instance serves on its local state — changes made meanwhile are applied
-locally and wait in `pending` — and reconnects with a growing delay (at most
-MAX_BACKOFF), logging the outage once. Health checks, throttles and counters are not
-shared: each instance measures its own (as HAProxy's peers share stick tables only).
+away is published; read the hash back and apply what is newer; push every live
+persistence entry, for the same reason, and read every shared entry), then receive,
+flush and heartbeat until anything fails. Then the instance serves on its local state
+— changes made meanwhile are applied locally and wait in `pending` — and reconnects
+with a growing delay (at most MAX_BACKOFF), logging the outage once. Health checks,
+throttles and counters are not shared: each instance measures its own (as HAProxy's
+peers share stick tables only).
 The per-source counts of a virtual server with `per_source.shared` are (SPEC §23): each
 instance publishes its networks' open connections and recent arrivals every
 SOURCES_INTERVAL and adds the others' latest publications (dropped after SOURCES_TTL
@@ -134,6 +135,7 @@ SCAN_COUNT = 1000  # fields per HSCAN step of the state hash
 # step's answer is checked and applied before the next is asked for, and the data plane
 # runs in between (~10-20 us an entry: a step is a few milliseconds).
 ENTRIES_STEP = 250
+FLUSH_STEP = 1000  # persistence entries per write of an outbox (5 batches of MAX_ENTRIES)
 LOG_EVERY = 60.0  # an ignored message's reason is logged at most this often
 START_WAIT = 5.0  # the longest a start waits for the first sync
 MAX_STATE_FIELDS = MAX_CLUSTER_STATE_FIELDS  # fields of the state hash a resync reads
@@ -499,7 +501,7 @@ class Cluster:
                 ignore_subscribe_messages=True,
             ) as subscriber:
                 with trio.fail_after(RESYNC_TIMEOUT):
-                    await self._resync(client, cas)
+                    await self._resync(client, cas, every_entry=True)
                 was_lost = self.lost_at
                 self.connected = True
                 self.lost_at = None
@@ -521,7 +523,9 @@ class Cluster:
 
     # -- resync ---------------------------------------------------------------------
 
-    async def _resync(self, client: coredis.Redis[bytes], cas: Any) -> None:
+    async def _resync(
+        self, client: coredis.Redis[bytes], cas: Any, every_entry: bool = False
+    ) -> None:
         self._resync_wanted = False
         await self._heartbeat(client)
         # 1. Every change known here, with its version: a Redis that restarted empty is
@@ -530,9 +534,30 @@ class Cluster:
         await self._write_changes(client, cas, list(self.records.values()))
         # 2. The cluster's state: what is higher than ours applies here.
         await self._read_state(client)
-        # 3. Persistence: ours out, everyone's in.
+        # 3. Persistence: ours out (at a new session every live entry, not only the
+        #    outbox: a Redis that restarted empty gets them back), everyone's in.
+        if every_entry:
+            await self._share_every_entry()
         await self._flush_entries(client)
         await self._read_entries(client)
+
+    async def _share_every_entry(self) -> None:
+        """Every live persistence entry into its table's outbox (learned ones too: the
+        instance that made one may be gone), ENTRIES_STEP at a time with the data plane
+        running in between. Once per session: O(entries), nothing per connection."""
+        now = trio.current_time()
+        for pool in list(self.target.pools()):
+            persistence = pool.persistence
+            if persistence is None or persistence.outbox is None:
+                continue
+            for done, entry in enumerate(list(persistence.entries.values()), 1):
+                if entry.active or entry.expires > now:
+                    entry.shared = now
+                    persistence.outbox.setdefault(entry.key, entry)
+                if done % ENTRIES_STEP == 0:
+                    await trio.lowlevel.checkpoint()
+                    if persistence.outbox is None:  # the table was dropped meanwhile
+                        break
 
     async def _read_state(self, client: coredis.Redis[bytes]) -> None:
         """The state hash, at most MAX_STATE_FIELDS of its fields (the rest counted)."""
@@ -874,7 +899,6 @@ class Cluster:
             await self._write_changes(client, cas, forged, force=True)
 
     async def _flush_entries(self, client: coredis.Redis[bytes]) -> None:
-        now = trio.current_time()
         for pool in list(self.target.pools()):
             persistence = pool.persistence
             if persistence is None:
@@ -885,19 +909,25 @@ class Cluster:
             if not persistence.outbox:
                 continue
             outbox, persistence.outbox = persistence.outbox, {}
-            rows = []  # [client, real server, ttl_ms], as encode_rows writes them
             timeout, table = persistence.timeout, persistence.entries
-            for key, entry in outbox.items():
-                ttl = timeout if entry.active else entry.expires - now
-                if ttl > 0 and table.get(key) is entry:
-                    rows.append([key, entry.server.name, math.ceil(ttl * 1000)])
-            try:
-                await self._write_entries(client, pool.name, rows)
-            except BaseException:
-                # Not written: back in the outbox, behind what came in meanwhile.
-                for key, entry in outbox.items():
-                    persistence.outbox.setdefault(key, entry)
-                raise
+            # FLUSH_STEP entries per write: a large outbox (after an outage, at a new
+            # session) is written in parts, each signed and sent before the next.
+            pending = list(outbox.items())
+            for start in range(0, len(pending), FLUSH_STEP):
+                now = trio.current_time()
+                rows = []  # [client, real server, ttl_ms], as encode_rows writes them
+                for key, entry in pending[start : start + FLUSH_STEP]:
+                    ttl = timeout if entry.active else entry.expires - now
+                    if ttl > 0 and table.get(key) is entry:
+                        rows.append([key, entry.server.name, math.ceil(ttl * 1000)])
+                try:
+                    await self._write_entries(client, pool.name, rows)
+                except BaseException:
+                    # Not written: back in the outbox, behind what came in meanwhile.
+                    if persistence.outbox is not None:
+                        for key, entry in pending[start:]:
+                            persistence.outbox.setdefault(key, entry)
+                    raise
 
     async def _write_entries(
         self, client: coredis.Redis[bytes], vs: str, rows: list[list[Any]]

@@ -472,6 +472,30 @@ def test_a_change_made_while_redis_was_away_loses_to_a_later_one(redis, cluster)
     assert lb1.server("a")["weight"]["static"] == 9
 
 
+def shared_entries(redis: RedisServer) -> int:
+    return len(redis.cli("--scan", "--pattern", "lbproxy:p:web:*").split())
+
+
+def test_a_redis_that_restarted_empty_gets_the_persistence_entries_back(redis, cluster):
+    """lb1's clients stay where lb1 sent them through a Redis restart: lb1 shares its
+    live entries again at its resync, so lb2, started after the restart, reads them."""
+    persistent = "accept_proxy: true\npersistence: {timeout: 5m}"
+    lb1 = cluster.instance(redis, "lb1", start=True, extra=persistent)
+    wait_connected(lb1)
+    clients = range(30)
+    first = {i: ask(lb1.port, client_header(i, lb1.port)) for i in clients}
+    assert set(first.values()) == {"a", "b", "c"}
+    wait_for(lambda: shared_entries(redis) == 30, 5.0, "the 30 entries in Redis")
+    redis.stop()
+    wait_for(lambda: not lb1.connected(), 5.0, "lb1 sees Redis gone")
+    redis.start()  # the same port, and empty
+    wait_for(lambda: shared_entries(redis) == 30, 10.0, "lb1's entries back in Redis")
+    lb2 = cluster.instance(redis, "lb2", start=True, extra=persistent)
+    assert entries(lb2) == 30  # read at its start
+    # Another order than lb1's: rr alone would send most of them elsewhere.
+    assert {i: ask(lb2.port, client_header(i, lb2.port)) for i in reversed(clients)} == first
+
+
 # -- hostile input ------------------------------------------------------------------------
 
 

@@ -213,6 +213,14 @@ FAMILIES: dict[str, Family] = {
             merge=MAX,
         ),  # each worker is a member: 1 when any is connected
         Family(
+            "lbproxy_cluster_name_clash",
+            GAUGE,
+            "1 while another instance heartbeats under this instance's cluster name "
+            "(global.cluster.redis.name).",
+            (),
+            merge=MAX,
+        ),  # 1 when any worker's name is another's too
+        Family(
             "lbproxy_cluster_messages",
             COUNTER,
             "Cluster messages, by kind (state, weight, load, entries, invalid) and "

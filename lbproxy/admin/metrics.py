@@ -252,6 +252,7 @@ class LbproxyCollector:
         if cluster is None:
             return
         yield gauge("lbproxy_cluster_connected", value=1 if cluster.connected else 0)
+        yield gauge("lbproxy_cluster_name_clash", value=1 if cluster.name_clash else 0)
         messages = counter("lbproxy_cluster_messages")
         for kind in (*CLUSTER_KINDS, "entries", "sources", "invalid"):
             for direction in ("in", "out"):

@@ -64,7 +64,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import secrets
 import socket
 import time
 from collections import Counter
@@ -78,6 +80,7 @@ from lbproxy.config.secret_files import SECRETS
 from lbproxy.core.per_source import NetworkKey, PerSourceTable, network_of_text, network_text
 from lbproxy.core.pool import Pool
 from lbproxy.wire.cluster_messages import (
+    INSTANCE,
     KIND_CHANGE,
     KIND_ENTRIES,
     KIND_MEMBER,
@@ -151,6 +154,10 @@ SOURCES_INTERVAL = 0.5
 SOURCES_TTL = 1.0
 SOURCES_STEP = 1000  # networks counted between two turns of the data plane
 KIND_INVALID = "invalid"
+# This process's instance id, inherited by the processes it starts: the new process of an
+# upgrade (the same instance, which must not take its predecessor for another one with
+# its name) and the workers of a supervisor (each a member of its own, `NAME-wK`).
+INSTANCE_VARIABLE = "LBPROXY_CLUSTER_INSTANCE"
 
 
 # Write a change only if it is higher than the one stored, and then publish it; answer 1,
@@ -248,6 +255,16 @@ def read_password(path: str) -> str:
     return password
 
 
+def instance_id() -> str:
+    """This process's instance id: the one of the lbproxy that started it, else a new
+    random one; exported so that the processes it starts inherit it."""
+    value = os.environ.get(INSTANCE_VARIABLE, "")
+    if not INSTANCE.fullmatch(value):
+        value = secrets.token_hex(8)
+        os.environ[INSTANCE_VARIABLE] = value
+    return value
+
+
 def member_name(config: RedisConfig) -> str:
     """This instance's name in the cluster: `name:`, else the host name (shortened to
     what a member name allows)."""
@@ -297,6 +314,13 @@ class Cluster:
         config = self.config = cluster.redis
         self.target = target
         self.name = name or member_name(config)
+        self.instance = instance_id()
+        # Another instance heartbeats under this name: when it was last seen doing so
+        # (the run's clock), and the value this one last wrote to its heartbeat key
+        # (a different one found there before the next write: someone else wrote it).
+        self.clash_seen: float | None = None
+        self._clash_logged = False
+        self._last_beat: bytes | None = None
         self.signer = Signer(cluster.key, config.key_prefix)
         self.max_entries = cluster.max_entries
         prefix = config.key_prefix
@@ -326,7 +350,7 @@ class Cluster:
         self._wake = trio.Event()
         self._write_entries_script: Any = None  # registered on the session's client
         self._count_keys_script: Any = None
-        self._own_batches = entries_prefix(self.name)
+        self._own_batches = entries_prefix(self.name, self.instance)
         self._resync_wanted = False
         self._logged: dict[str, float] = {}  # reason -> when last logged
         self._suppressed: Counter[str] = Counter()
@@ -364,10 +388,17 @@ class Cluster:
             return 0.0 if self.lost_at is None else max(0.0, trio.current_time() - self.lost_at)
         return self.last_lag
 
+    @property
+    def name_clash(self) -> bool:
+        """Another live instance heartbeats under this instance's name (seen within
+        MEMBER_TTL): lbproxy_cluster_name_clash, the document's `name_clash`."""
+        return self.clash_seen is not None and trio.current_time() - self.clash_seen < MEMBER_TTL
+
     def document(self) -> dict[str, Any]:
         """The JSON document's "cluster" object (SPEC §18)."""
         return {
             "name": self.name,
+            "name_clash": self.name_clash,
             "connected": self.connected,
             "members": [
                 {"name": m.name, "last_seen": m.last_seen, "alive": m.name in self.alive}
@@ -726,7 +757,7 @@ class Cluster:
             self._ignore(exc.reason, exc.detail)
             return
         self.messages[KIND_ENTRIES, "in"] += 1
-        if batch.origin == self.name:
+        if batch.instance == self.instance:  # ours (a new process's after an upgrade too)
             return
         age = time.time() - batch.time
         if age < -MAX_AHEAD:
@@ -743,12 +774,13 @@ class Cluster:
             self._ignore(exc.reason, exc.detail)
             return
         self.messages[KIND_SOURCES, "in"] += 1
-        if counts.origin == self.name:
+        if counts.instance == self.instance:
             return
         if counts.time > time.time() + MAX_AHEAD:
             self._ignore("future", f"per-source counts of {counts.origin}: made ahead")
             return
-        key = (counts.virtual_server, counts.origin)
+        # one per sender: two instances with one name each count
+        key = (counts.virtual_server, f"{counts.origin}/{counts.instance or ''}")
         known = self.remote_sources.get(key)
         rows = {network: (open_, recent) for network, open_, recent in counts.networks}
         if known is None or counts.time > known[1]:
@@ -789,7 +821,7 @@ class Cluster:
                 rows.append((text, open_, recent))
             if done % SOURCES_STEP == 0:
                 await trio.lowlevel.checkpoint()
-        return source_batches(self.name, vs, wall, rows)
+        return source_batches(self.name, vs, wall, rows, self.instance)
 
     async def apply_sources(self, tables: dict[str, PerSourceTable], now: float) -> None:
         """The sum of the others' latest counts, into each shared table; a publication
@@ -944,7 +976,7 @@ class Cluster:
         async with client.pipeline(transaction=False) as pipe:
             for i in cut:
                 part = rows[i : i + MAX_ENTRIES]
-                batch = sign(KIND_ENTRIES, encode_rows(self.name, vs, part, wall))
+                batch = sign(KIND_ENTRIES, encode_rows(self.name, vs, part, wall, self.instance))
                 args: list[Any] = [prefix, batch]
                 for key, server, ttl_ms in part:
                     value = encode_entry_value(server, wall_ms + ttl_ms)
@@ -964,12 +996,16 @@ class Cluster:
         read the members back: those seen within LIST_FOR, alive while their
         heartbeat key lives; lines older than FORGET_AFTER are removed."""
         wall = time.time()
-        me = Member(self.name, round(wall, 3))
+        me = Member(self.name, round(wall, 3), self.instance)
         data = self.signer.sign(KIND_MEMBER, encode_member(me))
         async with client.pipeline(transaction=False) as pipe:
+            # what is there before this write: another instance's with this name?
+            found_request = pipe.get(self.member_prefix + self.name)
             pipe.set(self.member_prefix + self.name, data, px=int(MEMBER_TTL * 1000))
             pipe.hset(self.members_key, {self.name: data})
             count_request = pipe.hlen(self.members_key)
+        self._check_name(await found_request)
+        self._last_beat = data
         if await count_request > MAX_MEMBERS:
             self._ignore("oversized", f"{self.members_key} has more than {MAX_MEMBERS} fields")
             self.members, self.alive = [me], {self.name}
@@ -1001,6 +1037,35 @@ class Cluster:
         self.alive = {name for name, value in zip(names, beating, strict=True) if value}
         self.alive.add(self.name)
 
+    def _check_name(self, found: bytes | None) -> None:
+        """`found`, this name's heartbeat key before this instance's write: another
+        instance id there, written after this instance's last heartbeat (not a value
+        left by a process that stopped before this one started: this one has not
+        written yet then), means another live instance uses this name. Then each takes
+        the other's persistence entries and per-source counts as any other member's;
+        both show as one member, and this says so (once in the log, and while it
+        lasts in the metric and the document)."""
+        if found is None or self._last_beat is None or found == self._last_beat:
+            return
+        try:
+            other = decode_member(self.signer.open(KIND_MEMBER, found))
+        except MessageError:
+            return  # forged or foreign: the members hash read reports those
+        if other.instance is None or other.instance == self.instance or other.name != self.name:
+            return  # an older lbproxy cannot be told apart; ours: an upgrade's
+        self.clash_seen = trio.current_time()
+        if not self._clash_logged:
+            self._clash_logged = True
+            log.warning(
+                "another lbproxy instance (id %s) is in the cluster under this "
+                "instance's name %r (this one: id %s): both show as one member; give "
+                "each instance its own global.cluster.redis.name (the default is the "
+                "host name, which cloned hosts share)",
+                other.instance,
+                self.name,
+                self.instance,
+            )
+
 
 def _aged(batch: EntryBatch, age: float) -> EntryBatch:
     """`batch` with each entry's time left counted from now: `age` seconds after the
@@ -1013,4 +1078,4 @@ def _aged(batch: EntryBatch, age: float) -> EntryBatch:
         for e in batch.entries
         if e.ttl_ms > age_ms
     )
-    return EntryBatch(batch.origin, batch.virtual_server, entries, batch.time)
+    return EntryBatch(batch.origin, batch.virtual_server, entries, batch.time, batch.instance)

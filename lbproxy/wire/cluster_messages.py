@@ -37,6 +37,10 @@ Three kinds of message:
   for one virtual server. Each entry is also stored under its own key
   (`encode_entry_value`: `EXPIRES_MS SERVER`, signed for that key).
 - `Member`: the value of an instance's heartbeat key.
+
+`EntryBatch`, `SourceCounts` and `Member` carry the sender's instance id (`INSTANCE`,
+optional: an older lbproxy writes none): two instances given the same name apply each
+other's messages and notice each other (control/cluster.py).
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ MAX_SOURCE_COUNT = 10**7  # an open count or arrival count above this is refused
 # Names as the configuration allows them (config/values.py `plain_name`, `member_name`).
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 MEMBER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# An instance id: random per lbproxy (kept across an upgrade, shared by the workers of
+# one supervisor), so that two instances given one name can tell each other apart.
+INSTANCE = re.compile(r"[0-9a-f]{16}")
 
 
 class MessageError(ValueError):
@@ -125,6 +132,7 @@ class EntryBatch:
     virtual_server: str
     entries: tuple[RemoteEntry, ...]
     time: float = 0.0  # Unix time the batch was made at (its entries' TTLs count from then)
+    instance: str | None = None  # the sender's instance id (None: an older lbproxy's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,12 +146,14 @@ class SourceCounts:
     virtual_server: str
     time: float  # Unix time the counts were taken at
     networks: tuple[tuple[str, int, int], ...]  # (network, open, recent)
+    instance: str | None = None  # the sender's instance id (None: an older lbproxy's)
 
 
 @dataclass(frozen=True, slots=True)
 class Member:
     name: str
     last_seen: float  # Unix time of its last heartbeat, seconds
+    instance: str | None = None  # its instance id (None: an older lbproxy's)
 
 
 def next_version(wall_seconds: float, last: int) -> int:
@@ -217,19 +227,29 @@ def encode_change(change: Change) -> bytes:
 
 def encode_entries(batch: EntryBatch) -> bytes:
     rows = [[e.client, e.real_server, e.ttl_ms] for e in batch.entries]
-    return encode_rows(batch.origin, batch.virtual_server, rows, batch.time)
+    return encode_rows(batch.origin, batch.virtual_server, rows, batch.time, batch.instance)
 
 
-def encode_rows(origin: str, vs: str, rows: list[list[Any]], time: float) -> bytes:
+def _head(origin: str, instance: str | None) -> dict[str, Any]:
+    head: dict[str, Any] = {"v": PROTOCOL, "origin": origin}
+    if instance is not None:
+        head["instance"] = instance
+    return head
+
+
+def encode_rows(
+    origin: str, vs: str, rows: list[list[Any]], time: float, instance: str | None = None
+) -> bytes:
     """An EntryBatch from its rows `[client, real server, ttl_ms]` as they are (the
     sender's fast path: no RemoteEntry per entry); at most MAX_ENTRIES of them."""
-    return _dump({"v": PROTOCOL, "origin": origin, "vs": vs, "time": time, "entries": rows})
+    return _dump({**_head(origin, instance), "vs": vs, "time": time, "entries": rows})
 
 
-def entries_prefix(origin: str) -> bytes:
-    """How every batch body that `encode_entries` writes for `origin` begins, so that
-    an instance can pass over its own batches without decoding them."""
-    return _dump({"v": PROTOCOL, "origin": origin})[:-1] + b","
+def entries_prefix(origin: str, instance: str | None = None) -> bytes:
+    """How every batch body that `encode_entries` writes for `origin` and `instance`
+    begins, so that an instance can pass over its own batches without decoding them
+    (and not over those of another instance with the same name)."""
+    return _dump(_head(origin, instance))[:-1] + b","
 
 
 def entry_kind(vs: str, client: str) -> str:
@@ -259,8 +279,7 @@ def encode_sources(counts: SourceCounts) -> bytes:
     rows = [list(row) for row in counts.networks]
     return _dump(
         {
-            "v": PROTOCOL,
-            "origin": counts.origin,
+            **_head(counts.origin, counts.instance),
             "vs": counts.virtual_server,
             "time": counts.time,
             "networks": rows,
@@ -269,19 +288,27 @@ def encode_sources(counts: SourceCounts) -> bytes:
 
 
 def source_batches(
-    origin: str, vs: str, time: float, networks: list[tuple[str, int, int]]
+    origin: str,
+    vs: str,
+    time: float,
+    networks: list[tuple[str, int, int]],
+    instance: str | None = None,
 ) -> list[SourceCounts]:
     """`networks` cut into messages that each encode within MAX_MESSAGE (none: one empty
     message, which tells the others this instance counts nothing now) (a row is at
     most 43 characters of network, two counts of 8 digits and punctuation: < 70 bytes)."""
     return [
-        SourceCounts(origin, vs, time, tuple(networks[i : i + MAX_NETWORKS]))
+        SourceCounts(origin, vs, time, tuple(networks[i : i + MAX_NETWORKS]), instance)
         for i in range(0, max(1, len(networks)), MAX_NETWORKS)
     ]
 
 
 def encode_member(member: Member) -> bytes:
-    return _dump({"v": PROTOCOL, "name": member.name, "last_seen": member.last_seen})
+    document: dict[str, Any] = {"v": PROTOCOL, "name": member.name}
+    if member.instance is not None:
+        document["instance"] = member.instance
+    document["last_seen"] = member.last_seen
+    return _dump(document)
 
 
 def batches(origin: str, vs: str, entries: list[RemoteEntry]) -> list[EntryBatch]:
@@ -427,8 +454,15 @@ def decode_change(data: object) -> Change:
     )
 
 
+def _instance(document: dict[str, Any]) -> str | None:
+    """The optional instance id of a message (an older lbproxy writes none)."""
+    if "instance" not in document:
+        return None
+    return _name(document["instance"], "instance", INSTANCE)
+
+
 def decode_entries(data: object) -> EntryBatch:
-    document = _load(data, ("v", "origin", "vs", "time", "entries"))
+    document = _load(data, ("v", "origin", "vs", "time", "entries"), ("instance",))
     rows = document["entries"]
     if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ENTRIES:
         raise MessageError("invalid", f"entries is not a list of 1..{MAX_ENTRIES}")
@@ -437,6 +471,7 @@ def decode_entries(data: object) -> EntryBatch:
         _name(document["vs"], "vs"),
         tuple(decode_entry(row) for row in rows),
         _real(document["time"], "time", 1e11),
+        _instance(document),
     )
 
 
@@ -463,7 +498,7 @@ def client_address(value: object) -> str:
 
 
 def decode_sources(data: object) -> SourceCounts:
-    document = _load(data, ("v", "origin", "vs", "time", "networks"))
+    document = _load(data, ("v", "origin", "vs", "time", "networks"), ("instance",))
     rows = document["networks"]
     if not isinstance(rows, list) or len(rows) > MAX_NETWORKS:
         raise MessageError("invalid", f"networks is not a list of at most {MAX_NETWORKS}")
@@ -485,6 +520,7 @@ def decode_sources(data: object) -> SourceCounts:
         _name(document["vs"], "vs"),
         _real(document["time"], "time", 1e11),
         tuple(networks),
+        _instance(document),
     )
 
 
@@ -505,7 +541,9 @@ def client_network(value: object) -> str:
 
 
 def decode_member(data: object) -> Member:
-    document = _load(data, ("v", "name", "last_seen"))
+    document = _load(data, ("v", "name", "last_seen"), ("instance",))
     return Member(
-        _name(document["name"], "name", MEMBER), _real(document["last_seen"], "last_seen", 1e11)
+        _name(document["name"], "name", MEMBER),
+        _real(document["last_seen"], "last_seen", 1e11),
+        _instance(document),
     )

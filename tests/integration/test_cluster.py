@@ -19,6 +19,7 @@ from lbproxy.wire.proxy_protocol import encode_v1
 from tests.integration.harness import (
     Lbproxy,
     UpgradableLbproxy,
+    alive,
     free_port,
     http,
     local_http,
@@ -113,9 +114,12 @@ def cluster(tmp_path, name_servers, lbproxy):
             one.start()
         return made
 
-    def instance(redis: RedisServer, name: str, start: bool = False, **options) -> Instance:
+    def instance(
+        redis: RedisServer, name: str, start: bool = False, member: str | None = None, **options
+    ) -> Instance:
+        """`member`: its name in the cluster (`redis.name`), `name` by default."""
         port, admin = free_port(), free_port()
-        config = cluster_config(redis, name, port, admin, servers, **options)
+        config = cluster_config(redis, member or name, port, admin, servers, **options)
         proxy = lbproxy(config, start=False, folder=tmp_path / name)
         one = Instance(proxy, name, port, admin)
         started.append(one)
@@ -496,6 +500,28 @@ def test_a_redis_that_restarted_empty_gets_the_persistence_entries_back(redis, c
     assert {i: ask(lb2.port, client_header(i, lb2.port)) for i in reversed(clients)} == first
 
 
+def test_two_instances_given_one_name_share_persistence_and_say_so(redis, cluster):
+    """Cloned hosts share a host name, the default member name: the two instances still
+    take each other's persistence entries, and each says once that its name is taken."""
+    persistent = "accept_proxy: true\npersistence: {timeout: 5m}"
+    one = cluster.instance(redis, "one", member="twin", start=True, extra=persistent)
+    two = cluster.instance(redis, "two", member="twin", start=True, extra=persistent)
+    wait_connected(one, two)
+    for each in (one, two):
+        wait_for(
+            lambda each=each: each.document()["cluster"]["name_clash"], 5.0, "the name clash seen"
+        )
+        assert sample(metrics(each.admin), "lbproxy_cluster_name_clash") == 1
+    clients = range(30)
+    first = {i: ask(one.port, client_header(i, one.port)) for i in clients}
+    assert set(first.values()) == {"a", "b", "c"}
+    wait_for(lambda: entries(two) == 30, 5.0, "two has one's 30 entries")
+    assert {i: ask(two.port, client_header(i, two.port)) for i in reversed(clients)} == first
+    for each in (one, two):  # logged once, however many heartbeats saw it
+        assert each.log().count("under this instance's name 'twin'") == 1, each.log()
+        assert "global.cluster.redis.name" in each.log()
+
+
 # -- hostile input ------------------------------------------------------------------------
 
 
@@ -807,6 +833,17 @@ def test_an_upgraded_instance_stays_in_the_cluster(redis, cluster, tmp_path):
         wait_for(lambda: "weight 1 -> 4 (cluster: from lb2)" in lb1.log(), 2.0, "a's weight")
         lb1.upgrade()  # the new process reads the key file again, and joins as lb1
         wait_for(lambda: lb1.log().count("joined through Redis") == 2, 10.0, "the new one joined")
+        # The old process beat beside the new one under one name for a moment: the same
+        # instance (the id is handed over), not a clash. Wait for the old one's exit and
+        # two heartbeats of the new one after it.
+        wait_for(lambda: not alive(lb1.pids[0]), 10.0, "the old process to exit")
+        beats = {redis.cli("HGET", "lbproxy:members", "lb1")}
+
+        def two_more_beats() -> bool:
+            beats.add(redis.cli("HGET", "lbproxy:members", "lb1"))
+            return len(beats) >= 3
+
+        wait_for(two_more_beats, 5.0, "two heartbeats of the new process")
         lb2.patch("b", {"state": "drain"})
         wait_for(
             lambda: {ask(port) for _ in range(6)} == {"a", "c"}, 3.0, "the drain in the new process"
@@ -817,6 +854,8 @@ def test_an_upgraded_instance_stays_in_the_cluster(redis, cluster, tmp_path):
         weights = {rs["name"]: rs["weight"]["static"] for rs in vs["real_servers"]}
         assert weights["a"] == 4  # handed over, and the cluster's
         assert ignored(lb2)["signature"] == 0
+        assert "under this instance's name" not in lb1.log()
+        assert sample(metrics(admin), "lbproxy_cluster_name_clash") == 0
     finally:
         lb1.stop()
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from lbproxy.config.model import MAX_WEIGHT
 from lbproxy.core.pool import STATES, state_error, weight_error
 from lbproxy.wire.cluster_messages import (
+    INSTANCE,
     KINDS,
     MAX_ENTRIES,
     MAX_LOAD,
@@ -48,6 +49,7 @@ from lbproxy.wire.cluster_messages import (
 
 names = st.from_regex(NAME, fullmatch=True)
 members = st.from_regex(MEMBER, fullmatch=True)
+instances = st.none() | st.from_regex(INSTANCE, fullmatch=True)  # None: an older lbproxy's
 addresses = st.ip_addresses().map(str)
 versions = st.integers(0, MAX_VERSION)
 loads = st.floats(0, MAX_LOAD, allow_nan=False)
@@ -82,6 +84,7 @@ entry_batches = st.builds(
         max_size=MAX_ENTRIES,
     ).map(tuple),
     st.floats(0, 1e11, allow_nan=False),
+    instances,
 )
 
 json_values = st.recursive(
@@ -90,7 +93,7 @@ json_values = st.recursive(
     max_leaves=12,
 )
 KEYS = ["v", "kind", "vs", "rs", "value", "version", "origin", "per_connection", "entries",
-        "name", "last_seen"]  # fmt: skip
+        "name", "last_seen", "instance", "time"]  # fmt: skip
 documents = st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), json_values, max_size=9)
 
 
@@ -112,14 +115,53 @@ def test_every_batch_encodes_and_decodes_to_itself(batch):
 @given(entry_batches)
 @settings(max_examples=20)
 def test_a_batch_starts_with_its_origins_prefix(batch):
-    assert encode_entries(batch).startswith(entries_prefix(batch.origin))
-    other = EntryBatch(batch.origin + "x", batch.virtual_server, batch.entries)
-    assert not encode_entries(other).startswith(entries_prefix(batch.origin))
+    own = entries_prefix(batch.origin, batch.instance)
+    assert encode_entries(batch).startswith(own)
+    other = EntryBatch(batch.origin + "x", batch.virtual_server, batch.entries, 0, batch.instance)
+    assert not encode_entries(other).startswith(own)
 
 
-@given(members, st.floats(0, 1e11, allow_nan=False))
-def test_every_member_encodes_and_decodes_to_itself(name, last_seen):
-    assert decode_member(encode_member(Member(name, last_seen))) == Member(name, last_seen)
+@given(entry_batches, st.from_regex(INSTANCE, fullmatch=True))
+@settings(max_examples=20)
+def test_a_batch_of_another_instance_with_the_same_name_is_not_ours(batch, instance):
+    """Two instances given one name pass over their own batches, not each other's."""
+    mine = EntryBatch(batch.origin, batch.virtual_server, batch.entries, 0, instance)
+    others = [None, *({batch.instance} - {None, instance})]
+    for other in others:
+        theirs = EntryBatch(batch.origin, batch.virtual_server, batch.entries, 0, other)
+        assert not encode_entries(theirs).startswith(entries_prefix(batch.origin, instance))
+    assert encode_entries(mine).startswith(entries_prefix(batch.origin, instance))
+
+
+@given(members, st.floats(0, 1e11, allow_nan=False), instances)
+def test_every_member_encodes_and_decodes_to_itself(name, last_seen, instance):
+    member = Member(name, last_seen, instance)
+    assert decode_member(encode_member(member)) == member
+
+
+@given(
+    st.sampled_from([decode_entries, decode_member]),
+    entry_batches,
+    json_values | st.text(max_size=20),
+)
+@example(decode_member, EntryBatch("x", "w", ()), "0123456789ABCDEF")  # upper case
+@example(decode_member, EntryBatch("x", "w", ()), "0123456789abcde")  # 15 digits
+@example(decode_entries, EntryBatch("x", "w", ()), "0123456789abcdef0")  # 17 digits
+def test_an_instance_that_is_not_16_hex_digits_is_refused(decode, batch, instance):
+    if isinstance(instance, str) and INSTANCE.fullmatch(instance):
+        return
+    if decode is decode_member:
+        document = json.loads(encode_member(Member(batch.origin, 1.0, None)))
+    else:
+        entries = batch.entries or (RemoteEntry("10.0.0.1", "a", 5),)
+        document = json.loads(encode_entries(EntryBatch(batch.origin, "w", entries, 1.0)))
+    document["instance"] = instance
+    try:
+        decode(json.dumps(document).encode())
+    except MessageError as exc:
+        assert exc.reason in REASONS  # "invalid"; "garbage" for a NaN
+    else:
+        raise AssertionError(f"instance {instance!r} accepted")
 
 
 def test_batches_cut_long_lists_within_the_message_size():

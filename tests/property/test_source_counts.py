@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from lbproxy.core.per_source import network_key, network_of_text, network_text
 from lbproxy.wire.cluster_messages import (
+    INSTANCE,
     MAX_MESSAGE,
     MAX_SOURCE_COUNT,
     REASONS,
@@ -43,10 +44,16 @@ def networks(draw) -> str:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    names, names, st.floats(0, 1e11), st.lists(st.tuples(networks(), counts, counts), max_size=1200)
+    names,
+    names,
+    st.floats(0, 1e11),
+    st.lists(st.tuples(networks(), counts, counts), max_size=1200),
+    st.none() | st.from_regex(INSTANCE, fullmatch=True),
 )
-def test_every_publication_encodes_within_a_message_and_decodes_to_itself(origin, vs, time, rows):
-    for message in source_batches(origin, vs, time, rows):
+def test_every_publication_encodes_within_a_message_and_decodes_to_itself(
+    origin, vs, time, rows, instance
+):
+    for message in source_batches(origin, vs, time, rows, instance):
         data = encode_sources(message)
         assert len(data) <= MAX_MESSAGE
         assert decode_sources(data) == message

@@ -45,6 +45,7 @@ from lbproxy.admin.routes import HTTPError
 from lbproxy.config.model import Address, Config, VirtualServerConfig
 from lbproxy.config.reader import read_real_server
 from lbproxy.config.secret_files import SECRETS
+from lbproxy.control.cluster import instance_id
 from lbproxy.core.per_source import MAX_LISTED
 from lbproxy.core.persistence import client_key
 from lbproxy.dataplane.listener import BindError, listen_socket
@@ -1028,6 +1029,8 @@ def run(
         process_title.name_serving_process()
     privileges.warn_if_root(config.global_)
     SECRETS.read_all(config.secret_files)  # before the drop (privileges.py)
+    if config.global_.cluster.redis is not None:
+        instance_id()  # the workers and an upgrade's new supervisor inherit it
     token = None
     admin = config.global_.admin
     if admin.listen and admin.token_file:

@@ -29,8 +29,11 @@ class Target:
         return {"web": self.table}
 
 
-def publication(origin: str, networks, at: float | None = None, signer=SIGNER) -> bytes:
-    counts = SourceCounts(origin, "web", time.time() if at is None else at, tuple(networks))
+def publication(
+    origin: str, networks, at: float | None = None, signer=SIGNER, instance: str | None = None
+) -> bytes:
+    at = time.time() if at is None else at
+    counts = SourceCounts(origin, "web", at, tuple(networks), instance)
     return signer.sign("sources", encode_sources(counts))
 
 
@@ -43,7 +46,8 @@ def test_the_others_counts_are_summed_into_the_table_and_expire():
         now = trio.current_time()
         cluster._receive_sources(publication("lb2", [("10.0.0.0/24", 3, 1)]), now)
         cluster._receive_sources(publication("lb3", [("10.0.0.0/24", 4, 2)]), now)
-        cluster._receive_sources(publication("lb1", [("10.0.0.0/24", 50, 50)]), now)  # own
+        own = publication("lb1", [("10.0.0.0/24", 50, 50)], instance=cluster.instance)
+        cluster._receive_sources(own, now)
         forged = Signer(b"x" * 32, "lbproxy")
         cluster._receive_sources(publication("lb4", [("10.0.0.0/24", 9, 9)], signer=forged), now)
         cluster._receive_sources(publication("lb5", [("10.0.0.0/16", 9, 9)]), now)  # /16: not ours

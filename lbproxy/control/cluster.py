@@ -757,8 +757,8 @@ class Cluster:
             self._ignore(exc.reason, exc.detail)
             return
         self.messages[KIND_ENTRIES, "in"] += 1
-        if batch.instance == self.instance:  # ours (a new process's after an upgrade too)
-            return
+        if batch.origin == self.name and batch.instance == self.instance:
+            return  # ours (or our upgrade's; the workers of one supervisor differ by name)
         age = time.time() - batch.time
         if age < -MAX_AHEAD:
             self._ignore("future", f"entries of {batch.origin}: made {-age:.0f}s ahead")
@@ -774,7 +774,7 @@ class Cluster:
             self._ignore(exc.reason, exc.detail)
             return
         self.messages[KIND_SOURCES, "in"] += 1
-        if counts.instance == self.instance:
+        if counts.origin == self.name and counts.instance == self.instance:
             return
         if counts.time > time.time() + MAX_AHEAD:
             self._ignore("future", f"per-source counts of {counts.origin}: made ahead")

@@ -103,6 +103,17 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "is named. Names routed to the default's upstream need no route of their own",
     ),
     _row(
+        "proxy_pass $variable (a map on $ssl_preread_alpn_protocols)",
+        "virtual_servers[].alpn",
+        "one virtual server per route; the map's `default` is the virtual server without "
+        "`alpn`. nginx matches a key against the whole comma-joined list a client offers, "
+        "lbproxy's `alpn` each protocol in it: a key of one protocol (`acme-tls/1`) is "
+        "translated, and the import says that a client offering it among others now takes "
+        "its route where nginx gave it the default; keys with commas and regular "
+        "expressions are not translated, nor a map within a map of both variables "
+        "(give a virtual server both `sni` and `alpn`)",
+    ),
+    _row(
         "ssl_preread on",
         "virtual_servers[].sni",
         "with the map above; without it nginx's map always gives its default: only that "
@@ -111,8 +122,8 @@ DIRECTIVES: tuple[Mapping, ...] = (
     _row(
         "map",
         "virtual_servers[].sni",
-        "read with the `proxy_pass` that names it: a map on `$ssl_preread_server_name`; "
-        "any other is not translated",
+        "read with the `proxy_pass` that names it: a map on `$ssl_preread_server_name` or "
+        "`$ssl_preread_alpn_protocols`; any other is not translated",
     ),
     _row(
         "proxy_connect_timeout",
@@ -441,6 +452,10 @@ class _Upstream:
     used: bool = False
 
 
+_SNI_VARIABLE = "$ssl_preread_server_name"
+_ALPN_VARIABLE = "$ssl_preread_alpn_protocols"
+
+
 @dataclass
 class _Map:
     directive: Directive
@@ -458,6 +473,7 @@ class _Translator:
         self.left: dict[tuple[int, str], Untranslated] = {}
         self.upstreams: dict[str, _Upstream] = {}
         self.maps: dict[str, _Map] = {}
+        self.nested: set[str] = set()  # maps named as another map's value
         self.zones: dict[str, Directive] = {}
         self.names: set[str] = set()
         self.pieces: list[_Piece] = []
@@ -473,6 +489,12 @@ class _Translator:
     def skip(self, directive: Directive, what: str) -> None:
         self.left.setdefault(
             (directive.order, what), Untranslated(directive.file, directive.line, what)
+        )
+
+    def note(self, directive: Directive, what: str) -> None:
+        """What the import decided that a reader should know: said, not left behind."""
+        self.left.setdefault(
+            (directive.order, what), Untranslated(directive.file, directive.line, what, note=True)
         )
 
     def skip_block(self, directive: Directive, why: str = "") -> None:
@@ -549,9 +571,10 @@ class _Translator:
         for name, upstream in self.upstreams.items():
             if not upstream.used:
                 self.skip_block(upstream.directive, f"no server proxies to {name}")
-        for m in self.maps.values():
+        for name, m in self.maps.items():
             if m.directive.order not in self.done:
-                self.skip_block(m.directive, "no proxy_pass uses it")
+                used = "used only within another map" if name in self.nested else ""
+                self.skip_block(m.directive, used or "no proxy_pass uses it")
         for zone in self.zones.values():
             if zone.order not in self.done:
                 self.skip(
@@ -621,7 +644,7 @@ class _Translator:
             kept.append("round-robin position")
         kept.append("max_fails failures")
         what = " and ".join((", ".join(kept[:-1]), kept[-1])) if len(kept) > 1 else kept[0]
-        routes = " and map routes" if any("sni" in p.vs for p in copies) else ""
+        routes = " and map routes" if any("sni" in p.vs or "alpn" in p.vs for p in copies) else ""
         self.skip(
             upstream,
             f"upstream {upstream.args[0]}'s shared state (the server {{ }} blocks{routes} "
@@ -715,9 +738,11 @@ class _Translator:
         self.took(proxy_pass)
         self.settings_read.extend(d for found in own.values() for d in found)
         self.pieces.extend(
-            self.virtual_server(base, protocol, accept_proxy, addresses, sni, target, settings)
+            self.virtual_server(
+                base, protocol, accept_proxy, addresses, sni, alpn, target, settings
+            )
             for (protocol, accept_proxy), addresses in groups.items()
-            for base, sni, target in routes
+            for base, sni, alpn, target in routes
         )
         for key, hosts in pending.items():
             self.bound.setdefault(key, []).extend(hosts)
@@ -767,19 +792,20 @@ class _Translator:
 
     def routes(
         self, proxy_pass: Directive, settings: dict[str, list[Directive]]
-    ) -> list[tuple[str, list[str] | None, str]]:
-        """(name, sni, target) per virtual server (target: an upstream's name or an
-        address; sni None for the route without one), or why there is none."""
+    ) -> list[tuple[str, list[str] | None, list[str] | None, str]]:
+        """(name, sni, alpn, target) per virtual server (target: an upstream's name or
+        an address; sni or alpn None for the route without one), or why there is none."""
         target = proxy_pass.args[0]
         if not target.startswith("$"):
             error = self.target_error(target)
             if error is not None:
                 raise _Invalid(f"proxy_pass {target}: {error}")
-            return [(target, None, target)]
+            return [(target, None, None, target)]
         m = self.maps.get(target)
-        if m is None or m.source != "$ssl_preread_server_name":
+        if m is None or m.source not in (_SNI_VARIABLE, _ALPN_VARIABLE):
             raise _Invalid(
-                f"proxy_pass {target}: only a map on $ssl_preread_server_name is translated"
+                f"proxy_pass {target}: only a map on {_SNI_VARIABLE} or {_ALPN_VARIABLE} "
+                "is translated"
             )
         preread = settings.get("ssl_preread", [])
         preread_on = bool(preread) and preread[-1].args == ("on",)
@@ -790,21 +816,26 @@ class _Translator:
             self.took(flag)
         by_target: dict[str, list[str]] = {}
         wildcards: list[tuple[Directive, str, str]] = []
+        protocols: dict[str, Directive] = {}
         for entry, key, value in m.entries:
             if not preread_on:
                 self.skip(
                     entry,
                     f"map entry {entry.name} (without ssl_preread on, nginx's "
-                    "$ssl_preread_server_name is empty: the default is used)",
+                    f"{m.source} is empty: the default is used)",
                 )
                 continue
-            names = self.sni_names(entry, key, m.hostnames)
+            if m.source == _ALPN_VARIABLE:
+                names = self.alpn_protocols(entry, key, m.hostnames, protocols)
+            else:
+                names = self.sni_names(entry, key, m.hostnames)
             error = self.target_error(value)
             if error is not None:
                 self.skip(entry, f"map entry {entry.name} {value}: {error}")
             elif names is not None:
                 by_target.setdefault(value, []).extend(names)
-                wildcards.extend((entry, n, value) for n in names if n.startswith("*."))
+                if m.source == _SNI_VARIABLE:
+                    wildcards.extend((entry, n, value) for n in names if n.startswith("*."))
                 self.took(entry)
         default: str | None = None
         if m.default is not None:
@@ -815,7 +846,27 @@ class _Translator:
             else:
                 self.took(entry)
                 default = value
-        if default in by_target:
+        if m.source == _ALPN_VARIABLE:
+            if by_target:
+                shown = next(iter(by_target.values()))[0]
+                # nginx matches the key against the whole comma-joined list a client
+                # offers; lbproxy's alpn against each protocol in it
+                self.note(
+                    m.directive,
+                    f"map {m.source} {m.directive.args[1]}: lbproxy's alpn routes a client "
+                    "offering the protocol among others, nginx's key only a client offering "
+                    f"that one alone (a client offering {shown},h2 gets "
+                    + (
+                        "the map's default in nginx)"
+                        if default is not None
+                        else "no route in nginx)"
+                    ),
+                )
+            # a protocol routed to the default's target gets there without a route of
+            # its own (which would be a second virtual server, with counts of its own)
+            if default is not None:
+                by_target.pop(default, None)
+        elif default in by_target:
             self.fold_into_default(by_target, default)
         for entry, name, value in wildcards:
             if value != default:
@@ -826,15 +877,57 @@ class _Translator:
                     f"wildcard matches any depth, lbproxy's one label: a.b.{name[2:]} gets "
                     + ("the map's default)" if default is not None else "no route)"),
                 )
-        routes: list[tuple[str, list[str] | None, str]] = [
-            (value, sorted(set(names), key=names.index), value)
-            for value, names in by_target.items()
-        ]
+        routes: list[tuple[str, list[str] | None, list[str] | None, str]] = []
+        for value, names in by_target.items():
+            unique = sorted(set(names), key=names.index)
+            if m.source == _ALPN_VARIABLE:
+                routes.append((value, None, unique, value))
+            else:
+                routes.append((value, unique, None, value))
         if default is not None:
-            routes.append((default, None, default))
+            routes.append((default, None, None, default))
         if not routes:
             raise _Invalid(f"proxy_pass {target}: no route of the map can be carried over")
         return routes
+
+    def alpn_protocols(
+        self, entry: Directive, key: str, hostnames: bool, seen: dict[str, Directive]
+    ) -> list[str] | None:
+        """A key of a map on $ssl_preread_alpn_protocols as lbproxy's alpn: one protocol
+        name, exact. nginx compares the map's keys lowercased; so does this."""
+        if key.startswith("~"):
+            self.skip(entry, f"map entry {key} (a regular expression)")
+            return None
+        if key == "":
+            self.skip(entry, 'map entry "" (no protocol offered: route it with default)')
+            return None
+        if "," in key:
+            self.skip(
+                entry,
+                f"map entry {key} (a list of protocols: nginx matches a client offering "
+                "exactly these, lbproxy routes by one protocol)",
+            )
+            return None
+        if hostnames and (key.startswith((".", "*.")) or key.endswith(".*")):
+            self.skip(entry, f"map entry {key} (a hostnames wildcard)")
+            return None
+        protocol = key.lower()
+        if len(protocol) > 255 or not all(" " < c <= "~" for c in protocol):
+            self.skip(
+                entry,
+                f"map entry {entry.name} (not an ALPN protocol name: printable ASCII, "
+                "1 to 255 characters)",
+            )
+            return None
+        if protocol in seen:
+            self.skip(
+                entry,
+                f"map entry {entry.name} (nginx compares keys lowercased: the same as "
+                f"line {seen[protocol].line})",
+            )
+            return None
+        seen[protocol] = entry
+        return [protocol]
 
     @staticmethod
     def fold_into_default(by_target: dict[str, list[str]], default: str) -> None:
@@ -878,6 +971,13 @@ class _Translator:
     def target_error(self, target: str) -> str | None:
         if target in self.upstreams:
             return None
+        inner = self.maps.get(target)
+        if inner is not None and inner.source in (_SNI_VARIABLE, _ALPN_VARIABLE):
+            self.nested.add(target)
+            return (
+                f"a map on {inner.source} within a map (routing by both is not "
+                "translated: give virtual servers both sni and alpn)"
+            )
         try:
             _address(target)
         except _Invalid as e:
@@ -891,6 +991,7 @@ class _Translator:
         accept_proxy: bool,
         addresses: list[str],
         sni: list[str] | None,
+        alpn: list[str] | None,
         target: str,
         settings: dict[str, list[Directive]],
     ) -> _Piece:
@@ -906,6 +1007,8 @@ class _Translator:
         vs["listen"] = list(addresses)
         if sni is not None:
             vs["sni"] = sni
+        if alpn is not None:
+            vs["alpn"] = alpn
         pool = self.pool(upstream, target)
         vs.update(pool.scheduler)
         if protocol == "tcp":

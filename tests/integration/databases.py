@@ -16,6 +16,7 @@ protocol health checks (SPEC §22): Debian's PostgreSQL and MariaDB, and an SMTP
     db.stop()
 
     mail = SmtpServer().start()           # aiosmtpd in a child process, on mail.port
+    smtps = SmtpServer(tls=(cert, key)).start()  # the same over implicit TLS (SMTPS)
 
 As root the servers run as their Debian accounts (`postgres`, `mysql`), started as those
 users directly (no wrapper process: the PID is the server's); as another user, as that
@@ -344,10 +345,15 @@ class Mariadb:
 
 _SMTP_MAIN = textwrap.dedent(
     """
-    import asyncio, signal, sys
+    import asyncio, signal, ssl, sys
     from aiosmtpd.controller import Controller
     from aiosmtpd.handlers import Sink
     port, greeting = int(sys.argv[1]), sys.argv[2]
+    # implicit TLS (SMTPS): the handshake first, then the greeting inside it
+    tls = None
+    if len(sys.argv) > 3:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(sys.argv[3], sys.argv[4])
 
     class Refusing(Sink):
         async def handle_EHLO(self, server, session, envelope, hostname, responses):
@@ -357,7 +363,7 @@ _SMTP_MAIN = textwrap.dedent(
             return responses
 
     controller = Controller(Refusing(), hostname="127.0.0.1", port=port,
-                            ident="lbproxy-test")
+                            ident="lbproxy-test", ssl_context=tls)
     controller.start()
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     controller.stop()
@@ -367,16 +373,19 @@ _SMTP_MAIN = textwrap.dedent(
 
 class SmtpServer:
     """aiosmtpd (a real SMTP server from PyPI) in its own process on 127.0.0.1; with
-    `refuse_ehlo` it answers EHLO with 421."""
+    `refuse_ehlo` it answers EHLO with 421; with `tls` (certificate and key files) it
+    speaks SMTPS, implicit TLS: the handshake before the greeting."""
 
-    def __init__(self, refuse_ehlo: bool = False) -> None:
+    def __init__(self, refuse_ehlo: bool = False, tls: tuple[str, str] | None = None) -> None:
         self.port = free_port()
         self.mode = "refuse-ehlo" if refuse_ehlo else "serve"
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> SmtpServer:
+        tls = list(self.tls) if self.tls else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SMTP_MAIN, str(self.port), self.mode],
+            [sys.executable, "-c", _SMTP_MAIN, str(self.port), self.mode, *tls],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         wait_port(self.port, timeout)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.integration.databases import SmtpServer
 from tests.integration.harness import (
     counted,
     free_port,
@@ -238,6 +239,35 @@ def test_redis_and_send_expect_checks_over_tls(certs, servers, lbproxy, tmp_path
     finally:
         redis.terminate()
         redis.wait(30)
+
+
+def test_smtp_check_over_implicit_tls(certs, servers, lbproxy):
+    """An SMTPS server (aiosmtpd with implicit TLS) checked with `tls: true`: up, the
+    greeting and EHLO read inside TLS; a plain SMTP server and an SMTPS server whose
+    certificate does not verify are down with the TLS reason."""
+    pytest.importorskip("aiosmtpd")
+    smtps = servers(SmtpServer(tls=certs.signed("mail", "mail.example", "127.0.0.1")))
+    plain = servers(SmtpServer())
+    own = servers(SmtpServer(tls=certs.self_signed("own", "mail.example", "127.0.0.1")))
+    for server in (smtps, plain, own):
+        server.start()
+    admin_port = free_port()
+    check = f"type: smtp, helo: lb.example, tls: true, sni: mail.example, verify: {certs.ca}"
+    members = [
+        SimpleNamespace(name=name, port=server.port)
+        for name, server in (("smtps", smtps), ("plain", plain), ("own", own))
+    ]
+    proxy = lbproxy(_config(admin_port, [("mail", check, members)]))
+    assert _reason_down(proxy, "mail", "own") == (
+        "smtp: tls: certificate verify failed: self-signed certificate"
+    )
+    # the plain server's greeting, shown as the reason (the host name is the machine's)
+    assert _reason_down(proxy, "mail", "plain").startswith(
+        'smtp: tls: not a TLS server (it sent "220 '
+    )
+    wait_for(lambda: _checked(admin_port, "mail", "smtps", "ok") >= 2, what="SMTPS checks")
+    assert _health(admin_port)[("mail", "smtps")] == "up"
+    assert _checked(admin_port, "mail", "smtps", "fail") == 0
 
 
 def test_https_check_of_a_patroni_style_primary(certs, servers, lbproxy):

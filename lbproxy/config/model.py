@@ -269,6 +269,7 @@ class PersistenceConfig:
 class QueueConfig:
     max: int = 1000  # waiting clients; one more is refused (queue_full)
     timeout: float = 5.0  # seconds a client may wait for a free slot (queue_timeout)
+    abort_on_close: bool = False  # a client that sent its FIN is dropped at its turn too
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,10 @@ def _virtual_server_summary(vs: VirtualServerConfig) -> list[str]:
     if vs.discovery is not None:
         lines.append(f"  discovery   {discovery_summary(vs.discovery)}")
     if vs.queue is not None:
-        lines.append(f"  queue       up to {vs.queue.max} clients for {vs.queue.timeout:g}s")
+        closed = ", a client that closes is dropped" if vs.queue.abort_on_close else ""
+        lines.append(
+            f"  queue       up to {vs.queue.max} clients for {vs.queue.timeout:g}s{closed}"
+        )
     if vs.conditioning is not None:
         lines.append(f"  conditioning {_conditioning_summary(vs.conditioning)}")
     outlier = vs.outlier_detection

@@ -749,6 +749,11 @@ QUEUE_FIELDS: dict[str, Converter] = {
     "timeout": duration(positive=True).about(
         "how long a client may wait for a free slot (`queue_timeout`)"
     ),
+    "abort_on_close": boolean.about(
+        "drop a waiting client that closed its side (sent a FIN) when its turn comes, "
+        "as `queue_abandoned`, as it drops one that reset; off: a FIN may be a half-close "
+        "(the request sent, the reply awaited) and the client is served"
+    ),
 }
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import logging
 import os
 import socket
@@ -671,10 +670,14 @@ class Handler:
     async def _queued(self, c: ClientConnection) -> Wait | None:
         """queued: until a server is free (then picked before the next checkpoint, as
         the queue asks), or refused (queue_full, queue_timeout, queue_abandoned: the
-        client reset its connection meanwhile)."""
+        client reset its connection meanwhile, or closed it with abort_on_close)."""
         queue = self.vs.queue
         assert queue is not None
-        reason = await queue.wait(functools.partial(client_reset, c.fd))
+
+        def gone() -> bool:  # asked at the client's turn, with the queue's config then
+            return client_gone(c.fd, closed_too=queue.config.abort_on_close)
+
+        reason = await queue.wait(gone)
         if reason is not None:
             c.reject(reason)
             return None
@@ -884,22 +887,26 @@ def _local_address(fd: int) -> tuple:
 
 
 _TCP_CLOSE = 7  # tcp_info's tcpi_state once a reset came (linux/tcp_states.h)
+_TCP_CLOSE_WAIT = 8  # ... once the peer's FIN came (and no reset)
 
 
-def client_reset(fd: int) -> bool:
-    """Did the client reset its connection (or is its descriptor unusable)?
+def client_gone(fd: int, closed_too: bool = False) -> bool:
+    """Did the client reset its connection (or is its descriptor unusable)? With
+    `closed_too`, did it also close its side (a FIN)?
 
     Read from the kernel's TCP state, which a reset puts in TCP_CLOSE even with unread
     bytes in the receive queue (a peek would return those first). A FIN only leaves
-    CLOSE_WAIT: it may be a half-close, so it is not a reset. One getsockopt.
+    CLOSE_WAIT: it may be a half-close, so it is not a reset unless the configuration
+    says to drop such clients (`queue.abort_on_close`). One getsockopt.
     """
     sock = socket.socket(-1, socket.SOCK_STREAM, 0, fd)
     try:
-        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
     except OSError:
         return True
     finally:
         sock.detach()
+    return state == _TCP_CLOSE or (closed_too and state == _TCP_CLOSE_WAIT)
 
 
 def _c_connect_error(fd: int, err: int) -> LocalCapacityError | ConnectError:

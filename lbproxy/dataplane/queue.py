@@ -35,7 +35,8 @@ drops a downstream that left; HAProxy has `option abortonclose`). The handler's 
 looks at the client's socket when the wait ends, not while it waits (no task, no timer
 per waiter): a client that reset its connection is ABANDONED (counted, closed), and the
 slot goes to the next waiter. A client that only sent its FIN is still served: at L4 a
-FIN may be a half-close (the request sent, the reply awaited), which TCP allows. Until
+FIN may be a half-close (the request sent, the reply awaited), which TCP allows; with
+`abort_on_close` (HAProxy's `option abortonclose`) it is ABANDONED too. Until
 its turn, an abandoned client keeps its place (and counts toward `max`).
 
 What the metrics and the API read is the queue's own: `QueueStats` (its length and its

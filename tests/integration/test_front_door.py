@@ -6,6 +6,7 @@ admin endpoint; every wait is bounded in count and time.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import select
@@ -362,6 +363,49 @@ def test_a_queued_client_that_resets_takes_no_slot_one_that_half_closes_is_serve
         holder.close()
         gone.close()
         half.close()
+
+
+def test_with_abort_on_close_a_queued_client_that_half_closes_is_dropped(name_servers, lbproxy):
+    """HAProxy's `option abortonclose`: a waiting client that sent its FIN is dropped at
+    its turn (queue_abandoned), its request never reaching the server, and the slot goes
+    to the next waiter."""
+    (server,) = name_servers("a")
+    port, admin_port = free_port(), free_port()
+    config = vs_config(
+        port,
+        [server],
+        "rr",
+        "health_check: {type: none}\nqueue: {max: 10, timeout: 20s, abort_on_close: true}",
+        rs_extra={"a": "max_connections: 1"},
+    )
+    lbproxy(with_admin(config, admin_port), wait_ports=[port])
+    wait_for(lambda: gauge(admin_port, "lbproxy_active_connections", real_server="a") == 0)
+    holder, _ = open_and_read_name(port)
+    half = socket.create_connection(("127.0.0.1", port), timeout=5)
+    waiting = socket.socket()
+    try:
+        half.sendall(b"request\n")
+        half.shutdown(socket.SHUT_WR)
+        wait_for(lambda: gauge(admin_port, "lbproxy_queued_connections") == 1, what="1 queued")
+        waiting.settimeout(5)
+        waiting.connect(("127.0.0.1", port))  # after it: the half-closed one is the oldest
+        wait_for(lambda: gauge(admin_port, "lbproxy_queued_connections") == 2, what="2 queued")
+
+        holder.close()  # the slot goes to the oldest waiter, which closed: dropped
+        assert waiting.recv(100) == b"a\n"  # the next one is served
+        # closed without a reply (a reset, since its request was never read)
+        with contextlib.suppress(ConnectionResetError):
+            assert half.recv(100) == b""
+
+        samples = metrics(admin_port)
+        rejected = "lbproxy_rejected_connections_total"
+        assert sample(samples, rejected, virtual_server="web", reason="queue_abandoned") == 1
+        assert sample(samples, "lbproxy_queued_connections", virtual_server="web") == 0
+        assert b"request\n" not in b"".join(server.received)
+    finally:
+        holder.close()
+        half.close()
+        waiting.close()
 
 
 # -- SNI routing (TLS passthrough) ------------------------------------------------------

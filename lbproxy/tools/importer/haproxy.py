@@ -194,6 +194,12 @@ DIRECTIVES: tuple[Mapping, ...] = (
         "without it, the shorter of `inter` and `timeout connect`, as HAProxy waits",
     ),
     _row("timeout queue", "virtual_servers[].queue.timeout"),
+    _row(
+        "option abortonclose",
+        "virtual_servers[].queue.abort_on_close",
+        "a queued client that closed its side is dropped at its turn, as in HAProxy; without "
+        "it lbproxy serves it, a FIN being possibly a half-close",
+    ),
     _row("maxconn (frontend, listen, defaults)", "virtual_servers[].max_connections"),
     _row("maxconn (global)", "global.max_clients"),
     _row("user, group (global)", "global.user"),
@@ -610,6 +616,7 @@ class _Proxy:
     check_option: Statement | None = None
     tcplog: Statement | None = None
     redispatch: Statement | None = None
+    abortonclose: Statement | None = None
     allbackups: Statement | None = None
     tcp_checks: list[Statement] = field(default_factory=list)
     tcp_checks_inherited: bool = False  # the first own `tcp-check` replaces them
@@ -643,6 +650,7 @@ class _Proxy:
             check_option=self.check_option,
             tcplog=self.tcplog,
             redispatch=self.redispatch,
+            abortonclose=self.abortonclose,
             allbackups=self.allbackups,
             tcp_checks=list(self.tcp_checks),
             tcp_checks_inherited=bool(self.tcp_checks),
@@ -835,6 +843,9 @@ class _Translator:
             elif words[2] == "redispatch":
                 proxy.redispatch = None
                 self.use(st)
+            elif words[2] == "abortonclose":
+                proxy.abortonclose = None
+                self.use(st)
             elif words[2] == "allbackups":
                 proxy.allbackups = None
                 self.use(st)
@@ -844,6 +855,8 @@ class _Translator:
             proxy.tcplog = st
         elif keyword == "option" and words[1:] == ["redispatch"]:
             proxy.redispatch = st
+        elif keyword == "option" and words[1:] == ["abortonclose"] and back:
+            proxy.abortonclose = st
         elif keyword == "option" and words[1:] == ["allbackups"] and back:
             proxy.allbackups = st
         elif keyword == "tcp-check" and back:
@@ -1486,6 +1499,10 @@ class _Translator:
             vs["queue"] = {"timeout": _duration(queue_timeout[0])} if queue_timeout else {}
             if queue_timeout is not None:
                 self.use(queue_timeout[1])
+            if backend.abortonclose is not None:
+                vs["queue"]["abort_on_close"] = True
+        # without a full server nothing queues: the option has nothing to drop
+        self.use(backend.abortonclose)
         vs["real_servers"] = servers
 
     def real_servers(self, backend: _Proxy, port: str | None) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ virtual_servers:
   - name: api
     listen: 127.0.0.1:8443
     sni: [API.example.com., "*.apps.example.com"]
-    queue: {max: 10, timeout: 250ms}
+    queue: {max: 10, timeout: 250ms, abort_on_close: true}
     real_servers:
       - {name: a, address: 127.0.0.1:9001}
       - {name: b, address: 127.0.0.1:9002, backup: true}
@@ -33,11 +33,13 @@ def test_sni_backup_and_queue_are_read(tmp_path: Path) -> None:
     assert api.sni == ("api.example.com", "*.apps.example.com")  # lower case, no dot
     assert web.sni == ()
     assert [rs.backup for rs in api.real_servers] == [False, True]
-    assert api.queue == QueueConfig(max=10, timeout=0.25)
-    assert web.queue == QueueConfig(max=1000, timeout=5.0)  # `queue:` alone: defaults
+    assert api.queue == QueueConfig(max=10, timeout=0.25, abort_on_close=True)
+    # `queue:` alone: the defaults, a client that closes its side still served
+    assert web.queue == QueueConfig(max=1000, timeout=5.0, abort_on_close=False)
     text = summary(config)
     assert "sni         api.example.com, *.apps.example.com" in text
-    assert "queue       up to 10 clients for 0.25s" in text
+    assert "queue       up to 10 clients for 0.25s, a client that closes is dropped" in text
+    assert "queue       up to 1000 clients for 5s\n" in text
     assert "backup" in text
 
 

@@ -639,6 +639,32 @@ def test_another_sequence_keeps_its_first_send_and_expect_and_names_the_rest(tmp
     ]
 
 
+def test_option_abortonclose_drops_queued_clients_that_close(tmp_path):
+    """From defaults to a backend whose full servers queue; `no option abortonclose`
+    turns it off again; where nothing queues it has nothing to drop (not named)."""
+    vss, left, _document = imported(
+        """
+        defaults
+            mode tcp
+            option abortonclose
+        listen full
+            bind 127.0.0.1:7001
+            server s1 127.0.0.1:9001 maxconn 4
+        listen plain
+            bind 127.0.0.1:7002
+            no option abortonclose
+            server s1 127.0.0.1:9002 maxconn 4
+        listen unlimited
+            bind 127.0.0.1:7003
+            server s1 127.0.0.1:9003
+        """,
+        tmp_path,
+    )
+    queues = {vs["name"]: vs.get("queue") for vs in vss}
+    assert queues == {"full": {"abort_on_close": True}, "plain": {}, "unlimited": None}
+    assert left == []
+
+
 def test_timeouts(tmp_path):
     vs = only(
         """
@@ -1056,6 +1082,9 @@ EXAMPLES = {
     "maxconn (frontend, listen, defaults)": _listen("maxconn 100"),
     "maxconn (global)": "global\n    maxconn 100\n" + _listen(),
     "user, group (global)": "global\n    user nobody\n" + _listen(),
+    "option abortonclose": _listen(
+        "option abortonclose", servers="    server s1 127.0.0.1:9001 maxconn 3"
+    ),
     "retries N, option redispatch": _listen("retries 1", "option redispatch"),
     "option tcplog": _listen("option tcplog"),
     "use_backend B if { req.ssl_sni -i NAME }": SNI,

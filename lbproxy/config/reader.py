@@ -920,6 +920,21 @@ def _check_scheduler_needs(doc: _Document, vs: _Section, config: VirtualServerCo
             doc.error(
                 vs.line_of(key), f"{key} applies to scheduler {schedulers.option_owner(key)} only"
             )
+    # Common keys only some schedulers read (quiesce, slow_start, ...): written with
+    # another they would do nothing, which must not pass silently.
+    for key, converter in VIRTUAL_SERVER_FIELDS.items():
+        if (
+            converter.only
+            and key not in SCHEDULER_OPTION_KEYS
+            and key in vs.key_lines
+            and config.scheduler not in converter.only
+        ):
+            plural = "s" if len(converter.only) > 1 else ""
+            doc.error(
+                vs.line_of(key),
+                f"{key} applies to scheduler{plural} {', '.join(converter.only)} only "
+                f"(scheduler {config.scheduler} has no use for it)",
+            )
     for where, message in algorithm.problems(config):
         line = vs.line_of(where) if isinstance(where, str) else where.line
         doc.error(line, message)

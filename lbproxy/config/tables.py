@@ -257,7 +257,7 @@ VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
     "scheduler": _scheduler.about("how a real server is picked (see Schedulers)"),
     "quiesce": boolean.about(
         "reset the connection table when a real server comes online",
-        read_by=schedulers.reading("quiesce"),
+        only=schedulers.reading("quiesce"),
     ),
     "load_source": choice("connections", "snmp", "report").about(
         "`connections` (connections / `max_connections`), `snmp` (value / "
@@ -269,7 +269,9 @@ VIRTUAL_SERVER_FIELDS: dict[str, Converter] = {
         read_by=schedulers.reading("load_poll_interval"),
     ),
     "slow_start": duration(positive=False).about(
-        "ramp a server coming online from 10 % to its full weight over this time"
+        "ramp a server coming online from 10 % to its full weight over this time (a "
+        "scheduler that does not read weights has nothing to ramp)",
+        only=schedulers.reading("slow_start"),
     ),
     "connect_timeout": duration(positive=True).about(
         "connecting to a real server; also how long an `accept_proxy` header may take, and "

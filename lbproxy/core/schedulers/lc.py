@@ -43,7 +43,7 @@ class WeightedLeastConnections(HeapScheduler):
     name = "wlc"
     rank = 40
     quiesce_resets = True
-    keys = frozenset({"quiesce"})
+    keys = frozenset({"quiesce", "slow_start"})
 
     def key(self, rs: RealServer) -> tuple[float, int]:
         return ((rs.sched_active + 1) / rs.effective_weight, rs.seq)

@@ -180,6 +180,7 @@ def _weighted(
 class Maglev(Scheduler):
     score_legend = "the slots the server holds in the lookup table: the client's hash picks a slot"
     name = "maglev"
+    keys = frozenset({"slow_start"})  # the table follows effective weights
     rank = 100
     reads = frozenset({CLIENT})
     Options = MaglevOptions

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class WeightedRoundRobin(HeapScheduler):
     score_legend = "(next turn on the virtual clock, position): the earliest wins"
     name = "wrr"
+    keys = frozenset({"slow_start"})
     rank = 20
 
     def __init__(self, pool: Pool) -> None:
@@ -103,6 +104,7 @@ class WeightedRoundRobin(HeapScheduler):
 @register
 class RoundRobin(WeightedRoundRobin):
     name = "rr"
+    keys = frozenset()  # every weight taken as 1: slow start has no effect
     rank = 10
     weighted = False
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lbproxy.core import schedulers
 from lbproxy.tools.importer.haproxy_grammar import (
     PROXY_SECTIONS,
     Parsed,
@@ -1603,6 +1604,16 @@ class _Translator:
             else:
                 proxy_of[server.name] = "none"
         self.one_value(vs, "send_proxy", chosen, proxy_of, ("send-proxy-v2", "send-proxy"), "none")
+        if vs["scheduler"] not in schedulers.reading("slow_start"):
+            # `first` reads no weight: lbproxy would refuse a slow_start it cannot ramp.
+            for server in chosen:
+                if "slowstart" in server.options:
+                    self.skip(
+                        server.options["slowstart"][1],
+                        f"server {server.name}: slowstart (scheduler {vs['scheduler']} "
+                        "reads no weight to ramp)",
+                    )
+            return
         slow: dict[str, str] = {}
         for server in chosen:
             value = server.options.get("slowstart", (None, None))[0]

@@ -951,6 +951,63 @@ def test_maglev_and_persistence_problems(tmp_path: Path) -> None:
     ]
 
 
+def test_keys_a_scheduler_never_reads_are_errors_at_their_line(tmp_path: Path) -> None:
+    """slow_start ramps a weight and quiesce resets a weighted table: with a scheduler
+    that reads neither they would do nothing, so check says so instead of accepting."""
+    cases = [
+        ("rr", "slow_start", "10s"),
+        ("lc", "slow_start", "10s"),
+        ("sap", "slow_start", "10s"),
+        ("first", "slow_start", "10s"),
+        ("lc", "quiesce", "true"),
+        ("rr", "quiesce", "true"),
+    ]
+    body = "".join(
+        f"  - name: {name}{number}\n"
+        f"    listen: 127.0.0.1:{8080 + number}\n"
+        f"    scheduler: {name}\n"
+        f"    {key}: {value}\n"
+        "    real_servers:\n"
+        "      - {name: a, address: 127.0.0.1:9001}\n"
+        for number, (name, key, value) in enumerate(cases)
+    )
+    path = write(tmp_path, "ignored.yaml", "virtual_servers:\n" + body)
+    readers = {"slow_start": "wrr, wlc, dwd, dwr, maglev", "quiesce": "wlc, dwd, dwr"}
+    assert problems([path]) == [
+        f"{path}:{5 + 6 * number}: {key} applies to schedulers {readers[key]} only "
+        f"(scheduler {name} has no use for it)"
+        for number, (name, key, _) in enumerate(cases)
+    ]
+
+
+def test_slow_start_and_quiesce_with_the_schedulers_that_read_them(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "read.yaml",
+        """\
+        virtual_servers:
+          - name: default
+            listen: 127.0.0.1:8080
+            quiesce: true
+            slow_start: 4s
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+          - name: weighted
+            listen: 127.0.0.1:8081
+            scheduler: wrr
+            slow_start: 4s
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+        """,
+    )
+    config = load([path])
+    assert [(vs.scheduler, vs.quiesce, vs.slow_start) for vs in config.virtual_servers] == [
+        ("wlc", True, 4.0),
+        ("wrr", False, 4.0),
+    ]
+    assert "scheduler   wlc, quiesce, slow start 4s" in summary(config)
+
+
 def test_summary_shows_maglev_and_persistence() -> None:
     text = summary(load([CONFIGS / "maglev.yaml"]))
     assert "scheduler   maglev, table 65537, hash source" in text

@@ -150,6 +150,8 @@ BAD = [
     ("unknown scheduler", "    scheduler: wlcc"),
     ("maglev key on wlc", "    table_size: 65537"),
     ("conditioning on rr", "    scheduler: rr\n    conditioning: {interval: 1s}"),
+    ("slow_start on rr", "    scheduler: rr\n    slow_start: 10s"),
+    ("quiesce on lc", "    scheduler: lc\n    quiesce: true"),
     ("throttle without a limit", "    throttle: {interval: 1s}"),
     ("send_expect without expect", "    health_check: {type: send_expect, send: PING}"),
     ("SRV with a port", "    discovery: {dns: {name: _a._tcp.example, port: 80}}"),
@@ -188,6 +190,7 @@ GOOD = [
     "    throttle: {max_rate: 10}",
     "    discovery: {dns: {name: web.example, type: a, port: 80}}",
     "    connect_timeout: 250ms\n    idle_timeout: 1.5\n    slow_start: 0",
+    "    scheduler: maglev\n    slow_start: 10s",
 ]
 
 

@@ -277,6 +277,23 @@ def test_an_unknown_balance_is_named_and_the_default_roundrobin_kept(tmp_path):
     assert "4: balance uri (another algorithm)" in left
 
 
+def test_slowstart_with_balance_first_is_left_behind_not_written(tmp_path):
+    """lbproxy's `first` reads no weight, so a slow_start there is a configuration error:
+    the import names the slowstart it leaves instead of writing one check refuses."""
+    servers, left, _ = imported(
+        """
+        listen a
+            bind 127.0.0.1:7001
+            balance first
+            server s1 127.0.0.1:9001 slowstart 5s
+        """,
+        tmp_path,
+    )
+    assert servers[0]["scheduler"] == "first"
+    assert "slow_start" not in servers[0]
+    assert "5: server s1: slowstart (scheduler first reads no weight to ramp)" in left
+
+
 def test_server_options(tmp_path):
     vs = only(
         """

@@ -1,9 +1,15 @@
 """lc and wlc: (weighted) least connections, with the LVS quiesce reset.
 
 lc : least active connections.
-wlc: least (active + 1) / weight (LVS document, seeds/001; `ip_vs_wlc.c` compares
-     `h1 * w2 > h2 * w1`: the same order, kept here as a float key because effective
-     weights may be fractional under slow start and smoothing).
+wlc: least (active + 1) / effective weight, active = this pool's open connections to the
+     server (`sched_active`). This is the key of LVS's *sed* (`ip_vs_sed.c`: overhead =
+     activeconns + 1), not of `ip_vs_wlc.c`, which minimises overhead / weight with
+     overhead = activeconns * 256 + inactconns and no +1. The orders agree when weights
+     are equal; with unequal weights the +1 makes an idle light server lose to a busier
+     heavy one (weights 1 and 5, a idle, b with 3: wlc's 0/1 < 3/5 picks a, this key's
+     1/1 > 4/5 picks b), so a heavy server takes its share sooner. A float key, not
+     `ip_vs_*`'s cross-multiplication, because effective weights may be fractional
+     (slow start, smoothing, agent percent).
 Ties: the tied server that was picked longest ago, then configuration order — round-robin
 order among tied servers, kept in the heap key instead of a scan.
 

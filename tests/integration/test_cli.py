@@ -57,6 +57,29 @@ def test_simulate_reproduces_the_sap_table(tmp_path):
     assert result["picks"] == {"Server1": 4, "Server2": 2, "Server3": 2, "Server4": 0}
 
 
+def test_simulate_sap_load_factor_change_at_run_time(tmp_path):
+    """seeds/004: "Server1=3" gives Server1 a new load at run time, "Server2=0" removes
+    Server2. After the document's 8 jobs (loads 8, 6, 8, 8) Server1 adds 3 per job, not 2;
+    its accumulated load stays, and ties go in configuration order."""
+    config = tmp_path / "sap.yaml"
+    config.write_text(SAP.format(port=free_port()))
+    events = tmp_path / "events.yaml"
+    events.write_text(
+        "- {before: 8, join: Server4}\n"
+        "- {before: 9, load_factor: {Server1: 3}}\n"
+        "- {before: 19, weight: {Server2: 0}}\n"
+    )
+    out = run_cli("simulate", str(config), "-n", "22", "--events", str(events), "--json")
+    assert out.returncode == 0, out.stderr
+    sequence = json.loads(out.stdout)["sequence"]
+    assert sequence[:8] == [f"Server{i}" for i in (1, 2, 3, 1, 2, 1, 3, 1)]
+    # loads 8 6 8 8 -> S2 9; S1 11 (tie at 8, first in order, +3); S3 12; S4 12; S2 12;
+    # S1 14; S2 15 (tie at 12); S3 16; S4 16; S1 17
+    assert sequence[8:18] == [f"Server{i}" for i in (2, 1, 3, 4, 2, 1, 2, 3, 4, 1)]
+    # Server2 removed at 15: S3 20; S4 20; S1 20; S1 23 (tie at 20, first in order)
+    assert sequence[18:] == [f"Server{i}" for i in (3, 4, 1, 1)]
+
+
 def _lvs_flood(tmp_path, quiesce: bool) -> dict:
     config = tmp_path / f"lvs-{quiesce}.yaml"
     config.write_text(LVS.format(port=free_port(), quiesce=str(quiesce).lower()))

@@ -10,8 +10,10 @@ logs it.
 - Candidates are connections whose pump runs and that moved no byte for `idle_for`
   (`flow.last_activity`), longest idle first; only the servers the round takes
   connections from are looked at.
-- Servers that are draining, disabled or down are not members of the round at all
-  (`Pool.balance_members`): their connections are never closed by conditioning.
+- Members of the round are the servers a new connection could go to now
+  (`Pool.balance_members`: available and up, of the tier the pool serves from). A
+  draining, disabled, down, ejected or full server, or a backup the pool is not on, is
+  none: its connections are never closed, and none is closed toward it.
 - A close is the pump's own close path (`Flow.close`): the handler then closes both
   sockets with nothing unread or unsent, which is a FIN each way, never an RST. The
   client reconnects and is scheduled as usual -- toward the least loaded server.

@@ -90,8 +90,9 @@ class Member(Generic[S, C]):
     `candidates` are its connections that may be closed (idle long enough), longest
     idle first; None: ask `plan_round`'s `candidates_of` when first needed (only the
     most loaded servers' connections are ever looked at). Only servers that take part
-    in balancing are members: enabled, health up, not removed (a draining, disabled or
-    down server is never one).
+    in balancing are members: the servers a new connection could go to now
+    (`Pool.balance_members`; a draining, disabled, down, ejected or full server, or a
+    backup the pool is not on, is never one).
     """
 
     server: S

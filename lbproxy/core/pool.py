@@ -754,11 +754,19 @@ class Pool:
         return None if pair is None else pair[0]
 
     def balance_members(self) -> list[tuple[RealServer, float, float]]:
-        """(server, L, p) for every server that takes part in balancing: enabled, health
-        up, weight > 0 (draining, disabled and down servers never do). O(n)."""
+        """(server, L, p) for every server that takes part in balancing: the servers a
+        new connection could go to now. O(n).
+
+        That is `available` (enabled, weight > 0, not ejected, not full, of the tier
+        the pool serves from: its primaries, or its backups while no primary is
+        available) and health up. A backup the pool does not serve from, an ejected or
+        a full server would otherwise look least loaded and have connections closed
+        "toward" it that it never gets. Panic makes down primaries available to the
+        pick; they stay out here, as draining, disabled and down servers always do:
+        their connections are left alone and none is closed toward them."""
         members = []
         for rs in self.servers:
-            if rs.online:
+            if rs.available and rs.online:
                 pair = self.scheduler.balance_load(rs)
                 if pair is None:
                     return []

@@ -119,18 +119,21 @@ class _Handler(socketserver.BaseRequestHandler):
         server: NameServer = self.server  # type: ignore[assignment]
         sock: socket.socket = self.request
         server.accepted += 1
+        started, end = time.monotonic(), ""
         try:
             if server.greeting:
                 sock.sendall(f"{server.name}\n".encode())
             while True:
                 data = sock.recv(65536)
                 if not data:
+                    end = "eof"
                     break
                 server.received.append(data)
                 sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+        except OSError as error:
+            end = end or type(error).__name__
+        server.ends.append((end, time.monotonic() - started))
 
 
 class NameServer(socketserver.ThreadingTCPServer):
@@ -149,6 +152,9 @@ class NameServer(socketserver.ThreadingTCPServer):
         self.greeting = greeting
         self.accepted = 0
         self.received: list[bytes] = []
+        # how each connection ended, as this server saw it: ("eof" (the peer's FIN) or
+        # the error's name ("ConnectionResetError": an RST), seconds it was open)
+        self.ends: list[tuple[str, float]] = []
         super().__init__((host, port), _Handler)
         self.port = self.server_address[1]
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)

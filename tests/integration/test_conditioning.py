@@ -65,7 +65,13 @@ class Client(threading.Thread):
                 time.sleep(0.05)  # the client's pace before it connects again
 
 
-def config(port: int, admin_port: int, servers: dict[str, int], conditioning: str) -> str:
+def config(
+    port: int,
+    admin_port: int,
+    servers: dict[str, int],
+    conditioning: str,
+    backups: tuple[str, ...] = (),
+) -> str:
     lines = [
         "global:",
         f"  admin: {{listen: 127.0.0.1:{admin_port}}}",
@@ -79,7 +85,10 @@ def config(port: int, admin_port: int, servers: dict[str, int], conditioning: st
     if conditioning:
         lines.append(f"    conditioning: {conditioning}")
     lines.append("    real_servers:")
-    lines += [f"      - {{name: {n}, address: 127.0.0.1:{p}}}" for n, p in servers.items()]
+    lines += [
+        f"      - {{name: {n}, address: 127.0.0.1:{p}{', backup: true' if n in backups else ''}}}"
+        for n, p in servers.items()
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -95,7 +104,8 @@ def health(admin: str) -> dict[str, str]:
 
 
 def rejoin(lbproxy, name_servers, conditioning: str):
-    """a, b up; c down; 30 clients (4 busy); then c comes back. Returns what is needed."""
+    """a, b up; c down; 30 clients (4 busy); then c comes back. Returns what is needed
+    (the real servers a and b last)."""
     a, b = name_servers("a", "b")
     c_port, port, admin_port = free_port(), free_port(), free_port()
     proxy = lbproxy(config(port, admin_port, {"a": a.port, "b": b.port, "c": c_port}, conditioning))
@@ -108,7 +118,7 @@ def rejoin(lbproxy, name_servers, conditioning: str):
     wait_for(lambda: split(admin) == {"a": 15, "b": 15, "c": 0}, 10, "15/15/0")
     c = NameServer("c", port=c_port)
     wait_for(lambda: health(admin)["c"] == "up", 10, "c up")
-    return proxy, admin, clients, stop, c
+    return proxy, admin, clients, stop, c, (a, b)
 
 
 @pytest.fixture
@@ -119,11 +129,12 @@ def cleanup():
         stop.set()
         for client in clients:
             client.join(5)
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def test_without_conditioning_the_rejoined_server_stays_empty(lbproxy, name_servers, cleanup):
-    _, admin, clients, stop, c = rejoin(lbproxy, name_servers, "")
+    _, admin, clients, stop, c, _ = rejoin(lbproxy, name_servers, "")
     cleanup.append((stop, clients, c))
     for _ in range(6):  # 3 s: as long as you like, nothing moves
         time.sleep(0.5)  # on purpose: time goes by
@@ -133,7 +144,7 @@ def test_without_conditioning_the_rejoined_server_stays_empty(lbproxy, name_serv
 
 def test_conditioning_moves_idle_connections_to_the_rejoined_server(lbproxy, name_servers, cleanup):
     conditioning = "{interval: 1s, idle_for: 500ms, max_per_interval: 5}"
-    proxy, admin, clients, stop, c = rejoin(lbproxy, name_servers, conditioning)
+    proxy, admin, clients, stop, c, (a, b) = rejoin(lbproxy, name_servers, conditioning)
     cleanup.append((stop, clients, c))
     wait_for(lambda: split(admin) == {"a": 10, "b": 10, "c": 10}, 8, "10/10/10")
     time.sleep(1.5)  # on purpose: balanced, the next round moves nothing
@@ -145,6 +156,19 @@ def test_conditioning_moves_idle_connections_to_the_rejoined_server(lbproxy, nam
     assert all(client.closed_by_peer == 0 and len(client.servers) == 1 for client in busy)
     closed = sum(client.closed_by_peer for client in clients)
     assert closed == 10
+
+    # a clean close of both sides: the real servers read EOF (a FIN), never an RST. The
+    # health checks' connections (200 ms timeout) are the short ones, and left out.
+    def held(server):
+        return [end for end, seconds in server.ends if seconds >= 0.5]
+
+    wait_for(
+        lambda: len(held(a)) + len(held(b)) == 10,
+        5,
+        "10 held connections ended at a and b",
+        details=lambda: f"{a.ends} {b.ends}",
+    )
+    assert held(a) + held(b) == ["eof"] * 10
     samples = metrics(int(admin.rsplit(":", 1)[1]))
     moved = {
         name: sample(
@@ -179,3 +203,22 @@ def test_conditioning_leaves_draining_servers_alone(lbproxy, name_servers, clean
     wait_for(lambda: split(admin) == {"a": 3, "b": 6, "c": 3}, 8, "3/6/3")
     time.sleep(1.0)  # on purpose: two more rounds move nothing
     assert split(admin) == {"a": 3, "b": 6, "c": 3}
+
+
+def test_conditioning_closes_nothing_toward_an_idle_backup(lbproxy, name_servers, cleanup):
+    a, b, c = name_servers("a", "b", "c")
+    port, admin_port = free_port(), free_port()
+    servers = {"a": a.port, "b": b.port, "c": c.port}
+    conditioning = "{interval: 300ms, idle_for: 100ms, max_per_interval: 10, threshold: 2}"
+    proxy = lbproxy(config(port, admin_port, servers, conditioning, backups=("c",)))
+    admin = f"http://127.0.0.1:{admin_port}"
+    stop = threading.Event()
+    clients = [Client(port, stop) for _ in range(10)]
+    cleanup.append((stop, clients, None))
+    for client in clients:
+        client.start()
+    wait_for(lambda: split(admin) == {"a": 5, "b": 5, "c": 0}, 10, "5/5/0")
+    time.sleep(1.5)  # on purpose: five rounds, none of which may close anything
+    assert split(admin) == {"a": 5, "b": 5, "c": 0}
+    assert "conditioning closed" not in proxy.log()
+    assert sum(client.closed_by_peer for client in clients) == 0

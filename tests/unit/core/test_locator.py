@@ -7,11 +7,13 @@ import math
 
 import pytest
 
-from lbproxy.config.model import ConditioningConfig
+from lbproxy.config.model import ConditioningConfig, HealthCheckConfig, OutlierDetectionConfig
 from lbproxy.core.balance import Balance, Member, is_balanced, plan_round
 from lbproxy.core.pool import DRAIN, Pool
 from lbproxy.tools.simulate import SimulationError, parse_events, simulate
 from tests.factories import virtual_server
+
+CHECKS = HealthCheckConfig(type="tcp", rise=1, fall=1)
 
 
 def report_pool(**servers):
@@ -206,6 +208,66 @@ def test_pool_balance_members_skip_draining_and_down():
         pool.take(pool.by_name["a"], 0.0)
     assert [(rs.name, load, step) for rs, load, step in pool.balance_members()] == [("a", 1.5, 0.5)]
     assert Pool(virtual_server("rr", {"a": {}}), 0).balance_members() == []
+
+
+def names_of(pool):
+    return [rs.name for rs, _, _ in pool.balance_members()]
+
+
+def lc_pool(servers, **options):
+    return Pool(virtual_server("lc", servers, health_check=CHECKS, **options), 0.0)
+
+
+def test_pool_balance_members_are_where_a_new_connection_could_go():
+    # an idle backup is not where the pool sends anyone while a primary is available
+    pool = lc_pool({"a": {}, "b": {}, "c": {"backup": True}})
+    for name in "aabb":
+        pool.take(pool.by_name[name], 0.0)
+    assert names_of(pool) == ["a", "b"]
+    plan = plan_round(
+        [Member(rs, load, step, [rs.name]) for rs, load, step in pool.balance_members()],
+        Balance(),
+        1,
+        10,
+    )
+    assert plan is None  # 2/2 is balanced: nothing is closed "toward" c
+    # once no primary is available the pool serves from its backups, and so does balancing
+    for name in "ab":
+        pool.record_health(pool.by_name[name], False, 1.0)
+    assert names_of(pool) == ["c"]
+
+
+def test_pool_balance_members_skip_ejected_and_full_servers():
+    outlier = OutlierDetectionConfig(consecutive_failures=1, max_ejection_percent=50)
+    pool = lc_pool({"a": {}, "b": {}, "c": {}}, outlier_detection=outlier)
+    pool.connect_failed(pool.by_name["c"], 0.0)
+    assert pool.ejected_until(pool.by_name["c"]) is not None
+    assert names_of(pool) == ["a", "b"]
+    pool = lc_pool({"a": {}, "b": {"max_connections": 1}})
+    pool.take(pool.by_name["b"], 0.0)
+    assert names_of(pool) == ["a"]
+
+
+def test_pool_balance_members_in_panic_are_the_up_servers_the_pick_may_choose():
+    pool = lc_pool({"a": {}, "b": {}, "c": {}, "d": {}}, panic_threshold=50)
+    for name in "bcd":
+        pool.record_health(pool.by_name[name], False, 1.0)
+    assert pool.panic  # the pick chooses among all four; b, c and d are down
+    assert names_of(pool) == ["a"]
+
+
+def test_replace_is_not_answered_toward_an_idle_backup():
+    config = virtual_server(
+        "lc",
+        {"a": {}, "b": {}, "c": {"backup": True}},
+        health_check=CHECKS,
+        conditioning=ConditioningConfig(threshold=2),
+    )
+    pool = Pool(config, 0.0)
+    for name in "aabb":
+        pool.take(pool.by_name[name], 0.0)
+    answer = pool.locator.locate(0.0, current="a")
+    assert (answer.server.name, answer.replace) == ("a", False)
 
 
 def test_threshold_comes_from_conditioning():

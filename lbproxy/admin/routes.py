@@ -9,9 +9,12 @@ once, here and in `AdminApp._route`:
 - A path matches one route or none (404 "no such path"); a route an app has no handler
   for is a 404 too (the workers' routes on a single process).
 - A route lists its methods; any other is a 405 naming the route's last one. HEAD is
-  answered as GET on a read-only route (GET alone).
-- Every method but GET changes something and needs authorization (api.py
-  `_authorize`: the token, or loopback without one), checked before the body is read.
+  answered as GET on a read-only route (GET alone), except where a GET is counted
+  (`head_as_get=False`: locate, whose answer is a pick that steers the next ones; a
+  HEAD from a monitor or a link checker must not).
+- Every method but GET changes something and needs a credential (api.py `_authorize`):
+  a request through the admin socket, or the token over TCP. Checked before the body
+  is read.
 
 docs/reference/admin-api.md describes the same routes for a user.
 """
@@ -43,6 +46,7 @@ class Route:
     name: str  # the handler: on_<name>
     template: str  # the path; {} stands for one name (no "/")
     methods: tuple[str, ...]
+    head_as_get: bool = True  # HEAD answered as GET when GET is the only method
     pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,7 +70,7 @@ ROUTES = (
     Route("real_server", "/api/v1/virtual-servers/{}/real-servers/{}", ("GET", "DELETE", "PATCH")),
     Route("reload", "/api/v1/reload", ("POST",)),
     Route("upgrade", "/api/v1/upgrade", ("POST",)),
-    Route("locate", "/api/v1/virtual-servers/{}/locate", ("GET",)),
+    Route("locate", "/api/v1/virtual-servers/{}/locate", ("GET",), head_as_get=False),
     Route("load", "/api/v1/virtual-servers/{}/real-servers/{}/load", ("PUT",)),
     Route("explain", "/api/v1/virtual-servers/{}/explain", ("GET",)),
     # per_source's table (HAProxy's `show table` and `clear table`): a network is an
@@ -112,6 +116,6 @@ def allowed(route: Route, method: str) -> str:
     """The method `method` is answered as on `route`; a 405 when it has none."""
     if method in route.methods:
         return method
-    if method == "HEAD" and route.methods == ("GET",):
+    if method == "HEAD" and route.methods == ("GET",) and route.head_as_get:
         return "GET"
     raise HTTPError(405, f"method {method} not allowed; use {route.methods[-1]}")

@@ -119,6 +119,34 @@ def test_reports_and_locate_give_geodes_arithmetic(locator):
     assert put_load(admin, "a", {"load": 0.05})[1]["per_connection"] == 0
 
 
+def test_head_on_locate_is_405_and_steers_nothing(locator):
+    # a locate answer is a pick that is counted; a HEAD (a monitor, a link checker) sends
+    # no client anywhere, so it must not count one: 405, and GET is what to use
+    _, admin, _, _, _ = locator
+    put_load(admin, "a", {"load": 0.0, "per_connection": 0.1})
+    put_load(admin, "b", {"load": 0.05, "per_connection": 0.1})
+    port = int(admin.rsplit(":", 1)[1])
+    for _ in range(2):  # what `curl -I` sends
+        connection = HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.request("HEAD", "/api/v1/virtual-servers/db/locate")
+        response = connection.getresponse()
+        assert response.status == 405
+        assert response.read() == b""  # a HEAD answer has no body
+        connection.close()
+    samples = metrics(port)
+    for rs in "ab":
+        key = (
+            "lbproxy_locator_answers_total",
+            (("real_server", rs), ("via", "http"), ("virtual_server", "db")),
+        )
+        assert samples.get(key, 0) == 0
+    # no estimate was added: the next GET gets a at 0.1, as if no HEAD had come
+    status, answer = locate(admin)
+    assert (status, answer["real_server"], answer["load"]) == (200, "a", 0.1)
+    # HEAD on a read-only route still answers as GET
+    assert http("HEAD", f"{admin}/api/v1/virtual-servers/db")[0] == 200
+
+
 def test_replace_answers_geodes_question(locator):
     _, admin, _, _, _ = locator
     put_load(admin, "a", {"load": 0.3, "per_connection": 0.1})

@@ -17,7 +17,7 @@ import click
 from lbproxy import __version__
 from lbproxy.config.model import MAX_WEIGHT, Config, ConfigError
 from lbproxy.config.reader import load
-from lbproxy.config.summary import summary
+from lbproxy.config.summary import summary, warnings
 from lbproxy.net.compiled import describe as describe_implementation
 
 EXIT_RUNTIME = 1
@@ -121,6 +121,8 @@ def check(config: tuple[str, ...], resolve: bool) -> None:
     """Validate CONFIG and print a summary of its virtual servers."""
     cfg = _load_or_exit(config)
     click.echo(summary(cfg))
+    for warning in warnings(cfg):  # valid (exit 0), but probably not what was meant
+        click.echo(f"warning: {warning}", err=True)
     click.echo("configuration ok")
     if resolve and not _print_discovered(cfg):
         sys.exit(EXIT_RUNTIME)

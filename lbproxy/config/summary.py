@@ -35,6 +35,33 @@ def summary(config: Config) -> str:
     return "\n".join(lines)
 
 
+def warnings(config: Config) -> list[str]:
+    """What `lbproxy check` warns about: valid, but probably not what was meant.
+
+    `least-load` with `load_source: report` steps a server's load by its reported
+    `per_connection`, by default 1 / max_connections: without max_connections that is
+    0, so a server that never reports (or reports without `per_connection`) stays at
+    load 0 and gets every answer and connection, however many it was sent."""
+    found = []
+    for vs in config.virtual_servers:
+        if vs.scheduler != "least-load" or vs.load_source != "report":
+            continue
+        for rs in vs.real_servers:
+            if not rs.max_connections:
+                found.append(
+                    f"{vs.file}:{rs.line}: {vs.name}/{rs.name} has no max_connections: until"
+                    " it reports a per_connection, each answer or connection sent to it adds"
+                    " nothing to its load, so one that never reports gets them all"
+                )
+        if vs.discovery is not None:
+            found.append(
+                f"{vs.file}:{vs.line}: {vs.name}: discovered real servers have no"
+                " max_connections: until one reports a per_connection, each answer or"
+                " connection sent to it adds nothing to its load"
+            )
+    return found
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 

@@ -239,6 +239,9 @@ def test_reload_keeps_reports_and_check_and_status_show_locator_only(locator):
     assert checked.returncode == 0
     assert "listen      none (locator only)" in checked.stdout
     assert "DNS locator 127.0.0.1" in checked.stdout
+    # db's a has no max_connections: each answer adds 0 to its load until it reports one
+    [warning] = [line for line in checked.stderr.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith(f"warning: {proxy.config_path}:") and "db/a has no max_" in warning
     status = run_cli("status", "--admin", admin)
     assert status.returncode == 0, status.stderr
     assert "locator" in status.stdout and "0.7" in status.stdout  # (wrapped at 120 columns)

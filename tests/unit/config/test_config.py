@@ -19,7 +19,7 @@ from lbproxy.config.model import (
     ThrottleConfig,
 )
 from lbproxy.config.reader import load
-from lbproxy.config.summary import summary
+from lbproxy.config.summary import summary, warnings
 from lbproxy.config.values import parse_address, parse_duration
 from tests.unit.config.support import messages, problems, write
 
@@ -843,6 +843,32 @@ def test_the_locator_example_is_locator_only_with_pushed_loads() -> None:
     [db] = load([CONFIGS / "locator.yaml"]).virtual_servers
     assert db.listen == () and db.scheduler == "least-load" and db.load_source == "report"
     assert db.conditioning is not None
+
+
+def test_check_warns_of_report_servers_whose_answers_add_no_load(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "db.yaml",
+        """\
+        virtual_servers:
+          - name: db
+            listen: none
+            scheduler: least-load
+            load_source: report
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+              - {name: b, address: 127.0.0.1:9002, max_connections: 100}
+          - name: web
+            listen: 127.0.0.1:8080
+            scheduler: wlc
+            real_servers:
+              - {name: a, address: 127.0.0.1:9001}
+        """,
+    )
+    [warning] = warnings(load([path]))
+    assert warning.startswith(f"{path}:7: db/a has no max_connections: ")
+    assert "one that never reports gets them all" in warning
+    assert warnings(load([CONFIGS])) == []  # the examples set max_connections
 
 
 def test_only_global_yaml_holds_global() -> None:

@@ -38,7 +38,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lbproxy import __version__
 from lbproxy.admin import dashboard, http_server, local_socket
 from lbproxy.admin.metrics import VirtualServerView, make_registry
-from lbproxy.admin.routes import ANY_HOST_PATHS, ROUTES, HTTPError, Request, allowed, match
+from lbproxy.admin.routes import (
+    ANY_HOST_PATHS,
+    ROUTES,
+    HTTPError,
+    Request,
+    allow_header,
+    allowed,
+    match,
+)
 from lbproxy.admin.stat_csv import CONTENT_TYPE as STAT_CSV_TYPE
 from lbproxy.admin.stat_csv import stat_csv
 from lbproxy.config.secret_files import SECRETS
@@ -503,6 +511,20 @@ def _cross_origin(headers: dict[bytes, bytes]) -> bool:
 # -- the ASGI application --------------------------------------------------------------
 
 
+# RFC 6750 §3: how to authenticate (a missing token), and why a given one failed.
+_ASK_FOR_TOKEN = ((b"www-authenticate", b'Bearer realm="lbproxy"'),)
+_WRONG_TOKEN = ((b"www-authenticate", b'Bearer realm="lbproxy", error="invalid_token"'),)
+
+
+class _Options(Exception):
+    """An OPTIONS request that may be answered: 204 with the route's `Allow` (no CORS
+    headers: the API is not for pages of other origins)."""
+
+    def __init__(self, allow: bytes) -> None:
+        super().__init__()
+        self.allow = allow
+
+
 class AdminApp:
     def __init__(
         self, server: ProxyControl, token: str | None, socket_path: str | None = None
@@ -521,12 +543,20 @@ class AdminApp:
             return
         try:
             status, body, content_type = await self._route(scope, receive)
+            extra: tuple[tuple[bytes, bytes], ...] = ()
         except HTTPError as exc:
             status, body, content_type = exc.status, json_body({"error": exc.message}), "json"
+            extra = exc.headers
+        except _Options as options:  # 204: no body, so no Content-Type or Content-Length
+            headers = [(b"allow", options.allow), (b"cache-control", b"no-store")]
+            await send({"type": "http.response.start", "status": 204, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
         headers = [
             (b"content-type", _CONTENT_TYPES.get(content_type, content_type).encode()),
             (b"content-length", str(len(body)).encode()),
             (b"cache-control", b"no-store"),
+            *extra,
         ]
         if content_type == "html":  # the dashboard: its own scripts only, never framed
             headers += dashboard.headers()
@@ -567,6 +597,8 @@ class AdminApp:
         method = allowed(route, method)
         if not local:
             self._authorize(scope, method, path)
+        if method == "OPTIONS":
+            raise _Options(allow_header(route))
         return await handler(Request(method, path, params, scope, receive))
 
     # -- the routes (one handler each) ---------------------------------------------
@@ -891,7 +923,7 @@ class AdminApp:
         token_file there is none to give (read-only); a read needs it only under
         /api/ with `read_token`. A Unix socket's peer was checked before (_check_peer)."""
         headers = dict(scope.get("headers", []))
-        if method == "GET":
+        if method in ("GET", "OPTIONS"):  # OPTIONS tells no more than GET /api/v1
             admin = self.server.config.global_.admin
             if self.token is not None and admin.read_token and path.startswith("/api/"):
                 self._check_token(headers)
@@ -916,9 +948,11 @@ class AdminApp:
         header = headers.get(b"authorization", b"")
         scheme, _, given = header.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not given:
-            raise HTTPError(401, "missing bearer token")
+            raise HTTPError(401, "missing bearer token", _ASK_FOR_TOKEN)
         if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
-            raise HTTPError(403, "wrong token")
+            # 403, not RFC 6750's 401, as the API has always said (a client tells a
+            # missing token from a wrong one by the status); the header says it too.
+            raise HTTPError(403, "wrong token", _WRONG_TOKEN)
 
     def _read_only(self) -> str:
         """Why a change over TCP is refused without a token_file, and what to use."""

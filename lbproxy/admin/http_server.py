@@ -23,9 +23,10 @@ The shape is chosen for cost:
 The request body is read whole (at most MAX_BODY) before the app is called, so
 `receive()` gives one `http.request` with the body and `more_body: False`, then
 `http.disconnect`. The server's own refusals are JSON `{"error": ...}` as the admin API's:
-400 a request h11 cannot parse, 413 a body over MAX_BODY, 431 a head over MAX_HEAD, 501 a
-Transfer-Encoding other than chunked, 505 an HTTP version other than 1.0 and 1.1, 500
-when the app raises (logged once, with its traceback); each then closes the connection.
+400 a request h11 cannot parse, 413 a body over MAX_BODY, 431 a head over MAX_HEAD (414
+when the request line alone is), 501 a Transfer-Encoding other than chunked, 505 an HTTP
+version other than 1.0 and 1.1, 500 when the app raises (logged once, with its
+traceback); each then closes the connection.
 HTTP/1.0 is closed after its answer unless it asked for `Connection: keep-alive`.
 
 Slow clients (SPEC §21) cannot hold the endpoint: a new connection must send its whole
@@ -46,6 +47,7 @@ to the app in the scope's `extensions` as PEER_UID; a TCP client's address is
 from __future__ import annotations
 
 import email.utils
+import http
 import itertools
 import json
 import logging
@@ -89,6 +91,12 @@ FAIR_BATCH = 16
 
 BODY_TOO_LARGE = f"body too large: more than {MAX_BODY} bytes"
 HEAD_TOO_LARGE = f"request head too large (over {MAX_HEAD // 1024} KiB)"
+URI_TOO_LONG = f"request line too long (over {MAX_HEAD // 1024} KiB)"
+# The status line's reason phrase ("HTTP/1.1 404 Not Found"): clients ignore it, but
+# people reading curl -v or a capture do not.
+REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+# Answers that have no body and so no Content-Length (RFC 9110 §8.6)
+NO_BODY_STATUSES = frozenset({204, 304})
 ASGI = {"version": "3.0", "spec_version": "2.3"}
 DISCONNECT = {"type": "http.disconnect"}
 
@@ -309,7 +317,11 @@ class _Connection:
             except h11.RemoteProtocolError as exc:
                 if not self.eof:  # a client that closed mid-request is not answered
                     status = exc.error_status_hint
-                    if status == 431:
+                    if status == 431 and b"\n" not in self.h11.trailing_data[0]:
+                        # Over MAX_HEAD and the request line not ended yet: the URI
+                        # is what is too long (RFC 9110 §15.5.15), not the headers.
+                        status, message = 414, URI_TOO_LONG
+                    elif status == 431:
                         message = HEAD_TOO_LARGE
                     else:  # 400, or h11's 501 for a Transfer-Encoding it does not know
                         message = f"bad request: {exc}" if status == 400 else str(exc)
@@ -371,7 +383,10 @@ class _Connection:
         self.keep_alive_10 = False
         # h11 bounds only a head still incomplete after a read; one that came whole in a
         # read of up to READ_SIZE is measured here (the request line and the headers).
-        size = len(request.target) + 16
+        size = len(request.method) + len(request.target) + 12  # "M T HTTP/1.1\r\n"
+        if size > MAX_HEAD:
+            await self._refuse(414, URI_TOO_LONG)
+            return None
         for name, value in headers:
             size += len(name) + len(value) + 4
             if name == b"content-length" and int(value) > MAX_BODY:
@@ -427,7 +442,11 @@ class _Connection:
                 self.timed = True
                 self.scope.deadline = trio.current_time() + REQUEST_TIMEOUT
             if conn.they_are_waiting_for_100_continue:
-                await self._write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+                await self._write(
+                    conn.send(
+                        h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+                    )
+                )
             await self._read(wait_first)
             wait_first = False
 
@@ -504,8 +523,13 @@ class _Connection:
         parts = []
         if not self.started:
             self.started = True
+            status = self.head["status"]
             headers = list(self.head.get("headers", ()))
-            if not more and not any(name.lower() == b"content-length" for name, _ in headers):
+            if (
+                not more
+                and status not in NO_BODY_STATUSES
+                and not any(name.lower() == b"content-length" for name, _ in headers)
+            ):
                 headers.append((b"content-length", b"%d" % len(body)))
             headers.append((b"date", _date()))
             if self.closing:
@@ -513,7 +537,10 @@ class _Connection:
             elif self.keep_alive_10 and not more:  # a whole answer: Content-Length framed
                 conn = self.answered_by = _http_1_0_keep_alive_writer(self.method)
                 headers.append((b"connection", b"keep-alive"))
-            parts.append(conn.send(h11.Response(status_code=self.head["status"], headers=headers)))
+            reason = REASONS.get(status, b"")
+            parts.append(
+                conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
+            )
         if body and self.method != b"HEAD":  # h11 frames HEAD answers with no body
             parts.append(conn.send(h11.Data(data=body)))
         if not more:
@@ -535,7 +562,8 @@ class _Connection:
                 (b"connection", b"close"),
             ]
             try:
-                data = conn.send(h11.Response(status_code=status, headers=headers))
+                reason = REASONS.get(status, b"")
+                data = conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
                 if self.method != b"HEAD":  # h11 frames an answer to HEAD without a body
                     data += conn.send(h11.Data(data=body))
                 await self._write(data + conn.send(h11.EndOfMessage()))

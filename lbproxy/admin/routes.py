@@ -8,13 +8,13 @@ once, here and in `AdminApp._route`:
 
 - A path matches one route or none (404 "no such path"); a route an app has no handler
   for is a 404 too (the workers' routes on a single process).
-- A route lists its methods; any other is a 405 naming the route's last one. HEAD is
+- A route lists its methods; any other is a 405 whose `Allow` names them all. HEAD is
   answered as GET on a read-only route (GET alone), except where a GET is counted
   (`head_as_get=False`: locate, whose answer is a pick that steers the next ones; a
   HEAD from a monitor or a link checker must not).
-- Every method but GET changes something and needs a credential (api.py `_authorize`):
-  a request through the admin socket, or the token over TCP. Checked before the body
-  is read.
+- Every method but GET (and OPTIONS) changes something and needs a credential (api.py
+  `_authorize`): a request through the admin socket, or the token over TCP. Checked
+  before the body is read.
 
 docs/reference/admin-api.md describes the same routes for a user.
 """
@@ -25,7 +25,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ANY_HOST_PATHS", "ROUTES", "HTTPError", "Request", "Route", "allowed", "match"]
+__all__ = [
+    "ANY_HOST_PATHS",
+    "ROUTES",
+    "HTTPError",
+    "Request",
+    "Route",
+    "allow_header",
+    "allowed",
+    "match",
+]
 
 # Routes a request naming any Host may use: probes and scrapers often name the host, and
 # these change nothing and reveal nothing a rebound page could use (SPEC §16).
@@ -33,12 +42,16 @@ ANY_HOST_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 class HTTPError(Exception):
-    """An answer other than 200, raised anywhere in a handler: status and message."""
+    """An answer other than 200, raised anywhere in a handler: status and message, and
+    the headers the status calls for (a 405's `Allow`, a 401's `WWW-Authenticate`)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(
+        self, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
 @dataclass(frozen=True)
@@ -113,9 +126,25 @@ def match(path: str) -> tuple[Route, tuple[str, ...]] | None:
 
 
 def allowed(route: Route, method: str) -> str:
-    """The method `method` is answered as on `route`; a 405 when it has none."""
-    if method in route.methods:
+    """The method `method` is answered as on `route` (OPTIONS: the caller answers 204
+    with `allow_header`); a 405 with `Allow` when it has none."""
+    if method in route.methods or method == "OPTIONS":
         return method
-    if method == "HEAD" and route.methods == ("GET",) and route.head_as_get:
+    if method == "HEAD" and _head_as_get(route):
         return "GET"
-    raise HTTPError(405, f"method {method} not allowed; use {route.methods[-1]}")
+    allow = allow_header(route)
+    raise HTTPError(405, f"method {method} not allowed; use {allow.decode()}", ((b"allow", allow),))
+
+
+def allow_header(route: Route) -> bytes:
+    """`route`'s methods as an `Allow` header says them (RFC 9110 §10.2.1): its own,
+    HEAD where `allowed` answers it as GET, and OPTIONS."""
+    methods = list(route.methods)
+    if "HEAD" not in methods and _head_as_get(route):
+        methods.append("HEAD")
+    methods.append("OPTIONS")
+    return ", ".join(methods).encode()
+
+
+def _head_as_get(route: Route) -> bool:
+    return route.methods == ("GET",) and route.head_as_get

@@ -130,7 +130,7 @@ def test_expect_100_continue_then_the_body(endpoint):
         interim = b""
         while b"\r\n\r\n" not in interim:
             interim += s.recv(100)
-        assert interim == b"HTTP/1.1 100 \r\n\r\n"  # h11's, with no reason phrase
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
         s.sendall(body)
         status, _, answer = read_answer(s, bytearray())
         assert status == 200 and json.loads(answer)["reported"] == 0.25
@@ -560,3 +560,116 @@ def test_at_a_limit_the_oldest_half_read_connection_makes_room(name_servers, lbp
             return
         outcomes.append(f"{took:.1f}s: {outcome or 'passed'}")
     pytest.fail(f"every attempt outlasted REQUEST_TIMEOUT ({REQUEST_TIMEOUT:g}s): {outcomes}")
+
+
+def answer_to(port: int, request: bytes) -> tuple[str, dict[str, str], bytes]:
+    """Send one request on a new connection: the answer's status line, headers, body."""
+    with connect(port) as s:
+        s.sendall(request)
+        buffer = bytearray()
+        while b"\r\n" not in buffer:
+            data = s.recv(65536)
+            assert data, "closed before an answer"
+            buffer += data
+        line = bytes(buffer).split(b"\r\n", 1)[0].decode()
+        _, headers, body = read_answer(s, buffer)
+    return line, headers, body
+
+
+def test_status_lines_carry_the_standard_reason_phrase(endpoint):
+    _, port = endpoint
+    for path, line in (
+        ("/healthz", "HTTP/1.1 200 OK"),
+        ("/nope", "HTTP/1.1 404 Not Found"),
+        ("/api/v1/virtual-servers/db", "HTTP/1.1 200 OK"),
+    ):
+        assert (
+            answer_to(port, f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())[0] == line
+        )
+    # the server's own refusals too
+    assert answer_to(port, b"GET /healthz HTTP/3.0\r\nHost: 127.0.0.1\r\n\r\n")[0] == (
+        "HTTP/1.1 505 HTTP Version Not Supported"
+    )
+
+
+@pytest.mark.parametrize(
+    "method, path, allow",
+    [
+        ("PUT", PATCH, "GET, DELETE, PATCH, OPTIONS"),
+        ("POST", "/metrics", "GET, HEAD, OPTIONS"),
+        ("GET", LOAD, "PUT, OPTIONS"),
+        ("PATCH", "/api/v1/virtual-servers/db/per-source", "GET, DELETE, OPTIONS"),
+    ],
+)
+def test_a_405_names_every_allowed_method_in_allow(endpoint, method, path, allow):
+    _, port = endpoint
+    request = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{AUTH}Content-Length: 0\r\n\r\n"
+    line, headers, body = answer_to(port, request.encode())
+    assert line == "HTTP/1.1 405 Method Not Allowed"
+    assert headers["allow"] == allow
+    assert json.loads(body) == {"error": f"method {method} not allowed; use {allow}"}
+
+
+def test_options_is_204_with_allow_and_no_cors(endpoint):
+    """OPTIONS needs no token (it changes nothing) and says what the route allows; a
+    browser's preflight from another origin gets no Access-Control-* and so goes no
+    further."""
+    _, port = endpoint
+    for path, allow in (
+        (PATCH, "GET, DELETE, PATCH, OPTIONS"),
+        ("/healthz", "GET, HEAD, OPTIONS"),
+        ("/api/v1/reload", "POST, OPTIONS"),
+    ):
+        request = (
+            f"OPTIONS {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n"
+            "Access-Control-Request-Method: PATCH\r\n\r\nGET /healthz HTTP/1.1\r\n"
+            "Host: 127.0.0.1\r\n\r\n"
+        )
+        with connect(port) as s:
+            s.sendall(request.encode())
+            buffer = bytearray()
+            status, headers, body = read_answer(s, buffer)
+            assert (status, body) == (204, b"")
+            assert headers["allow"] == allow
+            assert "content-length" not in headers and "content-type" not in headers
+            assert not [name for name in headers if name.startswith("access-control-")]
+            status, _, body = read_answer(s, buffer)  # the connection goes on after it
+            assert (status, body) == (200, b"ok\n")
+    assert answer_to(port, b"OPTIONS /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")[0] == (
+        "HTTP/1.1 404 Not Found"
+    )
+
+
+def test_401_and_403_say_www_authenticate_bearer(endpoint):
+    _, port = endpoint
+    request = f"PATCH {PATCH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n"
+    line, headers, body = answer_to(port, (request + "\r\n{}").encode())
+    assert line == "HTTP/1.1 401 Unauthorized"
+    assert headers["www-authenticate"] == 'Bearer realm="lbproxy"'
+    wrong = request + "Authorization: Bearer not-the-token\r\n\r\n{}"
+    line, headers, body = answer_to(port, wrong.encode())
+    assert line == "HTTP/1.1 403 Forbidden" and json.loads(body) == {"error": "wrong token"}
+    assert headers["www-authenticate"] == 'Bearer realm="lbproxy", error="invalid_token"'
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_request_line_over_16_kib_is_414_and_headers_over_it_431(endpoint, whole):
+    """A 20 KB URI is 414 URI Too Long, whether it came whole or the server saw 16 KiB of
+    it with no end of line yet; a head over 16 KiB in its headers stays 431."""
+    _, port = endpoint
+    line = b"GET /healthz?" + b"a" * 20_000 + b" HTTP/1.1\r\n"
+    with connect(port) as s:
+        s.sendall(line + b"Host: 127.0.0.1\r\n\r\n" if whole else line[: MAX_HEAD + 100])
+        buffer = bytearray()
+        status, _, answer = read_answer(s, buffer)
+        assert status == 414
+        assert json.loads(answer) == {
+            "error": f"request line too long (over {MAX_HEAD // 1024} KiB)"
+        }
+        assert closed(s, buffer)
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n"
+    with connect(port) as s:
+        s.sendall(head + b"\r\n" if whole else head[: MAX_HEAD + 100])
+        buffer = bytearray()
+        assert read_answer(s, buffer)[0] == 431
+    assert http_server_healthy(port)

@@ -23,7 +23,18 @@ from tests.integration.harness import (
 
 pytestmark = pytest.mark.integration
 
-METHODS = [b"GET", b"HEAD", b"PUT", b"PATCH", b"POST", b"DELETE", b"CONNECT", b"G\x00T", b""]
+METHODS = [
+    b"GET",
+    b"HEAD",
+    b"OPTIONS",
+    b"PUT",
+    b"PATCH",
+    b"POST",
+    b"DELETE",
+    b"CONNECT",
+    b"G\x00T",
+    b"",
+]
 TARGETS = [
     b"/healthz",
     b"/readyz",
@@ -100,12 +111,14 @@ STATUS = re.compile(rb"HTTP/1\.1 (\d{3}) ")
 EXPECTED = {
     b"100",
     b"200",
+    b"204",
     b"400",
     b"401",
     b"403",
     b"404",
     b"405",
     b"413",
+    b"414",
     b"421",
     b"431",
     b"501",

@@ -10,8 +10,24 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-# Connection lifetimes: from a health-check-like blip to a long-lived stream.
-DURATION_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0, 3600.0)
+# Connection lifetimes: from a health-check-like blip to a long-lived stream (a
+# database pool's connections, a tunnel) of hours: 4 h, 12 h and a day, so that those
+# are not all in +Inf. 13 bounds: bisect takes 4 comparisons, as it did with 10.
+DURATION_BUCKETS = (
+    0.005,
+    0.025,
+    0.1,
+    0.5,
+    1.0,
+    5.0,
+    30.0,
+    120.0,
+    600.0,
+    3600.0,
+    14400.0,
+    43200.0,
+    86400.0,
+)
 # SNMP round trips on a LAN: milliseconds, up to the poll timeout.
 POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Waits in a virtual server's queue: from a slot freed at once to `queue.timeout`.

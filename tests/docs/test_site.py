@@ -14,7 +14,9 @@ import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
+from lbproxy.admin.metric_families import FAMILIES
 from lbproxy.admin.routes import ROUTES
+from lbproxy.core.histogram import DURATION_BUCKETS, POLL_BUCKETS, QUEUE_BUCKETS
 from tests.docs.support import ROOT, metric_families
 
 DOCS = ROOT / "docs"
@@ -85,3 +87,21 @@ def test_every_admin_route_is_in_the_admin_api_reference():
         for path in re.findall(r"^\| `(?:GET|PUT|POST|PATCH|DELETE) (/[^` ]*)`", reference, re.M)
     }
     assert routes - documented == set()
+
+
+def test_every_histograms_buckets_are_in_the_metrics_reference():
+    """The "Histogram buckets" table lists each histogram family's bounds as the code has
+    them (core/histogram.py), and no histogram is missing from it."""
+    buckets = {
+        "lbproxy_connection_duration_seconds": DURATION_BUCKETS,
+        "lbproxy_snmp_poll_duration_seconds": POLL_BUCKETS,
+        "lbproxy_queue_wait_seconds": QUEUE_BUCKETS,
+    }
+    assert {f.name for f in FAMILIES.values() if f.kind == "histogram"} == set(buckets)
+    reference = (DOCS / "reference" / "metrics.md").read_text()
+    section = reference.split("### Histogram buckets", 1)[1]
+    for name, bounds in buckets.items():
+        row = re.search(rf"^\| `{name}` \| ([^|]*) \|$", section, re.M)
+        assert row, name
+        listed = [float(n) for n in re.sub(r"\([^)]*\)", "", row.group(1)).split(",")]
+        assert tuple(listed) == bounds, name

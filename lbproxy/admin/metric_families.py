@@ -339,7 +339,27 @@ FAMILIES: dict[str, Family] = {
             "DNS locator queries, by rcode answered.",
             ("rcode",),
         ),
+        # Each process's client count against its limit (net/descriptors.py): with
+        # workers, each worker has its own of both, so the process's are their sums.
+        Family(
+            "lbproxy_open_clients",
+            GAUGE,
+            "Client connections open now, counted against max_clients.",
+        ),
+        Family(
+            "lbproxy_max_clients",
+            GAUGE,
+            "Client connections served at once at most (global.max_clients, or derived "
+            "from the open-file limit); beyond it a new client is closed at accept.",
+        ),
         # The supervisor's own (runtime/workers/supervisor.py), beside the workers' merged ones.
+        Family(
+            "lbproxy_build_info",
+            GAUGE,
+            "Always 1: the version of lbproxy running, as a label.",
+            ("version",),
+            merge=OWN,
+        ),
         Family(
             "lbproxy_workers_ready",
             GAUGE,

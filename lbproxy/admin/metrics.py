@@ -13,9 +13,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
 
 import trio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.metrics_core import Metric
 
+from lbproxy import __version__
 from lbproxy.admin.metric_families import counter, gauge, histogram
 from lbproxy.config.model import PerSourceConfig
 from lbproxy.core.agent import RESULTS as AGENT_RESULTS
@@ -33,6 +34,7 @@ from lbproxy.core.udp_stats import DIRECTIONS as UDP_DIRECTIONS
 from lbproxy.core.udp_stats import DROP_REASONS as UDP_DROP_REASONS
 from lbproxy.net.barrier import WHERE as INTERNAL_ERROR_PLACES
 from lbproxy.net.barrier import internal_errors
+from lbproxy.net.descriptors import UNLIMITED, clients
 from lbproxy.wire.cluster_messages import KINDS as CLUSTER_KINDS
 
 CONNECT_FAILURE_REASONS = ("refused", "timeout", "error")
@@ -180,6 +182,8 @@ class LbproxyCollector:
         yield from self._locator_families()
         yield from self._cluster()
         yield from self._udp()
+        yield build_info()
+        yield from client_families()
         yield from (
             connections,
             active,
@@ -320,6 +324,23 @@ class LbproxyCollector:
 
 
 def make_registry(source: MetricsSource) -> CollectorRegistry:
+    """This process's families: lbproxy's, and the process_* ones of prometheus_client
+    (open and max descriptors, memory, CPU, start time; read from /proc at scrape time)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(LbproxyCollector(source))
+    ProcessCollector(registry=registry)
     return registry
+
+
+def build_info() -> Metric:
+    info = gauge("lbproxy_build_info")
+    info.add_metric([__version__], 1)
+    return info
+
+
+def client_families() -> Iterator[Metric]:
+    """The clients open against `max_clients` (net/descriptors.py); the limit only
+    when there is one."""
+    yield gauge("lbproxy_open_clients", clients.open)
+    if clients.limit != UNLIMITED:
+        yield gauge("lbproxy_max_clients", clients.limit)

@@ -9,7 +9,9 @@ import socket
 import subprocess
 
 import pytest
+from prometheus_client import ProcessCollector
 
+from lbproxy import __version__
 from lbproxy.runtime.workers import MetricSums, merge_documents, parse_metrics
 from tests import tools
 from tests.integration.harness import (
@@ -299,3 +301,30 @@ def test_merged_document_adds_counts_and_keeps_the_first_workers_state():
     assert vs["throttle_mode"] == "high"
     assert (rs["connections_total"], rs["bytes_in"], rs["bytes_out"]) == (12, 20, 40)
     assert (rs["state"], rs["weight"], rs["health"]) == ("drain", {"static": 2}, "up")
+
+
+def test_process_metrics_are_the_supervisors_and_client_counts_add_up(name_servers, lbproxy):
+    """process_* describe the process scraped (the supervisor), once, not a sum of the
+    workers'; each worker takes `max_clients` for itself, so the limit adds up."""
+    servers = name_servers(*NAMES)
+    port, admin_port = free_port(), free_port()
+    config = workers_config(port, servers, admin_port)
+    proxy = lbproxy(config.replace("global:\n", "global:\n  max_clients: 50\n", 1))
+    wait_for(lambda: ready(admin_port), what="/readyz")
+    samples = metrics(admin_port)
+    assert sample(samples, "lbproxy_build_info", version=__version__) == 1
+    assert [key for key in samples if key[0] == "lbproxy_build_info"] == [
+        ("lbproxy_build_info", (("version", __version__),))
+    ]
+    assert sample(samples, "lbproxy_max_clients") == 100
+    assert sample(samples, "lbproxy_open_clients") == 0
+    own = {
+        s.name: s.value
+        for family in ProcessCollector(pid=lambda: proxy.proc.pid, registry=None).collect()
+        for s in family.samples
+    }
+    for name in ("process_open_fds", "process_max_fds", "process_start_time_seconds"):
+        assert [key for key in samples if key[0] == name] == [(name, ())], name
+    assert sample(samples, "process_start_time_seconds") == own["process_start_time_seconds"]
+    assert sample(samples, "process_max_fds") == own["process_max_fds"]
+    assert sample(samples, "process_resident_memory_bytes") > 0

@@ -18,6 +18,7 @@ from lbproxy.admin.metric_families import MAX, OWN, merged_by
 MAX_FAMILIES = merged_by(MAX)
 OWN_FAMILIES = merged_by(OWN)
 COUNTER_TYPES = ("counter", "histogram")
+PROCESS_PREFIX = "process_"  # prometheus_client's ProcessCollector
 
 THROTTLE_ORDER = {"low": 0, "high": 1, "digg": 2}
 VS_SUMS = ("active_connections", "clients", "queued")
@@ -62,8 +63,14 @@ class MetricSums:
 
 
 def parse_metrics(text: str) -> list[Metric]:
-    """A worker's /metrics, without the families the supervisor reports itself."""
-    return [f for f in text_string_to_metric_families(text) if f.name not in OWN_FAMILIES]
+    """A worker's /metrics, without the families the supervisor reports itself: its
+    own and prometheus_client's process_* (the process scraped is the supervisor: its
+    memory, descriptors and CPU; a sum of the workers' start times would mean nothing)."""
+    return [
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name not in OWN_FAMILIES and not f.name.startswith(PROCESS_PREFIX)
+    ]
 
 
 def _merge_real_server(rs: dict[str, Any], other: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from zlib import crc32
 
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import Metric
 
 import lbproxy.runtime.workers.protocol as protocol
@@ -40,7 +40,7 @@ from lbproxy.admin.api import (
 from lbproxy.admin.client import UnixHTTPConnection
 from lbproxy.admin.metric_families import counter as counter_family
 from lbproxy.admin.metric_families import gauge as gauge_family
-from lbproxy.admin.metrics import RELOAD_RESULTS
+from lbproxy.admin.metrics import RELOAD_RESULTS, build_info
 from lbproxy.admin.routes import HTTPError
 from lbproxy.config.model import Address, Config, VirtualServerConfig
 from lbproxy.config.reader import read_real_server
@@ -677,7 +677,9 @@ class Supervisor:
         restarts = counter_family("lbproxy_worker_restarts")
         restarts.add_metric([], sum(worker.restarts for worker in self.workers))
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families([*sums.metrics(), reloads, ready, restarts]))
+        own = [reloads, ready, restarts, build_info()]
+        registry.register(_Families([*sums.metrics(), *own]))
+        ProcessCollector(registry=registry)  # the supervisor's own process_*
         return generate_latest(registry)
 
     # -- runtime changes: every worker ------------------------------------------

@@ -38,13 +38,14 @@ def summary(config: Config) -> str:
 def warnings(config: Config) -> list[str]:
     """What `lbproxy check` warns about: valid, but probably not what was meant.
 
-    `least-load` with `load_source: report` steps a server's load by its reported
-    `per_connection`, by default 1 / max_connections: without max_connections that is
-    0, so a server that never reports (or reports without `per_connection`) stays at
-    load 0 and gets every answer and connection, however many it was sent."""
+    A scheduler that reads load reports (least-load with `load_source: report`) steps a
+    server's load by its reported `per_connection`, by default 1 / max_connections:
+    without max_connections that is 0, so a server that never reports (or reports
+    without `per_connection`) stays at load 0 and gets every answer and connection,
+    however many it was sent."""
     found = []
     for vs in config.virtual_servers:
-        if vs.scheduler != "least-load" or vs.load_source != "report":
+        if not schedulers.get(vs.scheduler).reads_reports(vs):
             continue
         for rs in vs.real_servers:
             if not rs.max_connections:

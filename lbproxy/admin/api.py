@@ -278,22 +278,32 @@ def parse_client_header(value: bytes) -> tuple[str, int] | None:
 MAX_EXPLAIN_QUERY = 256  # bytes of `?client=...&port=...`; an address needs under 64
 
 
-def parse_explain_client(query: bytes) -> tuple[str, int]:
-    """`client=IP[&port=N]` of GET .../explain as the `(host, port)` a connection from
-    that client has (the host as the socket names it); HTTPError 400 with what is
-    wrong. IPv4 or IPv6, without a zone: a zone names a link of this host, which no
-    client connection to a virtual server carries."""
-    if len(query) > MAX_EXPLAIN_QUERY:
-        raise HTTPError(400, f"query too long (over {MAX_EXPLAIN_QUERY} bytes)")
+def _query_fields(
+    query: bytes, longest: int, form: str, known: tuple[str, ...]
+) -> dict[str, list[str]]:
+    """A query string's fields, each a list of its values; HTTPError 400 when it is over
+    `longest` bytes, not ASCII and URL-encoded (`form` says what is), or has a field
+    other than `known`."""
+    if len(query) > longest:
+        raise HTTPError(400, f"query too long (over {longest} bytes)")
     try:
         fields = urllib.parse.parse_qs(
             query.decode("ascii"), keep_blank_values=True, strict_parsing=bool(query)
         )
     except (UnicodeDecodeError, ValueError):
-        raise HTTPError(400, "query must be client=IP (ASCII, URL-encoded)") from None
-    unknown = sorted(set(fields) - {"client", "port"})
+        raise HTTPError(400, f"query must be {form} (ASCII, URL-encoded)") from None
+    unknown = sorted(set(fields) - set(known))
     if unknown:
-        raise HTTPError(400, f"unknown query parameter {unknown[0][:40]!r} (client, port)")
+        raise HTTPError(400, f"unknown query parameter {unknown[0][:40]!r} ({', '.join(known)})")
+    return fields
+
+
+def parse_explain_client(query: bytes) -> tuple[str, int]:
+    """`client=IP[&port=N]` of GET .../explain as the `(host, port)` a connection from
+    that client has (the host as the socket names it); HTTPError 400 with what is
+    wrong. IPv4 or IPv6, without a zone: a zone names a link of this host, which no
+    client connection to a virtual server carries."""
+    fields = _query_fields(query, MAX_EXPLAIN_QUERY, "client=IP", ("client", "port"))
     if any(len(values) > 1 for values in fields.values()):
         raise HTTPError(400, "client and port may each be given once")
     given = fields.get("client", [""])[0]
@@ -363,17 +373,7 @@ MAX_LISTING_QUERY = 64  # bytes of `?limit=N`
 def parse_listing_limit(query: bytes) -> int:
     """`limit=N` of GET .../per-source: 1 to MAX_LISTED, DEFAULT_LISTED when absent;
     HTTPError 400 with what is wrong."""
-    if len(query) > MAX_LISTING_QUERY:
-        raise HTTPError(400, f"query too long (over {MAX_LISTING_QUERY} bytes)")
-    try:
-        fields = urllib.parse.parse_qs(
-            query.decode("ascii"), keep_blank_values=True, strict_parsing=bool(query)
-        )
-    except (UnicodeDecodeError, ValueError):
-        raise HTTPError(400, "query must be limit=N (ASCII, URL-encoded)") from None
-    unknown = sorted(set(fields) - {"limit"})
-    if unknown:
-        raise HTTPError(400, f"unknown query parameter {unknown[0][:40]!r} (limit)")
+    fields = _query_fields(query, MAX_LISTING_QUERY, "limit=N", ("limit",))
     values = fields.get("limit", [str(DEFAULT_LISTED)])
     text = values[0]
     if len(values) > 1 or not (text.isascii() and text.isdigit()):

@@ -292,7 +292,8 @@ class PerSourceTable:
 
     def limited_by(self, entry: SourceEntry, now: float) -> str | None:
         """The limit `entry`'s next arrival would be refused by ("max_connections",
-        "rate"), None when it would be let in; `admit`'s tests, read only."""
+        "rate"), None when it would be let in; `admit`'s tests, read only (`admit` has
+        them inline: it runs per connection, and a call there costs more than they do)."""
         limits = self.limits
         maximum = limits.max_connections
         if maximum and entry.open + entry.remote_open >= maximum:

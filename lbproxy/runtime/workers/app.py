@@ -193,13 +193,8 @@ class SupervisorApp(AdminApp):
             return status, answer, "json"
         return await self._clear_per_source(request, None)
 
-    async def on_per_source_network(self, request: Request) -> Answer:
-        return await self._clear_per_source(request, request.params[1])
-
-    async def on_per_source_prefix(self, request: Request) -> Answer:
-        return await self._clear_per_source(request, "/".join(request.params[1:]))
-
     async def _clear_per_source(self, request: Request, network: str | None) -> Answer:
+        """Every worker clears (on_per_source_network and _prefix are AdminApp's)."""
         await read_body(request.receive)  # nothing is read from it
         status, answer = await self.supervisor.clear_per_source(
             request.params[0], network, asked_by(request.scope)

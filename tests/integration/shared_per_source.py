@@ -1,10 +1,37 @@
-"""Instances of a cluster on one real redis-server whose virtual server shares its
-`per_source` limits (`shared: true`), for the tests of shared per-client limits."""
+"""What the tests of per-client limits share: clients from a chosen loopback address,
+whether one was served, and instances of a cluster on one real redis-server whose
+virtual server shares its `per_source` limits (`shared: true`)."""
 
 from __future__ import annotations
 
-from tests.integration.harness import get_json
+import socket
+
+from tests.integration.harness import get_json, read_name
 from tests.integration.redis_server import RedisServer
+
+
+def connect_from(source: str, port: int, timeout: float = 10.0) -> socket.socket:
+    """A client connected from the loopback address `source`."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def served(sock: socket.socket) -> bool:
+    """The real server's name came (served), or the proxy closed the client with nothing
+    sent (refused: FIN or RST). The client sends nothing, and `connect_timeout` is a
+    minute: a close within the socket's timeout was decided before a byte was read."""
+    try:
+        return read_name(sock) != ""
+    except ConnectionResetError:
+        return False
+
 
 CLUSTER_KEY = "per-source-test-key-" + "0123456789abcdef" * 3
 

@@ -314,21 +314,29 @@ def test_beyond_max_waiting_clients_a_newcomer_is_refused_at_once(name_servers, 
             s.close()
 
 
-def test_a_queued_client_that_resets_takes_no_slot_one_that_half_closes_is_served(
-    name_servers, lbproxy
-):
+def one_slot_taken(name_servers, lbproxy, queue_keys: str):
+    """A virtual server whose one real server takes one connection, with a queue
+    (`queue_keys` added to its own), and a client holding that slot: the real server,
+    the port, the admin port and that client."""
     (server,) = name_servers("a")
     port, admin_port = free_port(), free_port()
     config = vs_config(
         port,
         [server],
         "rr",
-        "health_check: {type: none}\nqueue: {max: 10, timeout: 20s}",
+        f"health_check: {{type: none}}\nqueue: {{max: 10, timeout: 20s{queue_keys}}}",
         rs_extra={"a": "max_connections: 1"},
     )
     lbproxy(with_admin(config, admin_port), wait_ports=[port])
     wait_for(lambda: gauge(admin_port, "lbproxy_active_connections", real_server="a") == 0)
     holder, _ = open_and_read_name(port)
+    return server, port, admin_port, holder
+
+
+def test_a_queued_client_that_resets_takes_no_slot_one_that_half_closes_is_served(
+    name_servers, lbproxy
+):
+    server, port, admin_port, holder = one_slot_taken(name_servers, lbproxy, "")
     gone = socket.create_connection(("127.0.0.1", port), timeout=5)
     half = socket.socket()
     try:
@@ -369,18 +377,9 @@ def test_with_abort_on_close_a_queued_client_that_half_closes_is_dropped(name_se
     """HAProxy's `option abortonclose`: a waiting client that sent its FIN is dropped at
     its turn (queue_abandoned), its request never reaching the server, and the slot goes
     to the next waiter."""
-    (server,) = name_servers("a")
-    port, admin_port = free_port(), free_port()
-    config = vs_config(
-        port,
-        [server],
-        "rr",
-        "health_check: {type: none}\nqueue: {max: 10, timeout: 20s, abort_on_close: true}",
-        rs_extra={"a": "max_connections: 1"},
+    server, port, admin_port, holder = one_slot_taken(
+        name_servers, lbproxy, ", abort_on_close: true"
     )
-    lbproxy(with_admin(config, admin_port), wait_ports=[port])
-    wait_for(lambda: gauge(admin_port, "lbproxy_active_connections", real_server="a") == 0)
-    holder, _ = open_and_read_name(port)
     half = socket.create_connection(("127.0.0.1", port), timeout=5)
     waiting = socket.socket()
     try:

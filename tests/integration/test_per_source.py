@@ -31,7 +31,6 @@ from tests.factories import real_hello
 from tests.integration.harness import (
     free_port,
     metrics,
-    read_name,
     run_cli,
     sample,
     sni_config,
@@ -44,6 +43,8 @@ from tests.integration.harness import (
 from tests.integration.redis_server import RedisServer, requires_redis
 from tests.integration.shared_per_source import (
     cluster_connected,
+    connect_from,
+    served,
     shared_config,
 )
 
@@ -61,29 +62,6 @@ def path(request, monkeypatch):
     if request.param == "pure":
         monkeypatch.setenv("LBPROXY_PURE", "1")
     return request.param
-
-
-def connect_from(source: str, port: int, timeout: float = 10.0) -> socket.socket:
-    """A client connected from the loopback address `source`."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.bind((source, 0))
-        sock.connect(("127.0.0.1", port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def served(sock: socket.socket) -> bool:
-    """The real server's name came (served), or the proxy closed the client with nothing
-    sent (refused: FIN or RST). The client sends nothing, and `connect_timeout` is a
-    minute: a close within the socket's timeout was decided before a byte was read."""
-    try:
-        return read_name(sock) != ""
-    except ConnectionResetError:
-        return False
 
 
 def first_line(sock: socket.socket) -> str:

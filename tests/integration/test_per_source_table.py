@@ -17,7 +17,6 @@ Clients bind to other loopback addresses (127.0.0.2, ...) to be other networks.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +24,6 @@ from tests.integration.harness import (
     free_port,
     http,
     local_http,
-    read_name,
     run_cli,
     stop_all,
     vs_config,
@@ -33,30 +31,15 @@ from tests.integration.harness import (
     with_admin,
 )
 from tests.integration.redis_server import RedisServer, requires_redis
-from tests.integration.shared_per_source import cluster_connected, shared_config
+from tests.integration.shared_per_source import (
+    cluster_connected,
+    connect_from,
+    served,
+    shared_config,
+)
 
 TOKEN = "per-source-token"
 LIMITS = "{max_connections: 2, rate: 3, interval: 60s}"
-
-
-def connect_from(source: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    try:
-        sock.bind((source, 0))
-        sock.connect(("127.0.0.1", port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def served(sock: socket.socket) -> bool:
-    """The real server's name came (served), or the proxy closed the client unread."""
-    try:
-        return read_name(sock) != ""
-    except ConnectionResetError:
-        return False
 
 
 def served_once(source: str, port: int) -> bool:
